@@ -1,0 +1,38 @@
+"""Shared fixtures: the real SmolLM2 model through llama.cpp, real stores in temp dirs, and the
+real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missing data fails)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgesync_engines import workloads
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    """The workload data directory; raises WorkloadDataError (a failure, not a skip) when absent."""
+    return workloads.workloads_dir()
+
+
+@pytest.fixture(scope="session")
+def system_prompts(data_dir):
+    """The 8 app system prompts of system_prompts.json, in file order."""
+    return [row["system_prompt"] for row in json.loads((data_dir / "system_prompts.json").read_text())]
+
+
+@pytest.fixture(scope="session")
+def seed_requests(data_dir):
+    """The seed workload's first 1,000 requests (README recipe, Random(0))."""
+    return workloads.seed_workload(1000, data_dir)
+
+
+@pytest.fixture(scope="session")
+def adapter():
+    """One real SmolLM2-135M-Instruct (Q4_1) llama.cpp context for the whole session."""
+    from edgesync_engines.llamacpp import LlamaCppAdapter
+
+    a = LlamaCppAdapter()
+    yield a
+    a.close()
