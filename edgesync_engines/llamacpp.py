@@ -360,6 +360,40 @@ class LlamaCppAdapter:
         self.llm.n_tokens = n_tokens
         return n_tokens
 
+    def usable_prefix(self, available: int, n_prompt: int) -> int:
+        """How many of ``available`` stored prompt tokens to inject for a prompt of
+        ``n_prompt`` tokens so the result is bit-identical to an uncached run.
+
+        llama.cpp computes a token evaluated alone (a one-token ubatch) through other kernels
+        than a token in a batch of two or more: measured on SmolLM2, the logits differ by up
+        to 0.55 while batches of any size >= 2 agree to the bit. So every prompt is evaluated
+        as batches of >= 2 tokens followed by the last prompt token alone, like a decode step
+        (:meth:`prefill_plan`), with or without a cache; the KV of the last prompt token is
+        never stored. Injecting ``n_prompt - 2`` tokens would leave a one-token batch, so one
+        token fewer is injected then.
+        """
+        usable = min(available, n_prompt - 1)
+        if n_prompt - 1 - usable == 1:
+            usable -= 1
+        return max(usable, 0)
+
+    def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
+        batches of 2..n_batch tokens up to the last prompt token, then that token alone
+        (see :meth:`usable_prefix`). A one-token batch appears only for a 2-token prompt."""
+        plan = []
+        end = n_prompt - 1
+        pos = n_past
+        n_batch = max(int(self.llm.n_batch), 2)
+        while pos < end:
+            size = min(n_batch, end - pos)
+            if end - pos - size == 1:  # never leave a one-token remainder
+                size -= 1
+            plan.append((pos, pos + size))
+            pos += size
+        plan.append((end, n_prompt))
+        return plan
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
@@ -399,7 +433,8 @@ class LlamaCppAdapter:
         llm.n_tokens = n_past
         if seed is not None:
             llm.set_seed(seed)
-        llm.eval(list(tokens[n_past:]))
+        for start, end in self.prefill_plan(n_past, len(tokens)):
+            llm.eval(list(tokens[start:end]))
         sampler = llm.generate(
             [], reset=False, temp=temperature, top_p=top_p, top_k=0 if temperature > 0 else 40,
             min_p=0.0, repeat_penalty=1.0,

@@ -245,7 +245,7 @@ class EdgeSync:
             log.warning("store unreadable, prefilling: %s", exc)
             return 0, 0, [], 0
         held = match.matched_tokens
-        target = min(held, n - 1)
+        target = self.adapter.usable_prefix(held, n)
         if target < MIN_SPAN:
             return 0, held, [], 0
         fragments, keys, bytes_read, covered = [], [], 0, 0
@@ -262,7 +262,7 @@ class EdgeSync:
             keys.extend(span.keys)
             bytes_read += span.compressed_nbytes
             covered = span.token_start + span.matched
-        target = min(target, covered)
+        target = self.adapter.usable_prefix(min(target, covered), n)
         if target < MIN_SPAN:
             return 0, held, [], bytes_read
         try:
@@ -281,13 +281,17 @@ class EdgeSync:
 
     def _store_new(self, tokens: list[int], held: int) -> int:
         """Extract and store the prompt's chunks that hold tokens the store lacked (those
-        ending after ``held``); return how many fragments were written."""
+        ending after ``held``); return how many fragments were written.
+
+        Chunks cover the prompt but its last token, whose KV came from a one-token evaluation
+        (see ``LlamaCppAdapter.usable_prefix``): an exact repeat injects all of them.
+        """
         if self.store is None:
             return 0
         ns = self.namespace
         spans = [
             (s, e)
-            for s, e in chunk_spans(len(tokens), self.config.chunk_tokens)
+            for s, e in chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
             if e > held
             and not self.store.contains(
                 store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)

@@ -1,0 +1,271 @@
+"""The request path end to end on the real model: tiers, prefill counted by llama.cpp itself,
+token-identical output, corrupt and foreign fragments refused, two processes on one store.
+
+Prompts are built from ../shared/workloads: system_prompts.json (the 8 app prompts, 315-339
+tokens each) and qqp_clusters.jsonl questions via the seed workload (Random(0), README recipe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from edgesync_engines.adapter import ContextOverflowError
+from edgesync_engines.llamacpp import LlamaCppAdapter
+from edgesync_engines.router import EdgeSync
+from edgesync_store import codec
+from edgesync_store.schema import common_prefix_len
+from edgesync_store.store import FragmentStore
+
+TESTS = Path(__file__).parent
+ESSAY = "Write a long, detailed essay about how to study well for exams, with many examples."
+
+
+def chat(system: str, user: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def run_proc(script: str, *args: str, timeout: float = 300) -> list[dict]:
+    """Run a helper script in a new interpreter; return its JSON lines."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / script), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def llama_prefilled(row: dict) -> int:
+    """Prompt tokens llama.cpp evaluated, from its own perf counters (src/llama-context.cpp):
+    n_p_eval counts multi-token batches (never exactly 1, and reports 0 as 1), n_eval counts
+    single-token evaluations; decoding evaluates every generated token but the last one when
+    max_tokens stopped the request."""
+    n_p_eval = row["perf"]["n_p_eval"] if row["perf"]["n_p_eval"] > 1 else 0
+    decode_evals = len(row["tokens"]) - 1
+    return n_p_eval + row["perf"]["n_eval"] - decode_evals
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = FragmentStore(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def uncached(adapter):
+    return EdgeSync(adapter, store=False)
+
+
+@pytest.fixture
+def cached(adapter, store):
+    return EdgeSync(adapter, store=store)
+
+
+def test_exact_hit_in_a_new_process_skips_prefill(tmp_path, system_prompts):
+    """Acceptance 2: process A misses; process B (new interpreter, same store) is exact, with at
+    most one prompt token evaluated by llama.cpp, and 32 identical greedy tokens."""
+    store_dir = tmp_path / "store"
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps([chat(system_prompts[0], ESSAY)]))
+    (a,) = run_proc("proc_request.py", str(store_dir), str(requests), "32")
+    (b,) = run_proc("proc_request.py", str(store_dir), str(requests), "32")
+    assert a["prompt_tokens"] >= 300
+    assert a["tier"] == "miss" and a["tokens_reused"] == 0
+    assert llama_prefilled(a) == a["prompt_tokens"]
+    assert a["fragments_written"] >= 2
+    assert b["tier"] == "exact"
+    assert b["tokens_reused"] == b["prompt_tokens"] - 1
+    assert llama_prefilled(b) <= 1
+    assert len(a["tokens"]) == 32
+    assert b["tokens"] == a["tokens"]
+    assert b["bytes_read"] > 0
+
+
+def test_shared_prefix_is_partial_and_identical(cached, uncached, system_prompts):
+    """Acceptance 3: a prompt sharing its first K >= 200 tokens with a stored one."""
+    first = chat(system_prompts[1], "How do I get from the airport to the city centre cheaply?")
+    second = chat(system_prompts[1], "What should I pack for a week of hiking in the rain?")
+    stored = cached.generate(first, max_tokens=16)
+    assert stored.tier == "miss" and stored.fragments_written >= 2
+    k = common_prefix_len(cached.prompt_tokens(first), cached.prompt_tokens(second))
+    assert k >= 200
+    result = cached.generate(second, max_tokens=24)
+    reference = uncached.generate(second, max_tokens=24)
+    assert result.tier == "partial"
+    assert result.tokens_reused >= k - 1
+    assert result.tokens_prefilled == result.prompt_tokens - result.tokens_reused
+    assert result.tokens == reference.tokens
+    assert len(result.tokens) > 0
+
+
+def test_unrelated_prompt_misses_and_matches_uncached(cached, uncached, system_prompts):
+    """Acceptance 4."""
+    cached.generate(chat(system_prompts[2], "How do I save money on groceries?"), max_tokens=8)
+    other = chat(system_prompts[5], "How do I prepare for a job interview at a bank?")
+    result = cached.generate(other, max_tokens=24)
+    assert result.tier == "miss" and result.tokens_reused == 0 and result.bytes_read == 0
+    assert result.tokens == uncached.generate(other, max_tokens=24).tokens
+
+
+def _raw_fragments_db(store_dir: Path):
+    env = lmdb.open(str(store_dir), max_dbs=8, subdir=True)
+    return env, env.open_db(b"fragments")
+
+
+def _chunk_key(store: FragmentStore, token_start: int) -> bytes:
+    for key, head, _life, _n in store.iterate():
+        if head.token_start == token_start:
+            return key
+    raise AssertionError(f"no fragment starts at {token_start}")
+
+
+def _rewrite(store: FragmentStore, key: bytes, mutate) -> None:
+    """Fault injection (a fake for a corrupt page or a tampered file): rewrite one stored blob
+    in place through a second LMDB handle."""
+    env, db = _raw_fragments_db(store.path)
+    with env.begin(write=True) as txn:
+        blob = bytearray(txn.get(key, db=db))
+        txn.put(key, bytes(mutate(blob)), db=db)
+    env.close()
+
+
+def _flip_payload_byte(blob: bytearray) -> bytearray:
+    blob[len(blob) - 100] ^= 0x40
+    return blob
+
+
+def _wrong_content_hash(blob: bytearray) -> bytearray:
+    """Change the header's content_hash and recompute the head crc, so that only the hash is
+    wrong (layout: codec.py docstring)."""
+    import struct
+    import zlib
+
+    _magic, _version, header_len = struct.unpack_from("<4sHI", blob, 0)
+    header = json.loads(bytes(blob[10 : 10 + header_len]))
+    header["content_hash"] = "0" * 64
+    new_header = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new_header) == header_len
+    blob[10 : 10 + header_len] = new_header
+    span = header["token_end"] - header["token_start"]
+    crc_at = 10 + header_len + 4 * span + 4 * header["embedding_dim"]
+    struct.pack_into("<I", blob, crc_at, zlib.crc32(bytes(blob[:crc_at])))
+    return blob
+
+
+@pytest.mark.parametrize("mutate", [_flip_payload_byte, _wrong_content_hash], ids=["flipped-byte", "wrong-content-hash"])
+def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, store, system_prompts, mutate):
+    """Acceptance 5 (request side): a bad stored value is refused on read, the request falls
+    back to prefill with the right answer, and the bad entry is removed."""
+    messages = chat(system_prompts[3], "How many push-ups should a beginner do each day?")
+    first = cached.generate(messages, max_tokens=16)
+    assert first.tier == "miss"
+    bad = _chunk_key(store, 128)
+    with pytest.raises(codec.CodecError):
+        codec.decode(_raw_blob_after(store, bad, mutate))
+    _rewrite(store, bad, mutate)
+    again = cached.generate(messages, max_tokens=16)
+    assert again.tokens == uncached.generate(messages, max_tokens=16).tokens
+    assert again.tokens_reused == 128  # the intact first chunk still serves
+    assert again.tier == "partial"
+    assert store.stats().dropped_corrupt == 1
+    # the bad entry was removed, then the request stored its chunk anew from live KV
+    fresh = cached.generate(messages, max_tokens=16)
+    assert fresh.tier == "exact" and fresh.tokens == first.tokens
+
+
+def _raw_blob_after(store: FragmentStore, key: bytes, mutate) -> bytes:
+    return bytes(mutate(bytearray(store.get_blob(key))))
+
+
+def test_prompt_over_the_context_raises(cached, data_dir):
+    """Acceptance 5: a chat session's pasted turn longer than the context (chat_sessions.jsonl
+    holds turns over 20,000 characters) raises ContextOverflowError naming both numbers."""
+    longest = max(
+        (turn for line in (data_dir / "chat_sessions.jsonl").read_text().splitlines() for turn in json.loads(line)["turns"]),
+        key=len,
+    )
+    assert len(longest) > 20_000
+    with pytest.raises(ContextOverflowError) as info:
+        cached.generate([{"role": "user", "content": longest}], max_tokens=64)
+    err = info.value
+    assert err.prompt_tokens > cached.adapter.n_ctx
+    assert str(err.prompt_tokens) in str(err) and "64" in str(err) and str(cached.adapter.n_ctx) in str(err)
+    assert cached.store.stats().fragments == 0
+
+
+def test_fragment_of_another_flash_attention_setting_is_never_injected(tmp_path, cached, uncached, system_prompts):
+    """Acceptance 6: fragments written with flash attention on are not used with it off."""
+    messages = chat(system_prompts[4], "My laptop will not connect to the office printer, what now?")
+    flash = LlamaCppAdapter(flash_attn=True)
+    try:
+        assert flash.namespace != cached.namespace
+        writer = EdgeSync(flash, store=cached.store)
+        written = writer.generate(messages, max_tokens=8)
+        assert written.fragments_written >= 2
+        assert writer.generate(messages, max_tokens=8).tier == "exact"
+    finally:
+        flash.close()
+    result = cached.generate(messages, max_tokens=16)
+    assert result.tier == "miss" and result.tokens_reused == 0
+    assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
+
+
+def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adapter, system_prompts):
+    """Acceptance 6: the same tokens' KV relabelled as another model file's (a namespace that
+    differs only in the model fingerprint) is not found by the walk and is refused by the
+    adapter if handed over directly."""
+    messages = chat(system_prompts[6], "What is the difference between affect and effect?")
+    tokens = cached.prompt_tokens(messages)
+    uncached.generate(messages, max_tokens=4)  # leaves the prompt's KV in the live sequence
+    other_ns = dataclasses.replace(adapter.namespace, model_fingerprint="f" * 64)
+    foreign = [
+        dataclasses.replace(f, namespace=other_ns, content_hash="")
+        for f in adapter.extract_fragments(tokens, [(0, 128), (128, len(tokens))])
+    ]
+    assert cached.store.put_many(foreign) == 2
+    assert cached.store.prefix_walk(adapter.namespace, tokens).matched_tokens == 0
+    with pytest.raises(ValueError, match="namespace"):
+        adapter.inject_fragment(foreign, len(tokens) - 1, tokens)
+    result = cached.generate(messages, max_tokens=16)
+    assert result.tier == "miss"
+    assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
+
+
+def test_two_processes_share_one_store_concurrently(tmp_path):
+    """Acceptance 7: two processes answer seed requests on one store for 30 s (override with
+    EDGESYNC_CONCURRENCY_SECONDS); no errors, no output differing from uncached runs, every
+    fragment readable afterwards."""
+    seconds = os.environ.get("EDGESYNC_CONCURRENCY_SECONDS", "30")
+    store_dir = tmp_path / "shared-store"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "proc_concurrent.py"), str(store_dir), str(w), seconds],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for w in (0, 1)
+    ]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=float(seconds) + 240)
+        assert p.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for r in reports:
+        assert r["requests"] >= 4
+        assert r["mismatches"] == []
+        assert r["dropped_corrupt"] == 0
+    assert sum(r["tiers"].get("partial", 0) + r["tiers"].get("exact", 0) for r in reports) > 0
+    with FragmentStore(store_dir) as store:
+        keys = [key for key, head, _l, _n in store.iterate()]
+        assert len(keys) > 0
+        for key in keys:
+            frag = store.get(key)
+            assert frag is not None and frag.key() == key
+        assert store.stats().dropped_corrupt == 0
