@@ -293,7 +293,7 @@ class EdgeSync:
             (s, e)
             for s, e in chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
             if e > held
-            and not self.store.contains(
+            and not self.store.is_live(
                 store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
             )
         ]

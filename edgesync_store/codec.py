@@ -160,7 +160,7 @@ def _parse_head(blob: bytes | memoryview) -> tuple[dict, np.ndarray, np.ndarray,
         header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
         span = int(header["token_end"]) - int(header["token_start"])
         emb_dim = int(header["embedding_dim"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CodecError(f"header: not a valid fragment header ({exc})") from None
     if not 0 <= span <= 1 << 20 or emb_dim not in (0, EMBEDDING_DIM):
         raise CodecError(f"header: implausible span {span} or embedding_dim {emb_dim}")
@@ -203,7 +203,7 @@ def peek(blob: bytes | memoryview) -> FragmentHeader:
             payload_nbytes=int(header["payload_nbytes"]),
             shape=tuple(int(x) for x in header["shape"]),
         )
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CodecError(f"header: {exc}") from None
 
 

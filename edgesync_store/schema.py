@@ -240,6 +240,8 @@ class KVFragment:
         ids = np.asarray(self.token_ids)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token_ids: must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+            raise ValueError("token_ids: IDs must lie in [0, 2**31 - 1]")
         if len(ids) != span:
             raise ValueError(f"token_ids: length {len(ids)} != span {span}")
         self.token_ids = np.ascontiguousarray(ids, dtype=np.int32)

@@ -157,10 +157,15 @@ class FragmentStore:
             meminit=False,
             max_readers=256,
         )
-        self._fragments = self._env.open_db(b"fragments", create=not readonly)
-        self._by_prefix = self._env.open_db(b"by_prefix", dupsort=True, create=not readonly)
-        self._lifecycle = self._env.open_db(b"lifecycle", create=not readonly)
-        self._meta = self._env.open_db(b"meta", create=not readonly)
+        for _ in range(64):
+            try:
+                self._fragments = self._env.open_db(b"fragments", create=not readonly)
+                self._by_prefix = self._env.open_db(b"by_prefix", dupsort=True, create=not readonly)
+                self._lifecycle = self._env.open_db(b"lifecycle", create=not readonly)
+                self._meta = self._env.open_db(b"meta", create=not readonly)
+                break
+            except lmdb.MapResizedError:  # another process grew the map since lmdb.open
+                self._env.set_mapsize(0)
         self._check_format()
 
     # -- transactions -------------------------------------------------------------------
@@ -205,19 +210,24 @@ class FragmentStore:
         """Store a fragment; return False (and write nothing) when its key is already there."""
         return self.put_many([fragment]) == 1
 
-    def put_many(self, fragments: Sequence[KVFragment]) -> int:
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None) -> int:
         """Store fragments in one write transaction; return how many were new.
 
-        Encoding (compression) happens before the transaction so the writer lock is held only
-        for the copy into LMDB.
+        A fragment whose key is stored and live is left alone; one whose stored twin has
+        expired (``expires_at <= now``) replaces it with fresh lifecycle counters. Encoding
+        (compression) happens before the transaction so the writer lock is held only for the
+        copy into LMDB.
         """
+        now = time.time() if now is None else now
         encoded = [(f.key(), f.namespace.digest() + f.prefix_hash, codec.encode(f), f) for f in fragments]
 
         def write(txn: lmdb.Transaction) -> int:
             added = 0
             for key, index_key, blob, frag in encoded:
                 if not txn.put(key, blob, db=self._fragments, overwrite=False):
-                    continue
+                    if Lifecycle.unpack(txn.get(key, db=self._lifecycle)).expires_at > now:
+                        continue
+                    txn.put(key, blob, db=self._fragments)
                 txn.put(index_key, key, db=self._by_prefix, dupdata=True)
                 txn.put(key, Lifecycle(frag.hit_count, frag.last_hit_at, frag.expires_at).pack(), db=self._lifecycle)
                 added += 1
@@ -270,8 +280,19 @@ class FragmentStore:
     # -- reads ----------------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        """True when a fragment is stored under ``key``."""
+        """True when a fragment is stored under ``key`` (expired or not)."""
         return self._txn(lambda txn: txn.get(key, db=self._fragments) is not None)
+
+    def is_live(self, key: bytes, now: float | None = None) -> bool:
+        """True when a fragment is stored under ``key`` and has not expired at ``now``."""
+        now = time.time() if now is None else now
+
+        def read(txn: lmdb.Transaction) -> bool:
+            if txn.get(key, db=self._fragments) is None:
+                return False
+            return Lifecycle.unpack(txn.get(key, db=self._lifecycle)).expires_at > now
+
+        return self._txn(read)
 
     def get_blob(self, key: bytes) -> bytes | None:
         """The raw blob stored under ``key`` (a copy), or None."""

@@ -249,6 +249,8 @@ def test_two_processes_share_one_store_concurrently(tmp_path):
         subprocess.Popen(
             [sys.executable, str(TESTS / "proc_concurrent.py"), str(store_dir), str(w), seconds],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # one llama.cpp thread each: two spinning 2-thread pools on 2 cores crawl
+            env={**os.environ, "EDGESYNC_THREADS": "1"},
         )
         for w in (0, 1)
     ]

@@ -1,0 +1,271 @@
+"""The ``edgesync`` command: ``generate``, ``run`` and ``dump``.
+
+Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
+precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
+progress, summaries, logs and ``error: ...`` lines go to stderr. Bad input (a prompt that does
+not fit the context, a bad setting, a missing model, workload data or store) exits 2 without a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import lmdb
+
+from edgesync_store.report import format_bytes, print_dump, wide_console
+from edgesync_store.store import StoreFormatError
+
+from . import runreport
+from .config import EdgeSyncConfig
+from .llamacpp import ModelNotFoundError
+from .workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
+
+log = logging.getLogger("edgesync.cli")
+
+EXIT_USAGE = 2
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Fail(Exception):
+    """An error reported as one ``error: ...`` line and exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _workload_name(text: str) -> str:
+    return text.strip().lower().replace("_", "-")
+
+
+def _err(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="logging level (default WARNING)")
+
+    parser = argparse.ArgumentParser(
+        prog="edgesync",
+        description="EdgeSync: a persistent KV-cache fragment store that lets llama.cpp skip prefill.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", parents=[common], help="answer one prompt, reusing stored KV")
+    gen.add_argument("prompt", help="the user message (or, with --raw, the whole prompt text)")
+    gen.add_argument("--store", help="store directory (default: EDGESYNC_STORE or the per-user cache dir)")
+    gen.add_argument("--max-tokens", type=int, help="tokens to generate at most")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (the result) instead of streaming")
+    gen.add_argument("--system", help="system message sent before the prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt string as is (no chat template)")
+    gen.add_argument("--no-cache", action="store_true", help="do not use the fragment store")
+    gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass when temperature > 0")
+    gen.add_argument("--seed", type=int, help="sampling seed")
+    gen.set_defaults(func=cmd_generate)
+
+    run = sub.add_parser("run", parents=[common],
+                         help="run a workload uncached and through EdgeSync, request by request, and compare")
+    run.add_argument("workload", type=_workload_name, choices=WORKLOAD_NAMES, metavar="WORKLOAD",
+                     help=f"one of: {', '.join(WORKLOAD_NAMES)}")
+    run.add_argument("--limit", type=_positive_int, help="run only the first N requests")
+    run.add_argument("--store", help="store directory (default: EDGESYNC_STORE or the per-user cache dir)")
+    run.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per request (default 16)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    run.set_defaults(func=cmd_run)
+
+    dump = sub.add_parser("dump", parents=[common], help="list the fragments of a store (read-only)")
+    dump.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    dump.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    dump.add_argument("--limit", type=_positive_int, help="show at most N fragments")
+    dump.set_defaults(func=cmd_dump)
+    return parser
+
+
+def _load_config(overrides: dict[str, Any]) -> EdgeSyncConfig:
+    try:
+        return EdgeSyncConfig.load(overrides)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+
+
+def _open(cfg: EdgeSyncConfig, store=None):
+    """The EdgeSync of ``cfg`` (model loaded, store opened unless disabled)."""
+    from .router import EdgeSync
+
+    try:
+        return EdgeSync(config=cfg, store=store)
+    except ModelNotFoundError as exc:
+        raise _Fail(f"model not found: {exc}") from None
+    except (lmdb.Error, StoreFormatError, PermissionError) as exc:
+        raise _Fail(f"cannot open the store at {cfg.store_path}: {exc}") from None
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    cfg = _load_config({
+        "store_path": args.store,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "cache_enabled": False if args.no_cache else None,
+    })
+    if args.raw:
+        if args.system is not None:
+            raise _Fail("--system cannot be combined with --raw (the raw prompt is sent as is)")
+        prompt: Any = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        prompt.append({"role": "user", "content": args.prompt})
+
+    with _open(cfg, store=False if args.no_cache else None) as es:
+        try:
+            if args.json:
+                result = es.generate(prompt)
+            else:
+                stream = es.generate(prompt, stream=True)
+        except ValueError as exc:  # ContextOverflowError is a ValueError
+            raise _Fail(str(exc)) from None
+        if args.json:
+            print(json.dumps(result.to_dict()), flush=True)
+            return 0
+        last = ""
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            last = piece or last
+        if not last.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        r = stream.result
+        print(
+            f"[{r.tier}] prompt {r.prompt_tokens} tokens, reused {r.tokens_reused}, "
+            f"prefilled {r.tokens_prefilled}, generated {len(r.tokens)}; "
+            f"TTFT {r.ttft_ms:.1f} ms, total {r.total_ms:.1f} ms; read {format_bytes(r.bytes_read)}"
+            + (f", wrote {r.fragments_written} fragments" if r.fragments_written else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
+# -- run ----------------------------------------------------------------------------------------
+
+def run_workload(es, requests, max_tokens: int, progress=None, task=None) -> list[dict]:
+    """Each request once uncached (same adapter, no store: a cleared KV cache every time) and
+    then once through ``es``, interleaved request by request; returns the per-request records."""
+    from .router import EdgeSync
+
+    baseline = EdgeSync(es.adapter, store=False, config=es.config)
+    records = []
+    for req in requests:
+        messages = req.as_messages()
+        uncached = baseline.generate(messages, max_tokens=max_tokens)
+        cached = es.generate(messages, max_tokens=max_tokens)
+        records.append(runreport.request_record(req, uncached, cached))
+        if progress is not None:
+            progress.update(task, advance=1, description=f"{req.request_id} {cached.tier:>7}")
+    return records
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    if args.max_tokens < 1:
+        raise _Fail(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens})
+    try:
+        requests = load_workload(args.workload, limit=args.limit)
+    except (WorkloadDataError, ValueError) as exc:
+        raise _Fail(str(exc)) from None
+    err = Console(stderr=True)
+    with _open(cfg) as es:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err,
+            transient=False,
+        ) as progress:
+            task = progress.add_task(f"{args.workload}", total=len(requests))
+            try:
+                records = run_workload(es, requests, args.max_tokens, progress, task)
+            except ValueError as exc:  # a request that does not fit the context
+                raise _Fail(str(exc)) from None
+        stats = es.store.stats().to_dict() if es.store is not None else None
+        model = es.adapter.model_path.name
+    summary = runreport.summarize(records)
+    doc = {
+        "workload": args.workload,
+        "n_requests": len(records),
+        "max_tokens": args.max_tokens,
+        "model": model,
+        "store_path": str(cfg.store_path) if stats is not None else None,
+        "summary": summary,
+        "store": stats,
+        "requests": runreport.request_rows(records),
+    }
+    text = json.dumps(doc, indent=2)
+    if args.json_out:
+        try:
+            Path(args.json_out).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise _Fail(f"cannot write {args.json_out}: {exc}") from None
+    if args.json:
+        print(text, flush=True)
+    else:
+        title = (f"workload {args.workload}: {len(records)} requests, "
+                 f"store {doc['store_path'] or 'disabled'}, model {model}")
+        wide_console().print(runreport.render_table(summary, stats, title))
+    return 0
+
+
+# -- dump ---------------------------------------------------------------------------------------
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    store = args.store if args.store is not None else _load_config({}).store_path
+    return print_dump(store, as_json=args.json, limit=args.limit)
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``edgesync`` command; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "WARNING")
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except _Fail as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

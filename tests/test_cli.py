@@ -1,0 +1,175 @@
+"""The ``edgesync`` command and ``tools/dump.py``, run as subprocesses on the real model.
+
+Real parts only: SmolLM2-135M-Instruct through llama.cpp, an LMDB store in a tmp directory,
+the shared workload data (../shared/workloads or $EDGESYNC_WORKLOADS). No mocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgesync_engines import runreport
+from edgesync_engines.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+DUMP = ROOT / "tools" / "dump.py"
+QUESTION = "How should I plan a week of revision before my chemistry exam?"
+KEEP_ENV = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment without EDGESYNC_* settings that would change what is tested."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in KEEP_ENV}
+    env.update(extra)
+    return env
+
+
+def edgesync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "edgesync_engines.cli", *args],
+        capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=600,
+    )
+
+
+def dump_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(DUMP), *args], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120,
+    )
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def system_prompt() -> str:
+    prompts = json.loads((workloads_dir() / SYSTEM_PROMPTS_FILE).read_text(encoding="utf-8"))
+    return prompts[0]["system_prompt"]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, system_prompt):
+    """The same long chat prompt generated twice (--json) in a fresh store."""
+    store = tmp_path_factory.mktemp("gen") / "store"
+    args = ["generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12", "--json"]
+    first = json.loads(_ok(edgesync(*args)).stdout)
+    second = json.loads(_ok(edgesync(*args)).stdout)
+    return store, first, second
+
+
+def test_generate_json_miss_then_exact(generated):
+    _store, first, second = generated
+    assert first["prompt_tokens"] >= 300
+    assert first["tier"] == "miss" and first["tokens_reused"] == 0 and first["bytes_read"] == 0
+    assert first["fragments_written"] >= 2
+    assert second["tier"] == "exact"
+    assert second["prompt_tokens"] == first["prompt_tokens"]
+    assert second["tokens_reused"] >= second["prompt_tokens"] - 1
+    assert second["tokens_prefilled"] == second["prompt_tokens"] - second["tokens_reused"]
+    assert second["bytes_read"] > 0
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) > 0
+    assert second["text"] == first["text"]
+    for key in ("text", "tokens", "tier", "similarity", "ttft_ms", "total_ms"):
+        assert key in second
+
+
+def test_generate_streams_text_and_summary(generated, system_prompt):
+    store, first, _ = generated
+    proc = _ok(edgesync("generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12"))
+    assert proc.stdout.rstrip("\n") == first["text"].rstrip("\n")
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[exact]")
+    assert f"prompt {first['prompt_tokens']} tokens" in summary and "TTFT" in summary
+
+
+def test_generate_context_overflow_exits_2(tmp_path):
+    store = tmp_path / "store"
+    proc = edgesync("generate", "Hello there, how are you?", "--store", str(store), "--max-tokens", "5000")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error:")
+    match = re.search(r"prompt of (\d+) tokens", line)
+    assert match and int(match.group(1)) > 0
+    assert "5000" in line and "4096" in line
+
+
+def test_run_seed_json(tmp_path):
+    store = tmp_path / "store"
+    out = tmp_path / "run.json"
+    proc = _ok(edgesync("run", "seed", "--limit", "6", "--max-tokens", "8", "--json",
+                        "--json-out", str(out), "--store", str(store)))
+    doc = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == doc
+    assert doc["workload"] == "seed" and doc["n_requests"] == 6
+    rows = doc["requests"]
+    assert len(rows) == 6
+    assert [r["request_id"] for r in rows] == [f"seed-{i:04d}" for i in range(6)]
+    assert all(r["identical"] for r in rows)
+    for r in rows:
+        assert r["ttft_ms_uncached"] > 0 and r["ttft_ms_edgesync"] > 0
+        assert r["tokens_reused"] + r["tokens_prefilled"] == r["prompt_tokens"]
+    summary = doc["summary"]
+    edge, base = summary["edgesync"], summary["uncached"]
+    assert edge["identical_share"] == 1.0 and base["identical_share"] is None
+    assert sum(edge["hits"].values()) == 6 and base["hits"]["miss"] == 6
+    assert base["tokens_reused"] == 0 and base["bytes_read"] == 0
+    assert edge["prompt_tokens"] == base["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    assert edge["fragments_written"] > 0
+    assert doc["store"]["fragments"] == edge["fragments_written"] and doc["store"]["disk_bytes"] > 0
+    assert summary["ttft_ratio"]["mean"] == pytest.approx(edge["ttft_ms"]["mean"] / base["ttft_ms"]["mean"])
+
+    # The table renders from the same document (pure function, real data).
+    from rich.console import Console
+
+    console = Console(record=True, width=160, file=open(os.devnull, "w"))
+    console.print(runreport.render_table(summary, doc["store"], "seed"))
+    text = console.export_text()
+    assert "identical outputs vs uncached" in text and "100.0%" in text and "TTFT p95" in text
+
+
+def test_dump_lists_written_fragments(generated):
+    store, first, _ = generated
+    doc = json.loads(_ok(dump_script(str(store), "--json")).stdout)
+    frags = doc["fragments"]
+    assert len(frags) == first["fragments_written"] == doc["summary"]["fragments"]
+    assert all(not f["corrupt"] and f["compressed_bytes"] > 0 and f["raw_bytes"] > 0 for f in frags)
+    spans = sorted(tuple(map(int, f["tokens"].split("-"))) for f in frags)
+    # The chunks tile the prompt from position 0 (the router may leave out its last token).
+    assert spans[0][0] == 0 and first["prompt_tokens"] - 1 <= spans[-1][1] <= first["prompt_tokens"]
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(f["hits"] >= 1 and f["expires_in_s"] > 0 and f["engine"] == "llama.cpp" for f in frags)
+    assert doc["summary"]["compressed_bytes"] == sum(f["compressed_bytes"] for f in frags)
+
+    limited = json.loads(_ok(edgesync("dump", str(store), "--json", "--limit", "1")).stdout)
+    assert len(limited["fragments"]) == 1 and limited["summary"]["fragments"] == len(frags)
+    table = _ok(dump_script(str(store))).stdout
+    assert frags[0]["key"] in table
+
+
+def test_dump_missing_store_exits_2_and_creates_nothing(tmp_path):
+    missing = tmp_path / "no-such-store"
+    for proc in (dump_script(str(missing)), edgesync("dump", str(missing), "--json")):
+        assert proc.returncode == 2
+        assert proc.stdout == ""
+        assert proc.stderr.strip() == f"error: no store at {missing}"
+        assert not missing.exists()
+
+
+def test_missing_model_and_workload_data_exit_2(tmp_path):
+    proc = edgesync("generate", "hi", "--store", str(tmp_path / "s"),
+                    env=_env(EDGESYNC_MODEL=str(tmp_path / "absent.gguf")))
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+    proc = edgesync("run", "seed", "--limit", "2", "--store", str(tmp_path / "s"),
+                    env=_env(EDGESYNC_WORKLOADS=str(tmp_path / "nowhere")))
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "EDGESYNC_WORKLOADS" in proc.stderr
+    assert not (tmp_path / "s").exists()

@@ -1,0 +1,785 @@
+"""Tests for edgesync_store.store (FragmentStore on real LMDB in temp dirs) and
+edgesync_store.fingerprint.
+
+No mocks. Processes are real subprocesses; the only fault injection is a byte changed in a
+stored blob through a raw LMDB environment (a fake for a corrupt page on disk), or a blob copied
+under another fragment's key (a fake for a misfiled page). Log records of the
+``edgesync.store`` logger are counted to show which recovery path (map growth, another
+process's resize) really ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from edgesync_store import codec, fingerprint
+from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
+from edgesync_store.store import FragmentStore, StoreFormatError
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+SMOL = Namespace(
+    model_fingerprint="ab" * 32,
+    engine="llama.cpp",
+    engine_version="llama-cpp-python 0.3.36",
+    kv_dtype="f16",
+    flash_attn=False,
+    layout="test",
+    n_layer=30,
+    n_head_kv=3,
+    head_dim=64,
+)
+
+
+def make_fragment(
+    tokens: np.ndarray | None = None,
+    start: int = 0,
+    end: int = 64,
+    ns: Namespace = SMOL,
+    layers: tuple[int, int, int] = (0, 30, 1),
+    heads: tuple[int, int] = (0, 3),
+    seed: int = 0,
+    created_at: float | None = None,
+    expires_at: float = 0.0,
+    kind: str = "normal",
+) -> KVFragment:
+    """A fragment for ``tokens[start:end]`` (random tokens from ``seed`` when not given) with
+    seeded random K/V: N(0, 1) like real activations, or random bit patterns (incompressible)."""
+    rng = np.random.default_rng(seed)
+    if tokens is None:
+        tokens = rng.integers(0, 49152, size=end, dtype=np.int32)
+    n_layers = len(range(*layers))
+    shape = (n_layers, end - start, (heads[1] - heads[0]) * ns.head_dim)
+    if kind == "bits":
+        k = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16)
+        v = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16)
+    else:
+        k = rng.standard_normal(shape).astype(ns.np_dtype)
+        v = (rng.standard_normal(shape) * 0.5).astype(ns.np_dtype)
+    return KVFragment(
+        namespace=ns,
+        token_start=start,
+        token_end=end,
+        layer_start=layers[0],
+        layer_end=layers[1],
+        layer_stride=layers[2],
+        head_start=heads[0],
+        head_end=heads[1],
+        keys=k,
+        values=v,
+        token_ids=np.asarray(tokens[start:end]),
+        prefix_hash=prefix_hash(tokens[:start]),
+        created_at=time.time() if created_at is None else created_at,
+        expires_at=expires_at,
+    )
+
+
+def shared_fragment(seed: int) -> KVFragment:
+    """A 0.3 MB incompressible fragment that any process rebuilds identically (fixed times)."""
+    return make_fragment(seed=seed, kind="bits", end=96, layers=(0, 6, 1), created_at=1_750_000_000.0 + seed)
+
+
+def digest(frag: KVFragment) -> str:
+    """SHA-256 over everything that must survive storage bit-exactly."""
+    h = hashlib.sha256()
+    for part in (frag.keys, frag.values, frag.token_ids, frag.embedding):
+        h.update(str(part.dtype).encode() + str(part.shape).encode())
+        h.update(np.ascontiguousarray(part).tobytes())
+    h.update(frag.key())
+    h.update(frag.content_hash.encode())
+    h.update(repr((frag.created_at, frag.expires_at)).encode())
+    return h.hexdigest()
+
+
+def assert_same(a: KVFragment | None, b: KVFragment) -> None:
+    assert a is not None
+    assert a.key() == b.key()
+    assert a.namespace == b.namespace
+    assert (a.token_start, a.token_end, a.layer_start, a.layer_end, a.layer_stride, a.head_start, a.head_end) == (
+        b.token_start, b.token_end, b.layer_start, b.layer_end, b.layer_stride, b.head_start, b.head_end
+    )
+    assert np.array_equal(a.keys.view(np.uint8), b.keys.view(np.uint8))
+    assert np.array_equal(a.values.view(np.uint8), b.values.view(np.uint8))
+    assert np.array_equal(a.token_ids, b.token_ids)
+    assert a.expires_at == b.expires_at and a.created_at == b.created_at
+
+
+class LogCounter(logging.Handler):
+    """Counts the store's log records by message start (observes the real code paths)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def count(self, start: str) -> int:
+        return sum(m.startswith(start) for m in self.messages)
+
+
+@pytest.fixture
+def store_log():
+    logger = logging.getLogger("edgesync.store")
+    handler = LogCounter()
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def raw_fragments_edit(path: Path, edit) -> None:
+    """Open the store's LMDB directly (store closed: one env per file per process) and run
+    ``edit(txn, fragments_db, by_prefix_db)`` in a write transaction."""
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)
+    try:
+        frags = env.open_db(b"fragments", create=False)
+        by_prefix = env.open_db(b"by_prefix", dupsort=True, create=False)
+        with env.begin(write=True) as txn:
+            edit(txn, frags, by_prefix)
+    finally:
+        env.close()
+
+
+def raw_by_prefix_values(path: Path) -> list[bytes]:
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30, readonly=True, lock=False)
+    try:
+        by_prefix = env.open_db(b"by_prefix", dupsort=True, create=False)
+        with env.begin() as txn:
+            return [bytes(v) for _, v in txn.cursor(db=by_prefix)]
+    finally:
+        env.close()
+
+
+def run_py(code: str, *args: str, timeout: float = 60) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+_PRELUDE = textwrap.dedent(
+    f"""
+    import sys, json, logging, time
+    sys.path.insert(0, {str(TESTS)!r})
+    import test_store as T
+    from edgesync_store.store import FragmentStore
+    """
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# basic round trip
+
+
+def test_put_get_contains_delete_iterate_stats(tmp_path):
+    f32 = replace(SMOL, kv_dtype="f32")
+    frags = [
+        make_fragment(seed=1),
+        make_fragment(seed=2, start=64, end=192, layers=(0, 30, 3), heads=(1, 3)),
+        make_fragment(seed=3, ns=f32, layers=(5, 9, 1), end=100),
+    ]
+    with FragmentStore(tmp_path / "s") as store:
+        assert store.stats().fragments == 0
+        for f in frags:
+            assert not store.contains(f.key())
+            assert store.get(f.key()) is None
+            assert store.put(f) is True
+        for f in frags:
+            assert store.contains(f.key())
+            assert_same(store.get(f.key()), f)
+            assert store.get_blob(f.key()) == codec.encode(f)
+        rows = {key: (head, life, n) for key, head, life, n in store.iterate()}
+        assert set(rows) == {f.key() for f in frags}
+        for f in frags:
+            head, life, nbytes = rows[f.key()]
+            assert head.content_hash == f.content_hash
+            assert np.array_equal(head.token_ids, f.token_ids)
+            assert (life.hit_count, life.last_hit_at, life.expires_at) == (0, 0.0, f.expires_at)
+            assert nbytes == len(codec.encode(f))
+        stats = store.stats()
+        assert stats.fragments == 3
+        assert stats.compressed_bytes == sum(len(codec.encode(f)) for f in frags)
+        assert stats.raw_bytes == sum(f.raw_nbytes for f in frags)
+        assert stats.disk_bytes >= stats.compressed_bytes
+        assert stats.dropped_corrupt == 0
+        assert stats.to_dict()["fragments"] == 3
+
+        assert store.delete(frags[1].key()) is True
+        assert store.delete(frags[1].key()) is False
+        assert not store.contains(frags[1].key())
+        assert store.get(frags[1].key()) is None
+        assert store.lifecycle(frags[1].key()) is None
+        assert store.stats().fragments == 2
+        assert store.stats().raw_bytes == frags[0].raw_nbytes + frags[2].raw_nbytes
+        assert_same(store.get(frags[0].key()), frags[0])
+        # after a delete the same fragment can be stored again
+        assert store.put(frags[1]) is True
+        assert_same(store.get(frags[1].key()), frags[1])
+        assert store.delete(frags[1].key())
+    # delete removed the prefix index entry too
+    assert sorted(raw_by_prefix_values(tmp_path / "s")) == sorted([frags[0].key(), frags[2].key()])
+
+
+def test_put_existing_key_returns_false_and_does_not_duplicate(tmp_path):
+    frag = make_fragment(seed=4)
+    with FragmentStore(tmp_path / "s") as store:
+        assert store.put(frag) is True
+        blob = store.get_blob(frag.key())
+        assert store.put(frag) is False
+        # the same content built again later (another created_at) has the same key: not added,
+        # and the first blob is kept
+        again = make_fragment(seed=4, created_at=frag.created_at + 10)
+        assert again.key() == frag.key()
+        assert store.put(again) is False
+        assert store.get_blob(frag.key()) == blob
+        other = make_fragment(seed=5)
+        assert store.put_many([frag, other, other]) == 1
+        assert sum(1 for _ in store.iterate()) == 2
+        assert store.stats().fragments == 2
+    assert sorted(raw_by_prefix_values(tmp_path / "s")) == sorted([frag.key(), other.key()])
+
+
+_READER = _PRELUDE + textwrap.dedent(
+    """
+    store = FragmentStore(sys.argv[1], readonly=True)
+    out = {}
+    for key in sys.argv[2:]:
+        frag = store.get(bytes.fromhex(key))
+        out[key] = None if frag is None else [T.digest(frag), frag.hit_count, frag.last_hit_at]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_committed_data_survives_reopen_and_is_read_by_a_new_process(tmp_path):
+    path = tmp_path / "s"
+    frags = [make_fragment(seed=10 + i, kind="bits" if i % 2 else "normal") for i in range(4)]
+    with FragmentStore(path) as store:
+        assert store.put_many(frags) == 4
+        store.record_hits([frags[0].key()], now=1234.5)
+    with FragmentStore(path) as store:
+        for f in frags:
+            assert_same(store.get(f.key()), f)
+        assert store.stats().fragments == 4
+    out = json.loads(run_py(_READER, path, *(f.key().hex() for f in frags)))
+    for i, f in enumerate(frags):
+        assert out[f.key().hex()][0] == digest(f)
+    assert out[frags[0].key().hex()][1:] == [1, 1234.5]
+    assert out[frags[1].key().hex()][1:] == [0, 0.0]
+
+
+def test_modes_0700_directory_0600_files(tmp_path):
+    path = tmp_path / "nested" / "store"
+    with FragmentStore(path) as store:
+        store.put(make_fragment(seed=1))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    files = sorted(path.glob("*.mdb"))
+    assert [p.name for p in files] == ["data.mdb", "lock.mdb"]
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    # an existing directory with a looser mode is tightened
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    FragmentStore(loose).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+
+
+def test_readonly_store_reads_but_refuses_writes(tmp_path):
+    frag = make_fragment(seed=6)
+    with FragmentStore(tmp_path / "s") as store:
+        store.put(frag)
+    with FragmentStore(tmp_path / "s", readonly=True) as ro:
+        assert_same(ro.get(frag.key()), frag)
+        with pytest.raises(PermissionError):
+            ro.put(make_fragment(seed=7))
+
+
+def test_newer_store_format_is_refused(tmp_path):
+    path = tmp_path / "s"
+    FragmentStore(path).close()
+    env = lmdb.open(str(path), max_dbs=8)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(write=True) as txn:
+        assert bytes(txn.get(b"format_version", db=meta)) == b"1"
+        txn.put(b"format_version", b"2", db=meta)
+    env.close()
+    with pytest.raises(StoreFormatError, match="version 2"):
+        FragmentStore(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# map growth and sharing
+
+
+def test_map_grows_from_one_mib(tmp_path, store_log):
+    path = tmp_path / "s"
+    # 14 incompressible fragments of 1.4 MiB: ~20 MiB
+    frags = [make_fragment(seed=100 + i, kind="bits") for i in range(14)]
+    with FragmentStore(path, map_size=MiB) as store:
+        assert store.stats().map_size == MiB
+        for f in frags[:10]:
+            assert store.put(f)
+        assert store.put_many(frags[10:]) == 4  # growth inside one multi-fragment transaction
+        stats = store.stats()
+        assert stats.fragments == 14
+        assert stats.compressed_bytes > 19 * MiB
+        assert stats.map_size >= stats.compressed_bytes > MiB
+        for f in frags:
+            assert_same(store.get(f.key()), f)
+    assert store_log.count("LMDB map full: growing") >= 4  # 1 -> 2 -> 4 -> 8 -> 16 -> 32 MiB
+    with FragmentStore(path, map_size=MiB) as again:  # reopening with a smaller map still works
+        assert all(again.contains(f.key()) for f in frags)
+        assert_same(again.get(frags[-1].key()), frags[-1])
+        assert again.put(make_fragment(seed=999, kind="bits"))
+
+
+def test_second_store_object_sees_writes_of_the_first(tmp_path):
+    path = tmp_path / "s"
+    a = FragmentStore(path)
+    b = FragmentStore(path, map_size=MiB)
+    try:
+        frag = make_fragment(seed=20)
+        assert not b.contains(frag.key())
+        assert a.put(frag)
+        assert b.contains(frag.key())
+        assert_same(b.get(frag.key()), frag)
+        other = make_fragment(seed=21)
+        assert b.put(other)
+        assert_same(a.get(other.key()), other)
+        assert a.put(other) is False
+    finally:
+        b.close()
+        a.close()
+
+
+_WRITER = _PRELUDE + textwrap.dedent(
+    """
+    path, map_size, grow_seed0, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    counter = T.LogCounter()
+    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync.store").addHandler(counter)
+    store = FragmentStore(path, map_size=map_size)
+    added = 0
+    for i in range(n):
+        added += store.put(T.shared_fragment(grow_seed0 + i))
+    print(json.dumps({"added": added, "map_full": counter.count("LMDB map full"),
+                      "resized": counter.count("another process grew")}))
+    """
+)
+
+
+def test_map_resized_by_another_process_is_adopted(tmp_path, store_log):
+    path = tmp_path / "s"
+    mine = make_fragment(seed=30)
+    with FragmentStore(path, map_size=MiB) as store:
+        assert store.put(mine)
+        # another process grows the map far beyond this process's 1 MiB and fills it
+        out = json.loads(run_py(_WRITER, path, MiB, 5000, 40))
+        assert out["added"] == 40 and out["map_full"] >= 1
+        theirs = [shared_fragment(5000 + i) for i in range(40)]
+        for f in theirs:
+            assert_same(store.get(f.key()), f)
+        assert store_log.count("another process grew the map") >= 1
+        assert store.stats().map_size > MiB
+        assert store.put(make_fragment(seed=31, kind="bits"))
+        assert store.stats().fragments == 42
+
+
+_CONCURRENT = _PRELUDE + textwrap.dedent(
+    """
+    import os
+    path, map_size, my_seed, other_seed, n, ready, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+    counter = T.LogCounter()
+    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync.store").addHandler(counter)
+    mine = [T.shared_fragment(my_seed + i) for i in range(n)]
+    others = [T.shared_fragment(other_seed + i) for i in range(n)]
+    store = FragmentStore(path, map_size=map_size)
+    open(ready, "w").close()
+    deadline = time.time() + 30
+    while not os.path.exists(go) and time.time() < deadline:   # both writers start together
+        time.sleep(0.002)
+    added = 0
+    for f in mine:
+        added += store.put(f)
+    pending = {f.key(): f for f in others}
+    ok = 0
+    while pending and time.time() < deadline:
+        for key in list(pending):
+            got = store.get(key)
+            if got is not None:
+                ok += T.digest(got) == T.digest(pending.pop(key))
+        time.sleep(0.01)
+    print(json.dumps({"added": added, "read_ok": ok, "missing": len(pending),
+                      "map_full": counter.count("LMDB map full"),
+                      "resized": counter.count("another process grew")}))
+    """
+)
+
+
+def test_two_processes_write_and_read_one_store_concurrently(tmp_path):
+    path = tmp_path / "s"
+    go = tmp_path / "go"
+    n = 30
+    FragmentStore(path, map_size=MiB).close()
+    procs = []
+    for map_size, mine, other in ((MiB, 7000, 8000), (64 * 1024, 8000, 7000)):
+        ready = tmp_path / f"ready-{mine}"
+        procs.append((ready, subprocess.Popen(
+            [sys.executable, "-c", _CONCURRENT, str(path), str(map_size), str(mine), str(other), str(n), str(ready), str(go)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )))
+    # both stores are open before either writes (opening during writes: see the next test)
+    deadline = time.time() + 30
+    while not all(r.exists() for r, _ in procs) and time.time() < deadline and all(p.poll() is None for _, p in procs):
+        time.sleep(0.005)
+    go.touch()
+    results = []
+    for _, p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    for r in results:
+        assert r["added"] == n
+        assert r["missing"] == 0
+        assert r["read_ok"] == n  # every fragment of the other process decoded bit-exactly
+    # both started with a tiny map and wrote ~17 MiB between them: maps grew, and each
+    # process's growth was adopted by the other through MapResizedError
+    assert sum(r["map_full"] for r in results) >= 2
+    assert sum(r["resized"] for r in results) >= 1
+    expected = [shared_fragment(s + i) for s in (7000, 8000) for i in range(n)]
+    with FragmentStore(path) as store:
+        assert store.stats().fragments == 2 * n
+        for f in expected:
+            assert_same(store.get(f.key()), f)
+        assert store.stats().dropped_corrupt == 0
+
+
+def test_opening_a_store_while_another_process_grows_it(tmp_path):
+    """Opening must survive another process's concurrent growth (MapResizedError).
+
+    lmdb.open() sizes the map to at least the data on disk; if another process commits new
+    pages before the named databases are opened, open_db() raises MapResizedError. Repeated
+    opens during a writer's run hit that window many times.
+    """
+    path = tmp_path / "s"
+    FragmentStore(path, map_size=MiB).close()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path), str(64 * 1024), "9000", "30"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    opens, errors = 0, []
+    try:
+        while writer.poll() is None:
+            try:
+                store = FragmentStore(path, map_size=64 * 1024)
+            except lmdb.Error as exc:  # what a caller would see
+                errors.append(type(exc).__name__)
+                continue
+            opens += 1
+            store.close()
+    finally:
+        out, err = writer.communicate(timeout=90)
+    assert writer.returncode == 0, err
+    assert json.loads(out)["added"] == 30
+    assert opens > 0
+    assert errors == [], f"{len(errors)} of {opens + len(errors)} opens failed: {sorted(set(errors))}"
+    with FragmentStore(path, map_size=64 * 1024) as store:
+        assert store.stats().fragments == 30
+        assert_same(store.get(shared_fragment(9029).key()), shared_fragment(9029))
+
+
+# ---------------------------------------------------------------------------------------------
+# lifecycle
+
+
+def test_record_hits_persists_and_does_not_touch_the_blob(tmp_path):
+    path = tmp_path / "s"
+    frag = make_fragment(seed=40)
+    other = make_fragment(seed=41)
+    with FragmentStore(path) as store:
+        store.put_many([frag, other])
+        blob = store.get_blob(frag.key())
+        store.record_hits([frag.key()], now=1000.25)
+        store.record_hits([frag.key(), b"\x01" * 32], now=2000.5)  # unknown keys are ignored
+        life = store.lifecycle(frag.key())
+        assert (life.hit_count, life.last_hit_at, life.expires_at) == (2, 2000.5, frag.expires_at)
+        assert store.lifecycle(b"\x01" * 32) is None
+        assert store.get_blob(frag.key()) == blob
+        got = store.get(frag.key())
+        assert (got.hit_count, got.last_hit_at) == (2, 2000.5)
+        before = time.time()
+        store.record_hits([frag.key()])
+        assert before <= store.lifecycle(frag.key()).last_hit_at <= time.time()
+    with FragmentStore(path) as store:
+        got = store.get(frag.key())
+        assert got.hit_count == 3
+        assert got.last_hit_at >= before
+        untouched = store.get(other.key())
+        assert (untouched.hit_count, untouched.last_hit_at) == (0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefix walk
+
+SEQ_LEN = 330  # chunk_spans(330) == [(0, 128), (128, 256), (256, 330)]; every span >= 64
+
+
+@pytest.fixture(scope="module")
+def sequence() -> np.ndarray:
+    return np.random.default_rng(77).integers(0, 49152, size=SEQ_LEN, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def walk_store(tmp_path_factory, sequence):
+    spans = chunk_spans(SEQ_LEN)
+    assert spans == [(0, 128), (128, 256), (256, 330)]
+    frags = [make_fragment(sequence, s, e, seed=i) for i, (s, e) in enumerate(spans)]
+    store = FragmentStore(tmp_path_factory.mktemp("walk") / "s")
+    assert store.put_many(frags) == 3
+    yield store, frags
+    store.close()
+
+
+def test_walk_matches_the_whole_sequence(walk_store, sequence):
+    store, frags = walk_store
+    match = store.prefix_walk(SMOL, sequence)
+    assert match.matched_tokens == SEQ_LEN
+    assert [(s.token_start, s.token_end, s.matched) for s in match.spans] == [(0, 128, 128), (128, 256, 128), (256, 330, 74)]
+    assert [s.keys for s in match.spans] == [[f.key()] for f in frags]
+    assert all(s.complete for s in match.spans)
+    assert [s.compressed_nbytes for s in match.spans] == [len(store.get_blob(f.key())) for f in frags]
+    # a longer prompt with the same start matches the stored part
+    longer = np.concatenate([sequence, np.arange(50, dtype=np.int32)])
+    assert store.prefix_walk(SMOL, longer).matched_tokens == SEQ_LEN
+    # fragments are usable: every matched key decodes
+    for s in match.spans:
+        assert all(store.get(k) is not None for k in s.keys)
+
+
+@pytest.mark.parametrize("k", [0, 1, 40, 73])
+def test_walk_stops_where_the_prompt_diverges_in_the_last_span(walk_store, sequence, k):
+    store, _ = walk_store
+    prompt = sequence.copy()
+    prompt[256 + k] = (prompt[256 + k] + 1) % 49152
+    match = store.prefix_walk(SMOL, prompt)
+    assert match.matched_tokens == 256 + k
+    if k:
+        assert not match.spans[-1].complete and match.spans[-1].matched == k
+    else:
+        assert len(match.spans) == 2
+
+
+def test_walk_partial_inside_earlier_span_and_short_prompt(walk_store, sequence):
+    store, _ = walk_store
+    prompt = sequence.copy()
+    prompt[100] += 1
+    assert store.prefix_walk(SMOL, prompt).matched_tokens == 100
+    assert store.prefix_walk(SMOL, sequence[:200]).matched_tokens == 200
+    assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 256
+
+
+def test_walk_first_token_differs_or_other_namespace_matches_nothing(walk_store, sequence):
+    store, _ = walk_store
+    prompt = sequence.copy()
+    prompt[0] += 1
+    assert store.prefix_walk(SMOL, prompt).matched_tokens == 0
+    assert store.prefix_walk(SMOL, prompt).spans == []
+    assert store.prefix_walk(replace(SMOL, flash_attn=True), sequence).matched_tokens == 0
+    assert store.prefix_walk(replace(SMOL, model_fingerprint="cd" * 32), sequence).matched_tokens == 0
+    assert store.prefix_walk(SMOL, sequence[:0]).matched_tokens == 0
+
+
+def test_walk_ignores_expired_fragments(walk_store, sequence, tmp_path):
+    store, frags = walk_store
+    ttl_end = min(f.expires_at for f in frags)
+    assert store.prefix_walk(SMOL, sequence, now=ttl_end - 1).matched_tokens == SEQ_LEN
+    assert store.prefix_walk(SMOL, sequence, now=ttl_end).matched_tokens == 0
+    assert store.prefix_walk(SMOL, sequence, now=time.time() + DEFAULT_TTL_SECONDS + 60).matched_tokens == 0
+
+    # fragments created an hour ago (default 30 min TTL): expired now; only the last one fresh
+    old = time.time() - 3600
+    with FragmentStore(tmp_path / "s") as s2:
+        s2.put(make_fragment(sequence, 0, 128, seed=0, created_at=old))
+        s2.put(make_fragment(sequence, 128, 256, seed=1, created_at=old))
+        s2.put(make_fragment(sequence, 256, 330, seed=2))
+        assert s2.prefix_walk(SMOL, sequence).matched_tokens == 0
+        # the same content again has the same key: put writes nothing, expiry is not renewed
+        assert s2.put(make_fragment(sequence, 0, 128, seed=0, created_at=time.time())) is False
+        assert s2.prefix_walk(SMOL, sequence).matched_tokens == 0
+    with FragmentStore(tmp_path / "s3") as s3:
+        s3.put(make_fragment(sequence, 0, 128, seed=0))
+        s3.put(make_fragment(sequence, 128, 256, seed=1))
+        s3.put(make_fragment(sequence, 256, 330, seed=2, created_at=old))
+        assert s3.prefix_walk(SMOL, sequence).matched_tokens == 256
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [dict(layers=(0, 15, 1)), dict(layers=(15, 30, 1))],
+        [dict(layers=(0, 30, 2)), dict(layers=(1, 30, 2))],
+        [dict(heads=(0, 1)), dict(heads=(1, 3))],
+    ],
+    ids=["layer-ranges", "layer-strides", "head-ranges"],
+)
+def test_walk_needs_complete_coverage_of_layers_and_heads(tmp_path, sequence, parts):
+    frags = [make_fragment(sequence, 0, 128, seed=i, **p) for i, p in enumerate(parts)]
+    with FragmentStore(tmp_path / "half") as half:
+        half.put(frags[0])
+        assert half.prefix_walk(SMOL, sequence[:128]).matched_tokens == 0
+    with FragmentStore(tmp_path / "both") as both:
+        both.put_many(frags)
+        match = both.prefix_walk(SMOL, sequence[:128])
+        assert match.matched_tokens == 128
+        assert sorted(match.spans[0].keys) == sorted(f.key() for f in frags)
+        assert match.spans[0].compressed_nbytes == sum(len(codec.encode(f)) for f in frags)
+        # a partial prompt still matches through the split fragments
+        assert both.prefix_walk(SMOL, sequence[:90]).matched_tokens == 90
+
+
+# ---------------------------------------------------------------------------------------------
+# corruption (fault injection: the only fakes, each a stand-in for a corrupt page on disk)
+
+
+def test_corrupt_blob_is_refused_removed_and_counted(tmp_path):
+    path = tmp_path / "s"
+    bad, good = make_fragment(seed=50), make_fragment(seed=51)
+    with FragmentStore(path) as store:
+        store.put_many([bad, good])
+        blob_len = len(store.get_blob(bad.key()))
+
+    def flip(txn, frags, _by_prefix):
+        data = bytearray(txn.get(bad.key(), db=frags))
+        data[blob_len // 2] ^= 0x5A  # FAKE: one flipped byte in the payload stands for a corrupt page
+        txn.put(bad.key(), bytes(data), db=frags)
+
+    raw_fragments_edit(path, flip)
+    with FragmentStore(path) as store:
+        assert store.contains(bad.key())
+        assert store.get(bad.key()) is None
+        assert not store.contains(bad.key())
+        assert store.lifecycle(bad.key()) is None
+        stats = store.stats()
+        assert stats.dropped_corrupt == 1
+        assert stats.fragments == 1
+        assert_same(store.get(good.key()), good)
+        assert store.get(bad.key()) is None
+        assert store.stats().dropped_corrupt == 1  # gone: not counted twice
+        # the fragment can be stored again
+        assert store.put(bad)
+        assert_same(store.get(bad.key()), bad)
+    assert sorted(raw_by_prefix_values(path)) == sorted([bad.key(), good.key()])
+
+
+def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence):
+    path = tmp_path / "s"
+    frags = [make_fragment(sequence, 0, 128, seed=0), make_fragment(sequence, 128, 256, seed=1)]
+    with FragmentStore(path) as store:
+        store.put_many(frags)
+        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 256
+
+    def flip(txn, db, _by_prefix):
+        data = bytearray(txn.get(frags[1].key(), db=db))
+        data[20] ^= 0x01  # FAKE: one flipped byte in the JSON header stands for a corrupt page
+        txn.put(frags[1].key(), bytes(data), db=db)
+
+    raw_fragments_edit(path, flip)
+    with FragmentStore(path) as store:
+        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 128
+        assert store.stats().dropped_corrupt == 1
+        assert not store.contains(frags[1].key())
+        # the dangling index entry is cleaned by the next walk
+        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 128
+    assert raw_by_prefix_values(path) == [frags[0].key()]
+
+
+def test_blob_under_a_key_that_is_not_its_own_is_refused(tmp_path):
+    path = tmp_path / "s"
+    a, b = make_fragment(seed=60), make_fragment(seed=61)
+    with FragmentStore(path) as store:
+        store.put_many([a, b])
+
+    def misfile(txn, db, _by_prefix):
+        # FAKE: blob A copied under key B stands for a misfiled page
+        txn.put(b.key(), bytes(txn.get(a.key(), db=db)), db=db)
+
+    raw_fragments_edit(path, misfile)
+    with FragmentStore(path) as store:
+        assert store.contains(b.key())
+        assert store.get(b.key()) is None
+        assert not store.contains(b.key())
+        assert store.stats().dropped_corrupt == 1
+        assert_same(store.get(a.key()), a)
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprint
+
+
+_FINGERPRINT = textwrap.dedent(
+    """
+    import sys
+    from edgesync_store.fingerprint import file_fingerprint
+    print(file_fingerprint(sys.argv[1]))
+    """
+)
+
+
+def test_file_fingerprint_is_sha256_and_cached(tmp_path, monkeypatch):
+    cache = tmp_path / "cache" / "fingerprints.json"
+    monkeypatch.setenv("EDGESYNC_FINGERPRINT_CACHE", str(cache))
+    assert fingerprint.cache_file() == cache
+    model = tmp_path / "model.gguf"
+    content = np.random.default_rng(0).bytes(3 * (1 << 22) + 123)  # several read chunks
+    model.write_bytes(content)
+    expected = hashlib.sha256(content).hexdigest()
+
+    assert fingerprint.file_fingerprint(model) == expected
+    entries = json.loads(cache.read_text())
+    st = model.stat()
+    assert entries[str(model.resolve())] == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": expected}
+
+    # Same size and mtime but other bytes: a cached digest is returned without re-reading the
+    # file, in this process and in a new one (which only has the JSON cache).
+    tampered = bytes([content[0] ^ 0xFF]) + content[1:]
+    model.write_bytes(tampered)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fingerprint.file_fingerprint(model) == expected
+    env = dict(os.environ, EDGESYNC_FINGERPRINT_CACHE=str(cache))
+    proc = subprocess.run([sys.executable, "-c", _FINGERPRINT, str(model)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected
+
+    # A new mtime re-hashes: the new digest is that of the new bytes, and the cache is updated.
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    new = fingerprint.file_fingerprint(model)
+    assert new == hashlib.sha256(tampered).hexdigest() != expected
+    assert json.loads(cache.read_text())[str(model.resolve())]["sha256"] == new
+    # contents of another size (mtime updated by the write) re-hash too
+    model.write_bytes(b"tiny")
+    assert fingerprint.file_fingerprint(model) == hashlib.sha256(b"tiny").hexdigest()
+    with pytest.raises(FileNotFoundError):
+        fingerprint.file_fingerprint(tmp_path / "missing.gguf")

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Show what an EdgeSync fragment store holds, one line per fragment (headers only).
+
+Usage: ``python tools/dump.py [STORE] [--json] [--limit N]``
+
+STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir). The store
+is opened read-only; a missing directory prints ``error: no store at PATH``, exits 2 and is not
+created. ``--json`` prints ``{"fragments": [...], "summary": {...}}``.
+
+A plain script: it runs from a checkout without installing anything beyond the dependencies
+(the project root is put on ``sys.path`` when ``edgesync_store`` is not importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    import edgesync_store  # noqa: F401
+except ImportError:  # running from a checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgesync_store.report import print_dump  # noqa: E402
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def default_store() -> Path:
+    """The configured store directory (defaults < environment)."""
+    from edgesync_engines.config import EdgeSyncConfig
+
+    return EdgeSyncConfig.load().store_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dump.py", description="List the fragments of an EdgeSync store.")
+    parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--limit", type=_positive_int, default=None, help="show at most N fragments")
+    args = parser.parse_args(argv)
+    if args.store is None:
+        try:
+            store = default_store()
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        store = Path(args.store)
+    return print_dump(store, as_json=args.json, limit=args.limit)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
