@@ -625,9 +625,11 @@ def test_walk_ignores_expired_fragments(walk_store, sequence, tmp_path):
         s2.put(make_fragment(sequence, 128, 256, seed=1, created_at=old))
         s2.put(make_fragment(sequence, 256, 330, seed=2))
         assert s2.prefix_walk(SMOL, sequence).matched_tokens == 0
-        # the same content again has the same key: put writes nothing, expiry is not renewed
-        assert s2.put(make_fragment(sequence, 0, 128, seed=0, created_at=time.time())) is False
-        assert s2.prefix_walk(SMOL, sequence).matched_tokens == 0
+        # the same content again has the same key: a live twin is kept, an expired one replaced
+        assert s2.put(make_fragment(sequence, 256, 330, seed=2)) is False
+        assert s2.put(make_fragment(sequence, 0, 128, seed=0, created_at=time.time())) is True
+        assert s2.prefix_walk(SMOL, sequence).matched_tokens == 128
+        assert sum(1 for _ in s2.iterate()) == 3
     with FragmentStore(tmp_path / "s3") as s3:
         s3.put(make_fragment(sequence, 0, 128, seed=0))
         s3.put(make_fragment(sequence, 128, 256, seed=1))
