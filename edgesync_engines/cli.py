@@ -23,7 +23,7 @@ from edgesync_store.store import StoreFormatError
 
 from . import runreport
 from .config import EdgeSyncConfig
-from .llamacpp import ModelNotFoundError
+from .models import ModelNotFoundError
 from .workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
 
 log = logging.getLogger("edgesync.cli")

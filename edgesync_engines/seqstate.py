@@ -173,42 +173,55 @@ def parse(data: bytes | memoryview, cell_ext_bytes: int = 0) -> SeqState:
     return SeqState(np.ascontiguousarray(k), np.ascontiguousarray(v), type_k, type_v, v_trans)
 
 
-def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: int, seq_id: int = 0) -> bytes:
+def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: int, seq_id: int = 0) -> bytearray:
     """Build ``llama_state_seq_set_data`` bytes for positions 0..n-1 of one sequence.
+
+    Writes straight into one preallocated buffer (no intermediate copies); the result is a
+    writable ``bytearray`` so that ctypes can hand it to llama.cpp without another copy.
 
     Args:
         k, v: ``[n_layer, n_tokens, width]`` arrays, dtype matching ``type_k``/``type_v``.
         type_k, type_v: ggml type codes (0 f32, 1 f16), as the destination context uses.
         v_trans: 1 when the destination context stores V transposed (flash attention off).
-        seq_id: the sequence id written in each cell (llama.cpp ignores it on read and uses
-            the destination sequence).
+        seq_id: the sequence id written in the header and in each cell (llama.cpp ignores it
+            on read and uses the destination sequence).
 
     Raises:
         SeqStateError: shapes or dtypes that disagree.
     """
     if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
         raise SeqStateError(f"k {k.shape} and v {v.shape} must be [n_layer, n_tokens, width] with equal n_layer, n_tokens")
-    n_layer, n_tokens, _ = k.shape
+    n_layer, n_tokens, width_k = k.shape
+    width_v = v.shape[2]
     dk, dv = GGML_TYPE_DTYPES.get(type_k), GGML_TYPE_DTYPES.get(type_v)
     if dk is None or dv is None:
         raise SeqStateError(f"types {type_k}/{type_v}: only f16 (1) and f32 (0) are supported")
-    k = np.ascontiguousarray(k, dtype=dk)
-    v = np.ascontiguousarray(v, dtype=dv)
-    cells = np.empty((n_tokens, 3), dtype="<i4")
+    k_bytes = n_tokens * width_k * dk.itemsize
+    v_bytes = n_tokens * width_v * dv.itemsize
+    total = 16 + 12 * n_tokens + 8 + n_layer * (12 + k_bytes) + n_layer * (12 + v_bytes)
+    buf = bytearray(total)
+    struct.pack_into("<IiII", buf, 0, SEQ_STATE_MAGIC, seq_id, 1, n_tokens)
+    cells = np.frombuffer(buf, dtype="<i4", count=3 * n_tokens, offset=16).reshape(n_tokens, 3)
     cells[:, 0] = np.arange(n_tokens)
     cells[:, 1] = 1
     cells[:, 2] = seq_id
-    parts = [struct.pack("<IiII", SEQ_STATE_MAGIC, seq_id, 1, n_tokens), cells.tobytes(), struct.pack("<II", int(v_trans), n_layer)]
-    row_k = k.shape[2] * dk.itemsize
+    at = 16 + 12 * n_tokens
+    struct.pack_into("<II", buf, at, int(v_trans), n_layer)
+    at += 8
     for il in range(n_layer):
-        parts.append(struct.pack("<iQ", type_k, row_k))
-        parts.append(k[il].tobytes())
-    width_v = v.shape[2]
+        struct.pack_into("<iQ", buf, at, type_k, width_k * dk.itemsize)
+        at += 12
+        np.frombuffer(buf, dtype=dk, count=n_tokens * width_k, offset=at).reshape(n_tokens, width_k)[:] = k[il]
+        at += k_bytes
     for il in range(n_layer):
         if v_trans:
-            parts.append(struct.pack("<iII", type_v, dv.itemsize, width_v))
-            parts.append(np.ascontiguousarray(v[il].T).tobytes())
+            struct.pack_into("<iII", buf, at, type_v, dv.itemsize, width_v)
+            at += 12
+            np.frombuffer(buf, dtype=dv, count=n_tokens * width_v, offset=at).reshape(width_v, n_tokens)[:] = v[il].T
         else:
-            parts.append(struct.pack("<iQ", type_v, width_v * dv.itemsize))
-            parts.append(v[il].tobytes())
-    return b"".join(parts)
+            struct.pack_into("<iQ", buf, at, type_v, width_v * dv.itemsize)
+            at += 12
+            np.frombuffer(buf, dtype=dv, count=n_tokens * width_v, offset=at).reshape(n_tokens, width_v)[:] = v[il]
+        at += v_bytes
+    assert at == total
+    return buf

@@ -57,6 +57,12 @@ def content_hash(token_ids: Iterable[int] | np.ndarray) -> str:
     return hashlib.sha256(_CONTENT_TAG + token_bytes(token_ids)).hexdigest()
 
 
+def prefix_hasher() -> "hashlib._Hash":
+    """A SHA-256 object primed for prefix hashes: feed it :func:`token_bytes` of consecutive
+    tokens and ``digest()`` equals :func:`prefix_hash` of all tokens fed so far."""
+    return hashlib.sha256(_PREFIX_TAG)
+
+
 def prefix_hash(prefix_token_ids: Iterable[int] | np.ndarray) -> bytes:
     """SHA-256 (32 raw bytes) over every token before a fragment's first token.
 

@@ -33,8 +33,7 @@ import numpy as np
 
 from . import codec
 from .codec import CodecError, FragmentHeader
-from .schema import KVFragment, Namespace, common_prefix_len, prefix_hash, token_bytes
-import hashlib
+from .schema import KVFragment, Namespace, common_prefix_len, prefix_hasher, token_bytes
 
 log = logging.getLogger("edgesync.store")
 
@@ -390,7 +389,7 @@ class FragmentStore:
         ns_digest = namespace.digest()
         ns_dict = namespace.to_dict()
         full = {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)}
-        hasher = hashlib.sha256(prefix_hash_tag())
+        hasher = prefix_hasher()
         result = PrefixMatch()
         corrupt: list[tuple[bytes, bytes | None]] = []
 
@@ -458,9 +457,3 @@ class FragmentStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def prefix_hash_tag() -> bytes:
-    """The domain tag that starts every prefix hash (see ``schema.prefix_hash``)."""
-    from .schema import _PREFIX_TAG
-
-    return _PREFIX_TAG

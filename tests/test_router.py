@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import lmdb
-import numpy as np
 import pytest
 
 from edgesync_engines.adapter import ContextOverflowError

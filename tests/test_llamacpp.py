@@ -1,0 +1,132 @@
+"""The llama.cpp adapter and its seq-state codec on the real SmolLM2 model.
+
+The prompt: StudyBuddy's system prompt (system_prompts.json row 0) and one user question.
+"""
+
+from __future__ import annotations
+
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from edgesync_engines import seqstate
+from edgesync_engines.adapter import ContextOverflowError
+
+
+@pytest.fixture
+def prompt(adapter, system_prompts):
+    return adapter.tokenize(adapter.apply_chat_template(
+        [{"role": "system", "content": system_prompts[0]}, {"role": "user", "content": "How do I revise for a chemistry test?"}]
+    ))
+
+
+def last_logits(adapter) -> np.ndarray:
+    n_vocab = llama_cpp.llama_vocab_n_tokens(adapter._vocab)
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(adapter._ctx, -1), shape=(n_vocab,)).copy()
+
+
+def prefill(adapter, tokens, batches) -> np.ndarray:
+    """Clear, evaluate ``tokens`` in the given [start, end) batches, return the last logits."""
+    adapter.clear_kv_cache()
+    for start, end in batches:
+        adapter.llm.eval(tokens[start:end])
+    return last_logits(adapter)
+
+
+def test_seq_state_round_trips_byte_for_byte(adapter, prompt):
+    prefill(adapter, prompt, [(0, len(prompt))])
+    raw = adapter._get_state()
+    state = seqstate.parse(raw)
+    ns = adapter.namespace
+    assert state.k.shape == (ns.n_layer, len(prompt), ns.n_head_kv * ns.head_dim) == (30, len(prompt), 192)
+    assert state.k.dtype == np.float16 and state.v_trans == 1
+    assert bytes(seqstate.serialize(state.k, state.v, state.type_k, state.type_v, state.v_trans)) == raw
+
+
+def test_parse_refuses_what_it_does_not_understand(adapter, prompt):
+    prefill(adapter, prompt[:70], [(0, 70)])
+    raw = bytearray(adapter._get_state())
+    with pytest.raises(seqstate.SeqStateError, match="magic"):
+        seqstate.parse(b"\0" * 4 + raw[4:])
+    with pytest.raises(seqstate.SeqStateError, match="truncated"):
+        seqstate.parse(raw[:-7])
+    with pytest.raises(seqstate.SeqStateError, match="trailing"):
+        seqstate.parse(raw + b"\0" * 8)
+
+
+def test_slice_of_a_long_prefill_equals_a_short_prefill(adapter, prompt):
+    """DESIGN.md 2.2: the first 128 tokens' KV cut from a longer prefill are the bytes a clean
+    128-token prefill writes."""
+    prefill(adapter, prompt, [(0, len(prompt))])
+    long_frag = adapter.extract_fragment(prompt, 0, 128)
+    prefill(adapter, prompt[:128], [(0, 128)])
+    short_frag = adapter.extract_fragment(prompt, 0, 128)
+    assert np.array_equal(long_frag.keys.view(np.uint16), short_frag.keys.view(np.uint16))
+    assert np.array_equal(long_frag.values.view(np.uint16), short_frag.values.view(np.uint16))
+
+
+def test_one_token_batches_differ_and_the_prefill_plan_avoids_them(adapter, system_prompts):
+    """Why the last prompt token is evaluated alone: llama.cpp's one-token evaluation can round
+    differently from a batch (not on every prompt: on this one, found while building the
+    router, by up to 0.55 in the logits), while batches of >= 2 agree to the bit."""
+    prompt = adapter.tokenize(adapter.apply_chat_template([
+        {"role": "system", "content": system_prompts[0]},
+        {"role": "user", "content": "Write a long, detailed essay about how to study well for exams, with many examples."},
+    ]))
+    n = len(prompt)
+    full = prefill(adapter, prompt, [(0, n)])
+    assert np.array_equal(prefill(adapter, prompt, [(0, 128), (128, n - 2), (n - 2, n)]), full)
+    single = prefill(adapter, prompt, [(0, n - 1), (n - 1, n)])
+    assert not np.array_equal(single, full)
+    for n_past in (0, 64, n - 3, n - 1):
+        plan = adapter.prefill_plan(n_past, n)
+        assert plan[0][0] == n_past and plan[-1] == (n - 1, n)
+        assert all(end - start >= 2 for start, end in plan[:-1])
+        assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    assert adapter.usable_prefix(n, n) == n - 1
+    assert adapter.usable_prefix(n - 2, n) == n - 3
+    assert adapter.usable_prefix(100, n) == 100
+
+
+def test_injected_prefix_gives_the_logits_of_an_uncached_prefill(adapter, prompt):
+    n = len(prompt)
+    reference = prefill(adapter, prompt, adapter.prefill_plan(0, n))
+    fragments = adapter.extract_fragments(prompt, [(0, 128), (128, 256), (256, n - 1)])
+    for n_past in (128, 200, n - 1):
+        adapter.clear_kv_cache()
+        adapter.inject_fragment(fragments, n_past, prompt)
+        assert adapter.llm.n_tokens == n_past
+        for start, end in adapter.prefill_plan(n_past, n):
+            adapter.llm.eval(prompt[start:end])
+        assert np.array_equal(last_logits(adapter), reference), n_past
+
+
+def test_inject_validates_before_touching_the_engine(adapter, prompt):
+    n = len(prompt)
+    prefill(adapter, prompt, [(0, n)])
+    fragments = adapter.extract_fragments(prompt, [(0, 128), (128, 256)])
+    other = list(prompt)
+    other[130] = (other[130] + 1) % 49152
+    with pytest.raises(ValueError, match="token_ids"):
+        adapter.inject_fragment(fragments, 200, other)
+    with pytest.raises(ValueError, match="no KV for layer"):
+        adapter.inject_fragment(fragments[:1], 200, prompt)
+    assert adapter.llm.n_tokens == n  # the live sequence was left alone
+
+
+def test_generate_refuses_a_prompt_over_the_context(adapter):
+    tokens = [1000] * (adapter.n_ctx - 10)
+    with pytest.raises(ContextOverflowError) as info:
+        next(adapter.generate(tokens, 0, max_tokens=32))
+    assert info.value.prompt_tokens == adapter.n_ctx - 10 and info.value.max_tokens == 32
+    assert str(adapter.n_ctx - 10) in str(info.value) and "32" in str(info.value)
+
+
+def test_clear_kv_cache_empties_the_sequence(adapter, prompt):
+    prefill(adapter, prompt[:80], [(0, 80)])
+    assert llama_cpp.llama_memory_seq_pos_max(adapter._mem, 0) == 79
+    adapter.clear_kv_cache()
+    assert llama_cpp.llama_memory_seq_pos_max(adapter._mem, 0) == -1
+    assert adapter.llm.n_tokens == 0
+    assert llama_cpp.llama_state_seq_get_size(adapter._ctx, 0) < 64
