@@ -270,3 +270,29 @@ def test_two_processes_share_one_store_concurrently(tmp_path):
             frag = store.get(key)
             assert frag is not None and frag.key() == key
         assert store.stats().dropped_corrupt == 0
+
+
+def test_two_threads_never_drive_the_engine_at_once(cached, uncached, system_prompts):
+    """One lock per Llama: concurrent requests from two threads give the answers each would
+    get alone."""
+    import threading
+
+    prompts = [chat(system_prompts[7], q) for q in ("Who painted the Mona Lisa?", "What is the largest planet?")]
+    expected = [uncached.generate(p, max_tokens=12).tokens for p in prompts]
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = [cached.generate(prompts[i], max_tokens=12).tokens for _ in range(2)]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    for i in (0, 1):
+        assert got[i] == [expected[i], expected[i]]
