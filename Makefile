@@ -23,7 +23,7 @@ $(PY):
 	$(PIP) install --quiet --upgrade "pip>=24" wheel
 
 # llama-cpp-python has no Linux wheel on the registry: build it once, from source, into a
-# project-owned wheelhouse (pip's own wheel cache ignores CMAKE_ARGS, see DESIGN.md 2.1).
+# project-owned wheelhouse (pip's own wheel cache ignores CMAKE_ARGS, see ../shared/DESIGN.md 2.1).
 $(LLAMA_WHEEL_STAMP): cmake/llama_no_common.cmake | $(PY)
 	mkdir -p $(WHEELHOUSE)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 PIP_NO_CACHE_DIR=1 \

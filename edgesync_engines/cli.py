@@ -19,16 +19,18 @@ from typing import Any, Sequence
 import lmdb
 
 from edgesync_store.report import format_bytes, print_dump, wide_console
-from edgesync_store.store import StoreFormatError
+from edgesync_store.store import StoreFormatError, StoreOpenError
 
 from . import runreport
 from .config import EdgeSyncConfig
-from .models import ModelNotFoundError
+from .models import ModelLoadError, ModelNotFoundError
 from .workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
 
 log = logging.getLogger("edgesync.cli")
 
 EXIT_USAGE = 2
+RUN_MAX_TOKENS = 16
+"""``edgesync run``'s generation length when neither --max-tokens nor EDGESYNC_MAX_TOKENS is set."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -37,7 +39,10 @@ class _Fail(Exception):
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -82,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"one of: {', '.join(WORKLOAD_NAMES)}")
     run.add_argument("--limit", type=_positive_int, help="run only the first N requests")
     run.add_argument("--store", help="store directory (default: EDGESYNC_STORE or the per-user cache dir)")
-    run.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per request (default 16)")
+    run.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 16, or EDGESYNC_MAX_TOKENS)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     run.set_defaults(func=cmd_run)
@@ -110,6 +115,10 @@ def _open(cfg: EdgeSyncConfig, store=None):
         return EdgeSync(config=cfg, store=store)
     except ModelNotFoundError as exc:
         raise _Fail(f"model not found: {exc}") from None
+    except ModelLoadError as exc:
+        raise _Fail(f"cannot load the model: {exc}") from None
+    except StoreOpenError as exc:
+        raise _Fail(str(exc)) from None
     except (lmdb.Error, StoreFormatError, PermissionError) as exc:
         raise _Fail(f"cannot open the store at {cfg.store_path}: {exc}") from None
 
@@ -188,9 +197,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    if args.max_tokens < 1:
-        raise _Fail(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    import os
+
+    if args.max_tokens is None and not os.environ.get("EDGESYNC_MAX_TOKENS", "").strip():
+        args.max_tokens = RUN_MAX_TOKENS
     cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens})
+    args.max_tokens = cfg.max_tokens
+    if args.json_out:  # fail before the run, not after it
+        try:
+            with open(args.json_out, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise _Fail(f"--json-out {args.json_out}: cannot write: {exc}") from None
     try:
         requests = load_workload(args.workload, limit=args.limit)
     except (WorkloadDataError, ValueError) as exc:

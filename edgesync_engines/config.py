@@ -6,6 +6,7 @@ Commands pass their command-line options as overrides; applications pass keyword
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,10 +88,10 @@ class EdgeSyncConfig:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not 64 <= self.chunk_tokens <= 1985:
             raise ValueError(f"chunk_tokens: {self.chunk_tokens} must be in [64, 1985]")
-        if self.ttl_seconds <= 0:
-            raise ValueError(f"ttl_seconds: must be > 0, got {self.ttl_seconds}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.ttl_seconds) or self.ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds: must be a finite number > 0, got {self.ttl_seconds}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.n_threads is not None and self.n_threads < 1:
@@ -106,20 +107,30 @@ class EdgeSyncConfig:
         """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        source: dict[str, str] = {}
         for name, (var, parse) in cls._ENV.items():
             raw = environ.get(var)
-            if raw is None or raw == "":
+            if raw is None or raw.strip() == "":
                 continue
             try:
                 values[name] = parse(raw)
             except ValueError as exc:
                 raise ValueError(f"{var}={raw!r}: {exc}") from None
+            source[name] = f"{var}={raw!r}"
         for name, value in (overrides or {}).items():
             if name not in cls._ENV:
                 raise ValueError(f"unknown setting {name!r}")
-            if value is not None:
-                values[name] = Path(value) if name in ("store_path", "model_path") else value
-        return cls(**values)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                continue  # not given
+            values[name] = Path(value) if name in ("store_path", "model_path") else value
+            source.pop(name, None)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0]
+            if field in source:
+                raise ValueError(f"{exc} (from {source[field]})") from None
+            raise
 
     def to_dict(self) -> dict:
         """JSON-able view."""

@@ -2,7 +2,7 @@
 
 Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
 ``seqstate.parse``; injection assembles fragments into one ``llama_state_seq_set_data`` buffer
-(``seqstate.serialize``). Facts this relies on (DESIGN.md 2.2, measured on llama-cpp-python
+(``seqstate.serialize``). Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
 0.3.36): set_data replaces the destination sequence and must cover positions 0..N-1; after
 injecting N tokens, ``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops
 the injected cells or writes the suffix at position 0; ``Llama.reset()`` does not clear KV
@@ -28,7 +28,7 @@ from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, pref
 
 from . import seqstate
 from .adapter import ContextOverflowError, InjectionError
-from .models import ModelNotFoundError, default_model_path, route_native_logs
+from .models import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 
 log = logging.getLogger("edgesync.llamacpp")
 
@@ -53,6 +53,7 @@ class LlamaCppAdapter:
 
     Raises:
         ModelNotFoundError: the model file is missing.
+        ModelLoadError: llama.cpp cannot load the file or create the context.
         seqstate.SeqStateError: the engine's seq-state format is not the one this code parses
             (found by a one-token probe at start).
     """
@@ -76,17 +77,22 @@ class LlamaCppAdapter:
             path = Path(model) if model is not None else default_model_path()
             if not path.is_file():
                 raise ModelNotFoundError(f"{path}: no such model file")
-            self.llm = llama_cpp.Llama(
-                model_path=str(path),
-                n_ctx=n_ctx,
-                n_threads=n_threads or os.cpu_count() or 1,
-                n_threads_batch=n_threads or os.cpu_count() or 1,
-                flash_attn=flash_attn,
-                verbose=verbose,
-                seed=seed,
-            )
+            try:
+                self.llm = llama_cpp.Llama(
+                    model_path=str(path),
+                    n_ctx=n_ctx,
+                    n_threads=n_threads or os.cpu_count() or 1,
+                    n_threads_batch=n_threads or os.cpu_count() or 1,
+                    flash_attn=flash_attn,
+                    verbose=verbose,
+                    seed=seed,
+                )
+            except ValueError as exc:  # llama-cpp-python's "Failed to load model / create context"
+                raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx})") from None
             self.model_path = path
+            self._owns_llm = True
         else:
+            self._owns_llm = False
             self.llm = model
             self.model_path = Path(model_path or getattr(model, "model_path", ""))
             if not self.model_path.is_file():
@@ -421,8 +427,9 @@ class LlamaCppAdapter:
         self.llm.n_tokens = 0
 
     def close(self) -> None:
-        """Free the model and context."""
+        """Free the model and context if this adapter loaded them; a ``Llama`` passed in stays
+        open (its owner closes it)."""
         with self.lock:
             llm, self.llm = getattr(self, "llm", None), None
-            if llm is not None:
+            if llm is not None and self._owns_llm:
                 llm.close()

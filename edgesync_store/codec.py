@@ -16,7 +16,7 @@ Blob layout (version 1, all integers little-endian)::
 
 No pickle: the header is JSON, the arrays raw little-endian. Byte shuffling stores the low
 bytes of every f16 element, then the high bytes (byte planes), which compresses better and
-faster than plain f16 (ratio 1.17 against 1.08, DESIGN.md 2.4). zstd level 1: higher levels
+faster than plain f16 (ratio 1.17 against 1.08, ../shared/DESIGN.md 2.4). zstd level 1: higher levels
 gain nothing on KV (same source).
 
 Decoding refuses, with :class:`CodecError` (a ``ValueError``), a wrong magic or version, a bad

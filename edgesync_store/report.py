@@ -19,7 +19,7 @@ from typing import Any
 
 import lmdb
 
-from .store import FragmentStore, StoreFormatError
+from .store import FragmentStore, StoreFormatError, StoreOpenError
 
 __all__ = [
     "StoreNotFoundError",
@@ -128,6 +128,7 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
 
     Raises:
         StoreNotFoundError: no directory at ``path`` (it is not created).
+        StoreOpenError: the directory holds no EdgeSync store.
         lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
     """
     path = Path(path).expanduser()
@@ -216,6 +217,9 @@ def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | N
     try:
         report = load_report(path, limit)
     except StoreNotFoundError as exc:
+        print(f"error: {exc}", file=err, flush=True)
+        return 2
+    except StoreOpenError as exc:
         print(f"error: {exc}", file=err, flush=True)
         return 2
     except (lmdb.Error, StoreFormatError, OSError) as exc:

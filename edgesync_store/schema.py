@@ -80,7 +80,7 @@ class Namespace:
     * ``model_fingerprint``: SHA-256 hex of the model file (see ``fingerprint.py``);
     * ``engine`` and ``engine_version``: e.g. ``"llama.cpp"``, ``"llama-cpp-python 0.3.36"``;
     * ``kv_dtype``: element type of K and V, ``"f16"`` or ``"f32"``;
-    * ``flash_attn``: flash attention changes the V layout and the numbers (DESIGN.md 2.2);
+    * ``flash_attn``: flash attention changes the V layout and the numbers (../shared/DESIGN.md 2.2);
     * ``layout``: name of the tensor layout and state format the engine wrote;
     * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry, used by the invariants.
     """

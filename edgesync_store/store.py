@@ -51,6 +51,11 @@ class StoreFormatError(RuntimeError):
     """The store on disk has a format this code cannot read."""
 
 
+class StoreOpenError(RuntimeError):
+    """The store path cannot hold or does not hold a store (a file, a foreign non-empty
+    directory, no permission, not LMDB); the message names the path and the reason."""
+
+
 @dataclass
 class Lifecycle:
     """Mutable per-fragment counters: hits, last hit and expiry (Unix seconds)."""
@@ -122,9 +127,13 @@ class FragmentStore:
         max_raw_bytes: decompressed-size cap passed to ``codec.decode``.
         readonly: open without writing (no growth, no removal of corrupt entries).
 
+    A new directory is created with mode 0700 (it will hold users' prompts); an existing
+    directory's mode is left alone.
+
     Raises:
         StoreFormatError: the store was written by a newer format version.
-        lmdb.Error: the directory cannot be opened as an LMDB environment.
+        StoreOpenError: the path is a file, a non-empty directory without a store, cannot be
+            created, or does not open as LMDB (read-only: holds no store).
     """
 
     def __init__(
@@ -138,24 +147,42 @@ class FragmentStore:
         self.max_raw_bytes = max_raw_bytes
         self.readonly = readonly
         self.dropped_corrupt = 0
-        if not readonly:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not str(path).strip():
+            raise StoreOpenError("store path: is empty")
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreOpenError(f"store path {self.path}: exists and is not a directory")
+        if self.path.is_dir() and not (self.path / "data.mdb").exists():
+            others = [p.name for p in self.path.iterdir() if p.name != "lock.mdb"]
+            if others:
+                raise StoreOpenError(
+                    f"store path {self.path}: holds other files ({', '.join(sorted(others)[:3])}...) "
+                    "and no EdgeSync store; choose an empty or new directory"
+                )
+        if readonly and not (self.path / "data.mdb").exists():
+            raise StoreOpenError(f"no EdgeSync store at {self.path}")
+        if not readonly and not self.path.exists():
             try:
-                os.chmod(self.path, 0o700)
-            except OSError:
-                log.warning("cannot set mode 0700 on %s", self.path)
+                self.path.mkdir(mode=0o700, parents=True)  # a new store is private: it holds prompts
+                os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+            except OSError as exc:
+                raise StoreOpenError(f"cannot create the store directory {self.path}: {exc}") from None
         self._lock = threading.RLock()
-        self._env = lmdb.open(
-            str(self.path),
-            map_size=map_size,
-            subdir=True,
-            max_dbs=8,
-            mode=0o600,
-            readonly=readonly,
-            readahead=False,
-            meminit=False,
-            max_readers=256,
-        )
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                subdir=True,
+                max_dbs=8,
+                mode=0o600,
+                readonly=readonly,
+                # a read-only look at a store we cannot write (another user's, read-only media)
+                lock=not readonly or os.access(self.path, os.W_OK),
+                readahead=False,
+                meminit=False,
+                max_readers=256,
+            )
+        except lmdb.Error as exc:
+            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from None
         for _ in range(64):
             try:
                 self._fragments = self._env.open_db(b"fragments", create=not readonly)
@@ -374,10 +401,12 @@ class FragmentStore:
 
         At each position the walk looks up the fragments stored after exactly this prefix
         (namespace digest + prefix hash), keeps those of ``namespace`` that are not expired,
-        groups them by token span, keeps groups that together hold every layer and KV head,
-        and follows the longest group whose tokens all match. When none matches whole, the
-        group with the longest matching head ends the walk as a partial span. Reads headers
-        only; corrupt or dangling entries met on the way are removed.
+        groups them by token span, and keeps groups that together hold every layer and KV
+        head. A group whose tokens all match leads on to its end position; one that matches
+        only a head ends a path as a partial span. The walk returns the path that reaches
+        furthest (a depth-first search with one lookup per position, since spans of other
+        chunk sizes branch). Reads headers only; corrupt or dangling entries met on the way
+        are removed.
 
         Args:
             namespace: only fragments of this namespace are considered.
@@ -393,50 +422,61 @@ class FragmentStore:
         result = PrefixMatch()
         corrupt: list[tuple[bytes, bytes | None]] = []
 
-        def read(txn: lmdb.Transaction) -> None:
-            pos = 0
-            cursor = txn.cursor(db=self._by_prefix)
-            while pos < len(tokens):
-                index_key = ns_digest + hasher.copy().digest()
-                groups: dict[tuple[int, bytes], list] = {}
-                if cursor.set_key(index_key):
-                    for key in cursor.iternext_dup():
-                        key = bytes(key)
-                        blob = txn.get(key, db=self._fragments)
-                        if blob is None:
-                            corrupt.append((key, index_key))
-                            continue
-                        try:
-                            head = codec.peek(blob)
-                        except CodecError:
-                            corrupt.append((key, None))
-                            continue
-                        life = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
-                        if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
-                            continue
-                        group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
-                        group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
-                        group[2].append(key)
-                        group[3] += len(blob)
-                best_full = best_partial = None
-                for head, covered, keys, nbytes in groups.values():
-                    if covered != full:
-                        continue
-                    matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
-                    span = SpanMatch(keys, pos, head.token_end, matched, nbytes)
-                    if span.complete and head.token_end <= len(tokens):
-                        if best_full is None or span.token_end > best_full.token_end:
-                            best_full = span
-                    elif matched > 0 and (best_partial is None or matched > best_partial.matched):
-                        best_partial = span
-                if best_full is not None:
-                    result.spans.append(best_full)
-                    hasher.update(token_bytes(tokens[pos : best_full.token_end]))
-                    pos = best_full.token_end
+        def groups_at(txn: lmdb.Transaction, cursor: lmdb.Cursor, pos: int, digest: bytes) -> list[SpanMatch]:
+            """The complete-coverage span groups stored right after ``tokens[:pos]``."""
+            index_key = ns_digest + digest
+            keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(index_key) else []
+            groups: dict[tuple[int, bytes], list] = {}
+            for key in keys:
+                blob = txn.get(key, db=self._fragments)
+                if blob is None:
+                    corrupt.append((key, index_key))
                     continue
-                if best_partial is not None:
-                    result.spans.append(best_partial)
-                break
+                try:
+                    head = codec.peek(blob)
+                except CodecError:
+                    corrupt.append((key, None))
+                    continue
+                life = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+                if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
+                    continue
+                group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
+                group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+                group[2].append(key)
+                group[3] += len(blob)
+            spans = []
+            for head, covered, keys_, nbytes in groups.values():
+                if covered == full:
+                    matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
+                    if matched > 0:
+                        spans.append(SpanMatch(keys_, pos, head.token_end, matched, nbytes))
+            return spans
+
+        def read(txn: lmdb.Transaction) -> None:
+            cursor = txn.cursor(db=self._by_prefix)
+            memo: dict[int, tuple[int, list[SpanMatch]]] = {}
+
+            def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
+                # Longest reach from ``pos``: spans of other chunk sizes branch, so a greedy
+                # choice of the longest complete span can end short of another branch.
+                if pos in memo:
+                    return memo[pos]
+                found: tuple[int, list[SpanMatch]] = (pos, [])
+                if pos < len(tokens):
+                    for span in groups_at(txn, cursor, pos, hasher.digest()):
+                        if span.complete and span.token_end <= len(tokens):
+                            nxt = hasher.copy()
+                            nxt.update(token_bytes(tokens[pos : span.token_end]))
+                            reach, chain = best(span.token_end, nxt)
+                            option = (reach, [span] + chain)
+                        else:
+                            option = (pos + span.matched, [span])
+                        if option[0] > found[0]:
+                            found = option
+                memo[pos] = found
+                return found
+
+            result.spans[:] = best(0, hasher)[1]
 
         self._txn(read)
         for key, index_key in corrupt:

@@ -173,3 +173,21 @@ def test_missing_model_and_workload_data_exit_2(tmp_path):
                     env=_env(EDGESYNC_WORKLOADS=str(tmp_path / "nowhere")))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "EDGESYNC_WORKLOADS" in proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_paths_and_models_that_do_not_work_exit_2_with_one_line(tmp_path):
+    """A store path that is a file, and a model file that is not a GGUF: one error line, no
+    traceback."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\0" * 4096)
+    for args, env in (
+        (["generate", "hi", "--store", str(a_file)], {}),
+        (["generate", "hi", "--store", str(tmp_path / "s")], {"EDGESYNC_MODEL": str(junk)}),
+        (["generate", "hi", "--store", str(tmp_path / "s")], {"EDGESYNC_TTL_SECONDS": "nan"}),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", *args], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **env})
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr

@@ -56,7 +56,7 @@ def test_parse_refuses_what_it_does_not_understand(adapter, prompt):
 
 
 def test_slice_of_a_long_prefill_equals_a_short_prefill(adapter, prompt):
-    """DESIGN.md 2.2: the first 128 tokens' KV cut from a longer prefill are the bytes a clean
+    """../shared/DESIGN.md 2.2: the first 128 tokens' KV cut from a longer prefill are the bytes a clean
     128-token prefill writes."""
     prefill(adapter, prompt, [(0, len(prompt))])
     long_frag = adapter.extract_fragment(prompt, 0, 128)

@@ -296,3 +296,28 @@ def test_two_threads_never_drive_the_engine_at_once(cached, uncached, system_pro
     assert not errors
     for i in (0, 1):
         assert got[i] == [expected[i], expected[i]]
+
+
+def test_abandoned_stream_releases_the_engine_on_close(cached, system_prompts):
+    import threading
+
+    messages = chat(system_prompts[0], "Explain photosynthesis step by step in detail.")
+    stream = cached.generate(messages, max_tokens=64, stream=True)
+    next(stream)
+    stream.close()
+    done = threading.Event()
+    threading.Thread(target=lambda: (cached.generate(messages, max_tokens=2), done.set()), daemon=True).start()
+    assert done.wait(timeout=120), "another thread still waits for the engine"
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", [], [{"role": "user", "content": "  "}]])
+def test_blank_prompts_are_refused(cached, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        cached.generate(prompt, max_tokens=4)
+
+
+def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        es.generate("Hello there", max_tokens=2)
+    assert adapter.llm is not None
+    assert EdgeSync(adapter, store=False).generate("Hello again", max_tokens=2).tokens

@@ -28,7 +28,7 @@ import pytest
 
 from edgesync_store import codec, fingerprint
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
-from edgesync_store.store import FragmentStore, StoreFormatError
+from edgesync_store.store import FragmentStore, StoreFormatError, StoreOpenError
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -297,12 +297,32 @@ def test_modes_0700_directory_0600_files(tmp_path):
     assert [p.name for p in files] == ["data.mdb", "lock.mdb"]
     for p in files:
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
-    # an existing directory with a looser mode is tightened
+    # an existing empty directory is used as it is: its owner chose its mode
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
     os.chmod(loose, 0o755)
     FragmentStore(loose).close()
-    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o755
+
+
+def test_paths_that_cannot_hold_a_store_are_refused_untouched(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a store")
+    with pytest.raises(StoreOpenError, match="not a directory"):
+        FragmentStore(a_file)
+    with pytest.raises(StoreOpenError):
+        FragmentStore(a_file / "sub")
+    busy = tmp_path / "photos"
+    busy.mkdir(mode=0o755)
+    (busy / "holiday.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(StoreOpenError, match="holds other files"):
+        FragmentStore(busy)
+    assert sorted(p.name for p in busy.iterdir()) == ["holiday.jpg"]
+    assert stat.S_IMODE(busy.stat().st_mode) == 0o755
+    with pytest.raises(StoreOpenError, match="no EdgeSync store"):
+        FragmentStore(tmp_path / "empty-ro", readonly=True)
+    with pytest.raises(StoreOpenError, match="empty"):
+        FragmentStore("")
 
 
 def test_readonly_store_reads_but_refuses_writes(tmp_path):
@@ -785,3 +805,23 @@ def test_file_fingerprint_is_sha256_and_cached(tmp_path, monkeypatch):
     assert fingerprint.file_fingerprint(model) == hashlib.sha256(b"tiny").hexdigest()
     with pytest.raises(FileNotFoundError):
         fingerprint.file_fingerprint(tmp_path / "missing.gguf")
+
+
+def test_walk_takes_the_branch_that_reaches_furthest(tmp_path):
+    """Spans of two chunk sizes branch at position 0: a long span [0, 190) and the chain
+    [0, 128) -> [128, 192). The walk must not stop at 190 because it took the longest first
+    span: it returns the chain that reaches 192."""
+    seq = np.random.default_rng(5).integers(0, 49152, size=193, dtype=np.int32)
+    with FragmentStore(tmp_path / "s") as store:
+        store.put_many([
+            make_fragment(seq, 0, 190, seed=1),
+            make_fragment(seq, 0, 128, seed=2),
+            make_fragment(seq, 128, 192, seed=3),
+        ])
+        match = store.prefix_walk(SMOL, seq)
+        assert match.matched_tokens == 192
+        assert [(s.token_start, s.token_end) for s in match.spans] == [(0, 128), (128, 192)]
+        other = seq.copy()
+        other[150] += 1  # the chain's second span now matches only to 150: [0, 190) wins
+        match = store.prefix_walk(SMOL, other)
+        assert match.matched_tokens == 150
