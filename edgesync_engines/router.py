@@ -232,9 +232,7 @@ class EdgeSync:
                 yield decoder.decode(self.adapter.token_bytes(token))
                 if len(out) == 1 and used_keys:
                     self._record_hits(used_keys)
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield tail
+            # bytes of a character cut by max_tokens stay out of the text (no trailing U+FFFD)
             if ttft_ms is None:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if used_keys:
@@ -242,7 +240,7 @@ class EdgeSync:
             written = self._store_new(tokens)
         total_ms = (time.perf_counter() - t0) * 1000
         result = GenerationResult(
-            text=self.adapter.detokenize(out),
+            text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
             tokens=out,
             tier=tier,
             similarity=None,
