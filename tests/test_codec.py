@@ -22,17 +22,7 @@ from edgesync_store import codec
 from edgesync_store.codec import CodecError, decode, encode, peek
 from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace, content_hash, prefix_hash
 
-SMOL = Namespace(
-    model_fingerprint="ab" * 32,
-    engine="llama.cpp",
-    engine_version="llama-cpp-python 0.3.36",
-    kv_dtype="f16",
-    flash_attn=False,
-    layout="test",
-    n_layer=30,
-    n_head_kv=3,
-    head_dim=64,
-)
+from fragments import SMOL  # noqa: E402  (tests/fragments.py)
 SMOL_F32 = replace(SMOL, kv_dtype="f32")
 
 

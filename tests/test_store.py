@@ -34,17 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 MiB = 1 << 20
 
-SMOL = Namespace(
-    model_fingerprint="ab" * 32,
-    engine="llama.cpp",
-    engine_version="llama-cpp-python 0.3.36",
-    kv_dtype="f16",
-    flash_attn=False,
-    layout="test",
-    n_layer=30,
-    n_head_kv=3,
-    head_dim=64,
-)
+from fragments import SMOL  # noqa: E402  (tests/fragments.py)
 
 
 def make_fragment(
