@@ -4,10 +4,19 @@ real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missi
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 
 from edgesync_engines import workloads
+
+
+# Keep the suite out of the user's own cache directory: fingerprints and any default store go
+# to a temp dir (set before any test or subprocess starts, so subprocesses inherit it).
+_SANDBOX = tempfile.mkdtemp(prefix="edgesync-tests-")
+os.environ.setdefault("EDGESYNC_FINGERPRINT_CACHE", os.path.join(_SANDBOX, "fingerprints.json"))
+os.environ.setdefault("EDGESYNC_STORE", os.path.join(_SANDBOX, "default-store"))
 
 
 @pytest.fixture(scope="session")
