@@ -283,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 1
+    except OSError as exc:  # e.g. a full disk under stdout or --json-out
+        _err(str(exc))
+        return 1
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ class EdgeSyncConfig:
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.n_threads is not None and self.n_threads < 1:
-            raise ValueError(f"n_threads: must be >= 1, got {self.n_threads}")
+        if self.n_threads is not None and not 1 <= self.n_threads <= 256:
+            raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "EdgeSyncConfig":

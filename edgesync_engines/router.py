@@ -126,6 +126,8 @@ class EdgeSync:
             self.store = None
         elif isinstance(store, FragmentStore):
             self.store = store
+        elif store is not None and not isinstance(store, (str, os.PathLike)):
+            raise TypeError(f"store: expected a FragmentStore, a path, None or False, got {type(store).__name__}")
         else:
             self.store = FragmentStore(store if store is not None else self.config.store_path)
             self._owns_store = True
@@ -148,6 +150,9 @@ class EdgeSync:
         else:
             if not prompt:
                 raise ValueError("prompt: no chat messages")
+            for i, m in enumerate(prompt):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
             if all(not str(m.get("content", "")).strip() for m in prompt if isinstance(m, dict)):
                 raise ValueError("prompt: every chat message is empty")
             text = self.adapter.apply_chat_template(prompt)
@@ -210,11 +215,18 @@ class EdgeSync:
 
     def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int):
         t0 = time.perf_counter()
+        if self.adapter.llm is None:
+            raise RuntimeError("EdgeSync: the engine is closed")
         tokens = self.prompt_tokens(prompt)
         if not tokens:
             raise ValueError("prompt: tokenizes to nothing")
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if not (temperature >= 0 and temperature < float("inf")):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+
         if len(tokens) + max_tokens > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         yield ""  # input checked: errors above raise from generate() itself

@@ -149,14 +149,19 @@ class FragmentStore:
         self.dropped_corrupt = 0
         if not str(path).strip():
             raise StoreOpenError("store path: is empty")
+        try:
+            str(self.path).encode("utf-8")
+        except UnicodeEncodeError:
+            raise StoreOpenError(f"store path {self.path!r}: is not valid UTF-8 (LMDB needs it)") from None
         if self.path.exists() and not self.path.is_dir():
             raise StoreOpenError(f"store path {self.path}: exists and is not a directory")
         if self.path.is_dir() and not (self.path / "data.mdb").exists():
             others = [p.name for p in self.path.iterdir() if p.name != "lock.mdb"]
             if others:
+                shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
                 raise StoreOpenError(
-                    f"store path {self.path}: holds other files ({', '.join(sorted(others)[:3])}...) "
-                    "and no EdgeSync store; choose an empty or new directory"
+                    f"store path {self.path}: holds other files ({shown}) and no EdgeSync store"
+                    + ("" if readonly else "; choose an empty or new directory")
                 )
         if readonly and not (self.path / "data.mdb").exists():
             raise StoreOpenError(f"no EdgeSync store at {self.path}")
@@ -183,6 +188,7 @@ class FragmentStore:
             )
         except lmdb.Error as exc:
             raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from None
+        self._check_is_edgesync_lmdb()
         for _ in range(64):
             try:
                 self._fragments = self._env.open_db(b"fragments", create=not readonly)
@@ -193,6 +199,26 @@ class FragmentStore:
             except lmdb.MapResizedError:  # another process grew the map since lmdb.open
                 self._env.set_mapsize(0)
         self._check_format()
+
+    def _check_is_edgesync_lmdb(self) -> None:
+        """Refuse a truncated data file (LMDB would die of SIGBUS reading past its end) and an
+        LMDB environment written by something else (we would write our databases into it)."""
+        info, psize = self._env.info(), self._env.stat()["psize"]
+        data = self.path / "data.mdb"
+        needed = (info["last_pgno"] + 1) * psize
+        if data.exists() and data.stat().st_size < needed:
+            self._env.close()
+            raise StoreOpenError(
+                f"store {self.path}: data.mdb is truncated ({data.stat().st_size} of {needed} bytes); "
+                "delete the directory (it is a cache) or restore it"
+            )
+        with self._env.begin() as txn:
+            names = {bytes(k) for k, _ in txn.cursor()}
+        # named databases are created one transaction each, so a store another process is
+        # creating right now may show only some of ours: any one of them marks an EdgeSync store
+        if names and not names & {b"fragments", b"by_prefix", b"lifecycle", b"meta"}:
+            self._env.close()
+            raise StoreOpenError(f"store path {self.path}: holds an LMDB database that is not an EdgeSync store")
 
     # -- transactions -------------------------------------------------------------------
 
@@ -224,7 +250,10 @@ class FragmentStore:
             if not self.readonly:
                 self._txn(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self._meta), write=True)
             return
-        version = int(found)
+        try:
+            version = int(found)
+        except ValueError:
+            raise StoreFormatError(f"store {self.path}: format_version {found[:20]!r} is not a number") from None
         if version > STORE_FORMAT_VERSION:
             raise StoreFormatError(
                 f"store {self.path} has format version {version}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"

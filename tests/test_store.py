@@ -815,3 +815,25 @@ def test_walk_takes_the_branch_that_reaches_furthest(tmp_path):
         other[150] += 1  # the chain's second span now matches only to 150: [0, 190) wins
         match = store.prefix_walk(SMOL, other)
         assert match.matched_tokens == 150
+
+
+def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
+    import lmdb
+
+    foreign = tmp_path / "foreign"
+    env = lmdb.open(str(foreign))
+    with env.begin(write=True) as txn:
+        txn.put(b"user", b"alice")
+    env.close()
+    before = (foreign / "data.mdb").read_bytes()
+    with pytest.raises(StoreOpenError, match="not an EdgeSync store"):
+        FragmentStore(foreign)
+    assert (foreign / "data.mdb").read_bytes() == before
+
+    good = tmp_path / "good"
+    with FragmentStore(good) as store:
+        store.put(make_fragment(seed=3, kind="bits", end=400))
+    data = (good / "data.mdb").read_bytes()
+    (good / "data.mdb").write_bytes(data[: len(data) // 4])  # a half-finished copy
+    with pytest.raises(StoreOpenError, match="truncated"):
+        FragmentStore(good)
