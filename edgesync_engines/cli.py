@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import lmdb
 
-from edgesync_store.report import format_bytes, print_dump, wide_console
+from edgesync_store.cli_dump import print_dump
+from edgesync_store.report import format_bytes, wide_console
 from edgesync_store.store import StoreFormatError, StoreOpenError
 
 from . import runreport

@@ -14,7 +14,7 @@ Blob layout (version 1, all integers little-endian)::
     ..      payload_nbytes  zstd frame of the byte-shuffled K then V
     ..      4               crc32 of the zstd frame
 
-No pickle: the header is JSON, the arrays raw little-endian. Byte shuffling stores the low
+The header is JSON and the arrays raw little-endian: nothing read is unpickled. Byte shuffling stores the low
 bytes of every f16 element, then the high bytes (byte planes), which compresses better and
 faster than plain f16 (ratio 1.17 against 1.08, ../shared/DESIGN.md 2.4). zstd level 1: higher levels
 gain nothing on KV (same source).

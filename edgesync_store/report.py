@@ -1,8 +1,8 @@
 """What a fragment store holds, as rows and a summary, for ``edgesync dump`` and ``tools/dump.py``.
 
 Everything here reads headers only (``FragmentStore.iterate``: no decompression). The row and
-summary functions are pure; :func:`render_table` builds a rich Table; :func:`print_dump` is the
-command-line entry both commands share and writes only to the consoles it is given.
+summary functions are pure; :func:`render_table` builds a rich Table; the command that prints
+them is :mod:`edgesync_store.cli_dump`.
 
 Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
 ``expires_in_s`` is seconds from now (negative once expired).
@@ -10,16 +10,13 @@ Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import lmdb
-
-from .store import FragmentStore, StoreFormatError, StoreOpenError
+from .store import FragmentStore
 
 __all__ = [
     "StoreNotFoundError",
@@ -28,7 +25,6 @@ __all__ = [
     "iso_time",
     "load_report",
     "open_store_readonly",
-    "print_dump",
     "render_table",
     "summary",
     "wide_console",
@@ -37,17 +33,14 @@ __all__ = [
 KEY_PREFIX_CHARS = 12
 FINGERPRINT_PREFIX_CHARS = 12
 
-
 class StoreNotFoundError(FileNotFoundError):
     """There is no store directory at the given path (nothing is created)."""
-
 
 def iso_time(t: float | None) -> str | None:
     """ISO-8601 local time with offset, to the second; None for 0/None (never happened)."""
     if not t:
         return None
     return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
-
 
 def format_bytes(n: int | float | None) -> str:
     """Human-readable decimal size: ``'6.8 MB'``; ``'-'`` for None."""
@@ -59,7 +52,6 @@ def format_bytes(n: int | float | None) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover
-
 
 def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[str, Any]]:
     """One JSON-able row per stored fragment, oldest first (corrupt rows last).
@@ -112,7 +104,6 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
     rows.sort(key=lambda r: (r["corrupt"], r["created_at"] or 0.0, r["span"] is None, r["tokens"] or ""))
     return rows
 
-
 def summary(store: FragmentStore) -> dict[str, Any]:
     """``store.stats()`` as a dict plus the store path and the compression ratio (raw/compressed)."""
     stats = store.stats().to_dict()
@@ -121,7 +112,6 @@ def summary(store: FragmentStore) -> dict[str, Any]:
         round(stats["raw_bytes"] / stats["compressed_bytes"], 3) if stats["compressed_bytes"] else None
     )
     return stats
-
 
 def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
     """Open an existing store without writing to it.
@@ -136,7 +126,6 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
         raise StoreNotFoundError(f"no store at {path}")
     return FragmentStore(path, readonly=True)
 
-
 def load_report(path: str | os.PathLike, limit: int | None = None) -> dict[str, Any]:
     """``{"fragments": rows (the first ``limit``), "summary": summary}`` of the store at ``path``."""
     with open_store_readonly(path) as store:
@@ -144,7 +133,6 @@ def load_report(path: str | os.PathLike, limit: int | None = None) -> dict[str, 
         summ = summary(store)
     summ["shown"] = len(rows) if limit is None else min(limit, len(rows))
     return {"fragments": rows if limit is None else rows[:limit], "summary": summ}
-
 
 def wide_console(stderr: bool = False, width: int = 200):
     """A rich Console; when the stream is not a terminal (a pipe, a file) and ``COLUMNS`` is not
@@ -156,7 +144,6 @@ def wide_console(stderr: bool = False, width: int = 200):
     stream = sys.stderr if stderr else sys.stdout
     wide = not (hasattr(stream, "isatty") and stream.isatty()) and not os.environ.get("COLUMNS")
     return Console(stderr=stderr, width=width if wide else None)
-
 
 def render_table(report: dict[str, Any]):
     """A rich Table of a :func:`load_report` document (one line per fragment)."""
@@ -200,35 +187,3 @@ def render_table(report: dict[str, Any]):
             f"{row['engine']} {row['model']}",
         )
     return table
-
-
-def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | None = None,
-               out=None, err=None) -> int:
-    """The ``dump`` command shared by ``edgesync dump`` and ``tools/dump.py``.
-
-    Writes a table (or with ``as_json`` one JSON object ``{"fragments": [...], "summary":
-    {...}}``) to the rich console ``out`` (default: :func:`wide_console` on stdout), or one
-    ``error: ...`` line to the text stream ``err`` (default: stderr). Returns the exit status:
-    0, or 2 when there is no readable store at ``path`` (a missing directory is not created).
-    """
-    import sys
-
-    err = err or sys.stderr
-    try:
-        report = load_report(path, limit)
-    except StoreNotFoundError as exc:
-        print(f"error: {exc}", file=err, flush=True)
-        return 2
-    except StoreOpenError as exc:
-        print(f"error: {exc}", file=err, flush=True)
-        return 2
-    except (lmdb.Error, StoreFormatError, OSError) as exc:
-        print(f"error: cannot read the store at {path}: {exc}", file=err, flush=True)
-        return 2
-    out = out or wide_console()
-    if as_json:
-        out.file.write(json.dumps(report, indent=2) + "\n")
-        out.file.flush()
-    else:
-        out.print(render_table(report))
-    return 0

@@ -1,0 +1,43 @@
+"""The ``dump`` command shared by ``edgesync dump`` and ``tools/dump.py``: command code that
+prints, on top of the pure report functions of :mod:`edgesync_store.report`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lmdb
+
+from .report import StoreNotFoundError, load_report, render_table, wide_console
+from .store import StoreFormatError, StoreOpenError
+
+
+def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | None = None,
+               out=None, err=None) -> int:
+    """The ``dump`` command shared by ``edgesync dump`` and ``tools/dump.py``.
+
+    Writes a table (or with ``as_json`` one JSON object ``{"fragments": [...], "summary":
+    {...}}``) to the rich console ``out`` (default: :func:`wide_console` on stdout), or one
+    ``error: ...`` line to the text stream ``err`` (default: stderr). Returns the exit status:
+    0, or 2 when there is no readable store at ``path`` (a missing directory is not created).
+    """
+    err = err or sys.stderr
+    try:
+        report = load_report(path, limit)
+    except StoreNotFoundError as exc:
+        print(f"error: {exc}", file=err, flush=True)
+        return 2
+    except StoreOpenError as exc:
+        print(f"error: {exc}", file=err, flush=True)
+        return 2
+    except (lmdb.Error, StoreFormatError, OSError) as exc:
+        print(f"error: cannot read the store at {path}: {exc}", file=err, flush=True)
+        return 2
+    out = out or wide_console()
+    if as_json:
+        out.file.write(json.dumps(report, indent=2) + "\n")
+        out.file.flush()
+    else:
+        out.print(render_table(report))
+    return 0
