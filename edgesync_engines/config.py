@@ -17,6 +17,12 @@ import platformdirs
 from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
 
+REUSE_MODES = ("exact", "semantic")
+"""``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
+EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
+"""Embedders of ``edgesync_store.embedding``."""
+
+
 def default_store_path() -> Path:
     """The per-user cache directory's ``store`` folder (e.g. ``~/.cache/edgesync/store``)."""
     return Path(platformdirs.user_cache_dir("edgesync")) / "store"
@@ -49,6 +55,21 @@ class EdgeSyncConfig:
         top_p: nucleus sampling mass when temperature > 0 [EDGESYNC_TOP_P].
         seed: sampling seed [EDGESYNC_SEED].
         verbose_engine: let llama.cpp's own log lines through [EDGESYNC_VERBOSE_ENGINE].
+        semantic: look donors up by meaning when the prefix walk leaves at least
+            ``semantic_min_uncovered`` prompt tokens uncovered [EDGESYNC_SEMANTIC].
+        embedding_backend: ``onnx`` (int8 MiniLM-L6-v2, default) or ``sentence-transformers``
+            [EDGESYNC_EMBEDDING_BACKEND]; a store never mixes vectors of two backends.
+        reuse: ``exact`` (default: only token-identical KV is injected, outputs equal an uncached
+            run) or ``semantic`` (the opt-in approximate mode: a donor at similarity >=
+            ``similarity_exact`` is injected whole although its tokens differ) [EDGESYNC_REUSE].
+        similarity_exact: cosine at or above which the approximate mode serves a donor whole
+            (the seed's 0.92) [EDGESYNC_SIMILARITY_EXACT].
+        similarity_partial: cosine at or above which a donor is verified token by token (the
+            seed's 0.75) [EDGESYNC_SIMILARITY_PARTIAL].
+        semantic_min_uncovered: uncovered prompt tokens, after the prefix walk, that start a
+            semantic lookup [EDGESYNC_SEMANTIC_MIN_UNCOVERED].
+        ef_search: hnswlib query breadth (100: at 50 it misses near-duplicates, DESIGN.md 2.1)
+            [EDGESYNC_EF_SEARCH].
     """
 
     store_path: Path = dataclasses.field(default_factory=default_store_path)
@@ -64,6 +85,13 @@ class EdgeSyncConfig:
     top_p: float = 0.95
     seed: int = 0
     verbose_engine: bool = False
+    semantic: bool = True
+    embedding_backend: str = "onnx"
+    reuse: str = "exact"
+    similarity_exact: float = 0.92
+    similarity_partial: float = 0.75
+    semantic_min_uncovered: int = 64
+    ef_search: int = 100
 
     _ENV = {
         "store_path": ("EDGESYNC_STORE", Path),
@@ -79,6 +107,13 @@ class EdgeSyncConfig:
         "top_p": ("EDGESYNC_TOP_P", float),
         "seed": ("EDGESYNC_SEED", int),
         "verbose_engine": ("EDGESYNC_VERBOSE_ENGINE", _bool),
+        "semantic": ("EDGESYNC_SEMANTIC", _bool),
+        "embedding_backend": ("EDGESYNC_EMBEDDING_BACKEND", str),
+        "reuse": ("EDGESYNC_REUSE", str),
+        "similarity_exact": ("EDGESYNC_SIMILARITY_EXACT", float),
+        "similarity_partial": ("EDGESYNC_SIMILARITY_PARTIAL", float),
+        "semantic_min_uncovered": ("EDGESYNC_SEMANTIC_MIN_UNCOVERED", int),
+        "ef_search": ("EDGESYNC_EF_SEARCH", int),
     }
 
     def __post_init__(self) -> None:
@@ -96,6 +131,24 @@ class EdgeSyncConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.n_threads is not None and not 1 <= self.n_threads <= 256:
             raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse: {self.reuse!r} is not one of {', '.join(REUSE_MODES)}")
+        if self.embedding_backend not in EMBEDDING_BACKENDS:
+            raise ValueError(
+                f"embedding_backend: {self.embedding_backend!r} is not one of {', '.join(EMBEDDING_BACKENDS)}"
+            )
+        for name in ("similarity_exact", "similarity_partial"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"{name}: must be in (0, 1], got {value}")
+        if self.similarity_partial > self.similarity_exact:
+            raise ValueError(
+                f"similarity_partial: {self.similarity_partial} is above similarity_exact {self.similarity_exact}"
+            )
+        if self.semantic_min_uncovered < 1:
+            raise ValueError(f"semantic_min_uncovered: must be >= 1, got {self.semantic_min_uncovered}")
+        if not 1 <= self.ef_search <= 10_000:
+            raise ValueError(f"ef_search: must be in [1, 10000], got {self.ef_search}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "EdgeSyncConfig":

@@ -10,6 +10,19 @@ Tiers are defined by what was injected: ``exact`` = all but at most one prompt t
 ``partial`` = at least 64 tokens, ``miss`` = nothing. Prompts under 64 tokens are never cached
 (the seed's minimum fragment span). Nothing that is not token-identical is ever injected, so
 the output equals an uncached run's.
+
+Semantic lookup (``edgesync_engines.semantic``): when the walk leaves at least
+``semantic_min_uncovered`` (64) prompt tokens uncovered, the request is embedded and the HNSW
+index nominates stored prompts ("donors") at cosine >= ``similarity_partial`` (0.75); each is
+checked token by token and a longer verified prefix, if any, is injected instead. An exact hit
+never runs the encoder. Every prompt that stored fragments is indexed after its answer.
+
+The approximate mode (``reuse="semantic"``, off by default) is the seed's literal exact tier: any
+request that is not an exact hit (2 or more tokens uncovered) looks, and a donor at cosine >=
+``similarity_exact`` (0.92) is served whole, its KV injected although its
+tokens differ from the prompt's, so the model answers the donor's prompt without prefilling
+this one (``approximate: true`` in the result; nothing is stored for such a request, since the
+context holds the donor's KV). Its fidelity is measured by ``edgesync fidelity``.
 """
 
 from __future__ import annotations
@@ -17,17 +30,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
 import lmdb
 
-from edgesync_store.schema import MIN_SPAN, chunk_spans, prefix_hash, store_key
-from edgesync_store.store import FragmentStore
+from edgesync_store.schema import MIN_SPAN, chunk_spans, common_prefix_len, prefix_hash, store_key
+from edgesync_store.store import FragmentStore, PrefixMatch
 
 from .adapter import ContextOverflowError, InjectionError
 from .config import EdgeSyncConfig
 from .llamacpp import LlamaCppAdapter
+from .semantic import SemanticLookup
 
 log = logging.getLogger("edgesync.router")
 
@@ -38,9 +52,15 @@ TIER_EXACT, TIER_PARTIAL, TIER_MISS = "exact", "partial", "miss"
 class GenerationResult:
     """What one request produced and what it cost.
 
-    Token counts are tokens; times are milliseconds; sizes are bytes. ``similarity`` is None
-    until the semantic index exists. ``tokens_prefilled`` is what this request evaluated of its
-    prompt (``prompt_tokens - tokens_reused``).
+    Token counts are tokens; times are milliseconds; sizes are bytes. ``similarity`` is the
+    cosine of the best donor the semantic lookup found (None when the lookup did not run or
+    found none); ``lookup_ms`` the lookup's cost (encode + search + donor checks, None when it
+    did not run); ``donor`` the hex key (the last fragment of its chain) of the nominated donor
+    whose verified prefix was injected, or that reached as far as the prefix walk did, or that
+    was served whole (None when no nominated donor matched that far). ``tokens_prefilled`` is what this request evaluated
+    (``prompt_tokens - tokens_reused``, except in the approximate mode, where the donor's
+    remaining tokens are evaluated instead). ``approximate`` is True when the answer came from
+    a donor's KV whose tokens differ from the prompt's (``reuse="semantic"`` only).
     """
 
     text: str
@@ -55,9 +75,27 @@ class GenerationResult:
     bytes_read: int
     fragments_written: int = 0
     approximate: bool = False
+    lookup_ms: float | None = None
+    donor: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class _Plan:
+    """What a request injects: the token sequence to continue (the prompt's, or a donor's in
+    the approximate mode), how many of its tokens are injected, and the lookup's findings."""
+
+    tokens: list[int]
+    reused: int = 0
+    keys: list = field(default_factory=list)
+    bytes_read: int = 0
+    similarity: float | None = None
+    embedded: object = None
+    lookup_ms: float | None = None
+    donor: str | None = None
+    approximate: bool = False
 
 
 class GenerationStream:
@@ -131,6 +169,10 @@ class EdgeSync:
         else:
             self.store = FragmentStore(store if store is not None else self.config.store_path)
             self._owns_store = True
+        self.semantic = None
+        if self.store is not None and self.config.semantic:
+            self.semantic = SemanticLookup(self.store, self.config)
+            self.semantic.warm_up()  # loads the embedder and index in the background
 
     @property
     def namespace(self):
@@ -231,13 +273,17 @@ class EdgeSync:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         yield ""  # input checked: errors above raise from generate() itself
         with self.adapter.lock:
-            reused, used_keys, bytes_read = self._inject_prefix(tokens)
+            plan = self._reuse(prompt, tokens, max_tokens)
+            reused, used_keys = plan.reused, plan.keys
             n = len(tokens)
-            tier = TIER_EXACT if reused and reused >= n - 1 else TIER_PARTIAL if reused >= MIN_SPAN else TIER_MISS
+            if plan.approximate:
+                tier = TIER_EXACT
+            else:
+                tier = TIER_EXACT if reused and reused >= n - 1 else TIER_PARTIAL if reused >= MIN_SPAN else TIER_MISS
             out: list[int] = []
             decoder = self.adapter.text_stream()
             ttft_ms = None
-            for token in self.adapter.generate(tokens, reused, max_tokens, temperature, top_p, seed):
+            for token in self.adapter.generate(plan.tokens, reused, max_tokens, temperature, top_p, seed):
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1000
                 out.append(token)
@@ -249,26 +295,108 @@ class EdgeSync:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if used_keys:
                     self._record_hits(used_keys)
-            written = self._store_new(tokens)
+            # the context holds the donor's KV after an approximate answer: nothing to store
+            written = 0 if plan.approximate else self._store_new(tokens)
+            if not plan.approximate:
+                self._index_prompt(prompt, tokens, plan.embedded)
         total_ms = (time.perf_counter() - t0) * 1000
         result = GenerationResult(
             text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
             tokens=out,
             tier=tier,
-            similarity=None,
+            similarity=plan.similarity,
             prompt_tokens=n,
             tokens_reused=reused,
-            tokens_prefilled=n - reused,
+            tokens_prefilled=len(plan.tokens) - reused,
             ttft_ms=ttft_ms,
             total_ms=total_ms,
-            bytes_read=bytes_read,
+            bytes_read=plan.bytes_read,
             fragments_written=written,
+            approximate=plan.approximate,
+            lookup_ms=plan.lookup_ms,
+            donor=plan.donor,
         )
-        log.info("request: %d prompt tokens, tier %s, reused %d, ttft %.1f ms", n, tier, reused, ttft_ms)
+        log.info("request: %d prompt tokens, tier %s%s, reused %d, similarity %s, ttft %.1f ms", n, tier,
+                 " (approximate)" if plan.approximate else "", reused,
+                 "-" if plan.similarity is None else f"{plan.similarity:.3f}", ttft_ms)
         yield result
 
-    def _inject_prefix(self, tokens: list[int]) -> tuple[int, list[bytes], int]:
-        """Walk, fetch, verify and inject.
+    def _walk(self, tokens) -> PrefixMatch:
+        """The store's longest token-identical prefix of ``tokens`` (empty on a read error)."""
+        try:
+            return self.store.prefix_walk(self.namespace, tokens)
+        except lmdb.Error as exc:
+            log.warning("store unreadable, prefilling: %s", exc)
+            return PrefixMatch()
+
+    def _reuse(self, prompt, tokens: list[int], max_tokens: int) -> "_Plan":
+        """Decide what to inject, and inject it.
+
+        The prefix walk first; when it leaves ``semantic_min_uncovered`` or more tokens
+        uncovered, the semantic lookup nominates donors: in the approximate mode the best one
+        at ``similarity_exact`` or above is served whole, otherwise every candidate is checked
+        token by token and the longest verified prefix wins. Never raises for a store or
+        engine problem: the request then prefills more.
+        """
+        n = len(tokens)
+        plan = _Plan(tokens=tokens)
+        if self.store is None or n < MIN_SPAN:
+            return plan
+        match = self._walk(tokens)
+        limit, donor_key = match.matched_tokens, None
+        cfg = self.config
+        # Default mode: a donor can only add verified tokens, worth an encode (~15 ms) when 64 or
+        # more are uncovered. Approximate mode: a donor saves every uncovered token, so any
+        # request that is not an exact hit looks (a short question behind a shared system
+        # prompt is the common case there).
+        gate = cfg.semantic_min_uncovered if cfg.reuse == "exact" else 2
+        if self.semantic is not None and n - match.matched_tokens >= gate:
+            t_lookup = time.perf_counter()
+            lookup = self.semantic.nominate(prompt, self.namespace)
+            if lookup is not None:
+                plan.similarity, plan.embedded = lookup.similarity, lookup.embedded
+                if cfg.reuse == "semantic" and lookup.donors and lookup.donors[0].similarity >= cfg.similarity_exact:
+                    if self._serve_donor(lookup.donors[0], max_tokens, plan):
+                        plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+                        return plan
+                # Token by token: a donor's stored chain counts up to where its tokens stop
+                # matching the prompt's. A longer verified prefix than the walk's replaces it;
+                # one as long confirms it (reported as the donor).
+                for donor in lookup.donors:
+                    common = common_prefix_len(tokens, donor.tokens)
+                    if common < max(limit, MIN_SPAN):
+                        continue
+                    donor_match = self._walk(donor.tokens)
+                    verified = min(donor_match.matched_tokens, common)
+                    if verified > limit:
+                        match, limit, donor_key = donor_match, verified, donor.key
+                    elif verified == limit and donor_key is None:
+                        donor_key = donor.key
+            plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+        plan.reused, plan.keys, plan.bytes_read = self._inject(match, limit, tokens)
+        if plan.reused and donor_key is not None:
+            plan.donor = donor_key.hex()
+        return plan
+
+    def _serve_donor(self, donor, max_tokens: int, plan: "_Plan") -> bool:
+        """Approximate mode: inject the donor's stored KV whole and make its tokens the
+        sequence to continue. False (nothing changed) when its chain is too short or gone or
+        the donor prompt does not fit the context with ``max_tokens``."""
+        d_tokens = [int(t) for t in donor.tokens]
+        if len(d_tokens) + max_tokens > self.adapter.n_ctx:
+            return False
+        reused, keys, nbytes = self._inject(self._walk(d_tokens), len(d_tokens), d_tokens)
+        if reused < MIN_SPAN:
+            log.info("donor %s: its chain is gone; not served", donor.key.hex()[:16])
+            if reused == 0 and nbytes == 0:
+                self.semantic.forget(donor.key)
+            return False
+        plan.tokens, plan.reused, plan.keys, plan.bytes_read = d_tokens, reused, keys, nbytes
+        plan.approximate, plan.donor = True, donor.key.hex()
+        return True
+
+    def _inject(self, match: PrefixMatch, limit: int, tokens: list[int]) -> tuple[int, list[bytes], int]:
+        """Fetch, verify and inject the spans of ``match`` up to ``limit`` tokens of ``tokens``.
 
         Returns (tokens injected, keys used, compressed bytes read).
 
@@ -276,14 +404,7 @@ class EdgeSync:
         never to an error: the request then prefills.
         """
         n = len(tokens)
-        if self.store is None or n < MIN_SPAN:
-            return 0, [], 0
-        try:
-            match = self.store.prefix_walk(self.namespace, tokens)
-        except lmdb.Error as exc:
-            log.warning("store unreadable, prefilling: %s", exc)
-            return 0, [], 0
-        target = self.adapter.usable_prefix(match.matched_tokens, n)
+        target = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
         if target < MIN_SPAN:
             return 0, [], 0
         fragments, keys, bytes_read, covered = [], [], 0, 0
@@ -309,6 +430,29 @@ class EdgeSync:
             self.adapter.clear_kv_cache()
             return 0, [], bytes_read
         return target, keys, bytes_read
+
+    def _last_chunk_key(self, tokens: list[int]) -> bytes | None:
+        """Store key of the last fragment of the prompt's own chunk grid (None: too short)."""
+        spans = chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
+        if not spans:
+            return None
+        ns = self.namespace
+        s, e = spans[-1]
+        return store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
+
+    def _index_prompt(self, prompt, tokens: list[int], embedded) -> None:
+        """Index the prompt as a donor (after its answer, off the TTFT path) when its chain is
+        stored and it is not indexed yet."""
+        if self.semantic is None:
+            return
+        key = self._last_chunk_key(tokens)
+        try:
+            if key is None or not self.store.is_live(key) or self.semantic.contains(key):
+                return
+        except lmdb.Error as exc:
+            log.warning("could not index the prompt: %s", exc)
+            return
+        self.semantic.remember(key, self.namespace, tokens, prompt, embedded)
 
     def _record_hits(self, keys: list[bytes]) -> None:
         try:
@@ -346,8 +490,10 @@ class EdgeSync:
         return written
 
     def close(self) -> None:
-        """Free the engine if this object loaded it (an adapter passed in stays open) and close
-        the store if this object opened it."""
+        """Free the engine if this object loaded it (an adapter passed in stays open), save and
+        close the semantic index, and close the store if this object opened it."""
+        if self.semantic is not None:
+            self.semantic.close()
         if self._owns_adapter:
             self.adapter.close()
         if self._owns_store and self.store is not None:

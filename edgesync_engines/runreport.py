@@ -75,6 +75,10 @@ def _pass_summary(records: Sequence[dict], name: str, repeats: list[bool]) -> di
         "generated_tokens": sum(len(r["tokens"]) for r in results),
         "identical_share": identical,
         "fragments_written": sum(r.get("fragments_written", 0) for r in results),
+        "approximate": sum(bool(r.get("approximate")) for r in results),
+        "semantic_lookups": len(lookups := [r["lookup_ms"] for r in results if r.get("lookup_ms") is not None]),
+        "lookup_ms_mean": _mean(lookups),
+        "donor_nominated": sum(r.get("donor") is not None for r in results),
     }
 
 
@@ -91,7 +95,9 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
     prompt-token totals (``prompt_tokens``, ``tokens_reused``, ``tokens_prefilled``),
     ``reuse_share``, ``bytes_read``, ``generated_tokens``, ``fragments_written`` and
     ``identical_share`` (requests whose generated token list equals the uncached one; None for
-    the uncached pass itself). ``ttft_ratio`` is edgesync / uncached for p50, p95, mean,
+    the uncached pass itself), ``approximate`` (answers served from another prompt's KV),
+    ``semantic_lookups`` and ``lookup_ms_mean`` (requests that ran the semantic lookup and its
+    mean cost), ``donor_nominated`` (requests whose injected prefix a nominated donor reached). ``ttft_ratio`` is edgesync / uncached for p50, p95, mean,
     first_seen and repeat.
     """
     repeats = _repeat_flags(records)
@@ -124,6 +130,8 @@ def request_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
             "ttft_ms_uncached": u["ttft_ms"],
             "ttft_ms_edgesync": e["ttft_ms"],
             "identical": e["tokens"] == u["tokens"],
+            "similarity": e.get("similarity"),
+            "approximate": bool(e.get("approximate")),
         })
     return rows
 
@@ -170,6 +178,10 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     table.add_row("bytes read from store", "-", format_bytes(e["bytes_read"]), "")
     table.add_row("identical outputs vs uncached", "-", _pct(e["identical_share"]), "")
     table.add_row("fragments written", "-", f"{e['fragments_written']:,}", "")
+    table.add_row("semantic lookups (mean ms)", "-", f"{e['semantic_lookups']:,} ({_ms(e['lookup_ms_mean'])})", "")
+    table.add_row("nominated donor reached the prefix", "-", f"{e['donor_nominated']:,}", "")
+    if e["approximate"]:
+        table.add_row("APPROXIMATE answers (another prompt's KV)", "-", f"{e['approximate']:,}", "")
     if store_stats is not None:
         table.add_row("store fragments (after run)", "-", f"{store_stats['fragments']:,}", "")
         table.add_row("store bytes on disk (after run)", "-", format_bytes(store_stats["disk_bytes"]), "")
