@@ -1,4 +1,4 @@
-"""The ``edgesync`` command: ``generate``, ``run`` and ``dump``.
+"""The ``edgesync`` command: ``generate``, ``run``, ``dump``, ``reindex`` and ``fidelity``.
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
@@ -23,7 +23,8 @@ from edgesync_store.report import format_bytes, wide_console
 from edgesync_store.store import StoreFormatError, StoreOpenError
 
 from . import runreport
-from .config import EdgeSyncConfig
+from . import cli_fidelity
+from .config import EMBEDDING_BACKENDS, REUSE_MODES, EdgeSyncConfig
 from .models import ModelLoadError, ModelNotFoundError
 from .workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
 
@@ -33,6 +34,8 @@ EXIT_USAGE = 2
 RUN_MAX_TOKENS = 16
 """``edgesync run``'s generation length when neither --max-tokens nor EDGESYNC_MAX_TOKENS is set."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; "
+              "semantic: also serve a donor prompt at similarity >= 0.92 whole (approximate answers)")
 
 
 class _Fail(Exception):
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass when temperature > 0")
     gen.add_argument("--seed", type=int, help="sampling seed")
+    gen.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
     gen.set_defaults(func=cmd_generate)
 
     run = sub.add_parser("run", parents=[common],
@@ -91,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 16, or EDGESYNC_MAX_TOKENS)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    run.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
     run.set_defaults(func=cmd_run)
 
     dump = sub.add_parser("dump", parents=[common], help="list the fragments of a store (read-only)")
@@ -98,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     dump.add_argument("--limit", type=_positive_int, help="show at most N fragments")
     dump.set_defaults(func=cmd_dump)
+
+    reindex = sub.add_parser("reindex", parents=[common],
+                             help="rebuild a store's semantic index (HNSW sidecar) from LMDB")
+    reindex.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    reindex.add_argument("--backend", choices=EMBEDDING_BACKENDS,
+                         help="embedding backend; another than the store's re-embeds every stored prompt")
+    reindex.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    reindex.set_defaults(func=cmd_reindex)
+
+    cli_fidelity.add_parser(sub, common)
     return parser
 
 
@@ -134,6 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "cache_enabled": False if args.no_cache else None,
+        "reuse": args.reuse,
     })
     if args.raw:
         if args.system is not None:
@@ -167,7 +183,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"[{r.tier}] prompt {r.prompt_tokens} tokens, reused {r.tokens_reused}, "
             f"prefilled {r.tokens_prefilled}, generated {len(r.tokens)}; "
             f"TTFT {r.ttft_ms:.1f} ms, total {r.total_ms:.1f} ms; read {format_bytes(r.bytes_read)}"
-            + (f", wrote {r.fragments_written} fragments" if r.fragments_written else ""),
+            + (f", wrote {r.fragments_written} fragments" if r.fragments_written else "")
+            + (f"; similarity {r.similarity:.3f}" if r.similarity is not None else "")
+            + ("; APPROXIMATE: answered from another prompt's KV" if r.approximate else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -202,7 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.max_tokens is None and not os.environ.get("EDGESYNC_MAX_TOKENS", "").strip():
         args.max_tokens = RUN_MAX_TOKENS
-    cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens})
+    cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens, "reuse": args.reuse})
     args.max_tokens = cfg.max_tokens
     if args.json_out:  # fail before the run, not after it
         try:
@@ -263,6 +281,44 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_dump(args: argparse.Namespace) -> int:
     store = args.store if args.store is not None else _load_config({}).store_path
     return print_dump(store, as_json=args.json, limit=args.limit)
+
+
+# -- reindex ------------------------------------------------------------------------------------
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from edgesync_store.embedding import EmbeddingUnavailableError
+    from edgesync_store.index import IndexUnavailableError
+    from edgesync_store.reindex import reindex
+
+    store = args.store if args.store is not None else _load_config({}).store_path
+    if not str(store).strip():
+        raise _Fail("store path: is empty")
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = None
+
+        def progress(stage: str, done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task(stage, total=total)
+            bar.update(task, completed=done, description=stage)
+
+        try:
+            report = reindex(store, backend=args.backend, progress=progress)
+        except (StoreOpenError, StoreFormatError, ValueError, EmbeddingUnavailableError, IndexUnavailableError) as exc:
+            raise _Fail(str(exc)) from None
+        except lmdb.Error as exc:
+            raise _Fail(f"store {store}: {exc}") from None
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        print(f"{report.store}: {report.vectors_indexed} vectors indexed with {report.backend_id} "
+              f"({report.donors_embedded} prompts embedded, {report.vectors_dropped} vectors of "
+              f"{report.previous_backend_id} dropped, {report.donors_removed} stale prompt records removed) "
+              f"in {report.seconds:.1f} s", flush=True)
+    return 0
 
 
 # -- entry point --------------------------------------------------------------------------------

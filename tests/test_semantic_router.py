@@ -1,0 +1,212 @@
+"""The semantic lookup on the request path, end to end: real SmolLM2 through llama.cpp, a real
+LMDB store, real hnswlib, the real int8 ONNX MiniLM-L6-v2.
+
+Prompts come from ../shared/workloads: system_prompts.json, doc_qa.jsonl passages and questions,
+gptcache_mock_pairs.jsonl paraphrase pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.router import EdgeSync
+from edgesync_store.donors import get_donor, iterate_donors
+from edgesync_store.embedding import embed_text_for, get_embedder
+from edgesync_store.index import SIDECAR_HNSW, SIDECAR_JSON
+from edgesync_store.schema import chunk_spans, common_prefix_len
+from edgesync_store.store import FragmentStore
+
+# An instruction long enough (>= 64 tokens) that a prompt which inserts it before its question
+# leaves the prefix walk that many tokens short of a stored twin without it.
+INSTRUCTION = (
+    "Before you answer, read the passage again slowly and carefully. Then answer in one short "
+    "sentence, using only facts that the passage states explicitly. Do not guess, do not add "
+    "background knowledge, do not repeat the question, and if the passage does not say, reply "
+    "that the passage does not say. Keep names and numbers exactly as they are written."
+)
+
+
+def chat(system: str, user: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def cfg(tmp_path, **overrides) -> EdgeSyncConfig:
+    return EdgeSyncConfig.load({"store_path": tmp_path / "store", **overrides})
+
+
+@pytest.fixture(scope="module")
+def passage(data_dir):
+    """A doc_qa passage of 150-250 words and its first question."""
+    for line in (data_dir / "doc_qa.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if 150 <= len(row["context"].split()) <= 250:
+            return row["context"], row["questions"][0]
+    raise AssertionError("doc_qa.jsonl: no passage of 150-250 words")
+
+
+@pytest.fixture(scope="module")
+def paraphrase_pair(data_dir):
+    """The first gptcache_mock_pairs.jsonl pair whose MiniLM cosine (ONNX) is >= 0.92 but whose
+    texts differ, and that cosine."""
+    emb = get_embedder("onnx")
+    for line in (data_dir / "gptcache_mock_pairs.jsonl").read_text().splitlines()[:50]:
+        row = json.loads(line)
+        if row["origin"].strip() == row["similar"].strip():
+            continue
+        a, b = emb.encode([row["origin"], row["similar"]])
+        if float(a @ b) >= 0.92:
+            return row["origin"], row["similar"], float(a @ b)
+    raise AssertionError("gptcache_mock_pairs.jsonl: no pair at cosine >= 0.92 in the first 50")
+
+
+def test_exact_hit_does_not_run_the_encoder(adapter, tmp_path, system_prompts, passage):
+    """A first-seen prompt runs the lookup (similarity of the best candidate, None on an empty
+    index); its exact repeat does not (lookup_ms and similarity None), and is indexed once."""
+    context, question = passage
+    messages = chat(system_prompts[2], f"{context}\n\nQuestion: {question}")
+    with EdgeSync(adapter, config=cfg(tmp_path)) as es:
+        first = es.generate(messages, max_tokens=8)
+        again = es.generate(messages, max_tokens=8)
+        donors = list(iterate_donors(es.store))
+    assert first.tier == "miss" and first.lookup_ms is not None and first.similarity is None
+    assert again.tier == "exact" and again.lookup_ms is None and again.similarity is None
+    assert again.tokens == first.tokens
+    assert len(donors) == 1 and donors[0][1].text == embed_text_for(messages)
+    assert list(donors[0][1].tokens) == adapter.tokenize(adapter.apply_chat_template(messages))
+
+
+def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path, system_prompts, passage):
+    """Acceptance 3: the twin was stored with 96-token chunks, the prompt is served with
+    128-token chunks and inserts an instruction (>= 64 tokens) before the twin's question. The
+    index nominates the twin (similarity >= 0.75), its tokens are checked one by one, the
+    verified prefix is injected, and the output equals an uncached run's."""
+    context, question = passage
+    twin = chat(system_prompts[3], f"{context}\n\nQuestion: {question}")
+    prompt = chat(system_prompts[3], f"{context}\n\n{INSTRUCTION}\n\nQuestion: {question}")
+    with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=96)) as writer:
+        written = writer.generate(twin, max_tokens=4)
+        twin_tokens = writer.prompt_tokens(twin)
+        twin_key = writer._last_chunk_key(twin_tokens)
+    assert written.fragments_written == len(chunk_spans(len(twin_tokens) - 1, 96))  # its own grid
+
+    with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=128)) as es:
+        result = es.generate(prompt, max_tokens=24)
+        tokens = es.prompt_tokens(prompt)
+    uncached = EdgeSync(adapter, store=False).generate(prompt, max_tokens=24)
+
+    shared = common_prefix_len(tokens, twin_tokens)
+    assert shared >= 200 and len(tokens) - shared >= 64
+    assert result.lookup_ms is not None and result.similarity >= 0.75
+    assert result.donor == twin_key.hex()
+    assert shared - 2 <= result.tokens_reused <= shared
+    assert result.tier == "partial" and not result.approximate
+    assert result.tokens == uncached.tokens
+
+
+def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter, tmp_path, system_prompts,
+                                                                          paraphrase_pair):
+    """Acceptance 4: by default a paraphrase at cosine >= 0.92 is never served another prompt's
+    KV (the answer equals an uncached run's); with reuse="semantic" it is served from the donor
+    whole: tier exact, approximate true, the donor's own answer, one token evaluated."""
+    origin, similar, cosine = paraphrase_pair
+    donor_msgs, para_msgs = chat(system_prompts[0], origin), chat(system_prompts[0], similar)
+    uncached = EdgeSync(adapter, store=False).generate(para_msgs, max_tokens=16)
+
+    assert EdgeSyncConfig.load({}).reuse == "exact"
+    with EdgeSync(adapter, config=cfg(tmp_path / "default")) as es:
+        es.generate(donor_msgs, max_tokens=16)
+        default = es.generate(para_msgs, max_tokens=16)
+    assert not default.approximate and default.tier != "exact"
+    assert default.tokens == uncached.tokens
+
+    with EdgeSync(adapter, config=cfg(tmp_path / "approx", reuse="semantic")) as es:
+        donor = es.generate(donor_msgs, max_tokens=16)
+        served = es.generate(para_msgs, max_tokens=16)
+        donor_key = es._last_chunk_key(es.prompt_tokens(donor_msgs))
+    assert served.approximate and served.tier == "exact"
+    assert served.similarity == pytest.approx(cosine, abs=2e-3) and served.similarity >= 0.92
+    assert served.donor == donor_key.hex()
+    assert served.tokens == donor.tokens  # the donor's answer, from the donor's KV
+    assert served.tokens_prefilled == 1 and served.fragments_written == 0
+
+
+def test_approximate_mode_below_threshold_stays_exact(adapter, tmp_path, system_prompts, data_dir):
+    """reuse="semantic" with an unrelated question (cosine < 0.75): no donor, identical output."""
+    rows = [json.loads(line) for line in (data_dir / "qqp_pairs_labelled.jsonl").read_text().splitlines()[:40]]
+    emb = get_embedder("onnx")
+    q1 = rows[0]["a"]
+    v1 = emb.encode([q1])[0]
+    q2 = next(r["b"] for r in rows[1:] if float(emb.encode([r["b"]])[0] @ v1) < 0.5)
+    with EdgeSync(adapter, config=cfg(tmp_path, reuse="semantic")) as es:
+        es.generate(chat(system_prompts[1], q1), max_tokens=8)
+        result = es.generate(chat(system_prompts[1], q2), max_tokens=8)
+    uncached = EdgeSync(adapter, store=False).generate(chat(system_prompts[1], q2), max_tokens=8)
+    assert not result.approximate and result.similarity < 0.75 and result.donor is None
+    assert result.tokens == uncached.tokens
+
+
+def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path, system_prompts, passage, caplog):
+    """`edgesync reindex` rebuilds a deleted sidecar from LMDB (same vector count); re-embedding
+    with sentence-transformers makes the store refuse ONNX vectors: the router then logs one
+    warning, runs on the prefix walk alone and still answers identically."""
+    context, question = passage
+    store_dir = tmp_path / "store"
+    prompts = [chat(system_prompts[i], f"{context}\n\nQuestion: {question}") for i in (4, 5)]
+    with EdgeSync(adapter, config=cfg(tmp_path)) as es:
+        first = [es.generate(p, max_tokens=6) for p in prompts]
+    for name in (SIDECAR_HNSW, SIDECAR_JSON):
+        (store_dir / name).unlink()
+
+    def reindex(*args: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "reindex", str(store_dir), "--json", *args],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    report = reindex()
+    assert report["vectors_indexed"] == 2 and report["backend_id"].endswith("onnx-int8")
+    assert (store_dir / SIDECAR_HNSW).stat().st_size > 0 and (store_dir / SIDECAR_JSON).exists()
+
+    report = reindex("--backend", "sentence-transformers")
+    assert report["vectors_dropped"] == 2 and report["donors_embedded"] == 2
+    assert report["backend_id"].endswith("sentence-transformers")
+
+    caplog.set_level(logging.WARNING, logger="edgesync.semantic")
+    new = chat(system_prompts[6], f"{context}\n\nQuestion: {question}")
+    with EdgeSync(adapter, config=cfg(tmp_path)) as es:
+        again = es.generate(prompts[0], max_tokens=6)
+        other = es.generate(new, max_tokens=6)
+    assert again.tier == "exact" and again.tokens == first[0].tokens
+    assert other.similarity is None and other.tokens == EdgeSync(adapter, store=False).generate(new, max_tokens=6).tokens
+    assert any("semantic lookup off" in r.message and "sentence-transformers" in r.message for r in caplog.records)
+
+
+def test_reindex_refuses_a_missing_store(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "reindex", str(tmp_path / "nothing")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no EdgeSync store" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_malformed_donor_record_is_ignored(adapter, tmp_path, system_prompts, passage):
+    """A donor record cut short (a fault we cannot provoke otherwise: written here by hand) is
+    ignored with a warning: the twin is not nominated and the output is still identical."""
+    context, question = passage
+    twin = chat(system_prompts[7], f"{context}\n\nQuestion: {question}")
+    prompt = chat(system_prompts[7], f"{context}\n\n{INSTRUCTION}\n\nQuestion: {question}")
+    with EdgeSync(adapter, config=cfg(tmp_path)) as es:
+        es.generate(twin, max_tokens=4)
+        (key, record), = list(iterate_donors(es.store))
+        from edgesync_store.donors import _db
+
+        db = _db(es.store, create=False)
+        es.store._txn(lambda txn: txn.put(key, record.namespace_digest + b"\x05\x00", db=db), write=True)
+        assert get_donor(es.store, key) is None
+        result = es.generate(prompt, max_tokens=12)
+    uncached = EdgeSync(adapter, store=False).generate(prompt, max_tokens=12)
+    assert result.donor is None and result.tokens == uncached.tokens
