@@ -666,16 +666,6 @@ class SemanticIndex:
             return None
         return self._vectors.get(check_key(key))
 
-    @property
-    def _vec_db(self):
-        """The ``emb_vectors`` handle (None if absent); private, read by benchmarks/semantic_overhead.py."""
-        return self._vectors._vec_db
-
-    @property
-    def _meta_db(self):
-        """The ``emb_meta`` handle (None if absent); private, read by benchmarks/semantic_overhead.py."""
-        return self._vectors._meta_db
-
     def __enter__(self) -> "SemanticIndex":
         return self
 
