@@ -540,7 +540,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"small and fast: sizes 1000,5000, 30 queries, 4 prefills, {QUICK_REAL_TEXTS} real texts")
     a = p.parse_args(argv)
-    a.sizes = sorted({int(s.replace("_", "")) for s in (a.sizes or ("1000,5000" if a.quick else "10000,100000")).split(",") if s.strip()})
+    try:
+        a.sizes = sorted({int(s.replace("_", "")) for s in (a.sizes or ("1000,5000" if a.quick else "10000,100000")).split(",") if s.strip()})
+    except ValueError:
+        p.error(f"--sizes: expected comma-separated integers, got {a.sizes!r}")
+    if not a.sizes:
+        p.error("--sizes: no size given")
     a.queries = a.queries if a.queries is not None else (30 if a.quick else 200)
     a.repeat = a.repeat if a.repeat is not None else (2 if a.quick else 3)
     a.prefill_prompts = a.prefill_prompts if a.prefill_prompts is not None else (4 if a.quick else 20)

@@ -290,7 +290,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from edgesync_store.embedding import EmbeddingUnavailableError
-    from edgesync_store.index import IndexUnavailableError
+    from edgesync_store.index import BackendMismatchError, IndexUnavailableError
     from edgesync_store.reindex import reindex
 
     store = args.store if args.store is not None else _load_config({}).store_path
@@ -307,17 +307,19 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 
         try:
             report = reindex(store, backend=args.backend, progress=progress)
-        except (StoreOpenError, StoreFormatError, ValueError, EmbeddingUnavailableError, IndexUnavailableError) as exc:
+        except (StoreOpenError, StoreFormatError, ValueError, EmbeddingUnavailableError, IndexUnavailableError,
+                BackendMismatchError) as exc:
             raise _Fail(str(exc)) from None
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise _Fail(f"store {store}: {exc}") from None
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
     else:
+        dropped = (f", {report.vectors_dropped} vectors of {report.previous_backend_id} dropped"
+                   if report.vectors_dropped else "")
         print(f"{report.store}: {report.vectors_indexed} vectors indexed with {report.backend_id} "
-              f"({report.donors_embedded} prompts embedded, {report.vectors_dropped} vectors of "
-              f"{report.previous_backend_id} dropped, {report.donors_removed} stale prompt records removed) "
-              f"in {report.seconds:.1f} s", flush=True)
+              f"({report.donors_embedded} prompts embedded{dropped}, {report.donors_removed} stale prompt "
+              f"records removed) in {report.seconds:.1f} s", flush=True)
     return 0
 
 

@@ -37,6 +37,10 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _name(text: str) -> str:
+    return text.strip().lower()
+
+
 @dataclass(frozen=True)
 class EdgeSyncConfig:
     """Settings of the router and its engine.
@@ -108,8 +112,8 @@ class EdgeSyncConfig:
         "seed": ("EDGESYNC_SEED", int),
         "verbose_engine": ("EDGESYNC_VERBOSE_ENGINE", _bool),
         "semantic": ("EDGESYNC_SEMANTIC", _bool),
-        "embedding_backend": ("EDGESYNC_EMBEDDING_BACKEND", str),
-        "reuse": ("EDGESYNC_REUSE", str),
+        "embedding_backend": ("EDGESYNC_EMBEDDING_BACKEND", _name),
+        "reuse": ("EDGESYNC_REUSE", _name),
         "similarity_exact": ("EDGESYNC_SIMILARITY_EXACT", float),
         "similarity_partial": ("EDGESYNC_SIMILARITY_PARTIAL", float),
         "semantic_min_uncovered": ("EDGESYNC_SEMANTIC_MIN_UNCOVERED", int),
@@ -133,6 +137,8 @@ class EdgeSyncConfig:
             raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse: {self.reuse!r} is not one of {', '.join(REUSE_MODES)}")
+        if self.reuse == "semantic" and not self.semantic:
+            raise ValueError("reuse: 'semantic' needs the semantic lookup, which is off (EDGESYNC_SEMANTIC)")
         if self.embedding_backend not in EMBEDDING_BACKENDS:
             raise ValueError(
                 f"embedding_backend: {self.embedding_backend!r} is not one of {', '.join(EMBEDDING_BACKENDS)}"

@@ -355,10 +355,20 @@ class EdgeSync:
             lookup = self.semantic.nominate(prompt, self.namespace)
             if lookup is not None:
                 plan.similarity, plan.embedded = lookup.similarity, lookup.embedded
-                if cfg.reuse == "semantic" and lookup.donors and lookup.donors[0].similarity >= cfg.similarity_exact:
-                    if self._serve_donor(lookup.donors[0], max_tokens, plan):
-                        plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
-                        return plan
+                if cfg.reuse == "semantic":
+                    # Only a donor that shares everything before the embedded text (system
+                    # prompt, earlier turns) may stand in for this prompt: the embedding sees the
+                    # last user turn alone, so the same question in another app or conversation
+                    # scores 1.0.
+                    context = self._context_len(prompt, tokens, lookup.embedded[0])
+                    for donor in lookup.donors:
+                        if donor.similarity < cfg.similarity_exact:
+                            break
+                        if common_prefix_len(tokens, donor.tokens) < context:
+                            continue
+                        if self._serve_donor(donor, max_tokens, plan):
+                            plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+                            return plan
                 # Token by token: a donor's stored chain counts up to where its tokens stop
                 # matching the prompt's. A longer verified prefix than the walk's replaces it;
                 # one as long confirms it (reported as the donor).
@@ -372,7 +382,7 @@ class EdgeSync:
                         match, limit, donor_key = donor_match, verified, donor.key
                     elif verified == limit and donor_key is None:
                         donor_key = donor.key
-            plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+                plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
         plan.reused, plan.keys, plan.bytes_read = self._inject(match, limit, tokens)
         if plan.reused and donor_key is not None:
             plan.donor = donor_key.hex()
@@ -385,11 +395,17 @@ class EdgeSync:
         d_tokens = [int(t) for t in donor.tokens]
         if len(d_tokens) + max_tokens > self.adapter.n_ctx:
             return False
-        reused, keys, nbytes = self._inject(self._walk(d_tokens), len(d_tokens), d_tokens)
-        if reused < MIN_SPAN:
-            log.info("donor %s: its chain is gone; not served", donor.key.hex()[:16])
-            if reused == 0 and nbytes == 0:
+        walk = self._walk(d_tokens)
+        whole = self.adapter.usable_prefix(len(d_tokens) - 1, len(d_tokens))
+        if walk.matched_tokens < whole:  # part of its chain expired or was refused
+            log.info("donor %s: %d of its %d tokens are stored; not served", donor.key.hex()[:16],
+                     walk.matched_tokens, len(d_tokens))
+            if walk.matched_tokens == 0:
                 self.semantic.forget(donor.key)
+            return False
+        reused, keys, nbytes = self._inject(walk, len(d_tokens), d_tokens)
+        if reused < whole:
+            self.adapter.clear_kv_cache()
             return False
         plan.tokens, plan.reused, plan.keys, plan.bytes_read = d_tokens, reused, keys, nbytes
         plan.approximate, plan.donor = True, donor.key.hex()
@@ -431,6 +447,19 @@ class EdgeSync:
             return 0, [], bytes_read
         return target, keys, bytes_read
 
+    def _context_len(self, prompt, tokens: list[int], text: str) -> int:
+        """Prompt tokens before the embedded text: for chat messages ending with a user turn,
+        everything up to that turn's content (found by rendering the messages with that
+        content emptied); otherwise all but the embedded text's own tokens and 8 more (the
+        template's closing tokens and tokenizer boundary effects)."""
+        if not isinstance(prompt, str) and prompt and prompt[-1].get("role") == "user":
+            emptied = list(prompt[:-1]) + [{**prompt[-1], "content": ""}]
+            try:
+                return common_prefix_len(tokens, self.adapter.tokenize(self.adapter.apply_chat_template(emptied)))
+            except (ValueError, TypeError) as exc:
+                log.debug("chat template of the emptied turn failed (%s); estimating", exc)
+        return max(0, len(tokens) - len(self.adapter.tokenize(text)) - 8)
+
     def _last_chunk_key(self, tokens: list[int]) -> bytes | None:
         """Store key of the last fragment of the prompt's own chunk grid (None: too short)."""
         spans = chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
@@ -445,6 +474,8 @@ class EdgeSync:
         stored and it is not indexed yet."""
         if self.semantic is None:
             return
+        if embedded is None and not self.semantic.ready_now():
+            return  # the embedder is still loading: do not make this request wait for it
         key = self._last_chunk_key(tokens)
         try:
             if key is None or not self.store.is_live(key) or self.semantic.contains(key):

@@ -100,7 +100,7 @@ class SemanticLookup:
             except (EmbeddingUnavailableError, IndexUnavailableError) as exc:
                 return self._disable(str(exc))
             except BackendMismatchError as exc:
-                return self._disable(f"{exc}; run `edgesync reindex --backend ...` to re-embed the store")
+                return self._disable(_mismatch_text(exc, self.store.path))
             except (lmdb.Error, OSError, RuntimeError) as exc:
                 return self._disable(f"cannot open the semantic index: {exc}")
             return True
@@ -136,6 +136,8 @@ class SemanticLookup:
         if embedded is None:
             return None
         digest = namespace.digest()
+        from edgesync_store.index import BackendMismatchError
+
         try:
             hits = self._index.query(embedded[1], k=QUERY_K)
             best, donors = None, []
@@ -146,7 +148,10 @@ class SemanticLookup:
                 best = sim if best is None else max(best, sim)
                 if sim >= self.config.similarity_partial:
                     donors.append(Donor(key, sim, record.tokens))
-        except (lmdb.Error, OSError, RuntimeError) as exc:
+        except BackendMismatchError as exc:  # another process re-embedded the store meanwhile
+            self._disable(_mismatch_text(exc, self.store.path))
+            return None
+        except (lmdb.Error, OSError, RuntimeError, AttributeError) as exc:
             log.warning("semantic lookup failed, using the prefix walk alone: %s", exc)
             return None
         return Lookup(best, donors, embedded)
@@ -154,6 +159,10 @@ class SemanticLookup:
     def contains(self, key: bytes) -> bool:
         """True when ``key`` is indexed (False when the lookup is off)."""
         return self._ready() and key in self._index
+
+    def ready_now(self) -> bool:
+        """True when the embedder and index are loaded (never waits for them)."""
+        return self._index is not None and self.disabled_reason is None
 
     def remember(self, key: bytes, namespace: Namespace, tokens: Sequence[int], prompt, embedded=None) -> bool:
         """Index a stored prompt: its embedding under ``key`` (the last fragment of its
@@ -168,7 +177,7 @@ class SemanticLookup:
         try:
             put_donor(self.store, key, namespace.digest(), tokens, text)
             self._index.add(key, vector)
-        except (lmdb.Error, OSError, KeyError, ValueError, RuntimeError) as exc:
+        except (lmdb.Error, OSError, KeyError, ValueError, RuntimeError, AttributeError) as exc:
             log.warning("could not index the prompt: %s", exc)
             return False
         return True
@@ -197,3 +206,9 @@ class SemanticLookup:
                     log.warning("could not save the semantic index: %s", exc)
                 self._index = None
             self.disabled_reason = self.disabled_reason or "closed"
+
+
+def _mismatch_text(exc, path) -> str:
+    """The warning for a store whose vectors another embedding backend wrote."""
+    return (f"the store {path} holds vectors of embedding backend {exc.recorded!r}, not {exc.requested!r}; "
+            f"set EDGESYNC_EMBEDDING_BACKEND to match, or re-embed with `edgesync reindex {path} --backend NAME`")

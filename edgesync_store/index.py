@@ -193,7 +193,7 @@ class SemanticIndex:
             n = self._vectors.count()
             if n:
                 log.warning("semantic index of %s: rebuilding %d vectors from LMDB", self.path, n)
-            self._rebuild_locked(progress=False)
+            self._rebuild_locked(progress=None)
             if (n or self.hnsw_path.exists() or self.json_path.exists()) and not self.store.readonly:
                 self._save_quietly()  # replaces a damaged sidecar too
         else:
@@ -509,17 +509,18 @@ class SemanticIndex:
                 return len(self._keys), 0
             return self._reconcile(set(self._keys))
 
-    def rebuild(self, progress: bool = True) -> int:
+    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
-        dropped), show a progress bar on stderr when ``progress``, save the sidecar (unless the
-        store is read-only) and return the number of vectors indexed."""
+        dropped), save the sidecar (unless the store is read-only) and return the number of
+        vectors indexed. ``progress(done, total)`` is called as vectors are added (the command
+        draws the bar; this module never prints)."""
         with self._lock:
             n = self._rebuild_locked(progress)
             if not self.store.readonly:
                 self.save()
             return n
 
-    def _rebuild_locked(self, progress: bool) -> int:
+    def _rebuild_locked(self, progress: Callable[[int, int], None] | None) -> int:
         live, vectors, gone, generation = self._vectors.scan(lambda label: True)
         labels = sorted(live)
         self._index = self._new_graph(math.ceil(len(labels) * 1.25))
@@ -527,13 +528,14 @@ class SemanticIndex:
         if labels:
             mat = np.stack([vectors[label] for label in labels])
             keys = [live[label] for label in labels]
-            if progress:
-                from rich.console import Console
-                from rich.progress import Progress
+            if progress is not None:
+                done = [0]
 
-                with Progress(console=Console(stderr=True), transient=False) as bar:
-                    task = bar.add_task(f"rebuilding {SIDECAR_HNSW}", total=len(labels))
-                    self._graph_add(labels, mat, keys, progress=lambda n: bar.advance(task, n))
+                def advance(n: int) -> None:
+                    done[0] += n
+                    progress(done[0], len(labels))
+
+                self._graph_add(labels, mat, keys, progress=advance)
             else:
                 self._graph_add(labels, mat, keys)
         self._seen_gen = generation
@@ -580,6 +582,9 @@ class SemanticIndex:
             if self._closed:
                 raise RuntimeError("semantic index is closed")
             graph = self._index
+            if graph is None:  # a reload after another process reset the vectors failed
+                log.warning("semantic index of %s: no graph to save", self.path)
+                return
             ids = set(int(x) for x in graph.get_ids_list())
             dead = ids - self._keys.keys()
             self._maybe_dead &= dead

@@ -120,7 +120,9 @@ def reindex(
                     embedded += len(live)
                     if progress is not None:
                         progress("embedding donors", min(i + len(part), len(missing)), len(missing))
-            n = index.rebuild(progress=progress is not None)
+            n = index.rebuild(
+                progress=None if progress is None else (lambda done, total: progress("rebuilding the HNSW graph", done, total))
+            )
             index.save()
             backend_id = index.backend_id
         finally:

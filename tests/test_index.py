@@ -319,7 +319,9 @@ def test_threads_query_while_adding_and_removing(index, store, fragments, keys, 
 def test_rebuild_gives_same_neighbours(index, keys, vectors):
     queries = vectors[N_PARENT : N_PARENT + 30]
     before = [[k for k, _ in index.query(q, k=5)] for q in queries]
-    assert index.rebuild(progress=True) == N_PARENT
+    seen = []
+    assert index.rebuild(progress=lambda done, total: seen.append((done, total))) == N_PARENT
+    assert seen and seen[-1] == (N_PARENT, N_PARENT)
     after = [[k for k, _ in index.query(q, k=5)] for q in queries]
     assert after == before
     # and a fresh process-like reopen from the saved rebuild agrees too

@@ -125,10 +125,16 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
     assert not default.approximate and default.tier != "exact"
     assert default.tokens == uncached.tokens
 
+    other_app = chat(system_prompts[5], origin)  # the donor's own question, in another app
     with EdgeSync(adapter, config=cfg(tmp_path / "approx", reuse="semantic")) as es:
         donor = es.generate(donor_msgs, max_tokens=16)
         served = es.generate(para_msgs, max_tokens=16)
         donor_key = es._last_chunk_key(es.prompt_tokens(donor_msgs))
+        elsewhere = es.generate(other_app, max_tokens=16)
+    # the embedding sees only the question (cosine 1.0), but another system prompt is another
+    # context: never served from this donor
+    assert elsewhere.similarity > 0.99 and not elsewhere.approximate and elsewhere.donor is None
+    assert elsewhere.tokens == EdgeSync(adapter, store=False).generate(other_app, max_tokens=16).tokens
     assert served.approximate and served.tier == "exact"
     assert served.similarity == pytest.approx(cosine, abs=2e-3) and served.similarity >= 0.92
     assert served.donor == donor_key.hex()
