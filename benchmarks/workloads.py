@@ -54,7 +54,6 @@ sessions, even where two sessions open with the same text.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -62,6 +61,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from edgesync_engines.workloads import (
+    read_jsonl,
     DOC_QA_FILE,
     Request,
     WorkloadDataError,
@@ -125,24 +125,8 @@ def seed_requests(
 
 
 def _read_rows(name: str, data_dir: str | os.PathLike | None) -> list[dict]:
-    """The JSON objects of a ``.jsonl`` data file, in file order."""
-    path = workloads_dir(data_dir) / name
-    rows: list[dict] = []
-    try:
-        with path.open("r", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise WorkloadDataError(f"{path}: line {lineno}: malformed JSON ({exc.msg})") from exc
-                if not isinstance(row, dict):
-                    raise WorkloadDataError(f"{path}: line {lineno}: expected a JSON object")
-                rows.append(row)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadDataError(f"cannot read {str(path)!r}: {exc}") from exc
-    return rows
+    """The JSON objects of a ``.jsonl`` data file, in file order (``read_jsonl``'s errors)."""
+    return read_jsonl(workloads_dir(data_dir) / name)
 
 
 def _pick(n_rows: int, n: int, seed: int | None, what: str) -> list[int]:

@@ -231,7 +231,7 @@ def embed_texts(texts: Sequence[str], embedder: Embedder, cache_dir: str | os.Pa
     """Embed ``texts`` -> float32 ``[len(texts), dim]`` unit rows, in chunks of
     :data:`ENCODE_CHUNK` with ``progress("embed", done, total)`` after each.
 
-    With ``cache_dir``, the matrix is kept there as ``<sha256>.npy`` (no pickle) keyed by the
+    With ``cache_dir``, the matrix is kept there as ``<sha256>.npy`` (loaded with allow_pickle=False) keyed by the
     embedder (backend id and package versions) and the exact texts; a later call with the same
     key loads it instead of encoding. An unreadable or malformed cache file is re-embedded.
 

@@ -153,7 +153,7 @@ def _data_file(name: str, data_dir: str | os.PathLike | None) -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Read a JSON Lines file; a bad line raises WorkloadDataError with its number."""
     rows: list[dict[str, Any]] = []
     try:
@@ -221,7 +221,7 @@ def _seed_prompts(data_dir: str | os.PathLike | None) -> list[list[str]]:
     ``random.Random(0).shuffle``, first 64 kept; each keeps its first 4 questions.
     """
     path = _data_file(QQP_CLUSTERS_FILE, data_dir)
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     for lineno, row in enumerate(rows, start=1):
         if not _str_list(row.get("questions")):
             raise _bad(path, lineno, "'questions' must be a list of strings")
@@ -317,7 +317,7 @@ def doc_qa_workload(
     if n_docs < 1:
         raise ValueError(f"n_docs must be >= 1, got {n_docs}")
     path = _data_file(DOC_QA_FILE, data_dir)
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     if len(rows) < n_docs:
         log.warning("%s has %d passages, fewer than n_docs=%d", path, len(rows), n_docs)
     requests: list[Request] = []

@@ -13,7 +13,7 @@ longer reaches back that far). Fragments that the store deleted on its own (expi
 are noticed by :meth:`SemanticIndex.sync` and by :meth:`SemanticIndex.query` (every result is
 checked against the store's ``fragments`` database) and their vectors removed.
 
-Sidecar files in the store directory (mode 0600; no pickle anywhere):
+Sidecar files in the store directory (mode 0600; plain bytes and JSON only, nothing executable on load):
 
 * ``semantic.hnsw``: ``hnswlib.Index.save_index`` output;
 * ``semantic.json``: backend id, dim, space and graph parameters, ``index_id``, the generation
@@ -300,6 +300,11 @@ class SemanticIndex:
             return
         if self._labels.get(key) == label:
             del self._labels[key]
+        self._mark_dead(label)
+
+    def _mark_dead(self, label: int) -> None:
+        """Mark ``label`` deleted in the graph (its slot becomes reusable); already deleted
+        or unknown labels are ignored (hnswlib raises RuntimeError for them)."""
         try:
             self._index.mark_deleted(label)
             self._n_dead += 1
@@ -317,13 +322,7 @@ class SemanticIndex:
             if label in self._keys:
                 self._graph_remove(label)
             else:
-                try:
-                    self._index.mark_deleted(label)
-                    self._n_dead += 1
-                    self._maybe_dead.add(label)
-                except RuntimeError:
-                    pass
-                self._dirty = True
+                self._mark_dead(label)
             removed += 1
         for label in graph_live & live.keys():
             self._keys[label] = live[label]
