@@ -74,6 +74,12 @@ class EdgeSyncConfig:
             semantic lookup [EDGESYNC_SEMANTIC_MIN_UNCOVERED].
         ef_search: hnswlib query breadth (100: at 50 it misses near-duplicates, DESIGN.md 2.1)
             [EDGESYNC_EF_SEARCH].
+        prefetch: predict the next requests (a trigram model over the requests' first-chunk
+            keys, top 3) and decode their stored fragments ahead of time, in one background
+            thread, into a RAM tier that injection reads first; off by default
+            [EDGESYNC_PREFETCH].
+        prefetch_ram_bytes: budget of that RAM tier, bytes of decoded K + V (> 0; default
+            64 MiB) [EDGESYNC_PREFETCH_RAM_BYTES].
     """
 
     store_path: Path = dataclasses.field(default_factory=default_store_path)
@@ -96,6 +102,8 @@ class EdgeSyncConfig:
     similarity_partial: float = 0.75
     semantic_min_uncovered: int = 64
     ef_search: int = 100
+    prefetch: bool = False
+    prefetch_ram_bytes: int = 64 * 1024 * 1024
 
     _ENV = {
         "store_path": ("EDGESYNC_STORE", Path),
@@ -118,6 +126,8 @@ class EdgeSyncConfig:
         "similarity_partial": ("EDGESYNC_SIMILARITY_PARTIAL", float),
         "semantic_min_uncovered": ("EDGESYNC_SEMANTIC_MIN_UNCOVERED", int),
         "ef_search": ("EDGESYNC_EF_SEARCH", int),
+        "prefetch": ("EDGESYNC_PREFETCH", _bool),
+        "prefetch_ram_bytes": ("EDGESYNC_PREFETCH_RAM_BYTES", int),
     }
 
     def __post_init__(self) -> None:
@@ -155,6 +165,9 @@ class EdgeSyncConfig:
             raise ValueError(f"semantic_min_uncovered: must be >= 1, got {self.semantic_min_uncovered}")
         if not 1 <= self.ef_search <= 10_000:
             raise ValueError(f"ef_search: must be in [1, 10000], got {self.ef_search}")
+        if isinstance(self.prefetch_ram_bytes, bool) or not isinstance(self.prefetch_ram_bytes, int) \
+                or self.prefetch_ram_bytes < 1:
+            raise ValueError(f"prefetch_ram_bytes: must be an int > 0 bytes, got {self.prefetch_ram_bytes!r}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "EdgeSyncConfig":

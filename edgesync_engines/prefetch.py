@@ -12,7 +12,11 @@ rates of the predictions it would have made before each observed key.
 :class:`RamTier` is a bounded LRU of decoded fragments (key -> object of a known size in bytes)
 that a prefetch thread fills while the request thread reads; all methods are thread-safe.
 
-Neither is wired into the router here; both are pure Python and hold no model or store.
+:class:`Prefetcher` wires both to a :class:`~edgesync_store.store.FragmentStore` for the router
+(``EdgeSync`` with ``prefetch=True``): after each request it observes the request's key
+(:func:`request_key`), asks the predictor for the likely next keys, and one background thread
+walks the store with the tokens last seen under each predicted key and decodes the matched
+fragments into the RAM tier, so that the next request's injection skips the decompression.
 """
 
 from __future__ import annotations
@@ -20,9 +24,20 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Sequence
+
+import lmdb
+import numpy as np
+
+from edgesync_store import codec
+from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
+
+if TYPE_CHECKING:
+    from edgesync_store.schema import KVFragment
+    from edgesync_store.store import FragmentStore
 
 log = logging.getLogger("edgesync.prefetch")
 
@@ -237,6 +252,13 @@ class RamTier:
             self._hits += 1
             return item[0]
 
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """The value under ``key``, or ``default``; changes neither the LRU order nor the
+        counters (for a prefetcher checking what it holds)."""
+        with self._lock:
+            item = self._items.get(key)
+            return default if item is None else item[0]
+
     def discard(self, key: Hashable) -> bool:
         """Drop ``key`` if present (not counted as an eviction); returns whether it was."""
         with self._lock:
@@ -278,3 +300,209 @@ class RamTier:
         with self._lock:
             return RamTierStats(self._hits, self._misses, self._puts, self._rejected,
                                 self._evictions, self._bytes, self.max_bytes, len(self._items))
+
+
+def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
+    """The predictor's key of a request: the hex store key of the first fragment of the prompt's
+    own chunk grid (``chunk_spans(len(tokens) - 1, chunk_tokens)[0]``, all layers and heads).
+
+    It depends only on the namespace and the prompt's first ``chunk_tokens`` token IDs (fewer
+    when the prompt is shorter than ``chunk_tokens + 64``), so it is the same in every process
+    and known before the prefix walk: the questions over one doc-QA passage, the turns of one
+    chat session and the requests of one app's system prompt share it. None for a prompt too
+    short to be cached (under 65 tokens). Raises ValueError for a ``chunk_tokens`` outside
+    ``chunk_spans``' range.
+    """
+    spans = chunk_spans(len(tokens) - 1, chunk_tokens)
+    if not spans:
+        return None
+    s, e = spans[0]
+    ids = np.asarray(tokens[s:e], dtype=np.int32)
+    return store_key(namespace, prefix_hash([]), ids, s, 0, namespace.n_layer, 1, 0, namespace.n_head_kv).hex()
+
+
+class Prefetcher:
+    """Predicts the next requests and decodes their stored fragments into a RAM tier ahead of time.
+
+    ``Prefetcher(store, namespace, max_bytes)``: ``max_bytes`` > 0 is the RAM tier's budget of
+    decoded fragments (bytes of K + V, ``KVFragment.raw_nbytes``); ``n`` and ``top_k`` are the
+    :class:`NgramPredictor`'s order and proposals; ``max_keys`` bounds how many request keys'
+    token sequences are remembered (least recently seen dropped first; at most ``max_keys`` x
+    the context length int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for
+    out-of-range numbers.
+
+    The request thread calls :meth:`after_request` once an answer is complete and
+    :meth:`lookup` while injecting; one daemon thread (started by the first
+    :meth:`after_request`) does the prefetching: for each predicted key, most likely first, it
+    walks the store with the tokens last seen under that key and decodes every matched fragment
+    that the tier does not hold yet (or holds in a version the store has since replaced). A new
+    prediction replaces the work not yet started. Store reads take the store's own short read
+    transactions; decompression runs outside them, so the request thread's reads wait at most
+    for a blob copy. Store errors in the thread are logged and skipped, never raised.
+    """
+
+    def __init__(self, store: "FragmentStore", namespace: Namespace, max_bytes: int, *, n: int = 3,
+                 top_k: int = 3, max_keys: int = 256) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        if not isinstance(max_keys, int) or max_keys < 1:
+            raise ValueError(f"max_keys must be an int >= 1, got {max_keys!r}")
+        self.store = store
+        self.namespace = namespace
+        self.predictor = NgramPredictor(n=n, top_k=top_k)
+        self.ram = RamTier(max_bytes)
+        self.max_keys = max_keys
+        self._cond = threading.Condition(threading.Lock())
+        self._tokens: OrderedDict[str, np.ndarray] = OrderedDict()  # request key -> last tokens
+        self._pending: list[np.ndarray] = []  # token sequences still to prefetch, next first
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._prefetched = self._prefetched_bytes = self._stale = self._errors = 0
+
+    # -- request thread -----------------------------------------------------------------
+
+    def after_request(self, key: str | None, tokens: Sequence[int] | np.ndarray) -> list:
+        """Record a finished request: ``key`` (:func:`request_key`; None records nothing) and
+        its tokens (prompt + generated), then queue the prefetch of the predicted next keys.
+        Returns the predicted keys (most likely first). Cheap: the work happens in the
+        prefetch thread. Does nothing after :meth:`close`."""
+        if key is None:
+            return []
+        self.predictor.observe(key)
+        predicted = self.predictor.predict()
+        with self._cond:
+            if self._stop:
+                return predicted
+            self._tokens[key] = np.array(tokens, dtype=np.int32)
+            self._tokens.move_to_end(key)
+            while len(self._tokens) > self.max_keys:
+                self._tokens.popitem(last=False)
+            self._pending = [self._tokens[k] for k in predicted if k in self._tokens]
+            if self._pending and self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="edgesync-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return predicted
+
+    def lookup(self, key: bytes) -> "KVFragment | None":
+        """The decoded fragment under store key ``key`` from the RAM tier, or None (then read
+        the store). A fragment is served only while the store still holds it live under the
+        same expiry (so not deleted, expired or replaced since it was decoded); otherwise it is
+        dropped from the tier. Its hit count and last hit are refreshed from the store, so it
+        equals what ``store.get(key)`` returns. Raises ``lmdb.Error`` when the store fails."""
+        frag = self.ram.get(key)
+        if frag is None:
+            return None
+        life = self.store.lifecycle(key)
+        if life is None or life.expires_at <= time.time() or life.expires_at != frag.expires_at:
+            self.ram.discard(key)
+            with self._cond:
+                self._stale += 1
+            log.debug("RAM tier: %s is no longer live in the store; not served", key.hex()[:16])
+            return None
+        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
+        return frag
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no prefetch work is queued or running; True when idle, False when
+        ``timeout`` seconds passed first (None: wait as long as it takes). For tests and
+        benchmarks."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stop or (not self._pending and not self._busy), timeout)
+
+    def stats(self) -> dict:
+        """JSON-able counters: ``observed`` requests with a key, ``predictions`` scored (every
+        observation but the first), ``top1`` / ``topk`` hit rates in [0, 1] (None before any
+        prediction) with ``top_k``; the RAM tier's ``hits``, ``misses``, ``bytes`` (held now),
+        ``max_bytes``, ``entries``, ``evictions``; ``prefetched`` fragments decoded and their
+        ``prefetched_bytes`` (raw), ``stale`` tier entries refused because the store no longer
+        held them live, ``errors`` store or codec errors in the prefetch thread."""
+        acc = self.predictor.accuracy
+        ram = self.ram.stats()
+        with self._cond:
+            own = dict(prefetched=self._prefetched, prefetched_bytes=self._prefetched_bytes,
+                       stale=self._stale, errors=self._errors)
+        return dict(observed=acc.observed, predictions=acc.predicted, top_k=acc.top_k, top1=acc.top1,
+                    topk=acc.topk, hits=ram.hits, misses=ram.misses, bytes=ram.bytes,
+                    max_bytes=ram.max_bytes, entries=ram.entries, evictions=ram.evictions, **own)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the prefetch thread (it finishes at most the fragment it is decoding; waits up
+        to ``timeout`` seconds) and empty the RAM tier. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self._pending = []
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("prefetch thread still running after %.1f s", timeout)
+        self.ram.clear()
+
+    # -- prefetch thread ----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                tokens = self._pending.pop(0)
+                self._busy = True
+            try:
+                self._prefetch(tokens)
+            except (lmdb.Error, OSError, ValueError) as exc:  # CodecError is a ValueError
+                with self._cond:
+                    self._errors += 1
+                log.warning("prefetch failed: %s", exc)
+            except Exception:  # keep the thread alive; the request path never depends on it
+                with self._cond:
+                    self._errors += 1
+                log.exception("prefetch failed")
+
+    def _prefetch(self, tokens: np.ndarray) -> None:
+        """Decode the fragments of the store's longest prefix of ``tokens`` into the tier."""
+        match = self.store.prefix_walk(self.namespace, tokens)
+        for span in match.spans:
+            for key in span.keys:
+                if self._stop:
+                    return
+                life = self.store.lifecycle(key)
+                if life is None:
+                    continue
+                held = self.ram.peek(key)
+                if held is not None and held.expires_at == life.expires_at:
+                    continue
+                frag = self._decode(key)
+                if frag is None:
+                    continue
+                if self.ram.put(key, frag):
+                    with self._cond:
+                        self._prefetched += 1
+                        self._prefetched_bytes += frag.raw_nbytes
+
+    def _decode(self, key: bytes) -> "KVFragment | None":
+        """What ``store.get(key)`` returns, decompressed outside the store's lock; None when
+        absent or corrupt (left for the request path's ``store.get`` to report and remove)."""
+        blob = self.store.get_blob(key)
+        if blob is None:
+            return None
+        try:
+            frag = codec.decode(blob, max_raw_bytes=self.store.max_raw_bytes)
+        except codec.CodecError as exc:
+            log.debug("prefetch: fragment %s does not decode (%s); skipped", key.hex()[:16], exc)
+            return None
+        if frag.key() != key:
+            return None
+        life = self.store.lifecycle(key)
+        # put_many writes the blob's own expiry into the lifecycle: a difference means the key
+        # was deleted and stored again between the two reads
+        if life is None or life.expires_at != frag.expires_at:
+            return None
+        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
+        return frag

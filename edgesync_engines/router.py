@@ -23,6 +23,11 @@ request that is not an exact hit (2 or more tokens uncovered) looks, and a donor
 tokens differ from the prompt's, so the model answers the donor's prompt without prefilling
 this one (``approximate: true`` in the result; nothing is stored for such a request, since the
 context holds the donor's KV). Its fidelity is measured by ``edgesync fidelity``.
+
+Prefetch (``prefetch=True``, off by default; ``edgesync_engines.prefetch.Prefetcher``): after
+each answer the request's first-chunk key is observed, the next keys are predicted and their
+fragments are decoded in a background thread into a bounded RAM tier; injection takes a
+fragment from that tier while the store still holds it live, else from the store.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from edgesync_store.store import FragmentStore, PrefixMatch
 from .adapter import ContextOverflowError, InjectionError
 from .config import EdgeSyncConfig
 from .llamacpp import LlamaCppAdapter
+from .prefetch import Prefetcher, request_key
 from .semantic import SemanticLookup
 
 log = logging.getLogger("edgesync.router")
@@ -61,6 +67,8 @@ class GenerationResult:
     (``prompt_tokens - tokens_reused``, except in the approximate mode, where the donor's
     remaining tokens are evaluated instead). ``approximate`` is True when the answer came from
     a donor's KV whose tokens differ from the prompt's (``reuse="semantic"`` only).
+    ``ram_tier_hits`` counts the fragments injected from the prefetch RAM tier instead of
+    being read and decoded from the store (0 when prefetch is off).
     """
 
     text: str
@@ -77,6 +85,7 @@ class GenerationResult:
     approximate: bool = False
     lookup_ms: float | None = None
     donor: str | None = None
+    ram_tier_hits: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,11 +182,21 @@ class EdgeSync:
         if self.store is not None and self.config.semantic:
             self.semantic = SemanticLookup(self.store, self.config)
             self.semantic.warm_up()  # loads the embedder and index in the background
+        self.prefetcher = None
+        if self.store is not None and self.config.prefetch:
+            self.prefetcher = Prefetcher(self.store, self.namespace, self.config.prefetch_ram_bytes)
+        self._ram_hits = 0  # of the current request (requests hold the adapter's lock)
 
     @property
     def namespace(self):
         """The engine's KV namespace."""
         return self.adapter.namespace
+
+    def prefetch_stats(self) -> dict | None:
+        """Prefetch counters (:meth:`Prefetcher.stats`: predictor ``top1``/``topk`` accuracy
+        over ``predictions``, RAM tier ``hits``, ``misses``, ``bytes``, ``entries``...), or None
+        when prefetch is off."""
+        return None if self.prefetcher is None else self.prefetcher.stats()
 
     def prompt_tokens(self, prompt: "str | Sequence[dict]") -> list[int]:
         """Token IDs of a raw prompt string, or of chat messages rendered with the chat template.
@@ -273,6 +292,7 @@ class EdgeSync:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         yield ""  # input checked: errors above raise from generate() itself
         with self.adapter.lock:
+            self._ram_hits = 0
             plan = self._reuse(prompt, tokens, max_tokens)
             reused, used_keys = plan.reused, plan.keys
             n = len(tokens)
@@ -299,6 +319,10 @@ class EdgeSync:
             written = 0 if plan.approximate else self._store_new(tokens)
             if not plan.approximate:
                 self._index_prompt(prompt, tokens, plan.embedded)
+            if self.prefetcher is not None:
+                key = request_key(self.namespace, tokens, self.config.chunk_tokens)
+                self.prefetcher.after_request(key, tokens + out)
+            ram_hits = self._ram_hits
         total_ms = (time.perf_counter() - t0) * 1000
         result = GenerationResult(
             text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
@@ -315,6 +339,7 @@ class EdgeSync:
             approximate=plan.approximate,
             lookup_ms=plan.lookup_ms,
             donor=plan.donor,
+            ram_tier_hits=ram_hits,
         )
         log.info("request: %d prompt tokens, tier %s%s, reused %d, similarity %s, ttft %.1f ms", n, tier,
                  " (approximate)" if plan.approximate else "", reused,
@@ -427,7 +452,7 @@ class EdgeSync:
         for span in match.spans:
             if span.token_start >= target:
                 break
-            got = [self.store.get(key) for key in span.keys]
+            got = [self._fetch(key) for key in span.keys]
             if any(f is None for f in got):
                 log.warning("fragment at [%d, %d) was refused; injecting only %d tokens",
                             span.token_start, span.token_end, covered)
@@ -446,6 +471,20 @@ class EdgeSync:
             self.adapter.clear_kv_cache()
             return 0, [], bytes_read
         return target, keys, bytes_read
+
+    def _fetch(self, key: bytes):
+        """The decoded fragment under ``key``: from the prefetch RAM tier while the store still
+        holds it live, else from the store (None: absent or corrupt)."""
+        if self.prefetcher is not None:
+            try:
+                frag = self.prefetcher.lookup(key)
+            except lmdb.Error as exc:
+                log.warning("RAM tier check failed, reading the store: %s", exc)
+                frag = None
+            if frag is not None:
+                self._ram_hits += 1
+                return frag
+        return self.store.get(key)
 
     def _context_len(self, prompt, tokens: list[int], text: str) -> int:
         """Prompt tokens before the embedded text: for chat messages ending with a user turn,
@@ -523,6 +562,8 @@ class EdgeSync:
     def close(self) -> None:
         """Free the engine if this object loaded it (an adapter passed in stays open), save and
         close the semantic index, and close the store if this object opened it."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.semantic is not None:
             self.semantic.close()
         if self._owns_adapter:
