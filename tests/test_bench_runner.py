@@ -1,0 +1,110 @@
+"""The benchmark runner's parts: figures from records, the worker protocol on the real model,
+and no cache as the token-identity reference for EdgeSync.
+
+The runner itself is a benchmark (``make bench``), not a test; these check what its report
+rests on.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from benchmarks.figures import percentile, storage_figures, summarize, targets
+from benchmarks.runner import Lane
+from benchmarks.systems import make_system
+from benchmarks.workloads import seed_requests
+
+
+def _rec(i, system="edgesync", key=None, ttft=100.0, hit=None, reused=0, n=300, tokens=(1, 2), first=True):
+    return {"workload": "seed", "system": system, "index": i, "request_id": f"seed-{i:04d}",
+            "prompt_key": key or f"p{i}", "group": "topic-0", "first_seen": first, "ttft_ms": ttft,
+            "total_ms": ttft + 50, "prompt_tokens": n, "tokens_reused": reused, "hit": hit,
+            "source": "store" if reused else None, "bytes_read": 1000 if reused else 0, "tokens": list(tokens),
+            "cpu_s": 0.5, "rss_peak_bytes": 10 + i, "lookup_ms": None, "detail": {}}
+
+
+def test_percentile_matches_statistics():
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    assert percentile(xs, 50) == statistics.median(xs)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 9.0
+    assert percentile([], 50) is None
+
+
+def test_summarize_splits_first_seen_and_repeats_and_scores_identity():
+    ref = [_rec(i, "no-cache", ttft=1000.0 + i) for i in range(6)]
+    es = [_rec(0, ttft=900.0), _rec(1, ttft=800.0),
+          _rec(2, key="p0", ttft=60.0, hit="exact", reused=299, first=False),
+          _rec(3, key="p1", ttft=70.0, hit="exact", reused=299, first=False),
+          _rec(4, ttft=300.0, hit="partial", reused=200),
+          _rec(5, ttft=500.0, tokens=(9,))]
+    s = summarize(es, ref)
+    assert s["n"] == 6 and s["hits"] == {"exact": 2, "partial": 1, "miss": 3}
+    assert s["first_seen_ttft_ms"]["mean"] == pytest.approx((900 + 800 + 300 + 500) / 4)
+    assert s["repeat_ttft_ms"]["mean"] == pytest.approx(65.0)
+    assert s["exact_hit_ttft_ms"] == pytest.approx(65.0)
+    assert s["not_prefilled_share"] == pytest.approx((299 + 299 + 200) / 1800)
+    assert s["identity"] == pytest.approx(5 / 6) and s["identity_n"] == 6
+    assert s["peak_rss_bytes"] == 15
+
+
+def test_storage_figures_amortise_shared_prefixes_over_prompts():
+    recs = [_rec(0, key="a", n=301), _rec(1, key="b", n=201), _rec(2, key="a", n=301, first=False)]
+    stats = {"kv_bytes_per_token": 100, "store_disk_bytes": 20_000,
+             "store": {"fragments": 3, "compressed_bytes": 15_000, "raw_bytes": 45_000}}
+    st = storage_figures(recs, stats)
+    raw = (300 * 100 + 200 * 100) / 2
+    assert st["cached_prompts"] == 2 and st["raw_f16_kv_per_prompt"] == raw
+    assert st["disk_bytes_per_prompt"] == 10_000 and st["vs_raw_f16"] == pytest.approx(10_000 / raw)
+    assert st["fragment_compression"] == pytest.approx(1 / 3)
+    rows = targets({("seed", "edgesync"): summarize(recs)}, {("seed", "edgesync"): st})
+    bytes_row = rows[-1]
+    assert bytes_row["value"] == pytest.approx(10_000 / raw) and bytes_row["met"] is True
+    assert rows[0]["met"] is None  # no no-cache run: the ratio is missing, not invented
+
+
+@pytest.fixture(scope="module")
+def seed_prompts():
+    reqs = seed_requests(40)
+    seen, out = set(), []
+    for r in reqs:  # four distinct prompts over two app system prompts
+        if r.prompt_key not in seen and len(out) < 4:
+            seen.add(r.prompt_key)
+            out.append(list(r.messages))
+    return out
+
+
+def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
+    monkeypatch.setenv("EDGESYNC_THREADS", "1")
+    lane = Lane("no-cache", "no-cache", tmp_path / "nc")
+    lane.start(1, tmp_path / "logs")
+    try:
+        n = lane.call({"op": "count", "messages": seed_prompts[0]})
+        a = lane.call({"op": "answer", "messages": seed_prompts[0], "max_tokens": 8})
+        bad = lane.call({"op": "answer", "messages": [{"role": "nobody"}], "max_tokens": 8})
+        unknown = lane.call({"op": "fly"})
+        stats = lane.call({"op": "stats"})
+    finally:
+        lane.close()
+    assert n["ok"] and a["ok"] and a["answer"]["prompt_tokens"] == n["n"] > 300
+    assert 1 <= len(a["answer"]["tokens"]) <= 8 and a["answer"]["tokens_reused"] == 0
+    assert a["cpu_s"] > 0 and a["rss_peak_bytes"] > 50e6
+    assert not bad["ok"] and bad["error"] and not unknown["ok"] and "fly" in unknown["message"]
+    # SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 x 2 bytes (DESIGN.md 2.2)
+    assert stats["ok"] and stats["stats"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+    with make_system("no-cache", n_threads=1) as direct:
+        assert direct.answer(seed_prompts[0], max_tokens=8).tokens == a["answer"]["tokens"]
+
+
+def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, seed_prompts):
+    """The report's identity column: no cache evaluates the prompt like EdgeSync (last token
+    alone), so EdgeSync's cold, hit and uncached answers all equal it."""
+    with make_system("no-cache", n_threads=1) as nc:
+        ref = [nc.answer(m, max_tokens=16).tokens for m in seed_prompts]
+    with make_system("edgesync", workdir=tmp_path, n_threads=1) as es:
+        cold = [es.answer(m, max_tokens=16) for m in seed_prompts]
+        again = [es.answer(m, max_tokens=16) for m in seed_prompts]
+    assert [a.tokens for a in cold] == ref
+    assert [a.tokens for a in again] == ref
+    assert all(a.hit == "exact" for a in again)
