@@ -213,7 +213,7 @@ class Runner:
             "tokens_reused": a["tokens_reused"], "hit": a["hit"], "source": a["source"],
             "bytes_read": a["bytes_read"], "tokens": a["tokens"], "text": a["text"],
             "lookup_ms": (a.get("detail") or {}).get("lookup_ms"), "cpu_s": reply["cpu_s"],
-            "rss_peak_bytes": reply["rss_peak_bytes"],
+            "rss_peak_bytes": reply["rss_peak_bytes"], "prefetch_wait_ms": reply.get("prefetch_wait_ms"),
             "energy_j": energy.rapl_total_joules if energy is not None and energy.available else None,
             "detail": a.get("detail") or {},
         }
