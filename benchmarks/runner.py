@@ -349,6 +349,16 @@ def _default_out() -> Path:
     return ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``edgesync bench`` (shared with ``python -m benchmarks.runner``)."""
     parser.add_argument("--quick", action="store_true",
@@ -357,7 +367,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: seed,doc-qa,chat")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default results/bench-<UTC time>)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report's JSON to this file")
-    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per worker (default: all cores)")
+    parser.add_argument("--threads", type=_threads, default=None,
+                        help="llama.cpp threads per worker (default: EDGESYNC_THREADS or all cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -370,6 +381,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     out = args.out or _default_out()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        raise ValueError(f"--workloads: unknown {unknown or args.workloads!r}; choose from {', '.join(WORKLOADS)}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty; choose a new directory")
+    from benchmarks.workloads import seed_requests
+
+    seed_requests(1)  # fail now, not after the first workers started, when the data is missing
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())

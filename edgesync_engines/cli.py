@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
 
     try:
         return run_from_args(args)
-    except (WorkerError, ValueError) as exc:
+    except (WorkerError, WorkloadDataError, ValueError) as exc:
         raise _Fail(str(exc)) from None
 
 
