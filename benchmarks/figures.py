@@ -153,8 +153,18 @@ def storage_figures(records: Sequence[dict], stats: dict | None) -> dict[str, An
                    disk_bytes_per_prompt=stats["cache_disk_bytes"] / n if n else None)
     elif "cache_bytes" in stats:
         n = stats.get("cache_entries") or 0
-        out.update(cached_prompts=n, ram_bytes=stats["cache_bytes"],
-                   ram_bytes_per_prompt=stats["cache_bytes"] / n if n else None)
+        # LlamaRAMCache.cache_size counts llama_state_size only, not the entry's scores array
+        # (n_tokens x n_vocab float32), so it understates the RAM by about 10x: prefer the
+        # entries' full size, else the mean size of the entries the cache loaded
+        loaded = [r["bytes_read"] for r in records if r.get("source") == "cache" and r["bytes_read"]]
+        if stats.get("cache_entry_bytes"):
+            ram, how = stats["cache_entry_bytes"], "entries' state + scores + input ids"
+        elif loaded and n:
+            ram, how = n * sum(loaded) / len(loaded), "entries x mean size of a loaded entry"
+        else:
+            ram, how = stats["cache_bytes"], "llama-cpp-python cache_size (state only)"
+        out.update(cached_prompts=n, ram_bytes=ram, ram_bytes_how=how, cache_size_reported=stats["cache_bytes"],
+                   ram_bytes_per_prompt=ram / n if n else None)
     per = out.get("disk_bytes_per_prompt") or out.get("ram_bytes_per_prompt")
     out["vs_raw_f16"] = per / raw if per is not None and raw else None
     return out

@@ -56,6 +56,14 @@ def _save(fig, plt, path: str | os.PathLike) -> Path:
     return out
 
 
+def _legend_or_empty(ax, has_data: bool, loc: str) -> None:
+    """A small legend at ``loc``, or "no records" across an empty panel."""
+    if has_data:
+        ax.legend(fontsize=7, loc=loc)
+    else:
+        ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center")
+
+
 def ttft_distribution(records: Iterable[Mapping], path: str | os.PathLike) -> Path:
     """ECDF of measured TTFT (ms, log x axis): one panel per workload, one line per system.
 
@@ -91,10 +99,7 @@ def ttft_distribution(records: Iterable[Mapping], path: str | os.PathLike) -> Pa
         ax.set_xlabel("TTFT (ms, log scale)")
         ax.set_ylabel("share of requests with TTFT <= x")
         ax.grid(True, which="both", alpha=0.3)
-        if systems:
-            ax.legend(fontsize=7, loc="lower right")
-        else:
-            ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center")
+        _legend_or_empty(ax, bool(systems), "lower right")
     fig.suptitle("Time to first token, per workload (ECDF)")
     fig.tight_layout()
     return _save(fig, plt, path)
@@ -156,10 +161,7 @@ def hits_by_tier(summary_or_records, path: str | os.PathLike) -> Path:
         ax.set_ylim(0, 100)
         ax.set_ylabel("% of requests")
         ax.set_title(workload)
-        if names:
-            ax.legend(fontsize=7, loc="upper left")
-        else:
-            ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center")
+        _legend_or_empty(ax, bool(names), "upper left")
     fig.suptitle("Reuse tier per request")
     fig.tight_layout()
     return _save(fig, plt, path)
@@ -217,7 +219,7 @@ def bytes_per_cached_prompt(rows: Sequence[Mapping], path: str | os.PathLike) ->
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads)
     ax.set_ylabel("bytes per cached prompt (log scale)")
-    ax.set_title("Bytes on disk per cached prompt vs raw f16 KV")
+    ax.set_title("Bytes per cached prompt (disk; RAM for llama-ram) vs raw f16 KV")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     if rows:
         ax.legend(fontsize=7)

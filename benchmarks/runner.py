@@ -103,9 +103,9 @@ class Lane:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.label}.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, cwd=str(ROOT), env=env)
+        with open(self.log_path, "ab") as log_file:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                                         text=True, bufsize=1, cwd=str(ROOT), env=env)
         ready = self._read()
         if not ready.get("ok"):
             raise WorkerError(f"{self.label}: worker did not start: {ready.get('error')}: {ready.get('message')}")
@@ -134,19 +134,21 @@ class Lane:
         return self._read()
 
     def close(self) -> None:
-        """Ask the worker to exit; kill it after 60 s."""
+        """Let the worker exit (end of its input closes the system); kill it after 60 s."""
         if self.proc is None:
             return
+        proc, self.proc = self.proc, None
         try:
-            if self.proc.poll() is None:
-                self.call({"op": "close"})
-            self.proc.wait(timeout=60)
-        except (WorkerError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            self.proc = None
-            self._log.close()
+            proc.stdin.close()  # the worker closes its system at end of input and exits
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log.warning("%s: worker did not exit within 60 s; killed", self.label)
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 def _energy_probe():
@@ -172,7 +174,8 @@ class Runner:
         unknown = [w for w in workloads if w not in WORKLOADS]
         if unknown:
             raise ValueError(f"workloads: unknown {unknown}; choose from {', '.join(WORKLOADS)}")
-        self.out, self.sizes, self.workloads, self.threads = Path(out), sizes, list(workloads), threads
+        self.out, self.sizes, self.threads = Path(out).resolve(), sizes, threads
+        self.workloads = list(dict.fromkeys(workloads))  # each once: a second pass would reuse the stores
         self.progress = progress
         self.records: list[dict] = []
         self.stats: dict[str, dict[str, dict]] = {}
@@ -232,13 +235,29 @@ class Runner:
             return seed_requests(self.sizes.seed)
         return doc_qa_requests(self.sizes.doc_qa_passages)
 
+    def _finish(self, lane: Lane) -> None:
+        """Collect a lane's end-of-run stats and let its worker exit (frees its memory)."""
+        if lane.proc is None:
+            return
+        try:
+            reply = lane.call({"op": "stats"})
+            lane.stats = reply.get("stats") if reply.get("ok") else {"error": reply.get("message")}
+        except WorkerError as exc:
+            lane.stats = {"error": str(exc)}
+            self.errors.append(str(exc))
+        lane.close()
+
     def _deal_static(self, workload: str, lanes: list[Lane], requests: list, task) -> None:
         for i, req in enumerate(requests):
             for k in range(len(lanes)):
                 lane = lanes[(i + k) % len(lanes)]
-                if lane.limit is None or i < lane.limit:
-                    self._ask(lane, workload, i, req, req.messages)
-                    self._advance(task)
+                if lane.proc is None:
+                    continue
+                if lane.limit is not None and i >= lane.limit:
+                    self._finish(lane)
+                    continue
+                self._ask(lane, workload, i, req, req.messages)
+                self._advance(task)
 
     def _chat_sessions(self, lane: Lane) -> list:
         from benchmarks.workloads import chat_sessions
@@ -259,7 +278,7 @@ class Runner:
             step = 0
             while not all(lane.sessions[s].done for lane in lanes):
                 for k in range(len(lanes)):
-                    lane = lanes[(step + k) % len(lanes)]
+                    lane = lanes[(index + step + k) % len(lanes)]
                     session = lane.sessions[s]
                     if session.done:
                         continue
@@ -291,6 +310,7 @@ class Runner:
             requests = self._static_requests(workload)
             total = sum(len(requests) if l.limit is None else min(l.limit, len(requests)) for l in lanes) + len(requests)
         task = self.progress.add_task(workload, total=total) if self.progress is not None else None
+        warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync")
         try:
             for lane in lanes:
                 lane.start(self.threads, self.out / "workers" / workload)
@@ -299,23 +319,20 @@ class Runner:
             else:
                 self._deal_static(workload, lanes, requests, task)
             for lane in lanes:
-                reply = lane.call({"op": "stats"})
-                lane.stats = reply.get("stats") if reply.get("ok") else {"error": reply.get("message")}
-        finally:
-            for lane in lanes:
-                lane.close()
-        cold = next(l for l in lanes if l.label == "edgesync")
-        warm = Lane("edgesync-warm", "edgesync", cold.workdir)
-        try:
+                self._finish(lane)
             warm.start(self.threads, self.out / "workers" / workload)
             if workload == "chat":
                 self._deal_chat([warm], task)
             else:
                 self._deal_static(workload, [warm], requests, task)
-            reply = warm.call({"op": "stats"})
-            warm.stats = reply.get("stats") if reply.get("ok") else {"error": reply.get("message")}
+            self._finish(warm)
+        except WorkerError as exc:  # the figures so far are kept; the report says what failed
+            msg = f"{workload}: stopped early: {exc}"
+            log.error("%s", msg)
+            self.errors.append(msg)
         finally:
-            warm.close()
+            for lane in [*lanes, warm]:
+                lane.close()
         if self.progress is not None and task is not None:
             self.progress.update(task, completed=total)
         self.stats[workload] = {l.label: l.stats for l in [*lanes, warm]}
@@ -384,19 +401,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise ValueError(f"--workloads: unknown {unknown or args.workloads!r}; choose from {', '.join(WORKLOADS)}")
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out}: exists and is not empty; choose a new directory")
-    from benchmarks.workloads import seed_requests
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new directory")
+    if args.json is not None and (args.json.is_dir() or not args.json.resolve().parent.is_dir()):
+        raise ValueError(f"--json {args.json}: not a file in an existing directory")
+    from benchmarks.workloads import chat_sessions, doc_qa_requests, seed_requests
 
-    seed_requests(1)  # fail now, not after the first workers started, when the data is missing
+    # read every selected workload's data now, not after an hour of the first one
+    checks = {"seed": lambda: seed_requests(1), "doc-qa": lambda: doc_qa_requests(1),
+              "chat": lambda: chat_sessions(lambda m: 0, 1)}
+    for w in workloads:
+        checks[w]()
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=console, disable=args.no_progress) as progress:
         report = Runner(out, sizes, workloads, args.threads, progress).run()
+    sys.stdout.write((Path(out).resolve() / "report.md").read_text())
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    sys.stdout.write((out / "report.md").read_text())
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    out = Path(out).resolve()
     console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  wall {report['meta']['wall_s'] / 60:.1f} min")
     return 1 if report["meta"]["errors"] else 0
 
@@ -407,7 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    return run_from_args(args)
+    from edgesync_engines.workloads import WorkloadDataError
+
+    try:
+        return run_from_args(args)
+    except (WorkerError, WorkloadDataError, ValueError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

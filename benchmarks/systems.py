@@ -46,11 +46,12 @@ Token identity: every system tokenizes with EdgeSync's adapter (the GGUF's chat 
 llama-cpp-python systems pass those token IDs to ``create_completion`` (its own text path
 tokenizes the same way for SmolLM2, which adds no BOS, but IDs leave no doubt). Sampling equals
 ``LlamaCppAdapter.generate`` at temperature 0: greedy, ``top_k=40, top_p=0.95, min_p=0,
-repeat_penalty=1`` (greedy ignores the others). llama-cpp-python evaluates the prompt as one
-batch (last token included), EdgeSync evaluates its last prompt token alone (README, "The last
-prompt token is always evaluated alone"): their logits differ slightly, so ``no-cache`` and
-``edgesync`` can differ in rare tokens; a llama-cpp-python cache hit re-evaluates only the last
-prompt token alone, i.e. it computes what EdgeSync computes, not what its own miss computed.
+repeat_penalty=1`` (greedy ignores the others). llama-cpp-python on its own evaluates the prompt
+as one batch (last token included), EdgeSync evaluates its last prompt token alone (README, "The
+last prompt token is always evaluated alone"): their logits differ slightly. ``no-cache``
+therefore evaluates the prompt as EdgeSync does (:meth:`NoCache._complete`) and is token-
+identical to it; ``llama-ram`` / ``llama-disk`` evaluate a miss as one batch and a hit's last
+token alone, so their answers differ from ``no-cache`` on some requests.
 
 Caveats: ``LlamaDiskCache`` stores ``LlamaState`` objects through ``diskcache``, which pickles
 them (the system under test does; this module never unpickles anything itself; point it only at
@@ -311,8 +312,9 @@ class _CompletionSystem(System):
 
 class NoCache(_CompletionSystem):
     """llama-cpp-python with its KV cache cleared before every request (``Llama.reset()`` +
-    ``llama_memory_clear``): every request prefills its whole prompt in one batch. See
-    :class:`_CompletionSystem` for arguments and errors."""
+    ``llama_memory_clear``): every request prefills its whole prompt, all tokens but the last
+    in batches and the last alone (:meth:`_complete`). See :class:`_CompletionSystem` for
+    arguments and errors."""
 
     name = "no-cache"
 
@@ -351,9 +353,11 @@ class LlamaCacheSystem(_CompletionSystem):
 
     Args:
         kind: ``"ram"`` or ``"disk"``.
-        capacity_bytes: the cache's capacity (llama-cpp-python's default 2 GiB). A SmolLM2
-            entry carries ``scores`` of n_tokens x 49,152 float32 (about 69 MB for a
-            350-token prompt), so 2 GiB holds about 30 entries.
+        capacity_bytes: the cache's capacity (llama-cpp-python's default 2 GiB). It is checked
+            against ``cache_size``, which counts ``llama_state_size`` only (about 8 MB for a
+            350-token SmolLM2 prompt), while an entry also carries ``scores`` of n_tokens x
+            49,152 float32 (about 69 MB): 2 GiB then admits about 250 entries, about 20 GB of
+            RAM (measured: 15 GB peak RSS after 300 seed requests).
         cache_dir: directory for ``kind="disk"``.
         model_path, n_threads, n_ctx: see :class:`_CompletionSystem`.
 

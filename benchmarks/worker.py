@@ -86,7 +86,8 @@ def system_stats(system, workdir: Path) -> dict:
     ``store`` (fragments, compressed/raw bytes from the store's headers), ``store_disk_bytes``
     (allocated bytes of the store directory, LMDB and semantic sidecar), ``prefetch`` (the
     router's ``prefetch_stats()`` when it has one). llama-cpp-python caches: ``cache_entries``,
-    ``cache_bytes`` (``cache_size``) and for the disk cache ``cache_disk_bytes``. Naive string
+    ``cache_bytes`` (``cache_size``), for the RAM cache ``cache_entry_bytes`` (state + scores +
+    input ids of every entry), for the disk cache ``cache_disk_bytes``. Naive string
     cache: ``answers`` stored.
     """
     adapter = _adapter(system)
@@ -101,9 +102,13 @@ def system_stats(system, workdir: Path) -> dict:
         out["prefetch"] = stats() if callable(stats) else None
     cache = getattr(system, "cache", None)
     if cache is not None:
+        from benchmarks.systems import _state_bytes
+
         out["cache_bytes"] = int(cache.cache_size)
         entries = getattr(cache, "cache_state", None)
         out["cache_entries"] = len(entries) if entries is not None else len(cache.cache)
+        if entries is not None:  # LlamaRAMCache: what its entries really hold (scores included)
+            out["cache_entry_bytes"] = sum(_state_bytes(state) for state in entries.values())
         if system.name == "llama-disk":
             out["cache_disk_bytes"] = dir_disk_bytes(workdir / "llama-disk-cache")
     if hasattr(system, "answers"):
@@ -186,7 +191,11 @@ def main(argv=None) -> int:
 
     kwargs: dict = {"n_threads": args.threads}
     if args.config:
-        kwargs["config"] = json.loads(args.config)
+        try:
+            kwargs["config"] = json.loads(args.config)
+        except json.JSONDecodeError as exc:
+            out.write(json.dumps({"ok": False, "error": "ValueError", "message": f"--config: {exc}"}) + "\n")
+            return 2
     name = args.system
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -194,6 +203,9 @@ def main(argv=None) -> int:
     except Exception as exc:
         out.write(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)}) + "\n")
         return 2
+    semantic = getattr(getattr(system, "es", None), "semantic", None)
+    if semantic is not None:  # its warm-up thread must not run during another system's request
+        semantic.wait_ready()
     out.write(json.dumps({"ok": True, "ready": name, "pid": os.getpid()}) + "\n")
     serve(system, args.workdir, sys.stdin, out)
     return 0

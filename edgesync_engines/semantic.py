@@ -105,6 +105,11 @@ class SemanticLookup:
                 return self._disable(f"cannot open the semantic index: {exc}")
             return True
 
+    def wait_ready(self) -> bool:
+        """Block until the embedder is loaded and the index open (what :meth:`warm_up` does in
+        the background); True when the lookup can run, False when it is disabled."""
+        return self._ready()
+
     def warm_up(self) -> None:
         """Load the embedder and open the index in a daemon thread, so that the first lookup
         does not pay for it (about 0.5 s); a lookup meanwhile waits for it."""
