@@ -4,8 +4,8 @@ The seed (issue 4) publishes a table measured on a Snapdragon 685 together with 
 constants it says produced it (:class:`SeedConstants`). This module applies those constants to
 the *same request stream* we ran (the ``seed`` workload of :mod:`benchmarks.workloads`) and to
 the *decisions our systems actually made* (``prompt_tokens``, ``tokens_reused``, ``hit``,
-``source`` and ``lookup_ms`` of each record in ``results/<run>/requests.jsonl``, format in
-``/work/notes/bench_records.md``), and prints the result beside the seed's published table
+``source`` and ``lookup_ms`` of each record in ``results/<run>/requests.jsonl``; the record
+format is in ``benchmarks/runner.py``), and prints the result beside the seed's published table
 (:data:`SEED_TABLE`), so a reader sees whether the seed's figures follow from its constants.
 :func:`consistency_checks` also tests the published table against its own constants, with no
 request stream at all.
@@ -80,7 +80,7 @@ SEED_ROW_FOR_SYSTEM = {"no-cache": "no cache", "naive-string": "naive string cac
 class SeedConstants:
     """The seed's per-operation constants (issue 4, the seed's claims; not measured here).
 
-    Source: issue 4's seed write-up, as copied in ``/work/notes/bench_records.md``: "prefill
+    Source: the seed's claims as quoted in issue 4: "prefill
     6.8 ms/token, decode 18.4 ms/token, HNSW search 3.2 ms, injection 0.029 ms/MB, about 6 MB
     per fragment (128 tokens, 12 layers, Q4_K_M)", on a Snapdragon 685.
 
@@ -139,7 +139,7 @@ SEED_TABLE: tuple[SeedRow, ...] = (
     SeedRow("fragment cache", 350.0, 0.70, 35.0, 88.0),
 )
 """The seed's published table (Snapdragon 685, 1,000 requests over 8 clusters x 64 prompts x 4
-variants), issue 4, as copied in ``/work/notes/bench_records.md``."""
+variants), as quoted in issue 4."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """PNG plots of the benchmark runner's records (issue 4).
 
 Inputs are the per-request records of ``results/<run>/requests.jsonl`` (format in
-``/work/notes/bench_records.md``) or small summaries made from them. Every function writes one
-PNG to the path the caller gives (file names are the caller's, so they are deterministic),
-closes its figure, and returns the :class:`~pathlib.Path` written.
+``benchmarks/runner.py``) or small summaries made from them. Every function writes one PNG
+to the path the caller gives (file names are the caller's, so they are deterministic), closes
+its figure, and returns the :class:`~pathlib.Path` written.
 
 matplotlib is imported lazily inside the functions (it is in the project's ``bench`` extra,
 not a core dependency) and always with the non-interactive ``Agg`` backend, so plotting works

@@ -23,8 +23,8 @@ Per request the runner keeps one record (JSON line in ``requests.jsonl``): ``wor
 ``system``, ``index``, ``request_id``, ``prompt_key``, ``group``, ``first_seen`` (the first
 time this system's process got this prompt), the worker's ``Answer`` fields (``ttft_ms``,
 ``total_ms``, ``prompt_tokens``, ``tokens_reused``, ``hit``, ``source``, ``bytes_read``,
-``tokens``, ``text``), ``lookup_ms``, ``cpu_s``, ``rss_peak_bytes``, ``energy_j`` (None where
-the energy probe has nothing to read) and ``detail``.
+``tokens``, ``text``), ``lookup_ms``, ``cpu_s``, ``rss_peak_bytes``, ``prefetch_wait_ms``,
+``energy_j`` (None where the energy probe has nothing to read) and ``detail``.
 
 Output (``--out``, default ``results/bench-<UTC time>/``, git-ignored): ``requests.jsonl``,
 ``report.json`` (every figure), ``report.md`` (the tables), PNG plots, and one log file per
