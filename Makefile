@@ -54,7 +54,7 @@ demo: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
 
 # Every system on every workload (99 minutes on 2 cores; `make bench BENCH_ARGS=--quick` for a
-# small run, about 3 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
+# small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
 BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)

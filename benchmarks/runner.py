@@ -406,6 +406,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json is not None and (args.json.is_dir() or not args.json.resolve().parent.is_dir()):
         raise ValueError(f"--json {args.json}: not a file in an existing directory")
     from benchmarks.workloads import chat_sessions, doc_qa_requests, seed_requests
+    from edgesync_engines.config import EdgeSyncConfig
+
+    EdgeSyncConfig.load()  # a bad EDGESYNC_* setting fails here, not in every worker
 
     # read every selected workload's data now, not after an hour of the first one
     checks = {"seed": lambda: seed_requests(1), "doc-qa": lambda: doc_qa_requests(1),

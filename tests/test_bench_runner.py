@@ -108,3 +108,18 @@ def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, see
     assert [a.tokens for a in cold] == ref
     assert [a.tokens for a in again] == ref
     assert all(a.hit == "exact" for a in again)
+
+
+def test_report_compares_a_partial_system_with_no_cache_on_the_same_requests(tmp_path):
+    """naive-string runs only the first 2 of 4 requests: its "vs no cache" divides by no cache's
+    mean over those 2 (1,500 ms), not over all 4 (2,500 ms)."""
+    from benchmarks.report import build_report
+
+    nc = [_rec(i, "no-cache", ttft=1000.0 * (i + 1)) for i in range(4)]
+    naive = [_rec(i, "naive-string", ttft=100.0) for i in range(2)]
+    rep = build_report(nc + naive, {}, {"sizes": {"seed": 4}}, tmp_path)
+    s = rep["summaries"]["seed/naive-string"]
+    assert s["no_cache_ttft_mean_same_requests"] == pytest.approx(1500.0)
+    assert "| naive-string | 2 |" in rep["markdown"] and f"{100 / 1500:.3f}x" in rep["markdown"]
+    assert "too few requests" in rep["markdown"]
+    assert (tmp_path / "report.md").read_text() == rep["markdown"]
