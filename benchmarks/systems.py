@@ -252,12 +252,14 @@ class _CompletionSystem(System):
     def _before(self) -> None:
         """Hook run before each request (NoCache clears the KV here)."""
 
-    def _complete(self, tokens: list[int], max_tokens: int, t0: float) -> tuple[Answer, dict]:
+    def _complete(self, tokens: list[int], max_tokens: int, t0: float,
+                  before: bool = True) -> tuple[Answer, dict]:
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         if len(tokens) + max_tokens > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
-        self._before()
+        if before:
+            self._before()
         self.llm.begin_trace()
         captured = io.StringIO()
         ttft = None
@@ -322,7 +324,8 @@ class NoCache(_CompletionSystem):
         self.llm.reset()
         self.adapter.clear_kv_cache()
 
-    def _complete(self, tokens: list[int], max_tokens: int, t0: float) -> tuple[Answer, dict]:
+    def _complete(self, tokens: list[int], max_tokens: int, t0: float,
+                  before: bool = True) -> tuple[Answer, dict]:
         """Prefill as EdgeSync does, inside the timed request: the KV is cleared, all prompt
         tokens but the last are evaluated in batches of >= 2 tokens
         (``LlamaCppAdapter.prefill_plan``), and ``create_completion`` then finds them in the
@@ -334,11 +337,7 @@ class NoCache(_CompletionSystem):
             self._before()
             for start, end in self.adapter.prefill_plan(0, len(tokens))[:-1]:
                 self.llm.eval(list(tokens[start:end]))
-            self._before = lambda: None  # keep the prefill for this request
-            try:
-                answer, trace = super()._complete(tokens, max_tokens, t0)
-            finally:
-                del self._before
+            answer, trace = super()._complete(tokens, max_tokens, t0, before=False)  # keep that prefill
         else:
             answer, trace = super()._complete(tokens, max_tokens, t0)
         answer.detail["prefilled_in_request"] = answer.tokens_reused
