@@ -50,16 +50,8 @@ class DonorRecord:
 
 def _db(store, create: bool):
     """The ``donors`` database of ``store``'s environment, or None when it does not exist yet
-    and ``create`` is False."""
-    for _ in range(64):
-        try:
-            with store._lock:
-                return store._env.open_db(DONORS_DB, create=create)
-        except lmdb.MapResizedError:
-            store._env.set_mapsize(0)
-        except lmdb.NotFoundError:
-            return None
-    raise lmdb.MapResizedError(f"store {store.path}: cannot open the donors database")
+    and ``create`` is False (asked for at each use: a disk reclaim reopens the environment)."""
+    return store.named_db(DONORS_DB, create=create)
 
 
 def put_donor(store, key: bytes, namespace_digest: bytes, tokens: Sequence[int] | np.ndarray, text: str = "") -> None:

@@ -6,9 +6,16 @@ named databases:
 * ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
 * ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes) -> store keys of the
   fragments that start right after that prefix; the prefix walk's index;
-* ``lifecycle``: store key -> hit_count (u32), last_hit_at, expires_at (f64 Unix seconds);
-  kept apart from the blob so that a hit never rewrites tensors;
-* ``meta``: store-wide facts (``format_version``).
+* ``lifecycle``: store key -> the fragment's tier, hits, creation, last hit, expiry and sizes
+  (``ttl.Lifecycle``, 45 bytes); kept apart from the blob so that a hit, the expiry sweep and
+  eviction never read or rewrite tensors;
+* ``meta``: store-wide facts: ``format_version`` (see ``migrations/``), ``used_bytes`` (sum of
+  the stored blobs, ``<Q``; what the size budget counts), ``max_bytes`` (the budget, ``<Q``).
+
+Lifetimes follow ``ttl.TTLPolicy`` on the store's clock (injectable); the size budget
+(``max_bytes``) is enforced when writing (``eviction.py``: expired first, then the short-term
+tier least recently used, then the long-term tier least recently used, never a fragment a
+request has pinned). Cross-process coordination beyond LMDB's own is in ``locks.py``.
 
 LMDB serialises writers across processes with its lock file and gives readers snapshots, so
 several processes may read and write one store at once. A write that finds the map full grows
@@ -31,47 +38,36 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from . import codec
+from . import codec, eviction, migrations
 from .codec import CodecError, FragmentHeader
-from .schema import KVFragment, Namespace, common_prefix_len, prefix_hasher, token_bytes
+from .locks import OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
+from .migrations import StoreFormatError
+from .schema import KVFragment, Namespace, common_prefix_len, prefix_hash, prefix_hasher, token_bytes
+from .ttl import Clock, Lifecycle, TTLPolicy
 
 log = logging.getLogger("edgesync.store")
 
-STORE_FORMAT_VERSION = 1
-"""On-disk layout version recorded in the ``meta`` database."""
+STORE_FORMAT_VERSION = migrations.CURRENT_VERSION
+"""On-disk layout version recorded in the ``meta`` database (``migrations/``)."""
+DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
+"""Default size budget: 1 GiB of stored fragments (compressed blobs), about 500 cached
+350-token SmolLM2-135M prompts at the 2 MB each that the benchmark measured."""
 DEFAULT_MAP_SIZE = 256 * 1024 * 1024
 """Initial LMDB map size in bytes; doubled whenever a write finds it full (sparse on Linux)."""
 MAX_MAP_SIZE = 1 << 40
 
-_LIFECYCLE = struct.Struct("<Idd")
+_U64 = struct.Struct("<Q")
+_OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME)
+"""Files of ours that may sit in a store directory without ``data.mdb`` (besides ``semantic.*``)."""
 T = TypeVar("T")
 
-
-class StoreFormatError(RuntimeError):
-    """The store on disk has a format this code cannot read."""
+__all__ = ["FragmentStore", "Lifecycle", "PrefixMatch", "SpanMatch", "StoreBusyError", "StoreFormatError",
+           "StoreOpenError", "StoreStats", "DEFAULT_MAX_BYTES", "STORE_FORMAT_VERSION"]
 
 
 class StoreOpenError(RuntimeError):
     """The store path cannot hold or does not hold a store (a file, a foreign non-empty
     directory, no permission, not LMDB); the message names the path and the reason."""
-
-
-@dataclass
-class Lifecycle:
-    """Mutable per-fragment counters: hits, last hit and expiry (Unix seconds)."""
-
-    hit_count: int = 0
-    last_hit_at: float = 0.0
-    expires_at: float = 0.0
-
-    def pack(self) -> bytes:
-        return _LIFECYCLE.pack(self.hit_count, self.last_hit_at, self.expires_at)
-
-    @classmethod
-    def unpack(cls, data: bytes | memoryview | None) -> "Lifecycle":
-        if data is None or len(data) != _LIFECYCLE.size:
-            return cls()
-        return cls(*_LIFECYCLE.unpack(bytes(data)))
 
 
 @dataclass
@@ -125,15 +121,27 @@ class FragmentStore:
         path: store directory; created (mode 0700) when missing.
         map_size: initial LMDB map size in bytes (grows on demand).
         max_raw_bytes: decompressed-size cap passed to ``codec.decode``.
-        readonly: open without writing (no growth, no removal of corrupt entries).
+        readonly: open without writing (no growth, no migration, no removal of corrupt
+            entries).
+        clock: the time source, Unix seconds (default ``time.time``); tests inject
+            ``ttl.ManualClock``.
+        policy: tier lifetimes and promotion (default ``TTLPolicy()``: 30 minutes, 5 hits,
+            7 days).
+        max_bytes: size budget in bytes of stored blobs; None keeps the budget recorded in the
+            store (the last one an application set) or :data:`DEFAULT_MAX_BYTES`. A value given
+            here is recorded for ``python -m edgesync_store.compact`` to follow.
+        open_timeout_s: seconds to wait while another process reclaims or clears the store.
 
     A new directory is created with mode 0700 (it will hold users' prompts); an existing
-    directory's mode is left alone.
+    directory's mode is left alone. Opening an older store runs its migrations
+    (``migrations/``).
 
     Raises:
         StoreFormatError: the store was written by a newer format version.
         StoreOpenError: the path is a file, a non-empty directory without a store, cannot be
             created, or does not open as LMDB (read-only: holds no store).
+        StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
+        ValueError: ``max_bytes`` < 1.
     """
 
     def __init__(
@@ -142,11 +150,20 @@ class FragmentStore:
         map_size: int = DEFAULT_MAP_SIZE,
         max_raw_bytes: int = codec.DEFAULT_MAX_RAW_BYTES,
         readonly: bool = False,
+        *,
+        clock: Clock | None = None,
+        policy: TTLPolicy | None = None,
+        max_bytes: int | None = None,
+        open_timeout_s: float = 120.0,
     ) -> None:
         self.path = Path(path).expanduser()
         self.max_raw_bytes = max_raw_bytes
         self.readonly = readonly
         self.dropped_corrupt = 0
+        self.clock: Clock = clock or time.time
+        self.policy = policy or TTLPolicy()
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes: must be a positive number of bytes, got {max_bytes!r}")
         if not str(path).strip():
             raise StoreOpenError("store path: is empty")
         try:
@@ -156,7 +173,8 @@ class FragmentStore:
         if self.path.exists() and not self.path.is_dir():
             raise StoreOpenError(f"store path {self.path}: exists and is not a directory")
         if self.path.is_dir() and not (self.path / "data.mdb").exists():
-            others = [p.name for p in self.path.iterdir() if p.name != "lock.mdb"]
+            others = [p.name for p in self.path.iterdir()
+                      if p.name not in _OWN_FILES and not p.name.startswith(("semantic.", ".reclaim"))]
             if others:
                 shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
                 raise StoreOpenError(
@@ -172,33 +190,97 @@ class FragmentStore:
             except OSError as exc:
                 raise StoreOpenError(f"cannot create the store directory {self.path}: {exc}") from None
         self._lock = threading.RLock()
+        self._named: dict[bytes, object] = {}
+        self._map_size = map_size
+        self._writable_dir = os.access(self.path, os.W_OK)
+        self._open_lock: OpenLock | None = None
+        if self._writable_dir:
+            try:
+                self._open_lock = OpenLock(self.path, open_timeout_s)
+            except OSError as exc:
+                raise StoreOpenError(f"cannot lock the store at {self.path}: {exc}") from None
         try:
-            self._env = lmdb.open(
+            self._env = self._open_env()
+            self._check_is_edgesync_lmdb()
+            self.format_version = migrations.migrate(self)
+            self._open_dbs()
+        except BaseException:
+            self._release_locks()
+            raise
+        self.pins = PinTable(self.path)
+        self.max_bytes = self._settle_budget(max_bytes)
+
+    def _open_env(self) -> lmdb.Environment:
+        try:
+            return lmdb.open(
                 str(self.path),
-                map_size=map_size,
+                map_size=self._map_size,
                 subdir=True,
                 max_dbs=8,
                 mode=0o600,
-                readonly=readonly,
+                readonly=self.readonly,
                 # a read-only look at a store we cannot write (another user's, read-only media)
-                lock=not readonly or os.access(self.path, os.W_OK),
+                lock=not self.readonly or self._writable_dir,
                 readahead=False,
                 meminit=False,
                 max_readers=256,
             )
         except lmdb.Error as exc:
             raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from None
-        self._check_is_edgesync_lmdb()
-        for _ in range(64):
-            try:
-                self._fragments = self._env.open_db(b"fragments", create=not readonly)
-                self._by_prefix = self._env.open_db(b"by_prefix", dupsort=True, create=not readonly)
-                self._lifecycle = self._env.open_db(b"lifecycle", create=not readonly)
-                self._meta = self._env.open_db(b"meta", create=not readonly)
-                break
-            except lmdb.MapResizedError:  # another process grew the map since lmdb.open
-                self._env.set_mapsize(0)
-        self._check_format()
+
+    def _open_dbs(self) -> None:
+        """Handles of the four core databases (created by migration 1)."""
+        self._named.clear()
+        self._fragments = self.named_db(b"fragments")
+        self._by_prefix = self.named_db(b"by_prefix", dupsort=True)
+        self._lifecycle = self.named_db(b"lifecycle")
+        self._meta = self.named_db(b"meta")
+        for name in (b"donors", b"emb_vectors", b"emb_meta"):  # cached now, if they exist: see named_db
+            self.named_db(name)
+        if None in (self._fragments, self._by_prefix, self._lifecycle, self._meta):
+            raise StoreOpenError(f"store {self.path}: its databases are missing (format {self.format_version})")
+
+    def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn: lmdb.Transaction | None = None):
+        """The handle of the named database ``name`` in this store's environment, or None when
+        it does not exist and ``create`` is False or the store is read-only.
+
+        Handles are cached until a reclaim reopens the environment (callers ask again rather
+        than keep one). Inside a transaction pass it as ``txn``: opening a database without one
+        starts a write transaction, which would deadlock inside another.
+        """
+        with self._lock:
+            handle = self._named.get(name)
+            if handle is not None:
+                return handle
+            for _ in range(64):
+                try:
+                    handle = self._env.open_db(name, txn=txn, dupsort=dupsort, create=create and not self.readonly)
+                    break
+                except lmdb.MapResizedError:  # another process grew the map since lmdb.open
+                    if txn is not None:
+                        raise
+                    self._env.set_mapsize(0)
+                except (lmdb.NotFoundError, lmdb.ReadonlyError):
+                    return None
+            else:
+                raise lmdb.MapResizedError(f"store {self.path}: cannot open database {name!r}")
+            if txn is None:
+                self._named[name] = handle
+            return handle
+
+    def _settle_budget(self, max_bytes: int | None) -> int:
+        recorded = self._txn(lambda txn: txn.get(b"max_bytes", db=self._meta))
+        recorded = _U64.unpack(bytes(recorded))[0] if recorded is not None and len(recorded) == 8 else None
+        if max_bytes is None:
+            return recorded or DEFAULT_MAX_BYTES
+        if max_bytes != recorded and not self.readonly:
+            self._txn(lambda txn: txn.put(b"max_bytes", _U64.pack(max_bytes), db=self._meta), write=True)
+        return max_bytes
+
+    def _release_locks(self) -> None:
+        if self._open_lock is not None:
+            self._open_lock.close()
+            self._open_lock = None
 
     def _check_is_edgesync_lmdb(self) -> None:
         """Refuse a truncated data file (LMDB would die of SIGBUS reading past its end) and an
@@ -214,11 +296,18 @@ class FragmentStore:
             )
         with self._env.begin() as txn:
             names = {bytes(k) for k, _ in txn.cursor()}
-        # named databases are created one transaction each, so a store another process is
-        # creating right now may show only some of ours: any one of them marks an EdgeSync store
+        # named databases are created in one transaction (migration 1), but an older EdgeSync
+        # created them one transaction each: any one of them marks an EdgeSync store
         if names and not names & {b"fragments", b"by_prefix", b"lifecycle", b"meta"}:
             self._env.close()
             raise StoreOpenError(f"store path {self.path}: holds an LMDB database that is not an EdgeSync store")
+
+    def _reopen_env(self) -> None:
+        """Close and reopen the LMDB environment (after ``reclaim`` replaced ``data.mdb``).
+        The caller holds ``self._lock``."""
+        self._env.close()
+        self._env = self._open_env()
+        self._open_dbs()
 
     # -- transactions -------------------------------------------------------------------
 
@@ -240,24 +329,12 @@ class FragmentStore:
                     self._env.set_mapsize(0)
         raise lmdb.MapFullError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
 
-    def _check_format(self) -> None:
-        def read(txn: lmdb.Transaction) -> bytes | None:
-            value = txn.get(b"format_version", db=self._meta)
-            return bytes(value) if value is not None else None
+    def _used(self, txn: lmdb.Transaction) -> int:
+        value = txn.get(b"used_bytes", db=self._meta)
+        return _U64.unpack(bytes(value))[0] if value is not None and len(value) == 8 else 0
 
-        found = self._txn(read)
-        if found is None:
-            if not self.readonly:
-                self._txn(lambda txn: txn.put(b"format_version", str(STORE_FORMAT_VERSION).encode(), db=self._meta), write=True)
-            return
-        try:
-            version = int(found)
-        except ValueError:
-            raise StoreFormatError(f"store {self.path}: format_version {found[:20]!r} is not a number") from None
-        if version > STORE_FORMAT_VERSION:
-            raise StoreFormatError(
-                f"store {self.path} has format version {version}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"
-            )
+    def _add_used(self, txn: lmdb.Transaction, delta: int) -> None:
+        txn.put(b"used_bytes", _U64.pack(max(0, self._used(txn) + delta)), db=self._meta)
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -266,42 +343,119 @@ class FragmentStore:
         return self.put_many([fragment]) == 1
 
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None) -> int:
-        """Store fragments in one write transaction; return how many were new.
+        """Store fragments in one write transaction; return how many were written.
 
         A fragment whose key is stored and live is left alone; one whose stored twin has
-        expired (``expires_at <= now``) replaces it with fresh lifecycle counters. Encoding
-        (compression) happens before the transaction so the writer lock is held only for the
-        copy into LMDB.
+        expired (``expires_at <= now``) replaces it with fresh lifecycle counters. When the
+        new blobs would take the store past ``max_bytes``, fragments are evicted first
+        (``eviction.py``), down to 90% of the budget; a fragment that still does not fit is not
+        written (logged). Encoding (compression) happens before the transaction so the writer
+        lock is held only for the copy into LMDB.
         """
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         encoded = [(f.key(), f.namespace.digest() + f.prefix_hash, codec.encode(f), f) for f in fragments]
 
         def write(txn: lmdb.Transaction) -> int:
-            added = 0
+            todo, seen = [], set()
             for key, index_key, blob, frag in encoded:
-                if not txn.put(key, blob, db=self._fragments, overwrite=False):
-                    if Lifecycle.unpack(txn.get(key, db=self._lifecycle)).expires_at > now:
+                if key in seen:
+                    continue
+                seen.add(key)
+                if txn.get(key, db=self._fragments) is not None:
+                    if not Lifecycle.unpack(txn.get(key, db=self._lifecycle)).expired(now):
                         continue
-                    txn.put(key, blob, db=self._fragments)
+                    self._delete_in(txn, key)
+                todo.append((key, index_key, blob, frag))
+            used, incoming = self._used(txn), sum(len(blob) for _, _, blob, _ in todo)
+            if used + incoming > self.max_bytes:
+                target = int(self.max_bytes * eviction.LOW_WATER)
+                evicted = eviction.evict_in(self, txn, used + incoming - target, now, protect={t[0] for t in todo})
+                used -= sum(nbytes for _, nbytes in evicted)
+            added = 0
+            for key, index_key, blob, frag in todo:
+                if used + len(blob) > self.max_bytes:
+                    log.warning("fragment [%d, %d) (%d bytes) does not fit the size budget of %d bytes; not stored",
+                                frag.token_start, frag.token_end, len(blob), self.max_bytes)
+                    continue
+                txn.put(key, blob, db=self._fragments)
                 txn.put(index_key, key, db=self._by_prefix, dupdata=True)
-                txn.put(key, Lifecycle(frag.hit_count, frag.last_hit_at, frag.expires_at).pack(), db=self._lifecycle)
+                life = Lifecycle(frag.hit_count, frag.last_hit_at, frag.expires_at, frag.created_at,
+                                 nbytes=len(blob), raw_nbytes=frag.raw_nbytes)
+                txn.put(key, life.pack(), db=self._lifecycle)
+                used += len(blob)
                 added += 1
+            txn.put(b"used_bytes", _U64.pack(used), db=self._meta)
             return added
 
         return self._txn(write, write=True)
 
-    def delete(self, key: bytes) -> bool:
-        """Remove a fragment and its index entries; return False when it was not there."""
+    def put_replacing(self, fragment: KVFragment, life: Lifecycle, remove: Sequence[bytes]) -> bool:
+        """In one write transaction, store ``fragment`` with the lifecycle ``life`` (its
+        ``nbytes``/``raw_nbytes`` are set here) and delete the fragments ``remove`` (keys other
+        than the new one): a merge or dedup either happens whole or not at all. When the new
+        key is already stored, only the removals happen. Returns False, writing nothing, when
+        one of ``remove`` is gone meanwhile (another process changed the store)."""
+        key = fragment.key()
+        blob = codec.encode(fragment)
 
         def write(txn: lmdb.Transaction) -> bool:
-            return self._delete_in(txn, key)
+            if any(txn.get(k, db=self._fragments) is None for k in remove):
+                return False
+            if txn.get(key, db=self._fragments) is None:
+                txn.put(key, blob, db=self._fragments)
+                txn.put(fragment.namespace.digest() + fragment.prefix_hash, key, db=self._by_prefix, dupdata=True)
+                self._add_used(txn, len(blob))
+            life.nbytes, life.raw_nbytes = len(blob), fragment.raw_nbytes
+            txn.put(key, life.pack(), db=self._lifecycle)
+            for k in remove:
+                if k != key:
+                    self._move_semantic(txn, k, key)
+                    self._delete_in(txn, k)
+            return True
 
         return self._txn(write, write=True)
 
+    def _move_semantic(self, txn: lmdb.Transaction, old: bytes, new: bytes) -> None:
+        """Re-key the donor record and vector of ``old`` to ``new`` (a merge replaced it)."""
+        from . import vectors
+
+        donors_db = self.named_db(b"donors", txn=txn)
+        if donors_db is not None:
+            record = txn.get(old, db=donors_db)
+            if record is not None and txn.get(new, db=donors_db) is None:
+                txn.put(new, bytes(record), db=donors_db)
+        vectors.move_in(self, txn, old, new)
+
+    def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
+        """Overwrite a stored fragment's lifecycle record (sizes kept); False when absent."""
+
+        def write(txn: lmdb.Transaction) -> bool:
+            if txn.get(key, db=self._fragments) is None:
+                return False
+            old = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
+            life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
+            txn.put(key, life.pack(), db=self._lifecycle)
+            return True
+
+        return self._txn(write, write=True)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove a fragment, its index entries and its donor record and vector, if any;
+        return False when it was not there."""
+        return self.delete_many([key]) == 1
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """:meth:`delete` for several fragments in one write transaction; return how many
+        were there."""
+        return self._txn(lambda txn: sum(self._delete_in(txn, bytes(k)) for k in keys), write=True)
+
     def _delete_in(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        from . import vectors
+
         blob = txn.get(key, db=self._fragments)
         if blob is None:
             return False
+        nbytes = len(blob)
         try:
             head = codec.peek(blob)
             txn.delete(head.namespace.digest() + head.prefix_hash, key, db=self._by_prefix)
@@ -309,19 +463,23 @@ class FragmentStore:
             pass  # a dangling by_prefix entry is dropped by the next walk that meets it
         txn.delete(key, db=self._fragments)
         txn.delete(key, db=self._lifecycle)
+        donors_db = self.named_db(b"donors", txn=txn)
+        if donors_db is not None:
+            txn.delete(key, db=donors_db)
+        vectors.delete_in(self, txn, key)
+        self._add_used(txn, -nbytes)
         return True
 
     def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
-        """Add one hit to each fragment (hit_count += 1, last_hit_at = now)."""
-        now = time.time() if now is None else now
+        """Add one hit to each fragment at ``now`` (default: the store's clock): hit_count + 1,
+        last_hit_at = now, promotion to the long-term tier by ``policy``."""
+        now = self.clock() if now is None else now
 
         def write(txn: lmdb.Transaction) -> None:
             for key in keys:
                 if txn.get(key, db=self._fragments) is None:
                     continue
-                life = Lifecycle.unpack(txn.get(key, db=self._lifecycle))
-                life.hit_count += 1
-                life.last_hit_at = now
+                life = self.policy.on_hit(Lifecycle.unpack(txn.get(key, db=self._lifecycle)), now)
                 txn.put(key, life.pack(), db=self._lifecycle)
 
         self._txn(write, write=True)
@@ -339,8 +497,9 @@ class FragmentStore:
         return self._txn(lambda txn: txn.get(key, db=self._fragments) is not None)
 
     def is_live(self, key: bytes, now: float | None = None) -> bool:
-        """True when a fragment is stored under ``key`` and has not expired at ``now``."""
-        now = time.time() if now is None else now
+        """True when a fragment is stored under ``key`` and has not expired at ``now`` (default:
+        the store's clock)."""
+        now = self.clock() if now is None else now
 
         def read(txn: lmdb.Transaction) -> bool:
             if txn.get(key, db=self._fragments) is None:
@@ -415,6 +574,111 @@ class FragmentStore:
 
         yield from self._txn(read)
 
+    def iterate_lifecycle(self) -> list[tuple[bytes, Lifecycle]]:
+        """Every fragment's ``(key, lifecycle)`` from the ``lifecycle`` database alone (no blob
+        is read): what expiry and eviction scan. A snapshot (one read transaction)."""
+        return self._txn(lambda txn: [(bytes(k), Lifecycle.unpack(v)) for k, v in txn.cursor(db=self._lifecycle)])
+
+    def used_bytes(self) -> int:
+        """Bytes of the stored blobs (compressed fragments): what ``max_bytes`` bounds."""
+        return self._txn(self._used)
+
+    def recount_used(self) -> int:
+        """Recompute ``used_bytes`` from the blobs themselves (the compactor's check against
+        drift); return it."""
+
+        def write(txn: lmdb.Transaction) -> int:
+            total = sum(len(v) for _, v in txn.cursor(db=self._fragments))
+            txn.put(b"used_bytes", _U64.pack(total), db=self._meta)
+            return total
+
+        return self._txn(write, write=True)
+
+    def covers_span(self, namespace: Namespace, prefix: bytes, token_ids: Sequence[int] | np.ndarray,
+                    token_start: int, now: float | None = None) -> bool:
+        """True when live fragments of exactly the span ``[token_start, token_start +
+        len(token_ids))`` after the prefix hash ``prefix``, with these token IDs, together hold
+        every layer and KV head of ``namespace`` (one fragment or several layer/head groups)."""
+        now = self.clock() if now is None else now
+        ids = np.asarray(token_ids, dtype=np.int32)
+        end = token_start + len(ids)
+        ns_dict = namespace.to_dict()
+        full = namespace.n_layer * namespace.n_head_kv
+
+        def read(txn: lmdb.Transaction) -> bool:
+            cursor = txn.cursor(db=self._by_prefix)
+            if not cursor.set_key(namespace.digest() + bytes(prefix)):
+                return False
+            covered: set[tuple[int, int]] = set()
+            for key in cursor.iternext_dup():
+                blob = txn.get(key, db=self._fragments)
+                if blob is None or Lifecycle.unpack(txn.get(key, db=self._lifecycle)).expired(now):
+                    continue
+                try:
+                    head = codec.peek(blob)
+                except CodecError:
+                    continue
+                if (head.token_start != token_start or head.token_end != end
+                        or head.namespace.to_dict() != ns_dict or not np.array_equal(head.token_ids, ids)):
+                    continue
+                covered.update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+            return len(covered) == full
+
+        return self._txn(read)
+
+    def keys_along(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Every stored fragment (live or expired, any chunk size or layer/head group) that
+        follows a prefix of ``tokens`` and shares at least its first token with them: what
+        the prompt wrote or could hit. One ``by_prefix`` lookup per prompt position."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        ns_digest = namespace.digest()
+        ns_dict = namespace.to_dict()
+
+        def read(txn: lmdb.Transaction) -> list[bytes]:
+            cursor = txn.cursor(db=self._by_prefix)
+            hasher, found = prefix_hasher(), []
+            for pos in range(len(tokens)):
+                if cursor.set_key(ns_digest + hasher.digest()):
+                    for key in [bytes(k) for k in cursor.iternext_dup()]:
+                        blob = txn.get(key, db=self._fragments)
+                        try:
+                            head = codec.peek(blob) if blob is not None else None
+                        except CodecError:
+                            head = None
+                        if head is None or head.namespace.to_dict() != ns_dict or head.token_start != pos:
+                            continue
+                        if head.token_ids[0] == tokens[pos]:
+                            found.append(key)
+                hasher.update(token_bytes(tokens[pos : pos + 1]))
+            return found
+
+        return self._txn(read)
+
+    def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
+        """Delete every fragment :meth:`keys_along` finds for ``tokens`` (with donor records
+        and vectors) in one write transaction; return how many were deleted."""
+        return self.delete_many(self.keys_along(namespace, tokens))
+
+    def drop_all(self) -> int:
+        """Empty the store in one write transaction: fragments, prefix index, lifecycle,
+        donors and vectors (the format version and budget stay); return the fragment count.
+        The pages are freed for reuse but keep their bytes until overwritten; ``clear.py``
+        rewrites the file when it can."""
+        from . import vectors
+
+        def write(txn: lmdb.Transaction) -> int:
+            n = txn.stat(self._fragments)["entries"]
+            for db in (self._fragments, self._by_prefix, self._lifecycle):
+                txn.drop(db, delete=False)
+            donors_db = self.named_db(b"donors", txn=txn)
+            if donors_db is not None:
+                txn.drop(donors_db, delete=False)
+            vectors.drop_in(self, txn)
+            txn.put(b"used_bytes", _U64.pack(0), db=self._meta)
+            return n
+
+        return self._txn(write, write=True)
+
     def stats(self) -> StoreStats:
         """Fragment count, compressed and raw bytes, bytes on disk and the LMDB map size."""
         count = compressed = raw = 0
@@ -440,9 +704,9 @@ class FragmentStore:
         Args:
             namespace: only fragments of this namespace are considered.
             tokens: the prompt's token IDs.
-            now: Unix seconds for the expiry check (default: ``time.time()``).
+            now: Unix seconds for the expiry check (default: the store's clock).
         """
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         tokens = np.asarray(tokens, dtype=np.int32)
         ns_digest = namespace.digest()
         ns_dict = namespace.to_dict()
@@ -516,9 +780,11 @@ class FragmentStore:
         return result
 
     def close(self) -> None:
-        """Close the LMDB environment (idempotent)."""
+        """Close the LMDB environment and release the store's locks (idempotent)."""
         with self._lock:
             self._env.close()
+            self.pins.close()
+            self._release_locks()
 
     def __enter__(self) -> "FragmentStore":
         return self

@@ -106,21 +106,72 @@ class Change(NamedTuple):
     """For ``+``: the float32 ``[dim]`` vector if the entry still holds this label, else None."""
 
 
-def _open_dbs(store, create: bool) -> tuple[Any, Any] | None:
-    """Open (creating when ``create``) the named databases in the store's environment; None
-    when they do not exist and ``create`` is False."""
-    env = store._env
-    for _ in range(64):
-        try:
-            with store._lock:
-                vec = env.open_db(VECTORS_DB, create=create)
-                meta = env.open_db(META_DB, create=create)
-            return vec, meta
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)
-        except lmdb.NotFoundError:
-            return None
-    raise lmdb.MapResizedError(f"store {store.path}: cannot open the index databases")
+def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
+    """The named databases (created when ``create``) in the store's environment, or None when
+    they do not exist and ``create`` is False. Handles come from ``store.named_db`` and are
+    asked for again at each use: a disk reclaim reopens the environment."""
+    vec = store.named_db(VECTORS_DB, create=create, txn=txn)
+    meta = store.named_db(META_DB, create=create, txn=txn)
+    if vec is None or meta is None:
+        return None
+    return vec, meta
+
+
+def _log_in(txn, meta_db, op: bytes, label: int, key: bytes, log_keep: int = LOG_KEEP) -> None:
+    """Append one change-log entry (generation + 1) in ``txn``."""
+    generation = _u64(txn.get(b"generation", db=meta_db)) + 1
+    txn.put(b"generation", _U64.pack(generation), db=meta_db)
+    txn.put(_LOG + _BE64.pack(generation), op + _U64.pack(label) + key, db=meta_db)
+    if generation > log_keep:
+        txn.delete(_LOG + _BE64.pack(generation - log_keep), db=meta_db)
+
+
+def delete_in(store, txn, key: bytes) -> bool:
+    """Remove the vector of ``key`` inside the caller's write transaction ``txn`` (the store
+    deletes a fragment's vector with the fragment); log the removal so that every open index
+    drops the label. False when ``key`` had no vector."""
+    dbs = _open_dbs(store, create=False, txn=txn)
+    if dbs is None:
+        return False
+    vec_db, meta_db = dbs
+    old = txn.get(key, db=vec_db)
+    if old is None:
+        return False
+    txn.delete(key, db=vec_db)
+    _log_in(txn, meta_db, b"-", _u64(old[:8]) if len(old) >= 8 else 0, key)
+    return True
+
+
+def move_in(store, txn, old: bytes, new: bytes) -> bool:
+    """Give the vector of fragment ``old`` to fragment ``new`` (a merge or dedup replaced
+    ``old`` with ``new``) inside ``txn``: a new label for ``new``, ``old`` removed, both
+    logged. False when ``old`` had no vector or ``new`` already has one."""
+    dbs = _open_dbs(store, create=False, txn=txn)
+    if dbs is None:
+        return False
+    vec_db, meta_db = dbs
+    record = txn.get(old, db=vec_db)
+    if record is None or txn.get(new, db=vec_db) is not None or len(record) < 8:
+        return False
+    label = _u64(txn.get(b"next_label", db=meta_db))
+    txn.put(b"next_label", _U64.pack(label + 1), db=meta_db)
+    txn.put(new, _U64.pack(label) + bytes(record[8:]), db=vec_db)
+    _log_in(txn, meta_db, b"+", label, new)
+    txn.delete(old, db=vec_db)
+    _log_in(txn, meta_db, b"-", _u64(record[:8]), old)
+    return True
+
+
+def drop_in(store, txn) -> int:
+    """Remove every vector and all of ``emb_meta`` inside ``txn`` (see :func:`drop_all`)."""
+    dbs = _open_dbs(store, create=False, txn=txn)
+    if dbs is None:
+        return 0
+    vec_db, meta_db = dbs
+    n = txn.stat(vec_db)["entries"]
+    txn.drop(vec_db, delete=False)
+    txn.drop(meta_db, delete=False)
+    return n
 
 
 def _u64(value) -> int:
@@ -174,15 +225,8 @@ def drop_all(store) -> int:
     """Remove every vector and all of ``emb_meta`` (counters, backend record, change log) from
     ``store`` in one write transaction; return how many vectors were removed. Leaves the
     graph's sidecar files alone (``index.drop_vectors`` removes those too)."""
-    vec_db, meta_db = _open_dbs(store, create=True)
-
-    def write(txn: lmdb.Transaction) -> int:
-        n = txn.stat(vec_db)["entries"]
-        txn.drop(vec_db, delete=False)
-        txn.drop(meta_db, delete=False)
-        return n
-
-    return store._txn(write, write=True)
+    _open_dbs(store, create=True)
+    return store._txn(lambda txn: drop_in(store, txn), write=True)
 
 
 class VectorTable:
@@ -208,8 +252,15 @@ class VectorTable:
         self.backend_id = ""
         self.index_id = ""
         """The ``index_id`` recorded when this table last claimed the store ("" before)."""
-        dbs = _open_dbs(store, create=not store.readonly)
-        self._vec_db, self._meta_db = dbs if dbs is not None else (None, None)
+        _open_dbs(store, create=not store.readonly)
+
+    @property
+    def _vec_db(self):
+        return self.store.named_db(VECTORS_DB)
+
+    @property
+    def _meta_db(self):
+        return self.store.named_db(META_DB)
 
     @property
     def exists(self) -> bool:
@@ -386,11 +437,7 @@ class VectorTable:
     # -- writes (each one transaction, guarded by the claimed index_id) ------------------------
 
     def _log_op(self, txn, op: bytes, label: int, key: bytes) -> None:
-        generation = _u64(txn.get(b"generation", db=self._meta_db)) + 1
-        txn.put(b"generation", _U64.pack(generation), db=self._meta_db)
-        txn.put(_LOG + _BE64.pack(generation), op + _U64.pack(label) + key, db=self._meta_db)
-        if generation > self.log_keep:
-            txn.delete(_LOG + _BE64.pack(generation - self.log_keep), db=self._meta_db)
+        _log_in(txn, self._meta_db, op, label, key, self.log_keep)
 
     def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         """Run ``fn`` in a write transaction after checking that the vectors were not dropped

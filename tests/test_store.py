@@ -28,7 +28,7 @@ import pytest
 
 from edgesync_store import codec, fingerprint
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
-from edgesync_store.store import FragmentStore, StoreFormatError, StoreOpenError
+from edgesync_store.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -331,10 +331,10 @@ def test_newer_store_format_is_refused(tmp_path):
     env = lmdb.open(str(path), max_dbs=8)
     meta = env.open_db(b"meta", create=False)
     with env.begin(write=True) as txn:
-        assert bytes(txn.get(b"format_version", db=meta)) == b"1"
-        txn.put(b"format_version", b"2", db=meta)
+        assert bytes(txn.get(b"format_version", db=meta)) == str(STORE_FORMAT_VERSION).encode()
+        txn.put(b"format_version", str(STORE_FORMAT_VERSION + 1).encode(), db=meta)
     env.close()
-    with pytest.raises(StoreFormatError, match="version 2"):
+    with pytest.raises(StoreFormatError, match=f"version {STORE_FORMAT_VERSION + 1}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"):
         FragmentStore(path)
 
 

@@ -1,0 +1,87 @@
+"""Migration 2, version 1 -> 2: lifecycle records for expiry and eviction without tensors.
+
+Format 1 kept ``hit_count, last_hit_at, expires_at`` (``<Idd``, 20 bytes) per fragment. Format 2
+(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds the creation time, the tier and the blob's
+stored and raw sizes, so that the sweep and the size budget scan only the ``lifecycle``
+database, and keeps the budget's running total ``used_bytes`` in ``meta``.
+
+Each fragment's new record is built from its old one and its blob's header (``codec.peek``: no
+decompression). A fragment with ``promote_hits`` or more hits (format 1 never promoted) joins
+the long-term tier, its expiry extended to seven days after its last hit. A missing lifecycle
+record becomes an expired one. The records are rewritten in batches of :data:`BATCH`
+fragments, one transaction each; a record already in format 2 is skipped, so a migration killed
+between batches (crash point ``migrate.batch``) is finished by the next open. The last
+transaction recounts ``used_bytes`` and records version 2 (crash point ``migrate.before_version``
+just before it).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+
+from ..codec import CodecError, peek
+from ..crashpoints import crash_point
+from ..ttl import LIFECYCLE_V2, TIER_LONG, Lifecycle, TTLPolicy
+
+VERSION = 2
+DESCRIPTION = "lifecycle v2: created_at, tier, blob sizes; used_bytes"
+BATCH = 256
+_U64 = struct.Struct("<Q")
+
+
+def upgrade_record(old: bytes | None, blob, policy: TTLPolicy) -> Lifecycle:
+    """The format-2 record of a fragment from its format-1 record ``old`` and its ``blob``."""
+    life = Lifecycle.unpack(old)
+    life.nbytes = len(blob)
+    try:
+        head = peek(blob)
+        life.created_at, life.raw_nbytes = head.created_at, head.raw_nbytes
+    except CodecError:
+        pass  # a corrupt blob: the next read refuses and removes it
+    if life.hit_count >= policy.promote_hits:
+        life.tier = TIER_LONG
+        life.expires_at = max(life.expires_at, life.last_hit_at + policy.long_ttl_seconds)
+    return life
+
+
+def apply(store) -> None:
+    """Rewrite every format-1 lifecycle record, then recount ``used_bytes`` and record
+    version 2 (module docstring)."""
+    from . import write_version
+
+    fragments, lifecycle, meta = store.named_db(b"fragments"), store.named_db(b"lifecycle"), store.named_db(b"meta")
+    policy = store.policy
+    after = b""
+    while True:
+        def batch(txn: lmdb.Transaction) -> bytes | None:
+            cursor = txn.cursor(db=fragments)
+            if not (cursor.set_range(after) if after else cursor.first()):
+                return None
+            last, n = None, 0
+            for key, blob in cursor:
+                key = bytes(key)
+                if key == after:
+                    continue
+                old = txn.get(key, db=lifecycle)
+                if old is None or len(old) != LIFECYCLE_V2.size:
+                    txn.put(key, upgrade_record(old, blob, policy).pack(), db=lifecycle)
+                last, n = key, n + 1
+                if n >= BATCH:
+                    break
+            return last
+
+        last = store._txn(batch, write=True)
+        if last is None:
+            break
+        crash_point("migrate.batch")
+        after = last
+    crash_point("migrate.before_version")
+
+    def finish(txn: lmdb.Transaction) -> None:
+        total = sum(len(blob) for _, blob in txn.cursor(db=fragments))
+        txn.put(b"used_bytes", _U64.pack(total), db=meta)
+        write_version(txn, meta, VERSION)
+
+    store._txn(finish, write=True)

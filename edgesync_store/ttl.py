@@ -1,0 +1,184 @@
+"""Fragment lifetimes: the short-term and long-term tiers, hits, promotion and the clock.
+
+A fragment lives ``ttl_seconds`` (30 minutes, the seed's TTL) from creation in the **short**
+tier. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that brings
+``hit_count`` to ``promote_hits`` (5, the seed's promotion threshold) moves the fragment to the
+**long** tier with ``expires_at = now + long_ttl_seconds`` (7 days, the seed's long-term TTL);
+later hits in the long tier extend it again to ``now + long_ttl_seconds``. An expired fragment
+(``expires_at <= now``) is never served (``FragmentStore.prefix_walk`` skips it) and is deleted
+by :func:`sweep`.
+
+Times are Unix seconds (float). The clock is injectable (``FragmentStore(clock=...)``): tests pass
+a :class:`ManualClock` and never sleep.
+
+The per-fragment record lives in the store's ``lifecycle`` database, apart from the tensors, so
+that hits, expiry and eviction never read or rewrite a blob. Layout (little-endian,
+``struct`` format ``<IdddBQQ``, 45 bytes, store format 2)::
+
+    hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | tier u8 (0 short, 1 long)
+    | nbytes u64 (the stored blob) | raw_nbytes u64 (K + V before compression)
+
+Store format 1 wrote only the first three fields (``<Idd``, 20 bytes); :meth:`Lifecycle.unpack`
+reads both, and ``migrations/m0002_lifecycle_v2.py`` rewrites the old ones.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .schema import DEFAULT_TTL_SECONDS
+
+TIER_SHORT = "short"
+TIER_LONG = "long"
+TIERS = (TIER_SHORT, TIER_LONG)
+PROMOTE_HITS = 5
+"""Hits that move a fragment to the long-term tier (the seed's threshold)."""
+LONG_TTL_SECONDS = 7 * 24 * 3600
+"""Long-term tier lifetime after promotion and after each later hit: 7 days (the seed's)."""
+
+Clock = Callable[[], float]
+"""A function returning the current time in Unix seconds (``time.time`` by default)."""
+
+LIFECYCLE_V1 = struct.Struct("<Idd")
+LIFECYCLE_V2 = struct.Struct("<IdddBQQ")
+_TIER_CODES = {TIER_SHORT: 0, TIER_LONG: 1}
+_TIER_NAMES = {0: TIER_SHORT, 1: TIER_LONG}
+
+
+class ManualClock:
+    """A clock for tests and simulations: starts at ``start`` (Unix seconds) and moves only
+    when told (:meth:`advance`, :meth:`set`). Thread-safe; call it like ``time.time``."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self._now = float(start)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        """Move the clock forward by ``seconds``; return the new time."""
+        if seconds < 0:
+            raise ValueError(f"seconds: a clock does not go back, got {seconds}")
+        with self._lock:
+            self._now += float(seconds)
+            return self._now
+
+    def set(self, now: float) -> None:
+        """Set the time (Unix seconds)."""
+        with self._lock:
+            self._now = float(now)
+
+
+@dataclass
+class Lifecycle:
+    """Per-fragment counters kept apart from the tensors.
+
+    Attributes:
+        hit_count: requests that injected the fragment.
+        last_hit_at: Unix seconds of the last hit (0.0: never hit).
+        expires_at: Unix seconds after which the fragment is never served.
+        created_at: Unix seconds the fragment was written (0.0: unknown, format-1 record).
+        tier: ``"short"`` or ``"long"``.
+        nbytes: bytes of the stored blob (compressed; what the size budget counts).
+        raw_nbytes: bytes of K + V before compression.
+    """
+
+    hit_count: int = 0
+    last_hit_at: float = 0.0
+    expires_at: float = 0.0
+    created_at: float = 0.0
+    tier: str = TIER_SHORT
+    nbytes: int = 0
+    raw_nbytes: int = 0
+
+    def pack(self) -> bytes:
+        """The 45-byte format-2 record (module docstring)."""
+        return LIFECYCLE_V2.pack(self.hit_count, self.last_hit_at, self.expires_at, self.created_at,
+                                 _TIER_CODES[self.tier], self.nbytes, self.raw_nbytes)
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview | None) -> "Lifecycle":
+        """Read a format-2 or format-1 record; a missing or malformed one reads as a fresh,
+        already expired record (``expires_at`` 0.0), so it is never served."""
+        if data is None:
+            return cls()
+        if len(data) == LIFECYCLE_V2.size:
+            hits, last, expires, created, tier, nbytes, raw = LIFECYCLE_V2.unpack(bytes(data))
+            return cls(hits, last, expires, created, _TIER_NAMES.get(tier, TIER_SHORT), nbytes, raw)
+        if len(data) == LIFECYCLE_V1.size:
+            return cls(*LIFECYCLE_V1.unpack(bytes(data)))
+        return cls()
+
+    @property
+    def last_used_at(self) -> float:
+        """The later of the last hit and creation: the recency least-recently-used eviction
+        orders by (Unix seconds)."""
+        return max(self.last_hit_at, self.created_at)
+
+    def expired(self, now: float) -> bool:
+        """True when the fragment may no longer be served at ``now``."""
+        return self.expires_at <= now
+
+
+@dataclass(frozen=True)
+class TTLPolicy:
+    """Lifetimes of the two tiers (seconds) and the promotion threshold (hits).
+
+    Raises:
+        ValueError: a lifetime that is not a positive finite number, or ``promote_hits`` < 1.
+    """
+
+    ttl_seconds: float = float(DEFAULT_TTL_SECONDS)
+    promote_hits: int = PROMOTE_HITS
+    long_ttl_seconds: float = float(LONG_TTL_SECONDS)
+
+    def __post_init__(self) -> None:
+        for name in ("ttl_seconds", "long_ttl_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.promote_hits, int) or self.promote_hits < 1:
+            raise ValueError(f"promote_hits: must be an integer >= 1, got {self.promote_hits!r}")
+
+    def on_hit(self, life: Lifecycle, now: float) -> Lifecycle:
+        """Count one hit at ``now`` (in place; also returned): promote at ``promote_hits``,
+        and extend a long-tier fragment's expiry to ``now + long_ttl_seconds``."""
+        life.hit_count += 1
+        life.last_hit_at = now
+        if life.tier == TIER_LONG or life.hit_count >= self.promote_hits:
+            life.tier = TIER_LONG
+            life.expires_at = max(life.expires_at, now + self.long_ttl_seconds)
+        return life
+
+    def merged(self, parts: list[Lifecycle], nbytes: int, raw_nbytes: int, sum_hits: bool) -> Lifecycle:
+        """The record of a fragment that replaces ``parts`` (a dedup sums their hits, a merge of
+        layer or head groups, whose parts were hit together, keeps the largest count): earliest
+        creation, latest hit and expiry, long tier when any part was long or the hits reach
+        ``promote_hits``."""
+        hits = sum(p.hit_count for p in parts) if sum_hits else max(p.hit_count for p in parts)
+        tier = TIER_LONG if hits >= self.promote_hits or any(p.tier == TIER_LONG for p in parts) else TIER_SHORT
+        created = [p.created_at for p in parts if p.created_at]
+        last_hit = max(p.last_hit_at for p in parts)
+        expires = max(p.expires_at for p in parts)
+        if tier == TIER_LONG and not any(p.tier == TIER_LONG for p in parts):
+            expires = max(expires, last_hit + self.long_ttl_seconds)  # promoted by the summed hits
+        return Lifecycle(
+            hit_count=hits,
+            last_hit_at=last_hit,
+            expires_at=expires,
+            created_at=min(created) if created else 0.0,
+            tier=tier,
+            nbytes=nbytes,
+            raw_nbytes=raw_nbytes,
+        )
+
+
+def system_clock() -> float:
+    """``time.time()``: the default clock."""
+    return time.time()
