@@ -80,6 +80,13 @@ class EdgeSyncConfig:
             [EDGESYNC_PREFETCH].
         prefetch_ram_bytes: budget of that RAM tier, bytes of decoded K + V (> 0; default
             64 MiB) [EDGESYNC_PREFETCH_RAM_BYTES].
+        layers_per_fragment: store each chunk as contiguous groups of this many layers (an
+            int >= 1); None (default) = all layers in one fragment; a value above the model's
+            layer count acts as None [EDGESYNC_LAYERS_PER_FRAGMENT].
+        heads_per_fragment: store each chunk as contiguous groups of this many KV heads (an
+            int >= 1); None (default) = all heads in one fragment; above the model's KV-head
+            count acts as None. With both set a chunk is stored as layer groups x head groups
+            fragments [EDGESYNC_HEADS_PER_FRAGMENT].
     """
 
     store_path: Path = dataclasses.field(default_factory=default_store_path)
@@ -104,6 +111,8 @@ class EdgeSyncConfig:
     ef_search: int = 100
     prefetch: bool = False
     prefetch_ram_bytes: int = 64 * 1024 * 1024
+    layers_per_fragment: int | None = None
+    heads_per_fragment: int | None = None
 
     _ENV = {
         "store_path": ("EDGESYNC_STORE", Path),
@@ -128,6 +137,8 @@ class EdgeSyncConfig:
         "ef_search": ("EDGESYNC_EF_SEARCH", int),
         "prefetch": ("EDGESYNC_PREFETCH", _bool),
         "prefetch_ram_bytes": ("EDGESYNC_PREFETCH_RAM_BYTES", int),
+        "layers_per_fragment": ("EDGESYNC_LAYERS_PER_FRAGMENT", int),
+        "heads_per_fragment": ("EDGESYNC_HEADS_PER_FRAGMENT", int),
     }
 
     def __post_init__(self) -> None:
@@ -168,6 +179,10 @@ class EdgeSyncConfig:
         if isinstance(self.prefetch_ram_bytes, bool) or not isinstance(self.prefetch_ram_bytes, int) \
                 or self.prefetch_ram_bytes < 1:
             raise ValueError(f"prefetch_ram_bytes: must be an int > 0 bytes, got {self.prefetch_ram_bytes!r}")
+        for name in ("layers_per_fragment", "heads_per_fragment"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: must be None or an int >= 1, got {value!r}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "EdgeSyncConfig":

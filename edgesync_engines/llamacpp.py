@@ -201,8 +201,15 @@ class LlamaCppAdapter:
         layer_stride: int = 1,
         ttl_seconds: float | None = None,
         now: float | None = None,
+        head_start: int = 0,
+        head_end: int | None = None,
     ) -> list[KVFragment]:
         """Copy the live KV of several token spans (one seq-state read for all).
+
+        Each fragment's ``keys``/``values`` are ``[n_layers, span, (head_end - head_start) *
+        head_dim]`` of the namespace's dtype (float16 by default): rows
+        ``range(layer_start, layer_end, layer_stride)`` of the state, columns
+        ``head_start*head_dim : head_end*head_dim`` (the KV heads ``[head_start, head_end)``).
 
         Args:
             tokens: the live sequence's token IDs from position 0.
@@ -210,18 +217,26 @@ class LlamaCppAdapter:
             layer_start, layer_end, layer_stride: the layers to keep (default all).
             ttl_seconds: lifetime from now (default: the schema's 30 minutes).
             now: creation time, Unix seconds.
+            head_start, head_end: the KV heads to keep (default all).
 
         Raises:
-            ValueError: a span beyond the live sequence, tokens that differ from it, or an
-                invariant of KVFragment.
+            ValueError: a span beyond the live sequence, tokens that differ from it, a head
+                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
         """
         if not spans:
             return []
         layer_end = self.namespace.n_layer if layer_end is None else layer_end
+        head_end = self.namespace.n_head_kv if head_end is None else head_end
+        if not 0 <= head_start < head_end <= self.namespace.n_head_kv:
+            raise ValueError(
+                f"head_start: need 0 <= head_start < head_end <= {self.namespace.n_head_kv}, "
+                f"got [{head_start}, {head_end})"
+            )
         self._check_live(tokens, max(end for _, end in spans))
         state = seqstate.parse(self._get_state())
         now = time.time() if now is None else now
         layers = slice(layer_start, layer_end, layer_stride)
+        cols = slice(head_start * self.namespace.head_dim, head_end * self.namespace.head_dim)
         ids = np.asarray(tokens, dtype=np.int32)
         out = []
         for start, end in spans:
@@ -233,8 +248,10 @@ class LlamaCppAdapter:
                     layer_start=layer_start,
                     layer_end=layer_end,
                     layer_stride=layer_stride,
-                    keys=np.ascontiguousarray(state.k[layers, start:end]),
-                    values=np.ascontiguousarray(state.v[layers, start:end]),
+                    head_start=head_start,
+                    head_end=head_end,
+                    keys=np.ascontiguousarray(state.k[layers, start:end, cols]),
+                    values=np.ascontiguousarray(state.v[layers, start:end, cols]),
                     token_ids=ids[start:end],
                     prefix_hash=prefix_hash(ids[:start]),
                     created_at=now,

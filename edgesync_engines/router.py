@@ -40,6 +40,7 @@ from typing import Iterator, Sequence
 
 import lmdb
 
+from edgesync_store.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import MIN_SPAN, chunk_spans, common_prefix_len, prefix_hash, store_key
 from edgesync_store.store import FragmentStore, PrefixMatch
 
@@ -500,13 +501,16 @@ class EdgeSync:
         return max(0, len(tokens) - len(self.adapter.tokenize(text)) - 8)
 
     def _last_chunk_key(self, tokens: list[int]) -> bytes | None:
-        """Store key of the last fragment of the prompt's own chunk grid (None: too short)."""
+        """Store key of the last chunk of the prompt's own chunk grid (None: too short): the key
+        of its first fragment under the configured grouping (layer group 0 x head group 0; the
+        whole chunk when neither ``layers_per_fragment`` nor ``heads_per_fragment`` is set)."""
         spans = chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
         if not spans:
             return None
         ns = self.namespace
         s, e = spans[-1]
-        return store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
+        (l0, l1), (h0, h1) = group_ranges(ns, self.config.layers_per_fragment, self.config.heads_per_fragment)[0]
+        return store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, l0, l1, 1, h0, h1)
 
     def _index_prompt(self, prompt, tokens: list[int], embedded) -> None:
         """Index the prompt as a donor (after its answer, off the TTFT path) when its chain is
@@ -538,21 +542,33 @@ class EdgeSync:
         size hold the same tokens, so that the prompt's chain from position 0 is complete and
         an exact repeat injects all of it. Chunks cover the prompt but its last token, whose KV
         came from a one-token evaluation (see ``LlamaCppAdapter.usable_prefix``).
+
+        A chunk counts as stored when live fragments of exactly its span together hold every
+        layer and KV head, whatever their grouping (``covers_span``). Missing chunks are
+        extracted whole (one seq-state read for all) and cut into the configured
+        ``layers_per_fragment`` x ``heads_per_fragment`` groups; all fragments of all chunks go
+        in one ``put_many`` (one write transaction, so no reader sees half a chunk).
         """
         if self.store is None:
             return 0
         ns = self.namespace
-        spans = [
-            (s, e)
-            for s, e in chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
-            if not self.store.is_live(
-                store_key(ns, prefix_hash(tokens[:s]), tokens[s:e], s, 0, ns.n_layer, 1, 0, ns.n_head_kv)
-            )
-        ]
-        if not spans:
-            return 0
+        covers = self.store.covers_span
         try:
-            fragments = self.adapter.extract_fragments(tokens, spans, ttl_seconds=self.config.ttl_seconds)
+            spans = [
+                (s, e)
+                for s, e in chunk_spans(len(tokens) - 1, self.config.chunk_tokens)
+                if not covers(ns, prefix_hash(tokens[:s]), tokens[s:e], s)
+            ]
+            if not spans:
+                return 0
+            (l0, l1), (h0, h1) = group_ranges(ns, self.config.layers_per_fragment, self.config.heads_per_fragment)[0]
+            wholes = self.adapter.extract_fragments(tokens, spans, ttl_seconds=self.config.ttl_seconds)
+            fragments = [
+                part
+                for whole in wholes
+                for layer_part in split_layers(whole, l1 - l0)
+                for part in split_heads(layer_part, h1 - h0)
+            ]
             written = self.store.put_many(fragments)
         except (lmdb.Error, OSError, ValueError) as exc:
             log.warning("could not store fragments, serving uncached: %s", exc)
@@ -576,3 +592,4 @@ class EdgeSync:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
