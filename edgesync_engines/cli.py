@@ -1,4 +1,4 @@
-"""The ``edgesync`` command: ``generate``, ``run``, ``dump``, ``reindex`` and ``fidelity``.
+"""The ``edgesync`` command: ``generate``, ``run``, ``dump``, ``clear``, ``reindex`` and ``fidelity``.
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
@@ -102,7 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("store", nargs="?", help="store directory (default: the configured store)")
     dump.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     dump.add_argument("--limit", type=_positive_int, help="show at most N fragments")
+    dump.add_argument("--summary", action="store_true",
+                      help="counts and bytes by tier (short, long, expired, total) and the budget use, "
+                           "instead of one line per fragment")
     dump.set_defaults(func=cmd_dump)
+
+    clear = sub.add_parser("clear", parents=[common],
+                           help="erase everything a store holds (fragments, index, donors, vectors, sidecar)")
+    clear.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    clear.add_argument("--yes", "-y", action="store_true",
+                       help="do not ask for confirmation (required when stdin is not a terminal)")
+    clear.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    clear.set_defaults(func=cmd_clear)
 
     reindex = sub.add_parser("reindex", parents=[common],
                              help="rebuild a store's semantic index (HNSW sidecar) from LMDB")
@@ -297,7 +308,59 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     store = args.store if args.store is not None else _load_config({}).store_path
-    return print_dump(store, as_json=args.json, limit=args.limit)
+    return print_dump(store, as_json=args.json, limit=args.limit, summary_only=args.summary)
+
+
+# -- clear --------------------------------------------------------------------------------------
+
+EXIT_DECLINED = 1
+"""``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
+
+
+def _confirm(question: str) -> bool:
+    """Ask ``question`` on the terminal (stderr); True only for an explicit yes."""
+    from rich.console import Console
+    from rich.prompt import Confirm
+
+    try:
+        return Confirm.ask(question, console=Console(stderr=True), default=False)
+    except EOFError:
+        return False
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """``edgesync clear``: :func:`edgesync_store.clear.clear_store` after a confirmation (or
+    ``--yes``); what was removed goes to stdout. Exit 0, 1 when the user declines, 2 for bad
+    input or a refusal to clear without ``--yes`` when stdin is not a terminal."""
+    from edgesync_store.clear import check_store_path, clear_store
+    from edgesync_store.report import StoreNotFoundError
+    from edgesync_store.store import StoreBusyError
+
+    store = args.store if args.store is not None else _load_config({}).store_path
+    try:
+        path = check_store_path(store)
+    except (StoreNotFoundError, StoreOpenError) as exc:
+        raise _Fail(str(exc)) from None
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise _Fail(f"refusing to clear {path} without --yes (stdin is not a terminal to confirm on)")
+        if not _confirm(f"Erase every fragment, donor and vector of the store at {path}?"):
+            print(f"not cleared: {path} left as it was", file=sys.stderr, flush=True)
+            return EXIT_DECLINED
+    try:
+        result = clear_store(path)
+    except (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError) as exc:
+        raise _Fail(str(exc)) from None
+    except (lmdb.Error, OSError) as exc:
+        raise _Fail(f"cannot clear the store at {path}: {exc}") from None
+    if args.json:
+        print(json.dumps(result.to_dict()), flush=True)
+    else:
+        how = ("files erased (" + ", ".join(result.files_removed) + ") and an empty store created"
+               if result.erased_files else f"files not erased: {result.reason}")
+        print(f"cleared {result.path}: {result.fragments_removed} fragments removed; data.mdb "
+              f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}", flush=True)
+    return 0
 
 
 # -- reindex ------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """What a fragment store holds, as rows and a summary, for ``edgesync dump`` and ``tools/dump.py``.
 
 Everything here reads headers only (``FragmentStore.iterate``: no decompression). The row and
-summary functions are pure; :func:`render_table` builds a rich Table; the command that prints
-them is :mod:`edgesync_store.cli_dump`.
+summary functions are pure; :func:`render_table` and :func:`render_tier_table` build rich
+Tables; the command that prints them is :mod:`edgesync_store.cli_dump`.
+
+Each fragment is in the **short** or the **long** tier (``ttl.py``) and is **expired** once
+``expires_at <= now``: the store never serves it again and the next sweep deletes it. The
+per-fragment rows show the stored tier and an ``expired`` flag; :func:`tier_summary` counts an
+expired fragment in the ``expired`` row only (not in its tier's).
 
 Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
 ``expires_in_s`` is seconds from now (negative once expired).
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .store import FragmentStore
+from .ttl import TIER_LONG, TIER_SHORT
 
 __all__ = [
     "StoreNotFoundError",
@@ -24,14 +30,22 @@ __all__ = [
     "fragment_rows",
     "iso_time",
     "load_report",
+    "load_tier_summary",
     "open_store_readonly",
     "render_table",
+    "render_tier_table",
     "summary",
+    "tier_summary",
     "wide_console",
 ]
 
 KEY_PREFIX_CHARS = 12
 FINGERPRINT_PREFIX_CHARS = 12
+EXPIRED = "expired"
+TOTAL = "total"
+SUMMARY_ROWS = (TIER_SHORT, TIER_LONG, EXPIRED, TOTAL)
+"""Rows of :func:`tier_summary`, in order: live short-tier fragments, live long-tier ones,
+expired ones (whatever their tier) and all of them."""
 
 class StoreNotFoundError(FileNotFoundError):
     """There is no store directory at the given path (nothing is created)."""
@@ -59,14 +73,25 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
     Row fields: ``key`` (first 12 hex chars of the store key), ``corrupt`` (the header does not
     parse; the other header fields are then None), ``tokens`` ``"start-end"``, ``span`` (tokens),
     ``layers`` ``"start:end:stride"``, ``heads`` ``"start:end"``, ``raw_bytes`` (K+V before
-    compression), ``compressed_bytes`` (the stored blob), ``hits``, ``last_hit`` (ISO or None),
-    ``last_hit_at``, ``expires`` (ISO), ``expires_at``, ``expires_in_s``, ``expired``,
-    ``engine``, ``model`` (first 12 hex chars of the model fingerprint), ``created`` (ISO).
+    compression), ``compressed_bytes`` (the stored blob), ``tier`` (``"short"`` or ``"long"``,
+    as stored: an expired fragment keeps its tier and has ``expired`` True), ``hits``,
+    ``last_hit`` (ISO or None), ``last_hit_at``, ``last_used`` (ISO of the later of the last
+    hit and creation: the recency eviction orders by), ``last_used_at``, ``expires`` (ISO),
+    ``expires_at``, ``expires_in_s`` (seconds from ``now``, negative once past), ``expired``
+    (``expires_at <= now``: the store no longer serves it; a fragment without a lifecycle
+    record counts as expired, as in the store), ``engine``, ``model`` (first 12 hex chars of
+    the model fingerprint), ``created`` (ISO), ``created_at``.
+
+    Args:
+        store: an open store (read-only is enough).
+        now: Unix seconds the expiry is judged at (default: the store's clock).
     """
-    now = time.time() if now is None else now
+    now = store.clock() if now is None else now
     rows: list[dict[str, Any]] = []
     for key, head, life, nbytes in store.iterate():
-        expires_at = life.expires_at or (head.expires_at if head is not None else 0.0)
+        expires_at = life.expires_at
+        created_at = life.created_at or (head.created_at if head is not None else 0.0)
+        last_used_at = max(life.last_hit_at, created_at)
         row: dict[str, Any] = {
             "key": key.hex()[:KEY_PREFIX_CHARS],
             "corrupt": head is None,
@@ -76,17 +101,20 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
             "heads": None,
             "raw_bytes": None,
             "compressed_bytes": nbytes,
+            "tier": life.tier,
             "hits": life.hit_count,
             "last_hit": iso_time(life.last_hit_at),
             "last_hit_at": life.last_hit_at or None,
+            "last_used": iso_time(last_used_at),
+            "last_used_at": last_used_at or None,
             "expires": iso_time(expires_at),
             "expires_at": expires_at or None,
             "expires_in_s": round(expires_at - now, 1) if expires_at else None,
-            "expired": bool(expires_at) and expires_at <= now,
+            "expired": life.expired(now),
             "engine": None,
             "model": None,
-            "created": None,
-            "created_at": None,
+            "created": iso_time(created_at),
+            "created_at": created_at or None,
         }
         if head is not None:
             row.update(
@@ -97,8 +125,6 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
                 raw_bytes=head.raw_nbytes,
                 engine=head.namespace.engine,
                 model=head.namespace.model_fingerprint[:FINGERPRINT_PREFIX_CHARS],
-                created=iso_time(head.created_at),
-                created_at=head.created_at,
             )
         rows.append(row)
     rows.sort(key=lambda r: (r["corrupt"], r["created_at"] or 0.0, r["span"] is None, r["tokens"] or ""))
@@ -113,6 +139,56 @@ def summary(store: FragmentStore) -> dict[str, Any]:
     )
     return stats
 
+def _empty_counts() -> dict[str, int]:
+    return {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
+
+
+def tier_summary(store: FragmentStore, now: float | None = None) -> dict[str, Any]:
+    """Counts and sizes by tier, the size budget and the file size of ``store``.
+
+    Returns a JSON-able dict:
+
+    * ``path``; ``now`` (the Unix seconds expiry was judged at);
+    * ``tiers``: ``{"short", "long", "expired", "total"}`` -> ``{"fragments", "stored_bytes"
+      (compressed blobs), "raw_bytes" (K + V before compression), "hits" (sum of hit
+      counts)}``; an expired fragment counts in ``expired`` only, so ``short + long + expired
+      == total``;
+    * ``corrupt``: fragments whose header does not parse (counted in their tier, with the
+      lifecycle record's raw size);
+    * ``used_bytes`` (the store's running sum of stored blobs, what the budget bounds),
+      ``max_bytes`` (the budget), ``used_percent`` (``100 * used / max``, 2 decimals);
+    * ``data_mdb_bytes``: the size of ``data.mdb`` on disk (free pages included).
+
+    Args:
+        store: an open store (read-only is enough).
+        now: Unix seconds the expiry is judged at (default: the store's clock).
+    """
+    now = store.clock() if now is None else now
+    tiers = {name: _empty_counts() for name in SUMMARY_ROWS}
+    corrupt = 0
+    for _key, head, life, nbytes in store.iterate():
+        raw = head.raw_nbytes if head is not None else life.raw_nbytes
+        corrupt += head is None
+        for name in (EXPIRED if life.expired(now) else life.tier, TOTAL):
+            row = tiers[name]
+            row["fragments"] += 1
+            row["stored_bytes"] += nbytes
+            row["raw_bytes"] += raw
+            row["hits"] += life.hit_count
+    used, budget = store.used_bytes(), store.max_bytes
+    data = store.path / "data.mdb"
+    return {
+        "path": str(store.path),
+        "now": now,
+        "tiers": tiers,
+        "corrupt": corrupt,
+        "used_bytes": used,
+        "max_bytes": budget,
+        "used_percent": round(100.0 * used / budget, 2) if budget else None,
+        "data_mdb_bytes": data.stat().st_size if data.exists() else 0,
+    }
+
+
 def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
     """Open an existing store without writing to it.
 
@@ -126,13 +202,24 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
         raise StoreNotFoundError(f"no store at {path}")
     return FragmentStore(path, readonly=True)
 
-def load_report(path: str | os.PathLike, limit: int | None = None) -> dict[str, Any]:
-    """``{"fragments": rows (the first ``limit``), "summary": summary}`` of the store at ``path``."""
+def load_report(path: str | os.PathLike, limit: int | None = None, now: float | None = None) -> dict[str, Any]:
+    """``{"fragments": rows (the first ``limit``), "summary": summary}`` of the store at ``path``
+    (opened read-only; see :func:`open_store_readonly` for the errors). ``now``: Unix seconds
+    the expiry is judged at (default ``time.time()``)."""
+    now = time.time() if now is None else now
     with open_store_readonly(path) as store:
-        rows = fragment_rows(store)
+        rows = fragment_rows(store, now)
         summ = summary(store)
     summ["shown"] = len(rows) if limit is None else min(limit, len(rows))
     return {"fragments": rows if limit is None else rows[:limit], "summary": summ}
+
+
+def load_tier_summary(path: str | os.PathLike, now: float | None = None) -> dict[str, Any]:
+    """:func:`tier_summary` of the store at ``path``, opened read-only (never created; see
+    :func:`open_store_readonly` for the errors). ``now``: Unix seconds (default ``time.time()``)."""
+    now = time.time() if now is None else now
+    with open_store_readonly(path) as store:
+        return tier_summary(store, now)
 
 def wide_console(stderr: bool = False, width: int = 200):
     """A rich Console; when the stream is not a terminal (a pipe, a file) and ``COLUMNS`` is not
@@ -163,16 +250,17 @@ def render_table(report: dict[str, Any]):
     )
     for name, justify in (
         ("key", "left"), ("tokens", "right"), ("layers", "right"), ("heads", "right"),
-        ("raw", "right"), ("stored", "right"), ("hits", "right"), ("last hit", "left"),
+        ("raw", "right"), ("stored", "right"), ("tier", "left"), ("hits", "right"), ("last hit", "left"),
         ("expires", "left"), ("left (s)", "right"), ("namespace", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=name in ("key", "tokens", "layers", "last hit", "expires"))
     for row in report["fragments"]:
+        left = row["expires_in_s"]
+        left_text = "[red]expired[/red]" if row["expired"] else ("-" if left is None else f"{left:.0f}")
         if row["corrupt"]:
             table.add_row(row["key"], "[red]corrupt[/red]", "-", "-", "-", format_bytes(row["compressed_bytes"]),
-                          str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", "-", "-")
+                          row["tier"], str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", left_text, "-")
             continue
-        left = row["expires_in_s"]
         table.add_row(
             row["key"],
             row["tokens"],
@@ -180,10 +268,41 @@ def render_table(report: dict[str, Any]):
             row["heads"],
             format_bytes(row["raw_bytes"]),
             format_bytes(row["compressed_bytes"]),
+            row["tier"],
             str(row["hits"]),
             row["last_hit"] or "-",
             row["expires"] or "-",
-            "-" if left is None else ("[red]expired[/red]" if row["expired"] else f"{left:.0f}"),
+            left_text,
             f"{row['engine']} {row['model']}",
+        )
+    return table
+
+
+def render_tier_table(summ: dict[str, Any]):
+    """A rich Table of a :func:`tier_summary` document: one row per tier (short, long,
+    expired, total), the budget and the file size in the caption."""
+    from rich.table import Table
+
+    percent = summ["used_percent"]
+    table = Table(
+        title=f"EdgeSync store {summ['path']}",
+        caption=(
+            f"used {format_bytes(summ['used_bytes'])} of the {format_bytes(summ['max_bytes'])} budget"
+            + (f" ({percent:.1f}%)" if percent is not None else "")
+            + f"; data.mdb {format_bytes(summ['data_mdb_bytes'])} on disk"
+            + (f"; {summ['corrupt']} corrupt" if summ["corrupt"] else "")
+        ),
+    )
+    for name in ("tier", "fragments", "stored", "raw", "hits"):
+        table.add_column(name, justify="left" if name == "tier" else "right")
+    for name in SUMMARY_ROWS:
+        row = summ["tiers"][name]
+        table.add_row(
+            f"[bold]{name}[/bold]" if name == TOTAL else name,
+            str(row["fragments"]),
+            format_bytes(row["stored_bytes"]),
+            format_bytes(row["raw_bytes"]),
+            str(row["hits"]),
+            end_section=name == EXPIRED,
         )
     return table
