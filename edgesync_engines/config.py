@@ -37,6 +37,15 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _bytes(text: str) -> int:
+    from edgesync_store.compact import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except Exception as exc:  # argparse.ArgumentTypeError
+        raise ValueError(str(exc)) from None
+
+
 def _name(text: str) -> str:
     return text.strip().lower()
 
@@ -87,6 +96,16 @@ class EdgeSyncConfig:
             int >= 1); None (default) = all heads in one fragment; above the model's KV-head
             count acts as None. With both set a chunk is stored as layer groups x head groups
             fragments [EDGESYNC_HEADS_PER_FRAGMENT].
+        max_bytes: size budget of the store, bytes of stored fragments (an int, or ``512M``,
+            ``1G`` in the environment); None (default) keeps the budget recorded in the store
+            (the last one set) or 1 GiB. Writes past it evict expired fragments first, then the
+            short-term tier least recently used, then the long-term tier
+            (``edgesync_store/eviction.py``) [EDGESYNC_MAX_BYTES].
+        jobs: run the expiry sweep and compaction on a schedule in this process (apscheduler,
+            ``edgesync_store/jobs.py``) [EDGESYNC_JOBS].
+        sweep_interval_s: seconds between expiry sweeps (default 60) [EDGESYNC_SWEEP_INTERVAL_S].
+        compact_interval_s: seconds between compactions (default 900)
+            [EDGESYNC_COMPACT_INTERVAL_S].
     """
 
     store_path: Path = dataclasses.field(default_factory=default_store_path)
@@ -111,6 +130,10 @@ class EdgeSyncConfig:
     ef_search: int = 100
     prefetch: bool = False
     prefetch_ram_bytes: int = 64 * 1024 * 1024
+    max_bytes: int | None = None
+    jobs: bool = True
+    sweep_interval_s: float = 60.0
+    compact_interval_s: float = 900.0
     layers_per_fragment: int | None = None
     heads_per_fragment: int | None = None
 
@@ -139,6 +162,10 @@ class EdgeSyncConfig:
         "prefetch_ram_bytes": ("EDGESYNC_PREFETCH_RAM_BYTES", int),
         "layers_per_fragment": ("EDGESYNC_LAYERS_PER_FRAGMENT", int),
         "heads_per_fragment": ("EDGESYNC_HEADS_PER_FRAGMENT", int),
+        "max_bytes": ("EDGESYNC_MAX_BYTES", _bytes),
+        "jobs": ("EDGESYNC_JOBS", _bool),
+        "sweep_interval_s": ("EDGESYNC_SWEEP_INTERVAL_S", float),
+        "compact_interval_s": ("EDGESYNC_COMPACT_INTERVAL_S", float),
     }
 
     def __post_init__(self) -> None:
@@ -179,6 +206,13 @@ class EdgeSyncConfig:
         if isinstance(self.prefetch_ram_bytes, bool) or not isinstance(self.prefetch_ram_bytes, int) \
                 or self.prefetch_ram_bytes < 1:
             raise ValueError(f"prefetch_ram_bytes: must be an int > 0 bytes, got {self.prefetch_ram_bytes!r}")
+        if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
+                                           or self.max_bytes < 1):
+            raise ValueError(f"max_bytes: must be None or an int > 0 bytes, got {self.max_bytes!r}")
+        for name in ("sweep_interval_s", "compact_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
         for name in ("layers_per_fragment", "heads_per_fragment"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
@@ -42,7 +43,9 @@ import lmdb
 
 from edgesync_store.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import MIN_SPAN, chunk_spans, common_prefix_len, prefix_hash, store_key
-from edgesync_store.store import FragmentStore, PrefixMatch
+from edgesync_store.jobs import StoreJobs
+from edgesync_store.store import FragmentStore, PrefixMatch, StoreOpenError, StoreUnavailableError
+from edgesync_store.ttl import TTLPolicy
 
 from .adapter import ContextOverflowError, InjectionError
 from .config import EdgeSyncConfig
@@ -177,8 +180,8 @@ class EdgeSync:
         elif store is not None and not isinstance(store, (str, os.PathLike)):
             raise TypeError(f"store: expected a FragmentStore, a path, None or False, got {type(store).__name__}")
         else:
-            self.store = FragmentStore(store if store is not None else self.config.store_path)
-            self._owns_store = True
+            self.store = self._open_store(Path(store if store is not None else self.config.store_path))
+            self._owns_store = self.store is not None
         self.semantic = None
         if self.store is not None and self.config.semantic:
             self.semantic = SemanticLookup(self.store, self.config)
@@ -187,6 +190,56 @@ class EdgeSync:
         if self.store is not None and self.config.prefetch:
             self.prefetcher = Prefetcher(self.store, self.namespace, self.config.prefetch_ram_bytes)
         self._ram_hits = 0  # of the current request (requests hold the adapter's lock)
+        self.jobs = None
+        if self.store is not None and not self.store.readonly and self.config.jobs:
+            self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
+                                  self.config.compact_interval_s).start()
+
+    def _open_store(self, path: Path) -> FragmentStore | None:
+        """Open the configured store with this config's TTL and budget. A store the system
+        will not let us write (a read-only disk or directory, no space or permission to
+        create it) is opened read-only, or not at all, with a warning: requests are then served
+        from what it holds, or uncached, never failed. A path that is not a store (a file, a
+        foreign directory) still raises ``StoreOpenError``."""
+        policy = TTLPolicy(ttl_seconds=self.config.ttl_seconds)
+        try:
+            return FragmentStore(path, policy=policy, max_bytes=self.config.max_bytes)
+        except StoreUnavailableError as exc:
+            if not (path / "data.mdb").exists():
+                log.warning("fragment store unavailable, serving uncached: %s", exc)
+                return None
+            log.warning("fragment store %s cannot be written (%s); serving from it read-only", path, exc)
+        try:
+            return FragmentStore(path, readonly=True, policy=policy)
+        except (StoreOpenError, lmdb.Error, OSError) as exc:
+            log.warning("fragment store unavailable, serving uncached: %s", exc)
+            return None
+
+    def _semantic_index(self):
+        """The semantic lookup's open index once loaded (for the store jobs), else None."""
+        return self.semantic.index_if_ready() if self.semantic is not None else None
+
+    def forget(self, prompt: "str | Sequence[dict]") -> int:
+        """Remove every fragment this prompt wrote or would hit: at each position of its
+        tokens, the stored fragments (any chunk size, layer or head group, live or expired)
+        that follow its prefix and start with its next token, with their donor records and
+        vectors; the prefetch RAM tier drops nothing it could still serve (it serves only
+        what the store holds). Afterwards the same prompt is a miss. Returns the fragments
+        removed.
+
+        Raises:
+            ValueError: an empty prompt or malformed chat messages.
+            PermissionError: the store is open read-only.
+            lmdb.Error: the store could not be written.
+        """
+        tokens = self.prompt_tokens(prompt)
+        if self.store is None:
+            return 0
+        removed = self.store.forget_tokens(self.namespace, tokens)
+        if self.prefetcher is not None:
+            self.prefetcher.ram.clear()  # decoded KV of this prompt may sit there
+        log.info("forgot %d fragments of a %d-token prompt", removed, len(tokens))
+        return removed
 
     @property
     def namespace(self):
@@ -449,6 +502,12 @@ class EdgeSync:
         target = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
         if target < MIN_SPAN:
             return 0, [], 0
+        pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
+        with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
+            return self._inject_pinned(match, target, tokens)
+
+    def _inject_pinned(self, match: PrefixMatch, target: int, tokens: list[int]) -> tuple[int, list[bytes], int]:
+        n = len(tokens)
         fragments, keys, bytes_read, covered = [], [], 0, 0
         for span in match.spans:
             if span.token_start >= target:
@@ -576,8 +635,12 @@ class EdgeSync:
         return written
 
     def close(self) -> None:
-        """Free the engine if this object loaded it (an adapter passed in stays open), save and
-        close the semantic index, and close the store if this object opened it."""
+        """Stop the store jobs, free the engine if this object loaded it (an adapter passed in
+        stays open), save and close the semantic index, and close the store if this object
+        opened it."""
+        if self.jobs is not None:
+            self.jobs.shutdown()
+            self.jobs = None
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.semantic is not None:

@@ -165,6 +165,11 @@ class SemanticLookup:
         """True when ``key`` is indexed (False when the lookup is off)."""
         return self._ready() and key in self._index
 
+    def index_if_ready(self):
+        """The open ``SemanticIndex`` once loaded, else None (never waits; for the store jobs,
+        which share it, and its lock, with the request path)."""
+        return self._index if self.ready_now() else None
+
     def ready_now(self) -> bool:
         """True when the embedder and index are loaded (never waits for them)."""
         return self._index is not None and self.disabled_reason is None

@@ -4,6 +4,8 @@
   lock on it; the disk reclaim (``reclaim.py``) and ``clear`` need it **exclusive**, i.e. no
   other process has the store open, before they replace ``data.mdb``. A process opening the
   store while a reclaim runs waits for it (:class:`OpenLock`).
+* ``compact.lock`` (``flock``, exclusive, never waited for): held by the one process that is
+  compacting the store (:class:`CompactLock`); another compactor skips its run.
 * ``pins.lock`` (Linux open-file-description byte-range locks, ``F_OFD_SETLK``): a request
   that is injecting fragments holds a shared lock on one byte per fragment (the offset is
   the first 6 bytes of its store key); eviction probes that byte through another open file
@@ -32,6 +34,7 @@ from typing import Iterable, Iterator
 log = logging.getLogger("edgesync.store")
 
 OPEN_LOCK_NAME = "edgesync.lock"
+COMPACT_LOCK_NAME = "compact.lock"
 PINS_LOCK_NAME = "pins.lock"
 _HAS_OFD = hasattr(fcntl, "F_OFD_SETLK") and hasattr(fcntl, "F_OFD_GETLK")
 # struct flock on Linux (x86-64 and arm64): short l_type, short l_whence, off_t l_start,
@@ -177,3 +180,31 @@ class PinTable:
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
+
+
+class CompactLock:
+    """``with CompactLock(store_dir) as acquired:``: the exclusive, non-blocking ``flock`` on
+    ``compact.lock`` that makes one process at a time compact a store. ``acquired`` is False
+    (and nothing is held) when another process, or another thread with its own lock object,
+    is compacting."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / COMPACT_LOCK_NAME
+        self._fd = -1
+
+    def __enter__(self) -> bool:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            os.close(self._fd)
+            self._fd = -1
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import codec, eviction, migrations
 from .codec import CodecError, FragmentHeader
-from .locks import OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
+from .locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
 from .migrations import StoreFormatError
 from .schema import KVFragment, Namespace, common_prefix_len, prefix_hash, prefix_hasher, token_bytes
 from .ttl import Clock, Lifecycle, TTLPolicy
@@ -57,17 +57,22 @@ DEFAULT_MAP_SIZE = 256 * 1024 * 1024
 MAX_MAP_SIZE = 1 << 40
 
 _U64 = struct.Struct("<Q")
-_OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME)
+_OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME, COMPACT_LOCK_NAME)
 """Files of ours that may sit in a store directory without ``data.mdb`` (besides ``semantic.*``)."""
 T = TypeVar("T")
 
 __all__ = ["FragmentStore", "Lifecycle", "PrefixMatch", "SpanMatch", "StoreBusyError", "StoreFormatError",
-           "StoreOpenError", "StoreStats", "DEFAULT_MAX_BYTES", "STORE_FORMAT_VERSION"]
+           "StoreOpenError", "StoreUnavailableError", "StoreStats", "DEFAULT_MAX_BYTES", "STORE_FORMAT_VERSION"]
 
 
 class StoreOpenError(RuntimeError):
     """The store path cannot hold or does not hold a store (a file, a foreign non-empty
     directory, no permission, not LMDB); the message names the path and the reason."""
+
+
+class StoreUnavailableError(StoreOpenError):
+    """The system refused to create, open or lock the store (permission, a read-only or full
+    disk): the path may be right, the device will not let us use it."""
 
 
 @dataclass
@@ -188,7 +193,7 @@ class FragmentStore:
                 self.path.mkdir(mode=0o700, parents=True)  # a new store is private: it holds prompts
                 os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
             except OSError as exc:
-                raise StoreOpenError(f"cannot create the store directory {self.path}: {exc}") from None
+                raise StoreUnavailableError(f"cannot create the store directory {self.path}: {exc}") from None
         self._lock = threading.RLock()
         self._named: dict[bytes, object] = {}
         self._map_size = map_size
@@ -198,7 +203,7 @@ class FragmentStore:
             try:
                 self._open_lock = OpenLock(self.path, open_timeout_s)
             except OSError as exc:
-                raise StoreOpenError(f"cannot lock the store at {self.path}: {exc}") from None
+                raise StoreUnavailableError(f"cannot lock the store at {self.path}: {exc}") from None
         try:
             self._env = self._open_env()
             self._check_is_edgesync_lmdb()
@@ -226,7 +231,7 @@ class FragmentStore:
                 max_readers=256,
             )
         except lmdb.Error as exc:
-            raise StoreOpenError(f"cannot open the store at {self.path}: {exc}") from None
+            raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
 
     def _open_dbs(self) -> None:
         """Handles of the four core databases (created by migration 1)."""
@@ -425,6 +430,49 @@ class FragmentStore:
             if record is not None and txn.get(new, db=donors_db) is None:
                 txn.put(new, bytes(record), db=donors_db)
         vectors.move_in(self, txn, old, new)
+
+    def absorb(self, keep: bytes, remove: Sequence[bytes], life: Lifecycle) -> bool:
+        """In one write transaction, give ``keep`` the lifecycle ``life`` (its sizes kept),
+        move the donor records and vectors of ``remove`` to ``keep`` and delete ``remove``: a
+        dedup happens whole or not at all. False, writing nothing, when any of them is gone
+        meanwhile."""
+
+        def write(txn: lmdb.Transaction) -> bool:
+            if any(txn.get(k, db=self._fragments) is None for k in [keep, *remove]):
+                return False
+            old = Lifecycle.unpack(txn.get(keep, db=self._lifecycle))
+            life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
+            txn.put(keep, life.pack(), db=self._lifecycle)
+            for k in remove:
+                self._move_semantic(txn, k, keep)
+                self._delete_in(txn, k)
+            return True
+
+        return self._txn(write, write=True)
+
+    def delete_expired(self, keys: Sequence[bytes], now: float | None = None) -> list[tuple[bytes, int]]:
+        """Delete those of ``keys`` that are still expired at ``now`` inside the write
+        transaction (a hit in another process may have promoted one meanwhile) and not pinned;
+        return the ``(key, blob bytes)`` deleted."""
+        now = self.clock() if now is None else now
+
+        def write(txn: lmdb.Transaction) -> list[tuple[bytes, int]]:
+            gone = []
+            for key in keys:
+                raw = txn.get(key, db=self._lifecycle)
+                if raw is None and txn.get(key, db=self._fragments) is None:
+                    continue
+                if not Lifecycle.unpack(raw).expired(now) or self.pins.is_pinned(key):
+                    continue
+                blob = txn.get(key, db=self._fragments)
+                nbytes = len(blob) if blob is not None else 0
+                if self._delete_in(txn, key):
+                    gone.append((key, nbytes))
+                else:
+                    txn.delete(key, db=self._lifecycle)  # a record without its fragment
+            return gone
+
+        return self._txn(write, write=True)
 
     def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
         """Overwrite a stored fragment's lifecycle record (sizes kept); False when absent."""

@@ -182,3 +182,26 @@ class TTLPolicy:
 def system_clock() -> float:
     """``time.time()``: the default clock."""
     return time.time()
+
+
+def sweep(store, now: float | None = None, index=None, dry_run: bool = False,
+          batch: int = 512) -> list[tuple[bytes, int]]:
+    """Delete every expired fragment (``expires_at <= now``; default: the store's clock) from
+    LMDB, with its prefix-index entry, donor record and vector, in write transactions of
+    ``batch`` fragments; then bring the HNSW sidecar up to date when ``index`` (an open
+    ``SemanticIndex``) is given (other processes' indexes catch up from the vectors' change
+    log). A fragment promoted meanwhile, or pinned by a request, is kept. Returns the
+    ``(key, blob bytes)`` deleted (with ``dry_run``: those that would be, nothing deleted).
+    Reads only the ``lifecycle`` database to find them."""
+    now = store.clock() if now is None else now
+    expired = [(key, life.nbytes) for key, life in store.iterate_lifecycle() if life.expired(now)]
+    if dry_run:
+        return expired
+    keys = [key for key, _ in expired]
+    gone: list[tuple[bytes, int]] = []
+    for i in range(0, len(keys), batch):
+        gone.extend(store.delete_expired(keys[i : i + batch], now))
+    if index is not None and gone:
+        index.sync()
+        index.save()
+    return gone

@@ -1,0 +1,151 @@
+"""``python -m edgesync_store.compact [STORE] [--dry-run] [--json]``: compact a store once.
+
+Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``compactor.py``)
+and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
+and the store's fragments, stored bytes and bytes on disk before and after. ``--json`` prints
+one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr follows long
+steps. STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir).
+
+Exit status: 0 done (also when skipped because another process is compacting; the report
+says so), 2 bad input (no store at the path, not a store, a newer format, a bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"512M"``, ``"1GiB"``, ``"2g"``, ``"1048576"`` -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1048576, 512M, 1G)")
+    value = float(m.group(1))
+    if m.group(2):
+        value = float(m.group(1)) * 1024 ** ("kmgt".index(m.group(2).lower()) + 1)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m edgesync_store.compact",
+                                     description="Expire, deduplicate, merge, evict and reclaim an EdgeSync store once.")
+    parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    parser.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=None,
+                        help="size budget for eviction (default: the store's recorded budget, else 1 GiB)")
+    parser.add_argument("--no-reclaim", action="store_true", help="do not rewrite the file to return free pages")
+    parser.add_argument("--force-reclaim", action="store_true", help="rewrite the file whenever any page is free")
+    parser.add_argument("--reclaim-fraction", type=_fraction, default=None,
+                        help="free fraction of data.mdb that triggers the rewrite (default 0.25)")
+    return parser
+
+
+def _default_store() -> Path:
+    from edgesync_engines.config import EdgeSyncConfig
+
+    return EdgeSyncConfig.load().store_path
+
+
+def _fmt(n: int) -> str:
+    from .report import format_bytes
+
+    return format_bytes(n)
+
+
+def render(report: dict, path: Path) -> str:
+    """The human-readable summary of a report (plain text, one fact per line)."""
+    if report["skipped"]:
+        return f"{path}: skipped: {report['skipped']}"
+    rec = report["reclaim"] or {}
+    lines = [
+        f"store {path}" + (" (dry run: nothing changed)" if report["dry_run"] else ""),
+        f"  expired        {report['expired']:>8} fragments  {_fmt(report['expired_bytes'])}",
+        f"  deduplicated   {report['deduplicated']:>8} fragments  {_fmt(report['deduplicated_bytes'])}",
+        f"  merged         {report['fragments_merged']:>8} fragments into {report['merged_layers'] + report['merged_heads']}"
+        f" ({report['merged_layers']} along layers, {report['merged_heads']} along heads)",
+        f"  evicted        {report['evicted']:>8} fragments  {_fmt(report['evicted_bytes'])}"
+        f"  (budget {_fmt(report['max_bytes'])})",
+        f"  reclaimed      {_fmt(report['bytes_reclaimed'])}"
+        + (f"  ({rec.get('reason')})" if rec.get("reason") and not rec.get("reclaimed") else ""),
+        f"  fragments      {report['fragments_before']} -> {report['fragments_after']}",
+        f"  stored bytes   {_fmt(report['used_bytes_before'])} -> {_fmt(report['used_bytes_after'])}",
+        f"  bytes on disk  {_fmt(report['disk_bytes_before'])} -> {_fmt(report['disk_bytes_after'])}",
+        f"  took           {report['elapsed_s']:.2f} s" + (" (stopped early)" if report["stopped"] else ""),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import lmdb
+
+    from .compactor import Compactor, open_index
+    from .locks import StoreBusyError
+    from .store import FragmentStore, StoreFormatError, StoreOpenError
+
+    try:
+        path = Path(args.store).expanduser() if args.store else _default_store()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (path / "data.mdb").is_file():
+        print(f"error: no EdgeSync store at {path}", file=sys.stderr)
+        return 2
+    try:
+        store = FragmentStore(path)
+    except (StoreOpenError, StoreFormatError, StoreBusyError, lmdb.Error, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
+                         transient=True, console=None, disable=not sys.stderr.isatty()) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(step: str, done: int, total: int) -> None:
+            if step not in tasks:
+                tasks[step] = bar.add_task(step, total=total)
+            bar.update(tasks[step], completed=done, total=total)
+
+        index = None if args.dry_run else open_index(store)
+        try:
+            kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
+            report = Compactor(store, index=index, progress=progress).run(
+                dry_run=args.dry_run, do_reclaim=not args.no_reclaim, max_bytes=args.max_bytes,
+                force_reclaim=args.force_reclaim, **kwargs)
+        finally:
+            if index is not None:
+                index.close()
+    doc = report.to_dict()
+    doc["store"] = str(path)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render(doc, path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
