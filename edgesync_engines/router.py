@@ -621,7 +621,8 @@ class EdgeSync:
             if not spans:
                 return 0
             (l0, l1), (h0, h1) = group_ranges(ns, self.config.layers_per_fragment, self.config.heads_per_fragment)[0]
-            wholes = self.adapter.extract_fragments(tokens, spans, ttl_seconds=self.config.ttl_seconds)
+            wholes = self.adapter.extract_fragments(tokens, spans, ttl_seconds=self.config.ttl_seconds,
+                                                    now=self.store.clock())
             fragments = [
                 part
                 for whole in wholes

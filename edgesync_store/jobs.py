@@ -81,8 +81,8 @@ class StoreJobs:
         return self
 
     def _guarded(self, name: str, job: Callable[[], object]) -> None:
-        if self._stop.is_set():
-            return
+        if self._stop.is_set() or self.store.closed:
+            return  # an application that closed its store without closing EdgeSync
         try:
             job()
             self.runs[name] += 1

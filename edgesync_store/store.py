@@ -42,7 +42,7 @@ from . import codec, eviction, migrations
 from .codec import CodecError, FragmentHeader
 from .locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
 from .migrations import StoreFormatError
-from .schema import KVFragment, Namespace, common_prefix_len, prefix_hash, prefix_hasher, token_bytes
+from .schema import MIN_SPAN, KVFragment, Namespace, common_prefix_len, prefix_hash, prefix_hasher, token_bytes
 from .ttl import Clock, Lifecycle, TTLPolicy
 
 log = logging.getLogger("edgesync.store")
@@ -675,9 +675,12 @@ class FragmentStore:
         return self._txn(read)
 
     def keys_along(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Every stored fragment (live or expired, any chunk size or layer/head group) that
-        follows a prefix of ``tokens`` and shares at least its first token with them: what
-        the prompt wrote or could hit. One ``by_prefix`` lookup per prompt position."""
+        """Every stored fragment (live or expired, any chunk size or layer/head group) that the
+        prompt ``tokens`` wrote or could hit: it follows a prefix of ``tokens`` and its own
+        tokens match theirs for at least one token (at position 0: for at least ``MIN_SPAN``,
+        64, since nothing shorter is injected; a fragment of another prompt that merely starts
+        with the same chat-template token is not this prompt's). One ``by_prefix`` lookup per
+        prompt position."""
         tokens = np.asarray(tokens, dtype=np.int32)
         ns_digest = namespace.digest()
         ns_dict = namespace.to_dict()
@@ -695,7 +698,11 @@ class FragmentStore:
                             head = None
                         if head is None or head.namespace.to_dict() != ns_dict or head.token_start != pos:
                             continue
-                        if head.token_ids[0] == tokens[pos]:
+                        # at position 0 a fragment serves only from MIN_SPAN matched tokens
+                        # on (shorter prefixes are never injected); later, one token adds to
+                        # the chain it extends
+                        need = 1 if pos else min(MIN_SPAN, head.span)
+                        if common_prefix_len(head.token_ids, tokens[pos : pos + head.span]) >= need:
                             found.append(key)
                 hasher.update(token_bytes(tokens[pos : pos + 1]))
             return found
@@ -827,9 +834,15 @@ class FragmentStore:
                 self._drop_corrupt(key, "header does not parse")
         return result
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return getattr(self, "_closed", False)
+
     def close(self) -> None:
         """Close the LMDB environment and release the store's locks (idempotent)."""
         with self._lock:
+            self._closed = True
             self._env.close()
             self.pins.close()
             self._release_locks()
