@@ -25,7 +25,6 @@ import struct
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import lmdb
 import numpy as np
 
 from .schema import token_bytes

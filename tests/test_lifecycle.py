@@ -25,7 +25,6 @@ from edgesync_store import codec
 from edgesync_store.compactor import Compactor
 from edgesync_store.index import SemanticIndex
 from edgesync_store.merge import split_heads, split_layers
-from edgesync_store.schema import prefix_hash
 from edgesync_store.store import FragmentStore
 from edgesync_store.ttl import LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock, sweep
 from tests.test_store import make_fragment
