@@ -495,42 +495,58 @@ class EdgeSync:
 
         Returns (tokens injected, keys used, compressed bytes read).
 
-        Any failure (corrupt fragment, engine refusal) degrades to fewer tokens or to none,
-        never to an error: the request then prefills.
+        The fragments are pinned from their first read until llama.cpp holds their KV, so no
+        eviction in any process takes them meanwhile. One that is gone when read (another
+        process's compaction merged or evicted it between the walk and the pin) makes the
+        router walk again once, pinned, and take the longer of the two. Any failure (corrupt
+        fragment, engine refusal) degrades to fewer tokens or to none, never to an error: the
+        request then prefills.
         """
         n = len(tokens)
-        target = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
-        if target < MIN_SPAN:
-            return 0, [], 0
-        pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
-        with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
-            return self._inject_pinned(match, target, tokens)
+        bytes_total = 0
+        for attempt in (1, 2):
+            target = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
+            if target < MIN_SPAN:
+                return 0, [], bytes_total
+            pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
+            with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
+                fragments, keys, nbytes, covered, missing = self._fetch_spans(match, target)
+                bytes_total += nbytes
+                if missing and attempt == 1:
+                    again = self._walk(tokens)
+                    if again.matched_tokens > covered:
+                        log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
+                        match, limit = again, again.matched_tokens  # the prompt's own tokens: all verified
+                        continue
+                target = self.adapter.usable_prefix(min(target, covered), n)
+                if target < MIN_SPAN:
+                    return 0, [], bytes_total
+                try:
+                    self.adapter.inject_fragment(fragments, target, tokens)
+                except (ValueError, InjectionError) as exc:
+                    log.warning("injection refused, prefilling from scratch: %s", exc)
+                    self.adapter.clear_kv_cache()
+                    return 0, [], bytes_total
+                return target, keys, bytes_total
+        return 0, [], bytes_total  # pragma: no cover - the second attempt always returns
 
-    def _inject_pinned(self, match: PrefixMatch, target: int, tokens: list[int]) -> tuple[int, list[bytes], int]:
-        n = len(tokens)
+    def _fetch_spans(self, match: PrefixMatch, target: int):
+        """Read the spans of ``match`` below ``target``: (fragments, keys, compressed bytes,
+        tokens covered, whether a fragment was missing or refused)."""
         fragments, keys, bytes_read, covered = [], [], 0, 0
         for span in match.spans:
             if span.token_start >= target:
                 break
             got = [self._fetch(key) for key in span.keys]
             if any(f is None for f in got):
-                log.warning("fragment at [%d, %d) was refused; injecting only %d tokens",
+                log.warning("fragment at [%d, %d) was refused or is gone; injecting at most %d tokens",
                             span.token_start, span.token_end, covered)
-                break
+                return fragments, keys, bytes_read, covered, True
             fragments.extend(got)
             keys.extend(span.keys)
             bytes_read += span.compressed_nbytes
             covered = span.token_start + span.matched
-        target = self.adapter.usable_prefix(min(target, covered), n)
-        if target < MIN_SPAN:
-            return 0, [], bytes_read
-        try:
-            self.adapter.inject_fragment(fragments, target, tokens)
-        except (ValueError, InjectionError) as exc:
-            log.warning("injection refused, prefilling from scratch: %s", exc)
-            self.adapter.clear_kv_cache()
-            return 0, [], bytes_read
-        return target, keys, bytes_read
+        return fragments, keys, bytes_read, covered, False
 
     def _fetch(self, key: bytes):
         """The decoded fragment under ``key``: from the prefetch RAM tier while the store still

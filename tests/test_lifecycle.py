@@ -481,3 +481,36 @@ def test_compact_command_dry_run_and_json(tmp_path, clock):
         proc = subprocess.run([sys.executable, "-m", "edgesync_store.compact", *bad], capture_output=True, text=True)
         assert proc.returncode == 2 and proc.stderr.strip()
     assert not (tmp_path / "missing").exists()
+
+
+def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapter, system_prompts):
+    """Another process's compaction merges the prompt's layer halves right after this
+    request's walk (a test hook on the walk places it there): the halves the walk found are
+    gone, the router walks again and injects the merged fragments: still an exact hit."""
+    path = tmp_path / "s"
+    store = FragmentStore(path)
+    es = EdgeSync(adapter, store=store, config=config(layers_per_fragment=15))
+    prompt = chat(system_prompts[2], "What should a first aid kit contain?")
+    es.generate(prompt, max_tokens=4)
+    n_halves = store.stats().fragments
+    other = FragmentStore(path)
+    real_walk = store.prefix_walk
+    walks = []
+
+    def walk_then_compact(namespace, tokens, now=None):
+        match = real_walk(namespace, tokens, now)
+        walks.append(match)
+        if len(walks) == 1:
+            assert Compactor(other).run(do_reclaim=False).merged_layers == n_halves // 2
+        return match
+
+    store.prefix_walk = walk_then_compact
+    try:
+        result = es.generate(prompt, max_tokens=8)
+    finally:
+        del store.prefix_walk
+    assert len(walks) == 2 and result.tier == "exact"
+    assert store.stats().fragments == n_halves // 2
+    assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
+    other.close()
+    store.close()

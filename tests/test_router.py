@@ -65,7 +65,9 @@ def uncached(adapter):
 
 @pytest.fixture
 def cached(adapter, store):
-    return EdgeSync(adapter, store=store)
+    es = EdgeSync(adapter, store=store)
+    yield es
+    es.close()  # stops its store jobs; the adapter and store it was given stay open
 
 
 def test_exact_hit_in_a_new_process_skips_prefill(tmp_path, system_prompts):
