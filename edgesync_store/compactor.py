@@ -294,6 +294,8 @@ class Compactor:
                     self.index.sync()
                     self.index.save()
                 store.recount_used()
+            if not dry_run:
+                reclaim.clean_leftovers(store)  # a whole copy of the store left by a killed reclaim
             if do_reclaim and not self.stop.is_set():
                 report.reclaim = reclaim.reclaim(store, reclaim_fraction, reclaim_min_bytes, force_reclaim,
                                                  dry_run).to_dict()

@@ -98,11 +98,13 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     Raises:
         OSError, lmdb.Error: the copy or the swap failed (the old file is then still in place).
     """
+    if store.readonly or store._open_lock is None:
+        before, free = free_bytes(store)
+        return ReclaimResult(before, free, before, False, "store is open read-only")
+    if not dry_run:
+        clean_leftovers(store)
     before, free = free_bytes(store)
     result = ReclaimResult(before, free, before, False, "")
-    if store.readonly or store._open_lock is None:
-        result.reason = "store is open read-only"
-        return result
     if free <= 0 or (not force and (free < min_free_bytes or free < min_free_fraction * before)):
         result.reason = (f"{free} free bytes of {before}: below the threshold "
                          f"({min_free_fraction:.0%} and {min_free_bytes} bytes)")
@@ -149,9 +151,19 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     return result
 
 
-def clean_leftovers(store) -> None:
-    """Remove a temp copy that a killed reclaim left behind (only while holding the store
-    exclusively, so it is never another process's copy in progress)."""
+def clean_leftovers(store) -> bool:
+    """Remove the temp copy a killed reclaim left behind (a whole copy of the store), when no
+    other process has the store open (so it is never another process's copy in progress);
+    True when one was removed. :func:`reclaim` calls it first, whatever its threshold."""
     tmp = store.path / TMP_NAME
-    if tmp.exists() and store._open_lock is not None and store._open_lock.exclusive:
-        tmp.unlink(missing_ok=True)
+    if not tmp.exists() or store._open_lock is None:
+        return False
+    with store._lock:
+        if not store._open_lock.try_exclusive():
+            return False
+        try:
+            tmp.unlink(missing_ok=True)
+            log.info("removed %s left by an interrupted reclaim", tmp)
+        finally:
+            store._open_lock.share()
+    return True

@@ -1,0 +1,276 @@
+"""Acceptance: a store in the first format (built by the test) opens under the current code with
+every fragment intact; a store marked with a future version is refused with a clear error.
+
+The format-1 store is written with py-lmdb (``format1.py``), never through ``FragmentStore``.
+Its fragments are real KV: SmolLM2-135M through llama.cpp (the ``adapter`` fixture) prefills the
+chat of system_prompts.json row 3 (../shared/workloads) with one user question, and its five
+64-token chunks (``chunk_spans(n - 1, 64)``) are stored whole (a prefix chain), plus chunks 0-2
+as 90 one-layer x one-KV-head fragments each: 275 fragments, more than
+``m0002_lifecycle_v2.BATCH`` (256), so the migration runs two batches.
+
+Format-1 lifecycle records (hits, last hit, expiry; T = the chunks' creation time):
+chunk 0 hit 7 times (format 1 never promoted: it must join the long tier, expiry >= last hit +
+7 days), chunk 1 hit 4 times (stays short), chunk 2 hit 5 times (the threshold: long), chunks 3
+and 4 0 and 1 hits; the singles none, and one single has no record at all (it must become an
+expired record, never served).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgesync_store import codec
+from edgesync_store.crashpoints import ENV_VAR
+from edgesync_store.merge import split_heads, split_layers
+from edgesync_store.migrations import CURRENT_VERSION, StoreFormatError
+from edgesync_store.migrations import m0002_lifecycle_v2
+from edgesync_store.schema import KVFragment, chunk_spans
+from edgesync_store.store import FragmentStore
+from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock
+
+from format1 import dump, on_disk_version, write_format1_store
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "What should I pack for three days in Lisbon?"
+HITS = {0: 7, 1: 4, 2: 5, 3: 0, 4: 1}
+"""Format-1 hit counts of the five whole chunks."""
+
+
+def singles(whole: KVFragment) -> list[KVFragment]:
+    return [h for layer in split_layers(whole, 1) for h in split_heads(layer, 1)]
+
+
+class Material:
+    def __init__(self, tokens, chunks, entries, no_record):
+        self.tokens = tokens
+        self.chunks = chunks
+        self.entries = entries  # [(fragment, format-1 record or None)]
+        self.no_record = no_record  # the key of the fragment without a record
+        self.t0 = chunks[0].created_at
+
+    @property
+    def fragments(self) -> list[KVFragment]:
+        return [f for f, _ in self.entries]
+
+
+@pytest.fixture(scope="module")
+def material(adapter, system_prompts) -> Material:
+    tokens = adapter.tokenize(adapter.apply_chat_template(
+        [{"role": "system", "content": system_prompts[3]}, {"role": "user", "content": QUESTION}]))
+    adapter.clear_kv_cache()
+    for start, end in adapter.prefill_plan(0, len(tokens)):
+        adapter.llm.eval(tokens[start:end])
+    spans = chunk_spans(len(tokens) - 1, 64)
+    assert len(spans) == 5
+    chunks = adapter.extract_fragments(tokens, spans)
+    t0 = chunks[0].created_at
+    entries = [(c, (HITS[i], t0 + 10.0 * (i + 1) if HITS[i] else 0.0, t0 + (600.0 if i == 0 else 1800.0)))
+               for i, c in enumerate(chunks)]
+    parts = [s for c in chunks[:3] for s in singles(c)]
+    entries += [(p, None if i == 0 else (0, 0.0, p.expires_at)) for i, p in enumerate(parts)]
+    assert len(entries) == 275 > m0002_lifecycle_v2.BATCH
+    return Material(tokens, chunks, entries, parts[0].key())
+
+
+@pytest.fixture(scope="module")
+def pristine_v1(material, tmp_path_factory) -> tuple[Path, dict[bytes, bytes]]:
+    """The format-1 store, built once; copy it before opening it."""
+    path = tmp_path_factory.mktemp("v1") / "store"
+    return path, write_format1_store(path, material.entries)
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def assert_same_fragment(got: KVFragment, want: KVFragment) -> None:
+    assert got is not None
+    assert got.key() == want.key()
+    assert (got.token_start, got.token_end, got.layer_start, got.layer_end, got.layer_stride, got.head_start,
+            got.head_end) == (want.token_start, want.token_end, want.layer_start, want.layer_end, want.layer_stride,
+                              want.head_start, want.head_end)
+    assert got.keys.dtype == want.keys.dtype == np.float16 and got.keys.shape == want.keys.shape
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
+    assert np.array_equal(got.token_ids, want.token_ids) and got.prefix_hash == want.prefix_hash
+    assert got.created_at == want.created_at
+
+
+# ---------------------------------------------------------------------------------------------
+# format 1 -> current
+
+
+def test_format1_store_opens_migrated_with_every_fragment_intact(material, pristine_v1, tmp_path):
+    src, blobs = pristine_v1
+    path = copy(src, tmp_path / "store")
+    before = dump(path)
+    assert on_disk_version(path) == b"1"
+    assert all(len(v) == LIFECYCLE_V1.size for _, v in before[b"lifecycle"])
+    assert len(before[b"lifecycle"]) == len(material.entries) - 1  # one fragment has no record
+
+    now = material.t0 + 60.0
+    with FragmentStore(path, clock=ManualClock(now)) as store:
+        assert store.format_version == CURRENT_VERSION == 2
+        for frag, record in material.entries:
+            key = frag.key()
+            assert_same_fragment(store.get(key), frag)
+            life = store.lifecycle(key)
+            assert life.created_at == frag.created_at
+            assert life.nbytes == len(blobs[key]) and life.raw_nbytes == frag.raw_nbytes
+            if record is None:  # no format-1 record: an expired one, never served
+                assert key == material.no_record
+                assert (life.hit_count, life.expires_at, life.tier) == (0, 0.0, TIER_SHORT)
+                assert not store.is_live(key)
+                continue
+            hits, last_hit, expires = record
+            assert (life.hit_count, life.last_hit_at) == (hits, last_hit)
+            if hits >= 5:
+                assert life.tier == TIER_LONG
+                assert life.expires_at >= last_hit + LONG_TTL_SECONDS
+                assert life.expires_at == max(expires, last_hit + LONG_TTL_SECONDS)
+            else:
+                assert life.tier == TIER_SHORT and life.expires_at == expires
+            assert store.is_live(key)
+        # the promotions the records call for, by chunk
+        tiers = [store.lifecycle(c.key()).tier for c in material.chunks]
+        assert tiers == [TIER_LONG, TIER_SHORT, TIER_LONG, TIER_SHORT, TIER_SHORT]
+        assert store.used_bytes() == sum(len(b) for b in blobs.values())
+        assert store.stats().dropped_corrupt == 0
+        match = store.prefix_walk(material.chunks[0].namespace, material.tokens)
+        assert match.matched_tokens == len(material.tokens) - 1
+        assert [(s.token_start, s.token_end) for s in match.spans] == \
+            [(c.token_start, c.token_end) for c in material.chunks]
+        # a week on, only the promoted chunks 0 and 2 are served: the walk stops after chunk 0
+        later = store.prefix_walk(material.chunks[0].namespace, material.tokens, now=material.t0 + 86400.0)
+        assert later.matched_tokens == material.chunks[0].token_end
+
+    after = dump(path)
+    assert on_disk_version(path) == b"2"
+    assert after[b"fragments"] == before[b"fragments"]  # blobs are not rewritten
+    assert after[b"by_prefix"] == before[b"by_prefix"]
+    assert len(after[b"lifecycle"]) == len(material.entries)
+    assert all(len(v) == LIFECYCLE_V2.size for _, v in after[b"lifecycle"])
+    # opening again changes nothing
+    FragmentStore(path).close()
+    assert dump(path) == after
+
+
+def test_read_only_open_of_format1_reads_without_migrating(material, pristine_v1, tmp_path):
+    src, _ = pristine_v1
+    path = copy(src, tmp_path / "store")
+    before = dump(path)
+    with FragmentStore(path, readonly=True) as store:
+        assert store.format_version == 1
+        for frag, record in material.entries[:8]:  # the 5 chunks, the single without a record, 2 more
+            assert_same_fragment(store.get(frag.key()), frag)
+            life = store.lifecycle(frag.key())  # the format-1 record as it is (none: expired)
+            assert (life.hit_count, life.last_hit_at, life.expires_at) == (record or (0, 0.0, 0.0))
+            assert (life.created_at, life.nbytes) == (0.0, 0)  # not in format 1
+        with pytest.raises(PermissionError):
+            store.put(material.chunks[0])
+    assert on_disk_version(path) == b"1"
+    assert dump(path) == before
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "read-only"])
+def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_path, readonly):
+    path = tmp_path / "future-store"
+    future = CURRENT_VERSION + 1
+    write_format1_store(path, material.entries[:2], version=str(future).encode())
+    before = dump(path)
+    with pytest.raises(StoreFormatError) as info:
+        FragmentStore(path, readonly=readonly)
+    message = str(info.value)
+    assert f"format version {future}" in message
+    assert f"reads up to {CURRENT_VERSION}" in message
+    assert str(path) in message
+    assert dump(path) == before  # refused without writing
+    # and the store is not left locked: a second attempt gets the same refusal, not a wait
+    with pytest.raises(StoreFormatError):
+        FragmentStore(path, readonly=readonly, open_timeout_s=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a migration killed mid-way
+
+
+def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, EDGESYNC_THREADS="1", **{ENV_VAR: crash})
+    code = "import sys; from edgesync_store.store import FragmentStore; FragmentStore(sys.argv[1]).close()"
+    return subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def migrated_uninterrupted(pristine_v1, tmp_path_factory) -> dict:
+    src, _ = pristine_v1
+    path = copy(src, tmp_path_factory.mktemp("uninterrupted") / "store")
+    FragmentStore(path).close()
+    return dump(path)
+
+
+@pytest.mark.parametrize("point, upgraded", [("migrate.batch@1", m0002_lifecycle_v2.BATCH),
+                                             ("migrate.batch@2", 275), ("migrate.before_version", 275)])
+def test_killed_migration_is_finished_by_the_next_open(point, upgraded, material, pristine_v1,
+                                                       migrated_uninterrupted, tmp_path):
+    src, _ = pristine_v1
+    path = copy(src, tmp_path / "store")
+    proc = open_in_subprocess(path, point)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: exit {proc.returncode}: {proc.stderr}"
+    # killed mid-way: some records rewritten, the version not yet moved on
+    assert on_disk_version(path) == b"1"
+    half = dump(path)
+    assert sum(len(v) == LIFECYCLE_V2.size for _, v in half[b"lifecycle"]) == upgraded
+    assert not any(k == b"used_bytes" for k, _ in half[b"meta"])
+    with FragmentStore(path) as store:
+        assert store.format_version == CURRENT_VERSION
+        for frag in material.fragments[:5] + material.fragments[-3:]:
+            assert_same_fragment(store.get(frag.key()), frag)
+        assert store.stats().dropped_corrupt == 0
+    assert dump(path) == migrated_uninterrupted
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks can fail
+
+
+def test_a_flipped_byte_in_a_format1_blob_is_refused_after_migration(material, pristine_v1, tmp_path):
+    """A byte of chunk 4's token IDs flipped on disk: the migration still completes (the header
+    does not parse, so the record keeps no creation time), the read refuses the fragment, counts
+    it and removes it; every other fragment is intact."""
+    src, blobs = pristine_v1
+    path = copy(src, tmp_path / "store")
+    victim = material.chunks[4]
+    blob = blobs[victim.key()]
+    header_len = int.from_bytes(blob[6:10], "little")
+    ids_at = 10 + header_len
+    crc_at = ids_at + 4 * victim.span
+    window = blob[ids_at:crc_at + 4 + 64]  # token IDs, head checksum, start of the payload
+    raw = bytearray((path / "data.mdb").read_bytes())
+    at = raw.find(window)
+    assert at >= 0 and raw.find(window, at + 1) == -1
+    raw[at + 1] ^= 0x40
+    (path / "data.mdb").write_bytes(bytes(raw))
+    with pytest.raises(codec.CodecError, match="head checksum"):
+        codec.peek(bytes(raw[at - ids_at: at - ids_at + len(blob)]))
+
+    with FragmentStore(path) as store:
+        assert store.format_version == CURRENT_VERSION
+        life = store.lifecycle(victim.key())
+        assert life.created_at == 0.0 and life.nbytes == len(blob)
+        assert store.get(victim.key()) is None
+        assert store.stats().dropped_corrupt == 1
+        assert not store.contains(victim.key())
+        for frag in material.fragments:
+            if frag is not victim:
+                assert_same_fragment(store.get(frag.key()), frag)
+        assert store.stats().dropped_corrupt == 1
+        assert store.used_bytes() == sum(len(b) for k, b in blobs.items() if k != victim.key())
