@@ -518,6 +518,9 @@ class EdgeSync:
                         log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
                         match, limit = again, again.matched_tokens  # the prompt's own tokens: all verified
                         continue
+                if missing:
+                    log.warning("a stored fragment was refused or is gone; injecting %d of %d matched tokens",
+                                covered, match.matched_tokens)
                 target = self.adapter.usable_prefix(min(target, covered), n)
                 if target < MIN_SPAN:
                     return 0, [], bytes_total
@@ -539,8 +542,8 @@ class EdgeSync:
                 break
             got = [self._fetch(key) for key in span.keys]
             if any(f is None for f in got):
-                log.warning("fragment at [%d, %d) was refused or is gone; injecting at most %d tokens",
-                            span.token_start, span.token_end, covered)
+                log.info("fragment at [%d, %d) was refused or is gone after the walk (%d tokens read)",
+                         span.token_start, span.token_end, covered)
                 return fragments, keys, bytes_read, covered, True
             fragments.extend(got)
             keys.extend(span.keys)

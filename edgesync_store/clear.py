@@ -13,7 +13,8 @@ bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
    path, which creates an empty store (same size budget). The lock files (``edgesync.lock``,
    ``pins.lock``, ``compact.lock``, ``semantic.lock``) stay: other processes may be waiting
    on them;
-3. otherwise (another process has the store open and may have ``data.mdb`` mapped):
+3. otherwise (another process has the store open and may have ``data.mdb`` mapped, or the
+   directory does not let us remove files):
    ``FragmentStore.drop_all`` empties every database in one write transaction, and nothing
    else is removed; the result says ``erased_files=False`` with the reason. Run the clear
    again when the other processes are gone to erase the bytes too.
@@ -124,16 +125,16 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
     store = FragmentStore(path, open_timeout_s=open_timeout_s)
     reopen_budget: int | None = None
     try:
-        if store._open_lock is None:
-            raise StoreOpenError(f"store {path}: the directory is not writable; cannot clear it")
         bytes_before = _data_bytes(path)
         with store._lock:
-            if not store._open_lock.try_exclusive():
+            if store._open_lock is None or not store._open_lock.try_exclusive():
                 n = store.drop_all()
+                why = ("the directory is not writable (its files cannot be removed)" if store._open_lock is None
+                       else "another process has the store open")
                 result = ClearResult(
                     str(path), n, bytes_before, _data_bytes(path), False,
-                    "another process has the store open: emptied in one transaction; the freed pages keep "
-                    "their bytes until overwritten (clear again when no other process has it open)",
+                    f"{why}: emptied in one transaction; the freed pages keep their bytes until overwritten "
+                    "(clear again when the files can be removed)",
                 )
                 log.info("cleared %s: %d fragments dropped; files kept (store open elsewhere)", path, n)
                 return result

@@ -4,10 +4,16 @@ Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``comp
 and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
 and the store's fragments, stored bytes and bytes on disk before and after. ``--json`` prints
 one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr follows long
-steps. STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir).
+steps. STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir);
+the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the store,
+else 1 GiB. Sizes: ``K``/``M``/``G`` (or ``KiB``...) are powers of 1024, ``KB``/``MB``/``GB`` of
+1000; the summary prints binary units. ``--dry-run`` opens the store read-only.
 
-Exit status: 0 done (also when skipped because another process is compacting; the report
-says so), 2 bad input (no store at the path, not a store, a newer format, a bad option).
+Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
+so the store is consistent at any stop): the report so far is printed and the exit status is
+130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
+the report says so), 2 bad input (no store at the path, not a store, a newer format, a bad
+option or setting).
 """
 
 from __future__ import annotations
@@ -16,23 +22,41 @@ import argparse
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|b)?|b)?\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> int:
-    """``"512M"``, ``"1GiB"``, ``"2g"``, ``"1048576"`` -> bytes (K/M/G/T are powers of 1024)."""
+    """``"512M"``, ``"1GiB"``, ``"2g"``, ``"1048576"`` -> bytes: ``K``/``M``/``G``/``T`` and
+    ``KiB``... are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or under 1 byte.
+    """
     m = _SIZE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1048576, 512M, 1G)")
     value = float(m.group(1))
     if m.group(2):
-        value = float(m.group(1)) * 1024 ** ("kmgt".index(m.group(2).lower()) + 1)
+        power = "kmgt".index(m.group(2).lower()) + 1
+        value *= (1000 if (m.group(3) or "").lower() == "b" else 1024) ** power
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return int(value)
+
+
+def format_binary(n: int | float) -> str:
+    """``1073741824`` -> ``"1.0 GiB"`` (binary units, like the sizes ``--max-bytes`` takes)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def _fraction(text: str) -> float:
@@ -60,16 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_store() -> Path:
+def _settings():
+    """The configured store path and budget (defaults < ``EDGESYNC_*``); ValueError names a
+    bad variable."""
     from edgesync_engines.config import EdgeSyncConfig
 
-    return EdgeSyncConfig.load().store_path
+    cfg = EdgeSyncConfig.load()
+    return cfg.store_path, cfg.max_bytes
 
 
-def _fmt(n: int) -> str:
-    from .report import format_bytes
-
-    return format_bytes(n)
+_fmt = format_binary
 
 
 def render(report: dict, path: Path) -> str:
@@ -87,11 +111,21 @@ def render(report: dict, path: Path) -> str:
         f"  (budget {_fmt(report['max_bytes'])})",
         f"  reclaimed      {_fmt(report['bytes_reclaimed'])}"
         + (f"  ({rec.get('reason')})" if rec.get("reason") and not rec.get("reclaimed") else ""),
-        f"  fragments      {report['fragments_before']} -> {report['fragments_after']}",
-        f"  stored bytes   {_fmt(report['used_bytes_before'])} -> {_fmt(report['used_bytes_after'])}",
-        f"  bytes on disk  {_fmt(report['disk_bytes_before'])} -> {_fmt(report['disk_bytes_after'])}",
-        f"  took           {report['elapsed_s']:.2f} s" + (" (stopped early)" if report["stopped"] else ""),
     ]
+    if report["dry_run"]:
+        lines += [
+            f"  fragments      {report['fragments_before']} (unchanged: dry run)",
+            f"  stored bytes   {_fmt(report['used_bytes_before'])} (unchanged: dry run)",
+            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} (unchanged: dry run)",
+        ]
+    else:
+        lines += [
+            f"  fragments      {report['fragments_before']} -> {report['fragments_after']}",
+            f"  stored bytes   {_fmt(report['used_bytes_before'])} -> {_fmt(report['used_bytes_after'])}",
+            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} -> {_fmt(report['disk_bytes_after'])}",
+        ]
+    lines.append(f"  took           {report['elapsed_s']:.2f} s"
+                 + (" (stopped early: the store is consistent; run again to finish)" if report["stopped"] else ""))
     return "\n".join(lines)
 
 
@@ -106,45 +140,64 @@ def main(argv: list[str] | None = None) -> int:
     from .store import FragmentStore, StoreFormatError, StoreOpenError
 
     try:
-        path = Path(args.store).expanduser() if args.store else _default_store()
+        default_path, env_budget = _settings()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    path = Path(args.store).expanduser() if args.store else default_path
     if not (path / "data.mdb").is_file():
         print(f"error: no EdgeSync store at {path}", file=sys.stderr)
         return 2
     try:
-        store = FragmentStore(path)
+        store = FragmentStore(path, readonly=args.dry_run)
     except (StoreOpenError, StoreFormatError, StoreBusyError, lmdb.Error, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
-                         transient=True, console=None, disable=not sys.stderr.isatty()) as bar:
-        tasks: dict[str, int] = {}
+    stop = threading.Event()
+    signalled: list[int] = []
 
-        def progress(step: str, done: int, total: int) -> None:
-            if step not in tasks:
-                tasks[step] = bar.add_task(step, total=total)
-            bar.update(tasks[step], completed=done, total=total)
+    def on_signal(signum, _frame) -> None:  # stop between steps; a second signal stops at once
+        if signalled:
+            raise KeyboardInterrupt
+        signalled.append(signum)
+        stop.set()
 
-        index = None if args.dry_run else open_index(store)
-        try:
-            kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
-            report = Compactor(store, index=index, progress=progress).run(
-                dry_run=args.dry_run, do_reclaim=not args.no_reclaim, max_bytes=args.max_bytes,
-                force_reclaim=args.force_reclaim, **kwargs)
-        finally:
-            if index is not None:
-                index.close()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
+                             transient=True, disable=not sys.stderr.isatty()) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(step: str, done: int, total: int) -> None:
+                if step not in tasks:
+                    tasks[step] = bar.add_task(step, total=total)
+                bar.update(tasks[step], completed=done, total=total)
+
+            index = None if args.dry_run else open_index(store)
+            try:
+                kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
+                report = Compactor(store, index=index, stop=stop, progress=progress).run(
+                    dry_run=args.dry_run, do_reclaim=not args.no_reclaim,
+                    max_bytes=args.max_bytes or env_budget, force_reclaim=args.force_reclaim, **kwargs)
+            finally:
+                if index is not None:
+                    index.close()
+    except KeyboardInterrupt:
+        print("interrupted: every finished step is committed and the store is consistent; "
+              "run the command again to finish", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     doc = report.to_dict()
     doc["store"] = str(path)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         print(render(doc, path))
-    return 0
+    return 130 if signalled else 0
 
 
 if __name__ == "__main__":

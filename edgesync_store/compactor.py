@@ -267,7 +267,7 @@ class Compactor:
         t0 = time.monotonic()
         store = self.store
         report = CompactionReport(dry_run=dry_run, max_bytes=max_bytes or store.max_bytes)
-        with CompactLock(store.path) as acquired:
+        with CompactLock(store.path, required=not dry_run) as acquired:
             if not acquired:
                 report.skipped = "another process is compacting this store"
                 return report

@@ -186,14 +186,25 @@ class CompactLock:
     """``with CompactLock(store_dir) as acquired:``: the exclusive, non-blocking ``flock`` on
     ``compact.lock`` that makes one process at a time compact a store. ``acquired`` is False
     (and nothing is held) when another process, or another thread with its own lock object,
-    is compacting."""
+    is compacting. With ``required=False`` (a dry run) a lock file that cannot be created
+    (a read-only directory) lets the run go ahead.
 
-    def __init__(self, directory: Path) -> None:
+    Raises:
+        OSError: the lock file cannot be created or opened (``required``).
+    """
+
+    def __init__(self, directory: Path, required: bool = True) -> None:
         self.path = Path(directory) / COMPACT_LOCK_NAME
+        self.required = required
         self._fd = -1
 
     def __enter__(self) -> bool:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            if self.required:
+                raise
+            return True  # a dry run over a store we cannot write: nothing to serialise
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True

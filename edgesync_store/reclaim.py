@@ -98,7 +98,7 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     Raises:
         OSError, lmdb.Error: the copy or the swap failed (the old file is then still in place).
     """
-    if store.readonly or store._open_lock is None:
+    if not dry_run and (store.readonly or store._open_lock is None):
         before, free = free_bytes(store)
         return ReclaimResult(before, free, before, False, "store is open read-only")
     if not dry_run:
@@ -110,7 +110,7 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
                          f"({min_free_fraction:.0%} and {min_free_bytes} bytes)")
         return result
     if dry_run:
-        result.reason = "dry run"
+        result.reason = "dry run: would rewrite the file"
         return result
     tmp = store.path / TMP_NAME
     with store._lock:

@@ -514,3 +514,38 @@ def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapte
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     other.close()
     store.close()
+
+
+def test_compact_command_stops_cleanly_on_sigterm(tmp_path, clock, monkeypatch, capsys):
+    """SIGTERM (or Ctrl-C) stops the command between merge groups: it prints the report so far
+    and exits 130; every merge it finished is whole and the next run finishes the rest. Each
+    merge is slowed by a test hook so the signal lands mid-run."""
+    import os
+    import signal
+    import threading
+
+    from edgesync_store import compact, merge
+
+    path = tmp_path / "s"
+    now = time.time()
+    wholes = [make_fragment(seed=300 + i, created_at=now, expires_at=now + 3600) for i in range(12)]
+    with FragmentStore(path) as store:
+        store.put_many([half for w in wholes for half in split_layers(w, 15)])
+    real = merge.merge_layers
+    monkeypatch.setattr(merge, "merge_layers", lambda frags: (time.sleep(0.2), real(frags))[1])
+    timer = threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code = compact.main([str(path), "--json", "--no-reclaim"])
+    finally:
+        timer.cancel()
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 130 and doc["stopped"] is True
+    assert 1 <= doc["merged_layers"] < 12
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
+    monkeypatch.setattr(merge, "merge_layers", real)
+    with FragmentStore(path) as store:
+        assert store.stats().fragments == 24 - doc["merged_layers"]
+        assert Compactor(store).run(do_reclaim=False).merged_layers == 12 - doc["merged_layers"]
+        for w in wholes:
+            assert np.array_equal(store.get(w.key()).keys, w.keys)
