@@ -38,10 +38,12 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from . import codec, eviction, migrations, walk
+import migrations
+
+from . import codec, eviction, walk
 from .codec import CodecError, FragmentHeader
 from .locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
-from .migrations import StoreFormatError
+from migrations import StoreFormatError
 from .schema import KVFragment, Namespace
 from .walk import PrefixMatch, SpanMatch
 from .ttl import Clock, Lifecycle, TTLPolicy

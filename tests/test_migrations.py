@@ -30,8 +30,8 @@ import pytest
 from edgesync_store import codec
 from edgesync_store.crashpoints import ENV_VAR
 from edgesync_store.merge import split_heads, split_layers
-from edgesync_store.migrations import CURRENT_VERSION, StoreFormatError
-from edgesync_store.migrations import m0002_lifecycle_v2
+from migrations import CURRENT_VERSION, StoreFormatError
+from migrations import m0002_lifecycle_v2
 from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.store import FragmentStore
 from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock

@@ -64,7 +64,7 @@ def migrate(store) -> int:
         StoreFormatError: the store is newer than this code.
         StoreOpenError: a read-only open of a directory without a store.
     """
-    from ..store import StoreOpenError
+    from edgesync_store.store import StoreOpenError
 
     version = read_version(store)
     if version > CURRENT_VERSION:

@@ -21,9 +21,9 @@ import struct
 
 import lmdb
 
-from ..codec import CodecError, peek
-from ..crashpoints import crash_point
-from ..ttl import LIFECYCLE_V2, TIER_LONG, Lifecycle, TTLPolicy
+from edgesync_store.codec import CodecError, peek
+from edgesync_store.crashpoints import crash_point
+from edgesync_store.ttl import LIFECYCLE_V2, TIER_LONG, Lifecycle, TTLPolicy
 
 VERSION = 2
 DESCRIPTION = "lifecycle v2: created_at, tier, blob sizes; used_bytes"
