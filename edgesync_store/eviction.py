@@ -60,9 +60,8 @@ def evict_in(store, txn, need_bytes: int, now: float, protect: set[bytes] = froz
     chosen = plan(store, rows, need_bytes, now, protect)
     evicted = []
     for key, _ in chosen:
-        blob = txn.get(key, db=store._fragments)
-        nbytes = len(blob) if blob is not None else 0
-        if store._delete_in(txn, key):
+        nbytes = store._delete_in(txn, key)
+        if nbytes:
             evicted.append((key, nbytes))
     if evicted:
         log.info("size budget %d bytes: evicted %d fragments (%d bytes)", store.max_bytes, len(evicted),

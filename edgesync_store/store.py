@@ -39,14 +39,14 @@ import lmdb
 import numpy as np
 
 import migrations
+from migrations import StoreFormatError
 
 from . import codec, eviction, walk
 from .codec import CodecError, FragmentHeader
 from .locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock, PinTable, StoreBusyError
-from migrations import StoreFormatError
 from .schema import KVFragment, Namespace
-from .walk import PrefixMatch, SpanMatch
 from .ttl import Clock, Lifecycle, TTLPolicy
+from .walk import PrefixMatch, SpanMatch
 
 log = logging.getLogger("edgesync.store")
 
@@ -438,9 +438,8 @@ class FragmentStore:
                     continue
                 if not Lifecycle.unpack(raw).expired(now) or self.pins.is_pinned(key):
                     continue
-                blob = txn.get(key, db=self._fragments)
-                nbytes = len(blob) if blob is not None else 0
-                if self._delete_in(txn, key):
+                nbytes = self._delete_in(txn, key)
+                if nbytes:
                     gone.append((key, nbytes))
                 else:
                     txn.delete(key, db=self._lifecycle)  # a record without its fragment
@@ -469,14 +468,16 @@ class FragmentStore:
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """:meth:`delete` for several fragments in one write transaction; return how many
         were there."""
-        return self._txn(lambda txn: sum(self._delete_in(txn, bytes(k)) for k in keys), write=True)
+        return self._txn(lambda txn: sum(self._delete_in(txn, bytes(k)) > 0 for k in keys), write=True)
 
-    def _delete_in(self, txn: lmdb.Transaction, key: bytes) -> bool:
+    def _delete_in(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """Delete one fragment with its index entry, lifecycle, donor record and vector inside
+        ``txn``; return the bytes of its blob (0: it was not there)."""
         from . import vectors
 
         blob = txn.get(key, db=self._fragments)
         if blob is None:
-            return False
+            return 0
         nbytes = len(blob)
         try:
             head = codec.peek(blob)
@@ -490,7 +491,7 @@ class FragmentStore:
             txn.delete(key, db=donors_db)
         vectors.delete_in(self, txn, key)
         self._add_used(txn, -nbytes)
-        return True
+        return nbytes
 
     def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
         """Add one hit to each fragment at ``now`` (default: the store's clock): hit_count + 1,

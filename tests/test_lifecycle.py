@@ -353,7 +353,7 @@ def test_dedup_drops_a_shorter_prefix_duplicate_only_when_nothing_continues_it(t
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 49152, size=400, dtype=np.int32)
     long = make_fragment(tokens, start=128, end=300, seed=1, created_at=clock(), expires_at=clock() + 1800)
-    short = KV_prefix_of(long, 200)
+    short = kv_prefix_of(long, 200)
     lone = make_fragment(rng.integers(0, 49152, size=400, dtype=np.int32), start=0, end=64, seed=2,
                          created_at=clock(), expires_at=clock() + 1800)
     with FragmentStore(tmp_path / "s", clock=clock) as store:
@@ -375,7 +375,7 @@ def test_dedup_drops_a_shorter_prefix_duplicate_only_when_nothing_continues_it(t
         # with a fragment continuing after the short one's end, it must stay: another prompt
         # shares tokens[:200] and goes on differently; its chain steps on the short fragment
         other = np.concatenate([tokens[:200], rng.integers(0, 49152, size=100, dtype=np.int32)])
-        short2 = KV_prefix_of(long, 200)
+        short2 = kv_prefix_of(long, 200)
         child = make_fragment(other, start=200, end=264, seed=4, created_at=clock(), expires_at=clock() + 1800)
         store.put_many([short2, child])
         assert store.prefix_walk(long.namespace, other[:265]).matched_tokens == 264
@@ -384,7 +384,7 @@ def test_dedup_drops_a_shorter_prefix_duplicate_only_when_nothing_continues_it(t
         assert store.prefix_walk(long.namespace, other[:265]).matched_tokens == 264
 
 
-def KV_prefix_of(frag, end: int):
+def kv_prefix_of(frag, end: int):
     """The fragment of ``frag``'s first ``end - token_start`` tokens, with the same K/V rows
     (what an engine computes for that prefix: KV at a position depends on the tokens up to it)."""
     from edgesync_store.schema import KVFragment
