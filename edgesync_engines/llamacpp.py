@@ -27,7 +27,7 @@ from edgesync_store.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 from . import seqstate
-from .adapter import ContextOverflowError, InjectionError
+from .adapter import ContextOverflowError, InjectionError, assemble_kv
 from .models import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 
 log = logging.getLogger("edgesync.llamacpp")
@@ -273,39 +273,14 @@ class LlamaCppAdapter:
         return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
 
     def assemble(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Validate fragments and build K, V ``[n_layer, n_tokens, width]`` for positions 0..n-1.
+        """Validate fragments and build K, V ``[n_layer, n_tokens, width]`` for positions 0..n-1
+        (:func:`~edgesync_engines.adapter.assemble_kv`).
 
         Raises:
             ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
                 that differ from ``tokens``.
         """
-        ns = self.namespace
-        if n_tokens < 1 or n_tokens > len(tokens):
-            raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-        width = ns.n_head_kv * ns.head_dim
-        k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
-        v = np.empty_like(k)
-        filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
-        ids = np.asarray(tokens, dtype=np.int32)
-        for frag in fragments:
-            if frag.namespace != ns:
-                raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
-            lo, hi = frag.token_start, min(frag.token_end, n_tokens)
-            if lo >= hi:
-                continue
-            if common_prefix_len(frag.token_ids[: hi - lo], ids[lo:hi]) != hi - lo:
-                raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
-            if frag.prefix_hash != prefix_hash(ids[:lo]):
-                raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-            cols = slice(frag.head_start * ns.head_dim, frag.head_end * ns.head_dim)
-            for i, layer in enumerate(frag.layers):
-                k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
-                v[layer, lo:hi, cols] = frag.values[i, : hi - lo]
-                filled[layer, frag.head_start : frag.head_end, lo:hi] = True
-        if not filled.all():
-            layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
-            raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
-        return k, v
+        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
         """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments``.

@@ -23,9 +23,14 @@ V needs no permutation. Converting float16 to float32 is exact; float32 to float
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-__all__ = ["halves_to_interleaved", "interleaved_to_halves", "llamacpp_to_onnx", "onnx_to_llamacpp"]
+from edgesync_store.schema import KVFragment, Namespace
+
+__all__ = ["can_inject_with_reshape", "convert_fragment", "halves_to_interleaved", "interleaved_to_halves",
+           "llamacpp_to_onnx", "onnx_to_llamacpp"]
 
 
 def _check_head_dim(head_dim: int) -> int:
@@ -95,3 +100,47 @@ def onnx_to_llamacpp(keys: np.ndarray, values: np.ndarray, dtype=np.float16) -> 
 
     k = halves_to_interleaved(keys, head_dim)
     return np.ascontiguousarray(to_llama(k)), np.ascontiguousarray(to_llama(values))
+
+
+def can_inject_with_reshape(fragment: KVFragment, adapter) -> bool:
+    """True when ``fragment`` can serve ``adapter`` (an engine adapter or a Namespace), as is
+    or through :func:`convert_fragment`: ``compat.compatible_with`` says exact or convertible.
+    When False the router prefills those tokens instead."""
+    from .compat import compatible_with
+
+    return compatible_with(fragment, adapter).usable
+
+
+def convert_fragment(fragment: KVFragment, target: Namespace) -> KVFragment:
+    """The same fragment (token span, layers, heads, tokens, prefix hash, times) with its K and
+    V in ``target``'s layout and element type: K's rotary pairs reordered per head when the
+    two layouts order them differently (:func:`halves_to_interleaved`), then cast (float16 ->
+    float32 is exact, float32 -> float16 rounds to nearest). A fragment already of ``target``
+    is returned as is.
+
+    Raises:
+        ValueError: ``compat.compatible_with`` says the fragment cannot serve ``target``
+            (another model or head layout, or a layout without a conversion).
+    """
+    from .compat import compatible_with, layout_family
+
+    if fragment.namespace == target:
+        return fragment
+    verdict = compatible_with(fragment.namespace, target)
+    if not verdict.usable:
+        raise ValueError(f"fragment {fragment.content_hash[:12]}: cannot serve {target.engine}: {verdict.reason}")
+    head_dim = target.head_dim
+    n_layers, span, width = fragment.keys.shape
+    keys = fragment.keys.reshape(n_layers, span, width // head_dim, head_dim)
+    source_order, target_order = layout_family(fragment.namespace), layout_family(target)
+    if source_order == "rotate-half" and target_order == "interleaved":
+        keys = halves_to_interleaved(keys, head_dim)
+    elif source_order == "interleaved" and target_order == "rotate-half":
+        keys = interleaved_to_halves(keys, head_dim)
+    dtype = target.np_dtype
+    return dataclasses.replace(
+        fragment,
+        namespace=target,
+        keys=np.ascontiguousarray(keys.reshape(n_layers, span, width).astype(dtype)),
+        values=np.ascontiguousarray(fragment.values.astype(dtype)),
+    )

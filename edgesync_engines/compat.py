@@ -1,0 +1,113 @@
+"""Which stored KV an engine may use: the seed's ``CompatibleWith`` matrix.
+
+:func:`compatible_with` compares two KV namespaces (``schema.Namespace``: what besides the
+tokens a fragment's KV depends on) and answers:
+
+* ``exact``: the same namespace (engine, its version and settings, model file, layout), so
+  the KV is what this engine would compute itself, bit for bit; injecting it gives the same
+  output as an uncached run.
+* ``convertible``: the same model file (SHA-256 of the GGUF; an ONNX export records the GGUF
+  it came from) and KV geometry, in a layout ``reshape.convert_fragment`` knows. The
+  converted KV is close to, not equal to, the receiving engine's own (../shared/DESIGN.md
+  2.3: argmax agreement 72/72, mean logit difference 0.17-0.27, the same size as the two
+  engines' own gap), so it is used only when asked (``allow_convertible``).
+* ``incompatible``: another model (fingerprint; the tokenizer is part of the GGUF, so another
+  tokenizer is another fingerprint), another number of layers, KV heads or head size, or a
+  layout or element type without a conversion. Such KV is never injected.
+
+The matrix for the two engines (also in the README):
+
+================  ===========================  ================================
+fragment from     llama.cpp (same settings)    onnxruntime (export of the GGUF)
+================  ===========================  ================================
+llama.cpp         exact                        convertible
+onnxruntime       convertible                  exact
+other model       incompatible                 incompatible
+================  ===========================  ================================
+
+llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
+exact, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgesync_store.schema import KV_DTYPES, KVFragment, Namespace
+
+EXACT, CONVERTIBLE, INCOMPATIBLE = "exact", "convertible", "incompatible"
+
+LAYOUT_FAMILIES = {
+    "llama.cpp-seq-state/tokens-major-v1": "interleaved",
+    "onnx-hf-rotate-half/tokens-major-v1": "rotate-half",
+}
+"""Fragment layouts ``reshape.convert_fragment`` converts between, by the name before any
+``;`` option (llama.cpp adds ``;v_trans=N``, which its fragments do not depend on), and the
+order of K's rotary pairs in each: interleaved (llama.cpp, ``src/llama-graph.cpp`` rope on
+pairs 2i, 2i+1) or rotate-half (Hugging Face ``apply_rotary_pos_emb``)."""
+
+
+@dataclass(frozen=True)
+class Compatibility:
+    """The answer of :func:`compatible_with`: ``verdict`` (``exact``, ``convertible`` or
+    ``incompatible``) and a one-line ``reason`` naming what differs."""
+
+    verdict: str
+    reason: str
+
+    @property
+    def usable(self) -> bool:
+        """True for exact and convertible."""
+        return self.verdict != INCOMPATIBLE
+
+    def __bool__(self) -> bool:  # pragma: no cover - trivial
+        return self.usable
+
+
+def _namespace(x) -> Namespace:
+    if isinstance(x, Namespace):
+        return x
+    if isinstance(x, KVFragment):
+        return x.namespace
+    ns = getattr(x, "namespace", None)
+    if isinstance(ns, Namespace):
+        return ns
+    raise TypeError(f"expected a Namespace, a KVFragment or an engine adapter, got {type(x).__name__}")
+
+
+def layout_family(ns: Namespace) -> str | None:
+    """The K rotary order of a namespace's layout (:data:`LAYOUT_FAMILIES`), None if unknown."""
+    return LAYOUT_FAMILIES.get(ns.layout.split(";", 1)[0])
+
+
+def compatible_with(a, b) -> Compatibility:
+    """Can KV written under ``a`` serve an engine of namespace ``b``?
+
+    ``a`` and ``b`` are namespaces, fragments or adapters (their ``namespace``). Symmetric in
+    its verdict.
+
+    Raises:
+        TypeError: an argument that has no namespace.
+    """
+    na, nb = _namespace(a), _namespace(b)
+    if na == nb:
+        return Compatibility(EXACT, f"same engine and settings ({na.engine}, {na.kv_dtype})")
+    if na.model_fingerprint != nb.model_fingerprint:
+        return Compatibility(INCOMPATIBLE, f"another model: fingerprint {na.model_fingerprint[:12]} "
+                                           f"is not {nb.model_fingerprint[:12]}")
+    geometry_a = (na.n_layer, na.n_head_kv, na.head_dim)
+    geometry_b = (nb.n_layer, nb.n_head_kv, nb.head_dim)
+    if geometry_a != geometry_b:
+        return Compatibility(INCOMPATIBLE, "another head layout: {} layers x {} KV heads x {} vs {} x {} x {}".format(
+            *geometry_a, *geometry_b))
+    for ns in (na, nb):
+        if layout_family(ns) is None:
+            return Compatibility(INCOMPATIBLE, f"no conversion for layout {ns.layout!r}")
+        if ns.kv_dtype not in KV_DTYPES:  # pragma: no cover - Namespace refuses others
+            return Compatibility(INCOMPATIBLE, f"no conversion for KV type {ns.kv_dtype!r}")
+    differs = [f"{name} {getattr(na, name)!r} -> {getattr(nb, name)!r}"
+               for name in ("engine", "engine_version", "kv_dtype", "flash_attn")
+               if getattr(na, name) != getattr(nb, name)]
+    if layout_family(na) != layout_family(nb):
+        differs.append(f"K rotary pairs {layout_family(na)} -> {layout_family(nb)}")
+    return Compatibility(CONVERTIBLE, "same model; " + ", ".join(differs or ["another layout option"]))

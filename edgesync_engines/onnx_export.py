@@ -1,0 +1,257 @@
+"""Build the ONNX Runtime decoder of the same GGUF that llama.cpp runs (``edgesync export-onnx``).
+
+No registry package ships a decoder LLM as ONNX, so the export is made here, once per GGUF
+(../shared/DESIGN.md 2.3): transformers loads the GGUF (``from_pretrained(dir,
+gguf_file=...)``, dequantized to float32 by the ``gguf`` package), its ``quantization_config``
+is dropped, and ``torch.onnx.export(dynamo=True)`` traces ``forward(input_ids,
+attention_mask, position_ids, *past)``. About 3 minutes and 543 MB for SmolLM2-135M; fp32,
+because quantized exports change the greedy output.
+
+The export directory (:func:`export_dir`) holds:
+
+* ``model.onnx`` (+ ``model.onnx.data`` when the exporter writes external weights): inputs
+  ``input_ids`` int64 [1, n], ``attention_mask`` int64 [1, past + n], ``position_ids`` int64
+  [1, n], ``past_key_values.{i}.key`` / ``.value`` float32 [1, n_head_kv, past, head_dim];
+  outputs ``logits`` float32 [1, n, vocab] and ``present.{i}.key`` / ``.value`` float32
+  [1, n_head_kv, past + n, head_dim];
+* ``tokenizer.json``: the GGUF's tokenizer as transformers converts it (the ``tokenizers``
+  library loads it at run time; tests check it gives llama.cpp's token IDs);
+* ``edgesync.json``: :data:`META_KEYS` (also written into the ONNX file's ``metadata_props``),
+  among them ``source_fingerprint``, the SHA-256 of the GGUF, which lets
+  ``compat.compatible_with`` prove that both engines run one model.
+
+The heavy packages (torch, transformers, gguf, accelerate, onnxscript, onnx) are the ``onnx``
+extra of pyproject.toml and are imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import platformdirs
+
+from edgesync_store.fingerprint import file_fingerprint
+
+log = logging.getLogger("edgesync.onnx_export")
+
+FORMAT = "edgesync-onnx-decoder/v1"
+"""Version of the export's I/O contract and metadata (bump when either changes)."""
+META_FILE = "edgesync.json"
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+META_KEYS = ("format", "source_fingerprint", "source_name", "n_layer", "n_head_kv", "head_dim", "vocab_size",
+             "rope_layout", "eos_token_ids", "bos_token_id", "chat_template", "exporter")
+"""Keys of ``edgesync.json`` and of the ONNX ``metadata_props`` (values there as strings)."""
+
+
+class ExportError(RuntimeError):
+    """The export could not be made or is unusable: a missing optional package, a GGUF that
+    transformers cannot load, or an export directory that lacks a file or its metadata."""
+
+
+def onnx_root() -> Path:
+    """Where exports live: ``EDGESYNC_ONNX_DIR``, else ``<user cache>/edgesync/onnx`` (the
+    Makefile points it at ``build/onnx``, which git ignores)."""
+    override = os.environ.get("EDGESYNC_ONNX_DIR")
+    if override:
+        return Path(override)
+    return Path(platformdirs.user_cache_dir("edgesync")) / "onnx"
+
+
+def export_dir(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None) -> Path:
+    """The export directory of one GGUF: ``<root>/<first 16 hex of its SHA-256>``."""
+    return Path(root if root is not None else onnx_root()) / file_fingerprint(Path(gguf_path))[:16]
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """The export's ``edgesync.json``.
+
+    Raises:
+        ExportError: no complete export there (missing model, tokenizer or metadata, or another
+            format).
+    """
+    directory = Path(directory)
+    for name in (MODEL_FILE, TOKENIZER_FILE, META_FILE):
+        if not (directory / name).is_file():
+            raise ExportError(f"{directory}: no ONNX export ({name} missing); run `edgesync export-onnx`")
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{directory / META_FILE}: unreadable ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ExportError(f"{directory / META_FILE}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                          f"this EdgeSync reads {FORMAT!r}; export again with --force")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ExportError(f"{directory / META_FILE}: missing {', '.join(missing)}")
+    return meta
+
+
+def _import_heavy():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as exc:
+        raise ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}") from None
+
+
+def load_gguf_as_torch(gguf_path: Path):
+    """The GGUF as a float32 ``LlamaForCausalLM`` and its tokenizer (transformers' GGUF loader).
+
+    Raises:
+        ExportError: transformers cannot load the file.
+    """
+    _import_heavy()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ExportError(f"{gguf_path}: transformers cannot load this GGUF ({exc})") from None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config  # the weights are dequantized already
+    return model.eval(), tokenizer
+
+
+class _Decoder:
+    """``forward(input_ids, attention_mask, position_ids, *past)`` around a causal LM, with the
+    past as a flat tuple (k0, v0, k1, v1, ...) so that the ONNX graph has one input per tensor."""
+
+    def __new__(cls, model):
+        import torch
+        from transformers import DynamicCache
+
+        class Decoder(torch.nn.Module):
+            def __init__(self, lm):
+                super().__init__()
+                self.lm = lm
+
+            def forward(self, input_ids, attention_mask, position_ids, *past):
+                cache = DynamicCache(config=self.lm.config)
+                for i in range(len(past) // 2):
+                    cache.update(past[2 * i], past[2 * i + 1], i)
+                out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=cache, use_cache=True)
+                presents = []
+                for layer in out.past_key_values.layers:
+                    presents += [layer.keys, layer.values]
+                return (out.logits, *presents)
+
+        return Decoder(model)
+
+
+def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
+    """Export a float32 llama-architecture causal LM to ``out_dir`` (model, tokenizer.json,
+    edgesync.json); the directory appears whole (written beside it, then renamed).
+
+    ``meta`` gives ``source_fingerprint``, ``source_name`` and ``chat_template``; the geometry
+    is read from ``model.config``.
+
+    Raises:
+        ExportError: the exporter failed.
+    """
+    _import_heavy()
+    import onnx
+    import torch
+
+    cfg = model.config
+    n_layer = int(cfg.num_hidden_layers)
+    n_head_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    full = {
+        "format": FORMAT,
+        "n_layer": n_layer,
+        "n_head_kv": n_head_kv,
+        "head_dim": head_dim,
+        "vocab_size": int(cfg.vocab_size),
+        "rope_layout": "rotate-half",
+        "eos_token_ids": [int(t) for t in eos if t is not None],
+        "bos_token_id": None if cfg.bos_token_id is None else int(cfg.bos_token_id),
+        "exporter": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
+                    f"onnx {onnx.__version__}",
+        **meta,
+    }
+    names_past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    names_present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    past_len, new_len = 5, 3
+    example = (
+        torch.ones((1, new_len), dtype=torch.int64),
+        torch.ones((1, past_len + new_len), dtype=torch.int64),
+        torch.arange(past_len, past_len + new_len, dtype=torch.int64)[None],
+        *[torch.zeros((1, n_head_kv, past_len, head_dim), dtype=torch.float32) for _ in names_past],
+    )
+    # batch is always 1; the new tokens and the past vary (the mask spans both)
+    seq, past = torch.export.Dim("seq", min=1, max=8192), torch.export.Dim("past", min=0, max=8192)
+    shapes = ({1: seq}, {1: torch.export.Dim.AUTO}, {1: seq}, tuple({2: past} for _ in names_past))  # *past is one tuple
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        decoder = _Decoder(model).eval()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            program = torch.onnx.export(
+                decoder, example, dynamo=True, input_names=["input_ids", "attention_mask", "position_ids", *names_past],
+                output_names=["logits", *names_present], dynamic_shapes=shapes, optimize=True, verbose=False,
+            )
+        program.save(str(tmp / MODEL_FILE), external_data=True)
+        log.info("exported the ONNX graph in %.0f s", time.perf_counter() - t0)
+        proto = onnx.load(str(tmp / MODEL_FILE), load_external_data=False)
+        del proto.metadata_props[:]
+        for key in META_KEYS:
+            prop = proto.metadata_props.add()
+            prop.key = f"edgesync.{key}"
+            prop.value = full[key] if isinstance(full[key], str) else json.dumps(full[key])
+        onnx.save(proto, str(tmp / MODEL_FILE))
+        tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE)) if hasattr(tokenizer, "backend_tokenizer") \
+            else tokenizer.save(str(tmp / TOKENIZER_FILE))
+        (tmp / META_FILE).write_text(json.dumps(full, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, ExportError):
+            raise
+        raise ExportError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
+    return out_dir
+
+
+def export_gguf(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Export a GGUF to its :func:`export_dir` unless a complete export is there (``force``
+    re-exports). Returns the directory.
+
+    Raises:
+        FileNotFoundError: no such GGUF.
+        ExportError: see :func:`load_gguf_as_torch` and :func:`export_model`.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    out = export_dir(gguf_path, root)
+    if not force:
+        try:
+            read_meta(out)
+            log.info("%s: export already there", out)
+            return out
+        except ExportError:
+            pass
+    model, tokenizer = load_gguf_as_torch(gguf_path)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return export_model(model, tokenizer, out, {
+        "source_fingerprint": file_fingerprint(gguf_path),
+        "source_name": gguf_path.name,
+        "chat_template": template,
+    })
