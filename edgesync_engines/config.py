@@ -17,6 +17,8 @@ import platformdirs
 from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
 
+ENGINES = ("llamacpp", "onnx")
+"""Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic")
 """``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
 EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
@@ -106,6 +108,11 @@ class EdgeSyncConfig:
         sweep_interval_s: seconds between expiry sweeps (default 60) [EDGESYNC_SWEEP_INTERVAL_S].
         compact_interval_s: seconds between compactions (default 900)
             [EDGESYNC_COMPACT_INTERVAL_S].
+        engine: ``llamacpp`` (default) or ``onnx`` (ONNX Runtime on the export of the same
+            GGUF, made by ``edgesync export-onnx``) [EDGESYNC_ENGINE].
+        allow_convertible: also inject KV that another engine wrote for the same model,
+            converted (``compat.compatible_with`` says convertible); close to, not equal to,
+            this engine's own, so off by default [EDGESYNC_ALLOW_CONVERTIBLE].
     """
 
     store_path: Path = dataclasses.field(default_factory=default_store_path)
@@ -136,6 +143,8 @@ class EdgeSyncConfig:
     compact_interval_s: float = 900.0
     layers_per_fragment: int | None = None
     heads_per_fragment: int | None = None
+    engine: str = "llamacpp"
+    allow_convertible: bool = False
 
     _ENV = {
         "store_path": ("EDGESYNC_STORE", Path),
@@ -166,6 +175,8 @@ class EdgeSyncConfig:
         "jobs": ("EDGESYNC_JOBS", _bool),
         "sweep_interval_s": ("EDGESYNC_SWEEP_INTERVAL_S", float),
         "compact_interval_s": ("EDGESYNC_COMPACT_INTERVAL_S", float),
+        "engine": ("EDGESYNC_ENGINE", _name),
+        "allow_convertible": ("EDGESYNC_ALLOW_CONVERTIBLE", _bool),
     }
 
     def __post_init__(self) -> None:
@@ -183,6 +194,8 @@ class EdgeSyncConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.n_threads is not None and not 1 <= self.n_threads <= 256:
             raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse: {self.reuse!r} is not one of {', '.join(REUSE_MODES)}")
         if self.reuse == "semantic" and not self.semantic:

@@ -107,6 +107,11 @@ class LlamaCppAdapter:
         self._chat_formatter = None
         self._probe()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self.llm is None
+
     # -- set-up ---------------------------------------------------------------------------
 
     def _probe(self) -> None:

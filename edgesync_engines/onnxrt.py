@@ -137,6 +137,8 @@ class OnnxRuntimeAdapter:
         self._byte_decoder = _byte_decoder()
         self._chat_formatter = None
         self.seed = seed
+        self.tokens_evaluated = 0
+        """Tokens run through the decoder since the adapter was made (prompt and decode)."""
         self._closed = False
         self.clear_kv_cache()
         log.debug("onnxruntime KV layout: %s", self.namespace)
@@ -173,6 +175,7 @@ class OnnxRuntimeAdapter:
             feed[f"past_key_values.{i}.key"] = self._past[2 * i]
             feed[f"past_key_values.{i}.value"] = self._past[2 * i + 1]
         out = self.session.run(None, feed)
+        self.tokens_evaluated += n
         self._past = out[1:]
         self._tokens.extend(int(t) for t in batch)
         self._logits = out[0][0, -1]

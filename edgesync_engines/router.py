@@ -28,6 +28,14 @@ Prefetch (``prefetch=True``, off by default; ``edgesync_engines.prefetch.Prefetc
 each answer the request's first-chunk key is observed, the next keys are predicted and their
 fragments are decoded in a background thread into a bounded RAM tier; injection takes a
 fragment from that tier while the store still holds it live, else from the store.
+
+Engines (``engine``): llama.cpp, or ONNX Runtime on an export of the same GGUF. Each writes and
+reads its own namespace. With ``allow_convertible`` (off by default) a request that its own
+namespace does not serve whole also walks the namespaces that ``compat.compatible_with`` calls
+convertible (the other engine, same model), and a longer chain found there is converted
+(``reshape.convert_fragment``) and injected: ``convertible: true`` in the result, whose output is
+close to, not always equal to, an uncached run's. Such a request stores nothing, since its
+context holds converted KV. Namespaces of another model or head layout are never walked.
 """
 
 from __future__ import annotations
@@ -48,8 +56,11 @@ from edgesync_store.store import FragmentStore, PrefixMatch, StoreOpenError, Sto
 from edgesync_store.ttl import TTLPolicy
 
 from .adapter import ContextOverflowError, InjectionError
+from .compat import CONVERTIBLE, compatible_with
 from .config import EdgeSyncConfig
 from .llamacpp import LlamaCppAdapter
+from .onnxrt import OnnxRuntimeAdapter
+from .reshape import convert_fragment
 from .prefetch import Prefetcher, request_key
 from .semantic import SemanticLookup
 
@@ -72,7 +83,9 @@ class GenerationResult:
     remaining tokens are evaluated instead). ``approximate`` is True when the answer came from
     a donor's KV whose tokens differ from the prompt's (``reuse="semantic"`` only).
     ``ram_tier_hits`` counts the fragments injected from the prefetch RAM tier instead of
-    being read and decoded from the store (0 when prefetch is off).
+    being read and decoded from the store (0 when prefetch is off). ``convertible`` is True
+    when the injected KV was written by another engine and converted (``allow_convertible``
+    only); ``source_engine`` names the engine whose KV was injected (None on a miss).
     """
 
     text: str
@@ -90,6 +103,8 @@ class GenerationResult:
     lookup_ms: float | None = None
     donor: str | None = None
     ram_tier_hits: int = 0
+    convertible: bool = False
+    source_engine: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +124,8 @@ class _Plan:
     lookup_ms: float | None = None
     donor: str | None = None
     approximate: bool = False
+    convertible: bool = False
+    source_engine: str | None = None
 
 
 class GenerationStream:
@@ -144,25 +161,44 @@ class GenerationStream:
         self.close()
 
 
+_ADAPTERS = (LlamaCppAdapter, OnnxRuntimeAdapter)
+
+
 class EdgeSync:
-    """A llama.cpp model with a persistent KV fragment cache in front of its prefill.
+    """A llama.cpp or ONNX Runtime model with a persistent KV fragment cache in front of its
+    prefill.
 
     Args:
-        model: a GGUF path, a ``llama_cpp.Llama``, a :class:`LlamaCppAdapter`, or None for the
-            configured model (SmolLM2-135M-Instruct by default).
+        model: a GGUF path, a ``llama_cpp.Llama``, a :class:`LlamaCppAdapter` or
+            :class:`OnnxRuntimeAdapter`, or None for the configured model
+            (SmolLM2-135M-Instruct by default). With ``config.engine == "onnx"`` a GGUF path
+            means its ONNX export (``edgesync export-onnx``).
         store: a :class:`FragmentStore`, a store directory, None for the configured store, or
             False for no cache at all (every request prefills from scratch).
         config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
 
     Thread safety: one request at a time drives the engine (the adapter's lock).
+
+    Raises:
+        onnx_export.ExportError: ``engine="onnx"`` and the GGUF has no ONNX export.
     """
 
     def __init__(self, model=None, store: "FragmentStore | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
-        self._owns_adapter = not isinstance(model, LlamaCppAdapter)
-        if isinstance(model, LlamaCppAdapter):
+        self._owns_adapter = not isinstance(model, _ADAPTERS)
+        if isinstance(model, _ADAPTERS):
             self.adapter = model
+        elif self.config.engine == "onnx":
+            if model is not None and not isinstance(model, (str, os.PathLike)):
+                raise TypeError(f"model: the onnx engine takes a GGUF path or an OnnxRuntimeAdapter, "
+                                f"got {type(model).__name__}")
+            self.adapter = OnnxRuntimeAdapter(
+                model if model is not None else self.config.model_path,
+                n_ctx=self.config.n_ctx,
+                n_threads=self.config.n_threads,
+                seed=self.config.seed,
+            )
         else:
             self.adapter = LlamaCppAdapter(
                 model if model is not None else self.config.model_path,
@@ -222,9 +258,9 @@ class EdgeSync:
     def forget(self, prompt: "str | Sequence[dict]") -> int:
         """Remove every fragment this prompt wrote or would hit: at each position of its
         tokens, the stored fragments (any chunk size, layer or head group, live or expired)
-        that follow its prefix and start with its next token, with their donor records and
-        vectors; the prefetch RAM tier drops nothing it could still serve (it serves only
-        what the store holds). Afterwards the same prompt is a miss. Returns the fragments
+        that follow its prefix and start with its next token, written by this engine or by
+        another engine for the same model, with their donor records and vectors; the prefetch
+        RAM tier drops nothing it could still serve (it serves only what the store holds). Afterwards the same prompt is a miss. Returns the fragments
         removed.
 
         Raises:
@@ -235,7 +271,10 @@ class EdgeSync:
         tokens = self.prompt_tokens(prompt)
         if self.store is None:
             return 0
-        removed = self.store.forget_tokens(self.namespace, tokens)
+        # every engine's copy: KV another engine wrote for this model would still serve it
+        # with allow_convertible
+        namespaces = {self.namespace} | {ns for ns in self.store.namespaces() if compatible_with(ns, self.namespace).usable}
+        removed = sum(self.store.forget_tokens(ns, tokens) for ns in namespaces)
         if self.prefetcher is not None:
             self.prefetcher.ram.clear()  # decoded KV of this prompt may sit there
         log.info("forgot %d fragments of a %d-token prompt", removed, len(tokens))
@@ -330,7 +369,7 @@ class EdgeSync:
 
     def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int):
         t0 = time.perf_counter()
-        if self.adapter.llm is None:
+        if self.adapter.closed:
             raise RuntimeError("EdgeSync: the engine is closed")
         tokens = self.prompt_tokens(prompt)
         if not tokens:
@@ -369,9 +408,10 @@ class EdgeSync:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if used_keys:
                     self._record_hits(used_keys)
-            # the context holds the donor's KV after an approximate answer: nothing to store
-            written = 0 if plan.approximate else self._store_new(tokens)
-            if not plan.approximate:
+            # the context holds a donor's or another engine's KV: nothing to store
+            foreign = plan.approximate or plan.convertible
+            written = 0 if foreign else self._store_new(tokens)
+            if not foreign:
                 self._index_prompt(prompt, tokens, plan.embedded)
             if self.prefetcher is not None:
                 key = request_key(self.namespace, tokens, self.config.chunk_tokens)
@@ -394,16 +434,19 @@ class EdgeSync:
             lookup_ms=plan.lookup_ms,
             donor=plan.donor,
             ram_tier_hits=ram_hits,
+            convertible=plan.convertible,
+            source_engine=plan.source_engine if reused else None,
         )
         log.info("request: %d prompt tokens, tier %s%s, reused %d, similarity %s, ttft %.1f ms", n, tier,
-                 " (approximate)" if plan.approximate else "", reused,
+                 " (approximate)" if plan.approximate else " (convertible)" if plan.convertible else "", reused,
                  "-" if plan.similarity is None else f"{plan.similarity:.3f}", ttft_ms)
         yield result
 
-    def _walk(self, tokens) -> PrefixMatch:
-        """The store's longest token-identical prefix of ``tokens`` (empty on a read error)."""
+    def _walk(self, tokens, namespace=None) -> PrefixMatch:
+        """The store's longest token-identical prefix of ``tokens`` in ``namespace`` (default:
+        the engine's own; empty on a read error)."""
         try:
-            return self.store.prefix_walk(self.namespace, tokens)
+            return self.store.prefix_walk(namespace or self.namespace, tokens)
         except lmdb.Error as exc:
             log.warning("store unreadable, prefilling: %s", exc)
             return PrefixMatch()
@@ -462,10 +505,56 @@ class EdgeSync:
                     elif verified == limit and donor_key is None:
                         donor_key = donor.key
                 plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+        own = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
+        if cfg.allow_convertible and own < self.adapter.usable_prefix(n - 1, n) and self._inject_convertible(tokens, plan, own):
+            return plan
         plan.reused, plan.keys, plan.bytes_read = self._inject(match, limit, tokens)
+        plan.source_engine = self.namespace.engine
         if plan.reused and donor_key is not None:
             plan.donor = donor_key.hex()
         return plan
+
+    def _convertible_namespaces(self) -> list:
+        """The store's namespaces whose KV ``compatible_with`` calls convertible for this
+        engine (same model and geometry, another engine or settings); the others are skipped
+        with their reason logged."""
+        try:
+            stored = self.store.namespaces()
+        except lmdb.Error as exc:
+            log.warning("store unreadable, no cross-engine lookup: %s", exc)
+            return []
+        usable = []
+        for ns in stored:
+            if ns == self.namespace:
+                continue
+            verdict = compatible_with(ns, self.namespace)
+            if verdict.verdict == CONVERTIBLE:
+                usable.append(ns)
+            else:
+                log.debug("stored %s KV not usable here: %s", ns.engine, verdict.reason)
+        return usable
+
+    def _inject_convertible(self, tokens: list[int], plan: "_Plan", own: int) -> bool:
+        """``allow_convertible``: walk every convertible namespace and inject the longest chain
+        found, converted, when it covers more than the ``own`` tokens the engine's own
+        namespace would give. True when it did (``plan`` filled), else False (the engine's
+        KV is then undefined: the caller injects its own or prefills)."""
+        best = None
+        for ns in self._convertible_namespaces():
+            match = self._walk(tokens, ns)
+            usable = self.adapter.usable_prefix(match.matched_tokens, len(tokens))
+            if usable > (best[0] if best else own):
+                best = (usable, ns, match)
+        if best is None:
+            return False
+        _, ns, match = best
+        reused, keys, nbytes = self._inject(match, match.matched_tokens, tokens, ns)
+        if reused <= own:
+            return False
+        plan.reused, plan.keys, plan.bytes_read = reused, keys, plan.bytes_read + nbytes
+        plan.convertible, plan.source_engine, plan.donor = True, ns.engine, None
+        log.info("injected %d tokens of %s KV, converted for %s", reused, ns.engine, self.namespace.engine)
+        return True
 
     def _serve_donor(self, donor, max_tokens: int, plan: "_Plan") -> bool:
         """Approximate mode: inject the donor's stored KV whole and make its tokens the
@@ -490,8 +579,9 @@ class EdgeSync:
         plan.approximate, plan.donor = True, donor.key.hex()
         return True
 
-    def _inject(self, match: PrefixMatch, limit: int, tokens: list[int]) -> tuple[int, list[bytes], int]:
-        """Fetch, verify and inject the spans of ``match`` up to ``limit`` tokens of ``tokens``.
+    def _inject(self, match: PrefixMatch, limit: int, tokens: list[int], namespace=None) -> tuple[int, list[bytes], int]:
+        """Fetch, verify and inject the spans of ``match`` up to ``limit`` tokens of ``tokens``;
+        a ``namespace`` other than the engine's own (convertible) has its fragments converted.
 
         Returns (tokens injected, keys used, compressed bytes read).
 
@@ -513,7 +603,7 @@ class EdgeSync:
                 fragments, keys, nbytes, covered, missing = self._fetch_spans(match, target)
                 bytes_total += nbytes
                 if missing and attempt == 1:
-                    again = self._walk(tokens)
+                    again = self._walk(tokens, namespace)
                     if again.matched_tokens > covered:
                         log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
                         match, limit = again, again.matched_tokens  # the prompt's own tokens: all verified
@@ -525,6 +615,8 @@ class EdgeSync:
                 if target < MIN_SPAN:
                     return 0, [], bytes_total
                 try:
+                    if namespace is not None and namespace != self.namespace:
+                        fragments = [convert_fragment(f, self.namespace) for f in fragments]
                     self.adapter.inject_fragment(fragments, target, tokens)
                 except (ValueError, InjectionError) as exc:
                     log.warning("injection refused, prefilling from scratch: %s", exc)

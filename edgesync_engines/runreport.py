@@ -79,6 +79,36 @@ def _pass_summary(records: Sequence[dict], name: str, repeats: list[bool]) -> di
         "semantic_lookups": len(lookups := [r["lookup_ms"] for r in results if r.get("lookup_ms") is not None]),
         "lookup_ms_mean": _mean(lookups),
         "donor_nominated": sum(r.get("donor") is not None for r in results),
+        **_convertible_summary(records, name),
+    }
+
+
+def _agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    """Share of ``b``'s generated tokens that ``a`` reproduces before their first difference
+    (1.0 for equal lists; two empty lists agree)."""
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    longest = max(len(a), len(b))
+    return same / longest if longest else 1.0
+
+
+def _convertible_summary(records: Sequence[dict], name: str) -> dict[str, Any]:
+    """Cross-engine hits of a pass (``convertible`` results: KV another engine wrote, converted)
+    and how their outputs agree with the uncached ones: identical lists, same first token, and
+    the mean :func:`_agreement`."""
+    conv = [rec for rec in records if rec[name].get("convertible")]
+    if not conv:
+        return {"convertible": 0, "convertible_identical_share": None, "convertible_first_token_share": None,
+                "convertible_agreement_mean": None}
+    pairs = [(rec[name]["tokens"], rec["uncached"]["tokens"]) for rec in conv]
+    return {
+        "convertible": len(conv),
+        "convertible_identical_share": sum(a == b for a, b in pairs) / len(pairs),
+        "convertible_first_token_share": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
+        "convertible_agreement_mean": _mean([_agreement(a, b) for a, b in pairs]),
     }
 
 
@@ -97,8 +127,11 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
     ``identical_share`` (requests whose generated token list equals the uncached one; None for
     the uncached pass itself), ``approximate`` (answers served from another prompt's KV),
     ``semantic_lookups`` and ``lookup_ms_mean`` (requests that ran the semantic lookup and its
-    mean cost), ``donor_nominated`` (requests whose injected prefix a nominated donor reached). ``ttft_ratio`` is edgesync / uncached for p50, p95, mean,
-    first_seen and repeat.
+    mean cost), ``donor_nominated`` (requests whose injected prefix a nominated donor reached),
+    ``convertible`` (cross-engine hits: another engine's KV, converted) with the share of them
+    whose output is identical to the uncached one, whose first token is, and the mean share of
+    generated tokens equal before the first difference. ``ttft_ratio`` is edgesync / uncached
+    for p50, p95, mean, first_seen and repeat.
     """
     repeats = _repeat_flags(records)
     out: dict[str, Any] = {"n_requests": len(records)}
@@ -132,6 +165,8 @@ def request_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
             "identical": e["tokens"] == u["tokens"],
             "similarity": e.get("similarity"),
             "approximate": bool(e.get("approximate")),
+            "convertible": bool(e.get("convertible")),
+            "source_engine": e.get("source_engine"),
         })
     return rows
 
@@ -182,6 +217,12 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     table.add_row("nominated donor reached the prefix", "-", f"{e['donor_nominated']:,}", "")
     if e["approximate"]:
         table.add_row("APPROXIMATE answers (another prompt's KV)", "-", f"{e['approximate']:,}", "")
+    if e["convertible"]:
+        table.add_row("CROSS-ENGINE hits (another engine's KV, converted)", "-", f"{e['convertible']:,}", "")
+        table.add_row("  of those: identical outputs vs uncached", "-", _pct(e["convertible_identical_share"]), "")
+        table.add_row("  of those: same first token", "-", _pct(e["convertible_first_token_share"]), "")
+        table.add_row("  of those: tokens equal before the first difference", "-",
+                      _pct(e["convertible_agreement_mean"]), "")
     if store_stats is not None:
         table.add_row("store fragments (after run)", "-", f"{store_stats['fragments']:,}", "")
         table.add_row("store bytes on disk (after run)", "-", format_bytes(store_stats["disk_bytes"]), "")

@@ -631,6 +631,10 @@ class FragmentStore:
         ``tokens`` from position 0."""
         return walk.prefix_walk(self, namespace, tokens, now)
 
+    def namespaces(self) -> list[Namespace]:
+        """See :func:`walk.stored_namespaces`: the namespaces whose chains start in this store."""
+        return walk.stored_namespaces(self)
+
     def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
         """Delete every fragment :meth:`keys_along` finds for ``tokens`` (with donor records
         and vectors) in one write transaction; return how many were deleted."""

@@ -1,5 +1,5 @@
 """The prefix index's queries: the walk that finds a prompt's stored KV, the coverage check of
-one span, and the fragments along a prompt (what ``forget`` removes).
+one span, the fragments along a prompt (what ``forget`` removes), and the namespaces stored.
 
 Functions of an open ``FragmentStore`` (its methods ``prefix_walk``, ``covers_span`` and
 ``keys_along`` call them). They read only fragment headers (``codec.peek``: no
@@ -113,6 +113,33 @@ def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) 
                         found.append(key)
             hasher.update(token_bytes(tokens[pos : pos + 1]))
         return found
+
+    return store._txn(read)
+
+
+def stored_namespaces(store) -> list[Namespace]:
+    """The namespaces of the fragments the store holds at position 0 (the start of every
+    chain), in no particular order: one ``by_prefix`` entry per distinct index key is read,
+    and the header of one fragment per namespace digest. Costs one pass over the index keys
+    (not the fragments)."""
+    empty = prefix_hasher().digest()
+
+    def read(txn: lmdb.Transaction) -> list[Namespace]:
+        cursor = txn.cursor(db=store._by_prefix)
+        found: dict[bytes, Namespace] = {}
+        for index_key, key in cursor.iternext_nodup(keys=True, values=True):
+            index_key = bytes(index_key)
+            digest = index_key[:-len(empty)]
+            if index_key[-len(empty):] != empty or digest in found:
+                continue
+            blob = txn.get(bytes(key), db=store._fragments)
+            try:
+                head = codec.peek(blob) if blob is not None else None
+            except CodecError:
+                head = None
+            if head is not None and head.namespace.digest() == digest:
+                found[digest] = head.namespace
+        return list(found.values())
 
     return store._txn(read)
 

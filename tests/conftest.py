@@ -45,3 +45,46 @@ def adapter():
     a = LlamaCppAdapter()
     yield a
     a.close()
+
+
+# The ONNX export of the real GGUF: `make test` builds it first (`edgesync export-onnx`, into
+# build/onnx); a bare `pytest` builds it on first use (about 1.5 minutes).
+os.environ.setdefault("EDGESYNC_ONNX_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        "build", "onnx"))
+
+
+@pytest.fixture(scope="session")
+def onnx_export():
+    """The export directory of the real SmolLM2 GGUF (built if missing)."""
+    from edgesync_engines.models import default_model_path
+    from edgesync_engines.onnx_export import export_gguf
+
+    return export_gguf(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def onnx_adapter(onnx_export):
+    """One ONNX Runtime session of the real SmolLM2 export for the whole session."""
+    from edgesync_engines.onnxrt import OnnxRuntimeAdapter
+
+    a = OnnxRuntimeAdapter()
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="session")
+def llama_all_logits():
+    """A llama.cpp context of the real GGUF that keeps the logits of every evaluated position
+    (``logits_all=True``; ``llm.scores``), for position-by-position comparisons."""
+    import llama_cpp
+
+    from edgesync_engines.llamacpp import LlamaCppAdapter
+    from edgesync_engines.models import default_model_path
+
+    path = default_model_path()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, logits_all=True, verbose=False,
+                          n_threads=os.cpu_count() or 1, n_threads_batch=os.cpu_count() or 1)
+    a = LlamaCppAdapter(llm, model_path=path)
+    yield a
+    a.close()
+    llm.close()
