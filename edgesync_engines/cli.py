@@ -342,9 +342,12 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     try:
         from .models import default_model_path
 
+        from rich.console import Console
+
         gguf = cfg.model_path or default_model_path()
         t0 = time.perf_counter()
-        out = export_gguf(gguf, root=args.out, force=args.force)
+        with Console(stderr=True).status(f"exporting {Path(gguf).name} to ONNX (a few minutes the first time)"):
+            out = export_gguf(gguf, root=args.out, force=args.force)
         meta = read_meta(out)
     except (FileNotFoundError, ExportError) as exc:
         raise _Fail(str(exc)) from None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fidelity
+from .config import ENGINES
 
 
 def _int_at_least(minimum: int):
@@ -69,6 +70,8 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-vector-cache", action="store_true",
                    help="embed every question again instead of reusing the vectors of an earlier run "
                         f"(kept in {fidelity.default_vector_cache_dir()})")
+    p.add_argument("--engine", type=str.lower, choices=ENGINES,
+                   help="llamacpp (default) or onnx (ONNX Runtime on the export of the same GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     p.set_defaults(func=cmd_fidelity)
@@ -143,12 +146,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from .config import EdgeSyncConfig
     from .models import ModelLoadError, ModelNotFoundError
+    from .onnx_export import ExportError
     from .router import EdgeSync
     from .workloads import WorkloadDataError
 
     _Fail = FidelityCommandError
     try:
-        cfg = EdgeSyncConfig.load({})
+        cfg = EdgeSyncConfig.load({"engine": args.engine})
     except ValueError as exc:
         raise _Fail(str(exc)) from None
     if args.json_out:  # fail before the run, not after it
@@ -196,6 +200,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise _Fail(f"model not found: {exc}") from None
             except ModelLoadError as exc:
                 raise _Fail(f"cannot load the model: {exc}") from None
+            except ExportError as exc:
+                raise _Fail(f"no usable ONNX export: {exc}") from None
             with es:
                 model = es.adapter.model_path.name
                 try:

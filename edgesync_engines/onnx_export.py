@@ -56,8 +56,8 @@ class ExportError(RuntimeError):
 
 
 def onnx_root() -> Path:
-    """Where exports live: ``EDGESYNC_ONNX_DIR``, else ``<user cache>/edgesync/onnx`` (the
-    Makefile points it at ``build/onnx``, which git ignores)."""
+    """Where exports live: ``EDGESYNC_ONNX_DIR``, else ``<user cache>/edgesync/onnx``
+    (``~/.cache/edgesync/onnx`` on Linux, outside any checkout)."""
     override = os.environ.get("EDGESYNC_ONNX_DIR")
     if override:
         return Path(override)

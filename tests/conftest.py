@@ -47,10 +47,8 @@ def adapter():
     a.close()
 
 
-# The ONNX export of the real GGUF: `make test` builds it first (`edgesync export-onnx`, into
-# build/onnx); a bare `pytest` builds it on first use (about 1.5 minutes).
-os.environ.setdefault("EDGESYNC_ONNX_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        "build", "onnx"))
+# The ONNX export of the real GGUF: `make test` builds it first (`edgesync export-onnx`, into the
+# per-user cache dir or EDGESYNC_ONNX_DIR); a bare `pytest` builds it on first use (1.5 minutes).
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from edgesync_engines.compat import CONVERTIBLE, EXACT, INCOMPATIBLE, compatible_with
+from edgesync_engines.compat import CONVERTIBLE, INCOMPATIBLE, compatible_with
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.onnx_export import TOKENIZER_FILE, read_meta
 from edgesync_engines.onnxrt import OnnxRuntimeAdapter
@@ -163,6 +163,13 @@ def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapte
             plain = [es.generate(m, max_tokens=12) for m in msgs]
         assert all(p.tier == "miss" and not p.convertible and p.fragments_written >= 1 for p in plain)
         assert [p.tokens for p in plain] == [u.tokens for u in uncached]
+        # forget removes every engine's copy: with convertible reuse allowed it is a miss too
+        with EdgeSync(reader, store=store_dir, config=EdgeSyncConfig.load({**base, "allow_convertible": True})) as es:
+            before = es.store.stats().fragments
+            removed = es.forget(msgs[0])
+            assert removed >= 2 and es.store.stats().fragments == before - removed
+            again = es.generate(msgs[0], max_tokens=4)
+            assert again.tier == "miss" and not again.convertible
 
 
 def test_run_command_reports_cross_engine_hits(tmp_path):

@@ -155,3 +155,16 @@ def test_an_export_of_another_file_or_an_incomplete_one_is_refused(onnx_export, 
     shutil.rmtree(fake)
     with pytest.raises(ExportError, match="run `edgesync export-onnx`"):
         OnnxRuntimeAdapter(default_model_path())
+
+
+def test_streamed_answer_is_the_result_text_and_a_closed_engine_refuses(onnx_export, seed_requests):
+    adapter = OnnxRuntimeAdapter(n_threads=1)
+    es = EdgeSync(adapter, store=False)
+    stream = es.generate(seed_requests[4].as_messages(), max_tokens=10, stream=True)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text and len(stream.result.tokens) >= 1
+    assert stream.result.text == adapter.detokenize(stream.result.tokens)
+    es.close()
+    assert adapter.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        es.generate("hello there", max_tokens=2)
