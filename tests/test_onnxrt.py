@@ -165,6 +165,7 @@ def test_streamed_answer_is_the_result_text_and_a_closed_engine_refuses(onnx_exp
     assert "".join(pieces) == stream.result.text and len(stream.result.tokens) >= 1
     assert stream.result.text == adapter.detokenize(stream.result.tokens)
     es.close()
-    assert adapter.closed
+    assert not adapter.closed  # an adapter passed in belongs to the caller
+    adapter.close()
     with pytest.raises(RuntimeError, match="closed"):
         es.generate("hello there", max_tokens=2)
