@@ -273,8 +273,8 @@ class FragmentStore:
                 f"store {self.path}: data.mdb is truncated ({data.stat().st_size} of {needed} bytes); "
                 "delete the directory (it is a cache) or restore it"
             )
-        with self._env.begin() as txn:
-            names = {bytes(k) for k, _ in txn.cursor()}
+        # through _txn: another process may grow the map between lmdb.open and this read
+        names = self._txn(lambda txn: {bytes(k) for k, _ in txn.cursor()})
         # named databases are created in one transaction (migration 1), but an older EdgeSync
         # created them one transaction each: any one of them marks an EdgeSync store
         if names and not names & {b"fragments", b"by_prefix", b"lifecycle", b"meta"}:
