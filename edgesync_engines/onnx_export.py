@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import platformdirs
@@ -201,12 +202,17 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
     try:
         decoder = _Decoder(model).eval()
         t0 = time.perf_counter()
-        with torch.no_grad():
+        # the exporter's notes (torchvision ops skipped, axis names merged, a deprecated pytree
+        # check) say nothing about this model; keep them off the user's terminal
+        logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
             program = torch.onnx.export(
                 decoder, example, dynamo=True, input_names=["input_ids", "attention_mask", "position_ids", *names_past],
                 output_names=["logits", *names_present], dynamic_shapes=shapes, optimize=True, verbose=False,
             )
-        program.save(str(tmp / MODEL_FILE), external_data=True)
+            program.save(str(tmp / MODEL_FILE), external_data=True)
         log.info("exported the ONNX graph in %.0f s", time.perf_counter() - t0)
         proto = onnx.load(str(tmp / MODEL_FILE), load_external_data=False)
         del proto.metadata_props[:]

@@ -50,7 +50,7 @@ _EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, reversed: character -> byte (from GPT-2's
     ``encoder.py`` ``bytes_to_unicode``, which the ``tokenizers`` ByteLevel model uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -283,8 +283,10 @@ class OnnxRuntimeAdapter:
         out = []
         for start, end in spans:
             def rows(offset: int) -> np.ndarray:
+                # present [1, heads, tokens, head_dim] -> [tokens, heads * head_dim] per layer
                 return np.stack([
-                    self._past[2 * layer + offset][0, head_start:head_end, start:end].transpose(1, 0, 2).reshape(end - start, width)
+                    self._past[2 * layer + offset][0, head_start:head_end, start:end]
+                    .transpose(1, 0, 2).reshape(end - start, width)
                     for layer in layers
                 ])
 
@@ -303,7 +305,8 @@ class OnnxRuntimeAdapter:
         """One fragment of the live sequence; see :meth:`extract_fragments`."""
         return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
 
-    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
+                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Validate fragments and build K, V float32 ``[n_layer, n_tokens, n_head_kv * head_dim]``
         (:func:`~edgesync_engines.adapter.assemble_kv`)."""
         return assemble_kv(self.namespace, fragments, n_tokens, tokens)
@@ -362,10 +365,11 @@ class OnnxRuntimeAdapter:
         return self._eval(tokens[n_past:]).copy()
 
     def _truncate(self, tokens: Sequence[int], n_past: int) -> None:
-        if self.n_tokens < n_past or common_prefix_len(np.asarray(self._tokens[:n_past]), np.asarray(tokens[:n_past])) != n_past:
+        held = common_prefix_len(np.asarray(self._tokens[:n_past]), np.asarray(tokens[:n_past]))
+        if self.n_tokens < n_past or held != n_past:
             raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
         if self.n_tokens > n_past:
-            self._past = [p[:, :, :n_past] for p in self._past]
+            self._past = [np.ascontiguousarray(p[:, :, :n_past]) for p in self._past]
             self._tokens = self._tokens[:n_past]
 
     def generate(

@@ -60,8 +60,8 @@ from .compat import CONVERTIBLE, compatible_with
 from .config import EdgeSyncConfig
 from .llamacpp import LlamaCppAdapter
 from .onnxrt import OnnxRuntimeAdapter
-from .reshape import convert_fragment
 from .prefetch import Prefetcher, request_key
+from .reshape import convert_fragment
 from .semantic import SemanticLookup
 
 log = logging.getLogger("edgesync.router")
@@ -260,8 +260,8 @@ class EdgeSync:
         tokens, the stored fragments (any chunk size, layer or head group, live or expired)
         that follow its prefix and start with its next token, written by this engine or by
         another engine for the same model, with their donor records and vectors; the prefetch
-        RAM tier drops nothing it could still serve (it serves only what the store holds). Afterwards the same prompt is a miss. Returns the fragments
-        removed.
+        RAM tier drops nothing it could still serve (it serves only what the store holds).
+        Afterwards the same prompt is a miss. Returns the fragments removed.
 
         Raises:
             ValueError: an empty prompt or malformed chat messages.
@@ -273,7 +273,8 @@ class EdgeSync:
             return 0
         # every engine's copy: KV another engine wrote for this model would still serve it
         # with allow_convertible
-        namespaces = {self.namespace} | {ns for ns in self.store.namespaces() if compatible_with(ns, self.namespace).usable}
+        namespaces = {self.namespace}
+        namespaces |= {ns for ns in self.store.namespaces() if compatible_with(ns, self.namespace).usable}
         removed = sum(self.store.forget_tokens(ns, tokens) for ns in namespaces)
         if self.prefetcher is not None:
             self.prefetcher.ram.clear()  # decoded KV of this prompt may sit there
@@ -506,7 +507,8 @@ class EdgeSync:
                         donor_key = donor.key
                 plan.lookup_ms = (time.perf_counter() - t_lookup) * 1000
         own = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
-        if cfg.allow_convertible and own < self.adapter.usable_prefix(n - 1, n) and self._inject_convertible(tokens, plan, own):
+        whole = self.adapter.usable_prefix(n - 1, n)
+        if cfg.allow_convertible and own < whole and self._inject_convertible(tokens, plan, own):
             return plan
         plan.reused, plan.keys, plan.bytes_read = self._inject(match, limit, tokens)
         plan.source_engine = self.namespace.engine

@@ -17,6 +17,12 @@ from edgesync_store.schema import chunk_spans
 from edgesync_store.store import FragmentStore
 
 
+def decode_steps(generated: list[int], max_tokens: int) -> int:
+    """Tokens a generation evaluated after the prompt: every generated token, but the last
+    one when max_tokens (not an end-of-generation token) stopped it."""
+    return len(generated) - (len(generated) == max_tokens)
+
+
 @pytest.fixture(scope="module")
 def doc_tokens(onnx_adapter, data_dir):
     """Token IDs of the first six doc-QA contexts (real SQuAD text) of 256 tokens or more."""
@@ -93,6 +99,15 @@ def test_generate_is_greedy_by_default_and_seeded_when_sampling(onnx_adapter, ad
     hot = [list(onnx_adapter.generate(tokens, max_tokens=12, temperature=1.5, top_p=0.95, seed=s)) for s in (1, 1, 2)]
     assert hot[0] == hot[1] and hot[0] != greedy
     assert list(onnx_adapter.generate(tokens, max_tokens=1)) == greedy[:1]
+    # continuing from the live KV (the previous answer's cells beyond n_past are dropped) at a
+    # batch boundary makes the uncached run's calls again: the same answer
+    assert len(tokens) > 129
+    list(onnx_adapter.generate(tokens, max_tokens=5))
+    before = onnx_adapter.tokens_evaluated
+    assert list(onnx_adapter.generate(tokens, n_past=128, max_tokens=12)) == greedy
+    assert onnx_adapter.tokens_evaluated - before == len(tokens) - 128 + decode_steps(greedy, 12)
+    with pytest.raises(ValueError, match="n_past"):
+        list(onnx_adapter.generate([t + 1 for t in tokens], n_past=128, max_tokens=2))
 
 
 def test_router_on_onnx_runtime_reuses_its_own_kv_token_identically(onnx_adapter, seed_requests, tmp_path):
@@ -116,9 +131,9 @@ def test_router_on_onnx_runtime_reuses_its_own_kv_token_identically(onnx_adapter
         (miss, n0), (exact, n1), (partial, n2) = results
         assert miss.tier == "miss" and miss.fragments_written >= 1
         assert exact.tier == "exact" and exact.tokens_prefilled == 1
-        assert n1 == 1 + max(len(exact.tokens) - 1, 0)  # the last prompt token, then decode steps
+        assert n1 == 1 + decode_steps(exact.tokens, 8)  # the last prompt token, then decode steps
         assert partial.tier == "partial" and partial.tokens_reused >= 128
-        assert n2 == partial.tokens_prefilled + max(len(partial.tokens) - 1, 0)
+        assert n2 == partial.tokens_prefilled + decode_steps(partial.tokens, 8)
         assert {ns.engine for ns in es.store.namespaces()} == {"onnxruntime"}
         assert not miss.convertible and exact.source_engine == "onnxruntime"
 

@@ -153,8 +153,8 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
 
         real_walk = on._walk
 
-        def walk_then_delete(tokens):
-            match = real_walk(tokens)
+        def walk_then_delete(tokens, namespace=None):
+            match = real_walk(tokens, namespace)
             on.store.delete(victim)  # the walk saw it; the store loses it before injection
             return match
 
