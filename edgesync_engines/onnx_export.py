@@ -91,7 +91,85 @@ def read_meta(directory: str | os.PathLike) -> dict:
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise ExportError(f"{directory / META_FILE}: missing {', '.join(missing)}")
+    for key in ("n_layer", "n_head_kv", "head_dim", "vocab_size"):
+        if isinstance(meta[key], bool) or not isinstance(meta[key], int) or meta[key] < 1:
+            raise ExportError(f"{directory / META_FILE}: {key} must be a positive integer, got {meta[key]!r}")
     return meta
+
+
+def open_export(directory: str | os.PathLike, n_threads: int | None = None):
+    """Load an export and check that its parts agree: returns ``(meta, session, tokenizer)``,
+    an ONNX Runtime ``InferenceSession`` (CPU) and a ``tokenizers.Tokenizer``.
+
+    Checked: :func:`read_meta`; the model loads (with its external weights); its inputs are
+    ``input_ids``, ``attention_mask``, ``position_ids`` and exactly ``n_layer`` pairs of
+    ``past_key_values.{i}.key/value`` of shape ``[1, n_head_kv, past, head_dim]``; the
+    tokenizer loads and knows ``vocab_size`` IDs at most.
+
+    Raises:
+        ExportError: any of these fails (the message names the file and says to export again).
+    """
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    directory = Path(directory)
+    meta = read_meta(directory)
+    again = "export again with `edgesync export-onnx --force`"
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = n_threads or os.cpu_count() or 1
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 4  # errors reach the caller as the exception below
+    try:
+        session = ort.InferenceSession(str(directory / MODEL_FILE), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own types (Fail, InvalidProtobuf, ...)
+        raise ExportError(f"{directory / MODEL_FILE}: onnxruntime cannot load it "
+                          f"({str(exc).splitlines()[0][:200]}); {again}") from None
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    n_layer, n_head_kv, head_dim = meta["n_layer"], meta["n_head_kv"], meta["head_dim"]
+    want = {"input_ids", "attention_mask", "position_ids"} | {
+        f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")}
+    if set(inputs) != want:
+        odd = sorted(set(inputs) ^ want)
+        raise ExportError(f"{directory}: the model's inputs do not match {META_FILE} (n_layer {n_layer}): "
+                          f"{', '.join(odd[:4])}{'...' if len(odd) > 4 else ''} differ; {again}")
+    shape = inputs["past_key_values.0.key"]
+    if len(shape) != 4 or shape[1] != n_head_kv or shape[3] != head_dim:
+        raise ExportError(f"{directory}: past_key_values are {shape}, {META_FILE} says "
+                          f"[1, {n_head_kv}, past, {head_dim}]; {again}")
+    try:
+        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ExportError(f"{directory / TOKENIZER_FILE}: cannot load it ({exc}); {again}") from None
+    if tokenizer.get_vocab_size(with_added_tokens=True) > meta["vocab_size"]:
+        raise ExportError(f"{directory / TOKENIZER_FILE}: {tokenizer.get_vocab_size()} tokens for a model of "
+                          f"{meta['vocab_size']}; {again}")
+    return meta, session, tokenizer
+
+
+def is_gguf(path: Path) -> bool:
+    """True when ``path`` starts with the GGUF magic ``b"GGUF"`` (ggml's ``gguf.h``)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def clean_leftovers(root: Path, max_age_s: float = 3600.0) -> int:
+    """Remove unfinished export directories (``.<name>.<random>`` beside the exports) older than
+    ``max_age_s`` seconds: what a killed export leaves. Returns how many were removed."""
+    removed = 0
+    if not root.is_dir():
+        return 0
+    for entry in root.iterdir():
+        try:
+            stale = entry.name.startswith(".") and entry.is_dir() and time.time() - entry.stat().st_mtime > max_age_s
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _import_heavy():
@@ -227,33 +305,47 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C too: never leave a half-written copy behind
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, ExportError):
+        if isinstance(exc, ExportError) or not isinstance(exc, Exception):
             raise
         raise ExportError(f"ONNX export failed: {type(exc).__name__}: {exc}") from exc
     return out_dir
 
 
 def export_gguf(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Export a GGUF to its :func:`export_dir` unless a complete export is there (``force``
-    re-exports). Returns the directory.
+    """Export a GGUF to its :func:`export_dir` unless a sound export of it is there
+    (:func:`open_export` loads it, and it records this GGUF's fingerprint); a damaged one is
+    exported again, and so is any with ``force``. Returns the directory.
+
+    The destination is checked (created, writable) before the GGUF is loaded.
 
     Raises:
         FileNotFoundError: no such GGUF.
-        ExportError: see :func:`load_gguf_as_torch` and :func:`export_model`.
+        ExportError: the file is not a GGUF, the destination cannot be written, or see
+            :func:`load_gguf_as_torch` and :func:`export_model`.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    if not is_gguf(gguf_path):
+        raise ExportError(f"{gguf_path}: not a GGUF file (it does not start with the GGUF magic)")
     out = export_dir(gguf_path, root)
-    if not force:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as exc:
+        raise ExportError(f"{out.parent}: cannot write the export there ({exc.strerror or exc})") from None
+    clean_leftovers(out.parent)
+    if not force and out.exists():
         try:
-            read_meta(out)
-            log.info("%s: export already there", out)
-            return out
-        except ExportError:
-            pass
+            meta, _, _ = open_export(out, n_threads=1)
+            if meta["source_fingerprint"] == file_fingerprint(gguf_path):
+                log.info("%s: export already there", out)
+                return out
+            log.warning("%s: exported from another file; exporting again", out)
+        except ExportError as exc:
+            log.warning("%s; exporting again", exc)
     model, tokenizer = load_gguf_as_torch(gguf_path)
     template = getattr(tokenizer, "chat_template", None) or ""
     return export_model(model, tokenizer, out, {

@@ -31,8 +31,8 @@ from edgesync_store.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 from .adapter import ContextOverflowError, assemble_kv
-from .models import ModelNotFoundError, default_model_path
-from .onnx_export import MODEL_FILE, TOKENIZER_FILE, ExportError, export_dir, read_meta
+from .models import ModelLoadError, ModelNotFoundError, default_model_path
+from .onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 
 log = logging.getLogger("edgesync.onnxrt")
 
@@ -82,43 +82,30 @@ class OnnxRuntimeAdapter:
     def __init__(self, model: "str | os.PathLike | None" = None, export: "str | os.PathLike | None" = None,
                  n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None, n_batch: int = DEFAULT_N_BATCH,
                  seed: int = 0) -> None:
-        import onnxruntime as ort
-        from tokenizers import Tokenizer
-
         self.lock = threading.RLock()
+        if n_batch < 2:
+            raise ValueError(f"n_batch: must be >= 2, got {n_batch}")
         if export is None:
             path = Path(model) if model is not None else default_model_path()
             if not path.is_file():
                 raise ModelNotFoundError(f"{path}: no such model file")
+            if not is_gguf(path):
+                raise ModelLoadError(f"{path}: not a GGUF file (the onnx engine runs the export of a GGUF)")
             directory = export_dir(path)
             meta = read_meta(directory)
             if meta["source_fingerprint"] != file_fingerprint(path):
-                raise ExportError(f"{directory}: exported from another file than {path}; export again with --force")
+                raise ExportError(f"{directory}: exported from another file than {path}; "
+                                  "export again with `edgesync export-onnx --force`")
             self.model_path = path
         else:
             directory = Path(export)
-            meta = read_meta(directory)
             self.model_path = Path(model) if model is not None else directory / MODEL_FILE
+        meta, self.session, self.tokenizer = open_export(directory, n_threads)
         self.export_dir = directory
         self.meta = meta
-        if n_batch < 2:
-            raise ValueError(f"n_batch: must be >= 2, got {n_batch}")
         self.n_batch = int(n_batch)
         self.n_ctx = int(n_ctx)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = n_threads or os.cpu_count() or 1
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(directory / MODEL_FILE), opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
-            raise ExportError(f"{directory / MODEL_FILE}: onnxruntime cannot load it ({exc})") from None
-        self.tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
-        self.n_layer, self.n_head_kv, self.head_dim = (int(meta[k]) for k in ("n_layer", "n_head_kv", "head_dim"))
-        names = {i.name for i in self.session.get_inputs()}
-        want = {f"past_key_values.{i}.{kv}" for i in range(self.n_layer) for kv in ("key", "value")}
-        if not want <= names or not {"input_ids", "attention_mask", "position_ids"} <= names:
-            raise ExportError(f"{directory / MODEL_FILE}: inputs {sorted(names)[:4]}... are not the export's contract")
+        self.n_layer, self.n_head_kv, self.head_dim = meta["n_layer"], meta["n_head_kv"], meta["head_dim"]
         self.namespace = Namespace(
             model_fingerprint=meta["source_fingerprint"],
             engine=ENGINE,

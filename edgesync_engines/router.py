@@ -180,7 +180,8 @@ class EdgeSync:
     Thread safety: one request at a time drives the engine (the adapter's lock).
 
     Raises:
-        onnx_export.ExportError: ``engine="onnx"`` and the GGUF has no ONNX export.
+        onnx_export.ExportError: ``config.engine == "onnx"`` and the GGUF has no sound ONNX
+            export.
     """
 
     def __init__(self, model=None, store: "FragmentStore | str | os.PathLike | None | bool" = None,
