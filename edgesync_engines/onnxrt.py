@@ -423,8 +423,3 @@ class OnnxRuntimeAdapter:
             self.session = None
             self._past = []
             self._tokens = []
-
-
-def export_for(model: "str | os.PathLike | None" = None) -> Path:
-    """The export directory the adapter would use for ``model`` (None: the configured GGUF)."""
-    return export_dir(Path(model) if model is not None else default_model_path())
