@@ -110,6 +110,20 @@ class KVAdapter(Protocol):
         ...
 
 
+def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
+    """An extraction's ``(layer_end, head_end)`` with None meaning all layers / all KV heads of
+    ``ns``.
+
+    Raises:
+        ValueError: a head range outside ``[0, n_head_kv]`` or empty.
+    """
+    layer_end = ns.n_layer if layer_end is None else layer_end
+    head_end = ns.n_head_kv if head_end is None else head_end
+    if not 0 <= head_start < head_end <= ns.n_head_kv:
+        raise ValueError(f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})")
+    return layer_end, head_end
+
+
 def assemble_kv(ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
     head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds

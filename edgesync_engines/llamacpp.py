@@ -27,7 +27,7 @@ from edgesync_store.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 from . import seqstate
-from .adapter import ContextOverflowError, InjectionError, assemble_kv
+from .adapter import ContextOverflowError, InjectionError, assemble_kv, kv_ranges
 from .models import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 
 log = logging.getLogger("edgesync.llamacpp")
@@ -230,13 +230,7 @@ class LlamaCppAdapter:
         """
         if not spans:
             return []
-        layer_end = self.namespace.n_layer if layer_end is None else layer_end
-        head_end = self.namespace.n_head_kv if head_end is None else head_end
-        if not 0 <= head_start < head_end <= self.namespace.n_head_kv:
-            raise ValueError(
-                f"head_start: need 0 <= head_start < head_end <= {self.namespace.n_head_kv}, "
-                f"got [{head_start}, {head_end})"
-            )
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
         self._check_live(tokens, max(end for _, end in spans))
         state = seqstate.parse(self._get_state())
         now = time.time() if now is None else now

@@ -30,7 +30,7 @@ import numpy as np
 from edgesync_store.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
-from .adapter import ContextOverflowError, assemble_kv
+from .adapter import ContextOverflowError, assemble_kv, kv_ranges
 from .models import ModelLoadError, ModelNotFoundError, default_model_path
 from .onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 
@@ -257,11 +257,7 @@ class OnnxRuntimeAdapter:
         """
         if not spans:
             return []
-        layer_end = self.n_layer if layer_end is None else layer_end
-        head_end = self.n_head_kv if head_end is None else head_end
-        if not 0 <= head_start < head_end <= self.n_head_kv:
-            raise ValueError(f"head_start: need 0 <= head_start < head_end <= {self.n_head_kv}, "
-                             f"got [{head_start}, {head_end})")
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
         self._check_live(tokens, max(end for _, end in spans))
         now = time.time() if now is None else now
         layers = range(layer_start, layer_end, layer_stride)
@@ -343,15 +339,17 @@ class OnnxRuntimeAdapter:
             ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or the live KV does not
                 hold ``tokens[:n_past]``.
         """
+        self._resume(tokens, n_past)
+        return self._eval(tokens[n_past:]).copy()
+
+    def _resume(self, tokens: Sequence[int], n_past: int) -> None:
+        """Make the live KV hold exactly ``tokens[:n_past]``: cleared for 0, else cut back to
+        ``n_past`` cells after checking that it holds those tokens (ValueError otherwise)."""
         if not 0 <= n_past < len(tokens):
             raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
         if n_past == 0:
             self.clear_kv_cache()
-        else:
-            self._truncate(tokens, n_past)
-        return self._eval(tokens[n_past:]).copy()
-
-    def _truncate(self, tokens: Sequence[int], n_past: int) -> None:
+            return
         held = common_prefix_len(np.asarray(self._tokens[:n_past]), np.asarray(tokens[:n_past]))
         if self.n_tokens < n_past or held != n_past:
             raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
@@ -386,12 +384,7 @@ class OnnxRuntimeAdapter:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         if len(tokens) + max_tokens > self.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
-        if not 0 <= n_past < len(tokens):
-            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
-        if n_past == 0:
-            self.clear_kv_cache()
-        else:
-            self._truncate(tokens, n_past)
+        self._resume(tokens, n_past)
         rng = np.random.default_rng(self.seed if seed is None else seed)
         for start, end in self.prefill_plan(n_past, len(tokens)):
             self._eval(tokens[start:end])
