@@ -31,11 +31,11 @@ def measure(n_prompts: int, prefix: int, total: int, threads: int | None, progre
     """The comparison over ``n_prompts`` prompts; returns a JSON-able dict of figures."""
     import llama_cpp
 
-    from edgesync_engines.llamacpp import LlamaCppAdapter
-    from edgesync_engines.models import default_model_path
-    from edgesync_engines.onnxrt import OnnxRuntimeAdapter
-    from edgesync_engines.reshape import convert_fragment
-    from edgesync_engines.workloads import workloads_dir
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+    from edgesync_engines.adapters.model_files import default_model_path
+    from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+    from edgesync_engines.adapters.reshape import convert_fragment
+    from edgesync_engines.app.workloads import workloads_dir
 
     path = default_model_path()
     ort = OnnxRuntimeAdapter(path, n_threads=threads)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from edgesync_store.report import wide_console
+    from edgesync_store.commands.inventory import wide_console
 
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("prompts", total=args.prompts)

@@ -2,7 +2,7 @@
 
 ``edgesync bench [--quick] [--json FILE] [--out DIR]`` and ``make bench`` call :func:`main`.
 
-Workloads (:mod:`benchmarks.workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
+Workloads (:mod:`benchmarks.bench_workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
 (40 passages, each passage's questions in turn) and ``chat`` (40 sessions; each turn's prompt is
 the conversation so far with the system's own earlier answers). ``max_tokens`` 16.
 
@@ -229,7 +229,7 @@ class Runner:
             self.progress.advance(task)
 
     def _static_requests(self, workload: str) -> list:
-        from benchmarks.workloads import doc_qa_requests, seed_requests
+        from benchmarks.bench_workloads import doc_qa_requests, seed_requests
 
         if workload == "seed":
             return seed_requests(self.sizes.seed)
@@ -260,7 +260,7 @@ class Runner:
                 self._advance(task)
 
     def _chat_sessions(self, lane: Lane) -> list:
-        from benchmarks.workloads import chat_sessions
+        from benchmarks.bench_workloads import chat_sessions
 
         def count(messages) -> int:
             reply = lane.call({"op": "count", "messages": list(messages)})
@@ -292,7 +292,7 @@ class Runner:
             index += max(lane.sessions[s].n_turns for lane in lanes)
 
     def _chat_total(self) -> int:
-        from benchmarks.workloads import chat_sessions
+        from benchmarks.bench_workloads import chat_sessions
 
         return sum(s.n_turns for s in chat_sessions(lambda m: 0, self.sizes.chat_sessions))
 
@@ -349,7 +349,7 @@ class Runner:
             for workload in self.workloads:
                 self.run_workload(workload)
                 fh.flush()
-        from benchmarks.report import build_report
+        from benchmarks.bench_report import build_report
 
         meta = {
             "started_utc": started, "wall_s": time.perf_counter() - t0, "workload_wall_s": self.timings,
@@ -405,7 +405,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new directory")
     if args.json is not None and (args.json.is_dir() or not args.json.resolve().parent.is_dir()):
         raise ValueError(f"--json {args.json}: not a file in an existing directory")
-    from benchmarks.workloads import chat_sessions, doc_qa_requests, seed_requests
+    from benchmarks.bench_workloads import chat_sessions, doc_qa_requests, seed_requests
     from edgesync_engines.config import EdgeSyncConfig
 
     EdgeSyncConfig.load()  # a bad EDGESYNC_* setting fails here, not in every worker
@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    from edgesync_engines.workloads import WorkloadDataError
+    from edgesync_engines.app.workloads import WorkloadDataError
 
     try:
         return run_from_args(args)

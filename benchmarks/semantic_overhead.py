@@ -1,6 +1,6 @@
 """What the router's semantic lookup costs, beside the full prefill it may save.
 
-The router embeds a request (``edgesync_store.embedding.embed_text_for`` + the ONNX MiniLM
+The router embeds a request (``edgesync_store.semantic.embedders.embed_text_for`` + the ONNX MiniLM
 embedder) and searches the HNSW index (``SemanticIndex.query``) only when its exact prefix walk
 leaves at least 64 prompt tokens uncovered. This benchmark measures that lookup, encode plus
 search, per query, at several index sizes, and in the same run the time to first token of a
@@ -22,7 +22,7 @@ What is real and what is not (the run prints it too):
   paraphrase-like copies of those vectors (Gaussian noise, cosine 0.7-0.93 to their source,
   re-normalised; ``--fill noise``, default) or with random unit vectors (``--fill random``:
   no structure, HNSW's hardest case). HNSW search cost depends on the data distribution;
-* queries: real request prompts from ``edgesync_engines.workloads``: the seed workload (a
+* queries: real request prompts from ``edgesync_engines.app.workloads``: the seed workload (a
   ~330-token app system prompt + a QQP question; the embedded text is the short question) and
   the doc-QA workload (a passage + a question in one user message; the embedded text is its
   last 160 words, near MiniLM's 256-word-piece limit, the slow case for the encoder).
@@ -121,8 +121,8 @@ def real_texts(data_dir: Path) -> tuple[list[str], dict[str, int]]:
     embed it (``embed_text_for`` of a user message): QQP cluster questions, QQP labelled pairs,
     GPTCache pairs, doc-QA questions, doc-QA request prompts (passage + question), chat turns.
     All rows, file order, first occurrence kept. Returns the texts and a count per source."""
-    from edgesync_engines.workloads import doc_qa_workload
-    from edgesync_store.embedding import embed_text_for
+    from edgesync_engines.app.workloads import doc_qa_workload
+    from edgesync_engines.request.prompt_text import embed_text_for
 
     n_docs = len(_jsonl(data_dir / "doc_qa.jsonl"))
     sources: list[tuple[str, list[str]]] = [
@@ -279,9 +279,9 @@ def index_lmdb_bytes(store) -> int | None:
     private LMDB handle: benchmark-only, and tolerant of the modules' refactoring."""
     try:
         try:
-            from edgesync_store.vectors import META_DB, VECTORS_DB
+            from edgesync_store.semantic.vectors import META_DB, VECTORS_DB
         except ImportError:
-            from edgesync_store.index import META_DB, VECTORS_DB
+            from edgesync_store.semantic.index import META_DB, VECTORS_DB
         dbs = [store._env.open_db(name, create=False) for name in (VECTORS_DB, META_DB)]
 
         def read(txn):
@@ -298,12 +298,12 @@ def index_lmdb_bytes(store) -> int | None:
 
 
 def router_query_k() -> tuple[int, str]:
-    """The k the router asks of the index (``edgesync_engines.semantic.QUERY_K``) and where it
+    """The k the router asks of the index (``edgesync_engines.request.semantic_lookup.QUERY_K``) and where it
     came from; 8 (``SemanticIndex.query``'s default) when that module is absent."""
     try:
-        from edgesync_engines.semantic import QUERY_K
+        from edgesync_engines.request.semantic_lookup import QUERY_K
 
-        return int(QUERY_K), "edgesync_engines.semantic.QUERY_K"
+        return int(QUERY_K), "edgesync_engines.request.semantic_lookup.QUERY_K"
     except ImportError:
         return 8, "SemanticIndex.query default"
 
@@ -319,7 +319,7 @@ def measure_lookups(embedder, index, queries: dict[str, list], k: int, repeat: i
     (the embedder warm), ``search`` = ``index.query(vector, k)``, ``total`` = both; milliseconds.
     Returns ``{workload: {"encode_ms", "search_ms", "total_ms": [repeat][n_queries] lists,
     "top1_similarity": [n_queries]}}`` in query order."""
-    from edgesync_store.embedding import embed_text_for
+    from edgesync_engines.request.prompt_text import embed_text_for
 
     names = list(queries)
     for name in names:  # warm-up: caches, allocator, hnswlib visited-list pool
@@ -385,7 +385,7 @@ def pick_queries(n: int, data_dir: Path) -> dict[str, list]:
     workload in order of first draw (``seed_workload(1000)``; at most ~250). doc-qa: ``n``
     requests drawn by ``random.Random(0).sample`` from every question of every passage of
     ``doc_qa.jsonl`` (``doc_qa_workload(n_docs=all)``)."""
-    from edgesync_engines.workloads import doc_qa_workload, seed_workload
+    from edgesync_engines.app.workloads import doc_qa_workload, seed_workload
 
     seen, seed = set(), []
     for r in seed_workload(1000, data_dir=data_dir):
@@ -562,11 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from edgesync_engines.llamacpp import LlamaCppAdapter
-    from edgesync_engines.workloads import workloads_dir
-    from edgesync_store.embedding import embed_text_for, get_embedder
-    from edgesync_store.index import SIDECAR_HNSW, SIDECAR_JSON, SemanticIndex
-    from edgesync_store.store import FragmentStore
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+    from edgesync_engines.app.workloads import workloads_dir
+    from edgesync_store.semantic.embedders import get_embedder
+    from edgesync_engines.request.prompt_text import embed_text_for
+    from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SemanticIndex
+    from edgesync_store.core.store import FragmentStore
 
     t_run = time.perf_counter()
     err = Console(stderr=True)

@@ -1,7 +1,7 @@
 """The systems issue 4 compares, behind one interface.
 
 Every system answers the same chat requests on the same model (SmolLM2-135M-Instruct Q4_1 from
-``edgesync_engines.models.default_model_path()`` unless told otherwise), greedily, and reports
+``edgesync_engines.adapters.model_files.default_model_path()`` unless told otherwise), greedily, and reports
 one :class:`Answer`::
 
     with make_system("llama-ram", n_threads=1) as system:
@@ -74,10 +74,10 @@ from typing import Sequence
 
 import llama_cpp
 
-from edgesync_engines.adapter import ContextOverflowError
+from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
-from edgesync_engines.models import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
+from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
+from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 from edgesync_store.schema import MIN_SPAN
 
 log = logging.getLogger("edgesync.bench.systems")
@@ -87,7 +87,7 @@ SYSTEM_NAMES = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync
 
 TIER_EXACT, TIER_PARTIAL = "exact", "partial"
 
-# LlamaCppAdapter.generate at temperature 0 (edgesync_engines/llamacpp.py)
+# LlamaCppAdapter.generate at temperature 0 (edgesync_engines/adapters/llamacpp.py)
 GREEDY = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.0, repeat_penalty=1.0,
               frequency_penalty=0.0, presence_penalty=0.0, seed=0)
 
@@ -450,7 +450,7 @@ class EdgeSyncSystem(System):
     def __init__(self, store: "str | os.PathLike | bool", config: dict | None = None,
                  model_path: str | os.PathLike | None = None, n_threads: int | None = None,
                  n_ctx: int = DEFAULT_N_CTX) -> None:
-        from edgesync_engines.router import EdgeSync
+        from edgesync_engines.request.router import EdgeSync
 
         settings = {"ttl_seconds": 1e9, "n_ctx": n_ctx, "n_threads": n_threads or _default_threads(), "seed": 0,
                     "temperature": 0.0, "model_path": model_path, "cache_enabled": store is not False,

@@ -94,7 +94,7 @@ def system_stats(system, workdir: Path) -> dict:
     out: dict = {"system": system.name, "kv_bytes_per_token": kv_bytes_per_token(adapter.llm)}
     es = getattr(system, "es", None)
     if es is not None and getattr(es, "store", None) is not None:
-        from edgesync_store.report import summary
+        from edgesync_store.commands.inventory import summary
 
         out["store"] = summary(es.store)
         out["store_disk_bytes"] = dir_disk_bytes(es.store.path)
@@ -135,7 +135,7 @@ def _wait_prefetch(system) -> float | None:
 
 def serve(system, workdir: Path, inp, out) -> None:
     """Answer commands from ``inp`` (text lines) on ``out`` until ``close`` or end of input."""
-    from edgesync_engines.workloads import Request  # noqa: F401  (import cost outside timing)
+    from edgesync_engines.app.workloads import Request  # noqa: F401  (import cost outside timing)
 
     def reply(obj: dict) -> None:
         out.write(json.dumps(obj) + "\n")

@@ -22,7 +22,7 @@ ENGINES = ("llamacpp", "onnx")
 REUSE_MODES = ("exact", "semantic")
 """``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
 EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
-"""Embedders of ``edgesync_store.embedding``."""
+"""Embedders of ``edgesync_store.semantic.embedders``."""
 
 
 def default_store_path() -> Path:
@@ -40,7 +40,7 @@ def _bool(text: str) -> bool:
 
 
 def _bytes(text: str) -> int:
-    from edgesync_store.compact import parse_bytes
+    from edgesync_store.commands.units import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -102,9 +102,9 @@ class EdgeSyncConfig:
             ``1G`` in the environment); None (default) keeps the budget recorded in the store
             (the last one set) or 1 GiB. Writes past it evict expired fragments first, then the
             short-term tier least recently used, then the long-term tier
-            (``edgesync_store/eviction.py``) [EDGESYNC_MAX_BYTES].
+            (``edgesync_store/lifecycle/eviction.py``) [EDGESYNC_MAX_BYTES].
         jobs: run the expiry sweep and compaction on a schedule in this process (apscheduler,
-            ``edgesync_store/jobs.py``) [EDGESYNC_JOBS].
+            ``edgesync_store/lifecycle/jobs.py``) [EDGESYNC_JOBS].
         sweep_interval_s: seconds between expiry sweeps (default 60) [EDGESYNC_SWEEP_INTERVAL_S].
         compact_interval_s: seconds between compactions (default 900)
             [EDGESYNC_COMPACT_INTERVAL_S].

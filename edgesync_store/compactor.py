@@ -37,11 +37,15 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import eviction, merge, reclaim
-from .codec import FragmentHeader
-from .locks import CompactLock
-from .schema import Namespace, prefix_hasher, token_bytes
-from .ttl import Lifecycle, sweep
+from edgesync_store.lifecycle import eviction
+
+from edgesync_store.lifecycle import merge
+
+from edgesync_store.lifecycle import reclaim
+from edgesync_store.core.codec import FragmentHeader
+from edgesync_store.core.locks import CompactLock
+from edgesync_store.schema import Namespace, prefix_hasher, token_bytes
+from edgesync_store.ttl import Lifecycle, sweep
 
 log = logging.getLogger("edgesync.compactor")
 
@@ -332,8 +336,8 @@ def open_index(store):
     """An open ``SemanticIndex`` over the store's vectors (their recorded backend), or None
     when the store holds none or hnswlib is missing; for commands that compact outside the
     application."""
-    from .index import IndexUnavailableError, SemanticIndex
-    from .vectors import META_DB, VectorTable
+    from edgesync_store.semantic.index import IndexUnavailableError, SemanticIndex
+    from edgesync_store.semantic.vectors import META_DB, VectorTable
 
     try:
         table = VectorTable(store)

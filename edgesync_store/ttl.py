@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .schema import DEFAULT_TTL_SECONDS
+from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
 TIER_SHORT = "short"
 TIER_LONG = "long"

@@ -21,17 +21,14 @@ import logging
 
 import lmdb
 
-from . import m0001_initial, m0002_lifecycle_v2
+from migrations import m0001_initial, m0002_lifecycle_v2
+from edgesync_store.errors import StoreFormatError, StoreOpenError
 
 log = logging.getLogger("edgesync.store")
 
 MIGRATIONS = (m0001_initial, m0002_lifecycle_v2)
 """Every migration, in order; migration ``i`` (1-based) takes a store from ``i - 1`` to ``i``."""
 CURRENT_VERSION = len(MIGRATIONS)
-
-
-class StoreFormatError(RuntimeError):
-    """The store on disk has a format this code cannot read (newer, or a malformed record)."""
 
 
 def read_version(store) -> int:
@@ -64,8 +61,6 @@ def migrate(store) -> int:
         StoreFormatError: the store is newer than this code.
         StoreOpenError: a read-only open of a directory without a store.
     """
-    from edgesync_store.store import StoreOpenError
-
     version = read_version(store)
     if version > CURRENT_VERSION:
         raise StoreFormatError(

@@ -18,7 +18,7 @@ DATABASES = ((b"fragments", False), (b"by_prefix", True), (b"lifecycle", False),
 
 def apply(store) -> None:
     """Create the databases and record version 1 (idempotent)."""
-    from . import write_version
+    from migrations import write_version
 
     def write(txn: lmdb.Transaction) -> None:
         handles = {name: store._env.open_db(name, txn=txn, dupsort=dup, create=True) for name, dup in DATABASES}

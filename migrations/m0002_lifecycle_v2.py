@@ -21,8 +21,8 @@ import struct
 
 import lmdb
 
-from edgesync_store.codec import CodecError, peek
-from edgesync_store.crashpoints import crash_point
+from edgesync_store.core.codec import CodecError, peek
+from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.ttl import LIFECYCLE_V2, TIER_LONG, Lifecycle, TTLPolicy
 
 VERSION = 2
@@ -49,7 +49,7 @@ def upgrade_record(old: bytes | None, blob, policy: TTLPolicy) -> Lifecycle:
 def apply(store) -> None:
     """Rewrite every format-1 lifecycle record, then recount ``used_bytes`` and record
     version 2 (module docstring)."""
-    from . import write_version
+    from migrations import write_version
 
     fragments, lifecycle, meta = store.named_db(b"fragments"), store.named_db(b"lifecycle"), store.named_db(b"meta")
     policy = store.policy

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from edgesync_engines import workloads
+from edgesync_engines.app import workloads
 
 
 # Keep the suite out of the user's own cache directory: fingerprints and any default store go
@@ -40,7 +40,7 @@ def seed_requests(data_dir):
 @pytest.fixture(scope="session")
 def adapter():
     """One real SmolLM2-135M-Instruct (Q4_1) llama.cpp context for the whole session."""
-    from edgesync_engines.llamacpp import LlamaCppAdapter
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 
     a = LlamaCppAdapter()
     yield a
@@ -54,8 +54,8 @@ def adapter():
 @pytest.fixture(scope="session")
 def onnx_export():
     """The export directory of the real SmolLM2 GGUF (built if missing)."""
-    from edgesync_engines.models import default_model_path
-    from edgesync_engines.onnx_export import export_gguf
+    from edgesync_engines.adapters.model_files import default_model_path
+    from edgesync_engines.adapters.onnx_export import export_gguf
 
     return export_gguf(default_model_path())
 
@@ -63,7 +63,7 @@ def onnx_export():
 @pytest.fixture(scope="session")
 def onnx_adapter(onnx_export):
     """One ONNX Runtime session of the real SmolLM2 export for the whole session."""
-    from edgesync_engines.onnxrt import OnnxRuntimeAdapter
+    from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 
     a = OnnxRuntimeAdapter()
     yield a
@@ -76,8 +76,8 @@ def llama_all_logits():
     (``logits_all=True``; ``llm.scores``), for position-by-position comparisons."""
     import llama_cpp
 
-    from edgesync_engines.llamacpp import LlamaCppAdapter
-    from edgesync_engines.models import default_model_path
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+    from edgesync_engines.adapters.model_files import default_model_path
 
     path = default_model_path()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, logits_all=True, verbose=False,

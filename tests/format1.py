@@ -16,7 +16,7 @@ from typing import Iterable
 
 import lmdb
 
-from edgesync_store import codec
+from edgesync_store.core import codec
 from edgesync_store.schema import KVFragment
 from edgesync_store.ttl import LIFECYCLE_V1
 

@@ -12,8 +12,8 @@ import json
 import sys
 import time
 
-from edgesync_engines import workloads
-from edgesync_engines.router import EdgeSync
+from edgesync_engines.app import workloads
+from edgesync_engines.request.router import EdgeSync
 
 MIN_REQUESTS = 4
 """Each process answers at least this many requests, however slow the machine."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from edgesync_engines.router import EdgeSync
+from edgesync_engines.request.router import EdgeSync
 
 
 def main() -> int:

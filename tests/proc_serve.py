@@ -28,7 +28,7 @@ import sys
 import time
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
+from edgesync_engines.request.router import EdgeSync
 
 SAFETY_S = 240.0
 """Stop by itself this long after start, should the stop file never come."""

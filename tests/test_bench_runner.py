@@ -14,7 +14,7 @@ import pytest
 from benchmarks.figures import percentile, storage_figures, summarize, targets
 from benchmarks.runner import Lane
 from benchmarks.systems import make_system
-from benchmarks.workloads import seed_requests
+from benchmarks.bench_workloads import seed_requests
 
 
 def _rec(i, system="edgesync", key=None, ttft=100.0, hit=None, reused=0, n=300, tokens=(1, 2), first=True):
@@ -113,7 +113,7 @@ def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, see
 def test_report_compares_a_partial_system_with_no_cache_on_the_same_requests(tmp_path):
     """naive-string runs only the first 2 of 4 requests: its "vs no cache" divides by no cache's
     mean over those 2 (1,500 ms), not over all 4 (2,500 ms)."""
-    from benchmarks.report import build_report
+    from benchmarks.bench_report import build_report
 
     nc = [_rec(i, "no-cache", ttft=1000.0 * (i + 1)) for i in range(4)]
     naive = [_rec(i, "naive-string", ttft=100.0) for i in range(2)]

@@ -1,4 +1,4 @@
-"""``edgesync_store.clear.clear_store`` and ``edgesync clear``, on real LMDB stores in temp dirs.
+"""``edgesync_store.commands.clear.clear_store`` and ``edgesync clear``, on real LMDB stores in temp dirs.
 
 No mocks: real fragments, donor records, vectors and a real hnswlib sidecar; the other process
 that holds the store open is a real subprocess; the command runs as a subprocess.
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_store import donors
-from edgesync_store.clear import clear_store
-from edgesync_store.index import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK, SemanticIndex
-from edgesync_store.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME
-from edgesync_store.report import StoreNotFoundError
-from edgesync_store.store import FragmentStore, StoreOpenError
-from edgesync_store.vectors import VectorTable
+from edgesync_store.semantic import donors
+from edgesync_store.commands.clear import clear_store
+from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK, SemanticIndex
+from edgesync_store.core.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME
+from edgesync_store.commands.inventory import StoreNotFoundError
+from edgesync_store.core.store import FragmentStore, StoreOpenError
+from edgesync_store.semantic.vectors import VectorTable
 
 from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
 
@@ -96,7 +96,7 @@ def test_clear_falls_back_to_drop_all_while_another_process_has_it_open(full_sto
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from edgesync_store.store import FragmentStore
+            from edgesync_store.core.store import FragmentStore
             s = FragmentStore({str(path)!r})
             print("open", flush=True)
             sys.stdin.read()  # until the test closes our stdin
@@ -140,7 +140,7 @@ def test_clear_refuses_paths_without_a_store(tmp_path):
 
 
 def _clear_cmd(*args: str, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "clear", *args],
+    return subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "clear", *args],
                           capture_output=True, text=True, cwd=ROOT, env=_env(), stdin=stdin, timeout=120)
 
 
@@ -176,7 +176,7 @@ def test_clear_command_asks_on_a_terminal(full_store, answer, code, left):
     path = full_store
     master, slave = os.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "edgesync_engines.cli", "clear", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(path)],
                                 cwd=ROOT, env=_env(), stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         os.write(master, f"{answer}\n".encode())

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines import runreport
-from edgesync_engines.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
+from edgesync_engines.app import run_report as runreport
+from edgesync_engines.app.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tools" / "dump.py"
@@ -33,7 +33,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def edgesync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "edgesync_engines.cli", *args],
+        [sys.executable, "-m", "edgesync_engines.app.cli", *args],
         capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=600,
     )
 
@@ -187,7 +187,7 @@ def test_paths_and_models_that_do_not_work_exit_2_with_one_line(tmp_path):
         (["generate", "hi", "--store", str(tmp_path / "s")], {"EDGESYNC_MODEL": str(junk)}),
         (["generate", "hi", "--store", str(tmp_path / "s")], {"EDGESYNC_TTL_SECONDS": "nan"}),
     ):
-        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", *args], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", *args], capture_output=True,
                               text=True, timeout=120, env={**os.environ, **env})
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr

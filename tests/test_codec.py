@@ -1,4 +1,4 @@
-"""Tests for edgesync_store.codec: round trips, compression, and refusal of corrupt or crafted
+"""Tests for edgesync_store.core.codec: round trips, compression, and refusal of corrupt or crafted
 blobs.
 
 No mocks. Corrupt blobs are made by flipping bytes of a real encoded blob (a fake for a corrupt
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from edgesync_store import codec
-from edgesync_store.codec import CodecError, decode, encode, peek
+from edgesync_store.core import codec
+from edgesync_store.core.codec import CodecError, decode, encode, peek
 from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace, content_hash, prefix_hash
 
 from fragments import SMOL  # noqa: E402  (tests/fragments.py)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from edgesync_engines.compat import CONVERTIBLE, EXACT, INCOMPATIBLE, compatible_with
-from edgesync_engines.llamacpp import LAYOUT as LLAMA_LAYOUT
-from edgesync_engines.onnxrt import LAYOUT as ONNX_LAYOUT
+from edgesync_engines.adapters.compat import CONVERTIBLE, EXACT, INCOMPATIBLE, compatible_with
+from edgesync_engines.adapters.llamacpp import LAYOUT as LLAMA_LAYOUT
+from edgesync_engines.adapters.onnxrt import LAYOUT as ONNX_LAYOUT
 from edgesync_store.schema import Namespace
 
 LLAMA = Namespace("a" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, LLAMA_LAYOUT + ";v_trans=1", 30, 3, 64)

@@ -30,7 +30,7 @@ decode (checksums) into exactly the bytes of the original chunk it claims. After
 the store holds exactly the ten whole chunks of A and C.
 
 Kills, each on a fresh copy of a pristine store (``shutil.copytree``), of ``python -m
-edgesync_store.compact STORE --force-reclaim --json`` (never loads the model):
+edgesync_engines.app.compact STORE --force-reclaim --json`` (never loads the model):
 
 * the five reclaim crash points (format-2 store);
 * ``migrate.batch@1``, ``migrate.batch@2``, ``migrate.before_version`` (format-1 store: the
@@ -63,11 +63,11 @@ import numpy as np
 import pytest
 
 from edgesync_store.compactor import Compactor
-from edgesync_store.crashpoints import ENV_VAR
-from edgesync_store.merge import split_heads, split_layers
-from edgesync_store.reclaim import TMP_NAME
+from edgesync_store.core.crashpoints import ENV_VAR
+from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.lifecycle.reclaim import TMP_NAME
 from edgesync_store.schema import KVFragment, chunk_spans
-from edgesync_store.store import STORE_FORMAT_VERSION, FragmentStore
+from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore
 
 from format1 import on_disk_version, write_format1_store
 
@@ -269,7 +269,7 @@ def run_compactor(path: Path, *args: str, crash: str | None = None) -> subproces
     env.pop(ENV_VAR, None)
     if crash:
         env[ENV_VAR] = crash
-    return subprocess.Popen([sys.executable, "-m", "edgesync_store.compact", str(path), "--force-reclaim", "--json",
+    return subprocess.Popen([sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--force-reclaim", "--json",
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -11,13 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from edgesync_engines.compat import CONVERTIBLE, INCOMPATIBLE, compatible_with
+from edgesync_engines.adapters.compat import CONVERTIBLE, INCOMPATIBLE, compatible_with
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.onnx_export import TOKENIZER_FILE, read_meta
-from edgesync_engines.onnxrt import OnnxRuntimeAdapter
-from edgesync_engines.reshape import can_inject_with_reshape, convert_fragment
-from edgesync_engines.router import EdgeSync
-from edgesync_store.store import FragmentStore
+from edgesync_engines.adapters.onnx_export import TOKENIZER_FILE, read_meta
+from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.adapters.reshape import can_inject_with_reshape, convert_fragment
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core.store import FragmentStore
 
 from tinymodel import N_HEAD_KV, build_tiny_export
 
@@ -79,7 +79,7 @@ def test_llama_cpp_kv_survives_the_round_trip_through_onnx_layout_bit_for_bit(ad
     adapter.clear_kv_cache()
     list(adapter.generate(doc_prompts[0], max_tokens=1))
     fragment = adapter.extract_fragment(doc_prompts[0], 0, PREFIX)
-    from edgesync_engines.onnxrt import LAYOUT, ENGINE
+    from edgesync_engines.adapters.onnxrt import LAYOUT, ENGINE
     import dataclasses
 
     onnx_ns = dataclasses.replace(adapter.namespace, engine=ENGINE, engine_version="x", kv_dtype="f32", layout=LAYOUT)
@@ -178,10 +178,10 @@ def test_run_command_reports_cross_engine_hits(tmp_path):
     store = tmp_path / "store"
     env = {**os.environ, "EDGESYNC_THREADS": "2", "EDGESYNC_JOBS": "0"}
     common = ["run", "seed", "--limit", "6", "--max-tokens", "8", "--store", str(store), "--json"]
-    first = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", *common], capture_output=True, text=True,
+    first = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", *common], capture_output=True, text=True,
                            env=env, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", *common, "--engine", "onnx",
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", *common, "--engine", "onnx",
                            "--allow-convertible"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)

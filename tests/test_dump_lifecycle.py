@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_store import codec
-from edgesync_store.cli_dump import print_dump
-from edgesync_store.report import fragment_rows, render_table, render_tier_table, tier_summary
-from edgesync_store.store import FragmentStore
+from edgesync_store.core import codec
+from edgesync_store.commands.dump import print_dump
+from edgesync_store.commands.inventory import fragment_rows, render_table, render_tier_table, tier_summary
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import LONG_TTL_SECONDS, ManualClock
 
 from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
@@ -176,7 +176,7 @@ def test_dump_rows_and_cli_summary_flag(lifecycle_store, capsys):
     assert len(doc["fragments"]) == 2 and doc["summary"]["fragments"] == 3
     assert all(r["tier"] in ("short", "long") and "last_used" in r for r in doc["fragments"])
 
-    from edgesync_engines import cli
+    from edgesync_engines.app import cli
 
     assert cli.main(["dump", str(path), "--summary", "--json"]) == 0
     summ = json.loads(capsys.readouterr().out)

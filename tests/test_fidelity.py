@@ -1,4 +1,4 @@
-"""``edgesync fidelity`` and ``edgesync_engines.fidelity`` on real data, the real embedder and the
+"""``edgesync fidelity`` and ``edgesync_engines.app.fidelity`` on real data, the real embedder and the
 real model. No mocks.
 
 Data: ``qqp_pairs_labelled.jsonl`` of the shared workloads, its first 400 rows (file order) for
@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_engines import fidelity
+from edgesync_engines.app import fidelity
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
-from edgesync_engines.workloads import WorkloadDataError
-from edgesync_store.embedding import embed_text_for, get_embedder
+from edgesync_engines.request.router import EdgeSync
+from edgesync_engines.app.workloads import WorkloadDataError
+from edgesync_store.semantic.embedders import get_embedder
+    from edgesync_engines.request.prompt_text import embed_text_for
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SUBSET = 400
@@ -157,7 +158,7 @@ def test_run_pair_serves_the_donor_and_reports_it(adapter, pairs, subset_sims, s
 def _cli(*args: str) -> subprocess.CompletedProcess:
     keep = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS", "EDGESYNC_FINGERPRINT_CACHE"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in keep}
-    return subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "fidelity", *args],
+    return subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "fidelity", *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
-from edgesync_store.merge import (
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.lifecycle.merge import (
     group_ranges,
     head_groups,
     layer_groups,
@@ -25,7 +25,7 @@ from edgesync_store.merge import (
     split_layers,
 )
 from edgesync_store.schema import KVFragment, chunk_spans, prefix_hash
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 
 from fragments import SMOL
 

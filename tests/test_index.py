@@ -1,4 +1,4 @@
-"""Tests for edgesync_store.index (SemanticIndex): real hnswlib, real LMDB FragmentStores in
+"""Tests for edgesync_store.semantic.index (SemanticIndex): real hnswlib, real LMDB FragmentStores in
 temp dirs, real MiniLM vectors from the ONNX embedder, real subprocesses. No mocks.
 
 Data: ``qqp_clusters.jsonl`` (../shared/workloads or $EDGESYNC_WORKLOADS), clusters in file
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_store.index import (
+from edgesync_store.semantic.index import (
     SIDECAR_HNSW,
     SIDECAR_JSON,
     BackendMismatchError,
@@ -33,7 +33,7 @@ from edgesync_store.index import (
     drop_vectors,
 )
 from edgesync_store.schema import KVFragment, Namespace, prefix_hash
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 
 N_PARENT = 300
 N_CHILD = 50
@@ -81,7 +81,7 @@ def questions(data_dir) -> list[str]:
 @pytest.fixture(scope="session")
 def vectors(questions) -> np.ndarray:
     """ONNX int8 MiniLM vectors of the 350 questions, float32 [350, 384]."""
-    from edgesync_store.embedding import get_embedder
+    from edgesync_store.semantic.embedders import get_embedder
 
     emb = get_embedder("onnx")
     assert emb.backend_id == ONNX_ID

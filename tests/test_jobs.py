@@ -1,4 +1,4 @@
-"""StoreJobs (edgesync_store/jobs.py): the scheduled expiry sweep and compaction in the
+"""StoreJobs (edgesync_store/lifecycle/jobs.py): the scheduled expiry sweep and compaction in the
 application process.
 
 Store-level tests use seeded synthetic K/V (``tests/test_store.make_fragment``, SmolLM2's KV
@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
-from edgesync_store import jobs as jobs_module
-from edgesync_store import merge
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.lifecycle import jobs as jobs_module
+from edgesync_store.lifecycle import merge
 from edgesync_store.compactor import Compactor
-from edgesync_store.jobs import StoreJobs
-from edgesync_store.merge import split_layers
-from edgesync_store.store import FragmentStore
+from edgesync_store.lifecycle.jobs import StoreJobs
+from edgesync_store.lifecycle.merge import split_layers
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import ManualClock
 from tests.test_store import make_fragment
 
@@ -152,7 +152,7 @@ def test_a_compaction_is_skipped_while_another_process_compacts(store, clock, tm
     assert store.put_many(expired) == 3
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from pathlib import Path; from edgesync_store.locks import CompactLock\n"
+         "import sys; from pathlib import Path; from edgesync_store.core.locks import CompactLock\n"
          "lock = CompactLock(Path(sys.argv[1]))\n"
          "print('held' if lock.__enter__() else 'busy', flush=True)\n"
          "sys.stdin.read()\n",

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
-from edgesync_store import codec
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core import codec
 from edgesync_store.compactor import Compactor
-from edgesync_store.index import SemanticIndex
-from edgesync_store.merge import split_heads, split_layers
-from edgesync_store.store import FragmentStore
+from edgesync_store.semantic.index import SemanticIndex
+from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock, sweep
 from tests.test_store import make_fragment
 
@@ -223,7 +223,7 @@ def test_fragment_pinned_by_another_process_is_not_evicted(tmp_path, clock):
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from edgesync_store.store import FragmentStore
+            from edgesync_store.core.store import FragmentStore
             s = FragmentStore({str(path)!r}, readonly=False)
             with s.pins.pinned([bytes.fromhex({victim.key().hex()!r})]):
                 print("pinned", flush=True)
@@ -233,7 +233,7 @@ def test_fragment_pinned_by_another_process_is_not_evicted(tmp_path, clock):
     try:
         assert child.stdout.readline().strip() == "pinned"
         assert store.pins.is_pinned(victim.key())
-        from edgesync_store.eviction import evict_to_budget
+        from edgesync_store.lifecycle.eviction import evict_to_budget
 
         size = len(store.get_blob(victim.key()))
         evicted = [k for k, _ in evict_to_budget(store, max_bytes=size * 3 + size // 2)]
@@ -283,7 +283,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     assert all(store.contains(k) for k in prompt_keys)
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     # once the request is done its fragments are fair game: the budget now takes them
-    from edgesync_store.eviction import evict_to_budget
+    from edgesync_store.lifecycle.eviction import evict_to_budget
 
     assert {k for k, _ in evict_to_budget(other, max_bytes=1)} == prompt_keys
     assert other.used_bytes() == 0
@@ -302,7 +302,7 @@ def test_full_disk_serves_uncached_with_a_warning(tmp_path, adapter, system_prom
         import json, logging, resource, sys
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         from edgesync_engines.config import EdgeSyncConfig
-        from edgesync_engines.router import EdgeSync
+        from edgesync_engines.request.router import EdgeSync
         resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
         cfg = EdgeSyncConfig.load({{"jobs": False, "semantic": False, "store_path": {str(path)!r}}})
         with EdgeSync(config=cfg) as es:
@@ -472,13 +472,13 @@ def test_compact_command_dry_run_and_json(tmp_path, clock):
     with FragmentStore(path) as store:
         store.put_many([make_fragment(seed=70, created_at=now - 3600, expires_at=now - 1800),
                         make_fragment(seed=71, created_at=now, expires_at=now + 1800)])
-    cmd = [sys.executable, "-m", "edgesync_store.compact", str(path), "--json"]
+    cmd = [sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--json"]
     dry = json.loads(subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, check=True).stdout)
     assert dry["dry_run"] and dry["expired"] == 1 and dry["fragments_after"] == 2
     done = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert done["expired"] == 1 and done["fragments_before"] == 2 and done["fragments_after"] == 1
     for bad in ([str(tmp_path / "missing")], [str(path), "--max-bytes", "lots"]):
-        proc = subprocess.run([sys.executable, "-m", "edgesync_store.compact", *bad], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.compact", *bad], capture_output=True, text=True)
         assert proc.returncode == 2 and proc.stderr.strip()
     assert not (tmp_path / "missing").exists()
 
@@ -524,7 +524,9 @@ def test_compact_command_stops_cleanly_on_sigterm(tmp_path, clock, monkeypatch, 
     import signal
     import threading
 
-    from edgesync_store import compact, merge
+    from edgesync_engines.app import compact
+
+    from edgesync_store.lifecycle import merge
 
     path = tmp_path / "s"
     now = time.time()

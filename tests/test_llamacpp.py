@@ -10,8 +10,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from edgesync_engines import seqstate
-from edgesync_engines.adapter import ContextOverflowError
+from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.protocol import ContextOverflowError
 
 
 @pytest.fixture

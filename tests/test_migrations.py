@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_store import codec
-from edgesync_store.crashpoints import ENV_VAR
-from edgesync_store.merge import split_heads, split_layers
+from edgesync_store.core import codec
+from edgesync_store.core.crashpoints import ENV_VAR
+from edgesync_store.lifecycle.merge import split_heads, split_layers
 from migrations import CURRENT_VERSION, StoreFormatError
 from migrations import m0002_lifecycle_v2
 from edgesync_store.schema import KVFragment, chunk_spans
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock
 
 from format1 import dump, on_disk_version, write_format1_store
@@ -204,7 +204,7 @@ def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_
 
 def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, EDGESYNC_THREADS="1", **{ENV_VAR: crash})
-    code = "import sys; from edgesync_store.store import FragmentStore; FragmentStore(sys.argv[1]).close()"
+    code = "import sys; from edgesync_store.core.store import FragmentStore; FragmentStore(sys.argv[1]).close()"
     return subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.models import ModelLoadError, default_model_path
-from edgesync_engines.onnx_export import (META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, clean_leftovers,
+from edgesync_engines.adapters.model_files import ModelLoadError, default_model_path
+from edgesync_engines.adapters.onnx_export import (META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, clean_leftovers,
                                           export_gguf, is_gguf, open_export)
-from edgesync_engines.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 
 
 def damaged_copy(onnx_export, root, meta=None, tokenizer=None, model_bytes=None):
@@ -54,7 +54,7 @@ def test_a_damaged_export_is_refused_by_name(onnx_export, tmp_path, monkeypatch,
     monkeypatch.setenv("EDGESYNC_ONNX_DIR", str(tmp_path / "onnx"))
     with pytest.raises(ExportError, match=re.escape(message)):
         OnnxRuntimeAdapter(default_model_path(), n_threads=1)
-    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "generate", "hi", "--engine", "onnx",
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "generate", "hi", "--engine", "onnx",
                            "--no-cache", "--max-tokens", "2"], capture_output=True, text=True,
                           env={**os.environ, "EDGESYNC_ONNX_DIR": str(tmp_path / "onnx")}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_export_refuses_a_non_gguf_and_an_unwritable_place_before_loading_anythi
         with pytest.raises(ExportError, match="cannot write the export there"):
             export_gguf(default_model_path(), root=root)
     assert time.perf_counter() - t0 < 10  # refused before the GGUF is de-quantized (about 30 s)
-    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "export-onnx", "--out", str(blocker)],
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "export-onnx", "--out", str(blocker)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 

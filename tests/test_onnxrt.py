@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 
-from edgesync_engines.onnx_export import META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, read_meta
-from edgesync_engines.onnxrt import OnnxRuntimeAdapter
-from edgesync_engines.router import EdgeSync
-from edgesync_store.fingerprint import file_fingerprint
+from edgesync_engines.adapters.onnx_export import META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, read_meta
+from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.request.router import EdgeSync
+from edgesync_engines.adapters.fingerprint import file_fingerprint
 from edgesync_store.schema import chunk_spans
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 
 
 def decode_steps(generated: list[int], max_tokens: int) -> int:
@@ -141,7 +141,7 @@ def test_router_on_onnx_runtime_reuses_its_own_kv_token_identically(onnx_adapter
 def test_export_records_the_gguf_fingerprint(onnx_export, onnx_adapter):
     import onnxruntime as ort
 
-    from edgesync_engines.models import default_model_path
+    from edgesync_engines.adapters.model_files import default_model_path
 
     fingerprint = file_fingerprint(default_model_path())
     props = ort.InferenceSession(str(onnx_export / MODEL_FILE), providers=["CPUExecutionProvider"]) \
@@ -153,7 +153,7 @@ def test_export_records_the_gguf_fingerprint(onnx_export, onnx_adapter):
 
 
 def test_an_export_of_another_file_or_an_incomplete_one_is_refused(onnx_export, tmp_path, monkeypatch):
-    from edgesync_engines.models import default_model_path
+    from edgesync_engines.adapters.model_files import default_model_path
 
     fake = tmp_path / "onnx" / onnx_export.name
     fake.mkdir(parents=True)

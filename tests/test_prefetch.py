@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgesync_engines.prefetch import NgramPredictor, PredictionAccuracy, RamTier
+from edgesync_engines.request.prefetch import NgramPredictor, PredictionAccuracy, RamTier
 
 
 class Frag:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgesync_engines import workloads
+from edgesync_engines.app import workloads
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.llamacpp import LlamaCppAdapter
-from edgesync_engines.prefetch import NgramPredictor, request_key
-from edgesync_engines.router import EdgeSync
-from edgesync_store.store import FragmentStore
+from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.request.prefetch import NgramPredictor, request_key
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core.store import FragmentStore
 
 MAX_TOKENS = 12
 

@@ -1,4 +1,4 @@
-"""KV layout conversion between llama.cpp and ONNX caches (edgesync_engines/reshape.py): the
+"""KV layout conversion between llama.cpp and ONNX caches (edgesync_engines/adapters/reshape.py): the
 mechanics, on seeded arrays of SmolLM2's geometry (30 layers, 3 KV heads of 64). Whether the
 converted KV serves the other engine is tested with the real export (issue 6)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgesync_engines.reshape import halves_to_interleaved, interleaved_to_halves, llamacpp_to_onnx, onnx_to_llamacpp
+from edgesync_engines.adapters.reshape import halves_to_interleaved, interleaved_to_halves, llamacpp_to_onnx, onnx_to_llamacpp
 
 N_LAYERS, SPAN, HEADS, HEAD_DIM = 30, 70, 3, 64
 

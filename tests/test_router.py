@@ -17,12 +17,12 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from edgesync_engines.adapter import ContextOverflowError
-from edgesync_engines.llamacpp import LlamaCppAdapter
-from edgesync_engines.router import EdgeSync
-from edgesync_store import codec
+from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core import codec
 from edgesync_store.schema import common_prefix_len
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 
 TESTS = Path(__file__).parent
 ESSAY = "Write a long, detailed essay about how to study well for exams, with many examples."

@@ -15,12 +15,13 @@ import sys
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.router import EdgeSync
-from edgesync_store.donors import get_donor, iterate_donors
-from edgesync_store.embedding import embed_text_for, get_embedder
-from edgesync_store.index import SIDECAR_HNSW, SIDECAR_JSON
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.semantic.donors import get_donor, iterate_donors
+from edgesync_store.semantic.embedders import get_embedder
+    from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON
 from edgesync_store.schema import chunk_spans, common_prefix_len
-from edgesync_store.store import FragmentStore
+from edgesync_store.core.store import FragmentStore
 
 # An instruction long enough (>= 64 tokens) that a prompt which inserts it before its question
 # leaves the prefix walk that many tokens short of a stored twin without it.
@@ -170,7 +171,7 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
         (store_dir / name).unlink()
 
     def reindex(*args: str) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "reindex", str(store_dir), "--json", *args],
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "reindex", str(store_dir), "--json", *args],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
@@ -194,7 +195,7 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
 
 
 def test_reindex_refuses_a_missing_store(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.cli", "reindex", str(tmp_path / "nothing")],
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "reindex", str(tmp_path / "nothing")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no EdgeSync store" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -208,7 +209,7 @@ def test_malformed_donor_record_is_ignored(adapter, tmp_path, system_prompts, pa
     with EdgeSync(adapter, config=cfg(tmp_path)) as es:
         es.generate(twin, max_tokens=4)
         (key, record), = list(iterate_donors(es.store))
-        from edgesync_store.donors import _db
+        from edgesync_store.semantic.donors import _db
 
         db = _db(es.store, create=False)
         es.store._txn(lambda txn: txn.put(key, record.namespace_digest + b"\x05\x00", db=db), write=True)

@@ -1,5 +1,5 @@
-"""Tests for edgesync_store.store (FragmentStore on real LMDB in temp dirs) and
-edgesync_store.fingerprint.
+"""Tests for edgesync_store.core.store (FragmentStore on real LMDB in temp dirs) and
+edgesync_engines.adapters.fingerprint.
 
 No mocks. Processes are real subprocesses; the only fault injection is a byte changed in a
 stored blob through a raw LMDB environment (a fake for a corrupt page on disk), or a blob copied
@@ -26,9 +26,11 @@ import lmdb
 import numpy as np
 import pytest
 
-from edgesync_store import codec, fingerprint
+from edgesync_store.core import codec
+
+from edgesync_engines.adapters import fingerprint
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
-from edgesync_store.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
+from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -172,7 +174,7 @@ _PRELUDE = textwrap.dedent(
     import sys, json, logging, time
     sys.path.insert(0, {str(TESTS)!r})
     import test_store as T
-    from edgesync_store.store import FragmentStore
+    from edgesync_store.core.store import FragmentStore
     """
 )
 
@@ -753,7 +755,7 @@ def test_blob_under_a_key_that_is_not_its_own_is_refused(tmp_path):
 _FINGERPRINT = textwrap.dedent(
     """
     import sys
-    from edgesync_store.fingerprint import file_fingerprint
+    from edgesync_engines.adapters.fingerprint import file_fingerprint
     print(file_fingerprint(sys.argv[1]))
     """
 )

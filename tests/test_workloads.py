@@ -1,4 +1,4 @@
-"""Tests for edgesync_engines.workloads against the real shared data.
+"""Tests for edgesync_engines.app.workloads against the real shared data.
 
 Data: ../shared/workloads/ (or $EDGESYNC_WORKLOADS): qqp_clusters.jsonl (all 1,000 rows,
 shuffled with random.Random(0), first 64 kept), system_prompts.json (all 8 rows), and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.workloads import (
+from edgesync_engines.app.workloads import (
     DOC_QA_SYSTEM_PROMPT,
     WORKLOAD_NAMES,
     Request,

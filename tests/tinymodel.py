@@ -25,7 +25,7 @@ def build_tiny_export(out_dir: Path, tokenizer_json: Path, chat_template: str, s
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgesync_engines.onnx_export import export_model
+    from edgesync_engines.adapters.onnx_export import export_model
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=N_HEAD * HEAD_DIM, intermediate_size=128, num_hidden_layers=N_LAYER,

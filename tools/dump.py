@@ -26,7 +26,7 @@ try:
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgesync_store.cli_dump import print_dump  # noqa: E402
+from edgesync_store.commands.dump import print_dump  # noqa: E402
 
 
 def _positive_int(text: str) -> int:

@@ -1,0 +1,426 @@
+"""llama-cpp-python adapter: KV fragments out of and into a live llama.cpp sequence.
+
+Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
+``seqstate.parse``; injection assembles fragments into one ``llama_state_seq_set_data`` buffer
+(``seqstate.serialize``). Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
+0.3.36): set_data replaces the destination sequence and must cover positions 0..N-1; after
+injecting N tokens, ``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops
+the injected cells or writes the suffix at position 0; ``Llama.reset()`` does not clear KV
+memory, ``llama_memory_clear`` does; set_data returns 0 for a buffer it refuses.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import importlib.metadata
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+
+from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
+
+log = logging.getLogger("edgesync.llamacpp")
+
+ENGINE = "llama.cpp"
+LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
+"""Name of the fragment tensor layout this adapter writes: per layer [tokens, heads*head_dim]."""
+DEFAULT_N_CTX = 4096
+_SEQ = 0
+
+
+class LlamaCppAdapter:
+    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on one ``llama_cpp.Llama``.
+
+    Args:
+        model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
+            pass ``model_path`` so the namespace can fingerprint the file).
+        n_ctx: context window in tokens (default 4,096).
+        n_threads: CPU threads (default: all cores).
+        flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
+            namespace).
+        verbose: let llama.cpp's log lines through at INFO.
+
+    Raises:
+        ModelNotFoundError: the model file is missing.
+        ModelLoadError: llama.cpp cannot load the file or create the context.
+        seqstate.SeqStateError: the engine's seq-state format is not the one this code parses
+            (found by a one-token probe at start).
+    """
+
+    def __init__(
+        self,
+        model: "str | os.PathLike | object | None" = None,
+        n_ctx: int = DEFAULT_N_CTX,
+        n_threads: int | None = None,
+        flash_attn: bool = False,
+        verbose: bool = False,
+        seed: int = 0,
+        model_path: str | os.PathLike | None = None,
+    ) -> None:
+        import llama_cpp
+
+        route_native_logs(verbose)
+        self._llama_cpp = llama_cpp
+        self.lock = threading.RLock()
+        if model is None or isinstance(model, (str, os.PathLike)):
+            path = Path(model) if model is not None else default_model_path()
+            if not path.is_file():
+                raise ModelNotFoundError(f"{path}: no such model file")
+            try:
+                self.llm = llama_cpp.Llama(
+                    model_path=str(path),
+                    n_ctx=n_ctx,
+                    n_threads=n_threads or os.cpu_count() or 1,
+                    n_threads_batch=n_threads or os.cpu_count() or 1,
+                    flash_attn=flash_attn,
+                    verbose=verbose,
+                    seed=seed,
+                )
+            except ValueError as exc:  # llama-cpp-python's "Failed to load model / create context"
+                raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx})") from None
+            self.model_path = path
+            self._owns_llm = True
+        else:
+            self._owns_llm = False
+            self.llm = model
+            self.model_path = Path(model_path or getattr(model, "model_path", ""))
+            if not self.model_path.is_file():
+                raise ModelNotFoundError("pass model_path= for a Llama object so its file can be fingerprinted")
+        self.n_ctx = int(self.llm.n_ctx())
+        self.flash_attn = bool(flash_attn) if model is None or isinstance(model, (str, os.PathLike)) else (
+            self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        )
+        self._ctx = self.llm._ctx.ctx
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._vocab = self.llm._model.vocab
+        self._chat_formatter = None
+        self._probe()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self.llm is None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        """Evaluate one token, parse the seq state and learn the KV layout and geometry."""
+        llama_cpp = self._llama_cpp
+        self.clear_kv_cache()
+        self.llm.eval([self.llm.token_eos()])
+        state = seqstate.parse(self._get_state())
+        self.clear_kv_cache()
+        self.llm._ctx.ctx  # keep the context alive
+        n_layer = int(llama_cpp.llama_model_n_layer(self.llm._model.model))
+        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm._model.model))
+        if state.n_layer != n_layer:
+            raise seqstate.SeqStateError(f"probe: seq state has {state.n_layer} layers, the model {n_layer}")
+        if state.type_k != state.type_v:
+            raise seqstate.SeqStateError(f"probe: K type {state.type_k} != V type {state.type_v}")
+        width = state.k.shape[2]
+        if width % n_head_kv or state.v.shape[2] != width:
+            raise seqstate.SeqStateError(f"probe: K width {width}, V width {state.v.shape[2]}, {n_head_kv} KV heads")
+        self._type_kv = state.type_k
+        self._v_trans = state.v_trans
+        self.namespace = Namespace(
+            model_fingerprint=file_fingerprint(self.model_path),
+            engine=ENGINE,
+            engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
+            kv_dtype=seqstate.DTYPE_NAMES[state.type_k],
+            flash_attn=self.flash_attn,
+            layout=f"{LAYOUT};v_trans={state.v_trans}",
+            n_layer=n_layer,
+            n_head_kv=n_head_kv,
+            head_dim=width // n_head_kv,
+        )
+        log.debug("llama.cpp KV layout: %s", self.namespace)
+
+    def _get_state(self) -> bytes:
+        llama_cpp = self._llama_cpp
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, _SEQ)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, _SEQ)
+        if written != size:
+            raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return bytes(buf)
+
+    # -- the KVAdapter methods ------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token IDs of ``text``; chat markers such as ``<|im_start|>`` are parsed as special
+        tokens; a BOS is added only when the model asks for one (SmolLM2 does not)."""
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (invalid UTF-8 replaced)."""
+        return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        """Render chat messages with the GGUF's own template (``tokenizer.chat_template``),
+        ending with the assistant prompt.
+
+        Raises:
+            ValueError: the model has no chat template, or a message lacks role/content.
+        """
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
+        if self._chat_formatter is None:
+            template = self.llm.metadata.get("tokenizer.chat_template")
+            if not template:
+                raise ValueError(f"{self.model_path.name}: the GGUF has no tokenizer.chat_template")
+            self._chat_formatter = Jinja2ChatFormatter(
+                template=template,
+                eos_token=self.detokenize([self.llm.token_eos()]),
+                bos_token=self.detokenize([self.llm.token_bos()]) if self.llm.token_bos() >= 0 else "",
+                add_generation_prompt=True,
+            )
+        return self._chat_formatter(messages=list(messages)).prompt
+
+    def _check_live(self, tokens: Sequence[int], end: int) -> None:
+        if end > self.llm.n_tokens:
+            raise ValueError(f"token_end: {end} exceeds the {self.llm.n_tokens} tokens in the live sequence")
+        live = np.asarray(self.llm.input_ids[:end])
+        if common_prefix_len(live, np.asarray(tokens[:end])) != end:
+            raise ValueError("tokens: differ from what the live sequence holds")
+
+    def extract_fragments(
+        self,
+        tokens: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        layer_stride: int = 1,
+        ttl_seconds: float | None = None,
+        now: float | None = None,
+        head_start: int = 0,
+        head_end: int | None = None,
+    ) -> list[KVFragment]:
+        """Copy the live KV of several token spans (one seq-state read for all).
+
+        Each fragment's ``keys``/``values`` are ``[n_layers, span, (head_end - head_start) *
+        head_dim]`` of the namespace's dtype (float16 by default): rows
+        ``range(layer_start, layer_end, layer_stride)`` of the state, columns
+        ``head_start*head_dim : head_end*head_dim`` (the KV heads ``[head_start, head_end)``).
+
+        Args:
+            tokens: the live sequence's token IDs from position 0.
+            spans: ``(token_start, token_end)`` pairs.
+            layer_start, layer_end, layer_stride: the layers to keep (default all).
+            ttl_seconds: lifetime from now (default: the schema's 30 minutes).
+            now: creation time, Unix seconds.
+            head_start, head_end: the KV heads to keep (default all).
+
+        Raises:
+            ValueError: a span beyond the live sequence, tokens that differ from it, a head
+                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
+        """
+        if not spans:
+            return []
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
+        self._check_live(tokens, max(end for _, end in spans))
+        state = seqstate.parse(self._get_state())
+        now = time.time() if now is None else now
+        layers = slice(layer_start, layer_end, layer_stride)
+        cols = slice(head_start * self.namespace.head_dim, head_end * self.namespace.head_dim)
+        ids = np.asarray(tokens, dtype=np.int32)
+        out = []
+        for start, end in spans:
+            out.append(
+                KVFragment(
+                    namespace=self.namespace,
+                    token_start=start,
+                    token_end=end,
+                    layer_start=layer_start,
+                    layer_end=layer_end,
+                    layer_stride=layer_stride,
+                    head_start=head_start,
+                    head_end=head_end,
+                    keys=np.ascontiguousarray(state.k[layers, start:end, cols]),
+                    values=np.ascontiguousarray(state.v[layers, start:end, cols]),
+                    token_ids=ids[start:end],
+                    prefix_hash=prefix_hash(ids[:start]),
+                    created_at=now,
+                    expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
+                )
+            )
+        return out
+
+    def extract_fragment(
+        self,
+        tokens: Sequence[int],
+        token_start: int,
+        token_end: int,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        layer_stride: int = 1,
+    ) -> KVFragment:
+        """One fragment of the live sequence; see :meth:`extract_fragments`."""
+        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
+
+    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Validate fragments and build K, V ``[n_layer, n_tokens, width]`` for positions 0..n-1
+        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`).
+
+        Raises:
+            ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
+                that differ from ``tokens``.
+        """
+        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
+
+    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
+        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments``.
+
+        Validates everything (:meth:`assemble`) before touching the engine; then calls
+        ``llama_state_seq_set_data`` and sets ``input_ids[:n]`` and ``n_tokens`` so that the
+        next ``eval`` continues at position n.
+
+        Raises:
+            ValueError: see :meth:`assemble`.
+            InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
+        """
+        k, v = self.assemble(fragments, n_tokens, tokens)
+        buf = seqstate.serialize(k, v, self._type_kv, self._type_kv, self._v_trans, _SEQ)
+        arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, arr, len(buf), _SEQ)
+        if read != len(buf):
+            self.clear_kv_cache()
+            raise InjectionError(f"llama_state_seq_set_data read {read} of {len(buf)} bytes")
+        self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
+        self.llm.n_tokens = n_tokens
+        return n_tokens
+
+    def usable_prefix(self, available: int, n_prompt: int) -> int:
+        """How many of ``available`` stored prompt tokens to inject for a prompt of
+        ``n_prompt`` tokens so the result is bit-identical to an uncached run.
+
+        llama.cpp computes a token evaluated alone (a one-token ubatch) through other kernels
+        than a token in a batch of two or more: measured on SmolLM2, the logits differ by up
+        to 0.55 while batches of any size >= 2 agree to the bit. So every prompt is evaluated
+        as batches of >= 2 tokens followed by the last prompt token alone, like a decode step
+        (:meth:`prefill_plan`), with or without a cache; the KV of the last prompt token is
+        never stored. Injecting ``n_prompt - 2`` tokens would leave a one-token batch, so one
+        token fewer is injected then.
+        """
+        usable = min(available, n_prompt - 1)
+        if n_prompt - 1 - usable == 1:
+            usable -= 1
+        return max(usable, 0)
+
+    def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
+        batches of 2..n_batch tokens up to the last prompt token, then that token alone
+        (see :meth:`usable_prefix`). A one-token batch appears only for a 2-token prompt."""
+        plan = []
+        end = n_prompt - 1
+        pos = n_past
+        n_batch = max(int(self.llm.n_batch), 2)
+        while pos < end:
+            size = min(n_batch, end - pos)
+            if end - pos - size == 1:  # never leave a one-token remainder
+                size -= 1
+            plan.append((pos, pos + size))
+            pos += size
+        plan.append((end, n_prompt))
+        return plan
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""
+        return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        n_past: int = 0,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 0.95,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Prefill ``tokens[n_past:]`` and yield up to ``max_tokens`` sampled tokens.
+
+        The first ``n_past`` tokens must already be in the KV cache (injected, or left by
+        the previous call); ``n_past = 0`` clears the sequence first. Greedy when
+        ``temperature`` is 0; otherwise top-p sampling seeded by ``seed``.
+
+        Raises:
+            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
+            ValueError: empty prompt, ``n_past >= len(tokens)``, or max_tokens < 1.
+        """
+        if not tokens:
+            raise ValueError("tokens: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if len(tokens) + max_tokens > self.n_ctx:
+            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        if not 0 <= n_past < len(tokens):
+            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
+        llm = self.llm
+        if n_past == 0:
+            self.clear_kv_cache()
+        elif llm.n_tokens < n_past or common_prefix_len(llm.input_ids[:n_past], tokens[:n_past]) != n_past:
+            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
+        llm.n_tokens = n_past
+        if seed is not None:
+            llm.set_seed(seed)
+        for start, end in self.prefill_plan(n_past, len(tokens)):
+            llm.eval(list(tokens[start:end]))
+        sampler = llm.generate(
+            [], reset=False, temp=temperature, top_p=top_p, top_k=0 if temperature > 0 else 40,
+            min_p=0.0, repeat_penalty=1.0,
+        )
+        try:
+            for i, token in enumerate(sampler):
+                if self.is_eog(token):
+                    return
+                yield int(token)
+                if i + 1 >= max_tokens:
+                    return
+        finally:
+            sampler.close()
+
+    def text_stream(self) -> "codecs.IncrementalDecoder":
+        """An incremental UTF-8 decoder for streaming token text (multi-byte safe)."""
+        return codecs.getincrementaldecoder("utf-8")("replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """Raw bytes of one token."""
+        return self.llm.detokenize([token])
+
+    def perf_counts(self) -> dict:
+        """llama.cpp's own counters since the last reset: ``n_p_eval`` (tokens evaluated in
+        multi-token batches) and ``n_eval`` (single-token evaluations), as
+        ``llama_perf_context`` reports them (it reports 0 as 1: ``std::max(1, n)`` in
+        ``src/llama-context.cpp``)."""
+        data = self._llama_cpp.llama_perf_context(self._ctx)
+        return {"n_p_eval": int(data.n_p_eval), "n_eval": int(data.n_eval)}
+
+    def reset_perf(self) -> None:
+        """Zero llama.cpp's perf counters."""
+        self._llama_cpp.llama_perf_context_reset(self._ctx)
+
+    def clear_kv_cache(self) -> None:
+        """Empty the KV memory (``llama_memory_clear(mem, True)``) and forget the tokens."""
+        self._llama_cpp.llama_memory_clear(self._mem, True)
+        self.llm.n_tokens = 0
+
+    def close(self) -> None:
+        """Free the model and context if this adapter loaded them; a ``Llama`` passed in stays
+        open (its owner closes it)."""
+        with self.lock:
+            llm, self.llm = getattr(self, "llm", None), None
+            if llm is not None and self._owns_llm:
+                llm.close()

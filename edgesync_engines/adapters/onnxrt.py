@@ -1,0 +1,418 @@
+"""ONNX Runtime adapter: KV fragments out of and into the ``past_key_values`` of an exported decoder.
+
+The decoder is the export of the same GGUF that llama.cpp runs (``onnx_export.py``; I/O
+contract there). The live KV cache is the list of ``present.{i}.key`` / ``.value`` arrays,
+float32 ``[1, n_head_kv, n_tokens, head_dim]``, fed back as ``past_key_values`` on the next
+call. Fragments of this engine hold that KV unchanged as float32 in the store's tokens-major
+layout (``[n_layers, span, n_head_kv * head_dim]``, K still in Hugging Face's rotate-half
+order), so reusing them in this engine is lossless; ``reshape.py`` converts them to and from
+llama.cpp's.
+
+Prompts are evaluated in batches that end at multiples of ``n_batch`` positions (128, the
+router's default chunk) and the last prompt token alone, with or without a cache: an injected
+prefix that ends on a chunk boundary is then followed by exactly the calls an uncached run
+makes, so the logits are the same (measured in tests/test_onnxrt.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import importlib.metadata
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+
+from edgesync_engines.adapters.protocol import ContextOverflowError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path
+from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
+
+log = logging.getLogger("edgesync.onnxrt")
+
+ENGINE = "onnxruntime"
+LAYOUT = "onnx-hf-rotate-half/tokens-major-v1"
+"""Name of the fragment layout this adapter writes: per layer [tokens, heads*head_dim] float32,
+K in rotate-half order (Hugging Face's rotary embedding)."""
+DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 128
+_EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
+"""End-of-generation token texts, besides the export's eos_token_ids (llama.cpp's
+``llama_vocab_is_eog`` set for these models)."""
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: character -> byte (from GPT-2's
+    ``encoder.py`` ``bytes_to_unicode``, which the ``tokenizers`` ByteLevel model uses)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class OnnxRuntimeAdapter:
+    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on an ONNX Runtime session of an exported
+    decoder (batch 1, CPU, float32).
+
+    Args:
+        model: the GGUF the export was made from (its export is found under
+            ``onnx_export.export_dir``), or None for the configured model.
+        export: an export directory to use instead (its ``source_fingerprint`` is the model's).
+        n_ctx: context window in tokens (default 4,096).
+        n_threads: intra-op threads (default: all cores).
+        n_batch: prompt evaluation batch, tokens (batches end at multiples of it).
+
+    Raises:
+        ModelNotFoundError: the GGUF is missing.
+        ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
+            file (its recorded fingerprint differs from the GGUF's SHA-256).
+    """
+
+    def __init__(self, model: "str | os.PathLike | None" = None, export: "str | os.PathLike | None" = None,
+                 n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None, n_batch: int = DEFAULT_N_BATCH,
+                 seed: int = 0) -> None:
+        self.lock = threading.RLock()
+        if n_batch < 2:
+            raise ValueError(f"n_batch: must be >= 2, got {n_batch}")
+        if export is None:
+            path = Path(model) if model is not None else default_model_path()
+            if not path.is_file():
+                raise ModelNotFoundError(f"{path}: no such model file")
+            if not is_gguf(path):
+                raise ModelLoadError(f"{path}: not a GGUF file (the onnx engine runs the export of a GGUF)")
+            directory = export_dir(path)
+            meta = read_meta(directory)
+            if meta["source_fingerprint"] != file_fingerprint(path):
+                raise ExportError(f"{directory}: exported from another file than {path}; "
+                                  "export again with `edgesync export-onnx --force`")
+            self.model_path = path
+        else:
+            directory = Path(export)
+            self.model_path = Path(model) if model is not None else directory / MODEL_FILE
+        meta, self.session, self.tokenizer = open_export(directory, n_threads)
+        self.export_dir = directory
+        self.meta = meta
+        self.n_batch = int(n_batch)
+        self.n_ctx = int(n_ctx)
+        self.n_layer, self.n_head_kv, self.head_dim = meta["n_layer"], meta["n_head_kv"], meta["head_dim"]
+        self.namespace = Namespace(
+            model_fingerprint=meta["source_fingerprint"],
+            engine=ENGINE,
+            engine_version=f"onnxruntime {importlib.metadata.version('onnxruntime')}; {meta['format']}",
+            kv_dtype="f32",
+            flash_attn=False,
+            layout=LAYOUT,
+            n_layer=self.n_layer,
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+        )
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self._eog = set(int(t) for t in meta["eos_token_ids"]) | {vocab[n] for n in _EOG_NAMES if n in vocab}
+        self._special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()} \
+            if hasattr(self.tokenizer, "get_added_tokens_decoder") else set()
+        self._byte_decoder = _byte_decoder()
+        self._chat_formatter = None
+        self.seed = seed
+        self.tokens_evaluated = 0
+        """Tokens run through the decoder since the adapter was made (prompt and decode)."""
+        self._closed = False
+        self.clear_kv_cache()
+        log.debug("onnxruntime KV layout: %s", self.namespace)
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the live KV cache."""
+        return len(self._tokens)
+
+    def clear_kv_cache(self) -> None:
+        """Empty the KV cache."""
+        empty = np.zeros((1, self.n_head_kv, 0, self.head_dim), dtype=np.float32)
+        self._past = [empty] * (2 * self.n_layer)
+        self._tokens: list[int] = []
+        self._logits: np.ndarray | None = None
+
+    def _eval(self, batch: Sequence[int]) -> np.ndarray:
+        """Evaluate ``batch`` on top of the live KV; returns logits ``[len(batch), vocab]`` float32."""
+        past = self.n_tokens
+        n = len(batch)
+        feed = {
+            "input_ids": np.asarray(batch, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, past + n), dtype=np.int64),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
+        }
+        for i in range(self.n_layer):
+            feed[f"past_key_values.{i}.key"] = self._past[2 * i]
+            feed[f"past_key_values.{i}.value"] = self._past[2 * i + 1]
+        out = self.session.run(None, feed)
+        self.tokens_evaluated += n
+        self._past = out[1:]
+        self._tokens.extend(int(t) for t in batch)
+        self._logits = out[0][0, -1]
+        return out[0][0]
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token IDs of ``text`` from the export's tokenizer.json (special tokens such as
+        ``<|im_start|>`` parsed; the same IDs as llama.cpp, tested)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """Raw bytes of one token (byte-level BPE pieces mapped back to bytes; special tokens
+        as their UTF-8 text)."""
+        piece = self.tokenizer.id_to_token(int(token))
+        if piece is None:
+            return b""
+        if piece in self._special:
+            return piece.encode("utf-8")
+        try:
+            return bytes(self._byte_decoder[c] for c in piece)
+        except KeyError:  # not a byte-level piece
+            return self.tokenizer.decode([int(token)], skip_special_tokens=False).encode("utf-8")
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (invalid UTF-8 replaced)."""
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def text_stream(self) -> "codecs.IncrementalDecoder":
+        """An incremental UTF-8 decoder for streaming token text (multi-byte safe)."""
+        return codecs.getincrementaldecoder("utf-8")("replace")
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        """Render chat messages with the GGUF's own template (kept in the export's metadata),
+        ending with the assistant prompt.
+
+        Raises:
+            ValueError: the export has no chat template, or a message lacks role/content.
+        """
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
+        if self._chat_formatter is None:
+            if not self.meta.get("chat_template"):
+                raise ValueError(f"{self.export_dir}: the export has no chat template")
+            eos = self.meta["eos_token_ids"]
+            bos = self.meta.get("bos_token_id")
+            self._chat_formatter = Jinja2ChatFormatter(
+                template=self.meta["chat_template"],
+                eos_token=self.detokenize(eos[:1]) if eos else "",
+                bos_token=self.detokenize([bos]) if bos is not None else "",
+                add_generation_prompt=True,
+            )
+        return self._chat_formatter(messages=list(messages)).prompt
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (the export's EOS IDs and the chat end markers)."""
+        return int(token) in self._eog
+
+    # -- fragments ------------------------------------------------------------------------
+
+    def _check_live(self, tokens: Sequence[int], end: int) -> None:
+        if end > self.n_tokens:
+            raise ValueError(f"token_end: {end} exceeds the {self.n_tokens} tokens in the live sequence")
+        if common_prefix_len(np.asarray(self._tokens[:end]), np.asarray(tokens[:end])) != end:
+            raise ValueError("tokens: differ from what the live sequence holds")
+
+    def extract_fragments(
+        self,
+        tokens: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        layer_stride: int = 1,
+        ttl_seconds: float | None = None,
+        now: float | None = None,
+        head_start: int = 0,
+        head_end: int | None = None,
+    ) -> list[KVFragment]:
+        """Copy the live KV of several token spans.
+
+        Each fragment's ``keys``/``values`` are float32 ``[n_layers, span, (head_end -
+        head_start) * head_dim]``: ``present.{i}.key[0, heads, span, :]`` of layers
+        ``range(layer_start, layer_end, layer_stride)``, tokens-major, K in rotate-half order.
+
+        Raises:
+            ValueError: a span beyond the live sequence, tokens that differ from it, a head
+                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
+        """
+        if not spans:
+            return []
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
+        self._check_live(tokens, max(end for _, end in spans))
+        now = time.time() if now is None else now
+        layers = range(layer_start, layer_end, layer_stride)
+        ids = np.asarray(tokens, dtype=np.int32)
+        width = (head_end - head_start) * self.head_dim
+        out = []
+        for start, end in spans:
+            def rows(offset: int) -> np.ndarray:
+                # present [1, heads, tokens, head_dim] -> [tokens, heads * head_dim] per layer
+                return np.stack([
+                    self._past[2 * layer + offset][0, head_start:head_end, start:end]
+                    .transpose(1, 0, 2).reshape(end - start, width)
+                    for layer in layers
+                ])
+
+            out.append(KVFragment(
+                namespace=self.namespace, token_start=start, token_end=end,
+                layer_start=layer_start, layer_end=layer_end, layer_stride=layer_stride,
+                head_start=head_start, head_end=head_end,
+                keys=np.ascontiguousarray(rows(0)), values=np.ascontiguousarray(rows(1)),
+                token_ids=ids[start:end], prefix_hash=prefix_hash(ids[:start]),
+                created_at=now, expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
+            ))
+        return out
+
+    def extract_fragment(self, tokens: Sequence[int], token_start: int, token_end: int, layer_start: int = 0,
+                         layer_end: int | None = None, layer_stride: int = 1) -> KVFragment:
+        """One fragment of the live sequence; see :meth:`extract_fragments`."""
+        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
+
+    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
+                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Validate fragments and build K, V float32 ``[n_layer, n_tokens, n_head_kv * head_dim]``
+        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`)."""
+        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
+
+    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
+        """Replace the live KV with positions 0..n_tokens-1 built from ``fragments`` (of this
+        adapter's namespace; convert others first with ``reshape.convert_fragment``).
+
+        Raises:
+            ValueError: see :func:`~edgesync_engines.adapters.protocol.assemble_kv` (nothing changed).
+        """
+        k, v = self.assemble(fragments, n_tokens, tokens)
+
+        def to_past(x: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(x.reshape(n_tokens, self.n_head_kv, self.head_dim).transpose(1, 0, 2)[None])
+
+        self._past = [to_past(x[layer]) for layer in range(self.n_layer) for x in (k, v)]
+        self._tokens = [int(t) for t in tokens[:n_tokens]]
+        self._logits = None
+        return n_tokens
+
+    # -- generation -----------------------------------------------------------------------
+
+    def usable_prefix(self, available: int, n_prompt: int) -> int:
+        """How many of ``available`` stored prompt tokens to inject for a prompt of
+        ``n_prompt`` tokens: all but the last prompt token at most (its logits are needed)."""
+        return max(min(available, n_prompt - 1), 0)
+
+    def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
+        batches that end at multiples of ``n_batch`` (or at the last prompt token), then the
+        last prompt token alone."""
+        plan, pos, end = [], n_past, n_prompt - 1
+        while pos < end:
+            stop = min((pos // self.n_batch + 1) * self.n_batch, end)
+            plan.append((pos, stop))
+            pos = stop
+        plan.append((end, n_prompt))
+        return plan
+
+    def eval_logits(self, tokens: Sequence[int], n_past: int = 0) -> np.ndarray:
+        """Prefill ``tokens[n_past:]`` on top of the live KV (which must hold
+        ``tokens[:n_past]``; 0 clears it) in one call and return its logits float32
+        ``[len(tokens) - n_past, vocab]`` (row i predicts the token after position n_past + i).
+
+        Raises:
+            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or the live KV does not
+                hold ``tokens[:n_past]``.
+        """
+        self._resume(tokens, n_past)
+        return self._eval(tokens[n_past:]).copy()
+
+    def _resume(self, tokens: Sequence[int], n_past: int) -> None:
+        """Make the live KV hold exactly ``tokens[:n_past]``: cleared for 0, else cut back to
+        ``n_past`` cells after checking that it holds those tokens (ValueError otherwise)."""
+        if not 0 <= n_past < len(tokens):
+            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
+        if n_past == 0:
+            self.clear_kv_cache()
+            return
+        held = common_prefix_len(np.asarray(self._tokens[:n_past]), np.asarray(tokens[:n_past]))
+        if self.n_tokens < n_past or held != n_past:
+            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
+        if self.n_tokens > n_past:
+            self._past = [np.ascontiguousarray(p[:, :, :n_past]) for p in self._past]
+            self._tokens = self._tokens[:n_past]
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        n_past: int = 0,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 0.95,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Prefill ``tokens[n_past:]`` (:meth:`prefill_plan`) and yield up to ``max_tokens``
+        tokens: the argmax when ``temperature`` is 0, else sampled from the softmax of
+        logits / temperature cut to the smallest set of probability >= ``top_p`` (numpy's
+        PCG64 seeded by ``seed``). Stops at end-of-generation tokens (not yielded).
+
+        Raises:
+            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
+            ValueError: empty prompt, ``n_past >= len(tokens)``, max_tokens < 1, or a live
+                sequence that does not hold ``tokens[:n_past]``.
+        """
+        if self._closed:
+            raise RuntimeError("OnnxRuntimeAdapter: closed")
+        if not tokens:
+            raise ValueError("tokens: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if len(tokens) + max_tokens > self.n_ctx:
+            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        self._resume(tokens, n_past)
+        rng = np.random.default_rng(self.seed if seed is None else seed)
+        for start, end in self.prefill_plan(n_past, len(tokens)):
+            self._eval(tokens[start:end])
+        for i in range(max_tokens):
+            token = self._sample(self._logits, temperature, top_p, rng)
+            if self.is_eog(token):
+                return
+            yield token
+            if i + 1 >= max_tokens:
+                return
+            self._eval([token])
+
+    @staticmethod
+    def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+        if temperature <= 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+        q = p[keep] / p[keep].sum()
+        return int(keep[rng.choice(len(keep), p=q)])
+
+    def close(self) -> None:
+        """Drop the session and the KV cache; the adapter is unusable afterwards."""
+        with self.lock:
+            self._closed = True
+            self.session = None
+            self._past = []
+            self._tokens = []

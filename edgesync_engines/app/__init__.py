@@ -1,0 +1,1 @@
+"""The app surface: the ``edgesync`` command, run reports, the real workloads and fidelity runs."""

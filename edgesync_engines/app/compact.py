@@ -1,0 +1,174 @@
+"""``python -m edgesync_engines.app.compact [STORE] [--dry-run] [--json]``: compact a store once.
+
+Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``compactor.py``)
+and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
+and the store's fragments, stored bytes and bytes on disk before and after. ``--json`` prints
+one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr follows long
+steps. STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir);
+the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the store,
+else 1 GiB. Sizes: ``K``/``M``/``G`` (or ``KiB``...) are powers of 1024, ``KB``/``MB``/``GB`` of
+1000; the summary prints binary units. ``--dry-run`` opens the store read-only.
+
+Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
+so the store is consistent at any stop): the report so far is printed and the exit status is
+130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
+the report says so), 2 bad input (no store at the path, not a store, a newer format, a bad
+option or setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from edgesync_store.commands.units import format_binary, parse_bytes
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.app.compact",
+                                     description="Expire, deduplicate, merge, evict and reclaim an EdgeSync store once.")
+    parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+    parser.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=None,
+                        help="size budget for eviction (default: the store's recorded budget, else 1 GiB)")
+    parser.add_argument("--no-reclaim", action="store_true", help="do not rewrite the file to return free pages")
+    parser.add_argument("--force-reclaim", action="store_true", help="rewrite the file whenever any page is free")
+    parser.add_argument("--reclaim-fraction", type=_fraction, default=None,
+                        help="free fraction of data.mdb that triggers the rewrite (default 0.25)")
+    return parser
+
+
+def _settings():
+    """The configured store path and budget (defaults < ``EDGESYNC_*``); ValueError names a
+    bad variable."""
+    from edgesync_engines.config import EdgeSyncConfig
+
+    cfg = EdgeSyncConfig.load()
+    return cfg.store_path, cfg.max_bytes
+
+
+_fmt = format_binary
+
+
+def render(report: dict, path: Path) -> str:
+    """The human-readable summary of a report (plain text, one fact per line)."""
+    if report["skipped"]:
+        return f"{path}: skipped: {report['skipped']}"
+    rec = report["reclaim"] or {}
+    lines = [
+        f"store {path}" + (" (dry run: nothing changed)" if report["dry_run"] else ""),
+        f"  expired        {report['expired']:>8} fragments  {_fmt(report['expired_bytes'])}",
+        f"  deduplicated   {report['deduplicated']:>8} fragments  {_fmt(report['deduplicated_bytes'])}",
+        f"  merged         {report['fragments_merged']:>8} fragments into {report['merged_layers'] + report['merged_heads']}"
+        f" ({report['merged_layers']} along layers, {report['merged_heads']} along heads)",
+        f"  evicted        {report['evicted']:>8} fragments  {_fmt(report['evicted_bytes'])}"
+        f"  (budget {_fmt(report['max_bytes'])})",
+        f"  reclaimed      {_fmt(report['bytes_reclaimed'])}"
+        + (f"  ({rec.get('reason')})" if rec.get("reason") and not rec.get("reclaimed") else ""),
+    ]
+    if report["dry_run"]:
+        lines += [
+            f"  fragments      {report['fragments_before']} (unchanged: dry run)",
+            f"  stored bytes   {_fmt(report['used_bytes_before'])} (unchanged: dry run)",
+            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} (unchanged: dry run)",
+        ]
+    else:
+        lines += [
+            f"  fragments      {report['fragments_before']} -> {report['fragments_after']}",
+            f"  stored bytes   {_fmt(report['used_bytes_before'])} -> {_fmt(report['used_bytes_after'])}",
+            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} -> {_fmt(report['disk_bytes_after'])}",
+        ]
+    lines.append(f"  took           {report['elapsed_s']:.2f} s"
+                 + (" (stopped early: the store is consistent; run again to finish)" if report["stopped"] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import lmdb
+
+    from edgesync_store.compactor import Compactor, open_index
+    from edgesync_store.core.locks import StoreBusyError
+    from edgesync_store.core.store import FragmentStore, StoreFormatError, StoreOpenError
+
+    try:
+        default_path, env_budget = _settings()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    path = Path(args.store).expanduser() if args.store else default_path
+    if not (path / "data.mdb").is_file():
+        print(f"error: no EdgeSync store at {path}", file=sys.stderr)
+        return 2
+    try:
+        store = FragmentStore(path, readonly=args.dry_run)
+    except (StoreOpenError, StoreFormatError, StoreBusyError, lmdb.Error, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    stop = threading.Event()
+    signalled: list[int] = []
+
+    def on_signal(signum, _frame) -> None:  # stop between steps; a second signal stops at once
+        if signalled:
+            raise KeyboardInterrupt
+        signalled.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
+                             transient=True, disable=not sys.stderr.isatty()) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(step: str, done: int, total: int) -> None:
+                if step not in tasks:
+                    tasks[step] = bar.add_task(step, total=total)
+                bar.update(tasks[step], completed=done, total=total)
+
+            index = None if args.dry_run else open_index(store)
+            try:
+                kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
+                report = Compactor(store, index=index, stop=stop, progress=progress).run(
+                    dry_run=args.dry_run, do_reclaim=not args.no_reclaim,
+                    max_bytes=args.max_bytes or env_budget, force_reclaim=args.force_reclaim, **kwargs)
+            finally:
+                if index is not None:
+                    index.close()
+    except KeyboardInterrupt:
+        print("interrupted: every finished step is committed and the store is consistent; "
+              "run the command again to finish", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    doc = report.to_dict()
+    doc["store"] = str(path)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render(doc, path))
+    return 130 if signalled else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,508 @@
+"""Next-request prediction and the RAM tier that prefetched fragments are decoded into.
+
+:class:`NgramPredictor` watches the sequence of requests, each identified by a caller-chosen
+hashable key that is stable across processes (a hex prefix hash, a ``prompt_key`` string; never
+Python's ``hash()`` of a string, which changes per process), and proposes the ``top_k`` keys
+most likely to come next: first those that followed the current context of the last ``n - 1``
+keys, then (backing off) those that followed shorter contexts, then the most frequent keys
+overall. Ties are broken by recency (the most recently seen continuation first), so the result
+is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
+rates of the predictions it would have made before each observed key.
+
+:class:`RamTier` is a bounded LRU of decoded fragments (key -> object of a known size in bytes)
+that a prefetch thread fills while the request thread reads; all methods are thread-safe.
+
+:class:`Prefetcher` wires both to a :class:`~edgesync_store.core.store.FragmentStore` for the router
+(``EdgeSync`` with ``prefetch=True``): after each request it observes the request's key
+(:func:`request_key`), asks the predictor for the likely next keys, and one background thread
+walks the store with the tokens last seen under each predicted key and decodes the matched
+fragments into the RAM tier, so that the next request's injection skips the decompression.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Sequence
+
+import lmdb
+import numpy as np
+
+from edgesync_store.core import codec
+from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
+
+if TYPE_CHECKING:
+    from edgesync_store.schema import KVFragment
+    from edgesync_store.core.store import FragmentStore
+
+log = logging.getLogger("edgesync.prefetch")
+
+
+@dataclass(frozen=True)
+class PredictionAccuracy:
+    """Hit counts of the predictions made before each observed key.
+
+    ``observed``: keys observed; ``predicted``: of those, how many had a non-empty prediction
+    (every observation but the first); ``top1_hits``: the next key was the first proposal;
+    ``topk_hits``: it was among the ``top_k`` proposals. Rates are over ``predicted``.
+    """
+
+    observed: int
+    predicted: int
+    top1_hits: int
+    topk_hits: int
+    top_k: int
+
+    @property
+    def top1(self) -> float | None:
+        """top1_hits / predicted, in [0, 1]; None before any prediction."""
+        return self.top1_hits / self.predicted if self.predicted else None
+
+    @property
+    def topk(self) -> float | None:
+        """topk_hits / predicted, in [0, 1]; None before any prediction."""
+        return self.topk_hits / self.predicted if self.predicted else None
+
+
+class NgramPredictor:
+    """An n-gram model of the request sequence with backoff to shorter contexts and unigrams.
+
+    ``NgramPredictor(n=3, top_k=3)``: ``n`` >= 1 is the n-gram order (contexts of up to
+    ``n - 1`` previous keys; ``n=1`` is unigram frequency alone), ``top_k`` >= 1 the number of
+    proposals. Raises ValueError for smaller values. Memory grows with the distinct
+    (context, next key) pairs seen: at most ``n`` entries per observation. Thread-safe.
+    """
+
+    def __init__(self, n: int = 3, top_k: int = 3) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+        self.n = n
+        self.top_k = top_k
+        self._lock = threading.Lock()
+        # context (tuple of 1..n-1 keys) -> next key -> [count, index of its last occurrence]
+        self._next: dict[tuple, dict[Hashable, list[int]]] = {}
+        self._unigram: dict[Hashable, list[int]] = {}
+        self._history: deque = deque(maxlen=max(n - 1, 1))
+        self._t = 0
+        self._predicted = self._top1 = self._topk = 0
+
+    def _predict_locked(self) -> list:
+        out: list = []
+        chosen: set = set()
+        hist = tuple(self._history) if self.n > 1 else ()
+        tables = [self._next.get(hist[len(hist) - m:]) for m in range(len(hist), 0, -1)]
+        tables.append(self._unigram)
+        for table in tables:
+            if not table:
+                continue
+            need = self.top_k - len(out)
+            ranked = heapq.nlargest(need + len(chosen), table.items(),
+                                    key=lambda kv: (kv[1][0], kv[1][1]))
+            for key, _ in ranked:
+                if key not in chosen:
+                    out.append(key)
+                    chosen.add(key)
+                    if len(out) == self.top_k:
+                        return out
+        return out
+
+    def predict(self) -> list:
+        """The up to ``top_k`` keys most likely to come next, most likely first.
+
+        Empty before the first observation; only keys already observed are ever proposed.
+        """
+        with self._lock:
+            return self._predict_locked()
+
+    def observe(self, key: Hashable) -> list:
+        """Record that ``key`` was requested; returns the prediction that was made for it (the
+        list ``predict()`` gave just before), after scoring it. Raises TypeError if ``key`` is
+        not hashable."""
+        hash(key)
+        with self._lock:
+            proposal = self._predict_locked()
+            if proposal:
+                self._predicted += 1
+                self._top1 += proposal[0] == key
+                self._topk += key in proposal
+            t = self._t
+            self._t += 1
+            hist = tuple(self._history) if self.n > 1 else ()
+            for m in range(1, len(hist) + 1):
+                entry = self._next.setdefault(hist[len(hist) - m:], {}).setdefault(key, [0, 0])
+                entry[0] += 1
+                entry[1] = t
+            entry = self._unigram.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] = t
+            if self.n > 1:
+                self._history.append(key)
+            return proposal
+
+    def observe_all(self, keys: Iterable[Hashable]) -> None:
+        """``observe`` each key in order."""
+        for key in keys:
+            self.observe(key)
+
+    @property
+    def accuracy(self) -> PredictionAccuracy:
+        """A snapshot of the hit counts so far (see :class:`PredictionAccuracy`)."""
+        with self._lock:
+            return PredictionAccuracy(self._t, self._predicted, self._top1, self._topk, self.top_k)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` has been observed."""
+        with self._lock:
+            return key in self._unigram
+
+    def __len__(self) -> int:
+        """Distinct keys observed."""
+        with self._lock:
+            return len(self._unigram)
+
+
+@dataclass(frozen=True)
+class RamTierStats:
+    """Counters of a :class:`RamTier`: ``hits``/``misses`` of ``get``; ``puts`` stored;
+    ``rejected`` puts larger than the whole budget; ``evictions`` entries dropped as least
+    recently used; ``bytes`` held now (sum of entry sizes) against ``max_bytes``; ``entries``."""
+
+    hits: int
+    misses: int
+    puts: int
+    rejected: int
+    evictions: int
+    bytes: int
+    max_bytes: int
+    entries: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / (hits + misses) in [0, 1]; None before any ``get``."""
+        n = self.hits + self.misses
+        return self.hits / n if n else None
+
+
+class RamTier:
+    """A thread-safe LRU of decoded fragments bounded by their size in bytes.
+
+    ``RamTier(max_bytes)``: ``max_bytes`` >= 0 is the budget (0 stores nothing). An entry's size
+    is the ``nbytes`` given to :meth:`put`, else the value's ``raw_nbytes`` (``KVFragment``'s
+    K + V bytes before compression). ``get`` counts a hit or a miss and makes the entry the most
+    recently used; ``in`` does neither. Held bytes never exceed ``max_bytes``.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._hits = self._misses = self._puts = self._rejected = self._evictions = 0
+
+    @staticmethod
+    def _size(value: Any, nbytes: int | None) -> int:
+        size = nbytes if nbytes is not None else getattr(value, "raw_nbytes", None)
+        if size is None:
+            raise TypeError(f"{type(value).__name__} has no raw_nbytes: pass nbytes=")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"entry size must be an int >= 0 bytes, got {size!r}")
+        return size
+
+    def put(self, key: Hashable, value: Any, nbytes: int | None = None) -> bool:
+        """Store ``value`` under ``key`` as the most recently used entry, replacing any previous
+        one, and evict least recently used entries until the budget holds. Returns False (and
+        stores nothing, dropping a previous entry of that key) when the value alone is larger
+        than ``max_bytes``. Raises TypeError when the size is unknown, ValueError when it is
+        negative or not an int."""
+        size = self._size(value, nbytes)
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            if size > self.max_bytes:
+                self._rejected += 1
+                log.debug("RAM tier: %d B entry exceeds the %d B budget", size, self.max_bytes)
+                return False
+            self._items[key] = (value, size)
+            self._bytes += size
+            self._puts += 1
+            while self._bytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
+                self._evictions += 1
+            return True
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        """The value under ``key`` (now the most recently used), or ``default``; counts a hit or
+        a miss."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self._misses += 1
+                return default
+            self._items.move_to_end(key)
+            self._hits += 1
+            return item[0]
+
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """The value under ``key``, or ``default``; changes neither the LRU order nor the
+        counters (for a prefetcher checking what it holds)."""
+        with self._lock:
+            item = self._items.get(key)
+            return default if item is None else item[0]
+
+    def discard(self, key: Hashable) -> bool:
+        """Drop ``key`` if present (not counted as an eviction); returns whether it was."""
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return False
+            self._bytes -= item[1]
+            return True
+
+    def clear(self) -> None:
+        """Drop every entry; the counters are kept."""
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is held; changes neither the LRU order nor the counters."""
+        with self._lock:
+            return key in self._items
+
+    def __len__(self) -> int:
+        """Entries held."""
+        with self._lock:
+            return len(self._items)
+
+    def keys(self) -> list:
+        """Keys held, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held now (sum of entry sizes), never above ``max_bytes``."""
+        with self._lock:
+            return self._bytes
+
+    def stats(self) -> RamTierStats:
+        """A consistent snapshot of the counters (see :class:`RamTierStats`)."""
+        with self._lock:
+            return RamTierStats(self._hits, self._misses, self._puts, self._rejected,
+                                self._evictions, self._bytes, self.max_bytes, len(self._items))
+
+
+def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
+    """The predictor's key of a request: the hex store key of the first fragment of the prompt's
+    own chunk grid (``chunk_spans(len(tokens) - 1, chunk_tokens)[0]``, all layers and heads).
+
+    It depends only on the namespace and the prompt's first ``chunk_tokens`` token IDs (fewer
+    when the prompt is shorter than ``chunk_tokens + 64``), so it is the same in every process
+    and known before the prefix walk: the questions over one doc-QA passage, the turns of one
+    chat session and the requests of one app's system prompt share it. None for a prompt too
+    short to be cached (under 65 tokens). Raises ValueError for a ``chunk_tokens`` outside
+    ``chunk_spans``' range.
+    """
+    spans = chunk_spans(len(tokens) - 1, chunk_tokens)
+    if not spans:
+        return None
+    s, e = spans[0]
+    ids = np.asarray(tokens[s:e], dtype=np.int32)
+    return store_key(namespace, prefix_hash([]), ids, s, 0, namespace.n_layer, 1, 0, namespace.n_head_kv).hex()
+
+
+class Prefetcher:
+    """Predicts the next requests and decodes their stored fragments into a RAM tier ahead of time.
+
+    ``Prefetcher(store, namespace, max_bytes)``: ``max_bytes`` > 0 is the RAM tier's budget of
+    decoded fragments (bytes of K + V, ``KVFragment.raw_nbytes``); ``n`` and ``top_k`` are the
+    :class:`NgramPredictor`'s order and proposals; ``max_keys`` bounds how many request keys'
+    token sequences are remembered (least recently seen dropped first; at most ``max_keys`` x
+    the context length int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for
+    out-of-range numbers.
+
+    The request thread calls :meth:`after_request` once an answer is complete and
+    :meth:`lookup` while injecting; one daemon thread (started by the first
+    :meth:`after_request`) does the prefetching: for each predicted key, most likely first, it
+    walks the store with the tokens last seen under that key and decodes every matched fragment
+    that the tier does not hold yet (or holds in a version the store has since replaced). A new
+    prediction replaces the work not yet started. Store reads take the store's own short read
+    transactions; decompression runs outside them, so the request thread's reads wait at most
+    for a blob copy. Store errors in the thread are logged and skipped, never raised.
+    """
+
+    def __init__(self, store: "FragmentStore", namespace: Namespace, max_bytes: int, *, n: int = 3,
+                 top_k: int = 3, max_keys: int = 256) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        if not isinstance(max_keys, int) or max_keys < 1:
+            raise ValueError(f"max_keys must be an int >= 1, got {max_keys!r}")
+        self.store = store
+        self.namespace = namespace
+        self.predictor = NgramPredictor(n=n, top_k=top_k)
+        self.ram = RamTier(max_bytes)
+        self.max_keys = max_keys
+        self._cond = threading.Condition(threading.Lock())
+        self._tokens: OrderedDict[str, np.ndarray] = OrderedDict()  # request key -> last tokens
+        self._pending: list[np.ndarray] = []  # token sequences still to prefetch, next first
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._prefetched = self._prefetched_bytes = self._stale = self._errors = 0
+
+    # -- request thread -----------------------------------------------------------------
+
+    def after_request(self, key: str | None, tokens: Sequence[int] | np.ndarray) -> list:
+        """Record a finished request: ``key`` (:func:`request_key`; None records nothing) and
+        its tokens (prompt + generated), then queue the prefetch of the predicted next keys.
+        Returns the predicted keys (most likely first). Cheap: the work happens in the
+        prefetch thread. Does nothing after :meth:`close`."""
+        if key is None:
+            return []
+        self.predictor.observe(key)
+        predicted = self.predictor.predict()
+        with self._cond:
+            if self._stop:
+                return predicted
+            self._tokens[key] = np.array(tokens, dtype=np.int32)
+            self._tokens.move_to_end(key)
+            while len(self._tokens) > self.max_keys:
+                self._tokens.popitem(last=False)
+            self._pending = [self._tokens[k] for k in predicted if k in self._tokens]
+            if self._pending and self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="edgesync-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return predicted
+
+    def lookup(self, key: bytes) -> "KVFragment | None":
+        """The decoded fragment under store key ``key`` from the RAM tier, or None (then read
+        the store). A fragment is served only while the store still holds it live under the
+        same expiry (so not deleted, expired or replaced since it was decoded); otherwise it is
+        dropped from the tier. Its hit count and last hit are refreshed from the store, so it
+        equals what ``store.get(key)`` returns. Raises ``lmdb.Error`` when the store fails."""
+        frag = self.ram.get(key)
+        if frag is None:
+            return None
+        life = self.store.lifecycle(key)
+        if life is None or life.expires_at <= time.time() or life.expires_at != frag.expires_at:
+            self.ram.discard(key)
+            with self._cond:
+                self._stale += 1
+            log.debug("RAM tier: %s is no longer live in the store; not served", key.hex()[:16])
+            return None
+        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
+        return frag
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no prefetch work is queued or running; True when idle, False when
+        ``timeout`` seconds passed first (None: wait as long as it takes). For tests and
+        benchmarks."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stop or (not self._pending and not self._busy), timeout)
+
+    def stats(self) -> dict:
+        """JSON-able counters: ``observed`` requests with a key, ``predictions`` scored (every
+        observation but the first), ``top1`` / ``topk`` hit rates in [0, 1] (None before any
+        prediction) with ``top_k``; the RAM tier's ``hits``, ``misses``, ``bytes`` (held now),
+        ``max_bytes``, ``entries``, ``evictions``; ``prefetched`` fragments decoded and their
+        ``prefetched_bytes`` (raw), ``stale`` tier entries refused because the store no longer
+        held them live, ``errors`` store or codec errors in the prefetch thread."""
+        acc = self.predictor.accuracy
+        ram = self.ram.stats()
+        with self._cond:
+            own = dict(prefetched=self._prefetched, prefetched_bytes=self._prefetched_bytes,
+                       stale=self._stale, errors=self._errors)
+        return dict(observed=acc.observed, predictions=acc.predicted, top_k=acc.top_k, top1=acc.top1,
+                    topk=acc.topk, hits=ram.hits, misses=ram.misses, bytes=ram.bytes,
+                    max_bytes=ram.max_bytes, entries=ram.entries, evictions=ram.evictions, **own)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the prefetch thread (it finishes at most the fragment it is decoding; waits up
+        to ``timeout`` seconds) and empty the RAM tier. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self._pending = []
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("prefetch thread still running after %.1f s", timeout)
+        self.ram.clear()
+
+    # -- prefetch thread ----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                tokens = self._pending.pop(0)
+                self._busy = True
+            try:
+                self._prefetch(tokens)
+            except (lmdb.Error, OSError, ValueError) as exc:  # CodecError is a ValueError
+                with self._cond:
+                    self._errors += 1
+                log.warning("prefetch failed: %s", exc)
+            except Exception:  # keep the thread alive; the request path never depends on it
+                with self._cond:
+                    self._errors += 1
+                log.exception("prefetch failed")
+
+    def _prefetch(self, tokens: np.ndarray) -> None:
+        """Decode the fragments of the store's longest prefix of ``tokens`` into the tier."""
+        match = self.store.prefix_walk(self.namespace, tokens)
+        for span in match.spans:
+            for key in span.keys:
+                if self._stop:
+                    return
+                life = self.store.lifecycle(key)
+                if life is None:
+                    continue
+                held = self.ram.peek(key)
+                if held is not None and held.expires_at == life.expires_at:
+                    continue
+                frag = self._decode(key)
+                if frag is None:
+                    continue
+                if self.ram.put(key, frag):
+                    with self._cond:
+                        self._prefetched += 1
+                        self._prefetched_bytes += frag.raw_nbytes
+
+    def _decode(self, key: bytes) -> "KVFragment | None":
+        """What ``store.get(key)`` returns, decompressed outside the store's lock; None when
+        absent or corrupt (left for the request path's ``store.get`` to report and remove)."""
+        blob = self.store.get_blob(key)
+        if blob is None:
+            return None
+        try:
+            frag = codec.decode(blob, max_raw_bytes=self.store.max_raw_bytes)
+        except codec.CodecError as exc:
+            log.debug("prefetch: fragment %s does not decode (%s); skipped", key.hex()[:16], exc)
+            return None
+        if frag.key() != key:
+            return None
+        life = self.store.lifecycle(key)
+        # put_many writes the blob's own expiry into the lifecycle: a difference means the key
+        # was deleted and stored again between the two reads
+        if life is None or life.expires_at != frag.expires_at:
+            return None
+        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
+        return frag

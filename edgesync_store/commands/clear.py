@@ -1,0 +1,164 @@
+"""Erase everything a store holds: ``edgesync clear``.
+
+A store holds users' prompts (token IDs in the fragment headers and the prefix index, prompt
+text in the donor records, embeddings in the vectors and the semantic sidecar). Deleting the
+LMDB entries is not enough to erase them: LMDB frees the pages for reuse but leaves their
+bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
+
+1. opens the store and takes its ``edgesync.lock`` exclusively without waiting
+   (``locks.OpenLock.try_exclusive``): only when no other process has the store open;
+2. if it got it: closes the LMDB environment and removes the files that hold data (the
+   semantic sidecar ``semantic.hnsw`` / ``semantic.json``, a leftover reclaim copy
+   ``.reclaim.tmp``, then ``data.mdb`` and ``lock.mdb``), syncs the directory, and reopens the
+   path, which creates an empty store (same size budget). The lock files (``edgesync.lock``,
+   ``pins.lock``, ``compact.lock``, ``semantic.lock``) stay: other processes may be waiting
+   on them;
+3. otherwise (another process has the store open and may have ``data.mdb`` mapped, or the
+   directory does not let us remove files):
+   ``FragmentStore.drop_all`` empties every database in one write transaction, and nothing
+   else is removed; the result says ``erased_files=False`` with the reason. Run the clear
+   again when the other processes are gone to erase the bytes too.
+
+A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
+``data.mdb`` opens as a new, empty store.
+
+Library code: logs (logger ``edgesync.store``), never prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON
+from edgesync_store.lifecycle.reclaim import TMP_NAME, _fsync_dir
+from edgesync_store.commands.inventory import StoreNotFoundError
+from edgesync_store.core.store import FragmentStore, StoreOpenError, _U64
+
+log = logging.getLogger("edgesync.store")
+
+__all__ = ["ClearResult", "check_store_path", "clear_store"]
+
+ERASED_FILES = (SIDECAR_HNSW, SIDECAR_JSON, TMP_NAME, "data.mdb", "lock.mdb")
+"""Files a real erase removes from the store directory, in this order (the data file last but
+its lock file, so that a kill midway never leaves a sidecar without its store)."""
+
+
+@dataclass
+class ClearResult:
+    """What :func:`clear_store` did.
+
+    Attributes:
+        path: the store directory.
+        fragments_removed: fragments the store held before (all removed).
+        bytes_before: size of ``data.mdb`` before, bytes.
+        bytes_after: size of ``data.mdb`` after, bytes (an empty store's after a real erase;
+            unchanged after the fallback, whose freed pages stay in the file).
+        erased_files: True when the files were removed and the store recreated (the old bytes
+            are gone from the disk's view of the store); False for the fallback.
+        reason: why the files were or were not erased.
+        files_removed: names of the files removed from the directory (empty for the
+            fallback).
+    """
+
+    path: str
+    fragments_removed: int
+    bytes_before: int
+    bytes_after: int
+    erased_files: bool
+    reason: str
+    files_removed: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict of the fields."""
+        return asdict(self)
+
+
+def check_store_path(path: str | os.PathLike) -> Path:
+    """The store directory ``path`` (``~`` expanded) when it holds an EdgeSync store's
+    ``data.mdb``; nothing is created or changed.
+
+    Raises:
+        StoreNotFoundError: nothing exists at ``path`` (a ``FileNotFoundError``).
+        StoreOpenError: ``path`` is empty, is not a directory, or holds no ``data.mdb``.
+    """
+    if not str(path).strip():
+        raise StoreOpenError("store path: is empty")
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise StoreNotFoundError(f"no store at {path}")
+    if not path.is_dir():
+        raise StoreOpenError(f"store path {path}: exists and is not a directory")
+    if not (path / "data.mdb").is_file():
+        raise StoreOpenError(f"no EdgeSync store at {path} (no data.mdb)")
+    return path
+
+
+def _data_bytes(path: Path) -> int:
+    data = path / "data.mdb"
+    return data.stat().st_size if data.exists() else 0
+
+
+def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> ClearResult:
+    """Erase every fragment, prefix-index entry, lifecycle record, donor record and vector of
+    the store at ``path``, and its semantic sidecar files (module docstring: erase the files
+    when no other process has the store open, else empty it in one transaction).
+
+    Args:
+        path: an existing store directory (never created here).
+        open_timeout_s: seconds to wait while another process reclaims or clears the store.
+
+    Returns:
+        A :class:`ClearResult` (sizes in bytes of ``data.mdb``).
+
+    Raises:
+        StoreNotFoundError: nothing at ``path``.
+        StoreOpenError: ``path`` is not a directory, holds no EdgeSync store, or is
+            not writable.
+        StoreFormatError: the store was written by a newer format version.
+        StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
+        OSError, lmdb.Error: removing or recreating the files failed.
+    """
+    path = check_store_path(path)
+    store = FragmentStore(path, open_timeout_s=open_timeout_s)
+    reopen_budget: int | None = None
+    try:
+        bytes_before = _data_bytes(path)
+        with store._lock:
+            if store._open_lock is None or not store._open_lock.try_exclusive():
+                n = store.drop_all()
+                why = ("the directory is not writable (its files cannot be removed)" if store._open_lock is None
+                       else "another process has the store open")
+                result = ClearResult(
+                    str(path), n, bytes_before, _data_bytes(path), False,
+                    f"{why}: emptied in one transaction; the freed pages keep their bytes until overwritten "
+                    "(clear again when the files can be removed)",
+                )
+                log.info("cleared %s: %d fragments dropped; files kept (store open elsewhere)", path, n)
+                return result
+            n = store._txn(lambda txn: txn.stat(store._fragments)["entries"])
+            recorded = store._txn(lambda txn: txn.get(b"max_bytes", db=store._meta))
+            if recorded is not None and len(recorded) == _U64.size:
+                reopen_budget = _U64.unpack(bytes(recorded))[0] or None
+            store._env.close()
+            removed = []
+            for name in ERASED_FILES:
+                try:
+                    (path / name).unlink()
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+            _fsync_dir(path)
+            # still exclusive: nobody has opened the store meanwhile; back to shared lets the
+            # new store below (another lock on the same file) and waiting processes in
+            store._open_lock.share()
+    finally:
+        store.close()
+    FragmentStore(path, max_bytes=reopen_budget, open_timeout_s=open_timeout_s).close()
+    result = ClearResult(str(path), n, bytes_before, _data_bytes(path), True,
+                         "no other process had the store open: files removed and an empty store created", removed)
+    log.info("cleared %s: %d fragments; data.mdb %d -> %d bytes; removed %s",
+             path, n, bytes_before, result.bytes_after, ", ".join(removed))
+    return result

@@ -1,0 +1,295 @@
+"""What a fragment store holds, as rows and a summary, for ``edgesync dump`` and ``tools/dump.py``.
+
+Everything here reads headers only (``FragmentStore.iterate``: no decompression). The row and
+summary functions are pure; :func:`render_table` and :func:`render_tier_table` build rich
+Tables; the command that prints them is :mod:`edgesync_store.commands.dump`.
+
+Each fragment is in the **short** or the **long** tier (``ttl.py``) and is **expired** once
+``expires_at <= now``: the store never serves it again and the next sweep deletes it. The
+per-fragment rows show the stored tier and an ``expired`` flag; :func:`tier_summary` counts an
+expired fragment in the ``expired`` row only (not in its tier's).
+
+Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
+``expires_in_s`` is seconds from now (negative once expired).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.ttl import TIER_LONG, TIER_SHORT
+from edgesync_store.errors import StoreNotFoundError
+from edgesync_store.commands.units import format_bytes
+
+__all__ = [
+    "StoreNotFoundError",
+    "fragment_rows",
+    "iso_time",
+    "load_report",
+    "load_tier_summary",
+    "open_store_readonly",
+    "render_table",
+    "render_tier_table",
+    "summary",
+    "tier_summary",
+    "wide_console",
+]
+
+KEY_PREFIX_CHARS = 12
+FINGERPRINT_PREFIX_CHARS = 12
+EXPIRED = "expired"
+TOTAL = "total"
+SUMMARY_ROWS = (TIER_SHORT, TIER_LONG, EXPIRED, TOTAL)
+"""Rows of :func:`tier_summary`, in order: live short-tier fragments, live long-tier ones,
+expired ones (whatever their tier) and all of them."""
+
+def iso_time(t: float | None) -> str | None:
+    """ISO-8601 local time with offset, to the second; None for 0/None (never happened)."""
+    if not t:
+        return None
+    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[str, Any]]:
+    """One JSON-able row per stored fragment, oldest first (corrupt rows last).
+
+    Row fields: ``key`` (first 12 hex chars of the store key), ``corrupt`` (the header does not
+    parse; the other header fields are then None), ``tokens`` ``"start-end"``, ``span`` (tokens),
+    ``layers`` ``"start:end:stride"``, ``heads`` ``"start:end"``, ``raw_bytes`` (K+V before
+    compression), ``compressed_bytes`` (the stored blob), ``tier`` (``"short"`` or ``"long"``,
+    as stored: an expired fragment keeps its tier and has ``expired`` True), ``hits``,
+    ``last_hit`` (ISO or None), ``last_hit_at``, ``last_used`` (ISO of the later of the last
+    hit and creation: the recency eviction orders by), ``last_used_at``, ``expires`` (ISO),
+    ``expires_at``, ``expires_in_s`` (seconds from ``now``, negative once past), ``expired``
+    (``expires_at <= now``: the store no longer serves it; a fragment without a lifecycle
+    record counts as expired, as in the store), ``engine``, ``model`` (first 12 hex chars of
+    the model fingerprint), ``created`` (ISO), ``created_at``.
+
+    Args:
+        store: an open store (read-only is enough).
+        now: Unix seconds the expiry is judged at (default: the store's clock).
+    """
+    now = store.clock() if now is None else now
+    rows: list[dict[str, Any]] = []
+    for key, head, life, nbytes in store.iterate():
+        expires_at = life.expires_at
+        created_at = life.created_at or (head.created_at if head is not None else 0.0)
+        last_used_at = max(life.last_hit_at, created_at)
+        row: dict[str, Any] = {
+            "key": key.hex()[:KEY_PREFIX_CHARS],
+            "corrupt": head is None,
+            "tokens": None,
+            "span": None,
+            "layers": None,
+            "heads": None,
+            "raw_bytes": None,
+            "compressed_bytes": nbytes,
+            "tier": life.tier,
+            "hits": life.hit_count,
+            "last_hit": iso_time(life.last_hit_at),
+            "last_hit_at": life.last_hit_at or None,
+            "last_used": iso_time(last_used_at),
+            "last_used_at": last_used_at or None,
+            "expires": iso_time(expires_at),
+            "expires_at": expires_at or None,
+            "expires_in_s": round(expires_at - now, 1) if expires_at else None,
+            "expired": life.expired(now),
+            "engine": None,
+            "model": None,
+            "created": iso_time(created_at),
+            "created_at": created_at or None,
+        }
+        if head is not None:
+            row.update(
+                tokens=f"{head.token_start}-{head.token_end}",
+                span=head.span,
+                layers=f"{head.layer_start}:{head.layer_end}:{head.layer_stride}",
+                heads=f"{head.head_start}:{head.head_end}",
+                raw_bytes=head.raw_nbytes,
+                engine=head.namespace.engine,
+                model=head.namespace.model_fingerprint[:FINGERPRINT_PREFIX_CHARS],
+            )
+        rows.append(row)
+    rows.sort(key=lambda r: (r["corrupt"], r["created_at"] or 0.0, r["span"] is None, r["tokens"] or ""))
+    return rows
+
+def summary(store: FragmentStore) -> dict[str, Any]:
+    """``store.stats()`` as a dict plus the store path and the compression ratio (raw/compressed)."""
+    stats = store.stats().to_dict()
+    stats["path"] = str(store.path)
+    stats["compression_ratio"] = (
+        round(stats["raw_bytes"] / stats["compressed_bytes"], 3) if stats["compressed_bytes"] else None
+    )
+    return stats
+
+def _empty_counts() -> dict[str, int]:
+    return {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
+
+
+def tier_summary(store: FragmentStore, now: float | None = None) -> dict[str, Any]:
+    """Counts and sizes by tier, the size budget and the file size of ``store``.
+
+    Returns a JSON-able dict:
+
+    * ``path``; ``now`` (the Unix seconds expiry was judged at);
+    * ``tiers``: ``{"short", "long", "expired", "total"}`` -> ``{"fragments", "stored_bytes"
+      (compressed blobs), "raw_bytes" (K + V before compression), "hits" (sum of hit
+      counts)}``; an expired fragment counts in ``expired`` only, so ``short + long + expired
+      == total``;
+    * ``corrupt``: fragments whose header does not parse (counted in their tier, with the
+      lifecycle record's raw size);
+    * ``used_bytes`` (the store's running sum of stored blobs, what the budget bounds),
+      ``max_bytes`` (the budget), ``used_percent`` (``100 * used / max``, 2 decimals);
+    * ``data_mdb_bytes``: the size of ``data.mdb`` on disk (free pages included).
+
+    Args:
+        store: an open store (read-only is enough).
+        now: Unix seconds the expiry is judged at (default: the store's clock).
+    """
+    now = store.clock() if now is None else now
+    tiers = {name: _empty_counts() for name in SUMMARY_ROWS}
+    corrupt = 0
+    for _key, head, life, nbytes in store.iterate():
+        raw = head.raw_nbytes if head is not None else life.raw_nbytes
+        corrupt += head is None
+        for name in (EXPIRED if life.expired(now) else life.tier, TOTAL):
+            row = tiers[name]
+            row["fragments"] += 1
+            row["stored_bytes"] += nbytes
+            row["raw_bytes"] += raw
+            row["hits"] += life.hit_count
+    used, budget = store.used_bytes(), store.max_bytes
+    data = store.path / "data.mdb"
+    return {
+        "path": str(store.path),
+        "now": now,
+        "tiers": tiers,
+        "corrupt": corrupt,
+        "used_bytes": used,
+        "max_bytes": budget,
+        "used_percent": round(100.0 * used / budget, 2) if budget else None,
+        "data_mdb_bytes": data.stat().st_size if data.exists() else 0,
+    }
+
+
+def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
+    """Open an existing store without writing to it.
+
+    Raises:
+        StoreNotFoundError: no directory at ``path`` (it is not created).
+        StoreOpenError: the directory holds no EdgeSync store.
+        lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise StoreNotFoundError(f"no store at {path}")
+    return FragmentStore(path, readonly=True)
+
+def load_report(path: str | os.PathLike, limit: int | None = None, now: float | None = None) -> dict[str, Any]:
+    """``{"fragments": rows (the first ``limit``), "summary": summary}`` of the store at ``path``
+    (opened read-only; see :func:`open_store_readonly` for the errors). ``now``: Unix seconds
+    the expiry is judged at (default ``time.time()``)."""
+    now = time.time() if now is None else now
+    with open_store_readonly(path) as store:
+        rows = fragment_rows(store, now)
+        summ = summary(store)
+    summ["shown"] = len(rows) if limit is None else min(limit, len(rows))
+    return {"fragments": rows if limit is None else rows[:limit], "summary": summ}
+
+
+def load_tier_summary(path: str | os.PathLike, now: float | None = None) -> dict[str, Any]:
+    """:func:`tier_summary` of the store at ``path``, opened read-only (never created; see
+    :func:`open_store_readonly` for the errors). ``now``: Unix seconds (default ``time.time()``)."""
+    now = time.time() if now is None else now
+    with open_store_readonly(path) as store:
+        return tier_summary(store, now)
+
+def wide_console(stderr: bool = False, width: int = 200):
+    """A rich Console; when the stream is not a terminal (a pipe, a file) and ``COLUMNS`` is not
+    set, tables may be up to ``width`` characters wide instead of rich's default 80."""
+    import sys
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    wide = not (hasattr(stream, "isatty") and stream.isatty()) and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, width=width if wide else None)
+
+def render_table(report: dict[str, Any]):
+    """A rich Table of a :func:`load_report` document (one line per fragment)."""
+    from rich.table import Table
+
+    summ = report["summary"]
+    ratio = summ.get("compression_ratio")
+    table = Table(
+        title=f"EdgeSync store {summ['path']}",
+        caption=(
+            f"{summ['shown']} of {summ['fragments']} fragments shown; "
+            f"{format_bytes(summ['compressed_bytes'])} stored "
+            f"({format_bytes(summ['raw_bytes'])} raw"
+            + (f", ratio {ratio:.2f}" if ratio else "")
+            + f"), {format_bytes(summ['disk_bytes'])} on disk, map {format_bytes(summ['map_size'])}"
+        ),
+    )
+    for name, justify in (
+        ("key", "left"), ("tokens", "right"), ("layers", "right"), ("heads", "right"),
+        ("raw", "right"), ("stored", "right"), ("tier", "left"), ("hits", "right"), ("last hit", "left"),
+        ("expires", "left"), ("left (s)", "right"), ("namespace", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name in ("key", "tokens", "layers", "last hit", "expires"))
+    for row in report["fragments"]:
+        left = row["expires_in_s"]
+        left_text = "[red]expired[/red]" if row["expired"] else ("-" if left is None else f"{left:.0f}")
+        if row["corrupt"]:
+            table.add_row(row["key"], "[red]corrupt[/red]", "-", "-", "-", format_bytes(row["compressed_bytes"]),
+                          row["tier"], str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", left_text, "-")
+            continue
+        table.add_row(
+            row["key"],
+            row["tokens"],
+            row["layers"],
+            row["heads"],
+            format_bytes(row["raw_bytes"]),
+            format_bytes(row["compressed_bytes"]),
+            row["tier"],
+            str(row["hits"]),
+            row["last_hit"] or "-",
+            row["expires"] or "-",
+            left_text,
+            f"{row['engine']} {row['model']}",
+        )
+    return table
+
+
+def render_tier_table(summ: dict[str, Any]):
+    """A rich Table of a :func:`tier_summary` document: one row per tier (short, long,
+    expired, total), the budget and the file size in the caption."""
+    from rich.table import Table
+
+    percent = summ["used_percent"]
+    table = Table(
+        title=f"EdgeSync store {summ['path']}",
+        caption=(
+            f"used {format_bytes(summ['used_bytes'])} of the {format_bytes(summ['max_bytes'])} budget"
+            + (f" ({percent:.1f}%)" if percent is not None else "")
+            + f"; data.mdb {format_bytes(summ['data_mdb_bytes'])} on disk"
+            + (f"; {summ['corrupt']} corrupt" if summ["corrupt"] else "")
+        ),
+    )
+    for name in ("tier", "fragments", "stored", "raw", "hits"):
+        table.add_column(name, justify="left" if name == "tier" else "right")
+    for name in SUMMARY_ROWS:
+        row = summ["tiers"][name]
+        table.add_row(
+            f"[bold]{name}[/bold]" if name == TOTAL else name,
+            str(row["fragments"]),
+            format_bytes(row["stored_bytes"]),
+            format_bytes(row["raw_bytes"]),
+            str(row["hits"]),
+            end_section=name == EXPIRED,
+        )
+    return table

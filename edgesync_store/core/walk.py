@@ -1,0 +1,235 @@
+"""The prefix index's queries: the walk that finds a prompt's stored KV, the coverage check of
+one span, the fragments along a prompt (what ``forget`` removes), and the namespaces stored.
+
+Functions of an open ``FragmentStore`` (its methods ``prefix_walk``, ``covers_span`` and
+``keys_along`` call them). They read only fragment headers (``codec.peek``: no
+decompression) and the ``by_prefix`` and ``lifecycle`` databases, one read transaction each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import lmdb
+import numpy as np
+
+from edgesync_store.core import codec
+from edgesync_store.core.codec import CodecError
+from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
+from edgesync_store.ttl import Lifecycle
+
+
+@dataclass
+class SpanMatch:
+    """One step of a prefix walk: the fragments that together hold every layer and head of
+    ``[token_start, token_end)``, of which the first ``matched`` tokens equal the prompt's."""
+
+    keys: list[bytes]
+    token_start: int
+    token_end: int
+    matched: int
+    compressed_nbytes: int
+
+    @property
+    def complete(self) -> bool:
+        """True when every token of the span matched."""
+        return self.matched == self.token_end - self.token_start
+
+
+@dataclass
+class PrefixMatch:
+    """Result of :meth:`FragmentStore.prefix_walk`: spans in token order from position 0."""
+
+    spans: list[SpanMatch] = field(default_factory=list)
+
+    @property
+    def matched_tokens(self) -> int:
+        """Prompt tokens, from position 0, whose KV the store holds."""
+        return self.spans[-1].token_start + self.spans[-1].matched if self.spans else 0
+
+
+def covers_span(store, namespace: Namespace, prefix: bytes, token_ids: Sequence[int] | np.ndarray,
+                token_start: int, now: float | None = None) -> bool:
+    """True when live fragments of exactly the span ``[token_start, token_start +
+    len(token_ids))`` after the prefix hash ``prefix``, with these token IDs, together hold
+    every layer and KV head of ``namespace`` (one fragment or several layer/head groups)."""
+    now = store.clock() if now is None else now
+    ids = np.asarray(token_ids, dtype=np.int32)
+    end = token_start + len(ids)
+    ns_dict = namespace.to_dict()
+    full = namespace.n_layer * namespace.n_head_kv
+
+    def read(txn: lmdb.Transaction) -> bool:
+        cursor = txn.cursor(db=store._by_prefix)
+        if not cursor.set_key(namespace.digest() + bytes(prefix)):
+            return False
+        covered: set[tuple[int, int]] = set()
+        for key in cursor.iternext_dup():
+            blob = txn.get(key, db=store._fragments)
+            if blob is None or Lifecycle.unpack(txn.get(key, db=store._lifecycle)).expired(now):
+                continue
+            try:
+                head = codec.peek(blob)
+            except CodecError:
+                continue
+            if (head.token_start != token_start or head.token_end != end
+                    or head.namespace.to_dict() != ns_dict or not np.array_equal(head.token_ids, ids)):
+                continue
+            covered.update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+        return len(covered) == full
+
+    return store._txn(read)
+
+def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+    """Every stored fragment (live or expired, any chunk size or layer/head group) that the
+    prompt ``tokens`` wrote or could hit: it follows a prefix of ``tokens`` and its own
+    tokens match theirs for at least one token (at position 0: for at least ``MIN_SPAN``,
+    64, since nothing shorter is injected; a fragment of another prompt that merely starts
+    with the same chat-template token is not this prompt's). One ``by_prefix`` lookup per
+    prompt position."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    ns_digest = namespace.digest()
+    ns_dict = namespace.to_dict()
+
+    def read(txn: lmdb.Transaction) -> list[bytes]:
+        cursor = txn.cursor(db=store._by_prefix)
+        hasher, found = prefix_hasher(), []
+        for pos in range(len(tokens)):
+            if cursor.set_key(ns_digest + hasher.digest()):
+                for key in [bytes(k) for k in cursor.iternext_dup()]:
+                    blob = txn.get(key, db=store._fragments)
+                    try:
+                        head = codec.peek(blob) if blob is not None else None
+                    except CodecError:
+                        head = None
+                    if head is None or head.namespace.to_dict() != ns_dict or head.token_start != pos:
+                        continue
+                    # at position 0 a fragment serves only from MIN_SPAN matched tokens
+                    # on (shorter prefixes are never injected); later, one token adds to
+                    # the chain it extends
+                    need = 1 if pos else min(MIN_SPAN, head.span)
+                    if common_prefix_len(head.token_ids, tokens[pos : pos + head.span]) >= need:
+                        found.append(key)
+            hasher.update(token_bytes(tokens[pos : pos + 1]))
+        return found
+
+    return store._txn(read)
+
+
+def stored_namespaces(store) -> list[Namespace]:
+    """The namespaces of the fragments the store holds at position 0 (the start of every
+    chain), in no particular order: one ``by_prefix`` entry per distinct index key is read,
+    and the header of one fragment per namespace digest. Costs one pass over the index keys
+    (not the fragments)."""
+    empty = prefix_hasher().digest()
+
+    def read(txn: lmdb.Transaction) -> list[Namespace]:
+        cursor = txn.cursor(db=store._by_prefix)
+        found: dict[bytes, Namespace] = {}
+        for index_key, key in cursor.iternext_nodup(keys=True, values=True):
+            index_key = bytes(index_key)
+            digest = index_key[:-len(empty)]
+            if index_key[-len(empty):] != empty or digest in found:
+                continue
+            blob = txn.get(bytes(key), db=store._fragments)
+            try:
+                head = codec.peek(blob) if blob is not None else None
+            except CodecError:
+                head = None
+            if head is not None and head.namespace.digest() == digest:
+                found[digest] = head.namespace
+        return list(found.values())
+
+    return store._txn(read)
+
+
+def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None) -> PrefixMatch:
+    """Find the longest run of stored fragments matching ``tokens`` from position 0.
+
+    At each position the walk looks up the fragments stored after exactly this prefix
+    (namespace digest + prefix hash), keeps those of ``namespace`` that are not expired,
+    groups them by token span, and keeps groups that together hold every layer and KV
+    head. A group whose tokens all match leads on to its end position; one that matches
+    only a head ends a path as a partial span. The walk returns the path that reaches
+    furthest (a depth-first search with one lookup per position, since spans of other
+    chunk sizes branch). Reads headers only; corrupt or dangling entries met on the way
+    are removed.
+
+    Args:
+        namespace: only fragments of this namespace are considered.
+        tokens: the prompt's token IDs.
+        now: Unix seconds for the expiry check (default: the store's clock).
+    """
+    now = store.clock() if now is None else now
+    tokens = np.asarray(tokens, dtype=np.int32)
+    ns_digest = namespace.digest()
+    ns_dict = namespace.to_dict()
+    full = {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)}
+    hasher = prefix_hasher()
+    result = PrefixMatch()
+    corrupt: list[tuple[bytes, bytes | None]] = []
+
+    def groups_at(txn: lmdb.Transaction, cursor: lmdb.Cursor, pos: int, digest: bytes) -> list[SpanMatch]:
+        """The complete-coverage span groups stored right after ``tokens[:pos]``."""
+        index_key = ns_digest + digest
+        keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(index_key) else []
+        groups: dict[tuple[int, bytes], list] = {}
+        for key in keys:
+            blob = txn.get(key, db=store._fragments)
+            if blob is None:
+                corrupt.append((key, index_key))
+                continue
+            try:
+                head = codec.peek(blob)
+            except CodecError:
+                corrupt.append((key, None))
+                continue
+            life = Lifecycle.unpack(txn.get(key, db=store._lifecycle))
+            if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
+                continue
+            group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
+            group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+            group[2].append(key)
+            group[3] += len(blob)
+        spans = []
+        for head, covered, keys_, nbytes in groups.values():
+            if covered == full:
+                matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
+                if matched > 0:
+                    spans.append(SpanMatch(keys_, pos, head.token_end, matched, nbytes))
+        return spans
+
+    def read(txn: lmdb.Transaction) -> None:
+        cursor = txn.cursor(db=store._by_prefix)
+        memo: dict[int, tuple[int, list[SpanMatch]]] = {}
+
+        def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
+            # Longest reach from ``pos``: spans of other chunk sizes branch, so a greedy
+            # choice of the longest complete span can end short of another branch.
+            if pos in memo:
+                return memo[pos]
+            found: tuple[int, list[SpanMatch]] = (pos, [])
+            if pos < len(tokens):
+                for span in groups_at(txn, cursor, pos, hasher.digest()):
+                    if span.complete and span.token_end <= len(tokens):
+                        nxt = hasher.copy()
+                        nxt.update(token_bytes(tokens[pos : span.token_end]))
+                        reach, chain = best(span.token_end, nxt)
+                        option = (reach, [span] + chain)
+                    else:
+                        option = (pos + span.matched, [span])
+                    if option[0] > found[0]:
+                        found = option
+            memo[pos] = found
+            return found
+
+        result.spans[:] = best(0, hasher)[1]
+
+    store._txn(read)
+    for key, index_key in corrupt:
+        if index_key is not None and not store.readonly:
+            store._txn(lambda txn: txn.delete(index_key, key, db=store._by_prefix), write=True)
+        elif index_key is None:
+            store._drop_corrupt(key, "header does not parse")
+    return result

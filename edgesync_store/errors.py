@@ -1,0 +1,44 @@
+"""Every error the store raises to the layers above it: one base, :class:`StoreError`, so that
+a caller catches storage failures without knowing the backend (LMDB's own ``lmdb.Error`` never
+leaves ``edgesync_store``)."""
+
+from __future__ import annotations
+
+__all__ = ["CodecError", "StoreBusyError", "StoreError", "StoreFormatError", "StoreIOError", "StoreNotFoundError",
+           "StoreOpenError", "StoreUnavailableError"]
+
+
+class StoreError(RuntimeError):
+    """Base of the store's errors."""
+
+
+class StoreOpenError(StoreError):
+    """The store path cannot hold or does not hold a store (a file, a foreign non-empty
+    directory, no permission, not LMDB); the message names the path and the reason."""
+
+
+class StoreUnavailableError(StoreOpenError):
+    """The system refused to create, open or lock the store (permission, a read-only or full
+    disk): the path may be right, the device will not let us use it."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """There is no store directory at the given path (nothing is created)."""
+
+
+class StoreFormatError(StoreError):
+    """The store on disk has a format this code cannot read (newer, or a malformed record)."""
+
+
+class StoreBusyError(StoreError):
+    """Another process holds the store exclusively (a reclaim or clear) for longer than the
+    wait allowed."""
+
+
+class StoreIOError(StoreError):
+    """The storage backend failed during an operation (LMDB: a full map it cannot grow, a
+    corrupt page, an I/O error); the message names the store and the backend's own error."""
+
+
+class CodecError(StoreError, ValueError):
+    """A blob that is not a valid fragment: corrupt, truncated, crafted or of another version."""

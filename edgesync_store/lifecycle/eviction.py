@@ -1,0 +1,87 @@
+"""The size budget's eviction policy.
+
+When a write would take the store's blobs past ``max_bytes``, fragments are deleted in this
+order until the store is at or under ``LOW_WATER`` (90%) of the budget (the margin keeps the
+next writes from scanning again at once):
+
+1. expired fragments (soonest expired first): they can never be served again;
+2. the short-term tier, least recently used first (the later of last hit and creation);
+3. the long-term tier, least recently used first.
+
+Ties break by key, so the order is deterministic. A fragment that a request is injecting
+(``FragmentStore.pins``, in any process) and the fragments being written are never evicted.
+Only the ``lifecycle`` database is scanned (``ttl.Lifecycle``: sizes and times), no tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from edgesync_store.ttl import TIER_LONG, Lifecycle
+
+log = logging.getLogger("edgesync.store")
+
+LOW_WATER = 0.9
+"""Fraction of ``max_bytes`` that eviction frees down to."""
+
+
+def eviction_order(rows: Iterable[tuple[bytes, Lifecycle]], now: float) -> list[tuple[bytes, Lifecycle]]:
+    """``rows`` (key, lifecycle) sorted in the order they are evicted (module docstring)."""
+
+    def rank(row: tuple[bytes, Lifecycle]):
+        key, life = row
+        if life.expired(now):
+            return (0, life.expires_at, key)
+        return (1 if life.tier != TIER_LONG else 2, life.last_used_at, key)
+
+    return sorted(rows, key=rank)
+
+
+def plan(store, rows: Iterable[tuple[bytes, Lifecycle]], need_bytes: int, now: float,
+         protect: set[bytes] = frozenset()) -> list[tuple[bytes, int]]:
+    """The ``(key, bytes)`` to evict, in order, to free at least ``need_bytes`` (fewer when
+    everything left is pinned or protected)."""
+    chosen, freed = [], 0
+    for key, life in eviction_order(rows, now):
+        if freed >= need_bytes:
+            break
+        if key in protect or store.pins.is_pinned(key):
+            continue
+        chosen.append((key, life.nbytes))
+        freed += life.nbytes
+    return chosen
+
+
+def evict_in(store, txn, need_bytes: int, now: float, protect: set[bytes] = frozenset()) -> list[tuple[bytes, int]]:
+    """Evict inside the caller's write transaction ``txn``; return the ``(key, blob bytes)``
+    evicted."""
+    rows = [(bytes(k), Lifecycle.unpack(v)) for k, v in txn.cursor(db=store._lifecycle)]
+    chosen = plan(store, rows, need_bytes, now, protect)
+    evicted = []
+    for key, _ in chosen:
+        nbytes = store._delete_in(txn, key)
+        if nbytes:
+            evicted.append((key, nbytes))
+    if evicted:
+        log.info("size budget %d bytes: evicted %d fragments (%d bytes)", store.max_bytes, len(evicted),
+                 sum(n for _, n in evicted))
+    return evicted
+
+
+def evict_to_budget(store, max_bytes: int | None = None, now: float | None = None,
+                    dry_run: bool = False) -> list[tuple[bytes, int]]:
+    """Bring the store to at most ``max_bytes`` (default: its budget) in one write
+    transaction, by the policy; return the ``(key, bytes)`` evicted (with ``dry_run``: that
+    would be). Used by the compactor; writes enforce the budget themselves."""
+    limit = store.max_bytes if max_bytes is None else max_bytes
+    now = store.clock() if now is None else now
+    if dry_run:
+        used = store.used_bytes()
+        return plan(store, store.iterate_lifecycle(), used - limit, now) if used > limit else []
+
+    def write(txn):
+        used = store._used(txn)
+        return evict_in(store, txn, used - limit, now) if used > limit else []
+
+    return store._txn(write, write=True)

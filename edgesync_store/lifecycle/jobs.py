@@ -1,0 +1,109 @@
+"""Background jobs in the application process: the expiry sweep and compaction on a schedule.
+
+:class:`StoreJobs` runs an apscheduler ``BackgroundScheduler`` (one daemon thread plus a small
+pool) with two interval jobs over the application's open store:
+
+* ``sweep`` every ``sweep_interval_s`` (default 60 s): ``ttl.sweep`` (expired fragments out of
+  LMDB and the HNSW sidecar);
+* ``compact`` every ``compact_interval_s`` (default 900 s): ``compactor.Compactor.run``
+  (expiry, dedup, merges, eviction, reclaim).
+
+Each job runs at most one instance at a time and missed runs coalesce into one. A job that
+raises is logged with its traceback and counted (:attr:`StoreJobs.failures`); the scheduler
+goes on and runs it again at its next time. One process at a time compacts a store
+(``compact.lock``: a run that finds another process compacting is skipped). The jobs use the
+application's own ``SemanticIndex`` object (through ``index_source``), whose lock they share
+with the request path, so the sidecar is never written by two threads at once.
+:meth:`StoreJobs.shutdown` stops the compaction between steps and waits for the running job:
+it returns within about one step (a merge group or a sweep batch), not one whole run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable
+
+from edgesync_store.compactor import Compactor
+from edgesync_store.ttl import sweep
+
+log = logging.getLogger("edgesync.jobs")
+
+DEFAULT_SWEEP_INTERVAL_S = 60.0
+DEFAULT_COMPACT_INTERVAL_S = 900.0
+
+
+class StoreJobs:
+    """The sweep and compaction jobs of one open store (module docstring).
+
+    Args:
+        store: the application's open, writable ``FragmentStore``.
+        index_source: returns the application's open ``SemanticIndex`` or None (called at each
+            run: the index may load after the jobs start).
+        sweep_interval_s, compact_interval_s: seconds between runs (> 0).
+
+    Raises:
+        ValueError: an interval that is not a positive number.
+    """
+
+    def __init__(self, store, index_source: Callable[[], object] | None = None,
+                 sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
+                 compact_interval_s: float = DEFAULT_COMPACT_INTERVAL_S) -> None:
+        for name, value in (("sweep_interval_s", sweep_interval_s), ("compact_interval_s", compact_interval_s)):
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+        self.store = store
+        self.index_source = index_source or (lambda: None)
+        self.sweep_interval_s = float(sweep_interval_s)
+        self.compact_interval_s = float(compact_interval_s)
+        self.runs: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.last_report: dict | None = None
+        self._stop = threading.Event()
+        self._scheduler = None
+
+    def start(self) -> "StoreJobs":
+        """Start the scheduler (idempotent); the first runs come one interval from now."""
+        if self._scheduler is not None:
+            return self
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        scheduler = BackgroundScheduler(daemon=True, job_defaults={"coalesce": True, "max_instances": 1})
+        scheduler.add_job(self._guarded, "interval", args=["sweep", self.run_sweep], id="sweep",
+                          seconds=self.sweep_interval_s, misfire_grace_time=None)
+        scheduler.add_job(self._guarded, "interval", args=["compact", self.run_compaction], id="compact",
+                          seconds=self.compact_interval_s, misfire_grace_time=None)
+        scheduler.start()
+        self._scheduler = scheduler
+        log.info("store jobs for %s: sweep every %.0f s, compaction every %.0f s", self.store.path,
+                 self.sweep_interval_s, self.compact_interval_s)
+        return self
+
+    def _guarded(self, name: str, job: Callable[[], object]) -> None:
+        if self._stop.is_set() or self.store.closed:
+            return  # an application that closed its store without closing EdgeSync
+        try:
+            job()
+            self.runs[name] += 1
+        except Exception:  # noqa: BLE001 - a job never takes the scheduler or the app down
+            self.failures[name] += 1
+            log.exception("store job %s failed on %s; it runs again at its next time", name, self.store.path)
+
+    def run_sweep(self) -> int:
+        """One sweep now; returns the fragments deleted."""
+        return len(sweep(self.store, index=self.index_source()))
+
+    def run_compaction(self) -> dict:
+        """One compaction now (skipped when another process compacts); returns its report."""
+        report = Compactor(self.store, index=self.index_source(), stop=self._stop).run()
+        self.last_report = report.to_dict()
+        return self.last_report
+
+    def shutdown(self) -> None:
+        """Stop the jobs: end a running compaction between steps, wait for it, stop the
+        scheduler's thread (idempotent)."""
+        self._stop.set()
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=True)
+            self._scheduler = None

@@ -1,0 +1,257 @@
+"""Cut fragments into layer/head groups and merge groups back: pure functions, no I/O.
+
+A chunk's KV may be stored as several :class:`KVFragment` of one token span, each holding a
+subset of the layers (a contiguous range or a stride-sampled set) and a contiguous range of KV
+heads. Arrays are always ``[n_layers, span, (head_end - head_start) * head_dim]`` of the
+namespace's dtype (float16 for llama.cpp's default), rows of axis 0 in the order of
+``fragment.layers``, heads as consecutive blocks of ``head_dim`` columns.
+
+* :func:`split_layers` / :func:`split_heads` cut one fragment into groups;
+* :func:`merge_layers` joins fragments whose layer sets partition all the model's layers;
+* :func:`merge_heads` joins fragments whose head ranges partition ``[0, n_head_kv)``.
+
+Every part of a chunk shares the span's identity (namespace, prefix hash, token IDs), so a
+split or merged fragment keeps it; its store key changes only through its layer/head ranges.
+A merge of parts cut from one whole fragment gives that fragment's key and bit-equal arrays.
+Lifecycle of a merge: ``created_at`` = min, ``expires_at`` = max, ``hit_count`` = max,
+``last_hit_at`` = max over the parts (a request's hit is recorded on every part alike, so hits
+are not summed), ``embedding`` = the first non-empty one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from edgesync_store.schema import KVFragment, Namespace
+
+log = logging.getLogger("edgesync.merge")
+
+
+def _check_count(name: str, value, n: int, n_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= n:
+        raise ValueError(f"{name}: must be an integer in [1, {n_name}={n}], got {value!r}")
+    return int(value)
+
+
+def _groups(n: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def layer_groups(n_layer: int, layers_per_fragment: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer groups of ``layers_per_fragment`` layers covering
+    ``[0, n_layer)``; the last group holds the remainder (``layer_groups(30, 16)`` ->
+    ``[(0, 16), (16, 30)]``).
+
+    Raises:
+        ValueError: ``n_layer`` < 1, or ``layers_per_fragment`` not an integer in [1, n_layer].
+    """
+    if isinstance(n_layer, bool) or not isinstance(n_layer, (int, np.integer)) or n_layer < 1:
+        raise ValueError(f"n_layer: must be a positive integer, got {n_layer!r}")
+    return _groups(int(n_layer), _check_count("layers_per_fragment", layers_per_fragment, n_layer, "n_layer"))
+
+
+def head_groups(n_head_kv: int, heads_per_fragment: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` KV-head groups of ``heads_per_fragment`` heads covering
+    ``[0, n_head_kv)``; the last group holds the remainder (``head_groups(3, 2)`` ->
+    ``[(0, 2), (2, 3)]``).
+
+    Raises:
+        ValueError: ``n_head_kv`` < 1, or ``heads_per_fragment`` not an integer in [1, n_head_kv].
+    """
+    if isinstance(n_head_kv, bool) or not isinstance(n_head_kv, (int, np.integer)) or n_head_kv < 1:
+        raise ValueError(f"n_head_kv: must be a positive integer, got {n_head_kv!r}")
+    return _groups(int(n_head_kv), _check_count("heads_per_fragment", heads_per_fragment, n_head_kv, "n_head_kv"))
+
+
+def group_ranges(
+    namespace: Namespace, layers_per_fragment: int | None, heads_per_fragment: int | None
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The ``((layer_start, layer_end), (head_start, head_end))`` of every fragment a whole
+    chunk is stored as, layer groups outermost: the first entry is layer group 0 x head group 0.
+
+    ``None`` means one group (all layers / all heads); a value above the model's count is
+    clamped to it (the configuration cannot know the model).
+
+    Raises:
+        ValueError: a value that is not an integer >= 1.
+    """
+    lay = namespace.n_layer if layers_per_fragment is None else layers_per_fragment
+    hds = namespace.n_head_kv if heads_per_fragment is None else heads_per_fragment
+    for name, value in (("layers_per_fragment", lay), ("heads_per_fragment", hds)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
+    layers = layer_groups(namespace.n_layer, min(int(lay), namespace.n_layer))
+    heads = head_groups(namespace.n_head_kv, min(int(hds), namespace.n_head_kv))
+    return [(lg, hg) for lg in layers for hg in heads]
+
+
+def _derived(src: KVFragment, keys: np.ndarray, values: np.ndarray, **ranges) -> KVFragment:
+    """A fragment of ``src``'s span and lifecycle with other arrays and layer/head ranges."""
+    return KVFragment(
+        namespace=src.namespace, token_start=src.token_start, token_end=src.token_end,
+        keys=np.ascontiguousarray(keys), values=np.ascontiguousarray(values), token_ids=src.token_ids,
+        prefix_hash=src.prefix_hash, content_hash=src.content_hash, embedding=src.embedding,
+        created_at=src.created_at, expires_at=src.expires_at, hit_count=src.hit_count,
+        last_hit_at=src.last_hit_at, **ranges,
+    )
+
+
+def split_layers(fragment: KVFragment, layers_per_fragment: int) -> list[KVFragment]:
+    """Cut ``fragment`` along axis 0 into groups of ``layers_per_fragment`` of its layers.
+
+    Group ``i`` holds ``fragment.layers[i*k:(i+1)*k]`` (same stride; ``layer_end`` never beyond
+    the source's), arrays ``[group layers, span, heads*head_dim]``, and the source's span,
+    prefix hash, token IDs, head range, times, hit counts and embedding.
+
+    Raises:
+        ValueError: ``layers_per_fragment`` not an integer in [1, fragment.n_layers].
+    """
+    stride = fragment.layer_stride
+    out = []
+    for a, b in _groups(fragment.n_layers, _check_count("layers_per_fragment", layers_per_fragment,
+                                                        fragment.n_layers, "fragment.n_layers")):
+        out.append(_derived(
+            fragment, fragment.keys[a:b], fragment.values[a:b],
+            layer_start=fragment.layer_start + a * stride,
+            layer_end=min(fragment.layer_start + b * stride, fragment.layer_end),
+            layer_stride=stride, head_start=fragment.head_start, head_end=fragment.head_end,
+        ))
+    return out
+
+
+def split_heads(fragment: KVFragment, heads_per_fragment: int) -> list[KVFragment]:
+    """Cut ``fragment`` by KV heads into contiguous groups of ``heads_per_fragment`` of its heads.
+
+    Group ``[h0, h1)`` (absolute head numbers, within the source's ``[head_start, head_end)``)
+    holds columns ``(h0 - head_start)*head_dim : (h1 - head_start)*head_dim`` of the source's
+    arrays, i.e. ``[n_layers, span, (h1 - h0)*head_dim]``, and the source's layers, span and
+    lifecycle.
+
+    Raises:
+        ValueError: ``heads_per_fragment`` not an integer in [1, head_end - head_start].
+    """
+    n = fragment.head_end - fragment.head_start
+    dim = fragment.namespace.head_dim
+    out = []
+    for a, b in _groups(n, _check_count("heads_per_fragment", heads_per_fragment, n, "fragment heads")):
+        cols = slice(a * dim, b * dim)
+        out.append(_derived(
+            fragment, fragment.keys[:, :, cols], fragment.values[:, :, cols],
+            layer_start=fragment.layer_start, layer_end=fragment.layer_end, layer_stride=fragment.layer_stride,
+            head_start=fragment.head_start + a, head_end=fragment.head_start + b,
+        ))
+    return out
+
+
+def _check_same_span(fragments: Sequence[KVFragment]) -> KVFragment:
+    """The first fragment, after checking every other shares its namespace, span, prefix and
+    tokens. Raises ValueError naming the first disagreement."""
+    if not fragments:
+        raise ValueError("fragments: nothing to merge")
+    first = fragments[0]
+    for i, f in enumerate(fragments[1:], 1):
+        if f.namespace != first.namespace:
+            raise ValueError(f"namespace: fragment {i} belongs to another namespace than fragment 0")
+        if (f.token_start, f.token_end) != (first.token_start, first.token_end):
+            raise ValueError(
+                f"span: fragment {i} covers tokens [{f.token_start}, {f.token_end}), "
+                f"fragment 0 [{first.token_start}, {first.token_end})"
+            )
+        if not np.array_equal(f.token_ids, first.token_ids):
+            raise ValueError(f"token_ids: fragment {i} holds other tokens than fragment 0")
+        if f.prefix_hash != first.prefix_hash:
+            raise ValueError(f"prefix_hash: fragment {i} follows another prefix than fragment 0")
+    return first
+
+
+def _merged(parts: Sequence[KVFragment], keys: np.ndarray, values: np.ndarray, **ranges) -> KVFragment:
+    first = parts[0]
+    embedding = next((f.embedding for f in parts if f.embedding.size), first.embedding)
+    return KVFragment(
+        namespace=first.namespace, token_start=first.token_start, token_end=first.token_end,
+        keys=keys, values=values, token_ids=first.token_ids, prefix_hash=first.prefix_hash,
+        content_hash=first.content_hash, embedding=embedding,
+        created_at=min(f.created_at for f in parts), expires_at=max(f.expires_at for f in parts),
+        hit_count=max(f.hit_count for f in parts), last_hit_at=max(f.last_hit_at for f in parts),
+        **ranges,
+    )
+
+
+def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
+    """Join fragments of one span and head range whose layer sets partition all the layers.
+
+    Layer sets may be contiguous (``[0, 15)`` + ``[15, 30)``) or stride-sampled
+    (``range(0, 30, 2)`` + ``range(1, 30, 2)``), in any order. The result holds layers
+    ``[0, n_layer)`` with stride 1 and the common head range; its arrays are
+    ``[n_layer, span, heads*head_dim]`` (namespace dtype, float16 by default) with row ``L``
+    copied from the part holding layer ``L``. Lifecycle: see the module docstring.
+
+    Raises:
+        ValueError: no fragments, or (message starting with the field) another namespace,
+            span, token_ids or prefix_hash, another head range ("heads"), a layer held twice
+            ("layers: overlapping layer L") or a layer held by none ("layers: missing layer L").
+    """
+    first = _check_same_span(fragments)
+    for i, f in enumerate(fragments[1:], 1):
+        if (f.head_start, f.head_end) != (first.head_start, first.head_end):
+            raise ValueError(
+                f"heads: fragment {i} holds heads [{f.head_start}, {f.head_end}), "
+                f"fragment 0 [{first.head_start}, {first.head_end})"
+            )
+    n_layer = first.namespace.n_layer
+    owner: dict[int, int] = {}
+    for i, f in enumerate(fragments):
+        for layer in f.layers:
+            if layer in owner:
+                raise ValueError(f"layers: overlapping layer {layer} (fragments {owner[layer]} and {i})")
+            owner[layer] = i
+    missing = [layer for layer in range(n_layer) if layer not in owner]
+    if missing:
+        raise ValueError(f"layers: missing layer {missing[0]} ({len(missing)} of {n_layer} missing)")
+    shape = (n_layer,) + first.keys.shape[1:]
+    keys = np.empty(shape, dtype=first.keys.dtype)
+    values = np.empty(shape, dtype=first.values.dtype)
+    for f in fragments:
+        rows = np.fromiter(f.layers, dtype=np.intp)
+        keys[rows] = f.keys
+        values[rows] = f.values
+    log.debug("merged %d layer groups of [%d, %d)", len(fragments), first.token_start, first.token_end)
+    return _merged(fragments, keys, values, layer_start=0, layer_end=n_layer, layer_stride=1,
+                   head_start=first.head_start, head_end=first.head_end)
+
+
+def merge_heads(fragments: Sequence[KVFragment]) -> KVFragment:
+    """Join fragments of one span and layer set whose head ranges partition ``[0, n_head_kv)``.
+
+    Parts may come in any order; the result's columns are the parts' concatenated in head
+    order: arrays ``[n_layers, span, n_head_kv*head_dim]`` (namespace dtype), with the parts'
+    common layer range and heads ``[0, n_head_kv)``. Lifecycle: see the module docstring.
+
+    Raises:
+        ValueError: no fragments, or (message starting with the field) another namespace,
+            span, token_ids or prefix_hash, another layer set ("layers"), a head held twice
+            ("heads: overlapping head H") or held by none ("heads: missing head H").
+    """
+    first = _check_same_span(fragments)
+    for i, f in enumerate(fragments[1:], 1):
+        if f.layers != first.layers:
+            raise ValueError(f"layers: fragment {i} holds layers {f.layers}, fragment 0 {first.layers}")
+    ordered = sorted(fragments, key=lambda f: (f.head_start, f.head_end))
+    n_head = first.namespace.n_head_kv
+    pos = 0
+    for f in ordered:
+        if f.head_start < pos:
+            raise ValueError(f"heads: overlapping head {f.head_start}")
+        if f.head_start > pos:
+            raise ValueError(f"heads: missing head {pos}")
+        pos = f.head_end
+    if pos < n_head:
+        raise ValueError(f"heads: missing head {pos}")
+    keys = np.concatenate([f.keys for f in ordered], axis=2)
+    values = np.concatenate([f.values for f in ordered], axis=2)
+    log.debug("merged %d head groups of [%d, %d)", len(fragments), first.token_start, first.token_end)
+    return _merged(fragments, keys, values, layer_start=first.layer_start, layer_end=first.layer_end,
+                   layer_stride=first.layer_stride, head_start=0, head_end=n_head)

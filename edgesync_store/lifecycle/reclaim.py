@@ -1,0 +1,169 @@
+"""Disk reclaim: rewrite the LMDB file without its free pages.
+
+LMDB never shrinks ``data.mdb``: pages freed by deletes are reused by later writes but stay in
+the file. When the free pages pass a threshold, :func:`reclaim` writes a compact copy
+(``mdb_env_copy2`` with ``MDB_CP_COMPACT``, through ``Environment.copyfd``) and swaps it in:
+
+1. take the store's ``edgesync.lock`` exclusively without waiting (``locks.OpenLock``): only
+   when no other process has the store open, so no one holds the old file mapped and no one's
+   write can land in the old file after the copy (another process opening the store meanwhile
+   waits for the swap);
+2. hold the store object's lock (this process's other threads wait), copy into
+   ``.reclaim.tmp`` in the store directory, ``fsync`` it;
+3. close the environment, ``rename`` the copy over ``data.mdb`` (atomic), ``fsync`` the
+   directory, remove ``lock.mdb`` (its reader table belongs to the old file; LMDB recreates it),
+   reopen.
+
+A kill before the rename leaves the old ``data.mdb`` untouched (the temp file is removed by the
+next reclaim); after it, the new one, complete and synced: the old store or the new one, never
+neither. Crash points ``reclaim.locked``, ``reclaim.copied``, ``reclaim.synced``,
+``reclaim.renamed``, ``reclaim.reopened`` (``crashpoints.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from edgesync_store.core.crashpoints import crash_point
+
+log = logging.getLogger("edgesync.store")
+
+TMP_NAME = ".reclaim.tmp"
+DEFAULT_MIN_FREE_FRACTION = 0.25
+"""Reclaim when at least this fraction of ``data.mdb`` is free pages..."""
+DEFAULT_MIN_FREE_BYTES = 8 * 1024 * 1024
+"""...and at least this many bytes (8 MiB) would be returned to the disk."""
+
+
+@dataclass
+class ReclaimResult:
+    """What :func:`reclaim` found and did. Sizes are bytes of ``data.mdb``."""
+
+    file_bytes_before: int
+    free_bytes: int
+    file_bytes_after: int
+    reclaimed: bool
+    reason: str
+
+    @property
+    def bytes_reclaimed(self) -> int:
+        return max(0, self.file_bytes_before - self.file_bytes_after) if self.reclaimed else 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bytes_reclaimed": self.bytes_reclaimed}
+
+
+def free_bytes(store) -> tuple[int, int]:
+    """``(data.mdb bytes, bytes of its pages that hold nothing)``: pages up to the last used
+    one that no database uses (LMDB's free list) plus file space beyond the last page."""
+    data = store.path / "data.mdb"
+    size = data.stat().st_size
+
+    def read(txn):
+        psize = store._env.stat()["psize"]
+        used = 2  # the two meta pages
+        stat = txn.stat()  # the main database (it names the others)
+        used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        for name, _ in txn.cursor():
+            db = store.named_db(bytes(name), txn=txn)
+            if db is None:
+                continue
+            st = txn.stat(db)
+            used += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return used * psize
+
+    used_bytes = store._txn(read)
+    return size, max(0, size - used_bytes)
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
+            min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, force: bool = False,
+            dry_run: bool = False) -> ReclaimResult:
+    """Rewrite ``data.mdb`` compactly when its free space passes both thresholds (or with
+    ``force``, whenever any is free); see the module docstring for the swap.
+
+    Returns a :class:`ReclaimResult`; ``reclaimed`` False with the ``reason`` when below the
+    threshold, ``dry_run``, the store is read-only, or another process has it open.
+
+    Raises:
+        OSError, lmdb.Error: the copy or the swap failed (the old file is then still in place).
+    """
+    if not dry_run and (store.readonly or store._open_lock is None):
+        before, free = free_bytes(store)
+        return ReclaimResult(before, free, before, False, "store is open read-only")
+    if not dry_run:
+        clean_leftovers(store)
+    before, free = free_bytes(store)
+    result = ReclaimResult(before, free, before, False, "")
+    if free <= 0 or (not force and (free < min_free_bytes or free < min_free_fraction * before)):
+        result.reason = (f"{free} free bytes of {before}: below the threshold "
+                         f"({min_free_fraction:.0%} and {min_free_bytes} bytes)")
+        return result
+    if dry_run:
+        result.reason = "dry run: would rewrite the file"
+        return result
+    tmp = store.path / TMP_NAME
+    with store._lock:
+        if not store._open_lock.try_exclusive():
+            result.reason = "another process has the store open; reclaim deferred"
+            return result
+        try:
+            crash_point("reclaim.locked")
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                store._env.copyfd(fd, compact=True)
+                crash_point("reclaim.copied")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            crash_point("reclaim.synced")
+            store._env.close()
+            os.replace(tmp, store.path / "data.mdb")
+            _fsync_dir(store.path)
+            crash_point("reclaim.renamed")
+            (store.path / "lock.mdb").unlink(missing_ok=True)
+            store._reopen_env()
+            crash_point("reclaim.reopened")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            try:  # the environment may be closed: reopen whichever file is in place
+                store._reopen_env()
+            except Exception:  # noqa: BLE001 - the original error matters more
+                log.exception("reopening %s after a failed reclaim", store.path)
+            raise
+        finally:
+            store._open_lock.share()
+    result.file_bytes_after = (store.path / "data.mdb").stat().st_size
+    result.reclaimed = True
+    result.reason = "rewritten"
+    log.info("reclaimed %d bytes of %s", result.bytes_reclaimed, store.path)
+    return result
+
+
+def clean_leftovers(store) -> bool:
+    """Remove the temp copy a killed reclaim left behind (a whole copy of the store), when no
+    other process has the store open (so it is never another process's copy in progress);
+    True when one was removed. :func:`reclaim` calls it first, whatever its threshold."""
+    tmp = store.path / TMP_NAME
+    if not tmp.exists() or store._open_lock is None:
+        return False
+    with store._lock:
+        if not store._open_lock.try_exclusive():
+            return False
+        try:
+            tmp.unlink(missing_ok=True)
+            log.info("removed %s left by an interrupted reclaim", tmp)
+        finally:
+            store._open_lock.share()
+    return True

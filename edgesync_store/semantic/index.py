@@ -1,0 +1,680 @@
+"""SemanticIndex: an HNSW (hnswlib) sidecar beside a FragmentStore, rebuildable from LMDB.
+
+The embeddings of stored fragments live in the store's own LMDB environment (databases
+``emb_vectors`` and ``emb_meta``; byte layouts, labels, generation counter and change log in
+``vectors.py``), so they share its transactions, its cross-process locking and its
+durability; the hnswlib graph is only a cache of them, saved beside the LMDB files and rebuilt
+from LMDB whenever it is missing, corrupt or of another store.
+
+Every add or remove is one LMDB write transaction. An in-memory index remembers the generation
+it reflects; before a query it reads the current one (one read transaction) and, if another
+process wrote since, replays the change log from there (or reconciles fully when the log no
+longer reaches back that far). Fragments that the store deleted on its own (expiry, compaction)
+are noticed by :meth:`SemanticIndex.sync` and by :meth:`SemanticIndex.query` (every result is
+checked against the store's ``fragments`` database) and their vectors removed.
+
+Sidecar files in the store directory (mode 0600; plain bytes and JSON only, nothing executable on load):
+
+* ``semantic.hnsw``: ``hnswlib.Index.save_index`` output;
+* ``semantic.json``: backend id, dim, space and graph parameters, ``index_id``, the generation
+  the graph reflects, live count, the labels marked deleted in the graph, and the size and
+  SHA-256 of ``semantic.hnsw``. Both are written to a temp file in the same directory, fsynced
+  and ``os.replace``-d (JSON last, under an ``flock`` on ``semantic.lock``); a graph whose size or
+  hash disagrees with the JSON is never handed to hnswlib: it is rebuilt from LMDB (warning).
+
+A store records which embedder wrote its vectors and never mixes two: opening an index with
+another ``backend_id`` raises :class:`BackendMismatchError` naming both (unless the store holds
+no vector yet); :func:`drop_vectors` clears them so that the store can be re-embedded.
+
+Graph parameters (DESIGN.md 2.1): inner-product space on L2-normalised vectors (so distance =
+1 - cosine), M = 16, ef_construction = 200, ef_search = 100 by default (at 50 hnswlib misses
+near-duplicates about 20% of the time at 100k vectors). Deleted elements are marked and their
+slots reused by later adds (``allow_replace_deleted``); the graph grows with ``resize_index``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from edgesync_store.schema import EMBEDDING_DIM
+from edgesync_store.semantic.vectors import LOG_KEEP, BackendMismatchError, VectorTable, as_unit_rows, check_key, drop_all
+
+log = logging.getLogger("edgesync.index")
+
+__all__ = [
+    "BackendMismatchError",
+    "DEFAULT_EF_SEARCH",
+    "EF_CONSTRUCTION",
+    "HNSW_M",
+    "IndexUnavailableError",
+    "LOG_KEEP",
+    "SemanticIndex",
+    "SIDECAR_JSON",
+    "SIDECAR_HNSW",
+    "drop_vectors",
+]
+
+HNSW_M = 16
+"""hnswlib M (graph out-degree)."""
+EF_CONSTRUCTION = 200
+"""hnswlib ef_construction."""
+DEFAULT_EF_SEARCH = 100
+"""hnswlib ef at query time; raised to k when k is larger (DESIGN.md 2.1: 50 misses near-duplicates)."""
+SPACE = "ip"
+"""hnswlib space: inner product on unit vectors; hnswlib distance = 1 - cosine."""
+INITIAL_CAPACITY = 1024
+"""Elements the graph is first sized for; doubled (``resize_index``) when full."""
+SIDECAR_HNSW = "semantic.hnsw"
+SIDECAR_JSON = "semantic.json"
+SIDECAR_LOCK = "semantic.lock"
+SIDECAR_FORMAT = 1
+REBUILD_BATCH = 1024
+
+
+class IndexUnavailableError(RuntimeError):
+    """hnswlib is not installed."""
+
+
+def _import_hnswlib():
+    try:
+        import hnswlib
+    except ImportError as exc:
+        raise IndexUnavailableError(
+            f"the semantic index needs the package 'hnswlib', which is not installed; install it with: "
+            f"pip install hnswlib==0.8.0 ({exc})"
+        ) from exc
+    return hnswlib
+
+
+def drop_vectors(store) -> int:
+    """Remove every stored vector and the index's metadata from ``store`` (one write
+    transaction) and delete the sidecar files; return how many vectors were removed.
+
+    Afterwards any embedding backend may open a :class:`SemanticIndex` on the store. Processes
+    that had an index open notice the change at their next query and reload.
+    """
+    n = drop_all(store)
+    for name in (SIDECAR_HNSW, SIDECAR_JSON):
+        try:
+            (Path(store.path) / name).unlink()
+        except FileNotFoundError:
+            pass
+    log.info("dropped %d vectors from %s", n, store.path)
+    return n
+
+
+class SemanticIndex:
+    """Nearest-neighbour search over the embeddings of a FragmentStore's fragments.
+
+    Args:
+        store: an open ``FragmentStore``; its LMDB environment holds the vectors. Close the
+            index before the store.
+        embedder_backend_id: ``backend_id`` of the embedder whose vectors this index holds (an
+            ``Embedder`` is accepted too), e.g. ``"all-MiniLM-L6-v2/onnx-int8"``.
+        dim: vector width (384 for MiniLM-L6-v2).
+        ef_search: hnswlib ef for queries.
+        num_threads: hnswlib threads for adds, queries and rebuilds (default 1: llama.cpp owns
+            the cores).
+        autosave: :meth:`close` saves the sidecar when the in-memory graph changed.
+        log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`); readers
+            further behind reconcile with the whole ``emb_vectors`` database instead.
+
+    Opening loads the sidecar if it is intact and of this store, else rebuilds the graph from
+    LMDB (a warning when LMDB holds vectors), then catches up with LMDB.
+
+    Raises:
+        BackendMismatchError: the store holds vectors of another backend or width.
+        IndexUnavailableError: hnswlib is missing.
+    """
+
+    def __init__(
+        self,
+        store,
+        embedder_backend_id: str | Any,
+        dim: int = EMBEDDING_DIM,
+        ef_search: int = DEFAULT_EF_SEARCH,
+        num_threads: int = 1,
+        autosave: bool = True,
+        log_keep: int = LOG_KEEP,
+    ) -> None:
+        self._hnswlib = _import_hnswlib()
+        backend_id = getattr(embedder_backend_id, "backend_id", embedder_backend_id)
+        if not isinstance(backend_id, str) or not backend_id:
+            raise ValueError(f"embedder_backend_id: expected a non-empty string, got {embedder_backend_id!r}")
+        if min(dim, ef_search, num_threads, log_keep) < 1:
+            raise ValueError(
+                f"dim, ef_search, num_threads and log_keep must be >= 1, got {dim}, {ef_search}, {num_threads}, {log_keep}"
+            )
+        self.store = store
+        self.backend_id = backend_id
+        self.dim = int(dim)
+        self.ef_search = int(ef_search)
+        self.num_threads = int(num_threads)
+        self.autosave = autosave
+        self.log_keep = int(log_keep)
+        self.path = Path(store.path)
+        self.hnsw_path = self.path / SIDECAR_HNSW
+        self.json_path = self.path / SIDECAR_JSON
+        self.lock_path = self.path / SIDECAR_LOCK
+        self._lock = threading.RLock()
+        self._closed = False
+        self._index = None
+        self._keys: dict[int, bytes] = {}  # live label -> store key
+        self._labels: dict[bytes, int] = {}  # store key -> live label
+        self._maybe_dead: set[int] = set()  # labels marked deleted in the graph (superset)
+        self._n_dead = 0  # graph slots holding a deleted element (reusable)
+        self._seen_gen = 0
+        self._index_id = ""
+        self._dirty = False
+        self._vectors = VectorTable(store, self.dim, self.log_keep)
+        with self._lock:
+            self._open()
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Check the recorded backend, load or rebuild the graph, catch up with LMDB."""
+        self._index_id = self._vectors.claim(self.backend_id)  # raises BackendMismatchError
+        loaded = self._load_sidecar()
+        if loaded is None:
+            n = self._vectors.count()
+            if n:
+                log.warning("semantic index of %s: rebuilding %d vectors from LMDB", self.path, n)
+            self._rebuild_locked(progress=None)
+            if (n or self.hnsw_path.exists() or self.json_path.exists()) and not self.store.readonly:
+                self._save_quietly()  # replaces a damaged sidecar too
+        else:
+            self._reconcile(loaded)
+
+    def _new_graph(self, capacity: int):
+        graph = self._hnswlib.Index(space=SPACE, dim=self.dim)
+        graph.init_index(max_elements=max(INITIAL_CAPACITY, capacity), ef_construction=EF_CONSTRUCTION, M=HNSW_M,
+                         random_seed=100, allow_replace_deleted=True)
+        graph.set_num_threads(self.num_threads)
+        graph.set_ef(self.ef_search)
+        return graph
+
+    def _load_sidecar(self) -> set[int] | None:
+        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
+        store and backend; return the graph's live labels, or None (graph to rebuild)."""
+        if not self.json_path.exists() and not self.hnsw_path.exists():
+            return None
+        try:
+            with self._file_lock(shared=True):
+                info = json.loads(self.json_path.read_text())
+                if not isinstance(info, dict):
+                    raise ValueError("semantic.json is not an object")
+                expected = {"format": SIDECAR_FORMAT, "backend_id": self.backend_id, "dim": self.dim, "space": SPACE,
+                            "M": HNSW_M, "ef_construction": EF_CONSTRUCTION, "index_id": self._index_id}
+                for name, value in expected.items():
+                    if info.get(name) != value:
+                        raise ValueError(f"{name} is {info.get(name)!r}, expected {value!r}")
+                data = self.hnsw_path.read_bytes()
+                if len(data) != info.get("hnsw_bytes") or hashlib.sha256(data).hexdigest() != info.get("hnsw_sha256"):
+                    raise ValueError(f"{SIDECAR_HNSW} is {len(data)} bytes and does not match the size and hash recorded")
+                del data
+                generation = info.get("generation")
+                if not isinstance(generation, int) or generation > self._vectors.generation():
+                    raise ValueError(f"generation {generation!r} is ahead of the store's")
+                deleted = info.get("deleted_labels")
+                if not isinstance(deleted, list) or not all(isinstance(x, int) for x in deleted):
+                    raise ValueError("deleted_labels is not a list of integers")
+                graph = self._hnswlib.Index(space=SPACE, dim=self.dim)
+                graph.load_index(str(self.hnsw_path), max_elements=0, allow_replace_deleted=True)
+        except FileNotFoundError as exc:
+            log.warning("semantic index sidecar of %s incomplete (%s): rebuilding from LMDB", self.path, exc.filename)
+            return None
+        except (ValueError, OSError, RuntimeError) as exc:
+            log.warning("semantic index sidecar of %s unusable (%s): rebuilding from LMDB", self.path, exc)
+            return None
+        if graph.dim != self.dim:
+            log.warning("semantic index sidecar of %s has dim %d: rebuilding from LMDB", self.path, graph.dim)
+            return None
+        graph.set_num_threads(self.num_threads)
+        graph.set_ef(self.ef_search)
+        ids = set(int(x) for x in graph.get_ids_list())
+        dead = set(deleted) & ids
+        self._index = graph
+        self._keys, self._labels = {}, {}
+        self._maybe_dead = set(dead)
+        self._n_dead = len(dead)
+        self._seen_gen = generation
+        self._dirty = False
+        log.debug("loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation)
+        return ids - dead
+
+    # -- in-memory graph updates (self._lock held) -------------------------------------------
+
+    def _graph_add(self, labels: list[int], vectors: np.ndarray, keys: list[bytes], progress=None) -> None:
+        if not labels:
+            return
+        graph = self._index
+        fresh_labels, fresh_rows = [], []
+        for i, label in enumerate(labels):
+            if label in self._maybe_dead:
+                self._maybe_dead.discard(label)
+                try:  # labels are never reused, so a deleted label's vector is this one
+                    graph.unmark_deleted(label)
+                    self._n_dead -= 1
+                    self._keys[label] = keys[i]
+                    self._labels[keys[i]] = label
+                    continue
+                except RuntimeError:
+                    pass  # its slot was reused by a later add
+            fresh_labels.append(label)
+            fresh_rows.append(i)
+        if fresh_labels:
+            needed = graph.get_current_count() + len(fresh_labels) - min(len(fresh_labels), self._n_dead)
+            if needed > graph.get_max_elements():
+                new_max = max(needed, graph.get_max_elements() * 2)
+                log.debug("semantic index: resizing the graph to %d elements", new_max)
+                graph.resize_index(new_max)
+            rows = vectors[fresh_rows]
+            for start in range(0, len(fresh_labels), REBUILD_BATCH):
+                part = np.asarray(fresh_labels[start : start + REBUILD_BATCH], dtype=np.uint64)
+                graph.add_items(rows[start : start + REBUILD_BATCH], part, num_threads=self.num_threads, replace_deleted=True)
+                self._n_dead -= min(len(part), self._n_dead)
+                if progress is not None:
+                    progress(len(part))
+            for i, label in zip(fresh_rows, fresh_labels):
+                self._keys[label] = keys[i]
+                self._labels[keys[i]] = label
+        self._dirty = True
+
+    def _graph_remove(self, label: int) -> None:
+        key = self._keys.pop(label, None)
+        if key is None:
+            return
+        if self._labels.get(key) == label:
+            del self._labels[key]
+        self._mark_dead(label)
+
+    def _mark_dead(self, label: int) -> None:
+        """Mark ``label`` deleted in the graph (its slot becomes reusable); already deleted
+        or unknown labels are ignored (hnswlib raises RuntimeError for them)."""
+        try:
+            self._index.mark_deleted(label)
+            self._n_dead += 1
+            self._maybe_dead.add(label)
+        except RuntimeError:
+            pass
+        self._dirty = True
+
+    def _reconcile(self, graph_live: set[int]) -> tuple[int, int]:
+        """Make the graph hold exactly LMDB's live vectors. ``graph_live``: labels live in the
+        graph (their keys may not be known yet). Returns (added, removed)."""
+        live, vectors, gone, generation = self._vectors.scan(lambda label: label not in graph_live)
+        removed = 0  # graph removals (vectors of gone fragments included)
+        for label in graph_live - live.keys():
+            if label in self._keys:
+                self._graph_remove(label)
+            else:
+                self._mark_dead(label)
+            removed += 1
+        for label in graph_live & live.keys():
+            self._keys[label] = live[label]
+            self._labels[live[label]] = label
+        missing = sorted(vectors)
+        if missing:
+            self._graph_add(missing, np.stack([vectors[label] for label in missing]), [live[label] for label in missing])
+        self._seen_gen = generation
+        if gone:
+            self._purge(gone)
+        return len(missing), removed
+
+    def _catch_up(self) -> None:
+        """Replay the LMDB change log from the generation this graph reflects."""
+        if not self._vectors.exists:
+            return
+        seen = self._seen_gen
+        generation, ops = self._vectors.changes_since(seen)
+        if ops is None:
+            log.debug("semantic index: change log of %s does not reach generation %d; reconciling", self.path, seen)
+            self._reconcile(set(self._keys))
+            return
+        for op, label, store_key, vector in ops:
+            if op == b"+" and vector is not None and label not in self._keys:
+                old = self._labels.get(store_key)
+                if old is not None:
+                    self._graph_remove(old)
+                self._graph_add([label], vector[None, :], [store_key])
+            elif op == b"-" and label in self._keys:
+                self._graph_remove(label)
+        self._seen_gen = generation
+
+    def _refresh(self) -> None:
+        """Catch up when another process (or thread) wrote since this graph's generation;
+        reload when the vectors were dropped (or the backend changed) meanwhile."""
+        index_id, generation = self._vectors.state()
+        if index_id != self._index_id:
+            log.info("semantic index of %s was reset by another process; reloading", self.path)
+            self._keys, self._labels, self._maybe_dead, self._n_dead = {}, {}, set(), 0
+            self._index = None
+            self._open()
+        elif generation != self._seen_gen:
+            self._catch_up()
+
+    # -- LMDB writes (vectors.py) ----------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise RuntimeError("semantic index is closed")
+        if self.store.readonly or not self._vectors.exists:
+            raise PermissionError(f"store {self.path} is open read-only")
+
+    def _purge(self, gone: list[tuple[bytes, int]]) -> None:
+        """Remove vectors whose fragment the store no longer holds (and malformed entries)."""
+        for _key, label in gone:
+            if label in self._keys:
+                self._graph_remove(label)
+        if self.store.readonly:
+            return
+        n = self._vectors.purge(gone)
+        if n:
+            log.info("semantic index: removed %d vectors whose fragments are gone from %s", n, self.path)
+        self._catch_up()
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def add(self, key: bytes, vector) -> int:
+        """Record the embedding of the stored fragment ``key`` and index it; return its label.
+
+        Args:
+            key: the fragment's store key; the fragment must be in the store.
+            vector: float ``[dim]`` (or ``[1, dim]``); normalised here to unit length.
+
+        Re-adding the same vector (to 1e-6 per component after normalisation) is a no-op;
+        another vector for the same key replaces the old one (new label). One LMDB write
+        transaction.
+
+        Raises:
+            KeyError: the store holds no fragment under ``key``.
+            ValueError: wrong shape, NaN/inf or zero vector.
+            BackendMismatchError: the vectors were dropped or re-claimed meanwhile.
+            PermissionError: read-only store.
+        """
+        return self.add_many([key], as_unit_rows(vector, self.dim, 1))[0]
+
+    def add_many(self, keys: Sequence[bytes], vectors) -> list[int]:
+        """:meth:`add` for several fragments in ONE write transaction (all or none); return
+        their labels in order. ``vectors``: float ``[len(keys), dim]``."""
+        self._check_writable()
+        keys = [check_key(k) for k in keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys: duplicates")
+        mat = as_unit_rows(vectors, self.dim, len(keys)) if keys else np.zeros((0, self.dim), np.float32)
+        if not keys:
+            return []
+        with self._lock:
+            self._refresh()  # re-claims the store if its vectors were dropped meanwhile
+            labels = self._vectors.put_many(keys, mat)
+            self._catch_up()
+        return labels
+
+    def remove(self, key: bytes) -> bool:
+        """Remove the vector of ``key`` (one write transaction); False when it had none."""
+        self._check_writable()
+        key = check_key(key)
+        with self._lock:
+            self._refresh()
+            removed = self._vectors.delete(key)
+            self._catch_up()
+        return removed
+
+    def query(
+        self, vector, k: int = 8, *, filter: Callable[[bytes], bool] | None = None
+    ) -> list[tuple[bytes, float]]:
+        """The ``k`` stored fragments whose vectors are nearest to ``vector``.
+
+        Catches up with LMDB first when another process wrote since. Results whose fragment is
+        no longer in the store are dropped (and their vectors removed) and the search repeated.
+
+        Args:
+            vector: float ``[dim]`` (normalised here).
+            k: how many results at most (fewer when the index holds fewer).
+            filter: optional predicate on store keys; only keys for which it is True are returned.
+
+        Returns:
+            ``[(store key, cosine similarity)]``, most similar first; similarity is a Python
+            float in [-1, 1] (1.0: same direction).
+        """
+        if self._closed:
+            raise RuntimeError("semantic index is closed")
+        q = as_unit_rows(vector, self.dim, 1)
+        if k < 1:
+            return []
+        results: list[tuple[bytes, float]] = []
+        for _ in range(4):
+            with self._lock:
+                self._refresh()
+                results = self._search(q, k, filter)
+            if not results:
+                return results
+            gone = self._vectors.unstored([key for key, _ in results])
+            if not gone:
+                return results
+            with self._lock:
+                self._purge([(key, self._labels.get(key, -1)) for key in gone])
+        gone_set = set(self._vectors.unstored([key for key, _ in results]))
+        return [r for r in results if r[0] not in gone_set]
+
+    def _search(self, q: np.ndarray, k: int, filter) -> list[tuple[bytes, float]]:
+        keys = self._keys
+        n = len(keys)
+        if n == 0:
+            return []
+        kk = min(k, n)
+        graph = self._index
+        graph.set_ef(max(self.ef_search, kk))
+        label_filter = None
+        if filter is not None:
+            label_filter = lambda label: (key := keys.get(int(label))) is not None and bool(filter(key))
+        while kk >= 1:
+            try:
+                labels, dists = graph.knn_query(q, k=kk, num_threads=1, filter=label_filter)
+                break
+            except RuntimeError:  # fewer than kk reachable (filter, deletions): ask for fewer
+                kk //= 2
+        else:
+            return []
+        out = []
+        for label, dist in zip(labels[0], dists[0]):
+            key = keys.get(int(label))
+            if key is not None:
+                out.append((key, float(min(1.0, max(-1.0, 1.0 - float(dist))))))
+        return out
+
+    def sync(self) -> tuple[int, int]:
+        """Catch up with LMDB completely: index the vectors missing from the graph, mark
+        deleted those removed from LMDB, and remove the vectors whose fragment the store no
+        longer holds. Returns ``(added, removed)`` counts of graph changes."""
+        with self._lock:
+            index_id, _ = self._vectors.state()
+            if index_id != self._index_id:
+                self._refresh()
+                return len(self._keys), 0
+            return self._reconcile(set(self._keys))
+
+    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
+        dropped), save the sidecar (unless the store is read-only) and return the number of
+        vectors indexed. ``progress(done, total)`` is called as vectors are added (the command
+        draws the bar; this module never prints)."""
+        with self._lock:
+            n = self._rebuild_locked(progress)
+            if not self.store.readonly:
+                self.save()
+            return n
+
+    def _rebuild_locked(self, progress: Callable[[int, int], None] | None) -> int:
+        live, vectors, gone, generation = self._vectors.scan(lambda label: True)
+        labels = sorted(live)
+        self._index = self._new_graph(math.ceil(len(labels) * 1.25))
+        self._keys, self._labels, self._maybe_dead, self._n_dead = {}, {}, set(), 0
+        if labels:
+            mat = np.stack([vectors[label] for label in labels])
+            keys = [live[label] for label in labels]
+            if progress is not None:
+                done = [0]
+
+                def advance(n: int) -> None:
+                    done[0] += n
+                    progress(done[0], len(labels))
+
+                self._graph_add(labels, mat, keys, progress=advance)
+            else:
+                self._graph_add(labels, mat, keys)
+        self._seen_gen = generation
+        self._dirty = True
+        if gone:
+            self._purge(gone)
+        return len(self._keys)
+
+    @contextmanager
+    def _file_lock(self, shared: bool) -> Iterator[None]:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # read-only directory: nobody can be writing
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _atomic_write(self, target: Path, write: Callable[[str], None]) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=self.path)
+        os.close(fd)
+        try:
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def save(self) -> None:
+        """Write ``semantic.hnsw`` and ``semantic.json`` atomically (temp file in the store
+        directory, fsync, ``os.replace``; graph first, JSON last, then fsync the directory)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("semantic index is closed")
+            graph = self._index
+            if graph is None:  # a reload after another process reset the vectors failed
+                log.warning("semantic index of %s: no graph to save", self.path)
+                return
+            ids = set(int(x) for x in graph.get_ids_list())
+            dead = ids - self._keys.keys()
+            self._maybe_dead &= dead
+            with self._file_lock(shared=False):
+                digest = {}
+
+                def write_graph(tmp: str) -> None:
+                    graph.save_index(tmp)
+                    h = hashlib.sha256()
+                    size = 0
+                    with open(tmp, "rb") as f:
+                        while chunk := f.read(1 << 20):
+                            h.update(chunk)
+                            size += len(chunk)
+                    digest.update(hnsw_bytes=size, hnsw_sha256=h.hexdigest())
+
+                self._atomic_write(self.hnsw_path, write_graph)
+                info = {
+                    "format": SIDECAR_FORMAT,
+                    "backend_id": self.backend_id,
+                    "dim": self.dim,
+                    "space": SPACE,
+                    "M": HNSW_M,
+                    "ef_construction": EF_CONSTRUCTION,
+                    "index_id": self._index_id,
+                    "generation": self._seen_gen,
+                    "count": len(self._keys),
+                    "max_elements": int(graph.get_max_elements()),
+                    "deleted_labels": sorted(dead),
+                    **digest,
+                    "saved_at": time.time(),
+                }
+
+                def write_json(tmp: str) -> None:
+                    with open(tmp, "w") as f:
+                        json.dump(info, f, indent=1)
+
+                self._atomic_write(self.json_path, write_json)
+                try:
+                    dir_fd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        os.fsync(dir_fd)
+                    finally:
+                        os.close(dir_fd)
+                except OSError:
+                    pass
+            self._dirty = False
+
+    def _save_quietly(self) -> None:
+        try:
+            self.save()
+        except OSError as exc:
+            log.warning("cannot save the semantic index sidecar in %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        """Save the sidecar if the graph changed (``autosave``, writable store), then release
+        the graph. Idempotent. Close the index before its store."""
+        with self._lock:
+            if self._closed:
+                return
+            if self.autosave and self._dirty and not self.store.readonly:
+                self._save_quietly()
+            self._closed = True
+            self._index = None
+            self._keys, self._labels = {}, {}
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Vectors in the graph (as of the last catch-up)."""
+        return len(self._keys)
+
+    def __contains__(self, key: bytes) -> bool:
+        return bytes(key) in self._labels
+
+    @property
+    def generation(self) -> int:
+        """The LMDB write generation the in-memory graph reflects."""
+        return self._seen_gen
+
+    def vector(self, key: bytes) -> np.ndarray | None:
+        """The stored unit vector of ``key`` (float32 ``[dim]``, a copy from LMDB) or None."""
+        if not self._vectors.exists:
+            return None
+        return self._vectors.get(check_key(key))
+
+    def __enter__(self) -> "SemanticIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SemanticIndex({str(self.path)!r}, backend_id={self.backend_id!r}, count={len(self._keys)}, generation={self._seen_gen})"

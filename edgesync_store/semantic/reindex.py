@@ -1,0 +1,141 @@
+"""Rebuild a store's semantic index on demand (``edgesync reindex [STORE] [--backend NAME]``).
+
+Without a backend: the sidecar graph is rebuilt from the vectors in LMDB with the backend the
+store recorded (the default one when it recorded none), and donors that lack a vector are
+embedded. With another backend than the recorded one: every vector is dropped and every donor
+re-embedded from the text kept in its record (``edgesync_store.semantic.donors``), since a store never
+mixes vectors of two embedders. Donor records whose fragment is gone are removed either way.
+
+No printing here: progress goes to an optional callback, the command prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edgesync_store.semantic.donors import delete_donor, iterate_donors
+from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_embedder
+from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
+from edgesync_store.core.store import FragmentStore, StoreOpenError
+
+log = logging.getLogger("edgesync.reindex")
+
+EMBED_BATCH = 64
+"""Donor texts encoded per call."""
+
+
+@dataclass
+class ReindexReport:
+    """What :func:`reindex` did. Times in seconds."""
+
+    store: str
+    backend_id: str
+    previous_backend_id: str | None
+    vectors_dropped: int
+    vectors_indexed: int
+    donors_embedded: int
+    donors_removed: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _backend_name(backend_id: str) -> str | None:
+    """The embedding backend name whose ``backend_id`` is ``backend_id`` (None: unknown)."""
+    backend_id = backend_id.split(" (dim", 1)[0]
+    for name, cls in BACKENDS.items():
+        if cls.backend_id == backend_id:
+            return name
+    return None
+
+
+def reindex(
+    path: str | Path,
+    backend: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> ReindexReport:
+    """Rebuild the semantic index of the store at ``path``.
+
+    Args:
+        path: an existing store directory.
+        backend: embedding backend name (``onnx`` or ``sentence-transformers``); None keeps the
+            recorded one.
+        progress: called as ``progress(stage, done, total)`` while donors are embedded.
+
+    Raises:
+        StoreOpenError: no store at ``path``.
+        ValueError: unknown backend name, or a store recorded by an unknown backend and no
+            ``backend`` given.
+        EmbeddingUnavailableError, IndexUnavailableError: a package is missing.
+    """
+    t0 = time.perf_counter()
+    path = Path(path).expanduser()
+    if not (path / "data.mdb").is_file():
+        raise StoreOpenError(f"no EdgeSync store at {path}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown embedding backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    with FragmentStore(path) as store:
+        name = backend or DEFAULT_BACKEND
+        previous, dropped = None, 0
+        try:
+            index = SemanticIndex(store, BACKENDS[name].backend_id)
+            previous = BACKENDS[name].backend_id
+        except BackendMismatchError as exc:
+            previous = exc.recorded
+            if backend is None:
+                name = _backend_name(exc.recorded)
+                if name is None:
+                    raise ValueError(
+                        f"store {path} holds vectors of an unknown embedding backend {exc.recorded!r}; "
+                        f"choose one with --backend ({', '.join(sorted(BACKENDS))})"
+                    ) from None
+                index = SemanticIndex(store, BACKENDS[name].backend_id)
+            else:
+                dropped = drop_vectors(store)
+                log.info("dropped %d vectors of %s to re-embed with %s", dropped, exc.recorded, name)
+                index = SemanticIndex(store, BACKENDS[name].backend_id)
+        try:
+            removed, missing = 0, []
+            for key, record in iterate_donors(store):
+                if not store.contains(key):
+                    removed += delete_donor(store, key)
+                elif key not in index and record.text.strip():
+                    missing.append((key, record.text))
+            embedded = 0
+            if missing:
+                embedder = get_embedder(name)
+                for i in range(0, len(missing), EMBED_BATCH):
+                    part = missing[i : i + EMBED_BATCH]
+                    vectors = embedder.encode([text for _, text in part])
+                    keys = [key for key, _ in part]
+                    live = [j for j, key in enumerate(keys) if store.contains(key)]
+                    index.add_many([keys[j] for j in live], np.asarray(vectors)[live])
+                    embedded += len(live)
+                    if progress is not None:
+                        progress("embedding donors", min(i + len(part), len(missing)), len(missing))
+            n = index.rebuild(
+                progress=None if progress is None else (lambda done, total: progress("rebuilding the HNSW graph", done, total))
+            )
+            index.save()
+            backend_id = index.backend_id
+        finally:
+            index.close()
+    report = ReindexReport(
+        store=str(path),
+        backend_id=backend_id,
+        previous_backend_id=previous,
+        vectors_dropped=dropped,
+        vectors_indexed=n,
+        donors_embedded=embedded,
+        donors_removed=removed,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+    log.info("reindex %s: %s", path, report)
+    return report
