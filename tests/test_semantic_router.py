@@ -18,7 +18,7 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.semantic.donors import get_donor, iterate_donors
 from edgesync_store.semantic.embedders import get_embedder
-    from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON
 from edgesync_store.schema import chunk_spans, common_prefix_len
 from edgesync_store.core.store import FragmentStore
