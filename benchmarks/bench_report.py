@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from benchmarks.figures import group_records, ratio, storage_figures, summarize, targets
 
-log = logging.getLogger("edgesync.bench.report")
+log = logging.getLogger(__name__)
 
 SYSTEM_ORDER = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-warm", "edgesync-prefetch")
 PLOTS = {"ttft": "ttft_distribution.png", "hits": "hits_by_tier.png", "bytes": "bytes_per_cached_prompt.png"}
@@ -64,7 +64,7 @@ def main_table(workload: str, summaries: dict, storage: dict) -> str:
 
 
 def targets_table(rows: Sequence[dict]) -> str:
-    """Markdown table of issue 4's targets."""
+    """Markdown table of the benchmark's targets (:func:`benchmarks.figures.targets`)."""
     lines = ["| target (seed workload) | this run | limit | met | measured as |", "|---|---|---|---|---|"]
     for r in rows:
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
@@ -160,7 +160,7 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
         if any(w == workload for w, _ in summaries):
             md += [f"## {workload}", "", main_table(workload, summaries, storage), ""]
     quick = sizes.get("seed", 1000) < 1000
-    md += ["## Targets (issue 4)", "",
+    md += ["## Targets", "",
            *(["(A small run: too few requests for these ratios to mean anything; `make bench` for the real ones.)", ""]
              if quick else []),
            targets_table(tgt), "", "## Prefetch (N-gram, RAM tier)", "", pf_md, "",

@@ -1,4 +1,4 @@
-"""The benchmark runner (issue 4): every system on every workload, one worker process each.
+"""The benchmark runner: every system on every workload, one worker process each.
 
 ``edgesync bench [--quick] [--json FILE] [--out DIR]`` and ``make bench`` call :func:`main`.
 
@@ -11,7 +11,8 @@ Systems (:mod:`benchmarks.systems`): ``no-cache``, ``naive-string``, ``llama-ram
 the cold run's store, after the cold process has closed it). On ``doc-qa`` and ``chat``
 also ``edgesync-prefetch`` (cold, its own store, N-gram prefetch into the RAM tier on), so
 that prefetch on and off are measured side by side. No cache and EdgeSync run the full seed
-workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300 requests (issue 4).
+workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300
+(:data:`~benchmarks.bench_workloads.SLOW_SYSTEM_LIMIT`).
 EdgeSync's TTL is 1e9 s, so nothing expires during a run.
 
 Dealing: each system has its own worker process (:mod:`benchmarks.worker`); request ``i`` is
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-log = logging.getLogger("edgesync.bench.runner")
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 

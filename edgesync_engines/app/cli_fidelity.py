@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.app import fidelity
+from edgesync_engines.app import fidelity, fidelity_vectors
 from edgesync_engines.app.cli_common import CommandError, check_writable, load_config, open_edgesync, write_json_out
 from edgesync_engines.config import ENGINES
 
@@ -69,7 +69,7 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="entry of system_prompts.json used as the system prompt of every request (default 0)")
     p.add_argument("--no-vector-cache", action="store_true",
                    help="embed every question again instead of reusing the vectors of an earlier run "
-                        f"(kept in {fidelity.default_vector_cache_dir()})")
+                        f"(kept in {fidelity_vectors.default_vector_cache_dir()})")
     p.add_argument("--engine", type=str.lower, choices=ENGINES,
                    help="llamacpp (default) or onnx (ONNX Runtime on the export of the same GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -141,7 +141,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     duplicate = [p.duplicate for p in pairs]
     if all(duplicate) or not any(duplicate):
         raise CommandError(f"{args.pairs or fidelity.PAIRS_FILE}: needs both duplicate and non-duplicate pairs")
-    cache_dir = None if args.no_vector_cache else fidelity.default_vector_cache_dir()
+    cache_dir = None if args.no_vector_cache else fidelity_vectors.default_vector_cache_dir()
     shares, samples, records, model, timings = _measure(args, cfg, pairs, duplicate, embedder, system_prompt,
                                                         cache_dir)
     doc = report_dict(
