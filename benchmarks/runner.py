@@ -190,8 +190,8 @@ class Runner:
     def _lanes(self, workload: str) -> list[Lane]:
         wd = self.out / "work" / workload
         others = self.sizes.seed_others if workload == "seed" else None
-        lanes = [Lane(name, name, wd / name, limit=others if name in ("naive-string", "llama-ram", "llama-disk") else None)
-                 for name in BASE_SYSTEMS]
+        slow = ("naive-string", "llama-ram", "llama-disk")
+        lanes = [Lane(name, name, wd / name, limit=others if name in slow else None) for name in BASE_SYSTEMS]
         if workload != "seed":
             lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True}))
         return lanes
@@ -309,7 +309,8 @@ class Runner:
             requests = None
         else:
             requests = self._static_requests(workload)
-            total = sum(len(requests) if l.limit is None else min(l.limit, len(requests)) for l in lanes) + len(requests)
+            total = sum(len(requests) if lane.limit is None else min(lane.limit, len(requests))
+                        for lane in lanes) + len(requests)
         task = self.progress.add_task(workload, total=total) if self.progress is not None else None
         warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync")
         try:
@@ -336,7 +337,7 @@ class Runner:
                 lane.close()
         if self.progress is not None and task is not None:
             self.progress.update(task, completed=total)
-        self.stats[workload] = {l.label: l.stats for l in [*lanes, warm]}
+        self.stats[workload] = {lane.label: lane.stats for lane in [*lanes, warm]}
         self.timings[workload] = time.perf_counter() - t0
 
     def run(self) -> dict[str, Any]:
@@ -394,7 +395,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark for parsed ``args``; print the report's main tables. Returns the exit
     status (0, or 1 when a request failed)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     sizes = QUICK if args.quick else FULL
     out = args.out or _default_out()
@@ -425,7 +433,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     out = Path(out).resolve()
-    console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  wall {report['meta']['wall_s'] / 60:.1f} min")
+    console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  "
+                  f"wall {report['meta']['wall_s'] / 60:.1f} min")
     return 1 if report["meta"]["errors"] else 0
 
 

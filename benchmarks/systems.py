@@ -74,10 +74,15 @@ from typing import Sequence
 
 import llama_cpp
 
+from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
+from edgesync_engines.adapters.model_files import (
+    ModelLoadError,
+    ModelNotFoundError,
+    default_model_path,
+    route_native_logs,
+)
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
-from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 from edgesync_store.schema import MIN_SPAN
 
 log = logging.getLogger(__name__)
@@ -210,7 +215,8 @@ class _TracedLlama(llama_cpp.Llama):
 
 def _state_bytes(state) -> int:
     """Bytes a loaded ``LlamaState`` carries: engine state + scores + input ids."""
-    return int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0)) + int(getattr(state.input_ids, "nbytes", 0))
+    return (int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0))
+            + int(getattr(state.input_ids, "nbytes", 0)))
 
 
 class _CompletionSystem(System):

@@ -89,7 +89,8 @@ def test_checks_once_for_constructor_and_load(tmp_path):
     when the bad value came from the environment; the chunk span limits are the schema's."""
     with pytest.raises(ValueError, match=r"^chunk_tokens: 1986 must be in \[64, 1985\]$"):
         EdgeSyncConfig(chunk_tokens=1986)
-    with pytest.raises(ValueError, match=r"^chunk_tokens: 1986 must be in \[64, 1985\] \(from EDGESYNC_CHUNK_TOKENS='1986'\)$"):
+    from_env = r"^chunk_tokens: 1986 must be in \[64, 1985\] \(from EDGESYNC_CHUNK_TOKENS='1986'\)$"
+    with pytest.raises(ValueError, match=from_env):
         EdgeSyncConfig.load(environ={"EDGESYNC_CHUNK_TOKENS": "1986"})
     assert EdgeSyncConfig.load(environ={"EDGESYNC_CHUNK_TOKENS": "1985"}).chunk_tokens == 1985
     with pytest.raises(ValueError, match=r"^n_threads: must be in \[1, 256\], got 0$"):
@@ -97,7 +98,8 @@ def test_checks_once_for_constructor_and_load(tmp_path):
     with pytest.raises(ValueError, match=r"^EDGESYNC_MAX_BYTES='lots': not a size in bytes"):
         EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "lots"})
     assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "512M"}).max_bytes == 512 * 1024 * 1024
-    with pytest.raises(ValueError, match=r"^reuse: 'semantic' needs the semantic lookup.*\(from EDGESYNC_REUSE='semantic'\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^reuse: 'semantic' needs the semantic lookup.*\(from EDGESYNC_REUSE='semantic'\)$"):
         EdgeSyncConfig.load({"semantic": False}, environ={"EDGESYNC_REUSE": "semantic"})
     with pytest.raises(ValueError, match=r"^similarity_partial: 0.8 is above similarity_exact 0.7$"):
         EdgeSyncConfig(similarity_exact=0.7, similarity_partial=0.8)

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from edgesync_engines.app import fidelity, fidelity_vectors
-from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request.router import EdgeSync
 from edgesync_engines.app.workloads import WorkloadDataError
-from edgesync_store.semantic.embedders import get_embedder
+from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.semantic.embedders import get_embedder
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SUBSET = 400

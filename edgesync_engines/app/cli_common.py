@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgesync_store.errors import StoreError, StoreOpenError
-
 from edgesync_engines.config import EdgeSyncConfig
+from edgesync_store.errors import StoreError, StoreOpenError
 
 EXIT_USAGE = 2
 """Exit status for bad input: a bad option or setting, missing data, model or store."""

@@ -108,7 +108,8 @@ def render_table(doc: dict[str, Any]):
             n, same, rouge = "0", "-", "-"
         else:
             n = str(smp["served"]) if smp["served"] == smp["n"] else f"{smp['served']} of {smp['n']} served"
-            same = "-" if smp["identical_share"] is None else f"{smp['identical']}/{smp['served']} ({_pct(smp['identical_share'])})"
+            same = ("-" if smp["identical_share"] is None
+                    else f"{smp['identical']}/{smp['served']} ({_pct(smp['identical_share'])})")
             rouge = "-" if smp["mean_rouge_l"] is None else f"{smp['mean_rouge_l']:.3f}"
         table.add_row(f"{row['threshold']:.2f}", f"{_pct(row['dup_share'])} ({row['dup_served']})",
                       f"{_pct(row['nondup_share'])} ({row['nondup_served']})",
@@ -126,9 +127,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     Raises:
         CommandError: missing data, a bad option, a missing package or model.
     """
-    from edgesync_store.semantic.embedders import EmbeddingUnavailableError, get_embedder
-
     from edgesync_engines.app.workloads import WorkloadDataError
+    from edgesync_store.semantic.embedders import EmbeddingUnavailableError, get_embedder
 
     cfg = load_config({"engine": args.engine})
     check_writable(args.json_out)
@@ -170,8 +170,14 @@ def _measure(args, cfg, pairs, duplicate, embedder, system_prompt, cache_dir):
     model on N served pairs per threshold; progress bars on stderr. Returns ``(shares, samples,
     records, model file name or None, {"embed": s, "sample": s})``."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from edgesync_store.semantic.embedders import EmbeddingModelError
 

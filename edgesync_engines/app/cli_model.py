@@ -15,14 +15,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgesync_store.commands.inventory import wide_console
-from edgesync_store.commands.units import format_bytes
-
 from edgesync_engines.app import run_report
-from edgesync_engines.app.cli_common import (CommandError, check_writable, load_config, open_edgesync,
-                                             positive_int, write_json_out)
+from edgesync_engines.app.cli_common import (
+    CommandError,
+    check_writable,
+    load_config,
+    open_edgesync,
+    positive_int,
+    write_json_out,
+)
 from edgesync_engines.app.workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
 from edgesync_engines.config import ENGINES, REUSE_MODES
+from edgesync_store.commands.inventory import wide_console
+from edgesync_store.commands.units import format_bytes
 
 RUN_MAX_TOKENS = 16
 """``edgesync run``'s generation length when neither --max-tokens nor EDGESYNC_MAX_TOKENS is set."""
@@ -67,7 +72,8 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
                      help=f"one of: {', '.join(WORKLOAD_NAMES)}")
     run.add_argument("--limit", type=positive_int, help="run only the first N requests")
     run.add_argument("--store", help=STORE_HELP)
-    run.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 16, or EDGESYNC_MAX_TOKENS)")
+    run.add_argument("--max-tokens", type=int,
+                     help="tokens to generate per request (default 16, or EDGESYNC_MAX_TOKENS)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     _add_engine_options(run)
@@ -166,8 +172,14 @@ def run_workload(es, requests, max_tokens: int, progress=None, task=None) -> lis
 
 def _run_with_progress(es, requests, workload: str, max_tokens: int) -> list[dict]:
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),

@@ -12,12 +12,11 @@ import argparse
 import json
 import sys
 
+from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, positive_int
+from edgesync_engines.config import EMBEDDING_BACKENDS
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.units import format_bytes
 from edgesync_store.errors import StoreBusyError, StoreError, StoreFormatError, StoreNotFoundError, StoreOpenError
-
-from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, positive_int
-from edgesync_engines.config import EMBEDDING_BACKENDS
 
 EXIT_DECLINED = 1
 """``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""

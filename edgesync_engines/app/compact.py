@@ -31,11 +31,10 @@ import sys
 import threading
 from pathlib import Path
 
+from edgesync_engines.app.cli_common import EXIT_USAGE, STORE_ARG_HELP, CommandError, load_config, print_error
 from edgesync_store.commands.units import format_binary as _fmt
 from edgesync_store.commands.units import parse_bytes
 from edgesync_store.errors import StoreError
-
-from edgesync_engines.app.cli_common import EXIT_USAGE, STORE_ARG_HELP, CommandError, load_config, print_error
 
 DESCRIPTION = "Expire, deduplicate, merge, evict and reclaim an EdgeSync store once."
 EXIT_STOPPED = 130
@@ -91,7 +90,8 @@ def render(report: dict, path: Path) -> str:
         f"store {path}" + (" (dry run: nothing changed)" if report["dry_run"] else ""),
         f"  expired        {report['expired']:>8} fragments  {_fmt(report['expired_bytes'])}",
         f"  deduplicated   {report['deduplicated']:>8} fragments  {_fmt(report['deduplicated_bytes'])}",
-        f"  merged         {report['fragments_merged']:>8} fragments into {report['merged_layers'] + report['merged_heads']}"
+        f"  merged         {report['fragments_merged']:>8} fragments into "
+        f"{report['merged_layers'] + report['merged_heads']}"
         f" ({report['merged_layers']} along layers, {report['merged_heads']} along heads)",
         f"  evicted        {report['evicted']:>8} fragments  {_fmt(report['evicted_bytes'])}"
         f"  (budget {_fmt(report['max_bytes'])})",

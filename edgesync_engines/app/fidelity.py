@@ -37,13 +37,12 @@ from typing import Sequence
 
 import numpy as np
 
-from edgesync_store.semantic.embedders import Embedder
-from edgesync_engines.request.prompt_text import embed_text_for
-from edgesync_store.schema import common_prefix_len
-
-from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.app.fidelity_vectors import Progress, embed_texts
 from edgesync_engines.app.workloads import WorkloadDataError, workloads_dir
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_store.schema import common_prefix_len
+from edgesync_store.semantic.embedders import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,8 @@ def load_pairs(path: str | os.PathLike | None = None) -> list[Pair]:
                 except json.JSONDecodeError:
                     row = {}
                 if row is not None and not (isinstance(row, dict) and isinstance(row.get("a"), str)
-                                            and isinstance(row.get("b"), str) and isinstance(row.get("duplicate"), bool)):
+                                            and isinstance(row.get("b"), str)
+                                            and isinstance(row.get("duplicate"), bool)):
                     raise WorkloadDataError(f'{path}: line {lineno}: not {{"a": str, "b": str, "duplicate": bool}}')
                 if row is not None:
                     pairs.append(Pair(len(pairs), row["a"], row["b"], row["duplicate"]))
@@ -194,7 +194,8 @@ def pair_similarities(pairs: Sequence[Pair], embedder: Embedder, cache_dir: str 
     return np.einsum("ij,ij->i", a, b).astype(np.float32)
 
 
-def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool], thresholds: Sequence[float]) -> list[ShareRow]:
+def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool],
+                     thresholds: Sequence[float]) -> list[ShareRow]:
     """One :class:`ShareRow` per threshold: pairs with ``similarity >= threshold`` are served.
 
     Raises:
@@ -215,7 +216,8 @@ def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool], thresh
     return rows
 
 
-def draw_samples(similarities: np.ndarray, thresholds: Sequence[float], n: int, seed: int = 0) -> dict[float, list[int]]:
+def draw_samples(similarities: np.ndarray, thresholds: Sequence[float], n: int,
+                 seed: int = 0) -> dict[float, list[int]]:
     """Per threshold, up to ``n`` pair indices drawn uniformly without replacement from the pairs
     served at it: the first ``n`` served pairs of one ``random.Random(seed)`` shuffle of all
     indices, so that thresholds share pairs where they can (fewer model runs)."""
@@ -362,7 +364,8 @@ def sample_fidelity(pairs: Sequence[Pair], similarities: np.ndarray, thresholds:
         with EdgeSync(model, store=False, config=cfg) as baseline:
             for done, i in enumerate(todo, start=1):
                 records[i] = run_pair(baseline, pairs[i], float(similarities[i]), system_prompt, cfg, max_tokens)
-                log.info("pair %d: sim %.3f tier %s identical %s", i, similarities[i], records[i].tier, records[i].identical)
+                log.info("pair %d: sim %.3f tier %s identical %s", i, similarities[i], records[i].tier,
+                         records[i].identical)
                 if progress:
                     progress("sample", done, len(todo))
     return summarize_samples(draws, records), [records[i] for i in todo]

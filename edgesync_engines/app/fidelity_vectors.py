@@ -38,7 +38,8 @@ def _embedder_identity(embedder: Embedder) -> str:
 
 
 def default_vector_cache_dir() -> Path:
-    """Where :func:`~edgesync_engines.app.fidelity.pair_similarities` keeps vectors between runs (per-user cache dir)."""
+    """Where :func:`~edgesync_engines.app.fidelity.pair_similarities` keeps vectors between runs
+    (the per-user cache dir's ``fidelity`` folder)."""
     return Path(platformdirs.user_cache_dir("edgesync")) / "fidelity"
 
 
@@ -48,7 +49,8 @@ def _load_cached(npy: Path, n: int, dim: int) -> np.ndarray | None:
     except (OSError, ValueError) as exc:
         log.warning("vector cache %s unreadable, re-embedding: %s", npy, exc)
         return None
-    if vecs.shape != (n, dim) or vecs.dtype != np.float32 or not np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-3):
+    unit = vecs.ndim == 2 and np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-3)
+    if vecs.shape != (n, dim) or vecs.dtype != np.float32 or not unit:
         log.warning("vector cache %s holds %s %s, not %d unit rows; re-embedding", npy, vecs.shape, vecs.dtype, n)
         return None
     return vecs
