@@ -332,10 +332,19 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
     nc = _seed_row("no cache", table)
     ns = _seed_row("naive string cache", table)
     fc = _seed_row("fragment cache", table)
-    rows: list[dict] = []
-
-    # 1. prompt length implied by the no-cache TTFT
     prompt = (nc.ttft_ms - c.decode_ms_per_token) / c.prefill_ms_per_token
+    rows = _ttft_checks(c, nc, ns, prompt, rel_tol)
+    rows += _fragment_cache_checks(c, nc, fc, prompt)
+    rows += _column_checks(c, table, nc, ns, fc, shape, rel_tol)
+    if simulated and "no-cache" in simulated:
+        rows.append(_stream_check(simulated["no-cache"], nc, prompt, rel_tol))
+    return rows
+
+
+def _ttft_checks(c: SeedConstants, nc: SeedRow, ns: SeedRow, prompt: float, rel_tol: float) -> list[dict]:
+    """Checks 1 and 2 of :func:`consistency_checks`."""
+    rows: list[dict] = []
+    # 1. prompt length implied by the no-cache TTFT
     rows.append(_row(
         f"no cache: TTFT {nc.ttft_ms:,.0f} ms",
         f"{prompt:,.0f}-token prompts ({prompt / c.fragment_tokens:.2f} fragments of {c.fragment_tokens})",
@@ -352,7 +361,12 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
         f"{1 - ns.hit_rate:.0%} misses x {nc.ttft_ms:,.0f} ms + {ns.hit_rate:.0%} hits x "
         f"{NAIVE_HIT_MS:g} ms = {naive:,.0f} ms, {abs(naive - ns.ttft_ms) / ns.ttft_ms:.1%} from the "
         f"published figure (tolerance {rel_tol:.0%})"))
+    return rows
 
+
+def _fragment_cache_checks(c: SeedConstants, nc: SeedRow, fc: SeedRow, prompt: float) -> list[dict]:
+    """Checks 3 to 5 of :func:`consistency_checks` (the fragment cache's TTFT and hit rate)."""
+    rows: list[dict] = []
     # 3. fragment cache TTFT lower bound at its hit rate
     hit_ms = c.decode_ms_per_token + c.hnsw_search_ms + c.inject_ms_per_mb * c.injected_mb(prompt)
     miss_ms = nc.ttft_ms + c.hnsw_search_ms
@@ -388,7 +402,13 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
         0.0 <= r <= 1.0,
         f"each non-hit may cost at most {miss_budget:,.1f} ms on average against {miss_ms:,.1f} ms for "
         f"a full prefill; {'possible only if the non-hits are partial reuses' if 0 <= r <= 1 else 'impossible'}"))
+    return rows
 
+
+def _column_checks(c: SeedConstants, table: Sequence[SeedRow], nc: SeedRow, ns: SeedRow, fc: SeedRow,
+                   shape: SeedWorkloadShape, rel_tol: float) -> list[dict]:
+    """Checks 6 to 8 of :func:`consistency_checks` (bandwidth, repeats, energy columns)."""
+    rows: list[dict] = []
     # 6. memory bandwidth vs hit rates (prefill-work reading)
     for row in (ns, fc):
         least = 100.0 * (1 - row.hit_rate)
@@ -430,20 +450,21 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
            "it follows from that column, whether or not it was measured apart"
            if worst <= rel_tol else
            f"the published energy departs from the bandwidth column by up to {worst:.1%}")))
-
-    # 9. our stream against the published no-cache TTFT
-    if simulated and "no-cache" in simulated:
-        ours = simulated["no-cache"]
-        mean = ours["ttft_ms"]["mean"]
-        tokens = ours["prompt_tokens"] / ours["n"]
-        rows.append(_row(
-            f"no cache: TTFT {nc.ttft_ms:,.0f} ms on the seed's stream",
-            f"{mean:,.0f} ms on our stream (mean {tokens:,.0f} prompt tokens)",
-            abs(mean - nc.ttft_ms) <= rel_tol * nc.ttft_ms,
-            f"our seed-workload prompts average {tokens:,.0f} tokens against the {prompt:,.0f} the "
-            f"published TTFT implies ({(mean - nc.ttft_ms) / nc.ttft_ms:+.1%}, tolerance {rel_tol:.0%})"))
     return rows
 
+
+def _stream_check(ours: Mapping, nc: SeedRow, prompt: float, rel_tol: float) -> dict:
+    """Check 9 of :func:`consistency_checks`: our stream's simulated no-cache TTFT (``ours``, a
+    :func:`simulate` summary) against the published one."""
+    # 9. our stream against the published no-cache TTFT
+    mean = ours["ttft_ms"]["mean"]
+    tokens = ours["prompt_tokens"] / ours["n"]
+    return _row(
+        f"no cache: TTFT {nc.ttft_ms:,.0f} ms on the seed's stream",
+        f"{mean:,.0f} ms on our stream (mean {tokens:,.0f} prompt tokens)",
+        abs(mean - nc.ttft_ms) <= rel_tol * nc.ttft_ms,
+        f"our seed-workload prompts average {tokens:,.0f} tokens against the {prompt:,.0f} the "
+        f"published TTFT implies ({(mean - nc.ttft_ms) / nc.ttft_ms:+.1%}, tolerance {rel_tol:.0%})")
 
 
 def render_markdown(sim: Mapping) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_store.errors import StoreError, StoreOpenError
@@ -31,15 +31,21 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (ArgumentTypeError otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: text -> an int >= ``minimum`` (ArgumentTypeError otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+"""argparse type: an int >= 1."""
 
 
 def load_config(overrides: dict[str, Any]) -> EdgeSyncConfig:

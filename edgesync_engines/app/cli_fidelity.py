@@ -15,23 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from edgesync_engines.app import fidelity, fidelity_vectors
-from edgesync_engines.app.cli_common import CommandError, check_writable, load_config, open_edgesync, write_json_out
+from edgesync_engines.app.cli_common import (
+    CommandError,
+    check_writable,
+    int_at_least,
+    load_config,
+    open_edgesync,
+    positive_int,
+    write_json_out,
+)
 from edgesync_engines.config import ENGINES
 
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
-_count, _positive = _int_at_least(0), _int_at_least(1)
+_count = int_at_least(0)
 
 
 def _thresholds(text: str) -> list[float]:
@@ -61,7 +56,7 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"served pairs per threshold run through the model (default {fidelity.DEFAULT_SAMPLE}; "
                         "0: shares only, no model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample draw (default 0)")
-    p.add_argument("--max-tokens", type=_positive, default=fidelity.DEFAULT_MAX_TOKENS, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=fidelity.DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"tokens generated per answer (default {fidelity.DEFAULT_MAX_TOKENS})")
     p.add_argument("--thresholds", type=_thresholds, default=list(fidelity.DEFAULT_THRESHOLDS), metavar="T,T,...",
                    help="similarity thresholds (default 0.75,0.8,0.85,0.9,0.95)")

@@ -25,7 +25,7 @@ from edgesync_engines.app.cli_common import (
     write_json_out,
 )
 from edgesync_engines.app.workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
-from edgesync_engines.config import ENGINES, REUSE_MODES
+from edgesync_engines.config import BY_NAME, ENGINES, REUSE_MODES
 from edgesync_store.commands.inventory import wide_console
 from edgesync_store.commands.units import format_bytes
 
@@ -35,8 +35,8 @@ STORE_HELP = "store directory (default: EDGESYNC_STORE or the per-user cache dir
 ENGINE_HELP = "llamacpp (default) or onnx (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)"
 CONVERTIBLE_HELP = ("also inject KV another engine wrote for the same model, converted: close to, not always "
                     "equal to, this engine's own output")
-REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; "
-              "semantic: also serve a donor prompt at similarity >= 0.92 whole (approximate answers)")
+REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; semantic: also serve "
+              f"a donor prompt at similarity >= {BY_NAME['similarity_exact'].default} whole (approximate answers)")
 
 
 def _workload_name(text: str) -> str:
