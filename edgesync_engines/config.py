@@ -27,7 +27,7 @@ from edgesync_store.commands.units import format_binary, parse_bytes
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.schema import MAX_SPAN, MIN_SPAN
-from edgesync_store.semantic.embedders import DEFAULT_BACKEND
+from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND
 from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
@@ -35,8 +35,8 @@ ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic")
 """``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
-EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
-"""Embedders of ``edgesync_store.semantic.embedders``."""
+EMBEDDING_BACKENDS = tuple(BACKENDS)
+"""Embedders of ``edgesync_store.semantic.embedders``: ``onnx``, ``sentence-transformers``."""
 MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
 """Largest ``chunk_tokens``: a prompt's last chunk may grow by up to ``MIN_SPAN - 1`` tokens
 (``schema.chunk_spans``) and must still fit a fragment's ``MAX_SPAN``."""
