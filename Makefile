@@ -16,7 +16,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test bench setup wheel onnx clean-store clean
+.PHONY: demo demo-onnx test lint bench setup wheel onnx clean-store clean
 
 setup: $(INSTALL_STAMP)
 
@@ -82,6 +82,13 @@ bench: $(INSTALL_STAMP)
 
 test: onnx
 	$(PY) -m pytest -q tests
+
+# ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
+# cycle, no underscore name used across modules, no lmdb in edgesync_engines, module and
+# function sizes.
+lint: $(INSTALL_STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) tools/archcheck.py
 
 clean-store:
 	rm -rf $(DEMO_STORE) $(DEMO_STORE)-onnx-a $(DEMO_STORE)-onnx-b

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from benchmarks.figures import group_records, ratio, storage_figures, summarize, targets
 
-log = logging.getLogger("edgesync.bench.report")
+log = logging.getLogger(__name__)
 
 SYSTEM_ORDER = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-warm", "edgesync-prefetch")
 PLOTS = {"ttft": "ttft_distribution.png", "hits": "hits_by_tier.png", "bytes": "bytes_per_cached_prompt.png"}
@@ -54,17 +54,20 @@ def main_table(workload: str, summaries: dict, storage: dict) -> str:
         stored = "-" if per is None else f"{per / 1e6:.2f} {where} ({st['vs_raw_f16']:.2f}x)"
         h = s["hits"]
         lines.append(
-            f"| {system} | {s['n']} | {_f(s['ttft_ms']['p50'])} | {_f(s['ttft_ms']['p95'])} | {_f(s['ttft_ms']['mean'])} "
-            f"| {_f(ratio(s['ttft_ms']['mean'], s.get('no_cache_ttft_mean_same_requests')), '{:.3f}x')} | {_f(s['first_seen_ttft_ms']['mean'])} "
+            f"| {system} | {s['n']} | {_f(s['ttft_ms']['p50'])} | {_f(s['ttft_ms']['p95'])} "
+            f"| {_f(s['ttft_ms']['mean'])} "
+            f"| {_f(ratio(s['ttft_ms']['mean'], s.get('no_cache_ttft_mean_same_requests')), '{:.3f}x')} "
+            f"| {_f(s['first_seen_ttft_ms']['mean'])} "
             f"| {_f(s['repeat_ttft_ms']['mean'])} | {h['exact']} / {h['partial']} / {h['miss']} "
             f"| {_pct(s['not_prefilled_share'])} | {_mb(s['bytes_read_per_request'])} | {stored} "
-            f"| {_f(s['cpu_s_per_request'], '{:.2f}')} | {_f(None if s['peak_rss_bytes'] is None else s['peak_rss_bytes'] / 1e6)} "
+            f"| {_f(s['cpu_s_per_request'], '{:.2f}')} "
+            f"| {_f(None if s['peak_rss_bytes'] is None else s['peak_rss_bytes'] / 1e6)} "
             f"| {_pct(s.get('identity'))} ({s.get('identity_n', 0)}) |")
     return "\n".join(lines)
 
 
 def targets_table(rows: Sequence[dict]) -> str:
-    """Markdown table of issue 4's targets."""
+    """Markdown table of the benchmark's targets (:func:`benchmarks.figures.targets`)."""
     lines = ["| target (seed workload) | this run | limit | met | measured as |", "|---|---|---|---|---|"]
     for r in rows:
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
@@ -87,7 +90,8 @@ def prefetch_table(summaries: dict, stats: dict) -> tuple[str, dict]:
                "top1": pst.get("top1"), "top3": pst.get("topk"), "predictions": pst.get("predictions"),
                "prefetcher": pst}
         out[workload] = row
-        lines.append(f"| {workload} | {_f(row['off_mean'])} / {_f(row['on_mean'])} | {_f(row['off_p50'])} / {_f(row['on_p50'])} "
+        lines.append(f"| {workload} | {_f(row['off_mean'])} / {_f(row['on_mean'])} "
+                     f"| {_f(row['off_p50'])} / {_f(row['on_p50'])} "
                      f"| {_f(ratio(row['on_mean'], row['off_mean']), '{:.3f}x')} | {row['ram_tier_hits']} "
                      f"| {_pct(row['top1'])} / {_pct(row['top3'])} ({row['predictions']}) |")
     return "\n".join(lines), out
@@ -100,7 +104,8 @@ def _plots(records: Sequence[dict], summaries: dict, storage: dict, out: Path) -
         log.warning("no plots: %s", exc)
         return {}
     written = {}
-    rows = [{"system": s, "workload": w, "bytes_on_disk_per_prompt": st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"),
+    rows = [{"system": s, "workload": w,
+             "bytes_on_disk_per_prompt": st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"),
              "raw_f16_kv_per_prompt": st.get("raw_f16_kv_per_prompt")}
             for (w, s), st in storage.items() if (st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"))]
     jobs = [("ttft", lambda p: plots.ttft_distribution(records, p)),
@@ -133,7 +138,8 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
     for (workload, system), rs in groups.items():
         ref = groups.get((workload, "no-cache"))
         summaries[(workload, system)] = summarize(rs, ref)
-        summaries[(workload, system)]["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0 for r in rs)
+        summaries[(workload, system)]["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0
+                                                             for r in rs)
         if ref:  # "vs no cache": no cache's mean TTFT over the same requests (300-request systems)
             ids = {r["request_id"] for r in rs}
             same = [r["ttft_ms"] for r in ref if r["request_id"] in ids]
@@ -153,14 +159,15 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
     sizes = meta.get("sizes", {})
     md = [f"# EdgeSync benchmark, {meta.get('started_utc', '')}", "",
           f"Run: {meta.get('wall_s', 0) / 60:.1f} min on {meta.get('cpu_count')} cores, llama.cpp threads per worker: "
-          f"{meta.get('threads') or 'all'}; load average at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}. "
+          f"{meta.get('threads') or 'all'}; load average at start {meta.get('loadavg_start')}, "
+          f"at end {meta.get('loadavg_end')}. "
           f"Sizes: {sizes}. Model: SmolLM2-135M-Instruct Q4_1 (llama.cpp), greedy, 16 new tokens. "
           "TTFT: call to first streamed token, chat template and tokenization included, every system.", ""]
     for workload in ("seed", "doc-qa", "chat"):
         if any(w == workload for w, _ in summaries):
             md += [f"## {workload}", "", main_table(workload, summaries, storage), ""]
     quick = sizes.get("seed", 1000) < 1000
-    md += ["## Targets (issue 4)", "",
+    md += ["## Targets", "",
            *(["(A small run: too few requests for these ratios to mean anything; `make bench` for the real ones.)", ""]
              if quick else []),
            targets_table(tgt), "", "## Prefetch (N-gram, RAM tier)", "", pf_md, "",

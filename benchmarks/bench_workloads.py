@@ -1,4 +1,8 @@
-"""The three workloads of the benchmark runner (issue 4), built by code from the shared data.
+"""How the benchmark runner deals its three workloads (``seed``, ``doc-qa``, ``chat``): which
+rows of the shared data each takes (a seeded selection), and the chat sessions whose prompts
+grow with the model's own answers. The data itself is read and checked by
+:mod:`edgesync_engines.app.workloads` (the workloads ``edgesync run`` serves); this module
+only selects and orders.
 
 Data: ``../shared/workloads/`` relative to the project root (``$EDGESYNC_WORKLOADS``
 overrides), read through :mod:`edgesync_engines.app.workloads`; nothing is copied. Every
@@ -9,7 +13,7 @@ choice below is a fixed seed, so every run and every process sees the same reque
     (README "The seed benchmark workload": ``qqp_clusters.jsonl`` all rows shuffled with
     ``random.Random(0)``, first 64 kept; ``system_prompts.json`` all 8 rows; 1,000 draws
     of a fresh ``random.Random(0)``). ``limit=SLOW_SYSTEM_LIMIT`` (300) gives its first 300
-    requests, for the slower systems issue 4 allows to run a part.
+    requests, for the slower systems, which run a part of it.
 ``doc-qa``
     :func:`doc_qa_requests`: 40 passages (rows) of ``doc_qa.jsonl``, chosen as
     ``sorted(random.Random(0).sample(range(n_rows), 40))`` and kept in file order; each
@@ -43,7 +47,7 @@ choice below is a fixed seed, so every run and every process sees the same reque
     first turn with no turn served.
 
 Every request and turn carries a stable ``prompt_key`` (so a repeat can be told from a
-first-seen prompt) and a ``group`` (the seed's ``"topic-T"`` system-prompt cluster, the
+first-seen prompt) and a ``group`` (the seed workload's ``"topic-T"`` system-prompt cluster, the
 passage's ``doc_id``, or the chat ``session_id``). For seed and doc-QA equal keys mean equal
 messages. A chat key names the turn (``"<session_id>#t<turn>"``); its messages also hold the
 model's earlier answers, so two runs give equal messages under one key only when their
@@ -61,13 +65,13 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from edgesync_engines.app.workloads import (
-    read_jsonl,
     DOC_QA_FILE,
     Request,
     WorkloadDataError,
+    data_file,
     doc_qa_workload,
+    read_jsonl,
     seed_workload,
-    workloads_dir,
 )
 
 __all__ = [
@@ -86,13 +90,13 @@ __all__ = [
     "seed_requests",
 ]
 
-log = logging.getLogger("edgesync.bench.workloads")
+log = logging.getLogger(__name__)
 
-#: New tokens per request (issue 4: max_tokens 16).
+#: New tokens per request.
 BENCH_MAX_TOKENS = 16
 #: Context window in tokens that a chat turn's prompt plus ``BENCH_MAX_TOKENS`` must fit.
 BENCH_N_CTX = 4096
-#: Seed-workload requests run by the slower systems (issue 4: "may run 300").
+#: Seed-workload requests run by the slower baselines (naive string, LlamaRAMCache, LlamaDiskCache).
 SLOW_SYSTEM_LIMIT = 300
 #: Passages of ``doc_qa.jsonl`` in the doc-QA workload.
 N_DOC_QA_PASSAGES = 40
@@ -125,8 +129,9 @@ def seed_requests(
 
 
 def _read_rows(name: str, data_dir: str | os.PathLike | None) -> list[dict]:
-    """The JSON objects of a ``.jsonl`` data file, in file order (``read_jsonl``'s errors)."""
-    return read_jsonl(workloads_dir(data_dir) / name)
+    """The JSON objects of a ``.jsonl`` data file, in file order (``data_file`` and
+    ``read_jsonl``'s errors)."""
+    return read_jsonl(data_file(name, data_dir))
 
 
 def _pick(n_rows: int, n: int, seed: int | None, what: str) -> list[int]:

@@ -112,8 +112,9 @@ def main(argv=None) -> int:
         table.add_column(col, justify="left" if col == "comparison" else "right")
     for name, r in result["rows"].items():
         ratio = r["diff_vs_engine_gap"]
-        table.add_row(name, str(r["positions"]), f"{100 * r['argmax_agreement']:.1f}%", f"{r['mean_abs_logit_diff']:.4f}",
-                      f"{r['max_abs_logit_diff']:.4f}", "-" if ratio is None else f"{ratio:.2f}x")
+        table.add_row(name, str(r["positions"]), f"{100 * r['argmax_agreement']:.1f}%",
+                      f"{r['mean_abs_logit_diff']:.4f}", f"{r['max_abs_logit_diff']:.4f}",
+                      "-" if ratio is None else f"{ratio:.2f}x")
     wide_console().print(table)
     return 0
 

@@ -1,18 +1,20 @@
-"""A simulated device profile: the seed's constants applied to our request stream and our router's decisions.
+"""A simulated device profile: the seed design's constants applied to our request stream and our
+router's decisions.
 
-The seed (issue 4) publishes a table measured on a Snapdragon 685 together with the per-operation
-constants it says produced it (:class:`SeedConstants`). This module applies those constants to
-the *same request stream* we ran (the ``seed`` workload of :mod:`benchmarks.bench_workloads`) and to
-the *decisions our systems actually made* (``prompt_tokens``, ``tokens_reused``, ``hit``,
-``source`` and ``lookup_ms`` of each record in ``results/<run>/requests.jsonl``; the record
-format is in ``benchmarks/runner.py``), and prints the result beside the seed's published table
-(:data:`SEED_TABLE`), so a reader sees whether the seed's figures follow from its constants.
+The seed design (the published EdgeSync proposal this project implements) gives a table measured
+on a Snapdragon 685 together with the per-operation constants it says produced it
+(:class:`SeedConstants`). This module applies those constants to the *same request stream* we
+ran (the ``seed`` workload of :mod:`benchmarks.bench_workloads`) and to the *decisions our
+systems actually made* (``prompt_tokens``, ``tokens_reused``, ``hit``, ``source`` and
+``lookup_ms`` of each record in ``results/<run>/requests.jsonl``; the record format is in
+``benchmarks/runner.py``), and prints the result beside the seed design's published table
+(:data:`SEED_TABLE`), so a reader sees whether its figures follow from its constants.
 :func:`consistency_checks` also tests the published table against its own constants, with no
 request stream at all.
 
 Nothing here is measured: every millisecond is a constant times a count taken from a record.
 The records' own ``ttft_ms`` are not used. Units: times in milliseconds (ms); sizes in MB =
-10^6 bytes (the seed says "about 6 MB per fragment" without saying which MB; this module reads
+10^6 bytes (the seed design says "about 6 MB per fragment" without saying which MB; this module reads
 it as 10^6 bytes, so one token of KV is 6e6 / 128 = 46,875 bytes).
 
 The per-request model (:func:`simulated_ttft`)::
@@ -24,30 +26,30 @@ The per-request model (:func:`simulated_ttft`)::
     injected_MB = tokens_reused / fragment_tokens * fragment_mb     # 6 MB per 128-token fragment
 
 One decode step is counted because time to *first token* includes producing that token: after
-the prefill, the model still runs one forward step to sample it (the seed's 18.4 ms/token).
+the prefill, the model still runs one forward step to sample it (the seed design's 18.4 ms/token).
 
 A naive-string hit (``source == "answer"``: the stored answer is returned, no model runs) is
 simulated as :data:`NAIVE_HIT_MS` = 0 ms: no prefill, no decode (the first token is stored), no
 injection (no KV is restored), and no HNSW search (an exact-text lookup is a hash-table probe;
-the seed gives no constant for it and it is microseconds, against milliseconds for everything
+the seed design gives no constant for it and it is microseconds, against milliseconds for everything
 else). Its TTFT is therefore a lower bound.
 
 Tokens reused from llama-cpp-python's live context (``source == "context"``) are not injected
 (they are already in place): no injection cost. Any other reuse (``"store"``, ``"cache"``) is.
 
-Memory traffic (the seed's "memory bandwidth" column is not defined by the seed; this module
+Memory traffic (the seed design's "memory bandwidth" column is not defined there; this module
 reports two explicit readings, both relative to no cache on the *same* requests, i.e. to
 prefilling every prompt token of the system's own records):
 
 * ``prefill_work_pct``: prompt tokens prefilled / all prompt tokens x 100 (compute work, and
   the weight and activation traffic that goes with it);
 * ``kv_traffic_pct``: (KV bytes written by prefill + KV bytes injected from a store or cache) /
-  (KV bytes no cache writes) x 100, with the seed's 46,875 bytes of KV per token for both. An
+  (KV bytes no cache writes) x 100, with the seed design's 46,875 bytes of KV per token for both. An
   injected token moves as many KV bytes as prefilling it writes, so reuse does not lower this
   one; only a naive-string hit (nothing computed, nothing moved) does.
 
 The first token's decode writes the same KV for every system that runs the model and is left
-out of both. Energy is **not simulated**: the seed gives no energy constant (per token, per MB
+out of both. Energy is **not simulated**: the seed design gives no energy constant (per token, per MB
 or per second), so any mAh figure would be invented; the output says "not simulated".
 """
 
@@ -60,7 +62,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-log = logging.getLogger("edgesync.bench.device_profile")
+log = logging.getLogger(__name__)
 
 MB = 1_000_000
 """Bytes in one MB as this module uses it (10^6, not MiB)."""
@@ -78,9 +80,9 @@ SEED_ROW_FOR_SYSTEM = {"no-cache": "no cache", "naive-string": "naive string cac
 
 @dataclass(frozen=True)
 class SeedConstants:
-    """The seed's per-operation constants (issue 4, the seed's claims; not measured here).
+    """The seed design's per-operation constants (its claims; not measured here).
 
-    Source: the seed's claims as quoted in issue 4: "prefill
+    Source: the seed design's claims: "prefill
     6.8 ms/token, decode 18.4 ms/token, HNSW search 3.2 ms, injection 0.029 ms/MB, about 6 MB
     per fragment (128 tokens, 12 layers, Q4_K_M)", on a Snapdragon 685.
 
@@ -111,18 +113,18 @@ class SeedConstants:
 
 
 SEED = SeedConstants()
-"""The seed's constants."""
+"""The seed design's constants."""
 
 
 @dataclass(frozen=True)
 class SeedRow:
-    """One row of the seed's published table.
+    """One row of the seed design's published table.
 
     Attributes:
-        system: the seed's name for the system.
+        system: the seed design's name for the system.
         ttft_ms: mean time to first token, ms (the seed writes "~1,800").
         hit_rate: fraction of requests that hit, 0..1.
-        memory_bandwidth_pct: memory bandwidth relative to no cache, percent (undefined by the seed).
+        memory_bandwidth_pct: memory bandwidth relative to no cache, percent (undefined by the seed design).
         energy_mah: energy for the 1,000 requests, mAh.
     """
 
@@ -138,13 +140,13 @@ SEED_TABLE: tuple[SeedRow, ...] = (
     SeedRow("naive string cache", 1600.0, 0.12, 88.0, 222.0),
     SeedRow("fragment cache", 350.0, 0.70, 35.0, 88.0),
 )
-"""The seed's published table (Snapdragon 685, 1,000 requests over 8 clusters x 64 prompts x 4
-variants), as quoted in issue 4."""
+"""The seed design's published table (Snapdragon 685, 1,000 requests over 8 clusters x 64 prompts x 4
+variants), as published."""
 
 
 @dataclass(frozen=True)
 class SeedWorkloadShape:
-    """The seed's description of its workload: requests drawn over clusters x prompts x variants."""
+    """The seed design's description of its workload: requests drawn over clusters x prompts x variants."""
 
     clusters: int = 8
     prompts_per_cluster: int = 64
@@ -153,7 +155,7 @@ class SeedWorkloadShape:
 
 
 SEED_WORKLOAD = SeedWorkloadShape()
-"""The seed's workload as the seed describes it."""
+"""The seed design's workload as it describes it."""
 
 
 def _seed_row(name: str, table: Sequence[SeedRow]) -> SeedRow:
@@ -241,12 +243,12 @@ def _summarise(system: str, records: Sequence[Mapping], constants: SeedConstants
 def simulate(records: Iterable[Mapping], constants: SeedConstants = SEED, *, workload: str = "seed",
              systems: Sequence[str] = SIM_SYSTEMS, table: Sequence[SeedRow] = SEED_TABLE,
              rel_tol: float = 0.10) -> dict:
-    """Apply the seed's constants to our records of one workload, per system.
+    """Apply the seed design's constants to our records of one workload, per system.
 
     Args:
         records: record dicts of ``requests.jsonl`` (any workloads and systems; others are skipped).
-        constants: the per-operation constants (default: the seed's).
-        workload: which workload's records to use (default ``"seed"``, the seed's workload).
+        constants: the per-operation constants (default: the seed design's).
+        workload: which workload's records to use (default ``"seed"``, the seed design's workload).
         systems: which systems to profile, when present (default :data:`SIM_SYSTEMS`).
         table: the published table to compare with (default :data:`SEED_TABLE`).
         rel_tol: relative tolerance of the consistency checks that compare two figures.
@@ -294,7 +296,7 @@ def _expected_distinct(draws: int, population: int) -> float:
 def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow] = SEED_TABLE,
                        simulated: Mapping[str, Mapping] | None = None, *, rel_tol: float = 0.10,
                        shape: SeedWorkloadShape = SEED_WORKLOAD) -> list[dict]:
-    """What the seed's constants imply for its own published table, and whether the table agrees.
+    """What the seed design's constants imply for its own published table, and whether the table agrees.
 
     Every figure is computed from ``constants``, ``table`` and ``shape``; ``holds`` says whether
     the published figure is consistent with what they imply. Checks:
@@ -316,7 +318,7 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
        docstring;
     7. the naive-string hit rate against the repeats the workload allows: expected share of
        repeated prompts in ``requests`` uniform independent draws over clusters x prompts x
-       variants (an assumption: the seed does not say how it drew);
+       variants (an assumption: the seed design does not say how it drew);
     8. the energy column against the bandwidth column (energy is not simulated; this only
        says whether the published energy is proportional to the published bandwidth, within
        ``rel_tol``);
@@ -330,10 +332,19 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
     nc = _seed_row("no cache", table)
     ns = _seed_row("naive string cache", table)
     fc = _seed_row("fragment cache", table)
-    rows: list[dict] = []
-
-    # 1. prompt length implied by the no-cache TTFT
     prompt = (nc.ttft_ms - c.decode_ms_per_token) / c.prefill_ms_per_token
+    rows = _ttft_checks(c, nc, ns, prompt, rel_tol)
+    rows += _fragment_cache_checks(c, nc, fc, prompt)
+    rows += _column_checks(c, table, nc, ns, fc, shape, rel_tol)
+    if simulated and "no-cache" in simulated:
+        rows.append(_stream_check(simulated["no-cache"], nc, prompt, rel_tol))
+    return rows
+
+
+def _ttft_checks(c: SeedConstants, nc: SeedRow, ns: SeedRow, prompt: float, rel_tol: float) -> list[dict]:
+    """Checks 1 and 2 of :func:`consistency_checks`."""
+    rows: list[dict] = []
+    # 1. prompt length implied by the no-cache TTFT
     rows.append(_row(
         f"no cache: TTFT {nc.ttft_ms:,.0f} ms",
         f"{prompt:,.0f}-token prompts ({prompt / c.fragment_tokens:.2f} fragments of {c.fragment_tokens})",
@@ -350,7 +361,12 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
         f"{1 - ns.hit_rate:.0%} misses x {nc.ttft_ms:,.0f} ms + {ns.hit_rate:.0%} hits x "
         f"{NAIVE_HIT_MS:g} ms = {naive:,.0f} ms, {abs(naive - ns.ttft_ms) / ns.ttft_ms:.1%} from the "
         f"published figure (tolerance {rel_tol:.0%})"))
+    return rows
 
+
+def _fragment_cache_checks(c: SeedConstants, nc: SeedRow, fc: SeedRow, prompt: float) -> list[dict]:
+    """Checks 3 to 5 of :func:`consistency_checks` (the fragment cache's TTFT and hit rate)."""
+    rows: list[dict] = []
     # 3. fragment cache TTFT lower bound at its hit rate
     hit_ms = c.decode_ms_per_token + c.hnsw_search_ms + c.inject_ms_per_mb * c.injected_mb(prompt)
     miss_ms = nc.ttft_ms + c.hnsw_search_ms
@@ -386,7 +402,13 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
         0.0 <= r <= 1.0,
         f"each non-hit may cost at most {miss_budget:,.1f} ms on average against {miss_ms:,.1f} ms for "
         f"a full prefill; {'possible only if the non-hits are partial reuses' if 0 <= r <= 1 else 'impossible'}"))
+    return rows
 
+
+def _column_checks(c: SeedConstants, table: Sequence[SeedRow], nc: SeedRow, ns: SeedRow, fc: SeedRow,
+                   shape: SeedWorkloadShape, rel_tol: float) -> list[dict]:
+    """Checks 6 to 8 of :func:`consistency_checks` (bandwidth, repeats, energy columns)."""
+    rows: list[dict] = []
     # 6. memory bandwidth vs hit rates (prefill-work reading)
     for row in (ns, fc):
         least = 100.0 * (1 - row.hit_rate)
@@ -428,24 +450,25 @@ def consistency_checks(constants: SeedConstants = SEED, table: Sequence[SeedRow]
            "it follows from that column, whether or not it was measured apart"
            if worst <= rel_tol else
            f"the published energy departs from the bandwidth column by up to {worst:.1%}")))
-
-    # 9. our stream against the published no-cache TTFT
-    if simulated and "no-cache" in simulated:
-        ours = simulated["no-cache"]
-        mean = ours["ttft_ms"]["mean"]
-        tokens = ours["prompt_tokens"] / ours["n"]
-        rows.append(_row(
-            f"no cache: TTFT {nc.ttft_ms:,.0f} ms on the seed's stream",
-            f"{mean:,.0f} ms on our stream (mean {tokens:,.0f} prompt tokens)",
-            abs(mean - nc.ttft_ms) <= rel_tol * nc.ttft_ms,
-            f"our seed-workload prompts average {tokens:,.0f} tokens against the {prompt:,.0f} the "
-            f"published TTFT implies ({(mean - nc.ttft_ms) / nc.ttft_ms:+.1%}, tolerance {rel_tol:.0%})"))
     return rows
 
 
+def _stream_check(ours: Mapping, nc: SeedRow, prompt: float, rel_tol: float) -> dict:
+    """Check 9 of :func:`consistency_checks`: our stream's simulated no-cache TTFT (``ours``, a
+    :func:`simulate` summary) against the published one."""
+    # 9. our stream against the published no-cache TTFT
+    mean = ours["ttft_ms"]["mean"]
+    tokens = ours["prompt_tokens"] / ours["n"]
+    return _row(
+        f"no cache: TTFT {nc.ttft_ms:,.0f} ms on the seed's stream",
+        f"{mean:,.0f} ms on our stream (mean {tokens:,.0f} prompt tokens)",
+        abs(mean - nc.ttft_ms) <= rel_tol * nc.ttft_ms,
+        f"our seed-workload prompts average {tokens:,.0f} tokens against the {prompt:,.0f} the "
+        f"published TTFT implies ({(mean - nc.ttft_ms) / nc.ttft_ms:+.1%}, tolerance {rel_tol:.0%})")
+
 
 def render_markdown(sim: Mapping) -> str:
-    """Markdown: the simulated table beside the seed's published one, then the consistency rows.
+    """Markdown: the simulated table beside the seed design's published one, then the consistency rows.
 
     Args:
         sim: the result of :func:`simulate`.

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("edgesync.bench.energy")
+log = logging.getLogger(__name__)
 
 POWER_SUPPLY_DIR = "sys/class/power_supply"
 POWERCAP_DIR = "sys/class/powercap"

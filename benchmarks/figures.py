@@ -178,7 +178,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(summaries: dict[tuple[str, str], dict], storage: dict[tuple[str, str], dict]) -> list[dict]:
-    """Issue 4's targets on the seed workload, each a ratio from this run: rows of ``target``,
+    """The benchmark's targets on the seed workload, each a ratio from this run: rows of ``target``,
     ``value`` (the ratio), ``limit``, ``met`` (None when a figure is missing) and ``how``."""
     def get(system: str) -> dict:
         return summaries.get(("seed", system), {})

@@ -1,4 +1,4 @@
-"""PNG plots of the benchmark runner's records (issue 4).
+"""PNG plots of the benchmark runner's records.
 
 Inputs are the per-request records of ``results/<run>/requests.jsonl`` (format in
 ``benchmarks/runner.py``) or small summaries made from them. Every function writes one PNG
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-log = logging.getLogger("edgesync.bench.plots")
+log = logging.getLogger(__name__)
 
 TIERS = ("exact", "partial", "miss")
 """Stacked in this order by :func:`hits_by_tier` (``miss`` is a record's ``hit`` of None)."""

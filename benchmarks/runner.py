@@ -1,4 +1,4 @@
-"""The benchmark runner (issue 4): every system on every workload, one worker process each.
+"""The benchmark runner: every system on every workload, one worker process each.
 
 ``edgesync bench [--quick] [--json FILE] [--out DIR]`` and ``make bench`` call :func:`main`.
 
@@ -11,7 +11,8 @@ Systems (:mod:`benchmarks.systems`): ``no-cache``, ``naive-string``, ``llama-ram
 the cold run's store, after the cold process has closed it). On ``doc-qa`` and ``chat``
 also ``edgesync-prefetch`` (cold, its own store, N-gram prefetch into the RAM tier on), so
 that prefetch on and off are measured side by side. No cache and EdgeSync run the full seed
-workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300 requests (issue 4).
+workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300
+(:data:`~benchmarks.bench_workloads.SLOW_SYSTEM_LIMIT`).
 EdgeSync's TTL is 1e9 s, so nothing expires during a run.
 
 Dealing: each system has its own worker process (:mod:`benchmarks.worker`); request ``i`` is
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-log = logging.getLogger("edgesync.bench.runner")
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,8 +190,8 @@ class Runner:
     def _lanes(self, workload: str) -> list[Lane]:
         wd = self.out / "work" / workload
         others = self.sizes.seed_others if workload == "seed" else None
-        lanes = [Lane(name, name, wd / name, limit=others if name in ("naive-string", "llama-ram", "llama-disk") else None)
-                 for name in BASE_SYSTEMS]
+        slow = ("naive-string", "llama-ram", "llama-disk")
+        lanes = [Lane(name, name, wd / name, limit=others if name in slow else None) for name in BASE_SYSTEMS]
         if workload != "seed":
             lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True}))
         return lanes
@@ -308,7 +309,8 @@ class Runner:
             requests = None
         else:
             requests = self._static_requests(workload)
-            total = sum(len(requests) if l.limit is None else min(l.limit, len(requests)) for l in lanes) + len(requests)
+            total = sum(len(requests) if lane.limit is None else min(lane.limit, len(requests))
+                        for lane in lanes) + len(requests)
         task = self.progress.add_task(workload, total=total) if self.progress is not None else None
         warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync")
         try:
@@ -335,7 +337,7 @@ class Runner:
                 lane.close()
         if self.progress is not None and task is not None:
             self.progress.update(task, completed=total)
-        self.stats[workload] = {l.label: l.stats for l in [*lanes, warm]}
+        self.stats[workload] = {lane.label: lane.stats for lane in [*lanes, warm]}
         self.timings[workload] = time.perf_counter() - t0
 
     def run(self) -> dict[str, Any]:
@@ -393,7 +395,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark for parsed ``args``; print the report's main tables. Returns the exit
     status (0, or 1 when a request failed)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     sizes = QUICK if args.quick else FULL
     out = args.out or _default_out()
@@ -424,7 +433,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     out = Path(out).resolve()
-    console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  wall {report['meta']['wall_s'] / 60:.1f} min")
+    console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  "
+                  f"wall {report['meta']['wall_s'] / 60:.1f} min")
     return 1 if report["meta"]["errors"] else 0
 
 

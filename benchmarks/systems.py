@@ -1,4 +1,4 @@
-"""The systems issue 4 compares, behind one interface.
+"""The systems the benchmark compares, behind one interface.
 
 Every system answers the same chat requests on the same model (SmolLM2-135M-Instruct Q4_1 from
 ``edgesync_engines.adapters.model_files.default_model_path()`` unless told otherwise), greedily, and reports
@@ -16,7 +16,7 @@ Systems (``SYSTEM_NAMES``):
   the previous prompt's prefix). The prompt is evaluated as EdgeSync evaluates it (all tokens
   but the last in batches, then the last alone; see :meth:`NoCache._complete`), so that it is
   the reference for token identity.
-* ``naive-string`` (:class:`NaiveStringCache`): the seed's baseline, exact prompt text -> stored
+* ``naive-string`` (:class:`NaiveStringCache`): the seed design's baseline, exact prompt text -> stored
   answer in RAM; a miss runs ``no-cache`` and stores its answer.
 * ``llama-ram`` / ``llama-disk`` (:class:`LlamaCacheSystem`): ``Llama.set_cache(LlamaRAMCache)``
   or ``LlamaDiskCache``, driven through ``create_completion(stream=True)``; nothing is cleared
@@ -74,13 +74,18 @@ from typing import Sequence
 
 import llama_cpp
 
+from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
+from edgesync_engines.adapters.model_files import (
+    ModelLoadError,
+    ModelNotFoundError,
+    default_model_path,
+    route_native_logs,
+)
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, LlamaCppAdapter
-from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 from edgesync_store.schema import MIN_SPAN
 
-log = logging.getLogger("edgesync.bench.systems")
+log = logging.getLogger(__name__)
 
 SYSTEM_NAMES = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-uncached")
 """Names accepted by :func:`make_system`."""
@@ -210,7 +215,8 @@ class _TracedLlama(llama_cpp.Llama):
 
 def _state_bytes(state) -> int:
     """Bytes a loaded ``LlamaState`` carries: engine state + scores + input ids."""
-    return int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0)) + int(getattr(state.input_ids, "nbytes", 0))
+    return (int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0))
+            + int(getattr(state.input_ids, "nbytes", 0)))
 
 
 class _CompletionSystem(System):
@@ -396,7 +402,7 @@ class LlamaCacheSystem(_CompletionSystem):
 
 
 class NaiveStringCache(System):
-    """The seed's baseline: exact prompt text (after the chat template) -> stored answer, in RAM.
+    """The seed design's baseline: exact prompt text (after the chat template) -> stored answer, in RAM.
 
     A hit returns the stored tokens; its ``ttft_ms`` is the time from the call to the end of the
     lookup (template rendering included), ``tokens_reused = prompt_tokens``, ``hit="exact"``,

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("edgesync.bench.worker")
+log = logging.getLogger(__name__)
 
 
 def dir_disk_bytes(path: str | os.PathLike) -> int:

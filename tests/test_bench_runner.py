@@ -11,10 +11,10 @@ import statistics
 
 import pytest
 
+from benchmarks.bench_workloads import seed_requests
 from benchmarks.figures import percentile, storage_figures, summarize, targets
 from benchmarks.runner import Lane
 from benchmarks.systems import make_system
-from benchmarks.bench_workloads import seed_requests
 
 
 def _rec(i, system="edgesync", key=None, ttft=100.0, hit=None, reused=0, n=300, tokens=(1, 2), first=True):

@@ -191,3 +191,43 @@ def test_paths_and_models_that_do_not_work_exit_2_with_one_line(tmp_path):
                               text=True, timeout=120, env={**os.environ, **env})
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_compact_subcommand_equals_the_module_command(tmp_path):
+    """``edgesync compact`` and ``python -m edgesync_engines.app.compact`` take the same flags and
+    print the same report; bad input exits 2 with one error line from both."""
+    import time
+
+    from edgesync_store.core.store import FragmentStore
+    from tests.test_store import make_fragment
+
+    now = time.time()
+    stores = []
+    for name in ("a", "b"):
+        path = tmp_path / name
+        with FragmentStore(path) as store:
+            store.put_many([make_fragment(seed=70, created_at=now - 3600, expires_at=now - 1800),
+                            make_fragment(seed=71, created_at=now, expires_at=now + 1800)])
+        stores.append(path)
+    module = [sys.executable, "-m", "edgesync_engines.app.compact"]
+    flags = ["--json", "--no-reclaim", "--max-bytes", "512M"]
+    dry = json.loads(_ok(edgesync("compact", str(stores[0]), "--dry-run", *flags)).stdout)
+    assert dry["dry_run"] and dry["expired"] == 1 and dry["fragments_after"] == 2 and dry["max_bytes"] == 512 << 20
+    reports = [json.loads(_ok(edgesync("compact", str(stores[0]), *flags)).stdout),
+               json.loads(_ok(subprocess.run(module + [str(stores[1]), *flags], capture_output=True, text=True,
+                                             env=_env(), timeout=120)).stdout)]
+    for doc, path in zip(reports, stores):
+        assert doc["store"] == str(path) and doc["expired"] == 1
+        assert doc["fragments_before"] == 2 and doc["fragments_after"] == 1 and not doc["reclaim"]
+    drop = {"store", "elapsed_s"}
+    same = [{k: v for k, v in doc.items() if k not in drop} for doc in reports]
+    assert same[0] == same[1]
+    text = _ok(edgesync("compact", str(stores[0]), "--no-reclaim")).stdout
+    assert text.startswith(f"store {stores[0]}\n") and "  fragments      1 -> 1" in text
+    missing = tmp_path / "missing"
+    for proc in (edgesync("compact", str(missing)),
+                 subprocess.run(module + [str(missing)], capture_output=True, text=True, env=_env(), timeout=120)):
+        assert proc.returncode == 2 and proc.stderr.strip() == f"error: no EdgeSync store at {missing}"
+    proc = edgesync("compact", str(stores[0]), "--reclaim-fraction", "2")
+    assert proc.returncode == 2 and "must be in [0, 1], got 2.0" in proc.stderr
+    assert not missing.exists()

@@ -39,3 +39,69 @@ def test_bad_values_name_the_setting(env, name):
 def test_unknown_override_is_refused():
     with pytest.raises(ValueError, match="colour"):
         EdgeSyncConfig.load({"colour": "blue"}, environ={})
+
+
+def test_readme_settings_table_is_the_generated_one():
+    """README.md's settings table is exactly what ``python -m edgesync_engines.config --markdown``
+    prints, so no setting is documented that the table lacks, and none is missing."""
+    import subprocess
+    import sys
+
+    from edgesync_engines.config import markdown_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    table = markdown_table()
+    assert table in readme
+    rows = [line for line in readme.splitlines() if line.startswith("| `") or line.startswith("| - |")]
+    start = readme.index(table.splitlines()[0])
+    assert readme[start:start + len(table)] == table
+    assert len(table.splitlines()) == 2 + 30 + 1 and len(rows) >= 31
+    printed = subprocess.run([sys.executable, "-m", "edgesync_engines.config", "--markdown"],
+                             capture_output=True, text=True, check=True).stdout
+    assert printed == table
+
+
+def test_table_defines_fields_defaults_and_variables():
+    """Every EdgeSyncConfig field is a row of SETTINGS with its default, environment variable and
+    help; the defaults owned by the store are the store's own constants."""
+    import dataclasses
+
+    from edgesync_engines.config import BY_NAME, SETTINGS
+    from edgesync_store.core.store import DEFAULT_MAX_BYTES
+    from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
+    from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
+    from edgesync_store.ttl import DEFAULT_TTL_SECONDS
+
+    fields = [f.name for f in dataclasses.fields(EdgeSyncConfig)]
+    assert fields == [s.name for s in SETTINGS] and len(fields) == 30
+    assert len({s.env for s in SETTINGS}) == 30 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
+    cfg = EdgeSyncConfig.load(environ={})
+    assert cfg.ef_search == DEFAULT_EF_SEARCH == 100
+    assert cfg.ttl_seconds == float(DEFAULT_TTL_SECONDS) == 1800.0
+    assert (cfg.sweep_interval_s, cfg.compact_interval_s) == (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S)
+    assert (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S) == (60.0, 900.0)
+    assert cfg.max_bytes is None and "1 GiB" in BY_NAME["max_bytes"].shown_default() and DEFAULT_MAX_BYTES == 1 << 30
+    assert cfg.to_dict()["store_path"] == str(default_store_path()) and list(cfg.to_dict()) == fields
+
+
+def test_checks_once_for_constructor_and_load(tmp_path):
+    """The same check runs for direct construction and for load, with the variable named only
+    when the bad value came from the environment; the chunk span limits are the schema's."""
+    with pytest.raises(ValueError, match=r"^chunk_tokens: 1986 must be in \[64, 1985\]$"):
+        EdgeSyncConfig(chunk_tokens=1986)
+    from_env = r"^chunk_tokens: 1986 must be in \[64, 1985\] \(from EDGESYNC_CHUNK_TOKENS='1986'\)$"
+    with pytest.raises(ValueError, match=from_env):
+        EdgeSyncConfig.load(environ={"EDGESYNC_CHUNK_TOKENS": "1986"})
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_CHUNK_TOKENS": "1985"}).chunk_tokens == 1985
+    with pytest.raises(ValueError, match=r"^n_threads: must be in \[1, 256\], got 0$"):
+        EdgeSyncConfig.load({"n_threads": 0}, environ={"EDGESYNC_THREADS": "2"})
+    with pytest.raises(ValueError, match=r"^EDGESYNC_MAX_BYTES='lots': not a size in bytes"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "lots"})
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "512M"}).max_bytes == 512 * 1024 * 1024
+    with pytest.raises(ValueError,
+                       match=r"^reuse: 'semantic' needs the semantic lookup.*\(from EDGESYNC_REUSE='semantic'\)$"):
+        EdgeSyncConfig.load({"semantic": False}, environ={"EDGESYNC_REUSE": "semantic"})
+    with pytest.raises(ValueError, match=r"^similarity_partial: 0.8 is above similarity_exact 0.7$"):
+        EdgeSyncConfig(similarity_exact=0.7, similarity_partial=0.8)
+    cfg = EdgeSyncConfig(store_path=str(tmp_path), engine=" ONNX ")
+    assert cfg.store_path == tmp_path and cfg.engine == "onnx"

@@ -1,7 +1,9 @@
-"""The simulated device profile applies the seed's constants to records exactly as documented, and
-its consistency check flags the seed's 70%-hit / 350 ms fragment-cache claim as not following."""
+"""The simulated device profile applies the seed design's constants to records exactly as documented, and
+its consistency check flags its 70%-hit / 350 ms fragment-cache claim as not following."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -48,7 +50,7 @@ def test_seed_constants_are_the_seeds():
             SEED.fragment_mb, SEED.fragment_tokens) == (6.8, 18.4, 3.2, 0.029, 6.0, 128)
     assert SEED.kv_bytes_per_token == 46_875
     assert [row.system for row in SEED_TABLE] == ["no cache", "naive string cache", "fragment cache"]
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         SEED.prefill_ms_per_token = 1.0  # frozen
 
 

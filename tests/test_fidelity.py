@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_engines.app import fidelity
-from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request.router import EdgeSync
+from edgesync_engines.app import fidelity, fidelity_vectors
 from edgesync_engines.app.workloads import WorkloadDataError
-from edgesync_store.semantic.embedders import get_embedder
+from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.semantic.embedders import get_embedder
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SUBSET = 400
@@ -97,16 +97,16 @@ def test_threshold_shares_on_the_first_400_pairs(pairs, subset_sims):
 def test_vector_cache_is_reused_and_survives_corruption(embedder, tmp_path):
     texts = ["How do I learn Python?", "How can I learn Python quickly?", "What is the capital of Peru?"]
     seen = []
-    first = fidelity.embed_texts(texts, embedder, tmp_path, progress=lambda *a: seen.append(a))
+    first = fidelity_vectors.embed_texts(texts, embedder, tmp_path, progress=lambda *a: seen.append(a))
     assert seen[-1] == ("embed", 3, 3)
     (npy,) = tmp_path.glob("*.npy")
     t0 = time.perf_counter()
-    assert np.array_equal(fidelity.embed_texts(texts, embedder, tmp_path), first)
+    assert np.array_equal(fidelity_vectors.embed_texts(texts, embedder, tmp_path), first)
     assert time.perf_counter() - t0 < 0.5  # loaded, not encoded
     npy.write_bytes(b"not an array")
-    assert np.array_equal(fidelity.embed_texts(texts, embedder, tmp_path), first)
+    assert np.array_equal(fidelity_vectors.embed_texts(texts, embedder, tmp_path), first)
     assert np.load(npy, allow_pickle=False).shape == (3, 384)  # rewritten
-    assert fidelity.embed_texts(texts[:2], embedder, tmp_path).shape == (2, 384)  # other texts, other key
+    assert fidelity_vectors.embed_texts(texts[:2], embedder, tmp_path).shape == (2, 384)  # other texts, other key
     assert len(list(tmp_path.glob("*.npy"))) == 2
 
 

@@ -9,29 +9,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.app import fidelity
+from edgesync_engines.app import fidelity, fidelity_vectors
+from edgesync_engines.app.cli_common import (
+    CommandError,
+    check_writable,
+    int_at_least,
+    load_config,
+    open_edgesync,
+    positive_int,
+    write_json_out,
+)
 from edgesync_engines.config import ENGINES
 
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
-_count, _positive = _int_at_least(0), _int_at_least(1)
+_count = int_at_least(0)
 
 
 def _thresholds(text: str) -> list[float]:
@@ -61,7 +56,7 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"served pairs per threshold run through the model (default {fidelity.DEFAULT_SAMPLE}; "
                         "0: shares only, no model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample draw (default 0)")
-    p.add_argument("--max-tokens", type=_positive, default=fidelity.DEFAULT_MAX_TOKENS, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=fidelity.DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"tokens generated per answer (default {fidelity.DEFAULT_MAX_TOKENS})")
     p.add_argument("--thresholds", type=_thresholds, default=list(fidelity.DEFAULT_THRESHOLDS), metavar="T,T,...",
                    help="similarity thresholds (default 0.75,0.8,0.85,0.9,0.95)")
@@ -69,7 +64,7 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="entry of system_prompts.json used as the system prompt of every request (default 0)")
     p.add_argument("--no-vector-cache", action="store_true",
                    help="embed every question again instead of reusing the vectors of an earlier run "
-                        f"(kept in {fidelity.default_vector_cache_dir()})")
+                        f"(kept in {fidelity_vectors.default_vector_cache_dir()})")
     p.add_argument("--engine", type=str.lower, choices=ENGINES,
                    help="llamacpp (default) or onnx (ONNX Runtime on the export of the same GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -108,7 +103,8 @@ def render_table(doc: dict[str, Any]):
             n, same, rouge = "0", "-", "-"
         else:
             n = str(smp["served"]) if smp["served"] == smp["n"] else f"{smp['served']} of {smp['n']} served"
-            same = "-" if smp["identical_share"] is None else f"{smp['identical']}/{smp['served']} ({_pct(smp['identical_share'])})"
+            same = ("-" if smp["identical_share"] is None
+                    else f"{smp['identical']}/{smp['served']} ({_pct(smp['identical_share'])})")
             rouge = "-" if smp["mean_rouge_l"] is None else f"{smp['mean_rouge_l']:.3f}"
         table.add_row(f"{row['threshold']:.2f}", f"{_pct(row['dup_share'])} ({row['dup_served']})",
                       f"{_pct(row['nondup_share'])} ({row['nondup_served']})",
@@ -120,57 +116,65 @@ def render_table(doc: dict[str, Any]):
     return table
 
 
-class FidelityCommandError(Exception):
-    """Bad input or a missing part: one ``error: ...`` line on stderr, exit status 2.
-
-    The command reports its own errors rather than raising ``cli._Fail``: under
-    ``python -m edgesync_engines.app.cli`` that module runs as ``__main__`` and a second import of
-    it would define another ``_Fail`` class, which ``main()`` would not catch."""
-
-
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    """Run ``edgesync fidelity``; returns the exit status (0, or 2 on bad input)."""
-    try:
-        return _run(args)
-    except FidelityCommandError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    """Run ``edgesync fidelity``; returns the exit status (0, or 2 on bad input).
 
-
-def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from edgesync_store.semantic.embedders import EmbeddingModelError, EmbeddingUnavailableError, get_embedder
-    from edgesync_store.commands.inventory import wide_console
-
-    from edgesync_engines.config import EdgeSyncConfig
-    from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError
-    from edgesync_engines.adapters.onnx_export import ExportError
-    from edgesync_engines.request.router import EdgeSync
+    Raises:
+        CommandError: missing data, a bad option, a missing package or model.
+    """
     from edgesync_engines.app.workloads import WorkloadDataError
+    from edgesync_store.semantic.embedders import EmbeddingUnavailableError, get_embedder
 
-    _Fail = FidelityCommandError
-    try:
-        cfg = EdgeSyncConfig.load({"engine": args.engine})
-    except ValueError as exc:
-        raise _Fail(str(exc)) from None
-    if args.json_out:  # fail before the run, not after it
-        try:
-            with open(args.json_out, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            raise _Fail(f"--json-out {args.json_out}: cannot write: {exc}") from None
+    cfg = load_config({"engine": args.engine})
+    check_writable(args.json_out)
     try:
         pairs = fidelity.load_pairs(args.pairs)
         app, system_prompt = fidelity.load_system_prompt(args.topic)
         embedder = get_embedder(cfg.embedding_backend)
     except (WorkloadDataError, EmbeddingUnavailableError) as exc:
-        raise _Fail(str(exc)) from None
+        raise CommandError(str(exc)) from None
     duplicate = [p.duplicate for p in pairs]
     if all(duplicate) or not any(duplicate):
-        raise _Fail(f"{args.pairs or fidelity.PAIRS_FILE}: needs both duplicate and non-duplicate pairs")
-    cache_dir = None if args.no_vector_cache else fidelity.default_vector_cache_dir()
+        raise CommandError(f"{args.pairs or fidelity.PAIRS_FILE}: needs both duplicate and non-duplicate pairs")
+    cache_dir = None if args.no_vector_cache else fidelity_vectors.default_vector_cache_dir()
+    shares, samples, records, model, timings = _measure(args, cfg, pairs, duplicate, embedder, system_prompt,
+                                                        cache_dir)
+    doc = report_dict(
+        shares, samples, records,
+        pairs_file=str(Path(args.pairs) if args.pairs else fidelity.workloads_dir() / fidelity.PAIRS_FILE),
+        n_pairs=len(pairs), n_dup=sum(duplicate), n_nondup=len(pairs) - sum(duplicate),
+        embedding=embedder.backend_id, vector_cache=None if cache_dir is None else str(cache_dir),
+        sample_settings={"n": args.sample, "seed": args.seed, "max_tokens": args.max_tokens, "topic": args.topic,
+                         "app": app, "model": model, "donor": "question a, alone in a fresh store",
+                         "request": "question b", "reference": "question b uncached"},
+        timings_s={k: round(v, 2) for k, v in timings.items()},
+    )
+    text = json.dumps(doc, indent=2)
+    write_json_out(args.json_out, text)
+    if args.json:
+        print(text, flush=True)
+    else:
+        from edgesync_store.commands.inventory import wide_console
+
+        wide_console().print(render_table(doc))
+    return 0
+
+
+def _measure(args, cfg, pairs, duplicate, embedder, system_prompt, cache_dir):
+    """Embed the pairs and count the shares per threshold, then (``--sample N`` > 0) run the
+    model on N served pairs per threshold; progress bars on stderr. Returns ``(shares, samples,
+    records, model file name or None, {"embed": s, "sample": s})``."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from edgesync_store.semantic.embedders import EmbeddingModelError
 
     timings = {"embed": 0.0, "sample": 0.0}
     model = None
@@ -188,48 +192,19 @@ def _run(args: argparse.Namespace) -> int:
         try:
             sims = fidelity.pair_similarities(pairs, embedder, cache_dir, report)
         except EmbeddingModelError as exc:
-            raise _Fail(str(exc)) from None
+            raise CommandError(str(exc)) from None
         shares = fidelity.threshold_shares(sims, duplicate, args.thresholds)
         timings["embed"] = time.perf_counter() - t0
         samples, records = [], []
         if args.sample:
             t0 = time.perf_counter()
-            try:
-                es = EdgeSync(config=cfg, store=False)
-            except ModelNotFoundError as exc:
-                raise _Fail(f"model not found: {exc}") from None
-            except ModelLoadError as exc:
-                raise _Fail(f"cannot load the model: {exc}") from None
-            except ExportError as exc:
-                raise _Fail(f"no usable ONNX export: {exc}") from None
-            with es:
+            with open_edgesync(cfg, store=False) as es:
                 model = es.adapter.model_path.name
                 try:
                     samples, records = fidelity.sample_fidelity(
                         pairs, sims, args.thresholds, args.sample, system_prompt, seed=args.seed,
                         max_tokens=args.max_tokens, model=es.adapter, config=cfg, progress=report)
                 except (ValueError, RuntimeError) as exc:
-                    raise _Fail(str(exc)) from None
+                    raise CommandError(str(exc)) from None
             timings["sample"] = time.perf_counter() - t0
-
-    doc = report_dict(
-        shares, samples, records,
-        pairs_file=str(Path(args.pairs) if args.pairs else fidelity.workloads_dir() / fidelity.PAIRS_FILE),
-        n_pairs=len(pairs), n_dup=sum(duplicate), n_nondup=len(pairs) - sum(duplicate),
-        embedding=embedder.backend_id, vector_cache=None if cache_dir is None else str(cache_dir),
-        sample_settings={"n": args.sample, "seed": args.seed, "max_tokens": args.max_tokens, "topic": args.topic,
-                         "app": app, "model": model, "donor": "question a, alone in a fresh store",
-                         "request": "question b", "reference": "question b uncached"},
-        timings_s={k: round(v, 2) for k, v in timings.items()},
-    )
-    text = json.dumps(doc, indent=2)
-    if args.json_out:
-        try:
-            Path(args.json_out).write_text(text + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise _Fail(f"cannot write {args.json_out}: {exc}") from None
-    if args.json:
-        print(text, flush=True)
-    else:
-        wide_console().print(render_table(doc))
-    return 0
+    return shares, samples, records, model, timings

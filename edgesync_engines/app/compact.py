@@ -1,4 +1,6 @@
-"""``python -m edgesync_engines.app.compact [STORE] [--dry-run] [--json]``: compact a store once.
+"""``edgesync compact [STORE] [--dry-run] [--json] [--max-bytes 512M] [--no-reclaim]
+[--force-reclaim] [--reclaim-fraction 0.25]``: compact a store once (also
+``python -m edgesync_engines.app.compact ...``, the same flags and output).
 
 Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``compactor.py``)
 and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
@@ -14,6 +16,9 @@ so the store is consistent at any stop): the report so far is printed and the ex
 130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
 the report says so), 2 bad input (no store at the path, not a store, a newer format, a bad
 option or setting).
+
+It lives in the app layer, not in ``edgesync_store``, because it reads the engines' settings
+(:class:`~edgesync_engines.config.EdgeSyncConfig`) and the store never imports the engines.
 """
 
 from __future__ import annotations
@@ -21,12 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import signal
 import sys
 import threading
 from pathlib import Path
-from edgesync_store.commands.units import format_binary, parse_bytes
+
+from edgesync_engines.app.cli_common import EXIT_USAGE, STORE_ARG_HELP, CommandError, load_config, print_error
+from edgesync_store.commands.units import format_binary as _fmt
+from edgesync_store.commands.units import parse_bytes
+from edgesync_store.errors import StoreError
+
+DESCRIPTION = "Expire, deduplicate, merge, evict and reclaim an EdgeSync store once."
+EXIT_STOPPED = 130
+"""Exit status when Ctrl-C or SIGTERM stopped the run between steps."""
 
 
 def _fraction(text: str) -> float:
@@ -39,10 +51,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.app.compact",
-                                     description="Expire, deduplicate, merge, evict and reclaim an EdgeSync store once.")
-    parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments, on ``parser``."""
+    parser.add_argument("store", nargs="?", help=STORE_ARG_HELP)
     parser.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-bytes", type=parse_bytes, default=None,
@@ -51,19 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force-reclaim", action="store_true", help="rewrite the file whenever any page is free")
     parser.add_argument("--reclaim-fraction", type=_fraction, default=None,
                         help="free fraction of data.mdb that triggers the rewrite (default 0.25)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m edgesync_engines.app.compact``."""
+    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.app.compact", description=DESCRIPTION)
+    add_arguments(parser)
     return parser
 
 
-def _settings():
-    """The configured store path and budget (defaults < ``EDGESYNC_*``); ValueError names a
-    bad variable."""
-    from edgesync_engines.config import EdgeSyncConfig
-
-    cfg = EdgeSyncConfig.load()
-    return cfg.store_path, cfg.max_bytes
-
-
-_fmt = format_binary
+def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``edgesync compact`` on ``sub`` (the subparsers of ``cli.build_parser``); ``common``
+    is the parent parser holding ``--log-level``. Returns the new parser."""
+    p = sub.add_parser("compact", parents=[common], description=DESCRIPTION,
+                       help="expire, deduplicate, merge, evict and reclaim a store once")
+    add_arguments(p)
+    p.set_defaults(func=cmd_compact)
+    return p
 
 
 def render(report: dict, path: Path) -> str:
@@ -75,7 +90,8 @@ def render(report: dict, path: Path) -> str:
         f"store {path}" + (" (dry run: nothing changed)" if report["dry_run"] else ""),
         f"  expired        {report['expired']:>8} fragments  {_fmt(report['expired_bytes'])}",
         f"  deduplicated   {report['deduplicated']:>8} fragments  {_fmt(report['deduplicated_bytes'])}",
-        f"  merged         {report['fragments_merged']:>8} fragments into {report['merged_layers'] + report['merged_heads']}"
+        f"  merged         {report['fragments_merged']:>8} fragments into "
+        f"{report['merged_layers'] + report['merged_heads']}"
         f" ({report['merged_layers']} along layers, {report['merged_heads']} along heads)",
         f"  evicted        {report['evicted']:>8} fragments  {_fmt(report['evicted_bytes'])}"
         f"  (budget {_fmt(report['max_bytes'])})",
@@ -99,32 +115,55 @@ def render(report: dict, path: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    import lmdb
+def _open_store(args: argparse.Namespace):
+    """``(store, path, budget from EDGESYNC_MAX_BYTES or None)``; CommandError for bad input."""
+    from edgesync_store.core.store import FragmentStore
 
-    from edgesync_store.compactor import Compactor, open_index
-    from edgesync_store.core.locks import StoreBusyError
-    from edgesync_store.core.store import FragmentStore, StoreFormatError, StoreOpenError
-
-    try:
-        default_path, env_budget = _settings()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    path = Path(args.store).expanduser() if args.store else default_path
+    cfg = load_config({})
+    path = Path(args.store).expanduser() if args.store else cfg.store_path
     if not (path / "data.mdb").is_file():
-        print(f"error: no EdgeSync store at {path}", file=sys.stderr)
-        return 2
+        raise CommandError(f"no EdgeSync store at {path}")
     try:
         store = FragmentStore(path, readonly=args.dry_run)
-    except (StoreOpenError, StoreFormatError, StoreBusyError, lmdb.Error, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (StoreError, OSError) as exc:
+        raise CommandError(str(exc)) from None
+    return store, path, cfg.max_bytes
+
+
+def _run(store, args: argparse.Namespace, env_budget: int | None, stop: threading.Event):
+    """One :class:`~edgesync_store.compactor.Compactor` run with a progress bar on stderr (when
+    it is a terminal); returns its report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from edgesync_store.compactor import Compactor, open_index
+
+    with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
+                         transient=True, disable=not sys.stderr.isatty()) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(step: str, done: int, total: int) -> None:
+            if step not in tasks:
+                tasks[step] = bar.add_task(step, total=total)
+            bar.update(tasks[step], completed=done, total=total)
+
+        index = None if args.dry_run else open_index(store)
+        try:
+            kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
+            return Compactor(store, index=index, stop=stop, progress=progress).run(
+                dry_run=args.dry_run, do_reclaim=not args.no_reclaim,
+                max_bytes=args.max_bytes or env_budget, force_reclaim=args.force_reclaim, **kwargs)
+        finally:
+            if index is not None:
+                index.close()
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Run the command on parsed ``args``; returns the exit status (0, or 130 when stopped).
+
+    Raises:
+        CommandError: no store at the path, not a store, a newer format, a bad setting.
+    """
+    store, path, env_budget = _open_store(args)
     stop = threading.Event()
     signalled: list[int] = []
 
@@ -136,28 +175,11 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with store, Progress(TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
-                             transient=True, disable=not sys.stderr.isatty()) as bar:
-            tasks: dict[str, int] = {}
-
-            def progress(step: str, done: int, total: int) -> None:
-                if step not in tasks:
-                    tasks[step] = bar.add_task(step, total=total)
-                bar.update(tasks[step], completed=done, total=total)
-
-            index = None if args.dry_run else open_index(store)
-            try:
-                kwargs = {} if args.reclaim_fraction is None else {"reclaim_fraction": args.reclaim_fraction}
-                report = Compactor(store, index=index, stop=stop, progress=progress).run(
-                    dry_run=args.dry_run, do_reclaim=not args.no_reclaim,
-                    max_bytes=args.max_bytes or env_budget, force_reclaim=args.force_reclaim, **kwargs)
-            finally:
-                if index is not None:
-                    index.close()
+        report = _run(store, args, env_budget, stop)
     except KeyboardInterrupt:
         print("interrupted: every finished step is committed and the store is consistent; "
               "run the command again to finish", file=sys.stderr)
-        return 130
+        return EXIT_STOPPED
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -167,7 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(render(doc, path))
-    return 130 if signalled else 0
+    return EXIT_STOPPED if signalled else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m edgesync_engines.app.compact``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_compact(args)
+    except CommandError as exc:
+        print_error(str(exc))
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

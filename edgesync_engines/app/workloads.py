@@ -1,4 +1,6 @@
-"""Real request workloads for EdgeSync benchmarks and tests.
+"""The real request workloads that ``edgesync run`` serves (``seed``, ``doc-qa``), built from the
+shared data, and the data access (directory lookup, JSON Lines reader) they share with the
+benchmark's own dealing of them in ``benchmarks/bench_workloads.py``.
 
 The data is the read-only, shared set described in ``README.md`` of the workloads
 directory (``../shared/workloads/`` relative to the project root; override with the
@@ -34,13 +36,15 @@ __all__ = [
     "Request",
     "WORKLOAD_NAMES",
     "WorkloadDataError",
+    "data_file",
     "doc_qa_workload",
     "load_workload",
+    "read_jsonl",
     "seed_workload",
     "workloads_dir",
 ]
 
-log = logging.getLogger("edgesync.workloads")
+log = logging.getLogger(__name__)
 
 #: Environment variable naming the workloads directory.
 ENV_VAR = "EDGESYNC_WORKLOADS"
@@ -146,7 +150,9 @@ def workloads_dir(explicit: str | os.PathLike | None = None) -> Path:
     raise WorkloadDataError(f"workloads directory not found (tried {tried}); {_hint()}")
 
 
-def _data_file(name: str, data_dir: str | os.PathLike | None) -> Path:
+def data_file(name: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """The path of data file ``name`` in the workloads directory; WorkloadDataError when it is
+    not a file (the message says how to point ``EDGESYNC_WORKLOADS`` at the data)."""
     path = workloads_dir(data_dir) / name
     if not path.is_file():
         raise WorkloadDataError(f"workload file {str(path)!r} does not exist; {_hint()}")
@@ -188,7 +194,7 @@ def _str_list(value: Any) -> bool:
 
 def _load_system_prompts(data_dir: str | os.PathLike | None) -> dict[int, str]:
     """Map topic_id -> system_prompt from ``system_prompts.json`` (all 8 rows)."""
-    path = _data_file(SYSTEM_PROMPTS_FILE, data_dir)
+    path = data_file(SYSTEM_PROMPTS_FILE, data_dir)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -220,7 +226,7 @@ def _seed_prompts(data_dir: str | os.PathLike | None) -> list[list[str]]:
     README steps 1-2: clusters of ``qqp_clusters.jsonl`` in file order, shuffled with
     ``random.Random(0).shuffle``, first 64 kept; each keeps its first 4 questions.
     """
-    path = _data_file(QQP_CLUSTERS_FILE, data_dir)
+    path = data_file(QQP_CLUSTERS_FILE, data_dir)
     rows = read_jsonl(path)
     for lineno, row in enumerate(rows, start=1):
         if not _str_list(row.get("questions")):
@@ -316,7 +322,7 @@ def doc_qa_workload(
     """
     if n_docs < 1:
         raise ValueError(f"n_docs must be >= 1, got {n_docs}")
-    path = _data_file(DOC_QA_FILE, data_dir)
+    path = data_file(DOC_QA_FILE, data_dir)
     rows = read_jsonl(path)
     if len(rows) < n_docs:
         log.warning("%s has %d passages, fewer than n_docs=%d", path, len(rows), n_docs)

@@ -1,0 +1,107 @@
+"""What every ``edgesync`` subcommand shares: the one-line error, the configuration and engine
+loading that turn bad input into that error, and small argument parsers.
+
+The error class lives here, not in ``cli.py``: under ``python -m edgesync_engines.app.cli`` that
+module runs as ``__main__``, and a command module importing it would get a second copy whose
+exception class ``main()`` would not catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_store.errors import StoreError, StoreOpenError
+
+EXIT_USAGE = 2
+"""Exit status for bad input: a bad option or setting, missing data, model or store."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+STORE_ARG_HELP = "store directory (default: the configured store)"
+
+
+class CommandError(Exception):
+    """Bad input, reported as one ``error: <message>`` line on stderr and exit status 2."""
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` on stderr."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: text -> an int >= ``minimum`` (ArgumentTypeError otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+"""argparse type: an int >= 1."""
+
+
+def load_config(overrides: dict[str, Any]) -> EdgeSyncConfig:
+    """:meth:`EdgeSyncConfig.load` with command-line ``overrides``; CommandError for a bad setting."""
+    try:
+        return EdgeSyncConfig.load(overrides)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def configured_store(store: str | None) -> Path | str:
+    """``store`` when given on the command line, else the configured store path."""
+    return store if store is not None else load_config({}).store_path
+
+
+def open_edgesync(cfg: EdgeSyncConfig, store: Any = None):
+    """The EdgeSync of ``cfg`` (model loaded, store opened unless ``store`` is False).
+
+    Raises:
+        CommandError: a missing or unloadable model, no usable ONNX export, or a store that
+            cannot be opened.
+    """
+    from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError
+    from edgesync_engines.adapters.onnx_export import ExportError
+    from edgesync_engines.request.router import EdgeSync
+
+    try:
+        return EdgeSync(config=cfg, store=store)
+    except ModelNotFoundError as exc:
+        raise CommandError(f"model not found: {exc}") from None
+    except ModelLoadError as exc:
+        raise CommandError(f"cannot load the model: {exc}") from None
+    except StoreOpenError as exc:
+        raise CommandError(str(exc)) from None
+    except ExportError as exc:
+        raise CommandError(f"no usable ONNX export: {exc}") from None
+    except (StoreError, PermissionError) as exc:
+        raise CommandError(f"cannot open the store at {cfg.store_path}: {exc}") from None
+
+
+def check_writable(json_out: str | None) -> None:
+    """Fail before a long run, not after it, when ``--json-out FILE`` cannot be written."""
+    if not json_out:
+        return
+    try:
+        with open(json_out, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CommandError(f"--json-out {json_out}: cannot write: {exc}") from None
+
+
+def write_json_out(json_out: str | None, text: str) -> None:
+    """Write ``text`` and a newline to ``--json-out FILE`` when given; CommandError when it fails."""
+    if not json_out:
+        return
+    try:
+        Path(json_out).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"cannot write {json_out}: {exc}") from None

@@ -1,0 +1,263 @@
+"""The ``edgesync`` subcommands that run the model: ``generate`` (one prompt), ``run`` (a workload
+uncached and through EdgeSync, compared) and ``export-onnx`` (the ONNX Runtime decoder).
+
+Results go to stdout; progress and summaries to stderr; bad input raises
+:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from edgesync_engines.app import run_report
+from edgesync_engines.app.cli_common import (
+    CommandError,
+    check_writable,
+    load_config,
+    open_edgesync,
+    positive_int,
+    write_json_out,
+)
+from edgesync_engines.app.workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
+from edgesync_engines.config import BY_NAME, ENGINES, REUSE_MODES
+from edgesync_store.commands.inventory import wide_console
+from edgesync_store.commands.units import format_bytes
+
+RUN_MAX_TOKENS = 16
+"""``edgesync run``'s generation length when neither --max-tokens nor EDGESYNC_MAX_TOKENS is set."""
+STORE_HELP = "store directory (default: EDGESYNC_STORE or the per-user cache dir)"
+ENGINE_HELP = "llamacpp (default) or onnx (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)"
+CONVERTIBLE_HELP = ("also inject KV another engine wrote for the same model, converted: close to, not always "
+                    "equal to, this engine's own output")
+REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; semantic: also serve "
+              f"a donor prompt at similarity >= {BY_NAME['similarity_exact'].default} whole (approximate answers)")
+
+
+def _workload_name(text: str) -> str:
+    return text.strip().lower().replace("_", "-")
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
+    p.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
+    p.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
+
+
+def add_parsers(sub, common: argparse.ArgumentParser) -> None:
+    """Register ``generate`` and ``run`` on ``sub`` (the subparsers of ``cli.build_parser``);
+    ``common`` is the parent parser holding ``--log-level``."""
+    gen = sub.add_parser("generate", parents=[common], help="answer one prompt, reusing stored KV")
+    gen.add_argument("prompt", help="the user message (or, with --raw, the whole prompt text)")
+    gen.add_argument("--store", help=STORE_HELP)
+    gen.add_argument("--max-tokens", type=int, help="tokens to generate at most")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (the result) instead of streaming")
+    gen.add_argument("--system", help="system message sent before the prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt string as is (no chat template)")
+    gen.add_argument("--no-cache", action="store_true", help="do not use the fragment store")
+    gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass when temperature > 0")
+    gen.add_argument("--seed", type=int, help="sampling seed")
+    _add_engine_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    run = sub.add_parser("run", parents=[common],
+                         help="run a workload uncached and through EdgeSync, request by request, and compare")
+    run.add_argument("workload", type=_workload_name, choices=WORKLOAD_NAMES, metavar="WORKLOAD",
+                     help=f"one of: {', '.join(WORKLOAD_NAMES)}")
+    run.add_argument("--limit", type=positive_int, help="run only the first N requests")
+    run.add_argument("--store", help=STORE_HELP)
+    run.add_argument("--max-tokens", type=int,
+                     help="tokens to generate per request (default 16, or EDGESYNC_MAX_TOKENS)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    run.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    _add_engine_options(run)
+    run.set_defaults(func=cmd_run)
+
+
+def add_export_parser(sub, common: argparse.ArgumentParser) -> None:
+    """Register ``export-onnx`` on ``sub``, as :func:`add_parsers` does."""
+    export = sub.add_parser("export-onnx", parents=[common],
+                            help="build the ONNX Runtime decoder of the GGUF (once; needs the `onnx` extra)")
+    export.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
+    export.add_argument("--out", help="export root (default: EDGESYNC_ONNX_DIR or the per-user cache dir)")
+    export.add_argument("--force", action="store_true", help="export again even if a complete export is there")
+    export.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    export.set_defaults(func=cmd_export_onnx)
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+def _summary_line(r) -> str:
+    """The stderr line after a streamed answer: tier, token counts, timings, bytes, flags."""
+    return (f"[{r.tier}] prompt {r.prompt_tokens} tokens, reused {r.tokens_reused}, "
+            f"prefilled {r.tokens_prefilled}, generated {len(r.tokens)}; "
+            f"TTFT {r.ttft_ms:.1f} ms, total {r.total_ms:.1f} ms; read {format_bytes(r.bytes_read)}"
+            + (f", wrote {r.fragments_written} fragments" if r.fragments_written else "")
+            + (f"; similarity {r.similarity:.3f}" if r.similarity is not None else "")
+            + ("; APPROXIMATE: answered from another prompt's KV" if r.approximate else "")
+            + (f"; CONVERTED: {r.source_engine} KV injected" if r.convertible else ""))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``edgesync generate``: stream the answer to stdout and a summary line to stderr, or
+    (``--json``) print the result object."""
+    cfg = load_config({
+        "store_path": args.store,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "cache_enabled": False if args.no_cache else None,
+        "reuse": args.reuse,
+        "engine": args.engine,
+        "allow_convertible": args.allow_convertible,
+    })
+    if args.raw:
+        if args.system is not None:
+            raise CommandError("--system cannot be combined with --raw (the raw prompt is sent as is)")
+        prompt: Any = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        prompt.append({"role": "user", "content": args.prompt})
+
+    with open_edgesync(cfg, store=False if args.no_cache else None) as es:
+        try:
+            if args.json:
+                result = es.generate(prompt)
+            else:
+                stream = es.generate(prompt, stream=True)
+        except ValueError as exc:  # ContextOverflowError is a ValueError
+            raise CommandError(str(exc)) from None
+        if args.json:
+            print(json.dumps(result.to_dict()), flush=True)
+            return 0
+        last = ""
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            last = piece or last
+        if not last.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_summary_line(stream.result), file=sys.stderr, flush=True)
+    return 0
+
+
+# -- run ----------------------------------------------------------------------------------------
+
+def run_workload(es, requests, max_tokens: int, progress=None, task=None) -> list[dict]:
+    """Each request once uncached (same adapter, no store: a cleared KV cache every time) and
+    then once through ``es``, interleaved request by request; returns the per-request records
+    (:func:`run_report.request_record`). ``progress``/``task``: a rich Progress and its task,
+    advanced once per request."""
+    from edgesync_engines.request.router import EdgeSync
+
+    baseline = EdgeSync(es.adapter, store=False, config=es.config)
+    records = []
+    for req in requests:
+        messages = req.as_messages()
+        uncached = baseline.generate(messages, max_tokens=max_tokens)
+        cached = es.generate(messages, max_tokens=max_tokens)
+        records.append(run_report.request_record(req, uncached, cached))
+        if progress is not None:
+            progress.update(task, advance=1, description=f"{req.request_id} {cached.tier:>7}")
+    return records
+
+
+def _run_with_progress(es, requests, workload: str, max_tokens: int) -> list[dict]:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                  transient=False) as progress:
+        task = progress.add_task(f"{workload}", total=len(requests))
+        try:
+            return run_workload(es, requests, max_tokens, progress, task)
+        except ValueError as exc:  # a request that does not fit the context
+            raise CommandError(str(exc)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``edgesync run WORKLOAD``: the comparison table (or ``--json`` document) on stdout."""
+    if args.max_tokens is None and not os.environ.get("EDGESYNC_MAX_TOKENS", "").strip():
+        args.max_tokens = RUN_MAX_TOKENS
+    cfg = load_config({"store_path": args.store, "max_tokens": args.max_tokens, "reuse": args.reuse,
+                       "engine": args.engine, "allow_convertible": args.allow_convertible})
+    args.max_tokens = cfg.max_tokens
+    check_writable(args.json_out)
+    try:
+        requests = load_workload(args.workload, limit=args.limit)
+    except (WorkloadDataError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    with open_edgesync(cfg) as es:
+        records = _run_with_progress(es, requests, args.workload, args.max_tokens)
+        stats = es.store.stats().to_dict() if es.store is not None else None
+        model = es.adapter.model_path.name
+    summary = run_report.summarize(records)
+    doc = {
+        "workload": args.workload,
+        "n_requests": len(records),
+        "max_tokens": args.max_tokens,
+        "model": model,
+        "engine": cfg.engine,
+        "allow_convertible": cfg.allow_convertible,
+        "store_path": str(cfg.store_path) if stats is not None else None,
+        "summary": summary,
+        "store": stats,
+        "requests": run_report.request_rows(records),
+    }
+    text = json.dumps(doc, indent=2)
+    write_json_out(args.json_out, text)
+    if args.json:
+        print(text, flush=True)
+    else:
+        title = (f"workload {args.workload}: {len(records)} requests, "
+                 f"store {doc['store_path'] or 'disabled'}, model {model}, engine {cfg.engine}"
+                 + (" (convertible KV allowed)" if cfg.allow_convertible else ""))
+        wide_console().print(run_report.render_table(summary, stats, title))
+    return 0
+
+
+# -- export-onnx --------------------------------------------------------------------------------
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory."""
+    from rich.console import Console
+
+    from edgesync_engines.adapters.model_files import default_model_path
+    from edgesync_engines.adapters.onnx_export import ExportError, export_gguf, read_meta
+
+    cfg = load_config({"model_path": args.model})
+    try:
+        gguf = cfg.model_path or default_model_path()
+        t0 = time.perf_counter()
+        with Console(stderr=True).status(f"exporting {Path(gguf).name} to ONNX (a few minutes the first time)"):
+            out = export_gguf(gguf, root=args.out, force=args.force)
+        meta = read_meta(out)
+    except (OSError, ExportError) as exc:
+        raise CommandError(str(exc)) from None
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    doc = {"export_dir": str(out.resolve()), "source": str(gguf), "source_fingerprint": meta["source_fingerprint"],
+           "bytes": size, "seconds": round(time.perf_counter() - t0, 1), "n_layer": meta["n_layer"],
+           "n_head_kv": meta["n_head_kv"], "head_dim": meta["head_dim"]}
+    if args.json:
+        print(json.dumps(doc), flush=True)
+    else:
+        print(f"{doc['export_dir']}: ONNX decoder of {Path(gguf).name} ({format_bytes(size)}, "
+              f"{meta['n_layer']} layers x {meta['n_head_kv']} KV heads x {meta['head_dim']}) "
+              f"in {doc['seconds']} s", flush=True)
+    return 0

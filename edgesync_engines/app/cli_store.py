@@ -1,0 +1,140 @@
+"""The ``edgesync`` subcommands that work on a store without the model: ``dump`` (list its
+fragments, read-only), ``clear`` (erase everything it holds) and ``reindex`` (rebuild its
+semantic index). ``compact`` is :mod:`edgesync_engines.app.compact`.
+
+Results go to stdout; bad input raises
+:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, positive_int
+from edgesync_engines.config import EMBEDDING_BACKENDS
+from edgesync_store.commands.dump import print_dump
+from edgesync_store.commands.units import format_bytes
+from edgesync_store.errors import StoreBusyError, StoreError, StoreFormatError, StoreNotFoundError, StoreOpenError
+
+EXIT_DECLINED = 1
+"""``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
+
+
+def add_parsers(sub, common: argparse.ArgumentParser) -> None:
+    """Register ``dump``, ``clear`` and ``reindex`` on ``sub`` (the subparsers of
+    ``cli.build_parser``); ``common`` is the parent parser holding ``--log-level``."""
+    dump = sub.add_parser("dump", parents=[common], help="list the fragments of a store (read-only)")
+    dump.add_argument("store", nargs="?", help=STORE_ARG_HELP)
+    dump.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    dump.add_argument("--limit", type=positive_int, help="show at most N fragments")
+    dump.add_argument("--summary", action="store_true",
+                      help="counts and bytes by tier (short, long, expired, total) and the budget use, "
+                           "instead of one line per fragment")
+    dump.set_defaults(func=cmd_dump)
+
+    clear = sub.add_parser("clear", parents=[common],
+                           help="erase everything a store holds (fragments, index, donors, vectors, sidecar)")
+    clear.add_argument("store", nargs="?", help=STORE_ARG_HELP)
+    clear.add_argument("--yes", "-y", action="store_true",
+                       help="do not ask for confirmation (required when stdin is not a terminal)")
+    clear.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    clear.set_defaults(func=cmd_clear)
+
+    reindex = sub.add_parser("reindex", parents=[common],
+                             help="rebuild a store's semantic index (HNSW sidecar) from LMDB")
+    reindex.add_argument("store", nargs="?", help=STORE_ARG_HELP)
+    reindex.add_argument("--backend", choices=EMBEDDING_BACKENDS,
+                         help="embedding backend; another than the store's re-embeds every stored prompt")
+    reindex.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    reindex.set_defaults(func=cmd_reindex)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    """``edgesync dump``: :func:`edgesync_store.commands.dump.print_dump`; its exit status."""
+    return print_dump(configured_store(args.store), as_json=args.json, limit=args.limit, summary_only=args.summary)
+
+
+def _confirm(question: str) -> bool:
+    """Ask ``question`` on the terminal (stderr); True only for an explicit yes."""
+    from rich.console import Console
+    from rich.prompt import Confirm
+
+    try:
+        return Confirm.ask(question, console=Console(stderr=True), default=False)
+    except EOFError:
+        return False
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """``edgesync clear``: :func:`edgesync_store.commands.clear.clear_store` after a confirmation (or
+    ``--yes``); what was removed goes to stdout. Exit 0, 1 when the user declines, 2 for bad
+    input or a refusal to clear without ``--yes`` when stdin is not a terminal."""
+    from edgesync_store.commands.clear import check_store_path, clear_store
+
+    store = configured_store(args.store)
+    try:
+        path = check_store_path(store)
+    except (StoreNotFoundError, StoreOpenError) as exc:
+        raise CommandError(str(exc)) from None
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CommandError(f"refusing to clear {path} without --yes (stdin is not a terminal to confirm on)")
+        if not _confirm(f"Erase every fragment, donor and vector of the store at {path}?"):
+            print(f"not cleared: {path} left as it was", file=sys.stderr, flush=True)
+            return EXIT_DECLINED
+    try:
+        result = clear_store(path)
+    except (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError) as exc:
+        raise CommandError(str(exc)) from None
+    except (StoreError, OSError) as exc:
+        raise CommandError(f"cannot clear the store at {path}: {exc}") from None
+    if args.json:
+        print(json.dumps(result.to_dict()), flush=True)
+    else:
+        how = ("files erased (" + ", ".join(result.files_removed) + ") and an empty store created"
+               if result.erased_files else f"files not erased: {result.reason}")
+        print(f"cleared {result.path}: {result.fragments_removed} fragments removed; data.mdb "
+              f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}", flush=True)
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    """``edgesync reindex``: :func:`edgesync_store.semantic.reindex.reindex` with a progress bar on
+    stderr; the report on stdout."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from edgesync_store.semantic.embedders import EmbeddingUnavailableError
+    from edgesync_store.semantic.index import BackendMismatchError, IndexUnavailableError
+    from edgesync_store.semantic.reindex import reindex
+
+    store = configured_store(args.store)
+    if not str(store).strip():
+        raise CommandError("store path: is empty")
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = None
+
+        def progress(stage: str, done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task(stage, total=total)
+            bar.update(task, completed=done, description=stage)
+
+        try:
+            report = reindex(store, backend=args.backend, progress=progress)
+        except (StoreOpenError, StoreFormatError, ValueError, EmbeddingUnavailableError, IndexUnavailableError,
+                BackendMismatchError) as exc:
+            raise CommandError(str(exc)) from None
+        except (StoreError, OSError) as exc:
+            raise CommandError(f"store {store}: {exc}") from None
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    else:
+        dropped = (f", {report.vectors_dropped} vectors of {report.previous_backend_id} dropped"
+                   if report.vectors_dropped else "")
+        print(f"{report.store}: {report.vectors_indexed} vectors indexed with {report.backend_id} "
+              f"({report.donors_embedded} prompts embedded{dropped}, {report.donors_removed} stale prompt "
+              f"records removed) in {report.seconds:.1f} s", flush=True)
+    return 0
