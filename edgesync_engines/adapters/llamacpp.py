@@ -27,7 +27,8 @@ from edgesync_engines.adapters.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 from edgesync_engines.adapters import seqstate
-from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.base import assemble_kv, kv_ranges
+from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
 from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 
 log = logging.getLogger("edgesync.llamacpp")
@@ -40,7 +41,7 @@ _SEQ = 0
 
 
 class LlamaCppAdapter:
-    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on one ``llama_cpp.Llama``.
+    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on one ``llama_cpp.Llama``.
 
     Args:
         model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
@@ -273,7 +274,7 @@ class LlamaCppAdapter:
 
     def assemble(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Validate fragments and build K, V ``[n_layer, n_tokens, width]`` for positions 0..n-1
-        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`).
+        (:func:`~edgesync_engines.adapters.base.assemble_kv`).
 
         Raises:
             ValueError: another namespace, a gap, missing layers or heads, or fragment tokens

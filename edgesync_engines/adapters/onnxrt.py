@@ -30,7 +30,8 @@ import numpy as np
 from edgesync_engines.adapters.fingerprint import file_fingerprint
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
-from edgesync_engines.adapters.protocol import ContextOverflowError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.base import assemble_kv, kv_ranges
+from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 
@@ -62,7 +63,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class OnnxRuntimeAdapter:
-    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on an ONNX Runtime session of an exported
+    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session of an exported
     decoder (batch 1, CPU, float32).
 
     Args:
@@ -291,7 +292,7 @@ class OnnxRuntimeAdapter:
     def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
                  tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Validate fragments and build K, V float32 ``[n_layer, n_tokens, n_head_kv * head_dim]``
-        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`)."""
+        (:func:`~edgesync_engines.adapters.base.assemble_kv`)."""
         return assemble_kv(self.namespace, fragments, n_tokens, tokens)
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
@@ -299,7 +300,7 @@ class OnnxRuntimeAdapter:
         adapter's namespace; convert others first with ``reshape.convert_fragment``).
 
         Raises:
-            ValueError: see :func:`~edgesync_engines.adapters.protocol.assemble_kv` (nothing changed).
+            ValueError: see :func:`~edgesync_engines.adapters.base.assemble_kv` (nothing changed).
         """
         k, v = self.assemble(fragments, n_tokens, tokens)
 
