@@ -25,7 +25,7 @@ from edgesync_store.schema import Namespace
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 

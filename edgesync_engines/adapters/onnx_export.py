@@ -37,7 +37,7 @@ from pathlib import Path
 
 import platformdirs
 
-from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_engines.adapters.model_files import file_fingerprint
 
 log = logging.getLogger("edgesync.onnx_export")
 
