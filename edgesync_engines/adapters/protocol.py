@@ -91,7 +91,10 @@ class EngineAdapter(Protocol):
 
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token's text (a piece of a multi-byte UTF-8 character is
-        possible; decode a stream of them with :meth:`text_stream`)."""
+        possible; decode a stream of them with :meth:`text_stream`). Control tokens such as
+        chat markers differ between engines (llama.cpp gives ``b""``, ONNX Runtime their
+        text); the request path decodes only generated tokens, which stop before an
+        end-of-generation token."""
         ...
 
     def text_stream(self) -> codecs.IncrementalDecoder:
