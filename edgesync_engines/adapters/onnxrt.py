@@ -60,8 +60,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class OnnxRuntimeAdapter(EngineAdapterBase):
-    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session of an exported
-    decoder (batch 1, CPU, float32).
+    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session
+    of an exported decoder (batch 1, CPU, float32).
 
     Args:
         model: the GGUF the export was made from (its export is found under
@@ -69,10 +69,13 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
         export: an export directory to use instead (its ``source_fingerprint`` is the model's).
         n_ctx: context window in tokens (default 4,096).
         n_threads: intra-op threads (default: all cores).
-        n_batch: prompt evaluation batch, tokens (batches end at multiples of it).
+        n_batch: prompt evaluation batch, tokens (batches end at multiples of it; >= 2).
+        seed: the sampler's seed when ``generate`` is given none.
 
     Raises:
+        ValueError: ``n_batch`` < 2.
         ModelNotFoundError: the GGUF is missing.
+        ModelLoadError: the file is not a GGUF.
         ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
             file (its recorded fingerprint differs from the GGUF's SHA-256).
     """
