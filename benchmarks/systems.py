@@ -213,7 +213,7 @@ class _TracedLlama(llama_cpp.Llama):
         return token
 
 
-def _state_bytes(state) -> int:
+def llama_state_bytes(state) -> int:
     """Bytes a loaded ``LlamaState`` carries: engine state + scores + input ids."""
     return (int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0))
             + int(getattr(state.input_ids, "nbytes", 0)))
@@ -298,7 +298,7 @@ class _CompletionSystem(System):
             prompt_tokens=len(tokens),
             tokens_reused=reused,
             hit=tier_of(reused, len(tokens)),
-            bytes_read=_state_bytes(loaded) if loaded is not None else 0,
+            bytes_read=llama_state_bytes(loaded) if loaded is not None else 0,
             total_ms=(end - t0) * 1000,
             source=source,
             detail={"first_sample_ms": None if trace["t_first"] is None else (trace["t_first"] - t0) * 1000,

@@ -60,7 +60,7 @@ def kv_bytes_per_token(llm) -> int:
     x head_dim x 2 bytes (SmolLM2-135M: 30 x 2 x 3 x 64 x 2 = 23,040; DESIGN.md 2.2)."""
     import llama_cpp
 
-    model = llm._model.model
+    model = llm.model
     n_layer = llama_cpp.llama_model_n_layer(model)
     n_head = llama_cpp.llama_model_n_head(model)
     n_head_kv = llama_cpp.llama_model_n_head_kv(model)
@@ -102,13 +102,13 @@ def system_stats(system, workdir: Path) -> dict:
         out["prefetch"] = stats() if callable(stats) else None
     cache = getattr(system, "cache", None)
     if cache is not None:
-        from benchmarks.systems import _state_bytes
+        from benchmarks.systems import llama_state_bytes
 
         out["cache_bytes"] = int(cache.cache_size)
         entries = getattr(cache, "cache_state", None)
         out["cache_entries"] = len(entries) if entries is not None else len(cache.cache)
         if entries is not None:  # LlamaRAMCache: what its entries really hold (scores included)
-            out["cache_entry_bytes"] = sum(_state_bytes(state) for state in entries.values())
+            out["cache_entry_bytes"] = sum(llama_state_bytes(state) for state in entries.values())
         if system.name == "llama-disk":
             out["cache_disk_bytes"] = dir_disk_bytes(workdir / "llama-disk-cache")
     if hasattr(system, "answers"):

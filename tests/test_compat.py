@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from edgesync_engines.adapters.compat import CONVERTIBLE, EXACT, INCOMPATIBLE, compatible_with
+from edgesync_engines.adapters.compat import COMPATIBLE, CONVERTIBLE, INCOMPATIBLE, compatible_with
 from edgesync_engines.adapters.llamacpp import LAYOUT as LLAMA_LAYOUT
 from edgesync_engines.adapters.onnxrt import LAYOUT as ONNX_LAYOUT
 from edgesync_store.schema import Namespace
@@ -16,8 +16,8 @@ ONNX = Namespace("a" * 64, "onnxruntime", "onnxruntime 1.32.0; v1", "f32", False
 
 
 @pytest.mark.parametrize("a, b, verdict, reason", [
-    (LLAMA, LLAMA, EXACT, "same engine"),
-    (ONNX, ONNX, EXACT, "same engine"),
+    (LLAMA, LLAMA, COMPATIBLE, "same engine"),
+    (ONNX, ONNX, COMPATIBLE, "same engine"),
     (LLAMA, ONNX, CONVERTIBLE, "K rotary pairs interleaved -> rotate-half"),
     (ONNX, LLAMA, CONVERTIBLE, "K rotary pairs rotate-half -> interleaved"),
     (LLAMA, dataclasses.replace(LLAMA, flash_attn=True), CONVERTIBLE, "flash_attn False -> True"),

@@ -12,7 +12,7 @@ import pytest
 from edgesync_engines.adapters.onnx_export import META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, read_meta
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.request.router import EdgeSync
-from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_store.schema import chunk_spans
 from edgesync_store.core.store import FragmentStore
 

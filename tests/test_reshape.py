@@ -1,6 +1,6 @@
 """KV layout conversion between llama.cpp and ONNX caches (edgesync_engines/adapters/reshape.py): the
 mechanics, on seeded arrays of SmolLM2's geometry (30 layers, 3 KV heads of 64). Whether the
-converted KV serves the other engine is tested with the real export (issue 6)."""
+converted KV serves the other engine is tested with the real export (test_cross_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tests for edgesync_store.core.store (FragmentStore on real LMDB in temp dirs) and
-edgesync_engines.adapters.fingerprint.
+edgesync_engines.adapters.model_files (file fingerprints).
 
 No mocks. Processes are real subprocesses; the only fault injection is a byte changed in a
 stored blob through a raw LMDB environment (a fake for a corrupt page on disk), or a blob copied
@@ -28,7 +28,7 @@ import pytest
 
 from edgesync_store.core import codec
 
-from edgesync_engines.adapters import fingerprint
+from edgesync_engines.adapters import model_files as fingerprint
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
 from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
 
@@ -755,7 +755,7 @@ def test_blob_under_a_key_that_is_not_its_own_is_refused(tmp_path):
 _FINGERPRINT = textwrap.dedent(
     """
     import sys
-    from edgesync_engines.adapters.fingerprint import file_fingerprint
+    from edgesync_engines.adapters.model_files import file_fingerprint
     print(file_fingerprint(sys.argv[1]))
     """
 )

@@ -1,3 +1,20 @@
-"""Engine adapters behind one protocol (``protocol``): llama.cpp with its seq-state codec, ONNX
-Runtime with the export of a GGUF, compatibility verdicts and KV layout conversion between them,
-and model files (locating the GGUF, its fingerprint)."""
+"""Engine adapters: the inference engines behind one protocol.
+
+Public API, by module:
+
+* ``protocol``: :class:`EngineAdapter` (what the request path calls on an engine),
+  ``ContextOverflowError``, ``InjectionError``.
+* ``base``: ``EngineAdapterBase`` (what both engines share), ``assemble_kv``, ``kv_ranges``.
+* ``llamacpp``: ``LlamaCppAdapter`` (llama-cpp-python), with ``seqstate`` (the byte layout of
+  llama.cpp's per-sequence state, ``parse``/``serialize``).
+* ``onnxrt``: ``OnnxRuntimeAdapter`` (an ONNX Runtime session of an export of the GGUF), with
+  ``onnx_export`` (``export_gguf``, ``open_export``, ``read_meta``, ``ExportError``).
+* ``compat``: ``compatible_with`` and its verdicts ``COMPATIBLE``, ``CONVERTIBLE``,
+  ``INCOMPATIBLE``; ``reshape``: ``convert_fragment`` between the two engines' KV layouts.
+* ``model_files``: ``default_model_path``, ``file_fingerprint``, ``route_native_logs``,
+  ``ModelNotFoundError``, ``ModelLoadError``.
+
+To add an engine: subclass ``EngineAdapterBase`` (or implement ``EngineAdapter`` directly),
+give it a namespace with its own ``engine`` and ``layout`` names, and teach ``compat`` and
+``reshape`` its layout if another engine's KV may be converted for it.
+"""

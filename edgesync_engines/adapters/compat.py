@@ -1,19 +1,22 @@
-"""Which stored KV an engine may use: the seed's ``CompatibleWith`` matrix.
+"""Which stored KV an engine may use: the compatibility matrix.
 
 :func:`compatible_with` compares two KV namespaces (``schema.Namespace``: what besides the
-tokens a fragment's KV depends on) and answers:
+tokens a fragment's KV depends on) and answers one of three verdicts (the constant, then its
+string value, which the README's matrix shows):
 
-* ``exact``: the same namespace (engine, its version and settings, model file, layout), so
-  the KV is what this engine would compute itself, bit for bit; injecting it gives the same
-  output as an uncached run.
-* ``convertible``: the same model file (SHA-256 of the GGUF; an ONNX export records the GGUF
-  it came from) and KV geometry, in a layout ``reshape.convert_fragment`` knows. The
-  converted KV is close to, not equal to, the receiving engine's own (../shared/DESIGN.md
-  2.3: argmax agreement 72/72, mean logit difference 0.17-0.27, the same size as the two
-  engines' own gap), so it is used only when asked (``allow_convertible``).
-* ``incompatible``: another model (fingerprint; the tokenizer is part of the GGUF, so another
-  tokenizer is another fingerprint), another number of layers, KV heads or head size, or a
-  layout or element type without a conversion. Such KV is never injected.
+* :data:`COMPATIBLE` (``"exact"``): the same namespace (engine, its version and settings,
+  model file, layout), so the KV is what this engine would compute itself, bit for bit;
+  injecting it gives the same output as an uncached run.
+* :data:`CONVERTIBLE` (``"convertible"``): the same model file (SHA-256 of the GGUF; an ONNX
+  export records the GGUF it came from) and KV geometry, in a layout
+  ``reshape.convert_fragment`` knows. The converted KV is close to, not equal to, the
+  receiving engine's own (../shared/DESIGN.md 2.3: argmax agreement 72/72, mean logit
+  difference 0.17-0.27, the same size as the two engines' own gap), so it is used only when
+  asked (``allow_convertible``).
+* :data:`INCOMPATIBLE` (``"incompatible"``): another model (fingerprint; the tokenizer is part
+  of the GGUF, so another tokenizer is another fingerprint), another number of layers, KV
+  heads or head size, or a layout or element type without a conversion. Such KV is never
+  injected.
 
 The matrix for the two engines (also in the README):
 
@@ -26,7 +29,7 @@ other model       incompatible                 incompatible
 ================  ===========================  ================================
 
 llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
-exact, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
+compatible, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from dataclasses import dataclass
 
 from edgesync_store.schema import KV_DTYPES, KVFragment, Namespace
 
-EXACT, CONVERTIBLE, INCOMPATIBLE = "exact", "convertible", "incompatible"
+COMPATIBLE = "exact"
+"""Verdict: the same namespace; the KV is used as is (by the ordinary prefix walk)."""
+CONVERTIBLE = "convertible"
+"""Verdict: the same model and geometry; usable after ``reshape.convert_fragment``."""
+INCOMPATIBLE = "incompatible"
+"""Verdict: never injected."""
 
 LAYOUT_FAMILIES = {
     "llama.cpp-seq-state/tokens-major-v1": "interleaved",
@@ -49,15 +57,15 @@ pairs 2i, 2i+1) or rotate-half (Hugging Face ``apply_rotary_pos_emb``)."""
 
 @dataclass(frozen=True)
 class Compatibility:
-    """The answer of :func:`compatible_with`: ``verdict`` (``exact``, ``convertible`` or
-    ``incompatible``) and a one-line ``reason`` naming what differs."""
+    """The answer of :func:`compatible_with`: ``verdict`` (:data:`COMPATIBLE`,
+    :data:`CONVERTIBLE` or :data:`INCOMPATIBLE`) and a one-line ``reason`` naming what differs."""
 
     verdict: str
     reason: str
 
     @property
     def usable(self) -> bool:
-        """True for exact and convertible."""
+        """True for compatible and convertible KV."""
         return self.verdict != INCOMPATIBLE
 
     def __bool__(self) -> bool:  # pragma: no cover - trivial
@@ -91,7 +99,7 @@ def compatible_with(a, b) -> Compatibility:
     """
     na, nb = _namespace(a), _namespace(b)
     if na == nb:
-        return Compatibility(EXACT, f"same engine and settings ({na.engine}, {na.kv_dtype})")
+        return Compatibility(COMPATIBLE, f"same engine and settings ({na.engine}, {na.kv_dtype})")
     if na.model_fingerprint != nb.model_fingerprint:
         return Compatibility(INCOMPATIBLE, f"another model: fingerprint {na.model_fingerprint[:12]} "
                                            f"is not {nb.model_fingerprint[:12]}")

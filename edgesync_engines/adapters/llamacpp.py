@@ -11,36 +11,36 @@ memory, ``llama_memory_clear`` does; set_data returns 0 for a buffer it refuses.
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import importlib.metadata
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters.fingerprint import file_fingerprint
-from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+from edgesync_store.schema import Namespace
 
 from edgesync_engines.adapters import seqstate
-from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.base import EngineAdapterBase
+from edgesync_engines.adapters.model_files import file_fingerprint
+from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
 
-log = logging.getLogger("edgesync.llamacpp")
+log = logging.getLogger(__name__)
 
 ENGINE = "llama.cpp"
 LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
 """Name of the fragment tensor layout this adapter writes: per layer [tokens, heads*head_dim]."""
 DEFAULT_N_CTX = 4096
 _SEQ = 0
+"""The one llama.cpp sequence an adapter uses."""
 
 
-class LlamaCppAdapter:
-    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on one ``llama_cpp.Llama``.
+class LlamaCppAdapter(EngineAdapterBase):
+    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on one ``llama_cpp.Llama``.
 
     Args:
         model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
@@ -49,7 +49,9 @@ class LlamaCppAdapter:
         n_threads: CPU threads (default: all cores).
         flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
             namespace).
-        verbose: let llama.cpp's log lines through at INFO.
+        verbose: let llama.cpp's log lines through at WARNING (``model_files.route_native_logs``).
+        seed: the sampler's seed when ``generate`` is given none.
+        model_path: the GGUF file of a ``Llama`` passed as ``model``.
 
     Raises:
         ModelNotFoundError: the model file is missing.
@@ -101,10 +103,9 @@ class LlamaCppAdapter:
         self.flash_attn = bool(flash_attn) if model is None or isinstance(model, (str, os.PathLike)) else (
             self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         )
-        self._ctx = self.llm._ctx.ctx
+        self._ctx = self.llm.ctx
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._vocab = self.llm._model.vocab
-        self._chat_formatter = None
+        self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._probe()
 
     @property
@@ -121,9 +122,8 @@ class LlamaCppAdapter:
         self.llm.eval([self.llm.token_eos()])
         state = seqstate.parse(self._get_state())
         self.clear_kv_cache()
-        self.llm._ctx.ctx  # keep the context alive
-        n_layer = int(llama_cpp.llama_model_n_layer(self.llm._model.model))
-        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm._model.model))
+        n_layer = int(llama_cpp.llama_model_n_layer(self.llm.model))
+        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm.model))
         if state.n_layer != n_layer:
             raise seqstate.SeqStateError(f"probe: seq state has {state.n_layer} layers, the model {n_layer}")
         if state.type_k != state.type_v:
@@ -147,6 +147,7 @@ class LlamaCppAdapter:
         log.debug("llama.cpp KV layout: %s", self.namespace)
 
     def _get_state(self) -> bytes:
+        """The sequence's state, ``llama_state_seq_get_data`` (layout: ``seqstate``)."""
         llama_cpp = self._llama_cpp
         size = llama_cpp.llama_state_seq_get_size(self._ctx, _SEQ)
         buf = (ctypes.c_uint8 * size)()
@@ -155,7 +156,7 @@ class LlamaCppAdapter:
             raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buf)
 
-    # -- the KVAdapter methods ------------------------------------------------------------
+    # -- tokens and text --------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
         """Token IDs of ``text``; chat markers such as ``<|im_start|>`` are parsed as special
@@ -166,133 +167,52 @@ class LlamaCppAdapter:
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        """Render chat messages with the GGUF's own template (``tokenizer.chat_template``),
-        ending with the assistant prompt.
+    def _chat_template(self) -> tuple[str, str, str]:
+        """The GGUF's ``tokenizer.chat_template`` with its EOS and BOS texts.
 
         Raises:
-            ValueError: the model has no chat template, or a message lacks role/content.
+            ValueError: the GGUF has no chat template.
         """
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{self.model_path.name}: the GGUF has no tokenizer.chat_template")
+        eos = self.detokenize([self.llm.token_eos()])
+        bos = self.detokenize([self.llm.token_bos()]) if self.llm.token_bos() >= 0 else ""
+        return template, eos, bos
 
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
-        if self._chat_formatter is None:
-            template = self.llm.metadata.get("tokenizer.chat_template")
-            if not template:
-                raise ValueError(f"{self.model_path.name}: the GGUF has no tokenizer.chat_template")
-            self._chat_formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=self.detokenize([self.llm.token_eos()]),
-                bos_token=self.detokenize([self.llm.token_bos()]) if self.llm.token_bos() >= 0 else "",
-                add_generation_prompt=True,
-            )
-        return self._chat_formatter(messages=list(messages)).prompt
+    # -- the live sequence ------------------------------------------------------------------
 
-    def _check_live(self, tokens: Sequence[int], end: int) -> None:
-        if end > self.llm.n_tokens:
-            raise ValueError(f"token_end: {end} exceeds the {self.llm.n_tokens} tokens in the live sequence")
-        live = np.asarray(self.llm.input_ids[:end])
-        if common_prefix_len(live, np.asarray(tokens[:end])) != end:
-            raise ValueError("tokens: differ from what the live sequence holds")
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the live sequence (``Llama.n_tokens``)."""
+        return self.llm.n_tokens
 
-    def extract_fragments(
-        self,
-        tokens: Sequence[int],
-        spans: Sequence[tuple[int, int]],
-        layer_start: int = 0,
-        layer_end: int | None = None,
-        layer_stride: int = 1,
-        ttl_seconds: float | None = None,
-        now: float | None = None,
-        head_start: int = 0,
-        head_end: int | None = None,
-    ) -> list[KVFragment]:
-        """Copy the live KV of several token spans (one seq-state read for all).
+    def _live_tokens(self, end: int) -> np.ndarray:
+        return np.asarray(self.llm.input_ids[:end])
 
-        Each fragment's ``keys``/``values`` are ``[n_layers, span, (head_end - head_start) *
-        head_dim]`` of the namespace's dtype (float16 by default): rows
-        ``range(layer_start, layer_end, layer_stride)`` of the state, columns
-        ``head_start*head_dim : head_end*head_dim`` (the KV heads ``[head_start, head_end)``).
+    def _truncate(self, n: int) -> None:
+        # Llama.eval removes the cells from position n_tokens on before it decodes
+        self.llm.n_tokens = n
 
-        Args:
-            tokens: the live sequence's token IDs from position 0.
-            spans: ``(token_start, token_end)`` pairs.
-            layer_start, layer_end, layer_stride: the layers to keep (default all).
-            ttl_seconds: lifetime from now (default: the schema's 30 minutes).
-            now: creation time, Unix seconds.
-            head_start, head_end: the KV heads to keep (default all).
-
-        Raises:
-            ValueError: a span beyond the live sequence, tokens that differ from it, a head
-                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
-        """
-        if not spans:
-            return []
-        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
-        self._check_live(tokens, max(end for _, end in spans))
+    def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
+                 head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Rows ``layers`` and the columns of KV heads ``[head_start, head_end)`` of one
+        seq-state read (``seqstate.parse``), per span."""
         state = seqstate.parse(self._get_state())
-        now = time.time() if now is None else now
-        layers = slice(layer_start, layer_end, layer_stride)
+        rows = slice(layers.start, layers.stop, layers.step)
         cols = slice(head_start * self.namespace.head_dim, head_end * self.namespace.head_dim)
-        ids = np.asarray(tokens, dtype=np.int32)
-        out = []
-        for start, end in spans:
-            out.append(
-                KVFragment(
-                    namespace=self.namespace,
-                    token_start=start,
-                    token_end=end,
-                    layer_start=layer_start,
-                    layer_end=layer_end,
-                    layer_stride=layer_stride,
-                    head_start=head_start,
-                    head_end=head_end,
-                    keys=np.ascontiguousarray(state.k[layers, start:end, cols]),
-                    values=np.ascontiguousarray(state.v[layers, start:end, cols]),
-                    token_ids=ids[start:end],
-                    prefix_hash=prefix_hash(ids[:start]),
-                    created_at=now,
-                    expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
-                )
-            )
-        return out
+        return [
+            (np.ascontiguousarray(state.k[rows, start:end, cols]), np.ascontiguousarray(state.v[rows, start:end, cols]))
+            for start, end in spans
+        ]
 
-    def extract_fragment(
-        self,
-        tokens: Sequence[int],
-        token_start: int,
-        token_end: int,
-        layer_start: int = 0,
-        layer_end: int | None = None,
-        layer_stride: int = 1,
-    ) -> KVFragment:
-        """One fragment of the live sequence; see :meth:`extract_fragments`."""
-        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
-
-    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Validate fragments and build K, V ``[n_layer, n_tokens, width]`` for positions 0..n-1
-        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`).
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """``llama_state_seq_set_data`` of one ``seqstate.serialize`` buffer, then
+        ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
 
         Raises:
-            ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
-                that differ from ``tokens``.
-        """
-        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
-
-    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments``.
-
-        Validates everything (:meth:`assemble`) before touching the engine; then calls
-        ``llama_state_seq_set_data`` and sets ``input_ids[:n]`` and ``n_tokens`` so that the
-        next ``eval`` continues at position n.
-
-        Raises:
-            ValueError: see :meth:`assemble`.
             InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
         """
-        k, v = self.assemble(fragments, n_tokens, tokens)
         buf = seqstate.serialize(k, v, self._type_kv, self._type_kv, self._v_trans, _SEQ)
         arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
         read = self._llama_cpp.llama_state_seq_set_data(self._ctx, arr, len(buf), _SEQ)
@@ -301,7 +221,6 @@ class LlamaCppAdapter:
             raise InjectionError(f"llama_state_seq_set_data read {read} of {len(buf)} bytes")
         self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
         self.llm.n_tokens = n_tokens
-        return n_tokens
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """How many of ``available`` stored prompt tokens to inject for a prompt of
@@ -341,60 +260,18 @@ class LlamaCppAdapter:
         """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def generate(
-        self,
-        tokens: Sequence[int],
-        n_past: int = 0,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 0.95,
-        seed: int | None = None,
-    ) -> Iterator[int]:
-        """Prefill ``tokens[n_past:]`` and yield up to ``max_tokens`` sampled tokens.
+    def _eval_batch(self, batch: Sequence[int]) -> None:
+        self.llm.eval(list(batch))
 
-        The first ``n_past`` tokens must already be in the KV cache (injected, or left by
-        the previous call); ``n_past = 0`` clears the sequence first. Greedy when
-        ``temperature`` is 0; otherwise top-p sampling seeded by ``seed``.
-
-        Raises:
-            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
-            ValueError: empty prompt, ``n_past >= len(tokens)``, or max_tokens < 1.
-        """
-        if not tokens:
-            raise ValueError("tokens: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
-        if len(tokens) + max_tokens > self.n_ctx:
-            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
-        if not 0 <= n_past < len(tokens):
-            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
-        llm = self.llm
-        if n_past == 0:
-            self.clear_kv_cache()
-        elif llm.n_tokens < n_past or common_prefix_len(llm.input_ids[:n_past], tokens[:n_past]) != n_past:
-            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
-        llm.n_tokens = n_past
+    def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
+        """llama-cpp-python's sampler on the live sequence: greedy (top-k 40 at temperature
+        0) or top-p with top-k off; no min-p and no repeat penalty."""
         if seed is not None:
-            llm.set_seed(seed)
-        for start, end in self.prefill_plan(n_past, len(tokens)):
-            llm.eval(list(tokens[start:end]))
-        sampler = llm.generate(
+            self.llm.set_seed(seed)
+        return self.llm.generate(
             [], reset=False, temp=temperature, top_p=top_p, top_k=0 if temperature > 0 else 40,
             min_p=0.0, repeat_penalty=1.0,
         )
-        try:
-            for i, token in enumerate(sampler):
-                if self.is_eog(token):
-                    return
-                yield int(token)
-                if i + 1 >= max_tokens:
-                    return
-        finally:
-            sampler.close()
-
-    def text_stream(self) -> "codecs.IncrementalDecoder":
-        """An incremental UTF-8 decoder for streaming token text (multi-byte safe)."""
-        return codecs.getincrementaldecoder("utf-8")("replace")
 
     def token_bytes(self, token: int) -> bytes:
         """Raw bytes of one token."""

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import platformdirs
 
-from edgesync_engines.adapters.fingerprint import file_fingerprint
+from edgesync_engines.adapters.model_files import file_fingerprint
 
-log = logging.getLogger("edgesync.onnx_export")
+log = logging.getLogger(__name__)
 
 FORMAT = "edgesync-onnx-decoder/v1"
 """Version of the export's I/O contract and metadata (bump when either changes)."""
@@ -230,38 +230,38 @@ class _Decoder:
         return Decoder(model)
 
 
-def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
-    """Export a float32 llama-architecture causal LM to ``out_dir`` (model, tokenizer.json,
-    edgesync.json); the directory appears whole (written beside it, then renamed).
-
-    ``meta`` gives ``source_fingerprint``, ``source_name`` and ``chat_template``; the geometry
-    is read from ``model.config``.
-
-    Raises:
-        ExportError: the exporter failed.
-    """
-    _import_heavy()
+def export_meta(model, meta: dict) -> dict:
+    """The export's full :data:`META_KEYS` record: ``meta`` (``source_fingerprint``,
+    ``source_name``, ``chat_template``) with the geometry read from ``model.config``, the
+    token IDs and the exporter's versions."""
     import onnx
     import torch
+    import transformers
 
     cfg = model.config
-    n_layer = int(cfg.num_hidden_layers)
-    n_head_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    full = {
+    return {
         "format": FORMAT,
-        "n_layer": n_layer,
-        "n_head_kv": n_head_kv,
-        "head_dim": head_dim,
+        "n_layer": int(cfg.num_hidden_layers),
+        "n_head_kv": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
         "vocab_size": int(cfg.vocab_size),
         "rope_layout": "rotate-half",
         "eos_token_ids": [int(t) for t in eos if t is not None],
         "bos_token_id": None if cfg.bos_token_id is None else int(cfg.bos_token_id),
-        "exporter": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
+        "exporter": f"torch {torch.__version__}, transformers {transformers.__version__}, "
                     f"onnx {onnx.__version__}",
         **meta,
     }
+
+
+def _trace(model, full: dict, path: Path) -> None:
+    """``torch.onnx.export(dynamo=True)`` of :class:`_Decoder` around ``model`` to ``path``
+    (weights external), on example inputs of 3 new tokens after a past of 5, with the new
+    tokens' and the past's lengths dynamic (batch is always 1)."""
+    import torch
+
+    n_layer, n_head_kv, head_dim = full["n_layer"], full["n_head_kv"], full["head_dim"]
     names_past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
     names_present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
     past_len, new_len = 5, 3
@@ -271,37 +271,61 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
         torch.arange(past_len, past_len + new_len, dtype=torch.int64)[None],
         *[torch.zeros((1, n_head_kv, past_len, head_dim), dtype=torch.float32) for _ in names_past],
     )
-    # batch is always 1; the new tokens and the past vary (the mask spans both)
+    # the mask spans the past and the new tokens
     seq, past = torch.export.Dim("seq", min=1, max=8192), torch.export.Dim("past", min=0, max=8192)
     shapes = ({1: seq}, {1: torch.export.Dim.AUTO}, {1: seq}, tuple({2: past} for _ in names_past))  # *past is one tuple
+    decoder = _Decoder(model).eval()
+    t0 = time.perf_counter()
+    # the exporter's notes (torchvision ops skipped, axis names merged, a deprecated pytree
+    # check) say nothing about this model; keep them off the user's terminal
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.onnx.export(
+            decoder, example, dynamo=True, input_names=["input_ids", "attention_mask", "position_ids", *names_past],
+            output_names=["logits", *names_present], dynamic_shapes=shapes, optimize=True, verbose=False,
+        )
+        program.save(str(path), external_data=True)
+    log.info("exported the ONNX graph in %.0f s", time.perf_counter() - t0)
+
+
+def _write_export(model, tokenizer, full: dict, directory: Path) -> None:
+    """Write the three parts of an export into ``directory``: the traced model with ``full``
+    in its ``metadata_props`` (``edgesync.<key>``, non-strings as JSON), tokenizer.json and
+    edgesync.json."""
+    import onnx
+
+    _trace(model, full, directory / MODEL_FILE)
+    proto = onnx.load(str(directory / MODEL_FILE), load_external_data=False)
+    del proto.metadata_props[:]
+    for key in META_KEYS:
+        prop = proto.metadata_props.add()
+        prop.key = f"edgesync.{key}"
+        prop.value = full[key] if isinstance(full[key], str) else json.dumps(full[key])
+    onnx.save(proto, str(directory / MODEL_FILE))
+    tokenizer.backend_tokenizer.save(str(directory / TOKENIZER_FILE)) if hasattr(tokenizer, "backend_tokenizer") \
+        else tokenizer.save(str(directory / TOKENIZER_FILE))
+    (directory / META_FILE).write_text(json.dumps(full, indent=1))
+
+
+def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
+    """Export a float32 llama-architecture causal LM to ``out_dir`` (model, tokenizer.json,
+    edgesync.json); the directory appears whole (written beside it, then renamed).
+
+    ``meta`` gives ``source_fingerprint``, ``source_name`` and ``chat_template``; the geometry
+    is read from ``model.config`` (:func:`export_meta`).
+
+    Raises:
+        ExportError: the exporter failed.
+    """
+    _import_heavy()
+    full = export_meta(model, meta)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:
-        decoder = _Decoder(model).eval()
-        t0 = time.perf_counter()
-        # the exporter's notes (torchvision ops skipped, axis names merged, a deprecated pytree
-        # check) say nothing about this model; keep them off the user's terminal
-        logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            program = torch.onnx.export(
-                decoder, example, dynamo=True, input_names=["input_ids", "attention_mask", "position_ids", *names_past],
-                output_names=["logits", *names_present], dynamic_shapes=shapes, optimize=True, verbose=False,
-            )
-            program.save(str(tmp / MODEL_FILE), external_data=True)
-        log.info("exported the ONNX graph in %.0f s", time.perf_counter() - t0)
-        proto = onnx.load(str(tmp / MODEL_FILE), load_external_data=False)
-        del proto.metadata_props[:]
-        for key in META_KEYS:
-            prop = proto.metadata_props.add()
-            prop.key = f"edgesync.{key}"
-            prop.value = full[key] if isinstance(full[key], str) else json.dumps(full[key])
-        onnx.save(proto, str(tmp / MODEL_FILE))
-        tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE)) if hasattr(tokenizer, "backend_tokenizer") \
-            else tokenizer.save(str(tmp / TOKENIZER_FILE))
-        (tmp / META_FILE).write_text(json.dumps(full, indent=1))
+        _write_export(model, tokenizer, full, tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -16,25 +16,23 @@ makes, so the logits are the same (measured in tests/test_onnxrt.py).
 
 from __future__ import annotations
 
-import codecs
 import importlib.metadata
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters.fingerprint import file_fingerprint
-from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+from edgesync_store.schema import Namespace
 
-from edgesync_engines.adapters.protocol import ContextOverflowError, assemble_kv, kv_ranges
+from edgesync_engines.adapters.base import EngineAdapterBase
+from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 
-log = logging.getLogger("edgesync.onnxrt")
+log = logging.getLogger(__name__)
 
 ENGINE = "onnxruntime"
 LAYOUT = "onnx-hf-rotate-half/tokens-major-v1"
@@ -61,9 +59,9 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-class OnnxRuntimeAdapter:
-    """A :class:`~edgesync_engines.adapters.protocol.KVAdapter` on an ONNX Runtime session of an exported
-    decoder (batch 1, CPU, float32).
+class OnnxRuntimeAdapter(EngineAdapterBase):
+    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session
+    of an exported decoder (batch 1, CPU, float32).
 
     Args:
         model: the GGUF the export was made from (its export is found under
@@ -71,10 +69,13 @@ class OnnxRuntimeAdapter:
         export: an export directory to use instead (its ``source_fingerprint`` is the model's).
         n_ctx: context window in tokens (default 4,096).
         n_threads: intra-op threads (default: all cores).
-        n_batch: prompt evaluation batch, tokens (batches end at multiples of it).
+        n_batch: prompt evaluation batch, tokens (batches end at multiples of it; >= 2).
+        seed: the sampler's seed when ``generate`` is given none.
 
     Raises:
+        ValueError: ``n_batch`` < 2.
         ModelNotFoundError: the GGUF is missing.
+        ModelLoadError: the file is not a GGUF.
         ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
             file (its recorded fingerprint differs from the GGUF's SHA-256).
     """
@@ -122,7 +123,6 @@ class OnnxRuntimeAdapter:
         self._special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()} \
             if hasattr(self.tokenizer, "get_added_tokens_decoder") else set()
         self._byte_decoder = _byte_decoder()
-        self._chat_formatter = None
         self.seed = seed
         self.tokens_evaluated = 0
         """Tokens run through the decoder since the adapter was made (prompt and decode)."""
@@ -192,34 +192,18 @@ class OnnxRuntimeAdapter:
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
-    def text_stream(self) -> "codecs.IncrementalDecoder":
-        """An incremental UTF-8 decoder for streaming token text (multi-byte safe)."""
-        return codecs.getincrementaldecoder("utf-8")("replace")
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        """Render chat messages with the GGUF's own template (kept in the export's metadata),
-        ending with the assistant prompt.
+    def _chat_template(self) -> tuple[str, str, str]:
+        """The GGUF's chat template, kept in the export's metadata, with its EOS and BOS texts.
 
         Raises:
-            ValueError: the export has no chat template, or a message lacks role/content.
+            ValueError: the export has no chat template.
         """
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
-        if self._chat_formatter is None:
-            if not self.meta.get("chat_template"):
-                raise ValueError(f"{self.export_dir}: the export has no chat template")
-            eos = self.meta["eos_token_ids"]
-            bos = self.meta.get("bos_token_id")
-            self._chat_formatter = Jinja2ChatFormatter(
-                template=self.meta["chat_template"],
-                eos_token=self.detokenize(eos[:1]) if eos else "",
-                bos_token=self.detokenize([bos]) if bos is not None else "",
-                add_generation_prompt=True,
-            )
-        return self._chat_formatter(messages=list(messages)).prompt
+        if not self.meta.get("chat_template"):
+            raise ValueError(f"{self.export_dir}: the export has no chat template")
+        eos = self.meta["eos_token_ids"]
+        bos = self.meta.get("bos_token_id")
+        return (self.meta["chat_template"], self.detokenize(eos[:1]) if eos else "",
+                self.detokenize([bos]) if bos is not None else "")
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (the export's EOS IDs and the chat end markers)."""
@@ -227,89 +211,37 @@ class OnnxRuntimeAdapter:
 
     # -- fragments ------------------------------------------------------------------------
 
-    def _check_live(self, tokens: Sequence[int], end: int) -> None:
-        if end > self.n_tokens:
-            raise ValueError(f"token_end: {end} exceeds the {self.n_tokens} tokens in the live sequence")
-        if common_prefix_len(np.asarray(self._tokens[:end]), np.asarray(tokens[:end])) != end:
-            raise ValueError("tokens: differ from what the live sequence holds")
+    def _live_tokens(self, end: int) -> np.ndarray:
+        return np.asarray(self._tokens[:end])
 
-    def extract_fragments(
-        self,
-        tokens: Sequence[int],
-        spans: Sequence[tuple[int, int]],
-        layer_start: int = 0,
-        layer_end: int | None = None,
-        layer_stride: int = 1,
-        ttl_seconds: float | None = None,
-        now: float | None = None,
-        head_start: int = 0,
-        head_end: int | None = None,
-    ) -> list[KVFragment]:
-        """Copy the live KV of several token spans.
+    def _truncate(self, n: int) -> None:
+        self._past = [np.ascontiguousarray(p[:, :, :n]) for p in self._past]
+        self._tokens = self._tokens[:n]
 
-        Each fragment's ``keys``/``values`` are float32 ``[n_layers, span, (head_end -
-        head_start) * head_dim]``: ``present.{i}.key[0, heads, span, :]`` of layers
-        ``range(layer_start, layer_end, layer_stride)``, tokens-major, K in rotate-half order.
-
-        Raises:
-            ValueError: a span beyond the live sequence, tokens that differ from it, a head
-                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
-        """
-        if not spans:
-            return []
-        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
-        self._check_live(tokens, max(end for _, end in spans))
-        now = time.time() if now is None else now
-        layers = range(layer_start, layer_end, layer_stride)
-        ids = np.asarray(tokens, dtype=np.int32)
+    def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
+                 head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Float32 ``present.{i}.key/value[0, heads, span, :]`` of the given layers, made
+        tokens-major ``[len(layers), span, heads * head_dim]`` (K still in rotate-half order)."""
         width = (head_end - head_start) * self.head_dim
-        out = []
-        for start, end in spans:
-            def rows(offset: int) -> np.ndarray:
-                # present [1, heads, tokens, head_dim] -> [tokens, heads * head_dim] per layer
-                return np.stack([
-                    self._past[2 * layer + offset][0, head_start:head_end, start:end]
-                    .transpose(1, 0, 2).reshape(end - start, width)
-                    for layer in layers
-                ])
 
-            out.append(KVFragment(
-                namespace=self.namespace, token_start=start, token_end=end,
-                layer_start=layer_start, layer_end=layer_end, layer_stride=layer_stride,
-                head_start=head_start, head_end=head_end,
-                keys=np.ascontiguousarray(rows(0)), values=np.ascontiguousarray(rows(1)),
-                token_ids=ids[start:end], prefix_hash=prefix_hash(ids[:start]),
-                created_at=now, expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
-            ))
-        return out
+        def rows(offset: int, start: int, end: int) -> np.ndarray:
+            # present [1, heads, tokens, head_dim] -> [tokens, heads * head_dim] per layer
+            return np.ascontiguousarray(np.stack([
+                self._past[2 * layer + offset][0, head_start:head_end, start:end]
+                .transpose(1, 0, 2).reshape(end - start, width)
+                for layer in layers
+            ]))
 
-    def extract_fragment(self, tokens: Sequence[int], token_start: int, token_end: int, layer_start: int = 0,
-                         layer_end: int | None = None, layer_stride: int = 1) -> KVFragment:
-        """One fragment of the live sequence; see :meth:`extract_fragments`."""
-        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
+        return [(rows(0, start, end), rows(1, start, end)) for start, end in spans]
 
-    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
-                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Validate fragments and build K, V float32 ``[n_layer, n_tokens, n_head_kv * head_dim]``
-        (:func:`~edgesync_engines.adapters.protocol.assemble_kv`)."""
-        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
-
-    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live KV with positions 0..n_tokens-1 built from ``fragments`` (of this
-        adapter's namespace; convert others first with ``reshape.convert_fragment``).
-
-        Raises:
-            ValueError: see :func:`~edgesync_engines.adapters.protocol.assemble_kv` (nothing changed).
-        """
-        k, v = self.assemble(fragments, n_tokens, tokens)
-
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make ``past_key_values`` ``[1, n_head_kv, n_tokens, head_dim]`` per layer of K, V."""
         def to_past(x: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(x.reshape(n_tokens, self.n_head_kv, self.head_dim).transpose(1, 0, 2)[None])
 
         self._past = [to_past(x[layer]) for layer in range(self.n_layer) for x in (k, v)]
         self._tokens = [int(t) for t in tokens[:n_tokens]]
         self._logits = None
-        return n_tokens
 
     # -- generation -----------------------------------------------------------------------
 
@@ -342,59 +274,17 @@ class OnnxRuntimeAdapter:
         self._resume(tokens, n_past)
         return self._eval(tokens[n_past:]).copy()
 
-    def _resume(self, tokens: Sequence[int], n_past: int) -> None:
-        """Make the live KV hold exactly ``tokens[:n_past]``: cleared for 0, else cut back to
-        ``n_past`` cells after checking that it holds those tokens (ValueError otherwise)."""
-        if not 0 <= n_past < len(tokens):
-            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
-        if n_past == 0:
-            self.clear_kv_cache()
-            return
-        held = common_prefix_len(np.asarray(self._tokens[:n_past]), np.asarray(tokens[:n_past]))
-        if self.n_tokens < n_past or held != n_past:
-            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
-        if self.n_tokens > n_past:
-            self._past = [np.ascontiguousarray(p[:, :, :n_past]) for p in self._past]
-            self._tokens = self._tokens[:n_past]
+    def _eval_batch(self, batch: Sequence[int]) -> None:
+        self._eval(batch)
 
-    def generate(
-        self,
-        tokens: Sequence[int],
-        n_past: int = 0,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 0.95,
-        seed: int | None = None,
-    ) -> Iterator[int]:
-        """Prefill ``tokens[n_past:]`` (:meth:`prefill_plan`) and yield up to ``max_tokens``
-        tokens: the argmax when ``temperature`` is 0, else sampled from the softmax of
-        logits / temperature cut to the smallest set of probability >= ``top_p`` (numpy's
-        PCG64 seeded by ``seed``). Stops at end-of-generation tokens (not yielded).
-
-        Raises:
-            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
-            ValueError: empty prompt, ``n_past >= len(tokens)``, max_tokens < 1, or a live
-                sequence that does not hold ``tokens[:n_past]``.
-        """
-        if self._closed:
-            raise RuntimeError("OnnxRuntimeAdapter: closed")
-        if not tokens:
-            raise ValueError("tokens: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
-        if len(tokens) + max_tokens > self.n_ctx:
-            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
-        self._resume(tokens, n_past)
+    def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
+        """The argmax when ``temperature`` is 0, else a draw from the softmax of logits /
+        temperature cut to the smallest set of probability >= ``top_p`` (numpy's PCG64 seeded
+        by ``seed``, or the adapter's seed)."""
         rng = np.random.default_rng(self.seed if seed is None else seed)
-        for start, end in self.prefill_plan(n_past, len(tokens)):
-            self._eval(tokens[start:end])
-        for i in range(max_tokens):
+        while True:
             token = self._sample(self._logits, temperature, top_p, rng)
-            if self.is_eog(token):
-                return
             yield token
-            if i + 1 >= max_tokens:
-                return
             self._eval([token])
 
     @staticmethod

@@ -1,19 +1,28 @@
-"""The engine side of EdgeSync: what the router needs from an inference engine.
+"""What the request path needs from an inference engine: the :class:`EngineAdapter` protocol
+and the two errors it raises.
 
-An engine adapter owns one model and one KV cache (one sequence). The six methods are the
-seed's: ``extract_fragment``, ``inject_fragment``, ``generate``, ``tokenize``,
-``clear_kv_cache`` and ``close``. Adapters are not re-entrant: callers hold ``adapter.lock``
-for a whole request so that two threads never drive one engine at once.
+An engine adapter owns one model and one KV cache holding one sequence (llama.cpp's sequence
+0, or ONNX Runtime's ``past_key_values``). The request path (``edgesync_engines.request``) and
+the app surface (``edgesync_engines.app``) use nothing else of an engine than the members
+declared here; the two real adapters (``LlamaCppAdapter``, ``OnnxRuntimeAdapter``) share their
+common code in ``base.EngineAdapterBase``, and a test can drive the request path with any object
+that has these members (``isinstance(obj, EngineAdapter)`` checks their presence).
+
+Adapters are not re-entrant: the caller holds ``adapter.lock`` for a whole request (inject,
+generate, extract) so that two threads never drive one engine at once.
+
+Units: token counts and positions are tokens; positions count from 0 at the start of the
+sequence. Token IDs are Python ints (int32 in fragments).
 """
 
 from __future__ import annotations
 
+import codecs
 import threading
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from pathlib import Path
+from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
-import numpy as np
-
-from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+from edgesync_store.schema import KVFragment, Namespace
 
 
 class ContextOverflowError(ValueError):
@@ -38,47 +47,117 @@ class InjectionError(RuntimeError):
 
 
 @runtime_checkable
-class KVAdapter(Protocol):
-    """What an engine offers the router.
+class EngineAdapter(Protocol):
+    """One engine with one KV sequence, as the request path drives it.
 
     Attributes:
-        namespace: the namespace of the KV this engine writes and accepts.
-        n_ctx: context window in tokens.
-        lock: held by the caller around a request.
+        namespace: the namespace of the KV this engine writes and accepts (model fingerprint,
+            engine, KV dtype, layout, ``n_layer``, ``n_head_kv``, ``head_dim``); fragments of
+            another namespace must be converted (``reshape.convert_fragment``) before
+            :meth:`inject_fragment`.
+        n_ctx: context window, tokens (prompt plus generated tokens).
+        lock: held by the caller around a whole request.
+        model_path: the GGUF file the engine runs (or that its ONNX export was made from);
+            the CLI prints its name.
+        closed: True once :meth:`close` ran; a closed adapter must not be called.
     """
 
     namespace: Namespace
     n_ctx: int
     lock: threading.RLock
+    model_path: Path
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token IDs of ``text`` (special tokens such as chat markers parsed)."""
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
         ...
 
-    def extract_fragment(
+    # -- text and tokens ------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token IDs of ``text``, special tokens such as chat markers (``<|im_start|>``) parsed
+        as such; a BOS only when the model asks for one. Both engines give the same IDs for
+        the same model."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Render chat messages (dicts with ``role`` and ``content``) with the model's own chat
+        template (the GGUF's ``tokenizer.chat_template``), ending with the assistant prompt.
+
+        Raises:
+            ValueError: the model has no chat template, or a message lacks role/content.
+        """
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token's text (a piece of a multi-byte UTF-8 character is
+        possible; decode a stream of them with :meth:`text_stream`). Control tokens such as
+        chat markers differ between engines (llama.cpp gives ``b""``, ONNX Runtime their
+        text); the request path decodes only generated tokens, which stop before an
+        end-of-generation token."""
+        ...
+
+    def text_stream(self) -> codecs.IncrementalDecoder:
+        """A fresh incremental UTF-8 decoder (errors replaced) for :meth:`token_bytes` pieces."""
+        ...
+
+    # -- KV in and out --------------------------------------------------------------------
+
+    def usable_prefix(self, available: int, n_prompt: int) -> int:
+        """How many tokens to inject when ``available`` leading prompt tokens are stored, for
+        a prompt of ``n_prompt`` tokens, so that the answer equals an uncached run's: at most
+        ``n_prompt - 1`` (the last prompt token is evaluated for the next-token logits), less
+        where the engine's batching asks for it. Returns a count in ``[0, available]``."""
+        ...
+
+    def extract_fragments(
         self,
         tokens: Sequence[int],
-        token_start: int,
-        token_end: int,
+        spans: Sequence[tuple[int, int]],
         layer_start: int = 0,
         layer_end: int | None = None,
         layer_stride: int = 1,
-    ) -> KVFragment:
-        """Copy the live KV of ``tokens[token_start:token_end]`` over the given layers.
+        ttl_seconds: float | None = None,
+        now: float | None = None,
+        head_start: int = 0,
+        head_end: int | None = None,
+    ) -> list[KVFragment]:
+        """Copy the live KV of the token spans ``[token_start, token_end)`` into fragments of
+        :attr:`namespace`, one per span, in the order given.
 
-        ``tokens`` must be what the live sequence holds from position 0 (checked).
+        Each fragment's ``keys`` and ``values`` are C-contiguous arrays of
+        ``namespace.np_dtype`` (float16 for llama.cpp's default, float32 for ONNX Runtime),
+        shape ``[n_layers, span, (head_end - head_start) * head_dim]`` with ``n_layers =
+        len(range(layer_start, layer_end, layer_stride))``; ``token_ids`` int32 ``[span]``.
+
+        Args:
+            tokens: the token IDs the live sequence holds from position 0 (checked).
+            spans: ``(token_start, token_end)`` pairs, each within the live sequence.
+            layer_start, layer_end, layer_stride: the layers to keep (None: all).
+            head_start, head_end: the KV heads to keep (None: all).
+            ttl_seconds: lifetime from ``now``, seconds (None: the schema's
+                ``DEFAULT_TTL_SECONDS``, 30 minutes).
+            now: creation time, Unix seconds (None: the current time).
+
+        Raises:
+            ValueError: a span beyond the live sequence, ``tokens`` that differ from it, a head
+                range outside ``[0, n_head_kv]`` or empty, or a KVFragment invariant (a span
+                outside [64, 2048] tokens...).
         """
         ...
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments``.
+        """Replace the live sequence with positions ``0..n_tokens-1`` built from ``fragments``
+        (of :attr:`namespace`), so that the next :meth:`generate` with ``n_past=n_tokens``
+        continues after them.
 
-        The fragments must tile ``[0, >= n_tokens)`` and together hold every layer and head of
-        each span; the last span is cut to ``n_tokens``. Returns the number of tokens injected.
+        The fragments must tile ``[0, >= n_tokens)`` and together hold every layer and KV head
+        of each position; the last span is cut to ``n_tokens``. Returns ``n_tokens``.
 
         Raises:
-            ValueError: fragments of another namespace, gaps, or tokens that differ from
-                ``tokens`` (validated before the engine is touched).
+            ValueError: fragments of another namespace, gaps, missing layers or heads,
+                ``n_tokens`` outside ``[1, len(tokens)]``, or fragment tokens that differ from
+                ``tokens`` (validated before the engine is touched: nothing changed).
             InjectionError: the engine refused the state (its sequence is cleared).
         """
         ...
@@ -93,69 +172,26 @@ class KVAdapter(Protocol):
         seed: int | None = None,
     ) -> Iterator[int]:
         """Prefill ``tokens[n_past:]`` on top of the first ``n_past`` tokens already in the KV
-        cache, then yield up to ``max_tokens`` sampled token IDs (greedy when temperature is 0),
-        stopping at end-of-generation tokens (not yielded).
+        cache (``n_past = 0`` clears it first), then yield up to ``max_tokens`` sampled token
+        IDs: the argmax when ``temperature`` is 0, else top-p sampling seeded by ``seed``.
+        Stops at end-of-generation tokens (not yielded). The live sequence then holds the
+        prompt and the generated tokens (but the last).
+
+        A generator: the errors below raise at the first ``next()``.
 
         Raises:
-            ContextOverflowError: ``len(tokens) + max_tokens`` exceeds ``n_ctx``.
+            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
+            ValueError: an empty prompt, ``max_tokens < 1``, ``n_past`` outside
+                ``[0, len(tokens) - 1]``, or a live sequence that does not hold
+                ``tokens[:n_past]``.
         """
         ...
 
     def clear_kv_cache(self) -> None:
-        """Empty the KV cache (every sequence)."""
+        """Empty the KV cache and forget the live tokens."""
         ...
 
     def close(self) -> None:
-        """Free the engine's memory; the adapter is unusable afterwards."""
+        """Free what the adapter loaded; it is unusable afterwards (:attr:`closed` is True).
+        Idempotent."""
         ...
-
-
-def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
-    """An extraction's ``(layer_end, head_end)`` with None meaning all layers / all KV heads of
-    ``ns``.
-
-    Raises:
-        ValueError: a head range outside ``[0, n_head_kv]`` or empty.
-    """
-    layer_end = ns.n_layer if layer_end is None else layer_end
-    head_end = ns.n_head_kv if head_end is None else head_end
-    if not 0 <= head_start < head_end <= ns.n_head_kv:
-        raise ValueError(f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})")
-    return layer_end, head_end
-
-
-def assemble_kv(ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
-    head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds
-    its layer, KV head and position (the last span cut to ``n_tokens``).
-
-    Raises:
-        ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
-            that differ from ``tokens``.
-    """
-    if n_tokens < 1 or n_tokens > len(tokens):
-        raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-    width = ns.n_head_kv * ns.head_dim
-    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
-    v = np.empty_like(k)
-    filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
-    ids = np.asarray(tokens, dtype=np.int32)
-    for frag in fragments:
-        if frag.namespace != ns:
-            raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
-        lo, hi = frag.token_start, min(frag.token_end, n_tokens)
-        if lo >= hi:
-            continue
-        if common_prefix_len(frag.token_ids[: hi - lo], ids[lo:hi]) != hi - lo:
-            raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
-        if frag.prefix_hash != prefix_hash(ids[:lo]):
-            raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-        cols = slice(frag.head_start * ns.head_dim, frag.head_end * ns.head_dim)
-        for i, layer in enumerate(frag.layers):
-            k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
-            v[layer, lo:hi, cols] = frag.values[i, : hi - lo]
-            filled[layer, frag.head_start : frag.head_end, lo:hi] = True
-    if not filled.all():
-        layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
-        raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
-    return k, v

@@ -59,10 +59,12 @@ class SeqState:
 
     @property
     def n_tokens(self) -> int:
+        """Positions held (0..n_tokens-1)."""
         return int(self.k.shape[1])
 
     @property
     def n_layer(self) -> int:
+        """Layers held."""
         return int(self.k.shape[0])
 
 

@@ -1,0 +1,319 @@
+"""What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
+the argument checks and decoding loop of ``generate``, fragment extraction and injection
+glue) and the functions behind it (``assemble_kv``, ``kv_ranges``).
+
+A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
+load assembled KV (``_load_kv``), how to evaluate a batch (``_eval_batch``) and sample
+(``_sampled_tokens``), where its chat template lives (``_chat_template``), and the live tokens
+(``n_tokens``, ``_live_tokens``, ``_truncate``).
+"""
+
+from __future__ import annotations
+
+import abc
+import codecs
+import time
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+
+from edgesync_engines.adapters.protocol import ContextOverflowError
+
+
+def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
+    """An extraction's ``(layer_end, head_end)`` with None meaning all layers / all KV heads of
+    ``ns``.
+
+    Raises:
+        ValueError: a head range outside ``[0, n_head_kv]`` or empty.
+    """
+    layer_end = ns.n_layer if layer_end is None else layer_end
+    head_end = ns.n_head_kv if head_end is None else head_end
+    if not 0 <= head_start < head_end <= ns.n_head_kv:
+        raise ValueError(f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})")
+    return layer_end, head_end
+
+
+def assemble_kv(ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
+    head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds
+    its layer, KV head and position (the last span cut to ``n_tokens``).
+
+    Raises:
+        ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
+            that differ from ``tokens``.
+    """
+    if n_tokens < 1 or n_tokens > len(tokens):
+        raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
+    width = ns.n_head_kv * ns.head_dim
+    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
+    v = np.empty_like(k)
+    filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
+    ids = np.asarray(tokens, dtype=np.int32)
+    for frag in fragments:
+        if frag.namespace != ns:
+            raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
+        lo, hi = frag.token_start, min(frag.token_end, n_tokens)
+        if lo >= hi:
+            continue
+        if common_prefix_len(frag.token_ids[: hi - lo], ids[lo:hi]) != hi - lo:
+            raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
+        if frag.prefix_hash != prefix_hash(ids[:lo]):
+            raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
+        cols = slice(frag.head_start * ns.head_dim, frag.head_end * ns.head_dim)
+        for i, layer in enumerate(frag.layers):
+            k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
+            v[layer, lo:hi, cols] = frag.values[i, : hi - lo]
+            filled[layer, frag.head_start : frag.head_end, lo:hi] = True
+    if not filled.all():
+        layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
+        raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
+    return k, v
+
+
+class EngineAdapterBase(abc.ABC):
+    """The shared half of an :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
+
+    Subclasses set ``namespace``, ``n_ctx``, ``lock`` and ``model_path`` in ``__init__`` and
+    implement the abstract methods. Beyond the protocol, every adapter offers
+    :meth:`extract_fragment`, :meth:`assemble`, :meth:`detokenize`, :meth:`is_eog` and
+    :meth:`prefill_plan` (tests and benchmarks use them).
+    """
+
+    _chat_formatter = None  # built on first use: the Jinja2 template compiles once
+
+    # -- engine hooks -------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+
+    @property
+    @abc.abstractmethod
+    def n_tokens(self) -> int:
+        """Tokens in the live sequence."""
+
+    @abc.abstractmethod
+    def _live_tokens(self, end: int) -> np.ndarray:
+        """The live sequence's first ``end`` token IDs (``end <= n_tokens``)."""
+
+    @abc.abstractmethod
+    def _truncate(self, n: int) -> None:
+        """Cut the live sequence back to its first ``n < n_tokens`` tokens."""
+
+    @abc.abstractmethod
+    def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
+                 head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V of each span of the live sequence, C-contiguous ``[len(layers), span,
+        (head_end - head_start) * head_dim]`` of ``namespace.np_dtype``, in the store's
+        tokens-major layout (spans, layers and heads already checked)."""
+
+    @abc.abstractmethod
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` (of
+        ``namespace.np_dtype``) for ``tokens[:n_tokens]``.
+
+        Raises:
+            InjectionError: the engine refused it (the sequence is cleared).
+        """
+
+    @abc.abstractmethod
+    def _eval_batch(self, batch: Sequence[int]) -> None:
+        """Evaluate ``batch`` on top of the live sequence (which then holds it too)."""
+
+    @abc.abstractmethod
+    def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
+        """An endless generator of sampled tokens after the live sequence; each ``next()``
+        first evaluates the token yielded before."""
+
+    @abc.abstractmethod
+    def _chat_template(self) -> tuple[str, str, str]:
+        """``(template, eos_token, bos_token)`` of the model's chat template (Jinja2 source
+        and the texts of its EOS and BOS tokens, "" when it has none).
+
+        Raises:
+            ValueError: the model has none.
+        """
+
+    @abc.abstractmethod
+    def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``,
+        the last prompt token alone last."""
+
+    @abc.abstractmethod
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, ``<|im_end|>``, ...)."""
+
+    @abc.abstractmethod
+    def clear_kv_cache(self) -> None:
+        """Empty the KV cache and forget the live tokens."""
+
+    # -- text ---------------------------------------------------------------------------
+
+    def text_stream(self) -> codecs.IncrementalDecoder:
+        """An incremental UTF-8 decoder for streaming token text (multi-byte safe, errors
+        replaced)."""
+        return codecs.getincrementaldecoder("utf-8")("replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Render chat messages with the model's own template (the GGUF's
+        ``tokenizer.chat_template``, through llama-cpp-python's ``Jinja2ChatFormatter``),
+        ending with the assistant prompt.
+
+        Raises:
+            ValueError: the model has no chat template, or a message lacks role/content.
+        """
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
+        if self._chat_formatter is None:
+            template, eos_token, bos_token = self._chat_template()
+            self._chat_formatter = Jinja2ChatFormatter(
+                template=template, eos_token=eos_token, bos_token=bos_token, add_generation_prompt=True,
+            )
+        return self._chat_formatter(messages=list(messages)).prompt
+
+    # -- fragments ----------------------------------------------------------------------
+
+    def _check_live(self, tokens: Sequence[int], end: int) -> None:
+        if end > self.n_tokens:
+            raise ValueError(f"token_end: {end} exceeds the {self.n_tokens} tokens in the live sequence")
+        if common_prefix_len(self._live_tokens(end), np.asarray(tokens[:end])) != end:
+            raise ValueError("tokens: differ from what the live sequence holds")
+
+    def extract_fragments(
+        self,
+        tokens: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        layer_stride: int = 1,
+        ttl_seconds: float | None = None,
+        now: float | None = None,
+        head_start: int = 0,
+        head_end: int | None = None,
+    ) -> list[KVFragment]:
+        """Copy the live KV of several token spans into fragments (one engine read for all);
+        see :meth:`EngineAdapter.extract_fragments
+        <edgesync_engines.adapters.protocol.EngineAdapter.extract_fragments>` for the shapes
+        and arguments.
+
+        Raises:
+            ValueError: a span beyond the live sequence, tokens that differ from it, a head
+                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
+        """
+        if not spans:
+            return []
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
+        self._check_live(tokens, max(end for _, end in spans))
+        kv = self._span_kv(spans, range(layer_start, layer_end, layer_stride), head_start, head_end)
+        now = time.time() if now is None else now
+        ids = np.asarray(tokens, dtype=np.int32)
+        return [
+            KVFragment(
+                namespace=self.namespace, token_start=start, token_end=end,
+                layer_start=layer_start, layer_end=layer_end, layer_stride=layer_stride,
+                head_start=head_start, head_end=head_end, keys=keys, values=values,
+                token_ids=ids[start:end], prefix_hash=prefix_hash(ids[:start]),
+                created_at=now, expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
+            )
+            for (start, end), (keys, values) in zip(spans, kv)
+        ]
+
+    def extract_fragment(self, tokens: Sequence[int], token_start: int, token_end: int, layer_start: int = 0,
+                         layer_end: int | None = None, layer_stride: int = 1) -> KVFragment:
+        """One fragment of the live sequence; see :meth:`extract_fragments`."""
+        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
+
+    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
+                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Validate fragments and build K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` of
+        the namespace's dtype for positions 0..n-1 (:func:`assemble_kv`).
+
+        Raises:
+            ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
+                that differ from ``tokens``.
+        """
+        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
+
+    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
+        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments`` (of
+        this adapter's namespace; convert others first with ``reshape.convert_fragment``);
+        everything is validated (:meth:`assemble`) before the engine is touched. Returns
+        ``n_tokens``.
+
+        Raises:
+            ValueError: see :meth:`assemble` (nothing changed).
+            InjectionError: the engine refused the state; the sequence has been cleared.
+        """
+        k, v = self.assemble(fragments, n_tokens, tokens)
+        self._load_kv(k, v, n_tokens, tokens)
+        return n_tokens
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _resume(self, tokens: Sequence[int], n_past: int) -> None:
+        """Make the live sequence hold exactly ``tokens[:n_past]``: cleared for 0, else cut
+        back to ``n_past`` tokens after checking that it holds them.
+
+        Raises:
+            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]``, or the live sequence does
+                not hold ``tokens[:n_past]``.
+        """
+        if not 0 <= n_past < len(tokens):
+            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
+        if n_past == 0:
+            self.clear_kv_cache()
+            return
+        if self.n_tokens < n_past or common_prefix_len(self._live_tokens(n_past), np.asarray(tokens[:n_past])) != n_past:
+            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
+        if self.n_tokens > n_past:
+            self._truncate(n_past)
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        n_past: int = 0,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 0.95,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Prefill ``tokens[n_past:]`` (:meth:`prefill_plan`) on top of the first ``n_past``
+        tokens already in the KV cache (injected, or left by the previous call; 0 clears it)
+        and yield up to ``max_tokens`` sampled tokens: greedy when ``temperature`` is 0,
+        otherwise top-p sampling seeded by ``seed``. Stops at end-of-generation tokens (not
+        yielded).
+
+        Raises:
+            RuntimeError: the adapter is closed.
+            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
+            ValueError: empty prompt, ``n_past >= len(tokens)``, max_tokens < 1, or a live
+                sequence that does not hold ``tokens[:n_past]``.
+        """
+        if self.closed:
+            raise RuntimeError(f"{type(self).__name__}: closed")
+        if not tokens:
+            raise ValueError("tokens: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if len(tokens) + max_tokens > self.n_ctx:
+            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        self._resume(tokens, n_past)
+        for start, end in self.prefill_plan(n_past, len(tokens)):
+            self._eval_batch(tokens[start:end])
+        stream = self._sampled_tokens(temperature, top_p, seed)
+        try:
+            for i, token in enumerate(stream):
+                if self.is_eog(token):
+                    return
+                yield int(token)
+                if i + 1 >= max_tokens:
+                    return
+        finally:
+            stream.close()
