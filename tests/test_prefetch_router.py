@@ -160,6 +160,10 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
             return match
 
         monkeypatch.setattr(planning, "walk", walk_then_delete)
+        # the request stores the victim's chunk again, which the prefetch thread would decode
+        # anew at once: hold the prefetch back until the stale copy is checked gone
+        held_back = []
+        monkeypatch.setattr(on.prefetcher, "after_request", lambda key, tokens: held_back.append((key, tokens)))
         r = on.generate(qs[1], max_tokens=MAX_TOKENS)
         monkeypatch.undo()
         assert r.ram_tier_hits == 1  # the first chunk only
@@ -167,6 +171,8 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         assert r.tokens == reference[(0, 1)]
         assert victim not in on.prefetcher.ram
         assert on.prefetch_stats()["stale"] == 1
+        assert len(held_back) == 1
+        on.prefetcher.after_request(*held_back[0])
 
         # replaced under the same key with another expiry: the RAM copy is stale
         assert on.prefetcher.wait_idle(120)

@@ -84,7 +84,7 @@ def test_exact_hit_does_not_run_the_encoder(adapter, tmp_path, system_prompts, p
 
 
 def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path, system_prompts, passage):
-    """Acceptance 3: the twin was stored with 96-token chunks, the prompt is served with
+    """The twin was stored with 96-token chunks, the prompt is served with
     128-token chunks and inserts an instruction (>= 64 tokens) before the twin's question. The
     index nominates the twin (similarity >= 0.75), its tokens are checked one by one, the
     verified prefix is injected, and the output equals an uncached run's."""
@@ -113,7 +113,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
 
 def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter, tmp_path, system_prompts,
                                                                           paraphrase_pair):
-    """Acceptance 4: by default a paraphrase at cosine >= 0.92 is never served another prompt's
+    """By default a paraphrase at cosine >= 0.92 is never served another prompt's
     KV (the answer equals an uncached run's); with reuse="semantic" it is served from the donor
     whole: tier exact, approximate true, the donor's own answer, one token evaluated."""
     origin, similar, cosine = paraphrase_pair

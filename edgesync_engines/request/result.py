@@ -11,19 +11,21 @@ from typing import Iterator
 class GenerationResult:
     """What one request produced and what it cost.
 
-    Token counts are tokens; times are milliseconds; sizes are bytes. ``similarity`` is the
-    cosine of the best donor the semantic lookup found (None when the lookup did not run or
-    found none); ``lookup_ms`` the lookup's cost (encode + search + donor checks, None when it
-    did not run); ``donor`` the hex key (the last fragment of its chain) of the nominated donor
-    whose verified prefix was injected, or that reached as far as the prefix walk did, or that
-    was served whole (None when no nominated donor matched that far). ``tokens_prefilled`` is what this request evaluated
-    (``prompt_tokens - tokens_reused``, except in the approximate mode, where the donor's
-    remaining tokens are evaluated instead). ``approximate`` is True when the answer came from
-    a donor's KV whose tokens differ from the prompt's (``reuse="semantic"`` only).
-    ``ram_tier_hits`` counts the fragments injected from the prefetch RAM tier instead of
-    being read and decoded from the store (0 when prefetch is off). ``convertible`` is True
-    when the injected KV was written by another engine and converted (``allow_convertible``
-    only); ``source_engine`` names the engine whose KV was injected (None on a miss).
+    Token counts are tokens; times are milliseconds; sizes are bytes. ``tier`` is the hit tier
+    (:class:`~edgesync_engines.request.plan.HitTier`: ``exact``, ``partial`` or ``miss``).
+    ``similarity`` is the cosine of the best donor the semantic lookup found (None when the
+    lookup did not run or found none); ``lookup_ms`` the lookup's cost (encode + search + donor
+    checks, None when it did not run); ``donor`` the hex key (the last fragment of its chain)
+    of the nominated donor whose verified prefix was injected, or that reached as far as the
+    prefix walk did, or that was served whole (None when no nominated donor matched that far).
+    ``tokens_prefilled`` is what this request evaluated (``prompt_tokens - tokens_reused``,
+    except in the approximate mode, where the donor's remaining tokens are evaluated instead).
+    ``approximate`` is True when the answer came from a donor's KV whose tokens differ from the
+    prompt's (``reuse="semantic"`` only). ``ram_tier_hits`` counts the fragments injected from
+    the prefetch RAM tier instead of being read and decoded from the store (0 when prefetch is
+    off). ``convertible`` is True when the injected KV was written by another engine and
+    converted (``allow_convertible`` only); ``source_engine`` names the engine whose KV was
+    injected (None on a miss and for a donor served whole).
     """
 
     text: str
@@ -45,6 +47,7 @@ class GenerationResult:
     source_engine: str | None = None
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-able dict (what the CLI prints)."""
         return asdict(self)
 
 
