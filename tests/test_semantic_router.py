@@ -16,7 +16,7 @@ import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
-from edgesync_engines.request.storeback import donor_key
+from edgesync_engines.request import storeback
 from edgesync_store.semantic.donors import get_donor, iterate_donors
 from edgesync_store.semantic.embedders import get_embedder
 from edgesync_engines.request.prompt_text import embed_text_for
@@ -94,7 +94,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
     with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=96)) as writer:
         written = writer.generate(twin, max_tokens=4)
         twin_tokens = writer.prompt_tokens(twin)
-        twin_key = donor_key(writer.namespace, twin_tokens, writer.config)
+        twin_key = storeback.donor_key(writer.namespace, twin_tokens, writer.config)
     assert written.fragments_written == len(chunk_spans(len(twin_tokens) - 1, 96))  # its own grid
 
     with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=128)) as es:
@@ -131,7 +131,7 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
     with EdgeSync(adapter, config=cfg(tmp_path / "approx", reuse="semantic")) as es:
         donor = es.generate(donor_msgs, max_tokens=16)
         served = es.generate(para_msgs, max_tokens=16)
-        donor_key = donor_key(es.namespace, es.prompt_tokens(donor_msgs), es.config)
+        donor_key = storeback.donor_key(es.namespace, es.prompt_tokens(donor_msgs), es.config)
         elsewhere = es.generate(other_app, max_tokens=16)
     # the embedding sees only the question (cosine 1.0), but another system prompt is another
     # context: never served from this donor
