@@ -1,0 +1,51 @@
+"""EdgeSync's engine side: the request path in front of llama.cpp or ONNX Runtime.
+
+The public API, importable from here::
+
+    from edgesync_engines import EdgeSync, EdgeSyncConfig
+    with EdgeSync(config=EdgeSyncConfig.load()) as es:
+        print(es.generate("...").to_dict())
+
+The names load on first use (PEP 562 ``__getattr__``), so that ``import edgesync_engines.config``
+does not load an engine (llama_cpp, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_PUBLIC = {
+    "EdgeSync": "edgesync_engines.request.router",
+    "GenerationResult": "edgesync_engines.request.result",
+    "GenerationStream": "edgesync_engines.request.result",
+    "EdgeSyncConfig": "edgesync_engines.config",
+    "ContextOverflowError": "edgesync_engines.adapters.protocol",
+    "InjectionError": "edgesync_engines.adapters.protocol",
+    "HitTier": "edgesync_engines.request.plan",
+    "ReuseMode": "edgesync_engines.request.plan",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:
+    from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.plan import HitTier, ReuseMode
+    from edgesync_engines.request.result import GenerationResult, GenerationStream
+    from edgesync_engines.request.router import EdgeSync
+
+
+def __getattr__(name: str):
+    """Import a public name's module on first access (AttributeError for any other name)."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -32,6 +32,12 @@ def system_prompts(data_dir):
 
 
 @pytest.fixture(scope="session")
+def study_prompt(system_prompts):
+    """system_prompts.json row 0 (the study app): a long system prompt."""
+    return system_prompts[0]
+
+
+@pytest.fixture(scope="session")
 def seed_requests(data_dir):
     """The seed workload's first 1,000 requests (README recipe, Random(0))."""
     return workloads.seed_workload(1000, data_dir)

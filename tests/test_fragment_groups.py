@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request import storeback
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.lifecycle.merge import (
     group_ranges,
@@ -298,7 +299,7 @@ def test_router_stores_groups_and_hits_them_exactly(adapter, system_prompts, tmp
         assert store.stats().fragments == len(expected)
 
         (l0, l1), (h0, h1) = groups[0]
-        key = es._last_chunk_key(tokens)
+        key = storeback.donor_key(es.namespace, tokens, es.config)
         s, e = spans[-1]
         head = store.get(key)
         assert head is not None and store.is_live(key)

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgesync_engines.request.prefetch import NgramPredictor, PredictionAccuracy, RamTier
+from edgesync_engines.request.prefetch import NgramPredictor, PredictionAccuracy
+from edgesync_engines.request.ramtier import RamTier
 
 
 class Frag:

@@ -15,6 +15,7 @@ import pytest
 from edgesync_engines.app import workloads
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.request import plan as planning
 from edgesync_engines.request.prefetch import NgramPredictor, request_key
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
@@ -151,14 +152,18 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         assert 0 in by_start and 128 in by_start
         victim = by_start[128]
 
-        real_walk = on._walk
+        real_walk = planning.walk
 
-        def walk_then_delete(tokens, namespace=None):
-            match = real_walk(tokens, namespace)
+        def walk_then_delete(store, namespace, tokens):
+            match = real_walk(store, namespace, tokens)
             on.store.delete(victim)  # the walk saw it; the store loses it before injection
             return match
 
-        monkeypatch.setattr(on, "_walk", walk_then_delete)
+        monkeypatch.setattr(planning, "walk", walk_then_delete)
+        # the request stores the victim's chunk again, which the prefetch thread would decode
+        # anew at once: hold the prefetch back until the stale copy is checked gone
+        held_back = []
+        monkeypatch.setattr(on.prefetcher, "after_request", lambda key, tokens: held_back.append((key, tokens)))
         r = on.generate(qs[1], max_tokens=MAX_TOKENS)
         monkeypatch.undo()
         assert r.ram_tier_hits == 1  # the first chunk only
@@ -166,6 +171,8 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         assert r.tokens == reference[(0, 1)]
         assert victim not in on.prefetcher.ram
         assert on.prefetch_stats()["stale"] == 1
+        assert len(held_back) == 1
+        on.prefetcher.after_request(*held_back[0])
 
         # replaced under the same key with another expiry: the RAM copy is stale
         assert on.prefetcher.wait_idle(120)

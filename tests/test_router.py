@@ -71,7 +71,7 @@ def cached(adapter, store):
 
 
 def test_exact_hit_in_a_new_process_skips_prefill(tmp_path, system_prompts):
-    """Acceptance 2: process A misses; process B (new interpreter, same store) is exact, with at
+    """Process A misses; process B (new interpreter, same store) is exact, with at
     most one prompt token evaluated by llama.cpp, and 32 identical greedy tokens."""
     store_dir = tmp_path / "store"
     requests = tmp_path / "requests.json"
@@ -91,7 +91,7 @@ def test_exact_hit_in_a_new_process_skips_prefill(tmp_path, system_prompts):
 
 
 def test_shared_prefix_is_partial_and_identical(cached, uncached, system_prompts):
-    """Acceptance 3: a prompt sharing its first K >= 200 tokens with a stored one."""
+    """A prompt sharing its first K >= 200 tokens with a stored one."""
     first = chat(system_prompts[1], "How do I get from the airport to the city centre cheaply?")
     second = chat(system_prompts[1], "What should I pack for a week of hiking in the rain?")
     stored = cached.generate(first, max_tokens=16)
@@ -108,7 +108,7 @@ def test_shared_prefix_is_partial_and_identical(cached, uncached, system_prompts
 
 
 def test_unrelated_prompt_misses_and_matches_uncached(cached, uncached, system_prompts):
-    """Acceptance 4."""
+    """A prompt that shares nothing with the stored ones misses and answers as an uncached run."""
     cached.generate(chat(system_prompts[2], "How do I save money on groceries?"), max_tokens=8)
     other = chat(system_prompts[5], "How do I prepare for a job interview at a bank?")
     result = cached.generate(other, max_tokens=24)
@@ -163,7 +163,7 @@ def _wrong_content_hash(blob: bytearray) -> bytearray:
 
 @pytest.mark.parametrize("mutate", [_flip_payload_byte, _wrong_content_hash], ids=["flipped-byte", "wrong-content-hash"])
 def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, store, system_prompts, mutate):
-    """Acceptance 5 (request side): a bad stored value is refused on read, the request falls
+    """A bad stored value is refused on read, the request falls
     back to prefill with the right answer, and the bad entry is removed."""
     messages = chat(system_prompts[3], "How many push-ups should a beginner do each day?")
     first = cached.generate(messages, max_tokens=16)
@@ -187,7 +187,7 @@ def _raw_blob_after(store: FragmentStore, key: bytes, mutate) -> bytes:
 
 
 def test_prompt_over_the_context_raises(cached, data_dir):
-    """Acceptance 5: a chat session's pasted turn longer than the context (chat_sessions.jsonl
+    """A chat session's pasted turn longer than the context (chat_sessions.jsonl
     holds turns over 20,000 characters) raises ContextOverflowError naming both numbers."""
     longest = max(
         (turn for line in (data_dir / "chat_sessions.jsonl").read_text().splitlines() for turn in json.loads(line)["turns"]),
@@ -203,7 +203,7 @@ def test_prompt_over_the_context_raises(cached, data_dir):
 
 
 def test_fragment_of_another_flash_attention_setting_is_never_injected(tmp_path, cached, uncached, system_prompts):
-    """Acceptance 6: fragments written with flash attention on are not used with it off."""
+    """Fragments written with flash attention on are not used with it off."""
     messages = chat(system_prompts[4], "My laptop will not connect to the office printer, what now?")
     flash = LlamaCppAdapter(flash_attn=True)
     try:
@@ -220,7 +220,7 @@ def test_fragment_of_another_flash_attention_setting_is_never_injected(tmp_path,
 
 
 def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adapter, system_prompts):
-    """Acceptance 6: the same tokens' KV relabelled as another model file's (a namespace that
+    """The same tokens' KV relabelled as another model file's (a namespace that
     differs only in the model fingerprint) is not found by the walk and is refused by the
     adapter if handed over directly."""
     messages = chat(system_prompts[6], "What is the difference between affect and effect?")
@@ -241,7 +241,7 @@ def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adap
 
 
 def test_two_processes_share_one_store_concurrently(tmp_path):
-    """Acceptance 7: two processes answer seed requests on one store for 30 s (override with
+    """Two processes answer seed requests on one store for 30 s (override with
     EDGESYNC_CONCURRENCY_SECONDS); no errors, no output differing from uncached runs, every
     fragment readable afterwards."""
     seconds = os.environ.get("EDGESYNC_CONCURRENCY_SECONDS", "30")

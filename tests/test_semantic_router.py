@@ -16,6 +16,7 @@ import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
+from edgesync_engines.request import storeback
 from edgesync_store.semantic.donors import get_donor, iterate_donors
 from edgesync_store.semantic.embedders import get_embedder
 from edgesync_engines.request.prompt_text import embed_text_for
@@ -83,7 +84,7 @@ def test_exact_hit_does_not_run_the_encoder(adapter, tmp_path, system_prompts, p
 
 
 def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path, system_prompts, passage):
-    """Acceptance 3: the twin was stored with 96-token chunks, the prompt is served with
+    """The twin was stored with 96-token chunks, the prompt is served with
     128-token chunks and inserts an instruction (>= 64 tokens) before the twin's question. The
     index nominates the twin (similarity >= 0.75), its tokens are checked one by one, the
     verified prefix is injected, and the output equals an uncached run's."""
@@ -93,7 +94,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
     with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=96)) as writer:
         written = writer.generate(twin, max_tokens=4)
         twin_tokens = writer.prompt_tokens(twin)
-        twin_key = writer._last_chunk_key(twin_tokens)
+        twin_key = storeback.donor_key(writer.namespace, twin_tokens, writer.config)
     assert written.fragments_written == len(chunk_spans(len(twin_tokens) - 1, 96))  # its own grid
 
     with EdgeSync(adapter, config=cfg(tmp_path, chunk_tokens=128)) as es:
@@ -112,7 +113,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
 
 def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter, tmp_path, system_prompts,
                                                                           paraphrase_pair):
-    """Acceptance 4: by default a paraphrase at cosine >= 0.92 is never served another prompt's
+    """By default a paraphrase at cosine >= 0.92 is never served another prompt's
     KV (the answer equals an uncached run's); with reuse="semantic" it is served from the donor
     whole: tier exact, approximate true, the donor's own answer, one token evaluated."""
     origin, similar, cosine = paraphrase_pair
@@ -130,7 +131,7 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
     with EdgeSync(adapter, config=cfg(tmp_path / "approx", reuse="semantic")) as es:
         donor = es.generate(donor_msgs, max_tokens=16)
         served = es.generate(para_msgs, max_tokens=16)
-        donor_key = es._last_chunk_key(es.prompt_tokens(donor_msgs))
+        donor_key = storeback.donor_key(es.namespace, es.prompt_tokens(donor_msgs), es.config)
         elsewhere = es.generate(other_app, max_tokens=16)
     # the embedding sees only the question (cosine 1.0), but another system prompt is another
     # context: never served from this donor
@@ -184,7 +185,7 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
     assert report["vectors_dropped"] == 2 and report["donors_embedded"] == 2
     assert report["backend_id"].endswith("sentence-transformers")
 
-    caplog.set_level(logging.WARNING, logger="edgesync.semantic")
+    caplog.set_level(logging.WARNING, logger="edgesync_engines.request.semantic_lookup")
     new = chat(system_prompts[6], f"{context}\n\nQuestion: {question}")
     with EdgeSync(adapter, config=cfg(tmp_path)) as es:
         again = es.generate(prompts[0], max_tokens=6)

@@ -1,4 +1,4 @@
-"""Next-request prediction and the RAM tier that prefetched fragments are decoded into.
+"""Next-request prediction, and the prefetching of the predicted requests' fragments.
 
 :class:`NgramPredictor` watches the sequence of requests, each identified by a caller-chosen
 hashable key that is stable across processes (a hex prefix hash, a ``prompt_key`` string; never
@@ -9,10 +9,8 @@ overall. Ties are broken by recency (the most recently seen continuation first),
 is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
 rates of the predictions it would have made before each observed key.
 
-:class:`RamTier` is a bounded LRU of decoded fragments (key -> object of a known size in bytes)
-that a prefetch thread fills while the request thread reads; all methods are thread-safe.
-
-:class:`Prefetcher` wires both to a :class:`~edgesync_store.core.store.FragmentStore` for the router
+:class:`Prefetcher` wires it and a :class:`~edgesync_engines.request.ramtier.RamTier` (a bounded
+LRU of decoded fragments) to a :class:`~edgesync_store.core.store.FragmentStore` for the router
 (``EdgeSync`` with ``prefetch=True``): after each request it observes the request's key
 (:func:`request_key`), asks the predictor for the likely next keys, and one background thread
 walks the store with the tokens last seen under each predicted key and decodes the matched
@@ -27,19 +25,21 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
-import lmdb
 import numpy as np
 
-from edgesync_store.core import codec
-from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
+from edgesync_store.errors import StoreError
+from edgesync_store.schema import Namespace
+
+from edgesync_engines.request.ramtier import RamTier
+from edgesync_engines.request.storeback import chunk_key
 
 if TYPE_CHECKING:
     from edgesync_store.schema import KVFragment
     from edgesync_store.core.store import FragmentStore
 
-log = logging.getLogger("edgesync.prefetch")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -167,141 +167,6 @@ class NgramPredictor:
             return len(self._unigram)
 
 
-@dataclass(frozen=True)
-class RamTierStats:
-    """Counters of a :class:`RamTier`: ``hits``/``misses`` of ``get``; ``puts`` stored;
-    ``rejected`` puts larger than the whole budget; ``evictions`` entries dropped as least
-    recently used; ``bytes`` held now (sum of entry sizes) against ``max_bytes``; ``entries``."""
-
-    hits: int
-    misses: int
-    puts: int
-    rejected: int
-    evictions: int
-    bytes: int
-    max_bytes: int
-    entries: int
-
-    @property
-    def hit_rate(self) -> float | None:
-        """hits / (hits + misses) in [0, 1]; None before any ``get``."""
-        n = self.hits + self.misses
-        return self.hits / n if n else None
-
-
-class RamTier:
-    """A thread-safe LRU of decoded fragments bounded by their size in bytes.
-
-    ``RamTier(max_bytes)``: ``max_bytes`` >= 0 is the budget (0 stores nothing). An entry's size
-    is the ``nbytes`` given to :meth:`put`, else the value's ``raw_nbytes`` (``KVFragment``'s
-    K + V bytes before compression). ``get`` counts a hit or a miss and makes the entry the most
-    recently used; ``in`` does neither. Held bytes never exceed ``max_bytes``.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self._bytes = 0
-        self._hits = self._misses = self._puts = self._rejected = self._evictions = 0
-
-    @staticmethod
-    def _size(value: Any, nbytes: int | None) -> int:
-        size = nbytes if nbytes is not None else getattr(value, "raw_nbytes", None)
-        if size is None:
-            raise TypeError(f"{type(value).__name__} has no raw_nbytes: pass nbytes=")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"entry size must be an int >= 0 bytes, got {size!r}")
-        return size
-
-    def put(self, key: Hashable, value: Any, nbytes: int | None = None) -> bool:
-        """Store ``value`` under ``key`` as the most recently used entry, replacing any previous
-        one, and evict least recently used entries until the budget holds. Returns False (and
-        stores nothing, dropping a previous entry of that key) when the value alone is larger
-        than ``max_bytes``. Raises TypeError when the size is unknown, ValueError when it is
-        negative or not an int."""
-        size = self._size(value, nbytes)
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            if size > self.max_bytes:
-                self._rejected += 1
-                log.debug("RAM tier: %d B entry exceeds the %d B budget", size, self.max_bytes)
-                return False
-            self._items[key] = (value, size)
-            self._bytes += size
-            self._puts += 1
-            while self._bytes > self.max_bytes:
-                _, (_, dropped) = self._items.popitem(last=False)
-                self._bytes -= dropped
-                self._evictions += 1
-            return True
-
-    def get(self, key: Hashable, default: Any = None) -> Any:
-        """The value under ``key`` (now the most recently used), or ``default``; counts a hit or
-        a miss."""
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self._misses += 1
-                return default
-            self._items.move_to_end(key)
-            self._hits += 1
-            return item[0]
-
-    def peek(self, key: Hashable, default: Any = None) -> Any:
-        """The value under ``key``, or ``default``; changes neither the LRU order nor the
-        counters (for a prefetcher checking what it holds)."""
-        with self._lock:
-            item = self._items.get(key)
-            return default if item is None else item[0]
-
-    def discard(self, key: Hashable) -> bool:
-        """Drop ``key`` if present (not counted as an eviction); returns whether it was."""
-        with self._lock:
-            item = self._items.pop(key, None)
-            if item is None:
-                return False
-            self._bytes -= item[1]
-            return True
-
-    def clear(self) -> None:
-        """Drop every entry; the counters are kept."""
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-    def __contains__(self, key: Hashable) -> bool:
-        """Whether ``key`` is held; changes neither the LRU order nor the counters."""
-        with self._lock:
-            return key in self._items
-
-    def __len__(self) -> int:
-        """Entries held."""
-        with self._lock:
-            return len(self._items)
-
-    def keys(self) -> list:
-        """Keys held, least recently used first."""
-        with self._lock:
-            return list(self._items)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes held now (sum of entry sizes), never above ``max_bytes``."""
-        with self._lock:
-            return self._bytes
-
-    def stats(self) -> RamTierStats:
-        """A consistent snapshot of the counters (see :class:`RamTierStats`)."""
-        with self._lock:
-            return RamTierStats(self._hits, self._misses, self._puts, self._rejected,
-                                self._evictions, self._bytes, self.max_bytes, len(self._items))
-
-
 def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
     """The predictor's key of a request: the hex store key of the first fragment of the prompt's
     own chunk grid (``chunk_spans(len(tokens) - 1, chunk_tokens)[0]``, all layers and heads).
@@ -313,12 +178,8 @@ def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_
     short to be cached (under 65 tokens). Raises ValueError for a ``chunk_tokens`` outside
     ``chunk_spans``' range.
     """
-    spans = chunk_spans(len(tokens) - 1, chunk_tokens)
-    if not spans:
-        return None
-    s, e = spans[0]
-    ids = np.asarray(tokens[s:e], dtype=np.int32)
-    return store_key(namespace, prefix_hash([]), ids, s, 0, namespace.n_layer, 1, 0, namespace.n_head_kv).hex()
+    key = chunk_key(namespace, tokens, chunk_tokens)
+    return None if key is None else key.hex()
 
 
 class Prefetcher:
@@ -336,9 +197,9 @@ class Prefetcher:
     :meth:`after_request`) does the prefetching: for each predicted key, most likely first, it
     walks the store with the tokens last seen under that key and decodes every matched fragment
     that the tier does not hold yet (or holds in a version the store has since replaced). A new
-    prediction replaces the work not yet started. Store reads take the store's own short read
-    transactions; decompression runs outside them, so the request thread's reads wait at most
-    for a blob copy. Store errors in the thread are logged and skipped, never raised.
+    prediction replaces the work not yet started. Fragments are read with ``store.get``, which
+    verifies and decodes them (and removes a corrupt one), so the tier holds exactly what the
+    request path would read. Store errors in the thread are logged and skipped, never raised.
     """
 
     def __init__(self, store: "FragmentStore", namespace: Namespace, max_bytes: int, *, n: int = 3,
@@ -390,7 +251,7 @@ class Prefetcher:
         the store). A fragment is served only while the store still holds it live under the
         same expiry (so not deleted, expired or replaced since it was decoded); otherwise it is
         dropped from the tier. Its hit count and last hit are refreshed from the store, so it
-        equals what ``store.get(key)`` returns. Raises ``lmdb.Error`` when the store fails."""
+        equals what ``store.get(key)`` returns. Raises ``StoreError`` when the store fails."""
         frag = self.ram.get(key)
         if frag is None:
             return None
@@ -456,7 +317,7 @@ class Prefetcher:
                 self._busy = True
             try:
                 self._prefetch(tokens)
-            except (lmdb.Error, OSError, ValueError) as exc:  # CodecError is a ValueError
+            except (StoreError, OSError, ValueError) as exc:
                 with self._cond:
                     self._errors += 1
                 log.warning("prefetch failed: %s", exc)
@@ -478,31 +339,11 @@ class Prefetcher:
                 held = self.ram.peek(key)
                 if held is not None and held.expires_at == life.expires_at:
                     continue
-                frag = self._decode(key)
+                # None: absent, or corrupt (store.get logs and removes it)
+                frag = self.store.get(key)
                 if frag is None:
                     continue
                 if self.ram.put(key, frag):
                     with self._cond:
                         self._prefetched += 1
                         self._prefetched_bytes += frag.raw_nbytes
-
-    def _decode(self, key: bytes) -> "KVFragment | None":
-        """What ``store.get(key)`` returns, decompressed outside the store's lock; None when
-        absent or corrupt (left for the request path's ``store.get`` to report and remove)."""
-        blob = self.store.get_blob(key)
-        if blob is None:
-            return None
-        try:
-            frag = codec.decode(blob, max_raw_bytes=self.store.max_raw_bytes)
-        except codec.CodecError as exc:
-            log.debug("prefetch: fragment %s does not decode (%s); skipped", key.hex()[:16], exc)
-            return None
-        if frag.key() != key:
-            return None
-        life = self.store.lifecycle(key)
-        # put_many writes the blob's own expiry into the lifecycle: a difference means the key
-        # was deleted and stored again between the two reads
-        if life is None or life.expires_at != frag.expires_at:
-            return None
-        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
-        return frag

@@ -1,10 +1,10 @@
 """The router's semantic lookup: nominate donor prompts by meaning, and remember new ones.
 
 A request whose prefix walk leaves at least ``semantic_min_uncovered`` prompt tokens uncovered
-embeds what tells it apart (``embedding.embed_text_for``: the last user turn, or the tail of a
+embeds what tells it apart (``prompt_text.embed_text_for``: the last user turn, or the tail of a
 raw prompt) with MiniLM-L6-v2 and asks the HNSW index for the nearest stored prompts. Each
 indexed prompt ("donor") is keyed by the last fragment of its chain; its token IDs from position
-0 are in the store's ``donors`` database (``edgesync_store.semantic.donors``). The router then checks a
+0 are in the store's ``donors`` database (``edgesync_store.semantic.donors``). The reuse plan then checks a
 donor token by token (default mode) or, in the opt-in approximate mode, serves it whole.
 
 Everything here degrades instead of failing a request: a missing package, an index of another
@@ -19,15 +19,15 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-import lmdb
 import numpy as np
 
+from edgesync_store.errors import StoreError
 from edgesync_store.semantic.donors import delete_donor, get_donor, put_donor
 from edgesync_store.schema import Namespace
 
 from edgesync_engines.config import EdgeSyncConfig
 
-log = logging.getLogger("edgesync.semantic")
+log = logging.getLogger(__name__)
 
 QUERY_K = 8
 """Nearest neighbours asked of the index per lookup (candidates of other namespaces and below
@@ -101,7 +101,7 @@ class SemanticLookup:
                 return self._disable(str(exc))
             except BackendMismatchError as exc:
                 return self._disable(_mismatch_text(exc, self.store.path))
-            except (lmdb.Error, OSError, RuntimeError) as exc:
+            except (StoreError, OSError, RuntimeError) as exc:
                 return self._disable(f"cannot open the semantic index: {exc}")
             return True
 
@@ -156,7 +156,7 @@ class SemanticLookup:
         except BackendMismatchError as exc:  # another process re-embedded the store meanwhile
             self._disable(_mismatch_text(exc, self.store.path))
             return None
-        except (lmdb.Error, OSError, RuntimeError, AttributeError) as exc:
+        except (StoreError, OSError, RuntimeError, AttributeError) as exc:
             log.warning("semantic lookup failed, using the prefix walk alone: %s", exc)
             return None
         return Lookup(best, donors, embedded)
@@ -187,7 +187,7 @@ class SemanticLookup:
         try:
             put_donor(self.store, key, namespace.digest(), tokens, text)
             self._index.add(key, vector)
-        except (lmdb.Error, OSError, KeyError, ValueError, RuntimeError, AttributeError) as exc:
+        except (StoreError, OSError, KeyError, ValueError, RuntimeError, AttributeError) as exc:
             log.warning("could not index the prompt: %s", exc)
             return False
         return True
@@ -198,7 +198,7 @@ class SemanticLookup:
             if self._index is not None:
                 self._index.remove(key)
             delete_donor(self.store, key)
-        except (lmdb.Error, OSError, ValueError, RuntimeError) as exc:
+        except (StoreError, OSError, ValueError, RuntimeError) as exc:
             log.warning("could not drop donor %s: %s", key.hex()[:16], exc)
 
     @property
@@ -212,7 +212,7 @@ class SemanticLookup:
             if self._index is not None:
                 try:
                     self._index.close()
-                except (OSError, RuntimeError, lmdb.Error) as exc:
+                except (OSError, RuntimeError, StoreError) as exc:
                     log.warning("could not save the semantic index: %s", exc)
                 self._index = None
             self.disabled_reason = self.disabled_reason or "closed"

@@ -1,0 +1,194 @@
+"""Carrying out a :class:`~edgesync_engines.request.plan.ReusePlan`: pin, fetch, convert, inject.
+
+:class:`Injector` tries the plan's sources in order and leaves the engine holding the KV of the
+first one that delivers at least its ``required`` tokens (or nothing: the request then prefills
+from scratch). Any failure (a fragment gone or corrupt, the engine refusing the state) degrades
+to fewer tokens or to none, never to an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edgesync_store.core.walk import PrefixMatch
+from edgesync_store.errors import StoreError
+from edgesync_store.schema import MIN_SPAN
+
+from edgesync_engines.adapters.protocol import InjectionError
+from edgesync_engines.adapters.reshape import convert_fragment
+from edgesync_engines.request import plan as planning
+from edgesync_engines.request.plan import ReusePlan, ReuseSource, SourceKind
+
+if TYPE_CHECKING:
+    from edgesync_engines.adapters.protocol import EngineAdapter
+    from edgesync_engines.request.prefetch import Prefetcher
+    from edgesync_store.core.store import FragmentStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What the engine holds once a plan is carried out.
+
+    Attributes:
+        source: the source injected (None: nothing was).
+        tokens: the sequence to continue: the prompt's, or a donor's served whole.
+        reused: tokens injected (the engine's ``n_past``).
+        keys: store keys of the fragments injected (their hits are recorded).
+        bytes_read: compressed bytes of the fragments injected.
+        ram_tier_hits: fragments taken from the prefetch RAM tier while carrying out the plan.
+        donor_ms: milliseconds spent on donors tried whole (part of the lookup's cost).
+    """
+
+    source: ReuseSource | None
+    tokens: tuple[int, ...]
+    reused: int = 0
+    keys: tuple[bytes, ...] = ()
+    bytes_read: int = 0
+    ram_tier_hits: int = 0
+    donor_ms: float = 0.0
+
+    @property
+    def approximate(self) -> bool:
+        """A donor's KV whose tokens differ from the prompt's was served whole."""
+        return self.source is not None and self.source.kind == SourceKind.DONOR
+
+    @property
+    def convertible(self) -> bool:
+        """The KV injected was another engine's, converted."""
+        return self.source is not None and self.source.kind == SourceKind.CONVERTIBLE
+
+    @property
+    def donor(self) -> str | None:
+        """Hex key of the donor whose chain was injected (None: none, or nothing injected)."""
+        return self.source.donor if self.source is not None and self.reused else None
+
+    @property
+    def source_engine(self) -> str | None:
+        """The engine whose KV was injected; None on a miss and for a donor served whole."""
+        if not self.reused or self.source is None or self.source.kind == SourceKind.DONOR:
+            return None
+        return self.source.namespace.engine
+
+
+class Injector:
+    """Injects plans into one engine from one store.
+
+    Args:
+        store: the fragment store the plan was made against.
+        adapter: the engine (the caller holds ``adapter.lock``).
+        prefetcher: the prefetch RAM tier to read first (None: prefetch off).
+    """
+
+    def __init__(self, store: "FragmentStore", adapter: "EngineAdapter",
+                 prefetcher: "Prefetcher | None" = None) -> None:
+        self.store = store
+        self.adapter = adapter
+        self.prefetcher = prefetcher
+        self._ram_hits = 0
+
+    def carry_out(self, plan: ReusePlan) -> Injection:
+        """Try the plan's sources in order; returns what the engine then holds."""
+        self._ram_hits = 0
+        donor_ms = 0.0
+        for source in plan.sources:
+            t0 = time.perf_counter()
+            reused, keys, nbytes = self.inject(source)
+            if source.kind == SourceKind.DONOR:
+                donor_ms += (time.perf_counter() - t0) * 1000
+            if reused >= source.required:
+                if source.kind == SourceKind.CONVERTIBLE:
+                    log.info("injected %d tokens of %s KV, converted for %s", reused, source.namespace.engine,
+                             self.adapter.namespace.engine)
+                return Injection(source, source.tokens, reused, tuple(keys), nbytes, self._ram_hits, donor_ms)
+            if source.kind == SourceKind.DONOR:
+                self.adapter.clear_kv_cache()  # the next source starts from an empty sequence
+        return Injection(None, plan.prompt, ram_tier_hits=self._ram_hits, donor_ms=donor_ms)
+
+    def inject(self, source: ReuseSource) -> tuple[int, list[bytes], int]:
+        """Fetch, verify and inject the spans of ``source.match`` up to ``source.limit`` tokens
+        of ``source.tokens``, converted when they are of another namespace than the engine's.
+
+        Returns (tokens injected, keys used, compressed bytes read).
+
+        The fragments are pinned from their first read until the engine holds their KV, so no
+        eviction in any process takes them meanwhile. One that is gone when read (another
+        process's compaction merged or evicted it between the walk and the pin) makes this
+        walk again once, pinned, and take the longer of the two.
+        """
+        return self._inject_match(source, source.match, source.limit, 0, retry=True)
+
+    def _inject_match(self, source: ReuseSource, match: PrefixMatch, limit: int, bytes_before: int,
+                      retry: bool) -> tuple[int, list[bytes], int]:
+        """One attempt of :meth:`inject` with ``match`` verified up to ``limit`` tokens."""
+        tokens, namespace = list(source.tokens), source.namespace
+        n = len(tokens)
+        target = self.adapter.usable_prefix(min(match.matched_tokens, limit), n)
+        if target < MIN_SPAN:
+            return 0, [], bytes_before
+        pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
+        with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
+            fragments, keys, nbytes, covered, missing = self._fetch_spans(match, target)
+            bytes_total = bytes_before + nbytes
+            again = planning.walk(self.store, namespace, tokens) if missing and retry else None
+            if again is None or again.matched_tokens <= covered:
+                if missing:
+                    log.warning("a stored fragment was refused or is gone; injecting %d of %d matched tokens",
+                                covered, match.matched_tokens)
+                target = self.adapter.usable_prefix(min(target, covered), n)
+                if target < MIN_SPAN:
+                    return 0, [], bytes_total
+                return self._inject_fragments(fragments, target, tokens, namespace, keys, bytes_total)
+        log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
+        # the sequence's own tokens: the new walk is verified all along
+        return self._inject_match(source, again, again.matched_tokens, bytes_total, retry=False)
+
+    def _inject_fragments(self, fragments, target: int, tokens: list[int], namespace, keys: list[bytes],
+                          nbytes: int) -> tuple[int, list[bytes], int]:
+        """Convert (another namespace) and inject ``fragments`` up to ``target`` tokens; on a
+        refusal the engine's sequence is cleared and nothing counts as injected."""
+        try:
+            if namespace != self.adapter.namespace:
+                fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]
+            self.adapter.inject_fragment(fragments, target, tokens)
+        except (ValueError, InjectionError) as exc:
+            log.warning("injection refused, prefilling from scratch: %s", exc)
+            self.adapter.clear_kv_cache()
+            return 0, [], nbytes
+        return target, keys, nbytes
+
+    def _fetch_spans(self, match: PrefixMatch, target: int):
+        """Read the spans of ``match`` below ``target``: (fragments, keys, compressed bytes,
+        tokens covered, whether a fragment was missing or refused)."""
+        fragments, keys, bytes_read, covered = [], [], 0, 0
+        for span in match.spans:
+            if span.token_start >= target:
+                break
+            got = [self._fetch(key) for key in span.keys]
+            if any(f is None for f in got):
+                log.info("fragment at [%d, %d) was refused or is gone after the walk (%d tokens read)",
+                         span.token_start, span.token_end, covered)
+                return fragments, keys, bytes_read, covered, True
+            fragments.extend(got)
+            keys.extend(span.keys)
+            bytes_read += span.compressed_nbytes
+            covered = span.token_start + span.matched
+        return fragments, keys, bytes_read, covered, False
+
+    def _fetch(self, key: bytes):
+        """The decoded fragment under ``key``: from the prefetch RAM tier while the store still
+        holds it live, else from the store (None: absent or corrupt)."""
+        if self.prefetcher is not None:
+            try:
+                frag = self.prefetcher.lookup(key)
+            except StoreError as exc:
+                log.warning("RAM tier check failed, reading the store: %s", exc)
+                frag = None
+            if frag is not None:
+                self._ram_hits += 1
+                return frag
+        return self.store.get(key)

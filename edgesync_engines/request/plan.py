@@ -1,0 +1,299 @@
+"""What a request reuses: the decision, made in one place and returned as a :class:`ReusePlan`.
+
+:func:`plan_reuse` reads the store (prefix walks) and asks the semantic lookup for donors, but
+changes neither the store nor the engine: :mod:`edgesync_engines.request.execute` carries the
+plan out. The plan lists the KV sources worth injecting, best first; the executor injects the
+first one that delivers at least its ``required`` tokens, so a source spoiled between the plan
+and the injection (a fragment evicted or corrupt) falls back to the next.
+
+The decision, in order (``n`` prompt tokens):
+
+1. Prompts under ``MIN_SPAN`` (64) tokens, or no store: no source, the request prefills.
+2. The prefix walk of the engine's own namespace: the longest stored chain whose token IDs
+   equal the prompt's.
+3. When it leaves tokens uncovered (``semantic_min_uncovered``, 64, in the default mode; 2 in
+   the approximate mode), the semantic lookup nominates donors at cosine >=
+   ``similarity_partial``:
+
+   a. approximate mode only (``reuse="semantic"``): each donor at cosine >=
+      ``similarity_exact`` (0.92) that shares everything before the embedded text, fits the
+      context and whose chain is stored whole becomes a :data:`SourceKind.DONOR` source,
+      served whole (the model answers the donor's prompt);
+   b. token by token: a donor's chain counts up to where its tokens stop matching the
+      prompt's; the longest verified prefix replaces the walk's (one as long names the donor).
+
+4. ``allow_convertible``: when the own namespace does not serve all it could, the longest chain
+   of a convertible namespace (``compat.compatible_with``: the other engine, same model) that
+   gives more becomes a :data:`SourceKind.CONVERTIBLE` source.
+5. Last, the own prefix of step 2 or 3b (:data:`SourceKind.PREFIX`), accepted at any length.
+
+How many tokens a chain yields is the adapter's ``usable_prefix``: never the last prompt token
+(its logits are needed), and for llama.cpp one fewer when only one would be left to prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from edgesync_store.core.walk import PrefixMatch
+from edgesync_store.errors import StoreError
+from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len
+
+from edgesync_engines.adapters.compat import CONVERTIBLE, compatible_with
+
+if TYPE_CHECKING:
+    from edgesync_engines.adapters.protocol import EngineAdapter
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.semantic_lookup import Donor, Lookup, SemanticLookup
+    from edgesync_store.core.store import FragmentStore
+
+log = logging.getLogger(__name__)
+
+
+class HitTier:
+    """What a request's injection amounted to (``GenerationResult.tier``)."""
+
+    EXACT = "exact"
+    """All prompt tokens but at most the last one injected, or a donor served whole."""
+    PARTIAL = "partial"
+    """At least ``MIN_SPAN`` (64) tokens injected, but not all."""
+    MISS = "miss"
+    """Nothing injected."""
+
+
+class ReuseMode:
+    """``EdgeSyncConfig.reuse``: what may stand in for a prompt's KV."""
+
+    EXACT = "exact"
+    """Only KV of token-identical prefixes (the default): the output equals an uncached run's."""
+    SEMANTIC = "semantic"
+    """Also a similar donor prompt's KV, served whole (approximate answers)."""
+
+
+class SourceKind:
+    """Where a :class:`ReuseSource`'s KV comes from."""
+
+    PREFIX = "prefix"
+    """The engine's own namespace, token-identical to the prompt."""
+    DONOR = "donor"
+    """A donor prompt's chain, served whole in place of the prompt (approximate mode)."""
+    CONVERTIBLE = "convertible"
+    """Another engine's namespace for the same model, converted before injection."""
+
+
+def hit_tier(reused: int, n_prompt: int, approximate: bool = False) -> str:
+    """The :class:`HitTier` of a request that injected ``reused`` of its ``n_prompt`` tokens
+    (``approximate``: a donor was served whole, which counts as exact)."""
+    if approximate or (reused and reused >= n_prompt - 1):
+        return HitTier.EXACT
+    return HitTier.PARTIAL if reused >= MIN_SPAN else HitTier.MISS
+
+
+@dataclass(frozen=True)
+class ReuseSource:
+    """One KV source the executor may inject.
+
+    Attributes:
+        kind: a :class:`SourceKind` value.
+        tokens: the token sequence to continue once injected: the prompt's, or the donor's for
+            :data:`SourceKind.DONOR`.
+        match: the prefix walk of ``tokens`` in ``namespace`` (what to fetch).
+        limit: how many tokens of ``match`` are verified equal to ``tokens`` (a donor's chain
+            may go on past the prompt's tokens).
+        namespace: the namespace the fragments are stored under (converted when it is not the
+            engine's).
+        required: the fewest injected tokens that make this source worth it; fewer and the
+            executor moves on to the next source.
+        donor: hex key of the donor behind this source (None: none).
+    """
+
+    kind: str
+    tokens: tuple[int, ...]
+    match: PrefixMatch
+    limit: int
+    namespace: Namespace
+    required: int = 0
+    donor: str | None = None
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """What a request reuses: the boundary between :func:`plan_reuse` and the executor.
+
+    Attributes:
+        prompt: the prompt's token IDs.
+        sources: the sources to try, in order (empty: prefill everything).
+        similarity: cosine of the best donor the lookup found (None: not run, or none).
+        embedded: the request's (text, float32 ``[384]`` embedding) when the lookup ran, to
+            index the prompt without encoding it again.
+        lookup_ms: the lookup's cost in milliseconds (None: not run).
+        stale_donors: keys of nominated donors none of whose chain is stored any more (to
+            drop from the index).
+    """
+
+    prompt: tuple[int, ...]
+    sources: tuple[ReuseSource, ...] = ()
+    similarity: float | None = None
+    embedded: tuple | None = None
+    lookup_ms: float | None = None
+    stale_donors: tuple[bytes, ...] = ()
+
+
+def walk(store: "FragmentStore", namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch:
+    """The store's longest token-identical prefix of ``tokens`` in ``namespace`` (empty, with a
+    warning, when the store cannot be read)."""
+    try:
+        return store.prefix_walk(namespace, tokens)
+    except StoreError as exc:
+        log.warning("store unreadable, prefilling: %s", exc)
+        return PrefixMatch()
+
+
+def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "FragmentStore | None",
+               adapter: "EngineAdapter", config: "EdgeSyncConfig",
+               semantic: "SemanticLookup | None" = None) -> ReusePlan:
+    """Decide what the request ``prompt`` (a string or chat messages, tokenized as ``tokens``)
+    reuses, for an answer of up to ``max_tokens`` tokens: the steps in the module docstring.
+
+    Reads the store and runs the semantic lookup (``semantic``, None: off); never raises for a
+    store problem (a failed walk finds nothing)."""
+    tokens = tuple(int(t) for t in tokens)
+    n = len(tokens)
+    if store is None or n < MIN_SPAN:
+        return ReusePlan(prompt=tokens)
+    own_ns = adapter.namespace
+    match = walk(store, own_ns, tokens)
+    limit, donor_key = match.matched_tokens, None
+    found = _Found()
+    # Default mode: a donor can only add verified tokens, worth an encode (~15 ms) when 64 or
+    # more are uncovered. Approximate mode: a donor saves every uncovered token, so any
+    # request that is not an exact hit looks (a short question behind a shared system prompt
+    # is the common case there).
+    gate = config.semantic_min_uncovered if config.reuse == ReuseMode.EXACT else 2
+    if semantic is not None and n - match.matched_tokens >= gate:
+        t_lookup = time.perf_counter()
+        lookup = semantic.nominate(prompt, own_ns)
+        if lookup is not None:
+            found.similarity, found.embedded = lookup.similarity, lookup.embedded
+            if config.reuse == ReuseMode.SEMANTIC:
+                _donor_sources(prompt, tokens, max_tokens, lookup, store, adapter, config, found)
+            match, limit, donor_key = _verified_prefix(tokens, lookup.donors, match, limit, store, own_ns)
+            found.lookup_ms = (time.perf_counter() - t_lookup) * 1000
+    own = adapter.usable_prefix(min(match.matched_tokens, limit), n)
+    if config.allow_convertible and own < adapter.usable_prefix(n - 1, n):
+        convertible = _convertible_source(tokens, own, store, adapter)
+        if convertible is not None:
+            found.sources.append(convertible)
+    found.sources.append(ReuseSource(SourceKind.PREFIX, tokens, match, limit, own_ns,
+                                     donor=None if donor_key is None else donor_key.hex()))
+    return ReusePlan(prompt=tokens, sources=tuple(found.sources), similarity=found.similarity,
+                     embedded=found.embedded, lookup_ms=found.lookup_ms, stale_donors=tuple(found.stale))
+
+
+class _Found:
+    """What :func:`plan_reuse` collects on its way (mutable; frozen into the plan at the end)."""
+
+    def __init__(self) -> None:
+        self.sources: list[ReuseSource] = []
+        self.stale: list[bytes] = []
+        self.similarity = self.embedded = self.lookup_ms = None
+
+
+def _donor_sources(prompt, tokens: tuple[int, ...], max_tokens: int, lookup: "Lookup", store, adapter,
+                   config, found: _Found) -> None:
+    """Approximate mode: the donors that may be served whole, most similar first (step 3a).
+
+    Only a donor that shares everything before the embedded text (system prompt, earlier
+    turns) may stand in for this prompt: the embedding sees the last user turn alone, so the
+    same question in another app or conversation scores 1.0."""
+    context = context_len(prompt, tokens, lookup.embedded[0], adapter)
+    for donor in lookup.donors:
+        if donor.similarity < config.similarity_exact:
+            break
+        if common_prefix_len(tokens, donor.tokens) < context:
+            continue
+        d_tokens = tuple(int(t) for t in donor.tokens)
+        if len(d_tokens) + max_tokens > adapter.n_ctx:
+            continue
+        d_walk = walk(store, adapter.namespace, d_tokens)
+        whole = adapter.usable_prefix(len(d_tokens) - 1, len(d_tokens))
+        if d_walk.matched_tokens < whole:  # part of its chain expired or was refused
+            log.info("donor %s: %d of its %d tokens are stored; not served", donor.key.hex()[:16],
+                     d_walk.matched_tokens, len(d_tokens))
+            if d_walk.matched_tokens == 0:
+                found.stale.append(donor.key)
+            continue
+        found.sources.append(ReuseSource(SourceKind.DONOR, d_tokens, d_walk, len(d_tokens), adapter.namespace,
+                                         required=whole, donor=donor.key.hex()))
+
+
+def _verified_prefix(tokens: tuple[int, ...], donors: "Sequence[Donor]", match: PrefixMatch, limit: int,
+                     store, namespace: Namespace) -> tuple[PrefixMatch, int, bytes | None]:
+    """Token by token (step 3b): a donor's stored chain counts up to where its tokens stop
+    matching the prompt's. A longer verified prefix than the walk's replaces it; one as long
+    confirms it (its key reported as the donor). Returns (match, verified tokens, donor key)."""
+    donor_key = None
+    for donor in donors:
+        common = common_prefix_len(tokens, donor.tokens)
+        if common < max(limit, MIN_SPAN):
+            continue
+        donor_match = walk(store, namespace, donor.tokens)
+        verified = min(donor_match.matched_tokens, common)
+        if verified > limit:
+            match, limit, donor_key = donor_match, verified, donor.key
+        elif verified == limit and donor_key is None:
+            donor_key = donor.key
+    return match, limit, donor_key
+
+
+def convertible_namespaces(store: "FragmentStore", namespace: Namespace) -> list[Namespace]:
+    """The store's namespaces whose KV ``compatible_with`` calls convertible for an engine of
+    ``namespace`` (same model and geometry, another engine or settings); the others are
+    skipped with their reason logged. Empty when the store cannot be read."""
+    try:
+        stored = store.namespaces()
+    except StoreError as exc:
+        log.warning("store unreadable, no cross-engine lookup: %s", exc)
+        return []
+    usable = []
+    for ns in stored:
+        if ns == namespace:
+            continue
+        verdict = compatible_with(ns, namespace)
+        if verdict.verdict == CONVERTIBLE:
+            usable.append(ns)
+        else:
+            log.debug("stored %s KV not usable here: %s", ns.engine, verdict.reason)
+    return usable
+
+
+def _convertible_source(tokens: tuple[int, ...], own: int, store, adapter) -> ReuseSource | None:
+    """Step 4: the longest chain of a convertible namespace when it yields more than the
+    ``own`` tokens the engine's own namespace would (the first such namespace on a tie)."""
+    best = None
+    for ns in convertible_namespaces(store, adapter.namespace):
+        match = walk(store, ns, tokens)
+        usable = adapter.usable_prefix(match.matched_tokens, len(tokens))
+        if usable > (best[0] if best else own):
+            best = (usable, ns, match)
+    if best is None:
+        return None
+    _, ns, match = best
+    return ReuseSource(SourceKind.CONVERTIBLE, tokens, match, match.matched_tokens, ns, required=own + 1)
+
+
+def context_len(prompt, tokens: Sequence[int], text: str, adapter: "EngineAdapter") -> int:
+    """Prompt tokens before the embedded ``text``: for chat messages ending with a user turn,
+    everything up to that turn's content (found by rendering the messages with that content
+    emptied); otherwise all but the embedded text's own tokens and 8 more (the template's
+    closing tokens and tokenizer boundary effects)."""
+    if not isinstance(prompt, str) and prompt and prompt[-1].get("role") == "user":
+        emptied = list(prompt[:-1]) + [{**prompt[-1], "content": ""}]
+        try:
+            return common_prefix_len(tokens, adapter.tokenize(adapter.apply_chat_template(emptied)))
+        except (ValueError, TypeError) as exc:
+            log.debug("chat template of the emptied turn failed (%s); estimating", exc)
+    return max(0, len(tokens) - len(adapter.tokenize(text)) - 8)

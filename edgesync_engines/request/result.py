@@ -1,0 +1,109 @@
+"""What a request returns: :class:`GenerationResult` (its JSON is ``to_dict()``) and, for a
+streamed request, :class:`GenerationStream`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced and what it cost.
+
+    Token counts are tokens; times are milliseconds; sizes are bytes. ``tier`` is the hit tier
+    (:class:`~edgesync_engines.request.plan.HitTier`: ``exact``, ``partial`` or ``miss``).
+    ``similarity`` is the cosine of the best donor the semantic lookup found (None when the
+    lookup did not run or found none); ``lookup_ms`` the lookup's cost (encode + search + donor
+    checks, None when it did not run); ``donor`` the hex key (the last fragment of its chain)
+    of the nominated donor whose verified prefix was injected, or that reached as far as the
+    prefix walk did, or that was served whole (None when no nominated donor matched that far).
+    ``tokens_prefilled`` is what this request evaluated (``prompt_tokens - tokens_reused``,
+    except in the approximate mode, where the donor's remaining tokens are evaluated instead).
+    ``approximate`` is True when the answer came from a donor's KV whose tokens differ from the
+    prompt's (``reuse="semantic"`` only). ``ram_tier_hits`` counts the fragments injected from
+    the prefetch RAM tier instead of being read and decoded from the store (0 when prefetch is
+    off). ``convertible`` is True when the injected KV was written by another engine and
+    converted (``allow_convertible`` only); ``source_engine`` names the engine whose KV was
+    injected (None on a miss and for a donor served whole).
+    """
+
+    text: str
+    tokens: list[int]
+    tier: str
+    similarity: float | None
+    prompt_tokens: int
+    tokens_reused: int
+    tokens_prefilled: int
+    ttft_ms: float
+    total_ms: float
+    bytes_read: int
+    fragments_written: int = 0
+    approximate: bool = False
+    lookup_ms: float | None = None
+    donor: str | None = None
+    ram_tier_hits: int = 0
+    convertible: bool = False
+    source_engine: str | None = None
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-able dict (what the CLI prints)."""
+        return asdict(self)
+
+
+class GenerationStream:
+    """Iterator over the text pieces of a streamed generation; ``result`` is set at the end.
+
+    The engine is locked from the first piece until the stream is exhausted or closed: a
+    caller that stops early calls :meth:`close` (or uses ``with``), else other threads wait
+    until the stream is garbage-collected. Consume a stream in the thread that created it.
+    """
+
+    def __init__(self, events: Iterator[str]) -> None:
+        self._source = events
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    @classmethod
+    def start(cls, events: Iterator) -> "GenerationStream":
+        """Wrap a request generator (``EdgeSync._run``: "" once the input is checked, then
+        text pieces, then the :class:`GenerationResult`), running it up to its first yield now
+        so that input errors raise here, not at iteration."""
+        stream = cls(events)
+        first = next(events, None)
+        if first is None or isinstance(first, GenerationResult):
+            stream.result = first
+            stream._events = iter(())
+            return stream
+
+        def chained() -> Iterator[str]:
+            piece = first
+            while True:
+                if isinstance(piece, GenerationResult):
+                    stream.result = piece
+                    return
+                if piece:
+                    yield piece
+                piece = next(events)
+
+        stream._events = chained()
+        return stream
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stop generating and release the engine (idempotent)."""
+        for gen in (self._events, self._source):
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
