@@ -47,7 +47,7 @@ from edgesync_store.core.locks import CompactLock
 from edgesync_store.schema import Namespace, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle, sweep
 
-log = logging.getLogger("edgesync.compactor")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 """``progress(step, done, total)``: called as each step advances (commands draw a bar)."""
@@ -344,7 +344,7 @@ def open_index(store):
         if not table.exists or table.count() == 0:
             return None
         meta = store.named_db(META_DB)
-        backend = store._txn(lambda txn: (bytes(v).decode() if (v := txn.get(b"backend_id", db=meta)) else ""))
+        backend = store.transact(lambda txn: (bytes(v).decode() if (v := txn.get(b"backend_id", db=meta)) else ""))
         if not backend:
             return None
         return SemanticIndex(store, backend)

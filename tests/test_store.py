@@ -4,7 +4,7 @@ edgesync_engines.adapters.fingerprint.
 No mocks. Processes are real subprocesses; the only fault injection is a byte changed in a
 stored blob through a raw LMDB environment (a fake for a corrupt page on disk), or a blob copied
 under another fragment's key (a fake for a misfiled page). Log records of the
-``edgesync.store`` logger are counted to show which recovery path (map growth, another
+``edgesync_store`` loggers are counted to show which recovery path (map growth, another
 process's resize) really ran.
 """
 
@@ -128,7 +128,7 @@ class LogCounter(logging.Handler):
 
 @pytest.fixture
 def store_log():
-    logger = logging.getLogger("edgesync.store")
+    logger = logging.getLogger("edgesync_store")
     handler = LogCounter()
     old = logger.level
     logger.setLevel(logging.DEBUG)
@@ -389,8 +389,8 @@ _WRITER = _PRELUDE + textwrap.dedent(
     """
     path, map_size, grow_seed0, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     counter = T.LogCounter()
-    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
-    logging.getLogger("edgesync.store").addHandler(counter)
+    logging.getLogger("edgesync_store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync_store").addHandler(counter)
     store = FragmentStore(path, map_size=map_size)
     added = 0
     for i in range(n):
@@ -423,8 +423,8 @@ _CONCURRENT = _PRELUDE + textwrap.dedent(
     import os
     path, map_size, my_seed, other_seed, n, ready, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
     counter = T.LogCounter()
-    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
-    logging.getLogger("edgesync.store").addHandler(counter)
+    logging.getLogger("edgesync_store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync_store").addHandler(counter)
     mine = [T.shared_fragment(my_seed + i) for i in range(n)]
     others = [T.shared_fragment(other_seed + i) for i in range(n)]
     store = FragmentStore(path, map_size=map_size)

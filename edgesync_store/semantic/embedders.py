@@ -36,10 +36,8 @@ import importlib
 import importlib.util
 import logging
 import os
-import re
 import sys
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,7 +45,7 @@ import numpy as np
 
 from edgesync_store.schema import EMBEDDING_DIM
 
-log = logging.getLogger("edgesync.embedding")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",

@@ -24,7 +24,7 @@ from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_emb
 from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
 from edgesync_store.core.store import FragmentStore, StoreOpenError
 
-log = logging.getLogger("edgesync.reindex")
+log = logging.getLogger(__name__)
 
 EMBED_BATCH = 64
 """Donor texts encoded per call."""
