@@ -2,9 +2,9 @@
 
 Creates, in ONE write transaction, the four core databases (``fragments``, ``by_prefix`` with
 sorted duplicates, ``lifecycle``, ``meta``) and records ``format_version`` 1: a kill leaves either
-an empty environment or a complete version-1 store. An older EdgeSync created the databases one
-transaction each and wrote the version last; a store left half-created that way (some
-databases, no version) is completed here too.
+an empty environment or a complete version-1 store. A store whose databases were created one
+transaction each, with the version written last, may hold some of them and no version if it
+was killed meanwhile; it is completed here too.
 """
 
 from __future__ import annotations

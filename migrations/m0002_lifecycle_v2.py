@@ -17,7 +17,8 @@ just before it).
 
 from __future__ import annotations
 
-from edgesync_store.core.codec import CodecError, peek
+from edgesync_store.core.codec import peek
+from edgesync_store.errors import CodecError
 from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, LIFECYCLE_DB, META_DB, U64, USED_BYTES_KEY
 from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy

@@ -269,8 +269,8 @@ def test_two_processes_add_at_once(index, store, keys, vectors, tmp_path):
 
 
 def _raw_vectors(store: FragmentStore) -> list[bytes]:
-    db = store._env.open_db(b"emb_vectors", create=False)
-    return store._txn(lambda txn: [bytes(v) for _, v in txn.cursor(db=db)])
+    db = store.named_db(b"emb_vectors")
+    return store.transact(lambda txn: [bytes(v) for _, v in txn.cursor(db=db)])
 
 
 def test_threads_query_while_adding_and_removing(index, store, fragments, keys, vectors):

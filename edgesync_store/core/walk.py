@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from edgesync_store.core import codec
-from edgesync_store.core.codec import CodecError
+from edgesync_store.errors import CodecError
 from edgesync_store.core.lmdb_env import index_key
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle

@@ -79,7 +79,7 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
         before, free = free_bytes(store)
         return ReclaimResult(before, free, before, False, "store is open read-only")
     if not dry_run:
-        clean_leftovers(store)
+        remove_stale_copy(store)
     before, free = free_bytes(store)
     result = ReclaimResult(before, free, before, False, "")
     if free <= 0 or (not force and (free < min_free_bytes or free < min_free_fraction * before)):
@@ -131,7 +131,7 @@ def _swap_in_copy(store) -> None:
         raise
 
 
-def clean_leftovers(store) -> bool:
+def remove_stale_copy(store) -> bool:
     """Remove the temp copy a killed reclaim left behind (a whole copy of the store), when no
     other process has the store open (so it is never another process's copy in progress);
     True when one was removed. :func:`reclaim` calls it first, whatever its threshold."""

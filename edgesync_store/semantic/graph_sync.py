@@ -2,7 +2,7 @@
 
 :class:`GraphSync` is the part of :class:`~edgesync_store.semantic.index.SemanticIndex` that
 changes the graph: adds (reusing the slots of deleted elements, growing the graph when full),
-removals (hnswlib marks them deleted), and the three ways of catching up with LMDB: replaying
+removals (hnswlib marks them deleted), loading the saved graph, and the three ways of catching up with LMDB: replaying
 the change log from the generation the graph reflects, reconciling against a full scan when the
 log no longer reaches back, and rebuilding from scratch. Every method runs with the index's
 lock held. Labels are never reused (``vectors.py``), so a label deleted in the graph and added
@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from edgesync_store.semantic import sidecar
 from edgesync_store.semantic.sidecar import EF_CONSTRUCTION, HNSW_M, SPACE
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,40 @@ class GraphSync:
     """Graph updates of ``SemanticIndex``; it provides ``_hnswlib``, ``_index`` (the graph),
     ``_keys`` (live label -> store key), ``_labels`` (store key -> live label), ``_maybe_dead``
     (labels marked deleted, a superset), ``_n_dead`` (reusable slots), ``_seen_gen``,
-    ``_index_id``, ``_dirty``, ``_vectors`` (``VectorTable``), ``dim``, ``ef_search``,
-    ``num_threads``, ``path``, ``_open()`` and ``_purge()``."""
+    ``_index_id``, ``_dirty``, ``_vectors`` (``VectorTable``), ``backend_id``, ``dim``,
+    ``ef_search``, ``num_threads``, ``path``, ``hnsw_path``, ``json_path``, ``_open()`` and
+    ``_purge()``."""
+
+    def _load_sidecar(self) -> set[int] | None:
+        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
+        store and backend; return the graph's live labels, or None (graph to rebuild)."""
+        if not self.json_path.exists() and not self.hnsw_path.exists():
+            return None
+        try:
+            graph, generation, deleted = sidecar.load_graph(
+                self._hnswlib, self.path, sidecar.header(self.backend_id, self.dim, self._index_id),
+                self._vectors.generation())
+        except FileNotFoundError as exc:
+            log.warning("semantic index sidecar of %s incomplete (%s): rebuilding from LMDB", self.path, exc.filename)
+            return None
+        except (ValueError, OSError, RuntimeError) as exc:
+            log.warning("semantic index sidecar of %s unusable (%s): rebuilding from LMDB", self.path, exc)
+            return None
+        if graph.dim != self.dim:
+            log.warning("semantic index sidecar of %s has dim %d: rebuilding from LMDB", self.path, graph.dim)
+            return None
+        graph.set_num_threads(self.num_threads)
+        graph.set_ef(self.ef_search)
+        ids = set(int(x) for x in graph.get_ids_list())
+        dead = set(deleted) & ids
+        self._index = graph
+        self._keys, self._labels = {}, {}
+        self._maybe_dead = set(dead)
+        self._n_dead = len(dead)
+        self._seen_gen = generation
+        self._dirty = False
+        log.debug("loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation)
+        return ids - dead
 
     def _new_graph(self, capacity: int):
         graph = self._hnswlib.Index(space=SPACE, dim=self.dim)

@@ -176,37 +176,6 @@ class SemanticIndex(GraphSync):
         else:
             self._reconcile(loaded)
 
-    def _load_sidecar(self) -> set[int] | None:
-        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
-        store and backend; return the graph's live labels, or None (graph to rebuild)."""
-        if not self.json_path.exists() and not self.hnsw_path.exists():
-            return None
-        try:
-            graph, generation, deleted = sidecar.load_graph(
-                self._hnswlib, self.path, sidecar.header(self.backend_id, self.dim, self._index_id),
-                self._vectors.generation())
-        except FileNotFoundError as exc:
-            log.warning("semantic index sidecar of %s incomplete (%s): rebuilding from LMDB", self.path, exc.filename)
-            return None
-        except (ValueError, OSError, RuntimeError) as exc:
-            log.warning("semantic index sidecar of %s unusable (%s): rebuilding from LMDB", self.path, exc)
-            return None
-        if graph.dim != self.dim:
-            log.warning("semantic index sidecar of %s has dim %d: rebuilding from LMDB", self.path, graph.dim)
-            return None
-        graph.set_num_threads(self.num_threads)
-        graph.set_ef(self.ef_search)
-        ids = set(int(x) for x in graph.get_ids_list())
-        dead = set(deleted) & ids
-        self._index = graph
-        self._keys, self._labels = {}, {}
-        self._maybe_dead = set(dead)
-        self._n_dead = len(dead)
-        self._seen_gen = generation
-        self._dirty = False
-        log.debug("loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation)
-        return ids - dead
-
     # -- LMDB writes (vectors.py) ----------------------------------------------------------------
 
     def _check_writable(self) -> None:
