@@ -199,17 +199,18 @@ class LmdbEnv:
                 return handle
             for _ in range(64):
                 try:
-                    handle = self._env.open_db(name, txn=txn, dupsort=dupsort, create=create and not self.readonly)
-                    break
-                except lmdb.MapResizedError:  # another process grew the map since lmdb.open
-                    if txn is not None:
-                        raise  # the enclosing transact() adopts the new size and retries
-                    self._env.set_mapsize(0)
-                except (lmdb.NotFoundError, lmdb.ReadonlyError):
-                    return None
+                    try:
+                        handle = self._env.open_db(name, txn=txn, dupsort=dupsort, create=create and not self.readonly)
+                        break
+                    except lmdb.MapResizedError:  # another process grew the map since lmdb.open
+                        if txn is not None:
+                            raise  # the enclosing transact() adopts the new size and retries
+                        self._env.set_mapsize(0)
+                    except (lmdb.NotFoundError, lmdb.ReadonlyError):
+                        return None
                 except lmdb.Error as exc:
                     if txn is not None:
-                        raise
+                        raise  # transact() turns it into StoreIOError
                     raise StoreIOError(f"store {self.path}: cannot open database {name!r}: {exc}") from exc
             else:
                 raise StoreIOError(f"store {self.path}: cannot open database {name!r} (the map keeps growing)")
@@ -231,16 +232,17 @@ class LmdbEnv:
         for _ in range(64):
             with self.lock:
                 try:
-                    with self._env.begin(write=write, buffers=True) as txn:
-                        return fn(txn)
-                except lmdb.MapFullError:
-                    new_size = min(self._env.info()["map_size"] * 2, MAX_MAP_SIZE)
-                    log.info("LMDB map full: growing %s to %d bytes", self.path, new_size)
-                    self._env.set_mapsize(new_size)
-                except lmdb.MapResizedError:
-                    log.debug("another process grew the map of %s", self.path)
-                    self._env.set_mapsize(0)
-                except lmdb.Error as exc:
+                    try:
+                        with self._env.begin(write=write, buffers=True) as txn:
+                            return fn(txn)
+                    except lmdb.MapFullError:
+                        new_size = min(self._env.info()["map_size"] * 2, MAX_MAP_SIZE)
+                        log.info("LMDB map full: growing %s to %d bytes", self.path, new_size)
+                        self._env.set_mapsize(new_size)
+                    except lmdb.MapResizedError:
+                        log.debug("another process grew the map of %s", self.path)
+                        self._env.set_mapsize(0)
+                except lmdb.Error as exc:  # also a failed growth
                     raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
         raise StoreIOError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
 
