@@ -275,23 +275,11 @@ def add_fragments(store, index, vectors: np.ndarray, start: int, stop: int, batc
 
 def index_lmdb_bytes(store) -> int | None:
     """Bytes of the pages of the index's two LMDB databases (``emb_vectors``: the vectors;
-    ``emb_meta``: counters and change log), or None when they cannot be read. Uses the store's
-    private LMDB handle: benchmark-only, and tolerant of the modules' refactoring."""
+    ``emb_meta``: counters and change log), or None when they cannot be read."""
     try:
-        try:
-            from edgesync_store.semantic.vectors import META_DB, VECTORS_DB
-        except ImportError:
-            from edgesync_store.semantic.index import META_DB, VECTORS_DB
-        dbs = [store._env.open_db(name, create=False) for name in (VECTORS_DB, META_DB)]
+        from edgesync_store.semantic.vectors import META_DB, VECTORS_DB
 
-        def read(txn):
-            total = 0
-            for db in dbs:
-                st = txn.stat(db)
-                total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
-            return total
-
-        return store._txn(read)
+        return store.page_bytes([VECTORS_DB, META_DB])
     except Exception as exc:  # noqa: BLE001 - a size figure is not worth failing the run
         print(f"cannot measure the index's LMDB bytes: {exc}", file=sys.stderr)
         return None

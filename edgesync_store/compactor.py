@@ -5,7 +5,7 @@ Steps of :meth:`Compactor.run`, in order:
 1. **expire** (``ttl.sweep``): expired fragments leave LMDB and the HNSW sidecar.
 2. **dedup**: a fragment is dropped when another live fragment of the same namespace, prefix
    and start already holds its KV: its tokens are a prefix of (or equal to) the other's, its
-   layers and KV heads a subset of the other's (the seed's ContentHash dedup, made safe for
+   layers and KV heads a subset of the other's (a ContentHash dedup, made safe for
    prefixes). KV at a position depends only on the tokens up to it, and llama.cpp computes it
    bit-identically in any batch of two or more tokens (``LlamaCppAdapter.usable_prefix``), so
    the longer fragment serves the same bytes. A strictly shorter fragment is kept when
@@ -47,7 +47,7 @@ from edgesync_store.core.locks import CompactLock
 from edgesync_store.schema import Namespace, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle, sweep
 
-log = logging.getLogger("edgesync.compactor")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 """``progress(step, done, total)``: called as each step advances (commands draw a bar)."""
@@ -299,7 +299,7 @@ class Compactor:
                     self.index.save()
                 store.recount_used()
             if not dry_run:
-                reclaim.clean_leftovers(store)  # a whole copy of the store left by a killed reclaim
+                reclaim.remove_stale_copy(store)  # a whole copy of the store left by a killed reclaim
             if do_reclaim and not self.stop.is_set():
                 report.reclaim = reclaim.reclaim(store, reclaim_fraction, reclaim_min_bytes, force_reclaim,
                                                  dry_run).to_dict()
@@ -344,7 +344,7 @@ def open_index(store):
         if not table.exists or table.count() == 0:
             return None
         meta = store.named_db(META_DB)
-        backend = store._txn(lambda txn: (bytes(v).decode() if (v := txn.get(b"backend_id", db=meta)) else ""))
+        backend = store.transact(lambda txn: (bytes(v).decode() if (v := txn.get(b"backend_id", db=meta)) else ""))
         if not backend:
             return None
         return SemanticIndex(store, backend)

@@ -10,7 +10,7 @@ Python's ``hash()``, which changes per process.
 Byte encodings (all little-endian) are fixed here because hashes persist on disk:
 
 * token IDs: ``int32`` little-endian, one after another (``np.asarray(ids, "<i4").tobytes()``);
-* ``content_hash`` = SHA-256(b"edgesync/content/v1\\0" + token bytes): the seed's ContentHash,
+* ``content_hash`` = SHA-256(b"edgesync/content/v1\\0" + token bytes): the ContentHash,
   an integrity check of the token IDs alone;
 * ``prefix_hash`` = SHA-256(b"edgesync/prefix/v1\\0" + token bytes of every token before
   ``token_start``): empty prefix included, so a fragment at position 0 has a defined prefix hash;
@@ -30,13 +30,13 @@ from typing import Iterable, Sequence
 import numpy as np
 
 MIN_SPAN = 64
-"""Smallest token span a fragment may hold (the seed's minimum)."""
+"""Smallest token span a fragment may hold (nothing shorter is injected at position 0)."""
 MAX_SPAN = 2048
-"""Largest token span a fragment may hold (the seed's maximum)."""
+"""Largest token span a fragment may hold (bounds one blob and one decode)."""
 EMBEDDING_DIM = 384
 """MiniLM-L6-v2 sentence-embedding width."""
 DEFAULT_TTL_SECONDS = 30 * 60
-"""Short-term tier lifetime: 30 minutes from creation (the seed's TTL)."""
+"""Short-lived tier lifetime: 30 minutes from creation (``ttl.TTLPolicy.ttl_seconds``)."""
 
 _CONTENT_TAG = b"edgesync/content/v1\0"
 _PREFIX_TAG = b"edgesync/prefix/v1\0"
@@ -53,7 +53,8 @@ def token_bytes(token_ids: Iterable[int] | np.ndarray) -> bytes:
 
 
 def content_hash(token_ids: Iterable[int] | np.ndarray) -> str:
-    """The seed's ContentHash: SHA-256 hex digest over the fragment's token IDs alone."""
+    """The ContentHash: SHA-256 hex digest over the fragment's token IDs alone (an integrity
+    check; the lookup key also covers the prefix and namespace, ``store_key``)."""
     return hashlib.sha256(_CONTENT_TAG + token_bytes(token_ids)).hexdigest()
 
 
@@ -209,9 +210,18 @@ class KVFragment:
     last_hit_at: float = 0.0
 
     def __post_init__(self) -> None:
+        """Check every field (ValueError naming the field) and normalise types: ranges, token
+        IDs, arrays, hashes and embedding, then times (unset ones from the clock)."""
+        if not isinstance(self.namespace, Namespace):
+            raise ValueError(f"namespace: expected Namespace, got {type(self.namespace).__name__}")
+        self._check_ranges()
+        self._check_token_ids()
+        self._check_arrays()
+        self._check_hashes()
+        self._check_times()
+
+    def _check_ranges(self) -> None:
         ns = self.namespace
-        if not isinstance(ns, Namespace):
-            raise ValueError(f"namespace: expected Namespace, got {type(ns).__name__}")
         for name in ("token_start", "token_end", "layer_start", "layer_end", "layer_stride", "head_start"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
@@ -243,6 +253,8 @@ class KVFragment:
         if self.head_end > ns.n_head_kv:
             raise ValueError(f"head_end: {self.head_end} exceeds the model's {ns.n_head_kv} KV heads")
 
+    def _check_token_ids(self) -> None:
+        span = self.token_end - self.token_start
         ids = np.asarray(self.token_ids)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token_ids: must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
@@ -252,7 +264,9 @@ class KVFragment:
             raise ValueError(f"token_ids: length {len(ids)} != span {span}")
         self.token_ids = np.ascontiguousarray(ids, dtype=np.int32)
 
-        expected = (self.n_layers, span, (self.head_end - self.head_start) * ns.head_dim)
+    def _check_arrays(self) -> None:
+        ns = self.namespace
+        expected = (self.n_layers, self.token_end - self.token_start, (self.head_end - self.head_start) * ns.head_dim)
         for name in ("keys", "values"):
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.size == 0:
@@ -266,6 +280,7 @@ class KVFragment:
             if not arr.flags.c_contiguous:
                 setattr(self, name, np.ascontiguousarray(arr))
 
+    def _check_hashes(self) -> None:
         if not isinstance(self.prefix_hash, (bytes, bytearray)) or len(self.prefix_hash) != 32:
             raise ValueError("prefix_hash: must be 32 bytes (SHA-256 of the tokens before token_start)")
         self.prefix_hash = bytes(self.prefix_hash)
@@ -285,6 +300,7 @@ class KVFragment:
                 f"content_hash: {self.content_hash[:16]}... does not match the token IDs ({computed[:16]}...)"
             )
 
+    def _check_times(self) -> None:
         for name in ("created_at", "expires_at", "last_hit_at"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or value < 0:

@@ -1,10 +1,11 @@
-"""Fragment lifetimes: the short-term and long-term tiers, hits, promotion and the clock.
+"""Fragment lifetimes: the short-lived and long-lived lifetime tiers, hits, promotion and the clock.
 
-A fragment lives ``ttl_seconds`` (30 minutes, the seed's TTL) from creation in the **short**
-tier. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that brings
-``hit_count`` to ``promote_hits`` (5, the seed's promotion threshold) moves the fragment to the
-**long** tier with ``expires_at = now + long_ttl_seconds`` (7 days, the seed's long-term TTL);
-later hits in the long tier extend it again to ``now + long_ttl_seconds``. An expired fragment
+A fragment lives ``ttl_seconds`` (30 minutes by default) from creation in the **short**
+lifetime tier. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that
+brings ``hit_count`` to ``promote_hits`` (5) moves the fragment to the **long** lifetime tier
+with ``expires_at = now + long_ttl_seconds`` (7 days): a prompt asked again and again is worth
+keeping across days; later hits in the long tier extend it again to ``now + long_ttl_seconds``.
+An expired fragment
 (``expires_at <= now``) is never served (``FragmentStore.prefix_walk`` skips it) and is deleted
 by :func:`sweep`.
 
@@ -15,7 +16,7 @@ The per-fragment record lives in the store's ``lifecycle`` database, apart from 
 that hits, expiry and eviction never read or rewrite a blob. Layout (little-endian,
 ``struct`` format ``<IdddBQQ``, 45 bytes, store format 2)::
 
-    hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | tier u8 (0 short, 1 long)
+    hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8 (0 short, 1 long)
     | nbytes u64 (the stored blob) | raw_nbytes u64 (K + V before compression)
 
 Store format 1 wrote only the first three fields (``<Idd``, 20 bytes); :meth:`Lifecycle.unpack`
@@ -26,27 +27,32 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
-TIER_SHORT = "short"
-TIER_LONG = "long"
-TIERS = (TIER_SHORT, TIER_LONG)
+__all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFETIMES", "LIFETIME_LONG",
+           "LIFETIME_SHORT", "LONG_TTL_SECONDS", "Lifecycle", "ManualClock", "PROMOTE_HITS", "TTLPolicy",
+           "merged_counters", "sweep"]
+
+LIFETIME_SHORT = "short"
+"""The lifetime tier of a new fragment (``ttl_seconds``); the value is what JSON reports show."""
+LIFETIME_LONG = "long"
+"""The lifetime tier of a promoted fragment (``long_ttl_seconds`` after each hit)."""
+LIFETIMES = (LIFETIME_SHORT, LIFETIME_LONG)
 PROMOTE_HITS = 5
-"""Hits that move a fragment to the long-term tier (the seed's threshold)."""
+"""Hits that move a fragment to the long-lived tier."""
 LONG_TTL_SECONDS = 7 * 24 * 3600
-"""Long-term tier lifetime after promotion and after each later hit: 7 days (the seed's)."""
+"""Long-lived tier lifetime after promotion and after each later hit: 7 days."""
 
 Clock = Callable[[], float]
 """A function returning the current time in Unix seconds (``time.time`` by default)."""
 
 LIFECYCLE_V1 = struct.Struct("<Idd")
 LIFECYCLE_V2 = struct.Struct("<IdddBQQ")
-_TIER_CODES = {TIER_SHORT: 0, TIER_LONG: 1}
-_TIER_NAMES = {0: TIER_SHORT, 1: TIER_LONG}
+_LIFETIME_CODES = {LIFETIME_SHORT: 0, LIFETIME_LONG: 1}
+_LIFETIME_NAMES = {0: LIFETIME_SHORT, 1: LIFETIME_LONG}
 
 
 class ManualClock:
@@ -84,7 +90,7 @@ class Lifecycle:
         last_hit_at: Unix seconds of the last hit (0.0: never hit).
         expires_at: Unix seconds after which the fragment is never served.
         created_at: Unix seconds the fragment was written (0.0: unknown, format-1 record).
-        tier: ``"short"`` or ``"long"``.
+        lifetime: the lifetime tier, ``"short"`` or ``"long"``.
         nbytes: bytes of the stored blob (compressed; what the size budget counts).
         raw_nbytes: bytes of K + V before compression.
     """
@@ -93,14 +99,14 @@ class Lifecycle:
     last_hit_at: float = 0.0
     expires_at: float = 0.0
     created_at: float = 0.0
-    tier: str = TIER_SHORT
+    lifetime: str = LIFETIME_SHORT
     nbytes: int = 0
     raw_nbytes: int = 0
 
     def pack(self) -> bytes:
         """The 45-byte format-2 record (module docstring)."""
         return LIFECYCLE_V2.pack(self.hit_count, self.last_hit_at, self.expires_at, self.created_at,
-                                 _TIER_CODES[self.tier], self.nbytes, self.raw_nbytes)
+                                 _LIFETIME_CODES[self.lifetime], self.nbytes, self.raw_nbytes)
 
     @classmethod
     def unpack(cls, data: bytes | memoryview | None) -> "Lifecycle":
@@ -109,8 +115,8 @@ class Lifecycle:
         if data is None:
             return cls()
         if len(data) == LIFECYCLE_V2.size:
-            hits, last, expires, created, tier, nbytes, raw = LIFECYCLE_V2.unpack(bytes(data))
-            return cls(hits, last, expires, created, _TIER_NAMES.get(tier, TIER_SHORT), nbytes, raw)
+            hits, last, expires, created, lifetime, nbytes, raw = LIFECYCLE_V2.unpack(bytes(data))
+            return cls(hits, last, expires, created, _LIFETIME_NAMES.get(lifetime, LIFETIME_SHORT), nbytes, raw)
         if len(data) == LIFECYCLE_V1.size:
             return cls(*LIFECYCLE_V1.unpack(bytes(data)))
         return cls()
@@ -128,7 +134,7 @@ class Lifecycle:
 
 @dataclass(frozen=True)
 class TTLPolicy:
-    """Lifetimes of the two tiers (seconds) and the promotion threshold (hits).
+    """Lifetimes of the two lifetime tiers (seconds) and the promotion threshold (hits).
 
     Raises:
         ValueError: a lifetime that is not a positive finite number, or ``promote_hits`` < 1.
@@ -148,40 +154,36 @@ class TTLPolicy:
 
     def on_hit(self, life: Lifecycle, now: float) -> Lifecycle:
         """Count one hit at ``now`` (in place; also returned): promote at ``promote_hits``,
-        and extend a long-tier fragment's expiry to ``now + long_ttl_seconds``."""
+        and extend a long-lived fragment's expiry to ``now + long_ttl_seconds``."""
         life.hit_count += 1
         life.last_hit_at = now
-        if life.tier == TIER_LONG or life.hit_count >= self.promote_hits:
-            life.tier = TIER_LONG
+        if life.lifetime == LIFETIME_LONG or life.hit_count >= self.promote_hits:
+            life.lifetime = LIFETIME_LONG
             life.expires_at = max(life.expires_at, now + self.long_ttl_seconds)
         return life
 
     def merged(self, parts: list[Lifecycle], nbytes: int, raw_nbytes: int, sum_hits: bool) -> Lifecycle:
-        """The record of a fragment that replaces ``parts`` (a dedup sums their hits, a merge of
-        layer or head groups, whose parts were hit together, keeps the largest count): earliest
-        creation, latest hit and expiry, long tier when any part was long or the hits reach
-        ``promote_hits``."""
-        hits = sum(p.hit_count for p in parts) if sum_hits else max(p.hit_count for p in parts)
-        tier = TIER_LONG if hits >= self.promote_hits or any(p.tier == TIER_LONG for p in parts) else TIER_SHORT
-        created = [p.created_at for p in parts if p.created_at]
-        last_hit = max(p.last_hit_at for p in parts)
-        expires = max(p.expires_at for p in parts)
-        if tier == TIER_LONG and not any(p.tier == TIER_LONG for p in parts):
+        """The record of a fragment that replaces ``parts`` (:func:`merged_counters`), in the
+        long-lived tier when any part was long-lived or the hits reach ``promote_hits``."""
+        hits, last_hit, expires, created = merged_counters(parts, sum_hits)
+        was_long = any(p.lifetime == LIFETIME_LONG for p in parts)
+        lifetime = LIFETIME_LONG if hits >= self.promote_hits or was_long else LIFETIME_SHORT
+        if lifetime == LIFETIME_LONG and not was_long:
             expires = max(expires, last_hit + self.long_ttl_seconds)  # promoted by the summed hits
-        return Lifecycle(
-            hit_count=hits,
-            last_hit_at=last_hit,
-            expires_at=expires,
-            created_at=min(created) if created else 0.0,
-            tier=tier,
-            nbytes=nbytes,
-            raw_nbytes=raw_nbytes,
-        )
+        return Lifecycle(hit_count=hits, last_hit_at=last_hit, expires_at=expires, created_at=created,
+                         lifetime=lifetime, nbytes=nbytes, raw_nbytes=raw_nbytes)
 
 
-def system_clock() -> float:
-    """``time.time()``: the default clock."""
-    return time.time()
+def merged_counters(parts, sum_hits: bool) -> tuple[int, float, float, float]:
+    """``(hit_count, last_hit_at, expires_at, created_at)`` of a fragment that replaces
+    ``parts`` (lifecycle records or fragments: anything with those four attributes): the
+    latest hit and expiry, the earliest known creation (0.0: unknown), and the hits summed
+    for a dedup (the parts were hit apart) or the largest count for a merge of layer or head
+    groups (a request's hit is recorded on every part alike)."""
+    hits = sum(p.hit_count for p in parts) if sum_hits else max(p.hit_count for p in parts)
+    created = [p.created_at for p in parts if p.created_at]
+    return (hits, max(p.last_hit_at for p in parts), max(p.expires_at for p in parts),
+            min(created) if created else 0.0)
 
 
 def sweep(store, now: float | None = None, index=None, dry_run: bool = False,

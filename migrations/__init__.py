@@ -3,6 +3,7 @@
 
 * ``m0001_initial``: version 0 (an empty directory) -> 1: the initial layout, the four core
   databases and the version record, created in one transaction.
+* ``versions``: reading and writing the version record.
 * ``m0002_lifecycle_v2``: 1 -> 2: lifecycle records that expiry and eviction read without
   touching tensors (creation time, tier, blob sizes) and the ``used_bytes`` counter of the
   size budget.
@@ -19,39 +20,17 @@ from __future__ import annotations
 
 import logging
 
-import lmdb
-
-from migrations import m0001_initial, m0002_lifecycle_v2
 from edgesync_store.errors import StoreFormatError, StoreOpenError
+from migrations import m0001_initial, m0002_lifecycle_v2
+from migrations.versions import read_version, write_version
 
-log = logging.getLogger("edgesync.store")
+log = logging.getLogger(__name__)
+
+__all__ = ["CURRENT_VERSION", "MIGRATIONS", "migrate", "read_version", "write_version"]
 
 MIGRATIONS = (m0001_initial, m0002_lifecycle_v2)
 """Every migration, in order; migration ``i`` (1-based) takes a store from ``i - 1`` to ``i``."""
 CURRENT_VERSION = len(MIGRATIONS)
-
-
-def read_version(store) -> int:
-    """The store's recorded format version; 0 for an environment without the ``meta`` database.
-
-    Raises:
-        StoreFormatError: the record is not a number.
-    """
-    meta = store.named_db(b"meta")
-    if meta is None:
-        return 0
-    found = store._txn(lambda txn: (bytes(v) if (v := txn.get(b"format_version", db=meta)) is not None else None))
-    if found is None:
-        return 0
-    try:
-        return int(found)
-    except ValueError:
-        raise StoreFormatError(f"store {store.path}: format_version {found[:20]!r} is not a number") from None
-
-
-def write_version(txn: lmdb.Transaction, meta_db, version: int) -> None:
-    """Record ``version`` in the caller's transaction (a migration's last step)."""
-    txn.put(b"format_version", str(version).encode(), db=meta_db)
 
 
 def migrate(store) -> int:

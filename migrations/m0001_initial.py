@@ -2,28 +2,27 @@
 
 Creates, in ONE write transaction, the four core databases (``fragments``, ``by_prefix`` with
 sorted duplicates, ``lifecycle``, ``meta``) and records ``format_version`` 1: a kill leaves either
-an empty environment or a complete version-1 store. An older EdgeSync created the databases one
-transaction each and wrote the version last; a store it left half-created (some databases, no
-version) is completed here too.
+an empty environment or a complete version-1 store. A store whose databases were created one
+transaction each, with the version written last, may hold some of them and no version if it
+was killed meanwhile; it is completed here too.
 """
 
 from __future__ import annotations
 
-import lmdb
+from edgesync_store.core.lmdb_env import CORE_DATABASES, META_DB
+from migrations.versions import write_version
 
 VERSION = 1
 DESCRIPTION = "initial layout: fragments, by_prefix, lifecycle, meta"
-DATABASES = ((b"fragments", False), (b"by_prefix", True), (b"lifecycle", False), (b"meta", False))
+DATABASES = CORE_DATABASES
 
 
 def apply(store) -> None:
     """Create the databases and record version 1 (idempotent)."""
-    from migrations import write_version
+    def write(txn) -> None:
+        handles = {name: store.named_db(name, create=True, dupsort=dup, txn=txn) for name, dup in DATABASES}
+        if txn.get(b"format_version", db=handles[META_DB]) is None:
+            write_version(txn, handles[META_DB], VERSION)
 
-    def write(txn: lmdb.Transaction) -> None:
-        handles = {name: store._env.open_db(name, txn=txn, dupsort=dup, create=True) for name, dup in DATABASES}
-        if txn.get(b"format_version", db=handles[b"meta"]) is None:
-            write_version(txn, handles[b"meta"], VERSION)
-
-    store._txn(write, write=True)
-    store._named.clear()  # handles opened in a write transaction are re-opened outside it
+    store.transact(write, write=True)
+    store.forget_handles()  # handles opened in a write transaction are re-opened outside it

@@ -17,18 +17,16 @@ just before it).
 
 from __future__ import annotations
 
-import struct
-
-import lmdb
-
-from edgesync_store.core.codec import CodecError, peek
+from edgesync_store.core.codec import peek
+from edgesync_store.errors import CodecError
 from edgesync_store.core.crashpoints import crash_point
-from edgesync_store.ttl import LIFECYCLE_V2, TIER_LONG, Lifecycle, TTLPolicy
+from edgesync_store.core.lmdb_env import FRAGMENTS_DB, LIFECYCLE_DB, META_DB, U64, USED_BYTES_KEY
+from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy
+from migrations.versions import write_version
 
 VERSION = 2
 DESCRIPTION = "lifecycle v2: created_at, tier, blob sizes; used_bytes"
 BATCH = 256
-_U64 = struct.Struct("<Q")
 
 
 def upgrade_record(old: bytes | None, blob, policy: TTLPolicy) -> Lifecycle:
@@ -41,7 +39,7 @@ def upgrade_record(old: bytes | None, blob, policy: TTLPolicy) -> Lifecycle:
     except CodecError:
         pass  # a corrupt blob: the next read refuses and removes it
     if life.hit_count >= policy.promote_hits:
-        life.tier = TIER_LONG
+        life.lifetime = LIFETIME_LONG
         life.expires_at = max(life.expires_at, life.last_hit_at + policy.long_ttl_seconds)
     return life
 
@@ -49,13 +47,11 @@ def upgrade_record(old: bytes | None, blob, policy: TTLPolicy) -> Lifecycle:
 def apply(store) -> None:
     """Rewrite every format-1 lifecycle record, then recount ``used_bytes`` and record
     version 2 (module docstring)."""
-    from migrations import write_version
-
-    fragments, lifecycle, meta = store.named_db(b"fragments"), store.named_db(b"lifecycle"), store.named_db(b"meta")
+    fragments, lifecycle, meta = store.named_db(FRAGMENTS_DB), store.named_db(LIFECYCLE_DB), store.named_db(META_DB)
     policy = store.policy
     after = b""
     while True:
-        def batch(txn: lmdb.Transaction) -> bytes | None:
+        def batch(txn) -> bytes | None:
             cursor = txn.cursor(db=fragments)
             if not (cursor.set_range(after) if after else cursor.first()):
                 return None
@@ -72,16 +68,16 @@ def apply(store) -> None:
                     break
             return last
 
-        last = store._txn(batch, write=True)
+        last = store.transact(batch, write=True)
         if last is None:
             break
         crash_point("migrate.batch")
         after = last
     crash_point("migrate.before_version")
 
-    def finish(txn: lmdb.Transaction) -> None:
+    def finish(txn) -> None:
         total = sum(len(blob) for _, blob in txn.cursor(db=fragments))
-        txn.put(b"used_bytes", _U64.pack(total), db=meta)
+        txn.put(USED_BYTES_KEY, U64.pack(total), db=meta)
         write_version(txn, meta, VERSION)
 
-    store._txn(finish, write=True)
+    store.transact(finish, write=True)

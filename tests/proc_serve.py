@@ -53,7 +53,7 @@ def main() -> int:
     max_tokens, ttl, max_bytes = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     counter = _EvictionCounter()
-    store_log = logging.getLogger("edgesync.store")
+    store_log = logging.getLogger("edgesync_store")
     store_log.addHandler(counter)
     store_log.setLevel(logging.INFO)  # the eviction record is INFO; the root handler still shows WARNING+
     logging.getLogger().handlers[0].setLevel(logging.WARNING)

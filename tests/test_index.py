@@ -210,7 +210,7 @@ def test_damaged_sidecar_is_rebuilt(damage, store, index, keys, vectors, caplog)
         meta.unlink()
     else:
         meta.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="edgesync.index"):
+    with caplog.at_level(logging.WARNING, logger="edgesync_store.semantic"):
         idx = SemanticIndex(store, ONNX_ID)
     assert any("rebuilding" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert len(idx) == N_PARENT
@@ -218,7 +218,7 @@ def test_damaged_sidecar_is_rebuilt(damage, store, index, keys, vectors, caplog)
     # the rebuilt graph was saved: the next open loads it without a warning
     idx.close()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="edgesync.index"):
+    with caplog.at_level(logging.WARNING, logger="edgesync_store.semantic"):
         idx = SemanticIndex(store, ONNX_ID)
     assert not caplog.records
     assert len(idx) == N_PARENT
@@ -246,7 +246,7 @@ def test_open_index_catches_up_before_query(log_keep, index, store, keys, vector
     before = index.generation
     run_child(store, tmp_path, vectors, log_keep=log_keep)
     assert len(index) == N_PARENT  # nothing read yet
-    with caplog.at_level(logging.DEBUG, logger="edgesync.index"):
+    with caplog.at_level(logging.DEBUG, logger="edgesync_store.semantic"):
         top = index.query(vectors[N_PARENT + 7], k=1)
     reconciled = any("reconciling" in r.getMessage() for r in caplog.records)
     assert reconciled == (log_keep == 10)
@@ -269,8 +269,8 @@ def test_two_processes_add_at_once(index, store, keys, vectors, tmp_path):
 
 
 def _raw_vectors(store: FragmentStore) -> list[bytes]:
-    db = store._env.open_db(b"emb_vectors", create=False)
-    return store._txn(lambda txn: [bytes(v) for _, v in txn.cursor(db=db)])
+    db = store.named_db(b"emb_vectors")
+    return store.transact(lambda txn: [bytes(v) for _, v in txn.cursor(db=db)])
 
 
 def test_threads_query_while_adding_and_removing(index, store, fragments, keys, vectors):

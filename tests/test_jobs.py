@@ -83,7 +83,7 @@ def test_scheduled_sweep_deletes_fragments_once_30_minutes_pass(store, clock, st
 
 
 def test_a_failing_job_is_logged_counted_and_run_again(store, clock, started, monkeypatch, caplog):
-    caplog.set_level(logging.ERROR, logger="edgesync.jobs")
+    caplog.set_level(logging.ERROR, logger="edgesync_store.lifecycle.jobs")
     expired = [make_fragment(seed=20 + i, created_at=clock() - 40 * MIN, expires_at=clock() - 10 * MIN)
                for i in range(2)]
     assert store.put_many(expired) == 2
@@ -100,7 +100,7 @@ def test_a_failing_job_is_logged_counted_and_run_again(store, clock, started, mo
     assert poll(lambda: jobs.runs["sweep"] >= 1)
     assert jobs.failures["sweep"] == 1 and len(calls) >= 2
     assert store.stats().fragments == 0  # the run after the failure swept them
-    errors = [r for r in caplog.records if r.name == "edgesync.jobs" and r.levelno == logging.ERROR]
+    errors = [r for r in caplog.records if r.name == "edgesync_store.lifecycle.jobs" and r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "sweep" in errors[0].getMessage()
     assert errors[0].exc_info is not None and errors[0].exc_info[0] is RuntimeError

@@ -26,7 +26,7 @@ from edgesync_store.compactor import Compactor
 from edgesync_store.semantic.index import SemanticIndex
 from edgesync_store.lifecycle.merge import split_heads, split_layers
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock, sweep
+from edgesync_store.ttl import LONG_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, ManualClock, sweep
 from tests.test_store import make_fragment
 
 MIN = 60.0
@@ -86,17 +86,17 @@ def test_fifth_hit_promotes_to_seven_days_and_survives_restart(tmp_path, clock):
             clock.advance(MIN)
             store.record_hits([key])
         life = store.lifecycle(key)
-        assert (life.hit_count, life.tier) == (4, TIER_SHORT)
+        assert (life.hit_count, life.lifetime) == (4, LIFETIME_SHORT)
         assert life.expires_at == T0 + 30 * MIN  # hits do not extend the short tier
         clock.advance(MIN)
         store.record_hits([key])  # the fifth
         life = store.lifecycle(key)
-        assert (life.hit_count, life.tier) == (5, TIER_LONG)
+        assert (life.hit_count, life.lifetime) == (5, LIFETIME_LONG)
         assert life.expires_at == clock() + LONG_TTL_SECONDS
         assert life.last_hit_at == clock()
     with FragmentStore(path, clock=clock) as store:  # a restart: a new environment on the file
         life = store.lifecycle(key)
-        assert (life.hit_count, life.tier, life.expires_at) == (5, TIER_LONG, T0 + 5 * MIN + LONG_TTL_SECONDS)
+        assert (life.hit_count, life.lifetime, life.expires_at) == (5, LIFETIME_LONG, T0 + 5 * MIN + LONG_TTL_SECONDS)
         clock.advance(6 * 24 * 3600)  # six days later: long past the short TTL
         assert store.is_live(key)
         assert store.prefix_walk(frag.namespace, frag.token_ids).matched_tokens == 64
@@ -120,8 +120,8 @@ def test_promoted_chain_is_served_after_30_minutes(tmp_path, adapter, system_pro
     store.close()
     clock.advance(31 * MIN)
     with FragmentStore(path, clock=clock) as store:
-        tiers = {life.tier for _, life in store.iterate_lifecycle()}
-        assert tiers == {TIER_LONG}
+        tiers = {life.lifetime for _, life in store.iterate_lifecycle()}
+        assert tiers == {LIFETIME_LONG}
         es = EdgeSync(adapter, store=store, config=config())
         assert es.generate(prompt, max_tokens=4).tier == "exact"
 
@@ -367,7 +367,7 @@ def test_dedup_drops_a_shorter_prefix_duplicate_only_when_nothing_continues_it(t
         assert report.deduplicated == 1
         assert not store.contains(short.key()) and store.contains(long.key())
         life = store.lifecycle(long.key())
-        assert (life.hit_count, life.tier) == (5, TIER_LONG)  # 3 + 2 hits: promoted
+        assert (life.hit_count, life.lifetime) == (5, LIFETIME_LONG)  # 3 + 2 hits: promoted
         # the shorter prefix is still served by the longer fragment
         match = store.prefix_walk(long.namespace, tokens[:200])
         assert match.matched_tokens == 200

@@ -34,7 +34,7 @@ from migrations import CURRENT_VERSION, StoreFormatError
 from migrations import m0002_lifecycle_v2
 from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, TIER_LONG, TIER_SHORT, ManualClock
+from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, ManualClock
 
 from format1 import dump, on_disk_version, write_format1_store
 
@@ -127,21 +127,21 @@ def test_format1_store_opens_migrated_with_every_fragment_intact(material, prist
             assert life.nbytes == len(blobs[key]) and life.raw_nbytes == frag.raw_nbytes
             if record is None:  # no format-1 record: an expired one, never served
                 assert key == material.no_record
-                assert (life.hit_count, life.expires_at, life.tier) == (0, 0.0, TIER_SHORT)
+                assert (life.hit_count, life.expires_at, life.lifetime) == (0, 0.0, LIFETIME_SHORT)
                 assert not store.is_live(key)
                 continue
             hits, last_hit, expires = record
             assert (life.hit_count, life.last_hit_at) == (hits, last_hit)
             if hits >= 5:
-                assert life.tier == TIER_LONG
+                assert life.lifetime == LIFETIME_LONG
                 assert life.expires_at >= last_hit + LONG_TTL_SECONDS
                 assert life.expires_at == max(expires, last_hit + LONG_TTL_SECONDS)
             else:
-                assert life.tier == TIER_SHORT and life.expires_at == expires
+                assert life.lifetime == LIFETIME_SHORT and life.expires_at == expires
             assert store.is_live(key)
         # the promotions the records call for, by chunk
-        tiers = [store.lifecycle(c.key()).tier for c in material.chunks]
-        assert tiers == [TIER_LONG, TIER_SHORT, TIER_LONG, TIER_SHORT, TIER_SHORT]
+        tiers = [store.lifecycle(c.key()).lifetime for c in material.chunks]
+        assert tiers == [LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_SHORT]
         assert store.used_bytes() == sum(len(b) for b in blobs.values())
         assert store.stats().dropped_corrupt == 0
         match = store.prefix_walk(material.chunks[0].namespace, material.tokens)

@@ -4,7 +4,7 @@ edgesync_engines.adapters.model_files (file fingerprints).
 No mocks. Processes are real subprocesses; the only fault injection is a byte changed in a
 stored blob through a raw LMDB environment (a fake for a corrupt page on disk), or a blob copied
 under another fragment's key (a fake for a misfiled page). Log records of the
-``edgesync.store`` logger are counted to show which recovery path (map growth, another
+``edgesync_store`` loggers are counted to show which recovery path (map growth, another
 process's resize) really ran.
 """
 
@@ -31,6 +31,7 @@ from edgesync_store.core import codec
 from edgesync_engines.adapters import model_files as fingerprint
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
 from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
+from edgesync_store.errors import StoreError
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -128,7 +129,7 @@ class LogCounter(logging.Handler):
 
 @pytest.fixture
 def store_log():
-    logger = logging.getLogger("edgesync.store")
+    logger = logging.getLogger("edgesync_store")
     handler = LogCounter()
     old = logger.level
     logger.setLevel(logging.DEBUG)
@@ -389,8 +390,8 @@ _WRITER = _PRELUDE + textwrap.dedent(
     """
     path, map_size, grow_seed0, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     counter = T.LogCounter()
-    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
-    logging.getLogger("edgesync.store").addHandler(counter)
+    logging.getLogger("edgesync_store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync_store").addHandler(counter)
     store = FragmentStore(path, map_size=map_size)
     added = 0
     for i in range(n):
@@ -423,8 +424,8 @@ _CONCURRENT = _PRELUDE + textwrap.dedent(
     import os
     path, map_size, my_seed, other_seed, n, ready, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
     counter = T.LogCounter()
-    logging.getLogger("edgesync.store").setLevel(logging.DEBUG)
-    logging.getLogger("edgesync.store").addHandler(counter)
+    logging.getLogger("edgesync_store").setLevel(logging.DEBUG)
+    logging.getLogger("edgesync_store").addHandler(counter)
     mine = [T.shared_fragment(my_seed + i) for i in range(n)]
     others = [T.shared_fragment(other_seed + i) for i in range(n)]
     store = FragmentStore(path, map_size=map_size)
@@ -506,7 +507,7 @@ def test_opening_a_store_while_another_process_grows_it(tmp_path):
         while writer.poll() is None:
             try:
                 store = FragmentStore(path, map_size=64 * 1024)
-            except lmdb.Error as exc:  # what a caller would see
+            except (lmdb.Error, StoreError) as exc:  # what a caller would see
                 errors.append(type(exc).__name__)
                 continue
             opens += 1
@@ -839,3 +840,50 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
     (good / "data.mdb").write_bytes(data[: len(data) // 4])  # a half-finished copy
     with pytest.raises(StoreOpenError, match="truncated"):
         FragmentStore(good)
+
+
+# -- the storage seam -------------------------------------------------------------------------
+
+
+def test_fragment_store_implements_the_backend_interface():
+    """Every abstract method of the seam is implemented, and the seam names the methods the
+    layers above call."""
+    from edgesync_store.core.backend import FragmentBackend
+
+    assert issubclass(FragmentStore, FragmentBackend)
+    assert not FragmentStore.__abstractmethods__
+    seam = {"get", "get_blob", "put_many", "delete_many", "contains", "is_live", "prefix_walk", "covers_span",
+            "keys_along", "namespaces", "lifecycle", "set_lifecycle", "record_hits", "iterate", "iterate_lifecycle",
+            "delete_expired", "put_replacing", "absorb", "used_bytes", "recount_used", "stats", "transact",
+            "contains_in", "delete_in", "used_in", "lifecycle_rows_in", "close", "closed"}
+    assert seam == set(FragmentBackend.__abstractmethods__)
+    assert {"put", "delete", "forget_tokens"} <= set(vars(FragmentBackend))
+
+
+def test_lmdb_errors_leave_the_store_as_store_io_errors(tmp_path):
+    """A failure inside LMDB (here: an empty key, which LMDB refuses) comes out as
+    StoreIOError naming the store; nothing is written."""
+    from edgesync_store.errors import StoreIOError
+
+    with FragmentStore(tmp_path / "s", map_size=MiB) as store:
+        frag = make_fragment()
+        assert store.put(frag)
+        with pytest.raises(StoreIOError, match=str(tmp_path / "s")) as info:
+            store.transact(lambda txn: (store.delete_in(txn, frag.key()), txn.put(b"", b"x", db=store.env.fragments)),
+                           write=True)
+        assert isinstance(info.value, StoreError) and isinstance(info.value.__cause__, lmdb.Error)
+        assert store.contains(frag.key())  # the transaction was rolled back whole
+        assert store.used_bytes() == store.stats().compressed_bytes > 0
+
+
+def test_page_bytes_counts_the_pages_in_use(tmp_path):
+    """``page_bytes`` of the fragments database grows with its blobs; every page in use
+    includes it and fits in the file."""
+    with FragmentStore(tmp_path / "s", map_size=MiB) as store:
+        empty = store.page_bytes([b"fragments"])
+        store.put_many([make_fragment(seed=i, kind="bits") for i in range(4)])
+        used = store.page_bytes([b"fragments"])
+        assert used - empty >= store.used_bytes() > 0
+        assert store.page_bytes() >= used + store.page_bytes([b"lifecycle", b"by_prefix"])
+        assert store.page_bytes() <= (tmp_path / "s" / "data.mdb").stat().st_size
+        assert store.page_bytes([b"no such database"]) == 0

@@ -5,7 +5,7 @@ Usage: ``python tools/dump.py [STORE] [--json] [--limit N] [--summary]``
 
 STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir). The store
 is opened read-only; a missing directory prints ``error: no store at PATH``, exits 2 and is not
-created. Each fragment line shows its tier (short / long), hits, last use and expiry (ISO time
+created. Each fragment line shows its lifetime tier (short / long), hits, last use and expiry (ISO time
 and seconds left, or "expired"). ``--json`` prints ``{"fragments": [...], "summary": {...}}``.
 ``--summary`` prints, instead of the fragment lines, the fragments, stored (compressed) bytes,
 raw bytes and hits by tier (short, long, expired, total), the budget use (used_bytes of

@@ -22,7 +22,7 @@ bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
 A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
 ``data.mdb`` opens as a new, empty store.
 
-Library code: logs (logger ``edgesync.store``), never prints.
+Library code: logs (this module's logger), never prints.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON
-from edgesync_store.lifecycle.reclaim import TMP_NAME, _fsync_dir
-from edgesync_store.commands.inventory import StoreNotFoundError
-from edgesync_store.core.store import FragmentStore, StoreOpenError, _U64
+from edgesync_store.core.lmdb_env import fsync_dir
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreNotFoundError, StoreOpenError
+from edgesync_store.lifecycle.reclaim import TMP_NAME
+from edgesync_store.semantic.sidecar import SIDECAR_HNSW, SIDECAR_JSON
 
-log = logging.getLogger("edgesync.store")
+log = logging.getLogger(__name__)
 
 __all__ = ["ClearResult", "check_store_path", "clear_store"]
 
@@ -119,17 +120,17 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
             not writable.
         StoreFormatError: the store was written by a newer format version.
         StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
-        OSError, lmdb.Error: removing or recreating the files failed.
+        OSError, StoreIOError: removing or recreating the files failed.
     """
     path = check_store_path(path)
     store = FragmentStore(path, open_timeout_s=open_timeout_s)
     reopen_budget: int | None = None
     try:
         bytes_before = _data_bytes(path)
-        with store._lock:
-            if store._open_lock is None or not store._open_lock.try_exclusive():
+        with store.exclusive() as alone:
+            if not alone:
                 n = store.drop_all()
-                why = ("the directory is not writable (its files cannot be removed)" if store._open_lock is None
+                why = ("the directory is not writable (its files cannot be removed)" if not store.lockable
                        else "another process has the store open")
                 result = ClearResult(
                     str(path), n, bytes_before, _data_bytes(path), False,
@@ -138,11 +139,9 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
                 )
                 log.info("cleared %s: %d fragments dropped; files kept (store open elsewhere)", path, n)
                 return result
-            n = store._txn(lambda txn: txn.stat(store._fragments)["entries"])
-            recorded = store._txn(lambda txn: txn.get(b"max_bytes", db=store._meta))
-            if recorded is not None and len(recorded) == _U64.size:
-                reopen_budget = _U64.unpack(bytes(recorded))[0] or None
-            store._env.close()
+            n = store.fragment_count()
+            reopen_budget = store.recorded_max_bytes() or None
+            store.close_env()
             removed = []
             for name in ERASED_FILES:
                 try:
@@ -150,10 +149,9 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
                     removed.append(name)
                 except FileNotFoundError:
                     pass
-            _fsync_dir(path)
-            # still exclusive: nobody has opened the store meanwhile; back to shared lets the
-            # new store below (another lock on the same file) and waiting processes in
-            store._open_lock.share()
+            fsync_dir(path)
+            # leaving exclusive() (back to shared) before the new store below opens: it takes
+            # another lock on the same file, and waiting processes may come in
     finally:
         store.close()
     FragmentStore(path, max_bytes=reopen_budget, open_timeout_s=open_timeout_s).close()

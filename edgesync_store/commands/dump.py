@@ -7,11 +7,8 @@ import json
 import os
 import sys
 
-import lmdb
-
-from edgesync_store.commands.inventory import (StoreNotFoundError, load_report, load_tier_summary, render_table, render_tier_table,
-                     wide_console)
-from edgesync_store.core.store import StoreBusyError, StoreFormatError, StoreOpenError
+from edgesync_store.commands.inventory import load_report, load_tier_summary, render_table, render_tier_table, wide_console
+from edgesync_store.errors import StoreBusyError, StoreError, StoreNotFoundError, StoreOpenError
 
 
 def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | None = None,
@@ -33,7 +30,7 @@ def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | N
     except (StoreNotFoundError, StoreOpenError, StoreBusyError) as exc:
         print(f"error: {exc}", file=err, flush=True)
         return 2
-    except (lmdb.Error, StoreFormatError, OSError) as exc:
+    except (StoreError, OSError) as exc:  # StoreFormatError, StoreIOError
         print(f"error: cannot read the store at {path}: {exc}", file=err, flush=True)
         return 2
     out = out or wide_console()

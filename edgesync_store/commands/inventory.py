@@ -4,7 +4,7 @@ Everything here reads headers only (``FragmentStore.iterate``: no decompression)
 summary functions are pure; :func:`render_table` and :func:`render_tier_table` build rich
 Tables; the command that prints them is :mod:`edgesync_store.commands.dump`.
 
-Each fragment is in the **short** or the **long** tier (``ttl.py``) and is **expired** once
+Each fragment is in the **short** or the **long** lifetime tier (``ttl.py``) and is **expired** once
 ``expires_at <= now``: the store never serves it again and the next sweep deletes it. The
 per-fragment rows show the stored tier and an ``expired`` flag; :func:`tier_summary` counts an
 expired fragment in the ``expired`` row only (not in its tier's).
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import TIER_LONG, TIER_SHORT
+from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT
 from edgesync_store.errors import StoreNotFoundError
 from edgesync_store.commands.units import format_bytes
 
@@ -44,7 +44,7 @@ KEY_PREFIX_CHARS = 12
 FINGERPRINT_PREFIX_CHARS = 12
 EXPIRED = "expired"
 TOTAL = "total"
-SUMMARY_ROWS = (TIER_SHORT, TIER_LONG, EXPIRED, TOTAL)
+SUMMARY_ROWS = (LIFETIME_SHORT, LIFETIME_LONG, EXPIRED, TOTAL)
 """Rows of :func:`tier_summary`, in order: live short-tier fragments, live long-tier ones,
 expired ones (whatever their tier) and all of them."""
 
@@ -88,7 +88,7 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
             "heads": None,
             "raw_bytes": None,
             "compressed_bytes": nbytes,
-            "tier": life.tier,
+            "tier": life.lifetime,
             "hits": life.hit_count,
             "last_hit": iso_time(life.last_hit_at),
             "last_hit_at": life.last_hit_at or None,
@@ -156,7 +156,7 @@ def tier_summary(store: FragmentStore, now: float | None = None) -> dict[str, An
     for _key, head, life, nbytes in store.iterate():
         raw = head.raw_nbytes if head is not None else life.raw_nbytes
         corrupt += head is None
-        for name in (EXPIRED if life.expired(now) else life.tier, TOTAL):
+        for name in (EXPIRED if life.expired(now) else life.lifetime, TOTAL):
             row = tiers[name]
             row["fragments"] += 1
             row["stored_bytes"] += nbytes

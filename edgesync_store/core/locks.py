@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from edgesync_store.errors import StoreBusyError
 
-log = logging.getLogger("edgesync.store")
+log = logging.getLogger(__name__)
 
 OPEN_LOCK_NAME = "edgesync.lock"
 COMPACT_LOCK_NAME = "compact.lock"

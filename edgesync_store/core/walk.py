@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import lmdb
 import numpy as np
 
 from edgesync_store.core import codec
-from edgesync_store.core.codec import CodecError
+from edgesync_store.errors import CodecError
+from edgesync_store.core.lmdb_env import index_key
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle
 
@@ -60,14 +60,14 @@ def covers_span(store, namespace: Namespace, prefix: bytes, token_ids: Sequence[
     ns_dict = namespace.to_dict()
     full = namespace.n_layer * namespace.n_head_kv
 
-    def read(txn: lmdb.Transaction) -> bool:
-        cursor = txn.cursor(db=store._by_prefix)
-        if not cursor.set_key(namespace.digest() + bytes(prefix)):
+    def read(txn) -> bool:
+        cursor = txn.cursor(db=store.env.by_prefix)
+        if not cursor.set_key(index_key(namespace.digest(), bytes(prefix))):
             return False
         covered: set[tuple[int, int]] = set()
         for key in cursor.iternext_dup():
-            blob = txn.get(key, db=store._fragments)
-            if blob is None or Lifecycle.unpack(txn.get(key, db=store._lifecycle)).expired(now):
+            blob = txn.get(key, db=store.env.fragments)
+            if blob is None or Lifecycle.unpack(txn.get(key, db=store.env.lifecycle)).expired(now):
                 continue
             try:
                 head = codec.peek(blob)
@@ -79,7 +79,7 @@ def covers_span(store, namespace: Namespace, prefix: bytes, token_ids: Sequence[
             covered.update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
         return len(covered) == full
 
-    return store._txn(read)
+    return store.transact(read)
 
 def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
     """Every stored fragment (live or expired, any chunk size or layer/head group) that the
@@ -92,13 +92,13 @@ def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) 
     ns_digest = namespace.digest()
     ns_dict = namespace.to_dict()
 
-    def read(txn: lmdb.Transaction) -> list[bytes]:
-        cursor = txn.cursor(db=store._by_prefix)
+    def read(txn) -> list[bytes]:
+        cursor = txn.cursor(db=store.env.by_prefix)
         hasher, found = prefix_hasher(), []
         for pos in range(len(tokens)):
-            if cursor.set_key(ns_digest + hasher.digest()):
+            if cursor.set_key(index_key(ns_digest, hasher.digest())):
                 for key in [bytes(k) for k in cursor.iternext_dup()]:
-                    blob = txn.get(key, db=store._fragments)
+                    blob = txn.get(key, db=store.env.fragments)
                     try:
                         head = codec.peek(blob) if blob is not None else None
                     except CodecError:
@@ -114,7 +114,7 @@ def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) 
             hasher.update(token_bytes(tokens[pos : pos + 1]))
         return found
 
-    return store._txn(read)
+    return store.transact(read)
 
 
 def stored_namespaces(store) -> list[Namespace]:
@@ -124,15 +124,15 @@ def stored_namespaces(store) -> list[Namespace]:
     (not the fragments)."""
     empty = prefix_hasher().digest()
 
-    def read(txn: lmdb.Transaction) -> list[Namespace]:
-        cursor = txn.cursor(db=store._by_prefix)
+    def read(txn) -> list[Namespace]:
+        cursor = txn.cursor(db=store.env.by_prefix)
         found: dict[bytes, Namespace] = {}
-        for index_key, key in cursor.iternext_nodup(keys=True, values=True):
-            index_key = bytes(index_key)
-            digest = index_key[:-len(empty)]
-            if index_key[-len(empty):] != empty or digest in found:
+        for ikey, key in cursor.iternext_nodup(keys=True, values=True):
+            ikey = bytes(ikey)
+            digest = ikey[:-len(empty)]
+            if ikey[-len(empty):] != empty or digest in found:
                 continue
-            blob = txn.get(bytes(key), db=store._fragments)
+            blob = txn.get(bytes(key), db=store.env.fragments)
             try:
                 head = codec.peek(blob) if blob is not None else None
             except CodecError:
@@ -141,7 +141,43 @@ def stored_namespaces(store) -> list[Namespace]:
                 found[digest] = head.namespace
         return list(found.values())
 
-    return store._txn(read)
+    return store.transact(read)
+
+
+def _spans_at(store, txn, cursor, want: tuple[bytes, dict, set], tokens: np.ndarray, pos: int, digest: bytes,
+              now: float, corrupt: list[tuple[bytes, bytes | None]]) -> list[SpanMatch]:
+    """The complete-coverage span groups stored right after ``tokens[:pos]`` (prefix hash
+    ``digest``) and live at ``now``, of the namespace ``want`` = (digest, ``to_dict()``, every
+    (layer, head)); corrupt or dangling entries met are appended to ``corrupt`` as ``(key,
+    index key or None when the header does not parse)``."""
+    ns_digest, ns_dict, full = want
+    ikey = index_key(ns_digest, digest)
+    keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(ikey) else []
+    groups: dict[tuple[int, bytes], list] = {}
+    for key in keys:
+        blob = txn.get(key, db=store.env.fragments)
+        if blob is None:
+            corrupt.append((key, ikey))
+            continue
+        try:
+            head = codec.peek(blob)
+        except CodecError:
+            corrupt.append((key, None))
+            continue
+        life = Lifecycle.unpack(txn.get(key, db=store.env.lifecycle))
+        if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
+            continue
+        group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
+        group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+        group[2].append(key)
+        group[3] += len(blob)
+    spans = []
+    for head, covered, keys_, nbytes in groups.values():
+        if covered == full:
+            matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
+            if matched > 0:
+                spans.append(SpanMatch(keys_, pos, head.token_end, matched, nbytes))
+    return spans
 
 
 def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None) -> PrefixMatch:
@@ -163,45 +199,13 @@ def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
     """
     now = store.clock() if now is None else now
     tokens = np.asarray(tokens, dtype=np.int32)
-    ns_digest = namespace.digest()
-    ns_dict = namespace.to_dict()
-    full = {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)}
-    hasher = prefix_hasher()
+    want = (namespace.digest(), namespace.to_dict(),
+            {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)})
     result = PrefixMatch()
     corrupt: list[tuple[bytes, bytes | None]] = []
 
-    def groups_at(txn: lmdb.Transaction, cursor: lmdb.Cursor, pos: int, digest: bytes) -> list[SpanMatch]:
-        """The complete-coverage span groups stored right after ``tokens[:pos]``."""
-        index_key = ns_digest + digest
-        keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(index_key) else []
-        groups: dict[tuple[int, bytes], list] = {}
-        for key in keys:
-            blob = txn.get(key, db=store._fragments)
-            if blob is None:
-                corrupt.append((key, index_key))
-                continue
-            try:
-                head = codec.peek(blob)
-            except CodecError:
-                corrupt.append((key, None))
-                continue
-            life = Lifecycle.unpack(txn.get(key, db=store._lifecycle))
-            if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
-                continue
-            group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
-            group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
-            group[2].append(key)
-            group[3] += len(blob)
-        spans = []
-        for head, covered, keys_, nbytes in groups.values():
-            if covered == full:
-                matched = common_prefix_len(head.token_ids, tokens[pos : head.token_end])
-                if matched > 0:
-                    spans.append(SpanMatch(keys_, pos, head.token_end, matched, nbytes))
-        return spans
-
-    def read(txn: lmdb.Transaction) -> None:
-        cursor = txn.cursor(db=store._by_prefix)
+    def read(txn) -> None:
+        cursor = txn.cursor(db=store.env.by_prefix)
         memo: dict[int, tuple[int, list[SpanMatch]]] = {}
 
         def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
@@ -211,7 +215,7 @@ def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
                 return memo[pos]
             found: tuple[int, list[SpanMatch]] = (pos, [])
             if pos < len(tokens):
-                for span in groups_at(txn, cursor, pos, hasher.digest()):
+                for span in _spans_at(store, txn, cursor, want, tokens, pos, hasher.digest(), now, corrupt):
                     if span.complete and span.token_end <= len(tokens):
                         nxt = hasher.copy()
                         nxt.update(token_bytes(tokens[pos : span.token_end]))
@@ -224,12 +228,12 @@ def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
             memo[pos] = found
             return found
 
-        result.spans[:] = best(0, hasher)[1]
+        result.spans[:] = best(0, prefix_hasher())[1]
 
-    store._txn(read)
-    for key, index_key in corrupt:
-        if index_key is not None and not store.readonly:
-            store._txn(lambda txn: txn.delete(index_key, key, db=store._by_prefix), write=True)
-        elif index_key is None:
-            store._drop_corrupt(key, "header does not parse")
+    store.transact(read)
+    for key, ikey in corrupt:
+        if ikey is not None and not store.readonly:
+            store.transact(lambda txn: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
+        elif ikey is None:
+            store.drop_corrupt(key, "header does not parse")
     return result

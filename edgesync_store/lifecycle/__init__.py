@@ -1,3 +1,4 @@
-"""Store maintenance: eviction under the size budget, merging and splitting fragments, disk
-reclaim by compact copy, and the scheduled jobs. The lifetime policy itself is ``edgesync_store.ttl``
-and the orchestration ``edgesync_store.compactor``."""
+"""Store maintenance: ``eviction`` under the size budget, ``merge`` (cutting fragments into
+layer/head groups and joining them back), ``reclaim`` (disk space back by a compact copy) and
+``jobs`` (the scheduled sweep and compaction). The lifetime policy itself is
+``edgesync_store.ttl`` and one compaction run ``edgesync_store.compactor``."""

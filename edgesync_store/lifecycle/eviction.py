@@ -5,8 +5,9 @@ order until the store is at or under ``LOW_WATER`` (90%) of the budget (the marg
 next writes from scanning again at once):
 
 1. expired fragments (soonest expired first): they can never be served again;
-2. the short-term tier, least recently used first (the later of last hit and creation);
-3. the long-term tier, least recently used first.
+2. the short-lived lifetime tier, least recently used first (the later of last hit and
+   creation);
+3. the long-lived lifetime tier, least recently used first.
 
 Ties break by key, so the order is deterministic. A fragment that a request is injecting
 (``FragmentStore.pins``, in any process) and the fragments being written are never evicted.
@@ -18,9 +19,9 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from edgesync_store.ttl import TIER_LONG, Lifecycle
+from edgesync_store.ttl import LIFETIME_LONG, Lifecycle
 
-log = logging.getLogger("edgesync.store")
+log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9
 """Fraction of ``max_bytes`` that eviction frees down to."""
@@ -33,7 +34,7 @@ def eviction_order(rows: Iterable[tuple[bytes, Lifecycle]], now: float) -> list[
         key, life = row
         if life.expired(now):
             return (0, life.expires_at, key)
-        return (1 if life.tier != TIER_LONG else 2, life.last_used_at, key)
+        return (1 if life.lifetime != LIFETIME_LONG else 2, life.last_used_at, key)
 
     return sorted(rows, key=rank)
 
@@ -56,11 +57,10 @@ def plan(store, rows: Iterable[tuple[bytes, Lifecycle]], need_bytes: int, now: f
 def evict_in(store, txn, need_bytes: int, now: float, protect: set[bytes] = frozenset()) -> list[tuple[bytes, int]]:
     """Evict inside the caller's write transaction ``txn``; return the ``(key, blob bytes)``
     evicted."""
-    rows = [(bytes(k), Lifecycle.unpack(v)) for k, v in txn.cursor(db=store._lifecycle)]
-    chosen = plan(store, rows, need_bytes, now, protect)
+    chosen = plan(store, store.lifecycle_rows_in(txn), need_bytes, now, protect)
     evicted = []
     for key, _ in chosen:
-        nbytes = store._delete_in(txn, key)
+        nbytes = store.delete_in(txn, key)
         if nbytes:
             evicted.append((key, nbytes))
     if evicted:
@@ -81,7 +81,7 @@ def evict_to_budget(store, max_bytes: int | None = None, now: float | None = Non
         return plan(store, store.iterate_lifecycle(), used - limit, now) if used > limit else []
 
     def write(txn):
-        used = store._used(txn)
+        used = store.used_in(txn)
         return evict_in(store, txn, used - limit, now) if used > limit else []
 
-    return store._txn(write, write=True)
+    return store.transact(write, write=True)

@@ -28,7 +28,7 @@ from typing import Callable
 from edgesync_store.compactor import Compactor
 from edgesync_store.ttl import sweep
 
-log = logging.getLogger("edgesync.jobs")
+log = logging.getLogger(__name__)
 
 DEFAULT_SWEEP_INTERVAL_S = 60.0
 DEFAULT_COMPACT_INTERVAL_S = 900.0

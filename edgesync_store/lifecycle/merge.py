@@ -13,9 +13,9 @@ namespace's dtype (float16 for llama.cpp's default), rows of axis 0 in the order
 Every part of a chunk shares the span's identity (namespace, prefix hash, token IDs), so a
 split or merged fragment keeps it; its store key changes only through its layer/head ranges.
 A merge of parts cut from one whole fragment gives that fragment's key and bit-equal arrays.
-Lifecycle of a merge: ``created_at`` = min, ``expires_at`` = max, ``hit_count`` = max,
-``last_hit_at`` = max over the parts (a request's hit is recorded on every part alike, so hits
-are not summed), ``embedding`` = the first non-empty one.
+Lifecycle of a merge: ``ttl.merged_counters`` (``created_at`` = min, ``expires_at`` = max,
+``hit_count`` = max, ``last_hit_at`` = max over the parts: a request's hit is recorded on every
+part alike, so hits are not summed), ``embedding`` = the first non-empty one.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Sequence
 import numpy as np
 
 from edgesync_store.schema import KVFragment, Namespace
+from edgesync_store.ttl import merged_counters
 
-log = logging.getLogger("edgesync.merge")
+log = logging.getLogger(__name__)
 
 
 def _check_count(name: str, value, n: int, n_name: str) -> int:
@@ -170,12 +171,12 @@ def _check_same_span(fragments: Sequence[KVFragment]) -> KVFragment:
 def _merged(parts: Sequence[KVFragment], keys: np.ndarray, values: np.ndarray, **ranges) -> KVFragment:
     first = parts[0]
     embedding = next((f.embedding for f in parts if f.embedding.size), first.embedding)
+    hits, last_hit, expires, created = merged_counters(parts, sum_hits=False)
     return KVFragment(
         namespace=first.namespace, token_start=first.token_start, token_end=first.token_end,
         keys=keys, values=values, token_ids=first.token_ids, prefix_hash=first.prefix_hash,
         content_hash=first.content_hash, embedding=embedding,
-        created_at=min(f.created_at for f in parts), expires_at=max(f.expires_at for f in parts),
-        hit_count=max(f.hit_count for f in parts), last_hit_at=max(f.last_hit_at for f in parts),
+        created_at=created, expires_at=expires, hit_count=hits, last_hit_at=last_hit,
         **ranges,
     )
 

@@ -27,8 +27,9 @@ import os
 from dataclasses import asdict, dataclass
 
 from edgesync_store.core.crashpoints import crash_point
+from edgesync_store.core.lmdb_env import fsync_dir
 
-log = logging.getLogger("edgesync.store")
+log = logging.getLogger(__name__)
 
 TMP_NAME = ".reclaim.tmp"
 DEFAULT_MIN_FREE_FRACTION = 0.25
@@ -58,32 +59,8 @@ class ReclaimResult:
 def free_bytes(store) -> tuple[int, int]:
     """``(data.mdb bytes, bytes of its pages that hold nothing)``: pages up to the last used
     one that no database uses (LMDB's free list) plus file space beyond the last page."""
-    data = store.path / "data.mdb"
-    size = data.stat().st_size
-
-    def read(txn):
-        psize = store._env.stat()["psize"]
-        used = 2  # the two meta pages
-        stat = txn.stat()  # the main database (it names the others)
-        used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        for name, _ in txn.cursor():
-            db = store.named_db(bytes(name), txn=txn)
-            if db is None:
-                continue
-            st = txn.stat(db)
-            used += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        return used * psize
-
-    used_bytes = store._txn(read)
-    return size, max(0, size - used_bytes)
-
-
-def _fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    size = (store.path / "data.mdb").stat().st_size
+    return size, max(0, size - store.page_bytes())
 
 
 def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
@@ -96,13 +73,13 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     threshold, ``dry_run``, the store is read-only, or another process has it open.
 
     Raises:
-        OSError, lmdb.Error: the copy or the swap failed (the old file is then still in place).
+        OSError, StoreIOError: the copy or the swap failed (the old file is then still in place).
     """
-    if not dry_run and (store.readonly or store._open_lock is None):
+    if not dry_run and (store.readonly or not store.lockable):
         before, free = free_bytes(store)
         return ReclaimResult(before, free, before, False, "store is open read-only")
     if not dry_run:
-        clean_leftovers(store)
+        remove_stale_copy(store)
     before, free = free_bytes(store)
     result = ReclaimResult(before, free, before, False, "")
     if free <= 0 or (not force and (free < min_free_bytes or free < min_free_fraction * before)):
@@ -112,38 +89,11 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     if dry_run:
         result.reason = "dry run: would rewrite the file"
         return result
-    tmp = store.path / TMP_NAME
-    with store._lock:
-        if not store._open_lock.try_exclusive():
+    with store.exclusive() as alone:
+        if not alone:
             result.reason = "another process has the store open; reclaim deferred"
             return result
-        try:
-            crash_point("reclaim.locked")
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                store._env.copyfd(fd, compact=True)
-                crash_point("reclaim.copied")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            crash_point("reclaim.synced")
-            store._env.close()
-            os.replace(tmp, store.path / "data.mdb")
-            _fsync_dir(store.path)
-            crash_point("reclaim.renamed")
-            (store.path / "lock.mdb").unlink(missing_ok=True)
-            store._reopen_env()
-            crash_point("reclaim.reopened")
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            try:  # the environment may be closed: reopen whichever file is in place
-                store._reopen_env()
-            except Exception:  # noqa: BLE001 - the original error matters more
-                log.exception("reopening %s after a failed reclaim", store.path)
-            raise
-        finally:
-            store._open_lock.share()
+        _swap_in_copy(store)
     result.file_bytes_after = (store.path / "data.mdb").stat().st_size
     result.reclaimed = True
     result.reason = "rewritten"
@@ -151,19 +101,46 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
     return result
 
 
-def clean_leftovers(store) -> bool:
+def _swap_in_copy(store) -> None:
+    """Steps 2 and 3 of the module docstring; the caller holds ``store.exclusive()``."""
+    tmp = store.path / TMP_NAME
+    try:
+        crash_point("reclaim.locked")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            store.copy_compact(fd)
+            crash_point("reclaim.copied")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        crash_point("reclaim.synced")
+        store.close_env()
+        os.replace(tmp, store.path / "data.mdb")
+        fsync_dir(store.path)
+        crash_point("reclaim.renamed")
+        (store.path / "lock.mdb").unlink(missing_ok=True)
+        store.reopen()
+        crash_point("reclaim.reopened")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        try:  # the environment may be closed: reopen whichever file is in place
+            store.reopen()
+        except Exception:  # noqa: BLE001 - the original error matters more
+            log.exception("reopening %s after a failed reclaim", store.path)
+        raise
+
+
+def remove_stale_copy(store) -> bool:
     """Remove the temp copy a killed reclaim left behind (a whole copy of the store), when no
     other process has the store open (so it is never another process's copy in progress);
     True when one was removed. :func:`reclaim` calls it first, whatever its threshold."""
     tmp = store.path / TMP_NAME
-    if not tmp.exists() or store._open_lock is None:
+    if not tmp.exists() or not store.lockable:
         return False
-    with store._lock:
-        if not store._open_lock.try_exclusive():
+    with store.exclusive() as alone:
+        if not alone:
             return False
-        try:
-            tmp.unlink(missing_ok=True)
-            log.info("removed %s left by an interrupted reclaim", tmp)
-        finally:
-            store._open_lock.share()
+        tmp.unlink(missing_ok=True)
+        log.info("removed %s left by an interrupted reclaim", tmp)
     return True

@@ -11,11 +11,12 @@ store opens it with ``max_dbs=8``: ``fragments``, ``by_prefix``, ``lifecycle``, 
     key: the last fragment's store key (32 bytes)
     value: the namespace digest (32 bytes, ``schema.Namespace.digest``), ``<I`` token count n,
         n ``<i4`` token IDs (the encoding of ``schema.token_bytes``), then the embedded text
-        (UTF-8, the rest of the value: what ``embedding.embed_text_for`` chose, kept so that
+        (UTF-8, the rest of the value: the text the request path chose to embed, kept so that
         ``edgesync reindex --backend`` can re-embed the store without the engine)
 
-A record outlives nothing: readers check that its fragment is still stored, and
-:func:`delete_donor` removes it when the index drops the vector.
+A record outlives nothing: readers check that its fragment is still stored, the store deletes
+it with its fragment (``core/companions.py``), and :func:`delete_donor` removes it when the
+index drops the vector.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from edgesync_store.core.companions import DONORS_DB
 from edgesync_store.schema import token_bytes
 
-log = logging.getLogger("edgesync.donors")
+log = logging.getLogger(__name__)
 
-DONORS_DB = b"donors"
 _COUNT = struct.Struct("<I")
 
 __all__ = ["DONORS_DB", "DonorRecord", "delete_donor", "get_donor", "iterate_donors", "put_donor"]
@@ -60,7 +61,7 @@ def put_donor(store, key: bytes, namespace_digest: bytes, tokens: Sequence[int] 
 
     Raises:
         ValueError: ``key`` or ``namespace_digest`` is not 32 bytes, or ``tokens`` is empty.
-        lmdb.Error: the write failed (the caller degrades: a missing donor is only a lost hint).
+        StoreIOError: the write failed (the caller degrades: a missing donor is only a lost hint).
     """
     if not isinstance(key, bytes) or len(key) != 32:
         raise ValueError(f"key: expected a 32-byte store key, got {key!r:.40}")
@@ -70,7 +71,7 @@ def put_donor(store, key: bytes, namespace_digest: bytes, tokens: Sequence[int] 
         raise ValueError("tokens: empty")
     value = namespace_digest + _COUNT.pack(len(tokens)) + token_bytes(tokens) + text.encode("utf-8")
     db = _db(store, create=True)
-    store._txn(lambda txn: txn.put(key, value, db=db), write=True)
+    store.transact(lambda txn: txn.put(key, value, db=db), write=True)
 
 
 def _parse(key: bytes, value: bytes) -> DonorRecord | None:
@@ -97,7 +98,7 @@ def get_donor(store, key: bytes) -> DonorRecord | None:
     db = _db(store, create=False)
     if db is None:
         return None
-    value = store._txn(lambda txn: (bytes(v) if (v := txn.get(key, db=db)) is not None else None))
+    value = store.transact(lambda txn: (bytes(v) if (v := txn.get(key, db=db)) is not None else None))
     return None if value is None else _parse(key, value)
 
 
@@ -107,7 +108,7 @@ def iterate_donors(store) -> Iterator[tuple[bytes, DonorRecord]]:
     db = _db(store, create=False)
     if db is None:
         return iter(())
-    rows = store._txn(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)])
+    rows = store.transact(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)])
     return ((k, r) for k, v in rows if (r := _parse(k, v)) is not None)
 
 
@@ -116,4 +117,4 @@ def delete_donor(store, key: bytes) -> bool:
     db = _db(store, create=False)
     if db is None or store.readonly:
         return False
-    return bool(store._txn(lambda txn: txn.delete(key, db=db), write=True))
+    return bool(store.transact(lambda txn: txn.delete(key, db=db), write=True))

@@ -13,14 +13,9 @@ longer reaches back that far). Fragments that the store deleted on its own (expi
 are noticed by :meth:`SemanticIndex.sync` and by :meth:`SemanticIndex.query` (every result is
 checked against the store's ``fragments`` database) and their vectors removed.
 
-Sidecar files in the store directory (mode 0600; plain bytes and JSON only, nothing executable on load):
-
-* ``semantic.hnsw``: ``hnswlib.Index.save_index`` output;
-* ``semantic.json``: backend id, dim, space and graph parameters, ``index_id``, the generation
-  the graph reflects, live count, the labels marked deleted in the graph, and the size and
-  SHA-256 of ``semantic.hnsw``. Both are written to a temp file in the same directory, fsynced
-  and ``os.replace``-d (JSON last, under an ``flock`` on ``semantic.lock``); a graph whose size or
-  hash disagrees with the JSON is never handed to hnswlib: it is rebuilt from LMDB (warning).
+The sidecar files (``semantic.hnsw``, ``semantic.json``) and how they are written and
+checked are in :mod:`edgesync_store.semantic.sidecar`; a damaged one is rebuilt from LMDB
+(warning).
 
 A store records which embedder wrote its vectors and never mixes two: opening an index with
 another ``backend_id`` raises :class:`BackendMismatchError` naming both (unless the store holds
@@ -34,25 +29,20 @@ slots reused by later adds (``allow_replace_deleted``); the graph grows with ``r
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import logging
-import math
-import os
-import tempfile
 import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from edgesync_store.schema import EMBEDDING_DIM
+from edgesync_store.semantic import sidecar
+from edgesync_store.semantic.graph_sync import GraphSync
+from edgesync_store.semantic.sidecar import EF_CONSTRUCTION, HNSW_M, SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
 from edgesync_store.semantic.vectors import LOG_KEEP, BackendMismatchError, VectorTable, as_unit_rows, check_key, drop_all
 
-log = logging.getLogger("edgesync.index")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BackendMismatchError",
@@ -67,21 +57,8 @@ __all__ = [
     "drop_vectors",
 ]
 
-HNSW_M = 16
-"""hnswlib M (graph out-degree)."""
-EF_CONSTRUCTION = 200
-"""hnswlib ef_construction."""
 DEFAULT_EF_SEARCH = 100
 """hnswlib ef at query time; raised to k when k is larger (DESIGN.md 2.1: 50 misses near-duplicates)."""
-SPACE = "ip"
-"""hnswlib space: inner product on unit vectors; hnswlib distance = 1 - cosine."""
-INITIAL_CAPACITY = 1024
-"""Elements the graph is first sized for; doubled (``resize_index``) when full."""
-SIDECAR_HNSW = "semantic.hnsw"
-SIDECAR_JSON = "semantic.json"
-SIDECAR_LOCK = "semantic.lock"
-SIDECAR_FORMAT = 1
-REBUILD_BATCH = 1024
 
 
 class IndexUnavailableError(RuntimeError):
@@ -116,7 +93,7 @@ def drop_vectors(store) -> int:
     return n
 
 
-class SemanticIndex:
+class SemanticIndex(GraphSync):
     """Nearest-neighbour search over the embeddings of a FragmentStore's fragments.
 
     Args:
@@ -168,7 +145,7 @@ class SemanticIndex:
         self.path = Path(store.path)
         self.hnsw_path = self.path / SIDECAR_HNSW
         self.json_path = self.path / SIDECAR_JSON
-        self.lock_path = self.path / SIDECAR_LOCK
+        self.lock_path = self.path / SIDECAR_LOCK  # sidecar.file_lock's file
         self._lock = threading.RLock()
         self._closed = False
         self._index = None
@@ -198,174 +175,6 @@ class SemanticIndex:
                 self._save_quietly()  # replaces a damaged sidecar too
         else:
             self._reconcile(loaded)
-
-    def _new_graph(self, capacity: int):
-        graph = self._hnswlib.Index(space=SPACE, dim=self.dim)
-        graph.init_index(max_elements=max(INITIAL_CAPACITY, capacity), ef_construction=EF_CONSTRUCTION, M=HNSW_M,
-                         random_seed=100, allow_replace_deleted=True)
-        graph.set_num_threads(self.num_threads)
-        graph.set_ef(self.ef_search)
-        return graph
-
-    def _load_sidecar(self) -> set[int] | None:
-        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
-        store and backend; return the graph's live labels, or None (graph to rebuild)."""
-        if not self.json_path.exists() and not self.hnsw_path.exists():
-            return None
-        try:
-            with self._file_lock(shared=True):
-                info = json.loads(self.json_path.read_text())
-                if not isinstance(info, dict):
-                    raise ValueError("semantic.json is not an object")
-                expected = {"format": SIDECAR_FORMAT, "backend_id": self.backend_id, "dim": self.dim, "space": SPACE,
-                            "M": HNSW_M, "ef_construction": EF_CONSTRUCTION, "index_id": self._index_id}
-                for name, value in expected.items():
-                    if info.get(name) != value:
-                        raise ValueError(f"{name} is {info.get(name)!r}, expected {value!r}")
-                data = self.hnsw_path.read_bytes()
-                if len(data) != info.get("hnsw_bytes") or hashlib.sha256(data).hexdigest() != info.get("hnsw_sha256"):
-                    raise ValueError(f"{SIDECAR_HNSW} is {len(data)} bytes and does not match the size and hash recorded")
-                del data
-                generation = info.get("generation")
-                if not isinstance(generation, int) or generation > self._vectors.generation():
-                    raise ValueError(f"generation {generation!r} is ahead of the store's")
-                deleted = info.get("deleted_labels")
-                if not isinstance(deleted, list) or not all(isinstance(x, int) for x in deleted):
-                    raise ValueError("deleted_labels is not a list of integers")
-                graph = self._hnswlib.Index(space=SPACE, dim=self.dim)
-                graph.load_index(str(self.hnsw_path), max_elements=0, allow_replace_deleted=True)
-        except FileNotFoundError as exc:
-            log.warning("semantic index sidecar of %s incomplete (%s): rebuilding from LMDB", self.path, exc.filename)
-            return None
-        except (ValueError, OSError, RuntimeError) as exc:
-            log.warning("semantic index sidecar of %s unusable (%s): rebuilding from LMDB", self.path, exc)
-            return None
-        if graph.dim != self.dim:
-            log.warning("semantic index sidecar of %s has dim %d: rebuilding from LMDB", self.path, graph.dim)
-            return None
-        graph.set_num_threads(self.num_threads)
-        graph.set_ef(self.ef_search)
-        ids = set(int(x) for x in graph.get_ids_list())
-        dead = set(deleted) & ids
-        self._index = graph
-        self._keys, self._labels = {}, {}
-        self._maybe_dead = set(dead)
-        self._n_dead = len(dead)
-        self._seen_gen = generation
-        self._dirty = False
-        log.debug("loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation)
-        return ids - dead
-
-    # -- in-memory graph updates (self._lock held) -------------------------------------------
-
-    def _graph_add(self, labels: list[int], vectors: np.ndarray, keys: list[bytes], progress=None) -> None:
-        if not labels:
-            return
-        graph = self._index
-        fresh_labels, fresh_rows = [], []
-        for i, label in enumerate(labels):
-            if label in self._maybe_dead:
-                self._maybe_dead.discard(label)
-                try:  # labels are never reused, so a deleted label's vector is this one
-                    graph.unmark_deleted(label)
-                    self._n_dead -= 1
-                    self._keys[label] = keys[i]
-                    self._labels[keys[i]] = label
-                    continue
-                except RuntimeError:
-                    pass  # its slot was reused by a later add
-            fresh_labels.append(label)
-            fresh_rows.append(i)
-        if fresh_labels:
-            needed = graph.get_current_count() + len(fresh_labels) - min(len(fresh_labels), self._n_dead)
-            if needed > graph.get_max_elements():
-                new_max = max(needed, graph.get_max_elements() * 2)
-                log.debug("semantic index: resizing the graph to %d elements", new_max)
-                graph.resize_index(new_max)
-            rows = vectors[fresh_rows]
-            for start in range(0, len(fresh_labels), REBUILD_BATCH):
-                part = np.asarray(fresh_labels[start : start + REBUILD_BATCH], dtype=np.uint64)
-                graph.add_items(rows[start : start + REBUILD_BATCH], part, num_threads=self.num_threads, replace_deleted=True)
-                self._n_dead -= min(len(part), self._n_dead)
-                if progress is not None:
-                    progress(len(part))
-            for i, label in zip(fresh_rows, fresh_labels):
-                self._keys[label] = keys[i]
-                self._labels[keys[i]] = label
-        self._dirty = True
-
-    def _graph_remove(self, label: int) -> None:
-        key = self._keys.pop(label, None)
-        if key is None:
-            return
-        if self._labels.get(key) == label:
-            del self._labels[key]
-        self._mark_dead(label)
-
-    def _mark_dead(self, label: int) -> None:
-        """Mark ``label`` deleted in the graph (its slot becomes reusable); already deleted
-        or unknown labels are ignored (hnswlib raises RuntimeError for them)."""
-        try:
-            self._index.mark_deleted(label)
-            self._n_dead += 1
-            self._maybe_dead.add(label)
-        except RuntimeError:
-            pass
-        self._dirty = True
-
-    def _reconcile(self, graph_live: set[int]) -> tuple[int, int]:
-        """Make the graph hold exactly LMDB's live vectors. ``graph_live``: labels live in the
-        graph (their keys may not be known yet). Returns (added, removed)."""
-        live, vectors, gone, generation = self._vectors.scan(lambda label: label not in graph_live)
-        removed = 0  # graph removals (vectors of gone fragments included)
-        for label in graph_live - live.keys():
-            if label in self._keys:
-                self._graph_remove(label)
-            else:
-                self._mark_dead(label)
-            removed += 1
-        for label in graph_live & live.keys():
-            self._keys[label] = live[label]
-            self._labels[live[label]] = label
-        missing = sorted(vectors)
-        if missing:
-            self._graph_add(missing, np.stack([vectors[label] for label in missing]), [live[label] for label in missing])
-        self._seen_gen = generation
-        if gone:
-            self._purge(gone)
-        return len(missing), removed
-
-    def _catch_up(self) -> None:
-        """Replay the LMDB change log from the generation this graph reflects."""
-        if not self._vectors.exists:
-            return
-        seen = self._seen_gen
-        generation, ops = self._vectors.changes_since(seen)
-        if ops is None:
-            log.debug("semantic index: change log of %s does not reach generation %d; reconciling", self.path, seen)
-            self._reconcile(set(self._keys))
-            return
-        for op, label, store_key, vector in ops:
-            if op == b"+" and vector is not None and label not in self._keys:
-                old = self._labels.get(store_key)
-                if old is not None:
-                    self._graph_remove(old)
-                self._graph_add([label], vector[None, :], [store_key])
-            elif op == b"-" and label in self._keys:
-                self._graph_remove(label)
-        self._seen_gen = generation
-
-    def _refresh(self) -> None:
-        """Catch up when another process (or thread) wrote since this graph's generation;
-        reload when the vectors were dropped (or the backend changed) meanwhile."""
-        index_id, generation = self._vectors.state()
-        if index_id != self._index_id:
-            log.info("semantic index of %s was reset by another process; reloading", self.path)
-            self._keys, self._labels, self._maybe_dead, self._n_dead = {}, {}, set(), 0
-            self._index = None
-            self._open()
-        elif generation != self._seen_gen:
-            self._catch_up()
 
     # -- LMDB writes (vectors.py) ----------------------------------------------------------------
 
@@ -519,61 +328,6 @@ class SemanticIndex:
                 self.save()
             return n
 
-    def _rebuild_locked(self, progress: Callable[[int, int], None] | None) -> int:
-        live, vectors, gone, generation = self._vectors.scan(lambda label: True)
-        labels = sorted(live)
-        self._index = self._new_graph(math.ceil(len(labels) * 1.25))
-        self._keys, self._labels, self._maybe_dead, self._n_dead = {}, {}, set(), 0
-        if labels:
-            mat = np.stack([vectors[label] for label in labels])
-            keys = [live[label] for label in labels]
-            if progress is not None:
-                done = [0]
-
-                def advance(n: int) -> None:
-                    done[0] += n
-                    progress(done[0], len(labels))
-
-                self._graph_add(labels, mat, keys, progress=advance)
-            else:
-                self._graph_add(labels, mat, keys)
-        self._seen_gen = generation
-        self._dirty = True
-        if gone:
-            self._purge(gone)
-        return len(self._keys)
-
-    @contextmanager
-    def _file_lock(self, shared: bool) -> Iterator[None]:
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:  # read-only directory: nobody can be writing
-            yield
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def _atomic_write(self, target: Path, write: Callable[[str], None]) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=self.path)
-        os.close(fd)
-        try:
-            write(tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-
     def save(self) -> None:
         """Write ``semantic.hnsw`` and ``semantic.json`` atomically (temp file in the store
         directory, fsync, ``os.replace``; graph first, JSON last, then fsync the directory)."""
@@ -587,49 +341,10 @@ class SemanticIndex:
             ids = set(int(x) for x in graph.get_ids_list())
             dead = ids - self._keys.keys()
             self._maybe_dead &= dead
-            with self._file_lock(shared=False):
-                digest = {}
-
-                def write_graph(tmp: str) -> None:
-                    graph.save_index(tmp)
-                    h = hashlib.sha256()
-                    size = 0
-                    with open(tmp, "rb") as f:
-                        while chunk := f.read(1 << 20):
-                            h.update(chunk)
-                            size += len(chunk)
-                    digest.update(hnsw_bytes=size, hnsw_sha256=h.hexdigest())
-
-                self._atomic_write(self.hnsw_path, write_graph)
-                info = {
-                    "format": SIDECAR_FORMAT,
-                    "backend_id": self.backend_id,
-                    "dim": self.dim,
-                    "space": SPACE,
-                    "M": HNSW_M,
-                    "ef_construction": EF_CONSTRUCTION,
-                    "index_id": self._index_id,
-                    "generation": self._seen_gen,
-                    "count": len(self._keys),
-                    "max_elements": int(graph.get_max_elements()),
-                    "deleted_labels": sorted(dead),
-                    **digest,
-                    "saved_at": time.time(),
-                }
-
-                def write_json(tmp: str) -> None:
-                    with open(tmp, "w") as f:
-                        json.dump(info, f, indent=1)
-
-                self._atomic_write(self.json_path, write_json)
-                try:
-                    dir_fd = os.open(self.path, os.O_RDONLY)
-                    try:
-                        os.fsync(dir_fd)
-                    finally:
-                        os.close(dir_fd)
-                except OSError:
-                    pass
+            info = {**sidecar.header(self.backend_id, self.dim, self._index_id), "generation": self._seen_gen,
+                    "count": len(self._keys), "max_elements": int(graph.get_max_elements()),
+                    "deleted_labels": sorted(dead)}
+            sidecar.save_graph(self.path, graph, info)
             self._dirty = False
 
     def _save_quietly(self) -> None:

@@ -22,9 +22,10 @@ import numpy as np
 from edgesync_store.semantic.donors import delete_donor, iterate_donors
 from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_embedder
 from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
-from edgesync_store.core.store import FragmentStore, StoreOpenError
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreOpenError
 
-log = logging.getLogger("edgesync.reindex")
+log = logging.getLogger(__name__)
 
 EMBED_BATCH = 64
 """Donor texts encoded per call."""
@@ -56,6 +57,51 @@ def _backend_name(backend_id: str) -> str | None:
     return None
 
 
+def _open_index(store: FragmentStore, backend: str | None) -> tuple[SemanticIndex, str, str | None, int]:
+    """The index to rebuild: ``(index, backend name, previous backend id, vectors dropped)``.
+    The recorded backend is kept when ``backend`` is None; another backend drops the vectors."""
+    name = backend or DEFAULT_BACKEND
+    try:
+        return SemanticIndex(store, BACKENDS[name].backend_id), name, BACKENDS[name].backend_id, 0
+    except BackendMismatchError as exc:
+        if backend is None:
+            name = _backend_name(exc.recorded)
+            if name is None:
+                raise ValueError(
+                    f"store {store.path} holds vectors of an unknown embedding backend {exc.recorded!r}; "
+                    f"choose one with --backend ({', '.join(sorted(BACKENDS))})"
+                ) from None
+            return SemanticIndex(store, BACKENDS[name].backend_id), name, exc.recorded, 0
+        dropped = drop_vectors(store)
+        log.info("dropped %d vectors of %s to re-embed with %s", dropped, exc.recorded, name)
+        return SemanticIndex(store, BACKENDS[name].backend_id), name, exc.recorded, dropped
+
+
+def _embed_donors(store: FragmentStore, index: SemanticIndex, name: str,
+                  progress: Callable[[str, int, int], None] | None) -> tuple[int, int]:
+    """Remove donor records whose fragment is gone and embed (with backend ``name``) those of
+    stored fragments that have no vector; return ``(removed, embedded)``."""
+    removed, missing = 0, []
+    for key, record in iterate_donors(store):
+        if not store.contains(key):
+            removed += delete_donor(store, key)
+        elif key not in index and record.text.strip():
+            missing.append((key, record.text))
+    embedded = 0
+    if missing:
+        embedder = get_embedder(name)
+        for i in range(0, len(missing), EMBED_BATCH):
+            part = missing[i : i + EMBED_BATCH]
+            vectors = embedder.encode([text for _, text in part])
+            keys = [key for key, _ in part]
+            live = [j for j, key in enumerate(keys) if store.contains(key)]
+            index.add_many([keys[j] for j in live], np.asarray(vectors)[live])
+            embedded += len(live)
+            if progress is not None:
+                progress("embedding donors", min(i + len(part), len(missing)), len(missing))
+    return removed, embedded
+
+
 def reindex(
     path: str | Path,
     backend: str | None = None,
@@ -82,44 +128,9 @@ def reindex(
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown embedding backend {backend!r}; choose one of {sorted(BACKENDS)}")
     with FragmentStore(path) as store:
-        name = backend or DEFAULT_BACKEND
-        previous, dropped = None, 0
+        index, name, previous, dropped = _open_index(store, backend)
         try:
-            index = SemanticIndex(store, BACKENDS[name].backend_id)
-            previous = BACKENDS[name].backend_id
-        except BackendMismatchError as exc:
-            previous = exc.recorded
-            if backend is None:
-                name = _backend_name(exc.recorded)
-                if name is None:
-                    raise ValueError(
-                        f"store {path} holds vectors of an unknown embedding backend {exc.recorded!r}; "
-                        f"choose one with --backend ({', '.join(sorted(BACKENDS))})"
-                    ) from None
-                index = SemanticIndex(store, BACKENDS[name].backend_id)
-            else:
-                dropped = drop_vectors(store)
-                log.info("dropped %d vectors of %s to re-embed with %s", dropped, exc.recorded, name)
-                index = SemanticIndex(store, BACKENDS[name].backend_id)
-        try:
-            removed, missing = 0, []
-            for key, record in iterate_donors(store):
-                if not store.contains(key):
-                    removed += delete_donor(store, key)
-                elif key not in index and record.text.strip():
-                    missing.append((key, record.text))
-            embedded = 0
-            if missing:
-                embedder = get_embedder(name)
-                for i in range(0, len(missing), EMBED_BATCH):
-                    part = missing[i : i + EMBED_BATCH]
-                    vectors = embedder.encode([text for _, text in part])
-                    keys = [key for key, _ in part]
-                    live = [j for j, key in enumerate(keys) if store.contains(key)]
-                    index.add_many([keys[j] for j in live], np.asarray(vectors)[live])
-                    embedded += len(live)
-                    if progress is not None:
-                        progress("embedding donors", min(i + len(part), len(missing)), len(missing))
+            removed, embedded = _embed_donors(store, index, name, progress)
             n = index.rebuild(
                 progress=None if progress is None else (lambda done, total: progress("rebuilding the HNSW graph", done, total))
             )

@@ -5,8 +5,9 @@ The vectors live in the store's environment so that they share its transactions,
 cross-process locking and its durability; the hnswlib graph (``index.py``) is only a cache of
 them, rebuilt from here whenever it is missing, corrupt or of another store.
 
-Two named databases (``store.py`` opens the environment with ``max_dbs=8`` and uses 4;
-``donors.py`` uses a seventh):
+Two named databases (``core/lmdb_env.py`` opens the environment with ``max_dbs=8``; the
+store's core uses 4, ``donors.py`` a seventh; their key layout is in ``core/companions.py``,
+which also deletes and re-keys a fragment's vector with the fragment):
 
 * ``emb_vectors``: store key -> ``<Q`` label + ``dim`` ``<f4`` (the unit vector; 1,544 bytes
   for 384 dims): the source of truth of every rebuild. Labels are hnswlib's ids, allocated
@@ -33,15 +34,18 @@ re-embedded.
 
 from __future__ import annotations
 
-import struct
 import uuid
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
-import lmdb
 import numpy as np
 
+from edgesync_store.core.companions import BE64, LOG_KEEP, LOG_PREFIX, VECTORS_DB, drop_vectors_in, log_change, u64
+from edgesync_store.core.companions import VECTORS_META_DB as META_DB
+from edgesync_store.core.lmdb_env import U64
 from edgesync_store.schema import EMBEDDING_DIM
+from edgesync_store.semantic.vector_records import (BackendMismatchError, Change, Snapshot, as_unit_rows, check_key,
+                                                    same_vector)
 
 __all__ = [
     "BackendMismatchError",
@@ -56,54 +60,7 @@ __all__ = [
     "drop_all",
 ]
 
-LOG_KEEP = 100_000
-"""Change-log entries kept in ``emb_meta`` (about 45 bytes each); a reader further behind
-reconciles against the whole ``emb_vectors`` database instead of replaying."""
 META_FORMAT = b"1"
-VECTORS_DB = b"emb_vectors"
-META_DB = b"emb_meta"
-_LOG = b"log/"
-_U64 = struct.Struct("<Q")
-_BE64 = struct.Struct(">Q")
-
-
-class BackendMismatchError(RuntimeError):
-    """The store's vectors were written by another embedder (or with another width)."""
-
-    def __init__(self, path: Path, recorded: str, requested: str) -> None:
-        self.recorded = recorded
-        self.requested = requested
-        super().__init__(
-            f"store {path} holds vectors of embedding backend {recorded!r}, not {requested!r}: vectors of "
-            f"two backends are never mixed. Open the index with {recorded!r}, or clear the vectors with "
-            f"edgesync_store.semantic.index.drop_vectors(store) and re-embed with {requested!r}."
-        )
-
-
-class Snapshot(NamedTuple):
-    """One read transaction's view of ``emb_vectors`` (:meth:`VectorTable.scan`)."""
-
-    live: dict[int, bytes]
-    """label -> store key, for the entries whose fragment is still stored."""
-    vectors: dict[int, np.ndarray]
-    """label -> float32 ``[dim]`` unit vector, for the live labels the scan selected."""
-    gone: list[tuple[bytes, int]]
-    """``(store key, label)`` of entries whose fragment is gone or that are malformed (label
-    -1 when not even the label is readable)."""
-    generation: int
-    """The generation counter in the same transaction."""
-
-
-class Change(NamedTuple):
-    """One change-log entry (:meth:`VectorTable.changes_since`)."""
-
-    op: bytes
-    """``b"+"`` (vector added) or ``b"-"`` (vector removed)."""
-    label: int
-    key: bytes
-    """The fragment's store key."""
-    vector: np.ndarray | None
-    """For ``+``: the float32 ``[dim]`` vector if the entry still holds this label, else None."""
 
 
 def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
@@ -117,116 +74,12 @@ def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
     return vec, meta
 
 
-def _log_in(txn, meta_db, op: bytes, label: int, key: bytes, log_keep: int = LOG_KEEP) -> None:
-    """Append one change-log entry (generation + 1) in ``txn``."""
-    generation = _u64(txn.get(b"generation", db=meta_db)) + 1
-    txn.put(b"generation", _U64.pack(generation), db=meta_db)
-    txn.put(_LOG + _BE64.pack(generation), op + _U64.pack(label) + key, db=meta_db)
-    if generation > log_keep:
-        txn.delete(_LOG + _BE64.pack(generation - log_keep), db=meta_db)
-
-
-def delete_in(store, txn, key: bytes) -> bool:
-    """Remove the vector of ``key`` inside the caller's write transaction ``txn`` (the store
-    deletes a fragment's vector with the fragment); log the removal so that every open index
-    drops the label. False when ``key`` had no vector."""
-    dbs = _open_dbs(store, create=False, txn=txn)
-    if dbs is None:
-        return False
-    vec_db, meta_db = dbs
-    old = txn.get(key, db=vec_db)
-    if old is None:
-        return False
-    txn.delete(key, db=vec_db)
-    _log_in(txn, meta_db, b"-", _u64(old[:8]) if len(old) >= 8 else 0, key)
-    return True
-
-
-def move_in(store, txn, old: bytes, new: bytes) -> bool:
-    """Give the vector of fragment ``old`` to fragment ``new`` (a merge or dedup replaced
-    ``old`` with ``new``) inside ``txn``: a new label for ``new``, ``old`` removed, both
-    logged. False when ``old`` had no vector or ``new`` already has one."""
-    dbs = _open_dbs(store, create=False, txn=txn)
-    if dbs is None:
-        return False
-    vec_db, meta_db = dbs
-    record = txn.get(old, db=vec_db)
-    if record is None or txn.get(new, db=vec_db) is not None or len(record) < 8:
-        return False
-    label = _u64(txn.get(b"next_label", db=meta_db))
-    txn.put(b"next_label", _U64.pack(label + 1), db=meta_db)
-    txn.put(new, _U64.pack(label) + bytes(record[8:]), db=vec_db)
-    _log_in(txn, meta_db, b"+", label, new)
-    txn.delete(old, db=vec_db)
-    _log_in(txn, meta_db, b"-", _u64(record[:8]), old)
-    return True
-
-
-def drop_in(store, txn) -> int:
-    """Remove every vector and all of ``emb_meta`` inside ``txn`` (see :func:`drop_all`)."""
-    dbs = _open_dbs(store, create=False, txn=txn)
-    if dbs is None:
-        return 0
-    vec_db, meta_db = dbs
-    n = txn.stat(vec_db)["entries"]
-    txn.drop(vec_db, delete=False)
-    txn.drop(meta_db, delete=False)
-    return n
-
-
-def _u64(value) -> int:
-    return _U64.unpack(bytes(value))[0] if value is not None else 0
-
-
-def _same_vector(stored, blob: bytes) -> bool:
-    """True when two stored unit vectors differ by no more than float32 rounding (1e-6)."""
-    a = np.frombuffer(stored, dtype="<f4")
-    b = np.frombuffer(blob, dtype="<f4")
-    return bool(np.max(np.abs(a - b)) <= 1e-6)
-
-
-def as_unit_rows(vectors, dim: int, n: int | None = None) -> np.ndarray:
-    """``vectors`` (float ``[dim]`` or ``[rows, dim]``; ``[n, dim]`` when ``n`` is given) as a
-    C-contiguous float32 ``[rows, dim]`` array of unit rows.
-
-    Raises:
-        ValueError: wrong shape, NaN or infinity, or a zero row.
-    """
-    arr = np.asarray(vectors, dtype=np.float32)
-    if arr.ndim == 1:
-        arr = arr[None, :]
-    if arr.ndim != 2 or arr.shape[1] != dim or (n is not None and arr.shape[0] != n):
-        want = f"[{n}, {dim}]" if n is not None else f"[{dim}] or [n, {dim}]"
-        raise ValueError(f"vector: shape {np.shape(vectors)}, expected {want}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("vector: contains NaN or infinity")
-    norms = np.linalg.norm(arr, axis=1, keepdims=True)
-    if np.any(norms == 0):
-        raise ValueError("vector: zero vector has no direction")
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)
-
-
-def check_key(key) -> bytes:
-    """``key`` as ``bytes``.
-
-    Raises:
-        TypeError: not bytes, bytearray or memoryview.
-        ValueError: length not in [1, 511] (LMDB's key size limit).
-    """
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise TypeError(f"key: expected bytes, got {type(key).__name__}")
-    key = bytes(key)
-    if not 1 <= len(key) <= 511:
-        raise ValueError(f"key: length {len(key)} is not in [1, 511]")
-    return key
-
-
 def drop_all(store) -> int:
     """Remove every vector and all of ``emb_meta`` (counters, backend record, change log) from
     ``store`` in one write transaction; return how many vectors were removed. Leaves the
     graph's sidecar files alone (``index.drop_vectors`` removes those too)."""
     _open_dbs(store, create=True)
-    return store._txn(lambda txn: drop_in(store, txn), write=True)
+    return store.transact(lambda txn: drop_vectors_in(store, txn), write=True)
 
 
 class VectorTable:
@@ -301,16 +154,16 @@ class VectorTable:
                 txn.put(b"dim", dim_s.encode(), db=self._meta_db)
                 txn.put(b"index_id", index_id.encode(), db=self._meta_db)
                 if txn.get(b"next_label", db=self._meta_db) is None:
-                    txn.put(b"next_label", _U64.pack(0), db=self._meta_db)
-                    txn.put(b"generation", _U64.pack(0), db=self._meta_db)
+                    txn.put(b"next_label", U64.pack(0), db=self._meta_db)
+                    txn.put(b"generation", U64.pack(0), db=self._meta_db)
             return backend_id, dim_s, index_id
 
-        backend, dim, index_id, n = self.store._txn(read)
+        backend, dim, index_id, n = self.store.transact(read)
         if self.store.readonly or (backend == backend_id and dim == dim_s and index_id is not None):
             if backend is not None and n and (backend != backend_id or dim != dim_s):
                 raise BackendMismatchError(self.path, f"{backend} (dim {dim})", f"{backend_id} (dim {self.dim})")
             return index_id or ""
-        backend, dim, index_id = self.store._txn(write, write=True)
+        backend, dim, index_id = self.store.transact(write, write=True)
         if backend != backend_id or dim != dim_s:
             if dim != dim_s and backend == backend_id:
                 backend, requested = f"{backend} (dim {dim})", f"{backend_id} (dim {self.dim})"
@@ -325,13 +178,13 @@ class VectorTable:
         """Entries in ``emb_vectors`` (malformed ones included)."""
         if self._vec_db is None:
             return 0
-        return self.store._txn(lambda txn: txn.stat(self._vec_db)["entries"])
+        return self.store.transact(lambda txn: txn.stat(self._vec_db)["entries"])
 
     def generation(self) -> int:
         """The current generation (0 when nothing was ever written)."""
         if self._meta_db is None:
             return 0
-        return self.store._txn(lambda txn: _u64(txn.get(b"generation", db=self._meta_db)))
+        return self.store.transact(lambda txn: u64(txn.get(b"generation", db=self._meta_db)))
 
     def state(self) -> tuple[str, int]:
         """``(index_id, generation)`` in one read transaction (``""`` when none is recorded)."""
@@ -340,9 +193,9 @@ class VectorTable:
 
         def read(txn):
             index_id = txn.get(b"index_id", db=self._meta_db)
-            return (bytes(index_id).decode() if index_id is not None else ""), _u64(txn.get(b"generation", db=self._meta_db))
+            return (bytes(index_id).decode() if index_id is not None else ""), u64(txn.get(b"generation", db=self._meta_db))
 
-        return self.store._txn(read)
+        return self.store.transact(read)
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The stored unit vector of ``key`` (float32 ``[dim]``, a copy) or None (absent or
@@ -356,13 +209,13 @@ class VectorTable:
                 return None
             return np.frombuffer(stored, dtype="<f4", offset=8).astype(np.float32)
 
-        return self.store._txn(read)
+        return self.store.transact(read)
 
     def unstored(self, keys: list[bytes]) -> list[bytes]:
         """The keys of ``keys`` whose fragment the store's ``fragments`` database no longer
         holds (one read transaction)."""
-        fragments_db = self.store._fragments
-        return self.store._txn(lambda txn: [k for k in keys if txn.get(k, db=fragments_db) is None])
+        store = self.store
+        return store.transact(lambda txn: [k for k in keys if not store.contains_in(txn, k)])
 
     def scan(self, want_vectors: Callable[[int], bool]) -> Snapshot:
         """One snapshot of ``emb_vectors``: live labels -> keys (fragment still stored), the
@@ -370,7 +223,7 @@ class VectorTable:
         gone (or that are malformed), and the generation."""
         if self._vec_db is None:
             return Snapshot({}, {}, [], 0)
-        fragments_db = self.store._fragments
+        store = self.store
         vec_size = self.record_size
 
         def read(txn):
@@ -380,18 +233,18 @@ class VectorTable:
             for key, value in txn.cursor(db=self._vec_db):
                 key = bytes(key)
                 if len(value) != vec_size:
-                    gone.append((key, _u64(value[:8]) if len(value) >= 8 else -1))
+                    gone.append((key, u64(value[:8]) if len(value) >= 8 else -1))
                     continue
-                label = _U64.unpack(value[:8])[0]
-                if txn.get(key, db=fragments_db) is None:
+                label = U64.unpack(value[:8])[0]
+                if not store.contains_in(txn, key):
                     gone.append((key, label))
                     continue
                 live[label] = key
                 if want_vectors(label):
                     vectors[label] = np.frombuffer(value, dtype="<f4", offset=8).astype(np.float32)
-            return Snapshot(live, vectors, gone, _u64(txn.get(b"generation", db=self._meta_db)))
+            return Snapshot(live, vectors, gone, u64(txn.get(b"generation", db=self._meta_db)))
 
-        return self.store._txn(read)
+        return self.store.transact(read)
 
     def changes_since(self, seen: int) -> tuple[int, list[Change] | None]:
         """The change-log entries after generation ``seen``, oldest first, with the current
@@ -402,28 +255,28 @@ class VectorTable:
         vec_size = self.record_size
 
         def read(txn):
-            generation = _u64(txn.get(b"generation", db=self._meta_db))
+            generation = u64(txn.get(b"generation", db=self._meta_db))
             if generation <= seen:
                 return generation, []
             cursor = txn.cursor(db=self._meta_db)
             ops = []
             expect = seen + 1
-            if not cursor.set_range(_LOG + _BE64.pack(expect)):
+            if not cursor.set_range(LOG_PREFIX + BE64.pack(expect)):
                 return generation, None
             for key, value in cursor:
                 key = bytes(key)
-                if not key.startswith(_LOG):
+                if not key.startswith(LOG_PREFIX):
                     break
-                gen = _BE64.unpack(key[len(_LOG):])[0]
+                gen = BE64.unpack(key[len(LOG_PREFIX):])[0]
                 if gen != expect:
                     return generation, None  # trimmed: the log no longer reaches back
                 expect += 1
                 value = bytes(value)
-                op, label, store_key = value[:1], _U64.unpack(value[1:9])[0], value[9:]
+                op, label, store_key = value[:1], U64.unpack(value[1:9])[0], value[9:]
                 vector = None
                 if op == b"+":
                     stored = txn.get(store_key, db=self._vec_db)
-                    if stored is not None and len(stored) == vec_size and _U64.unpack(stored[:8])[0] == label:
+                    if stored is not None and len(stored) == vec_size and U64.unpack(stored[:8])[0] == label:
                         vector = np.frombuffer(stored, dtype="<f4", offset=8).astype(np.float32)
                 ops.append(Change(op, label, store_key, vector))
                 if gen >= generation:
@@ -432,14 +285,14 @@ class VectorTable:
                 return generation, None
             return generation, ops
 
-        return self.store._txn(read)
+        return self.store.transact(read)
 
     # -- writes (each one transaction, guarded by the claimed index_id) ------------------------
 
     def _log_op(self, txn, op: bytes, label: int, key: bytes) -> None:
-        _log_in(txn, self._meta_db, op, label, key, self.log_keep)
+        log_change(txn, self._meta_db, op, label, key, self.log_keep)
 
-    def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+    def _write(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn`` in a write transaction after checking that the vectors were not dropped
         or re-claimed by another backend since :meth:`claim`."""
 
@@ -450,7 +303,7 @@ class VectorTable:
                 raise BackendMismatchError(self.path, bytes(backend).decode() if backend is not None else "(none: dropped)", self.backend_id)
             return fn(txn)
 
-        return self.store._txn(guarded, write=True)
+        return self.store.transact(guarded, write=True)
 
     def put_many(self, keys: Sequence[bytes], unit_rows: np.ndarray) -> list[int]:
         """Store the vectors of the stored fragments ``keys`` (``unit_rows``: float32
@@ -464,26 +317,26 @@ class VectorTable:
             BackendMismatchError: the vectors were dropped or re-claimed since :meth:`claim`.
         """
         blobs = [unit_rows[i].astype("<f4").tobytes() for i in range(len(keys))]
-        fragments_db = self.store._fragments
+        store = self.store
 
         def write(txn):
             labels = []
-            next_label = _u64(txn.get(b"next_label", db=self._meta_db))
+            next_label = u64(txn.get(b"next_label", db=self._meta_db))
             for key, blob in zip(keys, blobs):
-                if txn.get(key, db=fragments_db) is None:
+                if not store.contains_in(txn, key):
                     raise KeyError(f"no fragment {key.hex()[:16]}... in store {self.path}: store it before its vector")
                 old = txn.get(key, db=self._vec_db)
-                if old is not None and len(old) == self.record_size and _same_vector(old[8:], blob):
-                    labels.append(_u64(old[:8]))
+                if old is not None and len(old) == self.record_size and same_vector(old[8:], blob):
+                    labels.append(u64(old[:8]))
                     continue
                 if old is not None:
-                    self._log_op(txn, b"-", _u64(old[:8]) if len(old) >= 8 else 0, key)
+                    self._log_op(txn, b"-", u64(old[:8]) if len(old) >= 8 else 0, key)
                 label = next_label
                 next_label += 1
-                txn.put(key, _U64.pack(label) + blob, db=self._vec_db)
+                txn.put(key, U64.pack(label) + blob, db=self._vec_db)
                 self._log_op(txn, b"+", label, key)
                 labels.append(label)
-            txn.put(b"next_label", _U64.pack(next_label), db=self._meta_db)
+            txn.put(b"next_label", U64.pack(next_label), db=self._meta_db)
             return labels
 
         return self._write(write)
@@ -499,7 +352,7 @@ class VectorTable:
             old = txn.get(key, db=self._vec_db)
             if old is None:
                 return False
-            label = _u64(old[:8]) if len(old) >= 8 else 0
+            label = u64(old[:8]) if len(old) >= 8 else 0
             txn.delete(key, db=self._vec_db)
             self._log_op(txn, b"-", label, key)
             return True
@@ -514,7 +367,7 @@ class VectorTable:
         Raises:
             BackendMismatchError: the vectors were dropped or re-claimed since :meth:`claim`.
         """
-        fragments_db = self.store._fragments
+        store = self.store
 
         def write(txn):
             n = 0
@@ -522,9 +375,9 @@ class VectorTable:
                 stored = txn.get(key, db=self._vec_db)
                 if stored is None:
                     continue  # removed meanwhile
-                if txn.get(key, db=fragments_db) is not None and len(stored) == self.record_size:
+                if store.contains_in(txn, key) and len(stored) == self.record_size:
                     continue  # the fragment is back
-                label = _u64(stored[:8]) if len(stored) >= 8 else 0
+                label = u64(stored[:8]) if len(stored) >= 8 else 0
                 txn.delete(key, db=self._vec_db)
                 self._log_op(txn, b"-", label, key)
                 n += 1

@@ -1,0 +1,116 @@
+"""Companion records: the databases that the semantic layer keys by a fragment's store key, in
+the store's own LMDB environment, and what the store does to them when it deletes, re-keys or
+drops fragments.
+
+The store owns these operations (rather than calling back into the semantic layer) so that
+every process that deletes a fragment removes its donor record and vector in the same write
+transaction, whichever modules it imported.
+
+* ``donors``: store key -> donor record (``semantic/donors.py`` lays out the value);
+* ``emb_vectors``: store key -> ``<Q`` label + the unit vector (``<f4``);
+* ``emb_meta``: the vectors' counters (``next_label``, ``generation``: ``<Q``) and change log,
+  ``log/`` + ``>Q`` generation -> op (``+`` or ``-``) + ``<Q`` label + store key, trimmed to
+  the last ``log_keep`` entries (``semantic/vectors.py`` documents the rest).
+
+Every function runs inside the caller's write transaction ``txn`` (from
+``FragmentStore.transact``); a database that does not exist yet holds nothing to change.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from edgesync_store.core.lmdb_env import U64
+
+DONORS_DB = b"donors"
+VECTORS_DB = b"emb_vectors"
+VECTORS_META_DB = b"emb_meta"
+COMPANION_DATABASES = (DONORS_DB, VECTORS_DB, VECTORS_META_DB)
+LOG_PREFIX = b"log/"
+LOG_KEEP = 100_000
+"""Change-log entries kept in ``emb_meta`` (about 45 bytes each); a reader further behind
+reconciles against the whole ``emb_vectors`` database instead of replaying."""
+BE64 = struct.Struct(">Q")
+"""Big-endian generation in a change-log key, so that the log sorts by generation."""
+
+
+def u64(value) -> int:
+    """A ``<Q`` counter (the first 8 bytes of ``value``), 0 when absent."""
+    return U64.unpack(bytes(value[:8]))[0] if value is not None else 0
+
+
+def log_change(txn, meta_db, op: bytes, label: int, key: bytes, log_keep: int = LOG_KEEP) -> None:
+    """Append one change-log entry (generation + 1) in ``txn``; drop the entry that falls out
+    of the last ``log_keep``."""
+    generation = u64(txn.get(b"generation", db=meta_db)) + 1
+    txn.put(b"generation", U64.pack(generation), db=meta_db)
+    txn.put(LOG_PREFIX + BE64.pack(generation), op + U64.pack(label) + key, db=meta_db)
+    if generation > log_keep:
+        txn.delete(LOG_PREFIX + BE64.pack(generation - log_keep), db=meta_db)
+
+
+def _vector_dbs(store, txn):
+    vec = store.named_db(VECTORS_DB, txn=txn)
+    meta = store.named_db(VECTORS_META_DB, txn=txn)
+    return None if vec is None or meta is None else (vec, meta)
+
+
+def delete_in(store, txn, key: bytes) -> None:
+    """Remove the donor record and the vector of fragment ``key``; log the vector's removal so
+    that every open index drops its label."""
+    donors_db = store.named_db(DONORS_DB, txn=txn)
+    if donors_db is not None:
+        txn.delete(key, db=donors_db)
+    dbs = _vector_dbs(store, txn)
+    if dbs is None:
+        return
+    vec_db, meta_db = dbs
+    old = txn.get(key, db=vec_db)
+    if old is None:
+        return
+    txn.delete(key, db=vec_db)
+    log_change(txn, meta_db, b"-", u64(old) if len(old) >= 8 else 0, key)
+
+
+def move_in(store, txn, old: bytes, new: bytes) -> None:
+    """Give the donor record and the vector of fragment ``old`` to ``new`` (a merge or dedup
+    replaced ``old`` with ``new``), unless ``new`` has its own: the vector gets a new label,
+    ``old``'s is removed, both logged. ``old``'s records are deleted with ``old`` itself."""
+    donors_db = store.named_db(DONORS_DB, txn=txn)
+    if donors_db is not None:
+        record = txn.get(old, db=donors_db)
+        if record is not None and txn.get(new, db=donors_db) is None:
+            txn.put(new, bytes(record), db=donors_db)
+    dbs = _vector_dbs(store, txn)
+    if dbs is None:
+        return
+    vec_db, meta_db = dbs
+    record = txn.get(old, db=vec_db)
+    if record is None or txn.get(new, db=vec_db) is not None or len(record) < 8:
+        return
+    label = u64(txn.get(b"next_label", db=meta_db))
+    txn.put(b"next_label", U64.pack(label + 1), db=meta_db)
+    txn.put(new, U64.pack(label) + bytes(record[8:]), db=vec_db)
+    log_change(txn, meta_db, b"+", label, new)
+    txn.delete(old, db=vec_db)
+    log_change(txn, meta_db, b"-", u64(record), old)
+
+
+def drop_vectors_in(store, txn) -> int:
+    """Remove every vector and all of ``emb_meta``; return how many vectors there were."""
+    dbs = _vector_dbs(store, txn)
+    if dbs is None:
+        return 0
+    vec_db, meta_db = dbs
+    n = txn.stat(vec_db)["entries"]
+    txn.drop(vec_db, delete=False)
+    txn.drop(meta_db, delete=False)
+    return n
+
+
+def drop_in(store, txn) -> None:
+    """Empty every companion database (donor records, vectors, their counters and log)."""
+    donors_db = store.named_db(DONORS_DB, txn=txn)
+    if donors_db is not None:
+        txn.drop(donors_db, delete=False)
+    drop_vectors_in(store, txn)

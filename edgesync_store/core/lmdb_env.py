@@ -1,0 +1,288 @@
+"""The LMDB side of a store: its directory, its environment, the named databases and their key
+layout, and the transactions that grow the map.
+
+One LMDB environment (a directory created mode 0700: it holds users' prompts) with four core
+named databases, created by ``migrations/m0001_initial.py``:
+
+* ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
+* ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes, :func:`index_key`) ->
+  store keys of the fragments that start right after that prefix; the prefix walk's index;
+* ``lifecycle``: store key -> the fragment's lifetime tier, hits, creation, last hit, expiry
+  and sizes (``ttl.Lifecycle``, 45 bytes); kept apart from the blob so that a hit, the expiry
+  sweep and eviction never read or rewrite tensors;
+* ``meta``: store-wide facts: ``format_version`` (ASCII digits, see ``migrations/``),
+  ``used_bytes`` (sum of the stored blobs, ``<Q``; what the size budget counts), ``max_bytes``
+  (the budget, ``<Q``).
+
+The companion databases keyed by a fragment's store key (``donors``, ``emb_vectors``,
+``emb_meta``) are laid out in :mod:`edgesync_store.core.companions`. ``max_dbs`` is 8: seven
+are used.
+
+LMDB serialises writers across processes with its lock file and gives readers snapshots. A
+write that finds the map full grows it (doubling) and retries; a process that sees another
+one's larger map (``MapResizedError``) adopts it. Any other ``lmdb.Error`` leaves this module
+as :class:`~edgesync_store.errors.StoreIOError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+import lmdb
+
+from edgesync_store.core.locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME
+from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+FRAGMENTS_DB = b"fragments"
+BY_PREFIX_DB = b"by_prefix"
+LIFECYCLE_DB = b"lifecycle"
+META_DB = b"meta"
+CORE_DATABASES = ((FRAGMENTS_DB, False), (BY_PREFIX_DB, True), (LIFECYCLE_DB, False), (META_DB, False))
+"""``(name, dupsort)`` of the four core databases."""
+USED_BYTES_KEY = b"used_bytes"
+MAX_BYTES_KEY = b"max_bytes"
+FORMAT_VERSION_KEY = b"format_version"
+U64 = struct.Struct("<Q")
+"""Little-endian unsigned 64-bit counter: ``used_bytes``, ``max_bytes`` and the vectors' labels."""
+
+DEFAULT_MAP_SIZE = 256 * 1024 * 1024
+"""Initial LMDB map size in bytes; doubled whenever a write finds it full (sparse on Linux)."""
+MAX_MAP_SIZE = 1 << 40
+OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME, COMPACT_LOCK_NAME)
+"""Files of ours that may sit in a store directory without ``data.mdb`` (besides ``semantic.*``)."""
+T = TypeVar("T")
+
+
+def index_key(namespace_digest: bytes, prefix_hash: bytes) -> bytes:
+    """The ``by_prefix`` key of a fragment: its namespace digest (32 bytes) + prefix hash (32)."""
+    return namespace_digest + prefix_hash
+
+
+def read_u64(value) -> int | None:
+    """A ``<Q`` record as an int, or None when absent or not 8 bytes."""
+    return U64.unpack(bytes(value))[0] if value is not None and len(value) == U64.size else None
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """``fsync`` a directory, so that a rename or unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare_dir(path: Path, readonly: bool) -> None:
+    """Check that ``path`` can hold a store and create it (mode 0700) when missing and writable.
+
+    Raises:
+        StoreOpenError: the path is not UTF-8, a file, a non-empty directory without a
+            store, or (read-only) holds no store.
+        StoreUnavailableError: the directory cannot be created.
+    """
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise StoreOpenError(f"store path {path!r}: is not valid UTF-8 (LMDB needs it)") from None
+    if path.exists() and not path.is_dir():
+        raise StoreOpenError(f"store path {path}: exists and is not a directory")
+    if path.is_dir() and not (path / "data.mdb").exists():
+        others = [p.name for p in path.iterdir()
+                  if p.name not in OWN_FILES and not p.name.startswith(("semantic.", ".reclaim"))]
+        if others:
+            shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
+            raise StoreOpenError(
+                f"store path {path}: holds other files ({shown}) and no EdgeSync store"
+                + ("" if readonly else "; choose an empty or new directory")
+            )
+    if readonly and not (path / "data.mdb").exists():
+        raise StoreOpenError(f"no EdgeSync store at {path}")
+    if not readonly and not path.exists():
+        try:
+            path.mkdir(mode=0o700, parents=True)  # a new store is private: it holds prompts
+            os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot create the store directory {path}: {exc}") from None
+
+
+class LmdbEnv:
+    """One store directory's LMDB environment, its named-database handles and transactions.
+
+    Args:
+        path: the store directory (existing, see :func:`prepare_dir`).
+        map_size: initial map size in bytes.
+        readonly: open without writing.
+        lock: use LMDB's lock file (False only for a read-only look at a store we cannot write).
+
+    Attributes:
+        lock: the re-entrant lock that serialises this process's threads around the
+            environment (a reclaim holds it while it swaps the file).
+        fragments, by_prefix, lifecycle, meta: the core database handles (after
+            :meth:`open_core`).
+
+    Raises:
+        StoreUnavailableError: LMDB refused to open the environment.
+    """
+
+    def __init__(self, path: Path, map_size: int, readonly: bool, lock: bool) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.lock = threading.RLock()
+        self._map_size = map_size
+        self._use_lock_file = lock
+        self._named: dict[bytes, object] = {}
+        self.fragments = self.by_prefix = self.lifecycle = self.meta = None
+        self._env = self._open()
+
+    def _open(self) -> lmdb.Environment:
+        try:
+            return lmdb.open(str(self.path), map_size=self._map_size, subdir=True, max_dbs=8, mode=0o600,
+                             readonly=self.readonly, lock=self._use_lock_file, readahead=False, meminit=False,
+                             max_readers=256)
+        except lmdb.Error as exc:
+            raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
+
+    def check_is_edgesync(self) -> None:
+        """Refuse a truncated data file (LMDB would die of SIGBUS reading past its end) and an
+        LMDB environment written by something else (we would write our databases into it).
+
+        Raises:
+            StoreOpenError: either; the environment is closed.
+        """
+        info, psize = self._env.info(), self._env.stat()["psize"]
+        data = self.path / "data.mdb"
+        needed = (info["last_pgno"] + 1) * psize
+        if data.exists() and data.stat().st_size < needed:
+            self._env.close()
+            raise StoreOpenError(
+                f"store {self.path}: data.mdb is truncated ({data.stat().st_size} of {needed} bytes); "
+                "delete the directory (it is a cache) or restore it"
+            )
+        # in a transaction: another process may grow the map between lmdb.open and this read
+        names = self.transact(lambda txn: {bytes(k) for k, _ in txn.cursor()})
+        # any one core database marks an EdgeSync store (a store created one database per
+        # transaction may have been killed before it had all four: migration 1 completes it)
+        if names and not names & {name for name, _ in CORE_DATABASES}:
+            self._env.close()
+            raise StoreOpenError(f"store path {self.path}: holds an LMDB database that is not an EdgeSync store")
+
+    def open_core(self, companions: Iterable[bytes] = ()) -> bool:
+        """Open the four core database handles (and cache ``companions`` when they exist);
+        False when one of the core databases is missing."""
+        self._named.clear()
+        self.fragments = self.named_db(FRAGMENTS_DB)
+        self.by_prefix = self.named_db(BY_PREFIX_DB, dupsort=True)
+        self.lifecycle = self.named_db(LIFECYCLE_DB)
+        self.meta = self.named_db(META_DB)
+        for name in companions:  # cached now, if they exist: see named_db
+            self.named_db(name)
+        return None not in (self.fragments, self.by_prefix, self.lifecycle, self.meta)
+
+    def forget_handles(self) -> None:
+        """Drop the cached handles (after a write transaction that created databases)."""
+        self._named.clear()
+
+    def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
+        """The handle of database ``name``, or None when it does not exist and ``create`` is
+        False or the environment is read-only. Cached until :meth:`reopen` unless opened in
+        ``txn`` (opening without one starts a write transaction: pass it inside another)."""
+        with self.lock:
+            handle = self._named.get(name)
+            if handle is not None:
+                return handle
+            for _ in range(64):
+                try:
+                    try:
+                        handle = self._env.open_db(name, txn=txn, dupsort=dupsort, create=create and not self.readonly)
+                        break
+                    except lmdb.MapResizedError:  # another process grew the map since lmdb.open
+                        if txn is not None:
+                            raise  # the enclosing transact() adopts the new size and retries
+                        self._env.set_mapsize(0)
+                    except (lmdb.NotFoundError, lmdb.ReadonlyError):
+                        return None
+                except lmdb.Error as exc:
+                    if txn is not None:
+                        raise  # transact() turns it into StoreIOError
+                    raise StoreIOError(f"store {self.path}: cannot open database {name!r}: {exc}") from exc
+            else:
+                raise StoreIOError(f"store {self.path}: cannot open database {name!r} (the map keeps growing)")
+            if txn is None:
+                self._named[name] = handle
+            return handle
+
+    def transact(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
+        """Run ``fn(txn)`` in one transaction (committed when ``fn`` returns, aborted when it
+        raises), growing or re-reading the map size as LMDB asks and running ``fn`` again.
+
+        Raises:
+            PermissionError: ``write`` on a read-only environment.
+            StoreIOError: LMDB failed (the map cannot grow beyond 1 TiB, I/O, corruption).
+            Whatever ``fn`` raises, other than ``lmdb.Error``.
+        """
+        if write and self.readonly:
+            raise PermissionError(f"store {self.path} is open read-only")
+        for _ in range(64):
+            with self.lock:
+                try:
+                    try:
+                        with self._env.begin(write=write, buffers=True) as txn:
+                            return fn(txn)
+                    except lmdb.MapFullError:
+                        new_size = min(self._env.info()["map_size"] * 2, MAX_MAP_SIZE)
+                        log.info("LMDB map full: growing %s to %d bytes", self.path, new_size)
+                        self._env.set_mapsize(new_size)
+                    except lmdb.MapResizedError:
+                        log.debug("another process grew the map of %s", self.path)
+                        self._env.set_mapsize(0)
+                except lmdb.Error as exc:  # also a failed growth
+                    raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
+        raise StoreIOError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
+
+    def map_size(self) -> int:
+        """The current map size in bytes."""
+        return self._env.info()["map_size"]
+
+    def page_bytes(self, names: Iterable[bytes] | None = None) -> int:
+        """Bytes of the pages the databases ``names`` use; None: every page in use (LMDB's two
+        meta pages, the main database and every named one)."""
+
+        def read(txn):
+            psize = self._env.stat()["psize"]
+            pages = 0 if names is not None else 2 + _pages(txn.stat())
+            for name in (names if names is not None else [bytes(k) for k, _ in txn.cursor()]):
+                db = self.named_db(bytes(name), txn=txn)
+                if db is not None:
+                    pages += _pages(txn.stat(db))
+            return pages * psize
+
+        return self.transact(read)
+
+    def copy_compact(self, fd: int) -> None:
+        """Write a compact copy of the environment (no free pages) to the open file ``fd``."""
+        try:
+            self._env.copyfd(fd, compact=True)
+        except lmdb.Error as exc:
+            raise StoreIOError(f"store {self.path}: compact copy failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the environment (idempotent; handles become invalid)."""
+        self._env.close()
+
+    def reopen(self, companions: Iterable[bytes] = ()) -> None:
+        """Close and reopen the environment (after its ``data.mdb`` was replaced) and its core
+        handles. The caller holds :attr:`lock`."""
+        self._env.close()
+        self._env = self._open()
+        self.open_core(companions)
+
+
+def _pages(stat: dict) -> int:
+    return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
