@@ -109,7 +109,7 @@ def imports_of(path: Path, tree: ast.AST, known: set[str]) -> set[str]:
     return found
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -219,7 +219,7 @@ def check() -> Report:
                     report.longest_function, report.longest_function_lines = where, n
                 if n > MAX_FUNCTION_LINES and where not in LONG_FUNCTIONS:
                     report.long_functions.append(f"{where} {n} lines")
-    report.cycles = _cycles(graph)
+    report.cycles = find_cycles(graph)
     return report
 
 
