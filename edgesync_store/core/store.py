@@ -89,6 +89,10 @@ class FragmentStore(LifecycleOps, FragmentBackend):
             here is recorded for ``python -m edgesync_engines.app.compact`` to follow.
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
 
+    Attributes:
+        env: the :class:`~edgesync_store.core.lmdb_env.LmdbEnv` (for the core's modules; the
+            layers above use the methods).
+
     An existing directory's mode is left alone. Opening an older store runs its migrations
     (``migrations/``).
 
