@@ -128,9 +128,15 @@ def real_texts(data_dir: Path) -> tuple[list[str], dict[str, int]]:
     sources: list[tuple[str, list[str]]] = [
         ("qqp_clusters", [q for r in _jsonl(data_dir / "qqp_clusters.jsonl") for q in r["questions"]]),
         ("qqp_pairs_labelled", [r[x] for r in _jsonl(data_dir / "qqp_pairs_labelled.jsonl") for x in ("a", "b")]),
-        ("gptcache_mock_pairs", [r[x] for r in _jsonl(data_dir / "gptcache_mock_pairs.jsonl") for x in ("origin", "similar")]),
+        (
+            "gptcache_mock_pairs",
+            [r[x] for r in _jsonl(data_dir / "gptcache_mock_pairs.jsonl") for x in ("origin", "similar")],
+        ),
         ("doc_qa questions", [q for r in _jsonl(data_dir / "doc_qa.jsonl") for q in r["questions"]]),
-        ("doc_qa prompts", [embed_text_for(r.as_messages()) for r in doc_qa_workload(n_docs=n_docs, data_dir=data_dir)]),
+        (
+            "doc_qa prompts",
+            [embed_text_for(r.as_messages()) for r in doc_qa_workload(n_docs=n_docs, data_dir=data_dir)],
+        ),
         ("chat_sessions turns", [t for r in _jsonl(data_dir / "chat_sessions.jsonl") for t in r["turns"]]),
     ]
     seen: set[str] = set()
@@ -240,7 +246,9 @@ def pool_info(size: int, n_real: int, fill: str, cos: np.ndarray) -> dict:
 # -- the index ------------------------------------------------------------------------------------
 
 
-def add_fragments(store, index, vectors: np.ndarray, start: int, stop: int, batch: int, progress, task) -> tuple[float, float]:
+def add_fragments(
+    store, index, vectors: np.ndarray, start: int, stop: int, batch: int, progress, task
+) -> tuple[float, float]:
     """Store tiny fragments ``start..stop-1`` (``FragmentStore.put_many``, one transaction per
     ``batch``) and index their vectors (``SemanticIndex.add_many``, one transaction per batch).
     Returns ``(store seconds, index seconds)``; only the second is the index's build cost."""
@@ -299,7 +307,9 @@ def router_query_k() -> tuple[int, str]:
 # -- measurements -----------------------------------------------------------------------------------
 
 
-def measure_lookups(embedder, index, queries: dict[str, list], k: int, repeat: int = 3, warmup: int = 10) -> dict[str, dict]:
+def measure_lookups(
+    embedder, index, queries: dict[str, list], k: int, repeat: int = 3, warmup: int = 10
+) -> dict[str, dict]:
     """Time the router's lookup for every query, ``repeat`` passes over all queries, the
     workloads interleaved within a pass.
 
@@ -451,8 +461,11 @@ def report_lines(result: dict) -> list[str]:
         ])
     out.append(text_table(["size", "real / synthetic", "store fill s", "index add s", "add ms/vector (last step)",
                            "save s", "reopen s", "sidecar MB", "index LMDB MB", "data.mdb MB"], rows))
-    out += ["", f"Prefill baseline: SmolLM2-135M-Instruct Q4_1 on llama.cpp, {result['config']['llama_threads']} threads, "
-            "time to first token with max_tokens=1, KV cache cleared before each prompt, tokenization not timed:"]
+    out += [
+        "",
+        f"Prefill baseline: SmolLM2-135M-Instruct Q4_1 on llama.cpp, {result['config']['llama_threads']} threads, "
+        "time to first token with max_tokens=1, KV cache cleared before each prompt, tokenization not timed:",
+    ]
     slow = []
     for name, pf in result["prefill"].items():
         tk = pf["prompt_tokens"]
@@ -466,7 +479,8 @@ def report_lines(result: dict) -> list[str]:
             slow.append(f"{name} {pf['ms_per_token_median']:.1f}")
     if slow:
         out.append(
-            f"  WARNING: prefill ran at {', '.join(slow)} ms per token, against about {QUIET_PREFILL_MS_PER_TOKEN} on 2 "
+            f"  WARNING: prefill ran at {', '.join(slow)} ms per token, "
+            f"against about {QUIET_PREFILL_MS_PER_TOKEN} on 2 "
             "quiet cores (DESIGN.md 2.2): other processes held the cores. llama.cpp's threads slow down far more under "
             "contention than the one-thread embedder, so the ratios above UNDERSTATE the lookup's share; rerun on a "
             "quiet machine."
@@ -484,17 +498,27 @@ def notes(result: dict) -> list[str]:
         "semantic.hnsw and the index's LMDB pages (vectors + change log) are real.",
         f"Vectors: {pool['n_real']:,} distinct real texts of ../shared/workloads embedded with {cfg['embedder']} "
         f"({pool['real_source']}, {pool['real_seconds']:.1f} s); beyond them: "
-        + ("paraphrase-like noisy copies of the real vectors (cosine to source p5/p50/p95 "
-           + "/".join(f"{result['sizes'][-1]['pool'].get('noise_cosine_to_source', {}).get(q, float('nan')):.2f}" for q in ("p5", "p50", "p95"))
-           + ")" if cfg["fill"] == "noise" else "random unit vectors (no structure: HNSW's hardest case)")
+        + (
+            "paraphrase-like noisy copies of the real vectors (cosine to source p5/p50/p95 "
+            + "/".join(
+                f"{result['sizes'][-1]['pool'].get('noise_cosine_to_source', {}).get(q, float('nan')):.2f}"
+                for q in ("p5", "p50", "p95")
+            )
+            + ")"
+            if cfg["fill"] == "noise"
+            else "random unit vectors (no structure: HNSW's hardest case)"
+        )
         + ".",
-        f"Index: hnswlib M 16, ef_construction 200, ef_search {cfg['ef_search']}, 1 thread, k={cfg['k']} ({cfg['k_source']}); sizes "
+        f"Index: hnswlib M 16, ef_construction 200, ef_search {cfg['ef_search']}, 1 thread, "
+        f"k={cfg['k']} ({cfg['k_source']}); sizes "
         f"filled incrementally into one store. 'total' = embed_text_for + encode of one text + SemanticIndex.query "
         f"(which includes its LMDB freshness check and the check that results are still stored).",
-        f"Each prompt is timed {cfg['repeat']} times on both sides (passes over all prompts, so a burst of load does not "
+        f"Each prompt is timed {cfg['repeat']} times on both sides "
+        f"(passes over all prompts, so a burst of load does not "
         f"hit one prompt's every sample); the first table keeps each prompt's fastest, so its p95 is over prompts "
         f"(text length), the second table's over every sample. Ratios: total p50 / prefill p50 and total p95 / prefill "
-        f"p95 per workload; 'per-prompt ratio' is the median of lookup/prefill over the {cfg['prefill_prompts']} prompts "
+        f"p95 per workload; 'per-prompt ratio' is the median of lookup/prefill "
+        f"over the {cfg['prefill_prompts']} prompts "
         f"timed both ways. p95 of {cfg['prefill_prompts']} prefills is interpolated.",
         f"Load average (1/5/15 min) at start {result['env']['load_start']}, at end {result['env']['load_end']} "
         f"({result['env']['cpus']} CPUs; this benchmark itself adds 1 to 2): figures from a busy machine are noisy.",
@@ -513,15 +537,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--sizes", help="indexed fragments, comma-separated (default 10000,100000; --quick 1000,5000)")
     p.add_argument("--queries", type=int, help="timed lookups per workload (default 200; --quick 30)")
-    p.add_argument("--prefill-prompts", type=int, help="prompts per workload prefilled for the baseline (default 20; --quick 4)")
+    p.add_argument(
+        "--prefill-prompts", type=int, help="prompts per workload prefilled for the baseline (default 20; --quick 4)"
+    )
     p.add_argument("--repeat", type=int, help="timed passes over every prompt, both sides; the table keeps each "
                    "prompt's fastest (default 3; --quick 2)")
     p.add_argument("--k", type=int, default=None, help="neighbours per query (default: the router's k, 8)")
     p.add_argument("--ef-search", type=int, default=100, help="hnswlib ef at query time (default 100, the index's)")
     p.add_argument("--fill", choices=("noise", "random"), default="noise",
                    help="vectors beyond the real ones: noisy copies of real ones (default) or random unit vectors")
-    p.add_argument("--batch", type=int, default=1000, help="fragments per put_many / add_many transaction (default 1000)")
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads for the prefill (default: all cores, as the router)")
+    p.add_argument(
+        "--batch", type=int, default=1000, help="fragments per put_many / add_many transaction (default 1000)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="llama.cpp threads for the prefill (default: all cores, as the router)",
+    )
     p.add_argument("--workdir", default=None, help="directory for the temporary store (default: the system temp dir)")
     p.add_argument("--no-embedding-cache", action="store_true", help=f"re-embed the real texts (cache: {CACHE_DIR})")
     p.add_argument("--json", metavar="FILE", help="also write every figure (and the per-query timings) to FILE")
@@ -529,7 +562,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"small and fast: sizes 1000,5000, 30 queries, 4 prefills, {QUICK_REAL_TEXTS} real texts")
     a = p.parse_args(argv)
     try:
-        a.sizes = sorted({int(s.replace("_", "")) for s in (a.sizes or ("1000,5000" if a.quick else "10000,100000")).split(",") if s.strip()})
+        a.sizes = sorted(
+            {
+                int(s.replace("_", ""))
+                for s in (a.sizes or ("1000,5000" if a.quick else "10000,100000")).split(",")
+                if s.strip()
+            }
+        )
     except ValueError:
         p.error(f"--sizes: expected comma-separated integers, got {a.sizes!r}")
     if not a.sizes:
@@ -537,7 +576,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.queries = a.queries if a.queries is not None else (30 if a.quick else 200)
     a.repeat = a.repeat if a.repeat is not None else (2 if a.quick else 3)
     a.prefill_prompts = a.prefill_prompts if a.prefill_prompts is not None else (4 if a.quick else 20)
-    if min(a.sizes) < 1 or a.queries < 1 or a.prefill_prompts < 1 or a.repeat < 1 or (a.k is not None and a.k < 1) or a.ef_search < 1 or a.batch < 1:
+    if (
+        min(a.sizes) < 1
+        or a.queries < 1
+        or a.prefill_prompts < 1
+        or a.repeat < 1
+        or (a.k is not None and a.k < 1)
+        or a.ef_search < 1
+        or a.batch < 1
+    ):
         p.error("sizes, --queries, --prefill-prompts, --repeat, --k, --ef-search and --batch must be >= 1")
     a.prefill_prompts = min(a.prefill_prompts, a.queries)
     a.k, a.k_source = (a.k, "--k") if a.k is not None else router_query_k()
@@ -548,14 +595,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the tables; return the exit status (0)."""
     args = parse_args(argv)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
     from edgesync_engines.app.workloads import workloads_dir
-    from edgesync_store.semantic.embedders import get_embedder
     from edgesync_engines.request.prompt_text import embed_text_for
-    from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SemanticIndex
     from edgesync_store.core.store import FragmentStore
+    from edgesync_store.semantic.embedders import get_embedder
+    from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SemanticIndex
 
     t_run = time.perf_counter()
     err = Console(stderr=True)
@@ -572,20 +626,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "semantic_overhead",
         "config": {
-            "sizes": args.sizes, "queries_per_workload": args.queries, "repeat": args.repeat, "prefill_prompts": args.prefill_prompts,
-            "k": args.k, "k_source": args.k_source, "ef_search": args.ef_search, "fill": args.fill, "batch": args.batch, "quick": args.quick,
-            "embedder": embedder.backend_id, "embedder_threads": getattr(embedder, "intra_op_threads", None),
+            "sizes": args.sizes,
+            "queries_per_workload": args.queries,
+            "repeat": args.repeat,
+            "prefill_prompts": args.prefill_prompts,
+            "k": args.k,
+            "k_source": args.k_source,
+            "ef_search": args.ef_search,
+            "fill": args.fill,
+            "batch": args.batch,
+            "quick": args.quick,
+            "embedder": embedder.backend_id,
+            "embedder_threads": getattr(embedder, "intra_op_threads", None),
             "llama_threads": args.threads or os.cpu_count(),
         },
         "env": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "packages": {p: importlib.metadata.version(p) for p in ("hnswlib", "onnxruntime", "llama-cpp-python", "lmdb", "numpy")},
-            "load_start": load_start, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "packages": {
+                p: importlib.metadata.version(p)
+                for p in ("hnswlib", "onnxruntime", "llama-cpp-python", "lmdb", "numpy")
+            },
+            "load_start": load_start,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
         "queries": {
-            name: {"n": len(reqs), "embed_words_median": float(np.median([len(embed_text_for(r.as_messages()).split()) for r in reqs])),
-                   "source": "seed_workload(1000), distinct prompt_key in draw order" if name == "seed"
-                   else "doc_qa_workload(all passages), random.Random(0).sample"}
+            name: {
+                "n": len(reqs),
+                "embed_words_median": float(np.median([len(embed_text_for(r.as_messages()).split()) for r in reqs])),
+                "source": "seed_workload(1000), distinct prompt_key in draw order"
+                if name == "seed"
+                else "doc_qa_workload(all passages), random.Random(0).sample",
+            }
             for name, reqs in queries.items()
         },
     }
@@ -614,8 +687,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with bar() as progress:
         real, source, seconds = real_vectors(texts, embedder, progress, use_cache=not args.no_embedding_cache)
     pool, noise_cos = pool_vectors(real, max(args.sizes), args.fill)
-    result["vectors"] = {"n_real": len(texts), "real_by_source": counts if not args.quick else {"quick subset": len(texts)},
-                         "real_source": source, "real_seconds": seconds}
+    result["vectors"] = {
+        "n_real": len(texts),
+        "real_by_source": counts if not args.quick else {"quick subset": len(texts)},
+        "real_source": source,
+        "real_seconds": seconds,
+    }
     err.print(f"real vectors: {len(texts):,} ({source}, {seconds:.1f} s); fill beyond them: {args.fill}")
 
     # 3. Grow one store + index through the sizes; measure at each.
@@ -643,7 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reopen_s = time.perf_counter() - t0
                 if len(index) != size:
                     raise RuntimeError(f"index holds {len(index)} vectors, expected {size}")
-                err.print(f"size {size:,}: measuring {sum(len(q) for q in queries.values())} lookups (load {load_note()})")
+                err.print(
+                    f"size {size:,}: measuring {sum(len(q) for q in queries.values())} lookups (load {load_note()})"
+                )
                 lookups = measure_lookups(embedder, index, queries, args.k, repeat=args.repeat)
                 size_res = {
                     "size": size,
@@ -669,7 +748,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     w["ratio_p95"] = w["total"]["p95"] / pf["ttft"]["p95"]
                     w["ratio_raw_p50"] = w["total_raw"]["p50"] / pf["ttft_raw"]["p50"]
                     w["ratio_raw_p95"] = w["total_raw"]["p95"] / pf["ttft_raw"]["p95"]
-                    w["per_prompt_ratio_median"] = float(np.median(best["total_ms"][:n_pf] / np.asarray(pf["ttft_best_ms"])))
+                    w["per_prompt_ratio_median"] = float(
+                        np.median(best["total_ms"][:n_pf] / np.asarray(pf["ttft_best_ms"]))
+                    )
                     w["top1_similarity_median"] = float(np.nanmedian(rec["top1_similarity"]))
                     w["per_query"] = rec
                     size_res["workloads"][name] = w

@@ -27,7 +27,16 @@ _PUBLIC = {
 }
 """Public name -> the module that defines it."""
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "ContextOverflowError",
+    "EdgeSync",
+    "EdgeSyncConfig",
+    "GenerationResult",
+    "GenerationStream",
+    "HitTier",
+    "InjectionError",
+    "ReuseMode",
+]
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError

@@ -101,8 +101,16 @@ if TYPE_CHECKING:
     from edgesync_store.core.backend import FragmentBackend
     from edgesync_store.core.store import DEFAULT_MAX_BYTES, STORE_FORMAT_VERSION, FragmentStore, StoreStats
     from edgesync_store.core.walk import PrefixMatch, SpanMatch
-    from edgesync_store.errors import (CodecError, StoreBusyError, StoreError, StoreFormatError, StoreIOError,
-                                       StoreNotFoundError, StoreOpenError, StoreUnavailableError)
+    from edgesync_store.errors import (
+        CodecError,
+        StoreBusyError,
+        StoreError,
+        StoreFormatError,
+        StoreIOError,
+        StoreNotFoundError,
+        StoreOpenError,
+        StoreUnavailableError,
+    )
     from edgesync_store.schema import KVFragment, Namespace, chunk_spans, prefix_hash, store_key
     from edgesync_store.semantic.embedders import get_embedder
     from edgesync_store.semantic.index import SemanticIndex

@@ -37,13 +37,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from edgesync_store.lifecycle import eviction
-
-from edgesync_store.lifecycle import merge
-
-from edgesync_store.lifecycle import reclaim
 from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.core.locks import CompactLock
+from edgesync_store.lifecycle import eviction, merge, reclaim
 from edgesync_store.schema import Namespace, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle, sweep
 
@@ -218,7 +214,9 @@ class Compactor:
         for row in rows:
             h = row.head
             part = (tuple(h.layers),) if axis == 1 else (h.head_start, h.head_end)
-            groups[(h.namespace.digest(), h.prefix_hash, h.token_start, h.token_end, h.token_ids.tobytes(), part)].append(row)
+            groups[
+                (h.namespace.digest(), h.prefix_hash, h.token_start, h.token_end, h.token_ids.tobytes(), part)
+            ].append(row)
         merged = parts = 0
         candidates = [g for g in groups.values() if len(g) > 1 and self._exact_cover(g, axis)]
         for n, group in enumerate(candidates):

@@ -18,9 +18,9 @@ just before it).
 from __future__ import annotations
 
 from edgesync_store.core.codec import peek
-from edgesync_store.errors import CodecError
 from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, LIFECYCLE_DB, META_DB, U64, USED_BYTES_KEY
+from edgesync_store.errors import CodecError
 from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy
 from migrations.versions import write_version
 
@@ -51,7 +51,7 @@ def apply(store) -> None:
     policy = store.policy
     after = b""
     while True:
-        def batch(txn) -> bytes | None:
+        def batch(txn, after: bytes = after) -> bytes | None:  # runs inside this iteration's transact
             cursor = txn.cursor(db=fragments)
             if not (cursor.set_range(after) if after else cursor.first()):
                 return None

@@ -11,7 +11,6 @@ import pytest
 
 from edgesync_engines.app import workloads
 
-
 # Keep the suite out of the user's own cache directory: fingerprints and any default store go
 # to a temp dir (set before any test or subprocess starts, so subprocesses inherit it).
 _SANDBOX = tempfile.mkdtemp(prefix="edgesync-tests-")

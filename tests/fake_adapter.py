@@ -25,9 +25,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, prefix_hash
-
 from edgesync_engines.adapters.protocol import InjectionError
+from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, prefix_hash
 
 LLAMA_LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
 ONNX_LAYOUT = "onnx-hf-rotate-half/tokens-major-v1"
@@ -131,13 +130,24 @@ class FakeAdapter:
             if end > len(self.live):
                 raise ValueError(f"span [{start}, {end}) beyond the live sequence of {len(self.live)}")
             keys, values = kv_of(ns, tokens, start, end)
-            out.append(KVFragment(
-                namespace=ns, token_start=start, token_end=end, layer_start=layer_start, layer_end=layer_end,
-                layer_stride=layer_stride, head_start=head_start, head_end=head_end,
-                keys=np.ascontiguousarray(keys[layers][:, :, cols]), values=np.ascontiguousarray(values[layers][:, :, cols]),
-                token_ids=np.asarray(tokens[start:end], dtype=np.int32), prefix_hash=prefix_hash(tokens[:start]),
-                created_at=created, expires_at=created + ttl,
-            ))
+            out.append(
+                KVFragment(
+                    namespace=ns,
+                    token_start=start,
+                    token_end=end,
+                    layer_start=layer_start,
+                    layer_end=layer_end,
+                    layer_stride=layer_stride,
+                    head_start=head_start,
+                    head_end=head_end,
+                    keys=np.ascontiguousarray(keys[layers][:, :, cols]),
+                    values=np.ascontiguousarray(values[layers][:, :, cols]),
+                    token_ids=np.asarray(tokens[start:end], dtype=np.int32),
+                    prefix_hash=prefix_hash(tokens[:start]),
+                    created_at=created,
+                    expires_at=created + ttl,
+                )
+            )
         return out
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:

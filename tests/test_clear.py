@@ -15,16 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from edgesync_store.semantic import donors
-from edgesync_store.commands.clear import clear_store
-from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK, SemanticIndex
-from edgesync_store.core.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME
-from edgesync_store.commands.inventory import StoreNotFoundError
-from edgesync_store.core.store import FragmentStore, StoreOpenError
-from edgesync_store.semantic.vectors import VectorTable
-
 from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
+
+from edgesync_store.commands.clear import clear_store
+from edgesync_store.commands.inventory import StoreNotFoundError
+from edgesync_store.core.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME
+from edgesync_store.core.store import FragmentStore, StoreOpenError
+from edgesync_store.semantic import donors
+from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK, SemanticIndex
+from edgesync_store.semantic.vectors import VectorTable
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -148,7 +147,10 @@ def test_clear_command(full_store, tmp_path):
     path = full_store
     refused = _clear_cmd(str(path))  # stdin is not a terminal and no --yes
     assert refused.returncode == 2 and refused.stdout == ""
-    assert refused.stderr.strip() == f"error: refusing to clear {path} without --yes (stdin is not a terminal to confirm on)"
+    assert (
+        refused.stderr.strip()
+        == f"error: refusing to clear {path} without --yes (stdin is not a terminal to confirm on)"
+    )
     with FragmentStore(path, readonly=True) as store:
         assert store.stats().fragments == N  # untouched
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import zstandard
+from fragments import SMOL  # noqa: E402  (tests/fragments.py)
 
 from edgesync_store.core import codec
 from edgesync_store.core.codec import CodecError, decode, encode, peek
 from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace, content_hash, prefix_hash
 
-from fragments import SMOL  # noqa: E402  (tests/fragments.py)
 SMOL_F32 = replace(SMOL, kv_dtype="f32")
 
 

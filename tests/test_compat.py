@@ -11,7 +11,9 @@ from edgesync_engines.adapters.llamacpp import LAYOUT as LLAMA_LAYOUT
 from edgesync_engines.adapters.onnxrt import LAYOUT as ONNX_LAYOUT
 from edgesync_store.schema import Namespace
 
-LLAMA = Namespace("a" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, LLAMA_LAYOUT + ";v_trans=1", 30, 3, 64)
+LLAMA = Namespace(
+    "a" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, LLAMA_LAYOUT + ";v_trans=1", 30, 3, 64
+)
 ONNX = Namespace("a" * 64, "onnxruntime", "onnxruntime 1.32.0; v1", "f32", False, ONNX_LAYOUT, 30, 3, 64)
 
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
-from edgesync_store.schema import MIN_SPAN, prefix_hash
 from edgesync_store.core.store import FragmentStore
+from edgesync_store.schema import MIN_SPAN, prefix_hash
 
 TESTS = Path(__file__).parent
 COMPACT_FOR_S = 60.0

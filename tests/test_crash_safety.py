@@ -61,15 +61,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from format1 import on_disk_version, write_format1_store
 
 from edgesync_store.compactor import Compactor
 from edgesync_store.core.crashpoints import ENV_VAR
+from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore
 from edgesync_store.lifecycle.merge import split_heads, split_layers
 from edgesync_store.lifecycle.reclaim import TMP_NAME
 from edgesync_store.schema import KVFragment, chunk_spans
-from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore
-
-from format1 import on_disk_version, write_format1_store
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "How do I revise for a chemistry test?"
@@ -269,8 +268,14 @@ def run_compactor(path: Path, *args: str, crash: str | None = None) -> subproces
     env.pop(ENV_VAR, None)
     if crash:
         env[ENV_VAR] = crash
-    return subprocess.Popen([sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--force-reclaim", "--json",
-                             *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--force-reclaim", "--json", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def fresh_copy(src: Path, tmp_path: Path) -> Path:

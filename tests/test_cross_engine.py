@@ -10,16 +10,15 @@ import sys
 
 import numpy as np
 import pytest
+from tinymodel import N_HEAD_KV, build_tiny_export
 
 from edgesync_engines.adapters.compat import CONVERTIBLE, INCOMPATIBLE, compatible_with
-from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.adapters.onnx_export import TOKENIZER_FILE, read_meta
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.adapters.reshape import can_inject_with_reshape, convert_fragment
+from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
-
-from tinymodel import N_HEAD_KV, build_tiny_export
 
 PREFIX, TOTAL = 128, 200
 
@@ -79,8 +78,9 @@ def test_llama_cpp_kv_survives_the_round_trip_through_onnx_layout_bit_for_bit(ad
     adapter.clear_kv_cache()
     list(adapter.generate(doc_prompts[0], max_tokens=1))
     fragment = adapter.extract_fragment(doc_prompts[0], 0, PREFIX)
-    from edgesync_engines.adapters.onnxrt import LAYOUT, ENGINE
     import dataclasses
+
+    from edgesync_engines.adapters.onnxrt import ENGINE, LAYOUT
 
     onnx_ns = dataclasses.replace(adapter.namespace, engine=ENGINE, engine_version="x", kv_dtype="f32", layout=LAYOUT)
     there = convert_fragment(fragment, onnx_ns)

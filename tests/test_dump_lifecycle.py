@@ -17,14 +17,13 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
 
-from edgesync_store.core import codec
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.inventory import fragment_rows, render_table, render_tier_table, tier_summary
+from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import LONG_TTL_SECONDS, ManualClock
-
-from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tools" / "dump.py"
@@ -108,7 +107,7 @@ def test_rows_show_tier_hits_and_expiry(lifecycle_store):
                                             "raw_bytes": 1, "disk_bytes": 1, "map_size": 1,
                                             "compression_ratio": None}}))
     text = console.export_text()
-    lines = {name: next(l for l in text.splitlines() if row["key"] in l) for name, row in rows.items()}
+    lines = {name: next(line for line in text.splitlines() if row["key"] in line) for name, row in rows.items()}
     assert " long " in lines["long"] and " 604800 " in lines["long"] and "expired" not in lines["long"]
     assert " short " in lines["short"] and " 1750 " in lines["short"]
     assert " short " in lines["expired"] and "expired" in lines["expired"]
@@ -144,8 +143,11 @@ def test_summary_counts_and_bytes_by_tier(lifecycle_store):
     console = Console(record=True, width=120, file=io.StringIO())
     console.print(render_tier_table(summ))
     text = console.export_text()
-    assert [l.split()[1] for l in text.splitlines() if l.split()[1:2] in (["short"], ["long"], ["expired"], ["total"])] \
-        == ["short", "long", "expired", "total"]
+    assert [
+        line.split()[1]
+        for line in text.splitlines()
+        if line.split()[1:2] in (["short"], ["long"], ["expired"], ["total"])
+    ] == ["short", "long", "expired", "total"]
     assert f"({summ['used_percent']:.1f}%)" in text
 
 

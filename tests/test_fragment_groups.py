@@ -12,10 +12,12 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
+from fragments import SMOL
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
 from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.lifecycle.merge import (
     group_ranges,
     head_groups,
@@ -26,9 +28,6 @@ from edgesync_store.lifecycle.merge import (
     split_layers,
 )
 from edgesync_store.schema import KVFragment, chunk_spans, prefix_hash
-from edgesync_store.core.store import FragmentStore
-
-from fragments import SMOL
 
 QUESTION = "How do I revise for a chemistry test?"
 

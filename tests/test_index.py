@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.schema import KVFragment, Namespace, prefix_hash
 from edgesync_store.semantic.index import (
     SIDECAR_HNSW,
     SIDECAR_JSON,
@@ -32,8 +34,6 @@ from edgesync_store.semantic.index import (
     SemanticIndex,
     drop_vectors,
 )
-from edgesync_store.schema import KVFragment, Namespace, prefix_hash
-from edgesync_store.core.store import FragmentStore
 
 N_PARENT = 300
 N_CHILD = 50

@@ -19,12 +19,12 @@ import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
+from edgesync_store.compactor import Compactor
+from edgesync_store.core.store import FragmentStore
 from edgesync_store.lifecycle import jobs as jobs_module
 from edgesync_store.lifecycle import merge
-from edgesync_store.compactor import Compactor
 from edgesync_store.lifecycle.jobs import StoreJobs
 from edgesync_store.lifecycle.merge import split_layers
-from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import ManualClock
 from tests.test_store import make_fragment
 

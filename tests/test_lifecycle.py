@@ -21,12 +21,12 @@ import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
-from edgesync_store.core import codec
 from edgesync_store.compactor import Compactor
-from edgesync_store.semantic.index import SemanticIndex
-from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import LONG_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, ManualClock, sweep
+from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.semantic.index import SemanticIndex
+from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT, LONG_TTL_SECONDS, ManualClock, sweep
 from tests.test_store import make_fragment
 
 MIN = 60.0
@@ -82,7 +82,7 @@ def test_fifth_hit_promotes_to_seven_days_and_survives_restart(tmp_path, clock):
     key = frag.key()
     with FragmentStore(path, clock=clock) as store:
         store.put(frag)
-        for i in range(4):
+        for _ in range(4):
             clock.advance(MIN)
             store.record_hits([key])
         life = store.lifecycle(key)
@@ -140,7 +140,9 @@ def test_sweep_removes_expired_fragments_from_lmdb_and_sidecar(tmp_path, clock):
         index.add(frag.key(), rng.standard_normal(384))
     index.save()
     clock.advance(11 * MIN)  # old: 31 minutes, young: 11 minutes
-    assert sweep(store, index=None, dry_run=True) == [(f.key(), len(store.get_blob(f.key()))) for f in sorted(old, key=lambda f: f.key())]
+    assert sweep(store, index=None, dry_run=True) == [
+        (f.key(), len(store.get_blob(f.key()))) for f in sorted(old, key=lambda f: f.key())
+    ]
     gone = sweep(store, index=index)
     assert sorted(k for k, _ in gone) == sorted(f.key() for f in old)
     for frag in old:
@@ -171,7 +173,14 @@ def test_writing_past_max_bytes_evicts_by_policy(tmp_path, clock):
     path = tmp_path / "s"
     store = FragmentStore(path, clock=clock, max_bytes=int(size * 6.5))
     names = {}
-    for name, seed in (("expired", 1), ("short_old", 2), ("long_old", 3), ("short_new", 4), ("long_new", 5), ("short_hit", 6)):
+    for name, seed in (
+        ("expired", 1),
+        ("short_old", 2),
+        ("long_old", 3),
+        ("short_new", 4),
+        ("long_new", 5),
+        ("short_hit", 6),
+    ):
         frag = fresh(seed, clock)
         store.put(frag)
         names[name] = frag.key()
@@ -435,7 +444,9 @@ def test_overlapping_groups_are_not_merged(tmp_path, clock):
 def test_compaction_reclaims_freed_pages(tmp_path, clock):
     path = tmp_path / "s"
     with FragmentStore(path, clock=clock) as store:
-        frags = [make_fragment(seed=50 + i, kind="bits", created_at=clock(), expires_at=clock() + 60) for i in range(12)]
+        frags = [
+            make_fragment(seed=50 + i, kind="bits", created_at=clock(), expires_at=clock() + 60) for i in range(12)
+        ]
         keep = make_fragment(seed=99, kind="bits", created_at=clock(), expires_at=clock() + 3600)
         store.put_many(frags + [keep])
         before = (path / "data.mdb").stat().st_size
@@ -456,7 +467,9 @@ def test_compaction_reclaims_freed_pages(tmp_path, clock):
 def test_reclaim_is_deferred_while_another_process_has_the_store_open(tmp_path, clock):
     path = tmp_path / "s"
     with FragmentStore(path, clock=clock) as store:
-        store.put_many([make_fragment(seed=60 + i, kind="bits", created_at=clock(), expires_at=clock() + 60) for i in range(8)])
+        store.put_many(
+            [make_fragment(seed=60 + i, kind="bits", created_at=clock(), expires_at=clock() + 60) for i in range(8)]
+        )
         clock.advance(120)
         other = FragmentStore(path)  # holds the shared open lock like another process
         report = Compactor(store).run(force_reclaim=True)
@@ -478,7 +491,9 @@ def test_compact_command_dry_run_and_json(tmp_path, clock):
     done = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert done["expired"] == 1 and done["fragments_before"] == 2 and done["fragments_after"] == 1
     for bad in ([str(tmp_path / "missing")], [str(path), "--max-bytes", "lots"]):
-        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.compact", *bad], capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "edgesync_engines.app.compact", *bad], capture_output=True, text=True
+        )
         assert proc.returncode == 2 and proc.stderr.strip()
     assert not (tmp_path / "missing").exists()
 
@@ -525,7 +540,6 @@ def test_compact_command_stops_cleanly_on_sigterm(tmp_path, clock, monkeypatch, 
     import threading
 
     from edgesync_engines.app import compact
-
     from edgesync_store.lifecycle import merge
 
     path = tmp_path / "s"

@@ -5,7 +5,6 @@ The prompt: StudyBuddy's system prompt (system_prompts.json row 0) and one user 
 
 from __future__ import annotations
 
-
 import llama_cpp
 import numpy as np
 import pytest
@@ -16,9 +15,14 @@ from edgesync_engines.adapters.protocol import ContextOverflowError
 
 @pytest.fixture
 def prompt(adapter, system_prompts):
-    return adapter.tokenize(adapter.apply_chat_template(
-        [{"role": "system", "content": system_prompts[0]}, {"role": "user", "content": "How do I revise for a chemistry test?"}]
-    ))
+    return adapter.tokenize(
+        adapter.apply_chat_template(
+            [
+                {"role": "system", "content": system_prompts[0]},
+                {"role": "user", "content": "How do I revise for a chemistry test?"},
+            ]
+        )
+    )
 
 
 def last_logits(adapter) -> np.ndarray:
@@ -70,10 +74,17 @@ def test_one_token_batches_differ_and_the_prefill_plan_avoids_them(adapter, syst
     """Why the last prompt token is evaluated alone: llama.cpp's one-token evaluation can round
     differently from a batch (not on every prompt: on this one, found while building the
     router, by up to 0.55 in the logits), while batches of >= 2 agree to the bit."""
-    prompt = adapter.tokenize(adapter.apply_chat_template([
-        {"role": "system", "content": system_prompts[0]},
-        {"role": "user", "content": "Write a long, detailed essay about how to study well for exams, with many examples."},
-    ]))
+    prompt = adapter.tokenize(
+        adapter.apply_chat_template(
+            [
+                {"role": "system", "content": system_prompts[0]},
+                {
+                    "role": "user",
+                    "content": "Write a long, detailed essay about how to study well for exams, with many examples.",
+                },
+            ]
+        )
+    )
     n = len(prompt)
     full = prefill(adapter, prompt, [(0, n)])
     assert np.array_equal(prefill(adapter, prompt, [(0, 128), (128, n - 2), (n - 2, n)]), full)

@@ -26,17 +26,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from format1 import dump, on_disk_version, write_format1_store
 
 from edgesync_store.core import codec
 from edgesync_store.core.crashpoints import ENV_VAR
-from edgesync_store.lifecycle.merge import split_heads, split_layers
-from migrations import CURRENT_VERSION, StoreFormatError
-from migrations import m0002_lifecycle_v2
-from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LONG_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, ManualClock
-
-from format1 import dump, on_disk_version, write_format1_store
+from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.schema import KVFragment, chunk_spans
+from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LIFETIME_LONG, LIFETIME_SHORT, LONG_TTL_SECONDS, ManualClock
+from migrations import CURRENT_VERSION, StoreFormatError, m0002_lifecycle_v2
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What should I pack for three days in Lisbon?"

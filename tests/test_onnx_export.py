@@ -13,11 +13,19 @@ import time
 
 import pytest
 
-from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.adapters.model_files import ModelLoadError, default_model_path
-from edgesync_engines.adapters.onnx_export import (META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, clean_leftovers,
-                                          export_gguf, is_gguf, open_export)
+from edgesync_engines.adapters.onnx_export import (
+    META_FILE,
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    ExportError,
+    clean_leftovers,
+    export_gguf,
+    is_gguf,
+    open_export,
+)
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.config import EdgeSyncConfig
 
 
 def damaged_copy(onnx_export, root, meta=None, tokenizer=None, model_bytes=None):

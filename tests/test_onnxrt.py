@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 
+from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.onnx_export import META_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, read_meta
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.request.router import EdgeSync
-from edgesync_engines.adapters.model_files import file_fingerprint
-from edgesync_store.schema import chunk_spans
 from edgesync_store.core.store import FragmentStore
+from edgesync_store.schema import chunk_spans
 
 
 def decode_steps(generated: list[int], max_tokens: int) -> int:
@@ -36,7 +36,11 @@ def test_tokenize_gives_llama_cpp_token_ids(onnx_adapter, adapter, data_dir, sys
     texts = list(system_prompts)
     texts += [json.loads(line)["context"] for line in (data_dir / "doc_qa.jsonl").read_text().splitlines()[:20]]
     texts += [adapter.apply_chat_template(req.as_messages()) for req in seed_requests[:60]]
-    texts += ["naïve café — 日本語のテキスト 🙂🚀 tabs\tand\nnewlines  double  spaces", "<|im_start|>user\nhi<|im_end|>\n", " "]
+    texts += [
+        "naïve café — 日本語のテキスト 🙂🚀 tabs\tand\nnewlines  double  spaces",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        " ",
+    ]
     for text in texts:
         assert onnx_adapter.tokenize(text) == adapter.tokenize(text), text[:80]
     messages = seed_requests[0].as_messages()
@@ -73,7 +77,10 @@ def test_extract_inject_round_trip_is_lossless(onnx_adapter, doc_tokens):
     onnx_adapter.eval_logits(tokens)
     live = [p.copy() for p in onnx_adapter._past]
     parts = onnx_adapter.extract_fragments(tokens, chunk_spans(256, 128))
-    layers = [onnx_adapter.extract_fragment(tokens, 0, 128, 0, 15), onnx_adapter.extract_fragment(tokens, 0, 128, 15, 30)]
+    layers = [
+        onnx_adapter.extract_fragment(tokens, 0, 128, 0, 15),
+        onnx_adapter.extract_fragment(tokens, 0, 128, 15, 30),
+    ]
     heads = onnx_adapter.extract_fragments(tokens, [(128, 256)], head_start=0, head_end=1) + \
         onnx_adapter.extract_fragments(tokens, [(128, 256)], head_start=1, head_end=3)
     for fragments in (parts, layers + heads):
@@ -149,7 +156,11 @@ def test_export_records_the_gguf_fingerprint(onnx_export, onnx_adapter):
     assert props["edgesync.source_fingerprint"] == fingerprint
     assert read_meta(onnx_export)["source_fingerprint"] == fingerprint
     assert onnx_adapter.namespace.model_fingerprint == fingerprint
-    assert (onnx_adapter.namespace.n_layer, onnx_adapter.namespace.n_head_kv, onnx_adapter.namespace.head_dim) == (30, 3, 64)
+    assert (onnx_adapter.namespace.n_layer, onnx_adapter.namespace.n_head_kv, onnx_adapter.namespace.head_dim) == (
+        30,
+        3,
+        64,
+    )
 
 
 def test_an_export_of_another_file_or_an_incomplete_one_is_refused(onnx_export, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from fake_adapter import FakeAdapter, fake_namespace
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
@@ -21,8 +22,6 @@ from edgesync_engines.request.plan import HitTier, ReuseMode, SourceKind, hit_ti
 from edgesync_engines.request.semantic_lookup import Donor, Lookup
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import MIN_SPAN
-
-from fake_adapter import FakeAdapter, fake_namespace
 
 
 def text(n: int, seed: int = 0) -> str:

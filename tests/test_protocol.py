@@ -41,7 +41,9 @@ def _decodes(data: bytes) -> bool:
 def protocol_members() -> set[str]:
     """Every public name the protocol declares (annotated attributes, properties, methods)."""
     names = set(EngineAdapter.__annotations__)
-    names |= {n for n, v in vars(EngineAdapter).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    names |= {
+        n for n, v in vars(EngineAdapter).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
     return names
 
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgesync_engines.adapters.reshape import halves_to_interleaved, interleaved_to_halves, llamacpp_to_onnx, onnx_to_llamacpp
+from edgesync_engines.adapters.reshape import (
+    halves_to_interleaved,
+    interleaved_to_halves,
+    llamacpp_to_onnx,
+    onnx_to_llamacpp,
+)
 
 N_LAYERS, SPAN, HEADS, HEAD_DIM = 30, 70, 3, 64
 
@@ -37,7 +42,9 @@ def test_llamacpp_to_onnx_places_every_element(kv):
     for layer, head, t in ((0, 0, 0), (7, 2, 69), (29, 1, 33)):
         cols = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
         assert np.array_equal(ov[layer, 0, head, t], v[layer, t, cols].astype(np.float32))
-        assert np.array_equal(ok[layer, 0, head, t], interleaved_to_halves(k[layer, t, cols], HEAD_DIM).astype(np.float32))
+        assert np.array_equal(
+            ok[layer, 0, head, t], interleaved_to_halves(k[layer, t, cols], HEAD_DIM).astype(np.float32)
+        )
 
 
 def test_round_trip_from_llamacpp_is_exact(kv):

@@ -17,12 +17,12 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core import codec
-from edgesync_store.schema import common_prefix_len
 from edgesync_store.core.store import FragmentStore
+from edgesync_store.schema import common_prefix_len
 
 TESTS = Path(__file__).parent
 ESSAY = "Write a long, detailed essay about how to study well for exams, with many examples."
@@ -161,7 +161,9 @@ def _wrong_content_hash(blob: bytearray) -> bytearray:
     return blob
 
 
-@pytest.mark.parametrize("mutate", [_flip_payload_byte, _wrong_content_hash], ids=["flipped-byte", "wrong-content-hash"])
+@pytest.mark.parametrize(
+    "mutate", [_flip_payload_byte, _wrong_content_hash], ids=["flipped-byte", "wrong-content-hash"]
+)
 def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, store, system_prompts, mutate):
     """A bad stored value is refused on read, the request falls
     back to prefill with the right answer, and the bad entry is removed."""
@@ -190,7 +192,11 @@ def test_prompt_over_the_context_raises(cached, data_dir):
     """A chat session's pasted turn longer than the context (chat_sessions.jsonl
     holds turns over 20,000 characters) raises ContextOverflowError naming both numbers."""
     longest = max(
-        (turn for line in (data_dir / "chat_sessions.jsonl").read_text().splitlines() for turn in json.loads(line)["turns"]),
+        (
+            turn
+            for line in (data_dir / "chat_sessions.jsonl").read_text().splitlines()
+            for turn in json.loads(line)["turns"]
+        ),
         key=len,
     )
     assert len(longest) > 20_000

@@ -15,14 +15,13 @@ import sys
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request.router import EdgeSync
 from edgesync_engines.request import storeback
+from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.schema import chunk_spans, common_prefix_len
 from edgesync_store.semantic.donors import get_donor, iterate_donors
 from edgesync_store.semantic.embedders import get_embedder
-from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON
-from edgesync_store.schema import chunk_spans, common_prefix_len
-from edgesync_store.core.store import FragmentStore
 
 # An instruction long enough (>= 64 tokens) that a prompt which inserts it before its question
 # leaves the prefix walk that many tokens short of a stored twin without it.
@@ -172,8 +171,12 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
         (store_dir / name).unlink()
 
     def reindex(*args: str) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "reindex", str(store_dir), "--json", *args],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "edgesync_engines.app.cli", "reindex", str(store_dir), "--json", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
@@ -191,7 +194,9 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
         again = es.generate(prompts[0], max_tokens=6)
         other = es.generate(new, max_tokens=6)
     assert again.tier == "exact" and again.tokens == first[0].tokens
-    assert other.similarity is None and other.tokens == EdgeSync(adapter, store=False).generate(new, max_tokens=6).tokens
+    assert (
+        other.similarity is None and other.tokens == EdgeSync(adapter, store=False).generate(new, max_tokens=6).tokens
+    )
     assert any("semantic lookup off" in r.message and "sentence-transformers" in r.message for r in caplog.records)
 
 

@@ -26,12 +26,11 @@ import lmdb
 import numpy as np
 import pytest
 
-from edgesync_store.core import codec
-
 from edgesync_engines.adapters import model_files as fingerprint
-from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
+from edgesync_store.core import codec
 from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
 from edgesync_store.errors import StoreError
+from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -275,7 +274,7 @@ def test_committed_data_survives_reopen_and_is_read_by_a_new_process(tmp_path):
             assert_same(store.get(f.key()), f)
         assert store.stats().fragments == 4
     out = json.loads(run_py(_READER, path, *(f.key().hex() for f in frags)))
-    for i, f in enumerate(frags):
+    for f in frags:
         assert out[f.key().hex()][0] == digest(f)
     assert out[frags[0].key().hex()][1:] == [1, 1234.5]
     assert out[frags[1].key().hex()][1:] == [0, 0.0]
@@ -337,7 +336,9 @@ def test_newer_store_format_is_refused(tmp_path):
         assert bytes(txn.get(b"format_version", db=meta)) == str(STORE_FORMAT_VERSION).encode()
         txn.put(b"format_version", str(STORE_FORMAT_VERSION + 1).encode(), db=meta)
     env.close()
-    with pytest.raises(StoreFormatError, match=f"version {STORE_FORMAT_VERSION + 1}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"):
+    with pytest.raises(
+        StoreFormatError, match=f"version {STORE_FORMAT_VERSION + 1}; this EdgeSync reads up to {STORE_FORMAT_VERSION}"
+    ):
         FragmentStore(path)
 
 
@@ -422,7 +423,8 @@ def test_map_resized_by_another_process_is_adopted(tmp_path, store_log):
 _CONCURRENT = _PRELUDE + textwrap.dedent(
     """
     import os
-    path, map_size, my_seed, other_seed, n, ready, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+    path, ready, go = sys.argv[1], sys.argv[6], sys.argv[7]
+    map_size, my_seed, other_seed, n = (int(a) for a in sys.argv[2:6])
     counter = T.LogCounter()
     logging.getLogger("edgesync_store").setLevel(logging.DEBUG)
     logging.getLogger("edgesync_store").addHandler(counter)
@@ -459,10 +461,29 @@ def test_two_processes_write_and_read_one_store_concurrently(tmp_path):
     procs = []
     for map_size, mine, other in ((MiB, 7000, 8000), (64 * 1024, 8000, 7000)):
         ready = tmp_path / f"ready-{mine}"
-        procs.append((ready, subprocess.Popen(
-            [sys.executable, "-c", _CONCURRENT, str(path), str(map_size), str(mine), str(other), str(n), str(ready), str(go)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )))
+        procs.append(
+            (
+                ready,
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        _CONCURRENT,
+                        str(path),
+                        str(map_size),
+                        str(mine),
+                        str(other),
+                        str(n),
+                        str(ready),
+                        str(go),
+                    ],
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
     # both stores are open before either writes (opening during writes: see the next test)
     deadline = time.time() + 30
     while not all(r.exists() for r, _ in procs) and time.time() < deadline and all(p.poll() is None for _, p in procs):
@@ -579,7 +600,11 @@ def test_walk_matches_the_whole_sequence(walk_store, sequence):
     store, frags = walk_store
     match = store.prefix_walk(SMOL, sequence)
     assert match.matched_tokens == SEQ_LEN
-    assert [(s.token_start, s.token_end, s.matched) for s in match.spans] == [(0, 128, 128), (128, 256, 128), (256, 330, 74)]
+    assert [(s.token_start, s.token_end, s.matched) for s in match.spans] == [
+        (0, 128, 128),
+        (128, 256, 128),
+        (256, 330, 74),
+    ]
     assert [s.keys for s in match.spans] == [[f.key()] for f in frags]
     assert all(s.complete for s in match.spans)
     assert [s.compressed_nbytes for s in match.spans] == [len(store.get_blob(f.key())) for f in frags]

@@ -33,5 +33,9 @@ def build_tiny_export(out_dir: Path, tokenizer_json: Path, chat_template: str, s
                       max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
     fingerprint = source_fingerprint or hashlib.sha256(f"tiny-llama/{cfg.to_json_string()}/{seed}".encode()).hexdigest()
-    return export_model(model, Tokenizer.from_file(str(tokenizer_json)), Path(out_dir),
-                        {"source_fingerprint": fingerprint, "source_name": "tiny-random-llama", "chat_template": chat_template})
+    return export_model(
+        model,
+        Tokenizer.from_file(str(tokenizer_json)),
+        Path(out_dir),
+        {"source_fingerprint": fingerprint, "source_name": "tiny-random-llama", "chat_template": chat_template},
+    )

@@ -17,9 +17,8 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
-
 from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 
 def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
@@ -32,11 +31,15 @@ def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: i
     layer_end = ns.n_layer if layer_end is None else layer_end
     head_end = ns.n_head_kv if head_end is None else head_end
     if not 0 <= head_start < head_end <= ns.n_head_kv:
-        raise ValueError(f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})")
+        raise ValueError(
+            f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})"
+        )
     return layer_end, head_end
 
 
-def assemble_kv(ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def assemble_kv(
+    ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
     head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds
     its layer, KV head and position (the last span cut to ``n_tokens``).
@@ -270,7 +273,10 @@ class EngineAdapterBase(abc.ABC):
         if n_past == 0:
             self.clear_kv_cache()
             return
-        if self.n_tokens < n_past or common_prefix_len(self._live_tokens(n_past), np.asarray(tokens[:n_past])) != n_past:
+        if (
+            self.n_tokens < n_past
+            or common_prefix_len(self._live_tokens(n_past), np.asarray(tokens[:n_past])) != n_past
+        ):
             raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
         if self.n_tokens > n_past:
             self._truncate(n_past)

@@ -21,13 +21,17 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from edgesync_store.schema import Namespace
-
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.model_files import file_fingerprint
+from edgesync_engines.adapters.model_files import (
+    ModelLoadError,
+    ModelNotFoundError,
+    default_model_path,
+    file_fingerprint,
+    route_native_logs,
+)
 from edgesync_engines.adapters.protocol import InjectionError
-from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path, route_native_logs
+from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
 

@@ -86,8 +86,10 @@ def read_meta(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError) as exc:
         raise ExportError(f"{directory / META_FILE}: unreadable ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ExportError(f"{directory / META_FILE}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                          f"this EdgeSync reads {FORMAT!r}; export again with --force")
+        raise ExportError(
+            f"{directory / META_FILE}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+            f"this EdgeSync reads {FORMAT!r}; export again with --force"
+        )
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise ExportError(f"{directory / META_FILE}: missing {', '.join(missing)}")
@@ -174,10 +176,10 @@ def clean_leftovers(root: Path, max_age_s: float = 3600.0) -> int:
 
 def _import_heavy():
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as exc:
         raise ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}") from None
 
@@ -273,7 +275,8 @@ def _trace(model, full: dict, path: Path) -> None:
     )
     # the mask spans the past and the new tokens
     seq, past = torch.export.Dim("seq", min=1, max=8192), torch.export.Dim("past", min=0, max=8192)
-    shapes = ({1: seq}, {1: torch.export.Dim.AUTO}, {1: seq}, tuple({2: past} for _ in names_past))  # *past is one tuple
+    # *past is one tuple
+    shapes = ({1: seq}, {1: torch.export.Dim.AUTO}, {1: seq}, tuple({2: past} for _ in names_past))
     decoder = _Decoder(model).eval()
     t0 = time.perf_counter()
     # the exporter's notes (torchvision ops skipped, axis names merged, a deprecated pytree

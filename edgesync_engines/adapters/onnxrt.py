@@ -25,12 +25,15 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from edgesync_store.schema import Namespace
-
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.model_files import file_fingerprint
-from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError, default_model_path
+from edgesync_engines.adapters.model_files import (
+    ModelLoadError,
+    ModelNotFoundError,
+    default_model_path,
+    file_fingerprint,
+)
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
+from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
 

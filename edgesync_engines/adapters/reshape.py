@@ -70,7 +70,9 @@ def llamacpp_to_onnx(keys: np.ndarray, values: np.ndarray, n_head: int, head_dim
         ValueError: shapes that disagree with each other or with ``n_head * head_dim``.
     """
     if keys.shape != values.shape or keys.ndim != 3:
-        raise ValueError(f"keys/values: need two equal [n_layers, span, width] shapes, got {keys.shape} and {values.shape}")
+        raise ValueError(
+            f"keys/values: need two equal [n_layers, span, width] shapes, got {keys.shape} and {values.shape}"
+        )
     n_layers, span, width = keys.shape
     if width != n_head * head_dim:
         raise ValueError(f"keys: width {width} != n_head {n_head} x head_dim {head_dim}")

@@ -192,7 +192,9 @@ def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: i
         SeqStateError: shapes or dtypes that disagree.
     """
     if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
-        raise SeqStateError(f"k {k.shape} and v {v.shape} must be [n_layer, n_tokens, width] with equal n_layer, n_tokens")
+        raise SeqStateError(
+            f"k {k.shape} and v {v.shape} must be [n_layer, n_tokens, width] with equal n_layer, n_tokens"
+        )
     n_layer, n_tokens, width_k = k.shape
     width_v = v.shape[2]
     dk, dv = GGML_TYPE_DTYPES.get(type_k), GGML_TYPE_DTYPES.get(type_v)

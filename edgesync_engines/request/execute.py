@@ -13,14 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edgesync_store.core.walk import PrefixMatch
-from edgesync_store.errors import StoreError
-from edgesync_store.schema import MIN_SPAN
-
 from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_engines.adapters.reshape import convert_fragment
 from edgesync_engines.request import plan as planning
 from edgesync_engines.request.plan import ReusePlan, ReuseSource, SourceKind
+from edgesync_store.core.walk import PrefixMatch
+from edgesync_store.errors import StoreError
+from edgesync_store.schema import MIN_SPAN
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter

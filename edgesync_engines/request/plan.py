@@ -38,11 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from edgesync_engines.adapters.compat import CONVERTIBLE, compatible_with
 from edgesync_store.core.walk import PrefixMatch
 from edgesync_store.errors import StoreError
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len
-
-from edgesync_engines.adapters.compat import CONVERTIBLE, compatible_with
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 import numpy as np
 
+from edgesync_engines.request.ramtier import RamTier
+from edgesync_engines.request.storeback import chunk_key
 from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
 
-from edgesync_engines.request.ramtier import RamTier
-from edgesync_engines.request.storeback import chunk_key
-
 if TYPE_CHECKING:
-    from edgesync_store.schema import KVFragment
     from edgesync_store.core.store import FragmentStore
+    from edgesync_store.schema import KVFragment
 
 log = logging.getLogger(__name__)
 

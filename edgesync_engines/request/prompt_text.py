@@ -7,12 +7,12 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-
 TAIL_WORDS = 160
 """Words kept by :func:`embed_text_for` from the end of a long text. English runs 1.3-1.5 word
 pieces per whitespace-separated word (measured with the model's tokenizer: median 1.30, p90 1.51
 on the passages of ``doc_qa.jsonl``; 1.28-1.34 on ``system_prompts.json``), so 160 words make
-about 210-240 pieces and fit in MiniLM's 256 word pieces (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``); 200 words would not (about 260)."""
+about 210-240 pieces and fit in MiniLM's 256 word pieces
+(``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``); 200 words would not (about 260)."""
 TAIL_CHARS = 1000
 """Characters kept at most by :func:`embed_text_for` (about 4 characters per word piece in
 English), a second cap for text with few spaces (code, URLs, scripts written without spaces)."""
@@ -47,7 +47,7 @@ _TURN_END = re.compile(r"<\|im_end\|>|<\|eot_id\|>|<end_of_turn>|<\|end\|>|\[/IN
 def _last_user_turn_of_rendered(text: str) -> str | None:
     """The last user turn of a prompt rendered with a known chat template, or None."""
     last = None
-    for last in _USER_TURN.finditer(text):
+    for last in _USER_TURN.finditer(text):  # noqa: B007 - keeps the last match; finditer has no reverse
         pass
     if last is None:
         return None
@@ -80,10 +80,11 @@ def embed_text_for(
 ) -> str:
     """The text to embed for a request: what tells this request apart from others.
 
-    MiniLM reads at most MiniLM's 256 word pieces (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``) (256) word pieces from the START of a text and
-    drops the rest. Embedding a whole prompt would therefore embed, for an app whose prompts open
-    with a 300-token system prompt (``system_prompts.json``: 315-339 SmolLM2 tokens), that system
-    prompt alone: every request of the app would get the same vector and look like a hit. So:
+    MiniLM reads at most 256 word pieces (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``)
+    from the START of a text and drops the rest. Embedding a whole prompt would therefore embed,
+    for an app whose prompts open with a 300-token system prompt (``system_prompts.json``:
+    315-339 SmolLM2 tokens), that system prompt alone: every request of the app would get the
+    same vector and look like a hit. So:
 
     * chat messages (a sequence of mappings with ``"role"`` and ``"content"``; content a string
       or a list of ``{"type": "text", "text": ...}`` parts): the LAST USER TURN. The system prompt

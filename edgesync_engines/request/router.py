@@ -31,11 +31,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
-from edgesync_store.lifecycle.jobs import StoreJobs
-from edgesync_store.ttl import TTLPolicy
-
 from edgesync_engines.adapters.compat import compatible_with
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
@@ -47,6 +42,10 @@ from edgesync_engines.request.plan import ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import Prefetcher, request_key
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
+from edgesync_store.lifecycle.jobs import StoreJobs
+from edgesync_store.ttl import TTLPolicy
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +199,11 @@ class EdgeSync:
             if not prompt:
                 raise ValueError("prompt: no chat messages")
             for i, m in enumerate(prompt):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
                     raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
             if all(not str(m.get("content", "")).strip() for m in prompt if isinstance(m, dict)):
                 raise ValueError("prompt: every chat message is empty")

@@ -21,11 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from edgesync_store.errors import StoreError
-from edgesync_store.semantic.donors import delete_donor, get_donor, put_donor
-from edgesync_store.schema import Namespace
-
 from edgesync_engines.config import EdgeSyncConfig
+from edgesync_store.errors import StoreError
+from edgesync_store.schema import Namespace
+from edgesync_store.semantic.donors import delete_donor, get_donor, put_donor
 
 log = logging.getLogger(__name__)
 

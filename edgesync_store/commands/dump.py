@@ -7,7 +7,13 @@ import json
 import os
 import sys
 
-from edgesync_store.commands.inventory import load_report, load_tier_summary, render_table, render_tier_table, wide_console
+from edgesync_store.commands.inventory import (
+    load_report,
+    load_tier_summary,
+    render_table,
+    render_tier_table,
+    wide_console,
+)
 from edgesync_store.errors import StoreBusyError, StoreError, StoreNotFoundError, StoreOpenError
 
 

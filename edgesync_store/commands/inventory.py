@@ -21,10 +21,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from edgesync_store.core.store import FragmentStore
-from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT
-from edgesync_store.errors import StoreNotFoundError
 from edgesync_store.commands.units import format_bytes
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreNotFoundError
+from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT
 
 __all__ = [
     "StoreNotFoundError",

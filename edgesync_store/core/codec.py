@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace
 from edgesync_store.errors import CodecError
+from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace
 
 MAGIC = b"ESKV"
 FORMAT_VERSION = 1

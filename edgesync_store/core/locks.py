@@ -30,6 +30,7 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
+
 from edgesync_store.errors import StoreBusyError
 
 log = logging.getLogger(__name__)

@@ -29,13 +29,27 @@ import numpy as np
 import migrations
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import FragmentBackend, PinTableLike
-from edgesync_store.core.lmdb_env import (DEFAULT_MAP_SIZE, MAX_BYTES_KEY, U64, USED_BYTES_KEY, LmdbEnv, index_key,
-                                          prepare_dir, read_u64)
+from edgesync_store.core.lmdb_env import (
+    DEFAULT_MAP_SIZE,
+    MAX_BYTES_KEY,
+    U64,
+    USED_BYTES_KEY,
+    LmdbEnv,
+    index_key,
+    prepare_dir,
+    read_u64,
+)
 from edgesync_store.core.locks import OpenLock, PinTable
 from edgesync_store.core.store_lifecycle import LifecycleOps
 from edgesync_store.core.walk import PrefixMatch, SpanMatch
-from edgesync_store.errors import (CodecError, StoreBusyError, StoreFormatError, StoreIOError, StoreOpenError,
-                                   StoreUnavailableError)
+from edgesync_store.errors import (
+    CodecError,
+    StoreBusyError,
+    StoreFormatError,
+    StoreIOError,
+    StoreOpenError,
+    StoreUnavailableError,
+)
 from edgesync_store.lifecycle import eviction
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy

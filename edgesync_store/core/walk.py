@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from edgesync_store.core import codec
-from edgesync_store.errors import CodecError
 from edgesync_store.core.lmdb_env import index_key
+from edgesync_store.errors import CodecError
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle
 
@@ -180,7 +180,9 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, set], tokens: np.ndar
     return spans
 
 
-def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None) -> PrefixMatch:
+def prefix_walk(
+    store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None
+) -> PrefixMatch:
     """Find the longest run of stored fragments matching ``tokens`` from position 0.
 
     At each position the walk looks up the fragments stored after exactly this prefix
@@ -233,7 +235,8 @@ def prefix_walk(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
     store.transact(read)
     for key, ikey in corrupt:
         if ikey is not None and not store.readonly:
-            store.transact(lambda txn: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
+            # transact runs the function before it returns: binding the pair is only for clarity
+            store.transact(lambda txn, ikey=ikey, key=key: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
         elif ikey is None:
             store.drop_corrupt(key, "header does not parse")
     return result

@@ -49,7 +49,8 @@ class EmbeddingUnavailableError(RuntimeError):
         self.backend = backend
         self.package = package
         self.install = install
-        msg = f"embedding backend {backend!r} needs the package {package!r}, which is not installed; install it with: {install}"
+        msg = (f"embedding backend {backend!r} needs the package {package!r}, which is not installed; "
+               f"install it with: {install}")
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)

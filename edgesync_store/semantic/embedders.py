@@ -37,9 +37,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from edgesync_store.semantic.embedder_base import (DEFAULT_BACKEND, DEFAULT_BATCH_SIZE, EMBEDDING_DIM, MAX_SEQ_TOKENS,
-                                                   MODEL_NAME, Embedder, EmbeddingModelError,
-                                                   EmbeddingUnavailableError, gt_model_dir)
+from edgesync_store.semantic.embedder_base import (
+    DEFAULT_BACKEND,
+    DEFAULT_BATCH_SIZE,
+    EMBEDDING_DIM,
+    MAX_SEQ_TOKENS,
+    MODEL_NAME,
+    Embedder,
+    EmbeddingModelError,
+    EmbeddingUnavailableError,
+    gt_model_dir,
+)
 from edgesync_store.semantic.onnx_embedder import OnnxEmbedder
 from edgesync_store.semantic.st_embedder import SentenceTransformerEmbedder
 

@@ -64,7 +64,9 @@ class GraphSync:
         self._n_dead = len(dead)
         self._seen_gen = generation
         self._dirty = False
-        log.debug("loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation)
+        log.debug(
+            "loaded %s: %d live, %d deleted, generation %d", self.hnsw_path, len(ids - dead), len(dead), generation
+        )
         return ids - dead
 
     def _new_graph(self, capacity: int):
@@ -103,7 +105,9 @@ class GraphSync:
             rows = vectors[fresh_rows]
             for start in range(0, len(fresh_labels), REBUILD_BATCH):
                 part = np.asarray(fresh_labels[start : start + REBUILD_BATCH], dtype=np.uint64)
-                graph.add_items(rows[start : start + REBUILD_BATCH], part, num_threads=self.num_threads, replace_deleted=True)
+                graph.add_items(
+                    rows[start : start + REBUILD_BATCH], part, num_threads=self.num_threads, replace_deleted=True
+                )
                 self._n_dead -= min(len(part), self._n_dead)
                 if progress is not None:
                     progress(len(part))
@@ -150,7 +154,9 @@ class GraphSync:
             self._labels[live[label]] = label
         missing = sorted(vectors)
         if missing:
-            self._graph_add(missing, np.stack([vectors[label] for label in missing]), [live[label] for label in missing])
+            self._graph_add(
+                missing, np.stack([vectors[label] for label in missing]), [live[label] for label in missing]
+            )
         self._seen_gen = generation
         if gone:
             self._purge(gone)

@@ -40,7 +40,14 @@ from edgesync_store.schema import EMBEDDING_DIM
 from edgesync_store.semantic import sidecar
 from edgesync_store.semantic.graph_sync import GraphSync
 from edgesync_store.semantic.sidecar import EF_CONSTRUCTION, HNSW_M, SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
-from edgesync_store.semantic.vectors import LOG_KEEP, BackendMismatchError, VectorTable, as_unit_rows, check_key, drop_all
+from edgesync_store.semantic.vectors import (
+    LOG_KEEP,
+    BackendMismatchError,
+    VectorTable,
+    as_unit_rows,
+    check_key,
+    drop_all,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +140,8 @@ class SemanticIndex(GraphSync):
             raise ValueError(f"embedder_backend_id: expected a non-empty string, got {embedder_backend_id!r}")
         if min(dim, ef_search, num_threads, log_keep) < 1:
             raise ValueError(
-                f"dim, ef_search, num_threads and log_keep must be >= 1, got {dim}, {ef_search}, {num_threads}, {log_keep}"
+                f"dim, ef_search, num_threads and log_keep must be >= 1, "
+                f"got {dim}, {ef_search}, {num_threads}, {log_keep}"
             )
         self.store = store
         self.backend_id = backend_id
@@ -290,7 +298,9 @@ class SemanticIndex(GraphSync):
         graph.set_ef(max(self.ef_search, kk))
         label_filter = None
         if filter is not None:
-            label_filter = lambda label: (key := keys.get(int(label))) is not None and bool(filter(key))
+            def label_filter(label) -> bool:
+                return (key := keys.get(int(label))) is not None and bool(filter(key))
+
         while kk >= 1:
             try:
                 labels, dists = graph.knn_query(q, k=kk, num_threads=1, filter=label_filter)
@@ -392,4 +402,5 @@ class SemanticIndex(GraphSync):
         self.close()
 
     def __repr__(self) -> str:
-        return f"SemanticIndex({str(self.path)!r}, backend_id={self.backend_id!r}, count={len(self._keys)}, generation={self._seen_gen})"
+        return (f"SemanticIndex({str(self.path)!r}, backend_id={self.backend_id!r}, "
+                f"count={len(self._keys)}, generation={self._seen_gen})")

@@ -11,10 +11,20 @@ from pathlib import Path
 
 import numpy as np
 
-from edgesync_store.semantic.embedder_base import (DEFAULT_BATCH_SIZE, GT_MODULE, GT_PACKAGE, MAX_SEQ_TOKENS,
-                                                   MODEL_NAME, ONNX_MODULE, ONNX_PACKAGE, Embedder,
-                                                   EmbeddingModelError, EmbeddingUnavailableError, gt_model_dir,
-                                                   require)
+from edgesync_store.semantic.embedder_base import (
+    DEFAULT_BATCH_SIZE,
+    GT_MODULE,
+    GT_PACKAGE,
+    MAX_SEQ_TOKENS,
+    MODEL_NAME,
+    ONNX_MODULE,
+    ONNX_PACKAGE,
+    Embedder,
+    EmbeddingModelError,
+    EmbeddingUnavailableError,
+    gt_model_dir,
+    require,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,9 @@ class OnnxEmbedder(Embedder):
             try:
                 pkg = importlib.import_module(ONNX_MODULE)
             except ImportError as exc:
-                raise EmbeddingUnavailableError(self.name, ONNX_PACKAGE, f"pip install {ONNX_PACKAGE}", str(exc)) from exc
+                raise EmbeddingUnavailableError(
+                    self.name, ONNX_PACKAGE, f"pip install {ONNX_PACKAGE}", str(exc)
+                ) from exc
             model_path = Path(pkg.model_path())
             expected_size = getattr(pkg, "SIZE_BYTES", None)
             if expected_size is not None and model_path.stat().st_size != expected_size:
@@ -122,11 +134,15 @@ class OnnxEmbedder(Embedder):
         else:
             three_d = [o for o in outputs if len(o.shape) == 3]
             if len(three_d) != 1:
-                raise EmbeddingModelError(f"{model_path}: outputs {names}; expected last_hidden_state [batch, seq, 384]")
+                raise EmbeddingModelError(
+                    f"{model_path}: outputs {names}; expected last_hidden_state [batch, seq, 384]"
+                )
             out = three_d[0]
         width = out.shape[-1] if len(out.shape) == 3 else -1
         if isinstance(width, int) and width != self.dim:  # a str or None width is symbolic
-            raise EmbeddingModelError(f"{model_path}: output {out.name} has shape {out.shape}, expected [batch, seq, {self.dim}]")
+            raise EmbeddingModelError(
+                f"{model_path}: output {out.name} has shape {out.shape}, expected [batch, seq, {self.dim}]"
+            )
         self._feed_token_types = "token_type_ids" in inputs
         self._output_name = out.name
         self._tokenizer = tokenizer

@@ -19,11 +19,11 @@ from typing import Callable
 
 import numpy as np
 
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreOpenError
 from edgesync_store.semantic.donors import delete_donor, iterate_donors
 from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_embedder
 from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
-from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreOpenError
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,11 @@ def reindex(
         index, name, previous, dropped = _open_index(store, backend)
         try:
             removed, embedded = _embed_donors(store, index, name, progress)
-            n = index.rebuild(
-                progress=None if progress is None else (lambda done, total: progress("rebuilding the HNSW graph", done, total))
-            )
+            graph_progress = None
+            if progress is not None:
+                def graph_progress(done, total):
+                    progress("rebuilding the HNSW graph", done, total)
+            n = index.rebuild(progress=graph_progress)
             index.save()
             backend_id = index.backend_id
         finally:

@@ -11,9 +11,18 @@ from pathlib import Path
 
 import numpy as np
 
-from edgesync_store.semantic.embedder_base import (DEFAULT_BATCH_SIZE, GT_MODULE, GT_PACKAGE, MAX_SEQ_TOKENS,
-                                                   MODEL_NAME, Embedder, EmbeddingModelError,
-                                                   EmbeddingUnavailableError, gt_model_dir, require)
+from edgesync_store.semantic.embedder_base import (
+    DEFAULT_BATCH_SIZE,
+    GT_MODULE,
+    GT_PACKAGE,
+    MAX_SEQ_TOKENS,
+    MODEL_NAME,
+    Embedder,
+    EmbeddingModelError,
+    EmbeddingUnavailableError,
+    gt_model_dir,
+    require,
+)
 
 log = logging.getLogger(__name__)
 

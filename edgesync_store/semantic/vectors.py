@@ -44,8 +44,14 @@ from edgesync_store.core.companions import BE64, LOG_KEEP, LOG_PREFIX, VECTORS_D
 from edgesync_store.core.companions import VECTORS_META_DB as META_DB
 from edgesync_store.core.lmdb_env import U64
 from edgesync_store.schema import EMBEDDING_DIM
-from edgesync_store.semantic.vector_records import (BackendMismatchError, Change, Snapshot, as_unit_rows, check_key,
-                                                    same_vector)
+from edgesync_store.semantic.vector_records import (
+    BackendMismatchError,
+    Change,
+    Snapshot,
+    as_unit_rows,
+    check_key,
+    same_vector,
+)
 
 __all__ = [
     "BackendMismatchError",
@@ -140,7 +146,9 @@ class VectorTable:
         dim_s = str(self.dim)
 
         def read(txn):
-            get = lambda k: (bytes(v).decode() if (v := txn.get(k, db=self._meta_db)) is not None else None)
+            def get(k):
+                return bytes(v).decode() if (v := txn.get(k, db=self._meta_db)) is not None else None
+
             return get(b"backend_id"), get(b"dim"), get(b"index_id"), txn.stat(self._vec_db)["entries"]
 
         def write(txn):
@@ -193,7 +201,8 @@ class VectorTable:
 
         def read(txn):
             index_id = txn.get(b"index_id", db=self._meta_db)
-            return (bytes(index_id).decode() if index_id is not None else ""), u64(txn.get(b"generation", db=self._meta_db))
+            generation = u64(txn.get(b"generation", db=self._meta_db))
+            return (bytes(index_id).decode() if index_id is not None else ""), generation
 
         return self.store.transact(read)
 
@@ -300,7 +309,9 @@ class VectorTable:
             index_id = txn.get(b"index_id", db=self._meta_db)
             if index_id is None or bytes(index_id).decode() != self.index_id:
                 backend = txn.get(b"backend_id", db=self._meta_db)
-                raise BackendMismatchError(self.path, bytes(backend).decode() if backend is not None else "(none: dropped)", self.backend_id)
+                raise BackendMismatchError(
+                    self.path, bytes(backend).decode() if backend is not None else "(none: dropped)", self.backend_id
+                )
             return fn(txn)
 
         return self.store.transact(guarded, write=True)
