@@ -395,14 +395,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark for parsed ``args``; print the report's main tables. Returns the exit
     status (0, or 1 when a request failed)."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+
+    from edgesync_engines.app.cli_common import progress_bar
 
     sizes = QUICK if args.quick else FULL
     out = args.out or _default_out()
@@ -425,9 +419,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     for w in workloads:
         checks[w]()
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description:>7}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, disable=args.no_progress) as progress:
+    with progress_bar("{task.description:>7}", console=console, disable=args.no_progress) as progress:
         report = Runner(out, sizes, workloads, args.threads, progress).run()
     sys.stdout.write((Path(out).resolve() / "report.md").read_text())
     if args.json:

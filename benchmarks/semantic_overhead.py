@@ -595,16 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the tables; return the exit status (0)."""
     args = parse_args(argv)
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+    from edgesync_engines.app.cli_common import progress_bar
     from edgesync_engines.app.workloads import workloads_dir
     from edgesync_engines.request.prompt_text import embed_text_for
     from edgesync_store.core.store import FragmentStore
@@ -680,9 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         adapter.close()
 
     # 2. Vectors: real embeddings (cached) + fill.
-    def bar() -> Progress:
-        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=err, transient=False)
+    def bar():
+        return progress_bar("{task.description}", console=err)
 
     with bar() as progress:
         real, source, seconds = real_vectors(texts, embedder, progress, use_cache=not args.no_embedding_cache)

@@ -12,8 +12,9 @@ does not load an engine (llama_cpp, onnxruntime).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from edgesync_store.lazy import lazy_exports
 
 _PUBLIC = {
     "EdgeSync": "edgesync_engines.request.router",
@@ -45,16 +46,4 @@ if TYPE_CHECKING:
     from edgesync_engines.request.result import GenerationResult, GenerationStream
     from edgesync_engines.request.router import EdgeSync
 
-
-def __getattr__(name: str):
-    """Import a public name's module on first access (AttributeError for any other name)."""
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -28,8 +28,9 @@ neither hnswlib nor onnxruntime.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from edgesync_store.lazy import lazy_exports
 
 _PUBLIC = {
     "FragmentBackend": "edgesync_store.core.backend",
@@ -116,16 +117,4 @@ if TYPE_CHECKING:
     from edgesync_store.semantic.index import SemanticIndex
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, Lifecycle, ManualClock, TTLPolicy
 
-
-def __getattr__(name: str):
-    """Import a public name's module on first access (AttributeError for any other name)."""
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

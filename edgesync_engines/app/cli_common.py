@@ -22,6 +22,27 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 STORE_ARG_HELP = "store directory (default: the configured store)"
 
 
+def progress_bar(description: str = "[progress.description]{task.description}", console=None, **options):
+    """A ``rich.progress.Progress`` with the columns every long command shows: ``description``
+    (a ``TextColumn`` format), the bar, done/total, elapsed and remaining time. ``console``:
+    where it draws (default: a new stderr console, so that stdout keeps only the results);
+    ``options`` go to ``Progress`` (e.g. ``disable=True``). rich is imported on call, so that
+    commands without a bar do not load it."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console if console is not None else Console(stderr=True),
+                    **options)
+
+
 class CommandError(Exception):
     """Bad input, reported as one ``error: <message>`` line on stderr and exit status 2."""
 

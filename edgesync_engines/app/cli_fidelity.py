@@ -22,6 +22,7 @@ from edgesync_engines.app.cli_common import (
     load_config,
     open_edgesync,
     positive_int,
+    progress_bar,
     write_json_out,
 )
 from edgesync_engines.config import ENGINES
@@ -164,22 +165,11 @@ def _measure(args, cfg, pairs, duplicate, embedder, system_prompt, cache_dir):
     """Embed the pairs and count the shares per threshold, then (``--sample N`` > 0) run the
     model on N served pairs per threshold; progress bars on stderr. Returns ``(shares, samples,
     records, model file name or None, {"embed": s, "sample": s})``."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from edgesync_store.semantic.embedders import EmbeddingModelError
 
     timings = {"embed": 0.0, "sample": 0.0}
     model = None
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True)) as progress:
+    with progress_bar() as progress:
         tasks: dict[str, Any] = {}
         labels = {"embed": "embedding questions", "sample": "model sample (pairs)"}
 

@@ -22,6 +22,7 @@ from edgesync_engines.app.cli_common import (
     load_config,
     open_edgesync,
     positive_int,
+    progress_bar,
     write_json_out,
 )
 from edgesync_engines.app.workloads import WORKLOAD_NAMES, WorkloadDataError, load_workload
@@ -171,19 +172,7 @@ def run_workload(es, requests, max_tokens: int, progress=None, task=None) -> lis
 
 
 def _run_with_progress(es, requests, workload: str, max_tokens: int) -> list[dict]:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                  transient=False) as progress:
+    with progress_bar() as progress:
         task = progress.add_task(f"{workload}", total=len(requests))
         try:
             return run_workload(es, requests, max_tokens, progress, task)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, positive_int
 from edgesync_engines.config import EMBEDDING_BACKENDS
@@ -51,6 +53,19 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     reindex.set_defaults(func=cmd_reindex)
 
 
+@contextmanager
+def _command_errors(context: str, own_message: tuple[type[Exception], ...]) -> Iterator[None]:
+    """Turn a store command's failures into :class:`CommandError`: the ``own_message`` types
+    (their text already names the store and the cause) as they are, any other
+    :class:`StoreError` or ``OSError`` after ``context`` (``"<context>: <error>"``)."""
+    try:
+        yield
+    except own_message as exc:
+        raise CommandError(str(exc)) from None
+    except (StoreError, OSError) as exc:
+        raise CommandError(f"{context}: {exc}") from None
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     """``edgesync dump``: :func:`edgesync_store.commands.dump.print_dump`; its exit status."""
     return print_dump(configured_store(args.store), as_json=args.json, limit=args.limit, summary_only=args.summary)
@@ -84,12 +99,9 @@ def cmd_clear(args: argparse.Namespace) -> int:
         if not _confirm(f"Erase every fragment, donor and vector of the store at {path}?"):
             print(f"not cleared: {path} left as it was", file=sys.stderr, flush=True)
             return EXIT_DECLINED
-    try:
+    with _command_errors(f"cannot clear the store at {path}",
+                         (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError)):
         result = clear_store(path)
-    except (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError) as exc:
-        raise CommandError(str(exc)) from None
-    except (StoreError, OSError) as exc:
-        raise CommandError(f"cannot clear the store at {path}: {exc}") from None
     if args.json:
         print(json.dumps(result.to_dict()), flush=True)
     else:
@@ -122,13 +134,10 @@ def cmd_reindex(args: argparse.Namespace) -> int:
                 task = bar.add_task(stage, total=total)
             bar.update(task, completed=done, description=stage)
 
-        try:
+        with _command_errors(f"store {store}", (StoreOpenError, StoreFormatError, ValueError,
+                                                EmbeddingUnavailableError, IndexUnavailableError,
+                                                BackendMismatchError)):
             report = reindex(store, backend=args.backend, progress=progress)
-        except (StoreOpenError, StoreFormatError, ValueError, EmbeddingUnavailableError, IndexUnavailableError,
-                BackendMismatchError) as exc:
-            raise CommandError(str(exc)) from None
-        except (StoreError, OSError) as exc:
-            raise CommandError(f"store {store}: {exc}") from None
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
     else:

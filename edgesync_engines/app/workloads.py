@@ -111,6 +111,17 @@ def _hint() -> str:
     )
 
 
+def _given_dir(value: str | os.PathLike, source: str) -> Path:
+    """``value`` as a directory path (``~`` expanded); WorkloadDataError naming ``source`` (how
+    it was given) when it is not a directory."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise WorkloadDataError(
+            f"workloads directory {str(path)!r} ({source}) does not exist or is not a directory; {_hint()}"
+        )
+    return path
+
+
 def workloads_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Return the workloads directory.
 
@@ -123,22 +134,10 @@ def workloads_dir(explicit: str | os.PathLike | None = None) -> Path:
     no default location exists, :class:`WorkloadDataError` names the paths tried.
     """
     if explicit is not None:
-        path = Path(explicit).expanduser()
-        if not path.is_dir():
-            raise WorkloadDataError(
-                f"workloads directory {str(path)!r} (passed explicitly) does not exist "
-                f"or is not a directory; {_hint()}"
-            )
-        return path
+        return _given_dir(explicit, "passed explicitly")
     env = os.environ.get(ENV_VAR)
     if env:
-        path = Path(env).expanduser()
-        if not path.is_dir():
-            raise WorkloadDataError(
-                f"workloads directory {str(path)!r} (from {ENV_VAR}) does not exist "
-                f"or is not a directory; {_hint()}"
-            )
-        return path
+        return _given_dir(env, f"from {ENV_VAR}")
     candidates = [
         Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads",
         Path.cwd() / ".." / "shared" / "workloads",
