@@ -218,7 +218,7 @@ def test_malformed_donor_record_is_ignored(adapter, tmp_path, system_prompts, pa
         from edgesync_store.semantic.donors import _db
 
         db = _db(es.store, create=False)
-        es.store._txn(lambda txn: txn.put(key, record.namespace_digest + b"\x05\x00", db=db), write=True)
+        es.store.transact(lambda txn: txn.put(key, record.namespace_digest + b"\x05\x00", db=db), write=True)
         assert get_donor(es.store, key) is None
         result = es.generate(prompt, max_tokens=12)
     uncached = EdgeSync(adapter, store=False).generate(prompt, max_tokens=12)

@@ -193,8 +193,6 @@ class FragmentStore(LifecycleOps, FragmentBackend):
         values are memoryviews valid inside ``fn`` only)."""
         return self.env.transact(fn, write=write)
 
-    _txn = transact  # kept for tests outside the store that still use it
-
     def contains_in(self, txn, key: bytes) -> bool:
         return txn.get(key, db=self.env.fragments) is not None
 
