@@ -733,6 +733,35 @@ def test_corrupt_blob_is_refused_removed_and_counted(tmp_path):
     assert sorted(raw_by_prefix_values(path)) == sorted([bad.key(), good.key()])
 
 
+def test_get_with_copy_returns_the_same_fragment_and_refuses_the_same_corruption(tmp_path):
+    """``get(key, copy=True)`` (decoded after the store's lock is released, for the prefetch
+    thread) gives the fragment and lifecycle counters ``get(key)`` gives, and a corrupt blob is
+    refused and removed the same way."""
+    path = tmp_path / "s"
+    bad, good = make_fragment(seed=52), make_fragment(seed=53)
+    with FragmentStore(path) as store:
+        store.put_many([bad, good])
+        store.record_hits([good.key()])
+        plain, copied = store.get(good.key()), store.get(good.key(), copy=True)
+        assert_same(copied, good)
+        assert (copied.hit_count, copied.last_hit_at, copied.expires_at) == \
+            (plain.hit_count, plain.last_hit_at, plain.expires_at) and copied.hit_count == 1
+        assert store.get(b"\x00" * 32, copy=True) is None
+        blob_len = len(store.get_blob(bad.key()))
+
+    def flip(txn, frags, _by_prefix):
+        data = bytearray(txn.get(bad.key(), db=frags))
+        data[blob_len // 2] ^= 0x5A  # FAKE: one flipped byte in the payload stands for a corrupt page
+        txn.put(bad.key(), bytes(data), db=frags)
+
+    raw_fragments_edit(path, flip)
+    with FragmentStore(path) as store:
+        assert store.get(bad.key(), copy=True) is None
+        assert not store.contains(bad.key())
+        assert store.stats().dropped_corrupt == 1
+        assert_same(store.get(good.key(), copy=True), good)
+
+
 def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence):
     path = tmp_path / "s"
     frags = [make_fragment(sequence, 0, 128, seed=0), make_fragment(sequence, 128, 256, seed=1)]

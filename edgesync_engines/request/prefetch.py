@@ -338,8 +338,9 @@ class Prefetcher:
                 held = self.ram.peek(key)
                 if held is not None and held.expires_at == life.expires_at:
                     continue
-                # None: absent, or corrupt (store.get logs and removes it)
-                frag = self.store.get(key)
+                # None: absent, or corrupt (store.get logs and removes it). copy: decoded
+                # with the store's lock released, so the request thread never waits for it
+                frag = self.store.get(key, copy=True)
                 if frag is None:
                     continue
                 if self.ram.put(key, frag):

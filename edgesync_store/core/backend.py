@@ -77,8 +77,15 @@ class FragmentBackend(ABC):
     # -- fragments ------------------------------------------------------------------------
 
     @abstractmethod
-    def get(self, key: bytes) -> KVFragment | None:
+    def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
         """The fragment stored under ``key``, decoded and verified.
+
+        Args:
+            key: the store key.
+            copy: read the blob into memory and decode it after the read is over (the local
+                store then releases its lock before decompressing): for background threads,
+                so that requests on other threads never wait for their decode. False decodes
+                straight from the backend's buffer (zero-copy where the backend allows).
 
         Returns:
             The fragment with its lifecycle counters (``hit_count``, ``last_hit_at``,

@@ -343,24 +343,30 @@ class FragmentStore(LifecycleOps, FragmentBackend):
 
         return self.transact(read)
 
-    def get(self, key: bytes) -> KVFragment | None:
+    def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
         """See :meth:`FragmentBackend.get`: a blob that fails ``codec.decode`` or whose
-        recomputed key differs from ``key`` is corrupt."""
+        recomputed key differs from ``key`` is corrupt. The blob and its lifecycle record are
+        read in one transaction, so they belong together even when ``copy`` decodes later."""
+
+        def decode(value) -> tuple[KVFragment | None, str | None]:
+            try:
+                return codec.decode(value, max_raw_bytes=self.max_raw_bytes), None
+            except CodecError as exc:
+                return None, str(exc)
 
         def read(txn):
             value = txn.get(key, db=self.env.fragments)
             if value is None:
-                return None, None
-            try:
-                frag = codec.decode(value, max_raw_bytes=self.max_raw_bytes)
-            except CodecError as exc:
-                return None, str(exc)
-            return frag, Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+                return None, None, None
+            life = Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+            return (bytes(value), None, life) if copy else (*decode(value), life)
 
-        frag, extra = self.transact(read)
+        frag, error, extra = self.transact(read)
+        if copy and frag is not None:  # the copied blob, decoded with the lock released
+            frag, error = decode(frag)
         if frag is None:
-            if extra is not None:
-                self.drop_corrupt(key, extra)
+            if error is not None:
+                self.drop_corrupt(key, error)
             return None
         if frag.key() != key:
             self.drop_corrupt(key, "stored under a key that its content does not hash to")
