@@ -134,6 +134,24 @@ def test_generate_refuses_a_prompt_over_the_context(adapter):
     assert str(adapter.n_ctx - 10) in str(info.value) and "32" in str(info.value)
 
 
+def test_a_context_below_llama_cpps_rounding_is_the_one_asked_for():
+    """llama.cpp rounds a 64-token context up to 256 cells, but llama-cpp-python's token buffer
+    holds 64: the adapter's n_ctx is 64, so a 100-token prompt is refused with the numbers
+    instead of failing inside llama-cpp-python."""
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+
+    small = LlamaCppAdapter(n_ctx=64, n_threads=1)
+    try:
+        assert small.llm.n_ctx() > 64 and small.n_ctx == 64
+        with pytest.raises(ContextOverflowError) as info:
+            next(small.generate([1000] * 100, 0, max_tokens=3))
+        assert "64" in str(info.value) and "103" in str(info.value)
+        tokens = list(small.generate([1000] * 40, 0, max_tokens=3))
+        assert 1 <= len(tokens) <= 3
+    finally:
+        small.close()
+
+
 def test_clear_kv_cache_empties_the_sequence(adapter, prompt):
     prefill(adapter, prompt[:80], [(0, 80)])
     assert llama_cpp.llama_memory_seq_pos_max(adapter._mem, 0) == 79

@@ -90,6 +90,20 @@ def test_export_refuses_a_non_gguf_and_an_unwritable_place_before_loading_anythi
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
+def test_a_truncated_gguf_is_refused_with_an_export_error(tmp_path):
+    """A file with the GGUF magic and nothing after it (FAKE: a truncated download) passes the
+    magic check; transformers' reader then fails inside, and that becomes an ExportError naming
+    the file, with no export left behind."""
+    truncated = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as model:
+        truncated.write_bytes(model.read(10))
+    assert is_gguf(truncated)
+    with pytest.raises(ExportError, match="cannot load this GGUF") as info:
+        export_gguf(truncated, root=tmp_path / "onnx")
+    assert str(truncated) in str(info.value)
+    assert not any((tmp_path / "onnx").iterdir())
+
+
 def test_a_sound_export_is_reused_and_an_unfinished_one_is_cleaned(onnx_export, tmp_path):
     assert export_gguf(default_model_path(), root=onnx_export.parent) == onnx_export  # no re-export
     old = tmp_path / f".{onnx_export.name}.abc123"

@@ -103,7 +103,9 @@ class LlamaCppAdapter(EngineAdapterBase):
             self.model_path = Path(model_path or getattr(model, "model_path", ""))
             if not self.model_path.is_file():
                 raise ModelNotFoundError("pass model_path= for a Llama object so its file can be fingerprinted")
-        self.n_ctx = int(self.llm.n_ctx())
+        # llama.cpp rounds the context up (to 256 cells), but llama-cpp-python sizes its token
+        # buffer (input_ids) to the n_ctx asked for: a prompt fits only the smaller of the two
+        self.n_ctx = min(int(self.llm.n_ctx()), len(self.llm.input_ids))
         self.flash_attn = bool(flash_attn) if model is None or isinstance(model, (str, os.PathLike)) else (
             self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         )

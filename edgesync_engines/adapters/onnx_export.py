@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 import warnings
@@ -198,7 +199,8 @@ def load_gguf_as_torch(gguf_path: Path):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    # struct.error, IndexError, EOFError: transformers' GGUF reader on a truncated or damaged file
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, IndexError, EOFError) as exc:
         raise ExportError(f"{gguf_path}: transformers cannot load this GGUF ({exc})") from None
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config  # the weights are dequantized already
