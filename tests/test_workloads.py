@@ -188,3 +188,14 @@ def test_unknown_name_raises():
         load_workload("nope")
     for name in WORKLOAD_NAMES:
         assert name in str(exc.value)
+
+
+def test_default_directory_is_found_beside_the_project_from_any_working_directory(monkeypatch, tmp_path):
+    """With no explicit directory and no EDGESYNC_WORKLOADS, the data beside the checkout
+    (``<project root>/../shared/workloads``) is found whatever the working directory is."""
+    from edgesync_engines.app.workloads import workloads_dir
+
+    beside = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+    monkeypatch.delenv("EDGESYNC_WORKLOADS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert workloads_dir() == beside.resolve()

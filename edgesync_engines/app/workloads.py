@@ -139,7 +139,7 @@ def workloads_dir(explicit: str | os.PathLike | None = None) -> Path:
     if env:
         return _given_dir(env, f"from {ENV_VAR}")
     candidates = [
-        Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads",
+        Path(__file__).resolve().parents[2] / ".." / "shared" / "workloads",
         Path.cwd() / ".." / "shared" / "workloads",
     ]
     for cand in candidates:
