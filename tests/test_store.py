@@ -151,6 +151,18 @@ def raw_fragments_edit(path: Path, edit) -> None:
         env.close()
 
 
+def flip_payload_byte(path: Path, key: bytes) -> None:
+    """Flip one byte in the middle of the blob under ``key`` (FAKE: a flipped byte in the
+    payload stands for a corrupt page on disk, which cannot be provoked otherwise)."""
+
+    def flip(txn, frags, _by_prefix):
+        data = bytearray(txn.get(key, db=frags))
+        data[len(data) // 2] ^= 0x5A
+        txn.put(key, bytes(data), db=frags)
+
+    raw_fragments_edit(path, flip)
+
+
 def raw_by_prefix_values(path: Path) -> list[bytes]:
     env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30, readonly=True, lock=False)
     try:
@@ -708,14 +720,8 @@ def test_corrupt_blob_is_refused_removed_and_counted(tmp_path):
     bad, good = make_fragment(seed=50), make_fragment(seed=51)
     with FragmentStore(path) as store:
         store.put_many([bad, good])
-        blob_len = len(store.get_blob(bad.key()))
 
-    def flip(txn, frags, _by_prefix):
-        data = bytearray(txn.get(bad.key(), db=frags))
-        data[blob_len // 2] ^= 0x5A  # FAKE: one flipped byte in the payload stands for a corrupt page
-        txn.put(bad.key(), bytes(data), db=frags)
-
-    raw_fragments_edit(path, flip)
+    flip_payload_byte(path, bad.key())
     with FragmentStore(path) as store:
         assert store.contains(bad.key())
         assert store.get(bad.key()) is None
@@ -747,14 +753,8 @@ def test_get_with_copy_returns_the_same_fragment_and_refuses_the_same_corruption
         assert (copied.hit_count, copied.last_hit_at, copied.expires_at) == \
             (plain.hit_count, plain.last_hit_at, plain.expires_at) and copied.hit_count == 1
         assert store.get(b"\x00" * 32, copy=True) is None
-        blob_len = len(store.get_blob(bad.key()))
 
-    def flip(txn, frags, _by_prefix):
-        data = bytearray(txn.get(bad.key(), db=frags))
-        data[blob_len // 2] ^= 0x5A  # FAKE: one flipped byte in the payload stands for a corrupt page
-        txn.put(bad.key(), bytes(data), db=frags)
-
-    raw_fragments_edit(path, flip)
+    flip_payload_byte(path, bad.key())
     with FragmentStore(path) as store:
         assert store.get(bad.key(), copy=True) is None
         assert not store.contains(bad.key())
