@@ -42,6 +42,7 @@ from edgesync_engines.request.plan import ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import Prefetcher, request_key
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
+from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
 from edgesync_store.lifecycle.jobs import StoreJobs
@@ -85,8 +86,9 @@ class EdgeSync:
             :class:`OnnxRuntimeAdapter`, or None for the configured model
             (SmolLM2-135M-Instruct by default). With ``config.engine == "onnx"`` a GGUF path
             means its ONNX export (``edgesync export-onnx``).
-        store: a :class:`FragmentStore`, a store directory, None for the configured store, or
-            False for no cache at all (every request prefills from scratch).
+        store: a storage backend (:class:`FragmentBackend`; the local one is
+            :class:`FragmentStore`), a store directory, None for the configured store, or False
+            for no cache at all (every request prefills from scratch).
         config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
 
     Thread safety: one request at a time drives the engine (the adapter's lock).
@@ -96,7 +98,7 @@ class EdgeSync:
             export.
     """
 
-    def __init__(self, model=None, store: "FragmentStore | str | os.PathLike | None | bool" = None,
+    def __init__(self, model=None, store: "FragmentBackend | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
         self._owns_adapter = not isinstance(model, _ADAPTERS)
@@ -104,10 +106,11 @@ class EdgeSync:
         self._owns_store = False
         if store is False or not self.config.cache_enabled:
             self.store = None
-        elif isinstance(store, FragmentStore):
+        elif isinstance(store, FragmentBackend):
             self.store = store
         elif store is not None and not isinstance(store, (str, os.PathLike)):
-            raise TypeError(f"store: expected a FragmentStore, a path, None or False, got {type(store).__name__}")
+            raise TypeError(f"store: expected a FragmentBackend (e.g. a FragmentStore), a path, None or False, "
+                            f"got {type(store).__name__}")
         else:
             self.store = self._open_store(Path(store if store is not None else self.config.store_path))
             self._owns_store = self.store is not None
