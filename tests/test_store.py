@@ -941,3 +941,24 @@ def test_page_bytes_counts_the_pages_in_use(tmp_path):
         assert store.page_bytes() >= used + store.page_bytes([b"lifecycle", b"by_prefix"])
         assert store.page_bytes() <= (tmp_path / "s" / "data.mdb").stat().st_size
         assert store.page_bytes([b"no such database"]) == 0
+
+
+def test_a_new_store_created_by_another_process_at_the_same_moment_is_opened(tmp_path, monkeypatch):
+    """Two processes opening one new store both see it missing and both mkdir it; the loser's
+    FileExistsError means the directory is there, not that the store is unavailable. FAKE: the
+    race cannot be provoked on demand, so mkdir is made to lose it (the directory is created,
+    then FileExistsError raised, as when the other process's mkdir came first)."""
+    path = tmp_path / "new-store"
+    real_mkdir = Path.mkdir
+
+    def lose_the_race(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        raise FileExistsError(17, "File exists", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", lose_the_race)
+    frag = make_fragment(seed=60)
+    with FragmentStore(path) as store:
+        assert store.put(frag)
+    monkeypatch.undo()
+    with FragmentStore(path) as store:
+        assert_same(store.get(frag.key()), frag)

@@ -108,6 +108,10 @@ def prepare_dir(path: Path, readonly: bool) -> None:
         try:
             path.mkdir(mode=0o700, parents=True)  # a new store is private: it holds prompts
             os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+        except FileExistsError:
+            if not path.is_dir():  # another process made a file there meanwhile
+                raise StoreOpenError(f"store path {path}: exists and is not a directory") from None
+            # another process opening the same new store created it first: it set the mode
         except OSError as exc:
             raise StoreUnavailableError(f"cannot create the store directory {path}: {exc}") from None
 
