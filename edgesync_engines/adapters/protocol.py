@@ -54,7 +54,11 @@ class EngineAdapter(Protocol):
         namespace: the namespace of the KV this engine writes and accepts (model fingerprint,
             engine, KV dtype, layout, ``n_layer``, ``n_head_kv``, ``head_dim``); fragments of
             another namespace must be converted (``reshape.convert_fragment``) before
-            :meth:`inject_fragment`.
+            :meth:`inject_fragment`. None when :attr:`cache_refusal` is set.
+        cache_refusal: None when the engine's KV can be cut into fragments; otherwise one line
+            saying why not (e.g. a sliding-window or quantized KV cache, found at start). The
+            request path then serves every request uncached: no store read, no store write,
+            and :meth:`extract_fragments` / :meth:`inject_fragment` are never called.
         n_ctx: context window, tokens (prompt plus generated tokens).
         lock: held by the caller around a whole request.
         model_path: the GGUF file the engine runs (or that its ONNX export was made from);
@@ -62,7 +66,8 @@ class EngineAdapter(Protocol):
         closed: True once :meth:`close` ran; a closed adapter must not be called.
     """
 
-    namespace: Namespace
+    namespace: Namespace | None
+    cache_refusal: str | None
     n_ctx: int
     lock: threading.RLock
     model_path: Path

@@ -102,7 +102,8 @@ def _summary_line(r) -> str:
             + (f", wrote {r.fragments_written} fragments" if r.fragments_written else "")
             + (f"; similarity {r.similarity:.3f}" if r.similarity is not None else "")
             + ("; APPROXIMATE: answered from another prompt's KV" if r.approximate else "")
-            + (f"; CONVERTED: {r.source_engine} KV injected" if r.convertible else ""))
+            + (f"; CONVERTED: {r.source_engine} KV injected" if r.convertible else "")
+            + (f"; UNCACHED: {r.uncached_reason}" if r.uncached_reason else ""))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -196,6 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         records = _run_with_progress(es, requests, args.workload, args.max_tokens)
         stats = es.store.stats().to_dict() if es.store is not None else None
         model = es.adapter.model_path.name
+        uncached_reason = es.uncached_reason
     summary = run_report.summarize(records)
     doc = {
         "workload": args.workload,
@@ -205,6 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "engine": cfg.engine,
         "allow_convertible": cfg.allow_convertible,
         "store_path": str(cfg.store_path) if stats is not None else None,
+        "uncached_reason": uncached_reason,
         "summary": summary,
         "store": stats,
         "requests": run_report.request_rows(records),
@@ -217,7 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         title = (f"workload {args.workload}: {len(records)} requests, "
                  f"store {doc['store_path'] or 'disabled'}, model {model}, engine {cfg.engine}"
                  + (" (convertible KV allowed)" if cfg.allow_convertible else ""))
-        wide_console().print(run_report.render_table(summary, stats, title))
+        wide_console().print(run_report.render_table(summary, stats, title, uncached_reason))
     return 0
 
 

@@ -183,10 +183,12 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
-def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = None, title: str | None = None):
+def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = None, title: str | None = None,
+                 uncached_reason: str | None = None):
     """A rich Table of :func:`summarize`'s output: metric, uncached, edgesync, ratio.
 
-    ``store_stats`` is ``FragmentStore.stats().to_dict()`` after the run (None: no store).
+    ``store_stats`` is ``FragmentStore.stats().to_dict()`` after the run (None: no store);
+    ``uncached_reason`` why the EdgeSync pass ran without its store (``EdgeSync.uncached_reason``).
     """
     from rich.table import Table
 
@@ -226,6 +228,8 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     if store_stats is not None:
         table.add_row("store fragments (after run)", "-", f"{store_stats['fragments']:,}", "")
         table.add_row("store bytes on disk (after run)", "-", format_bytes(store_stats["disk_bytes"]), "")
+    elif uncached_reason:
+        table.add_row("store", "-", f"UNCACHED: {uncached_reason}", "")
     else:
         table.add_row("store", "-", "disabled", "")
     return table

@@ -8,7 +8,8 @@ and the injection (a fragment evicted or corrupt) falls back to the next.
 
 The decision, in order (``n`` prompt tokens):
 
-1. Prompts under ``MIN_SPAN`` (64) tokens, or no store: no source, the request prefills.
+1. Prompts under ``MIN_SPAN`` (64) tokens, no store, or an adapter whose KV cannot be cut
+   (``adapter.cache_refusal``): no source, the request prefills.
 2. The prefix walk of the engine's own namespace: the longest stored chain whose token IDs
    equal the prompt's.
 3. When it leaves tokens uncovered (``semantic_min_uncovered``, 64, in the default mode; 2 in
@@ -161,7 +162,7 @@ def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "Fragme
     store problem (a failed walk finds nothing)."""
     tokens = tuple(int(t) for t in tokens)
     n = len(tokens)
-    if store is None or n < MIN_SPAN:
+    if store is None or adapter.cache_refusal is not None or n < MIN_SPAN:
         return ReusePlan(prompt=tokens)
     own_ns = adapter.namespace
     match = walk(store, own_ns, tokens)

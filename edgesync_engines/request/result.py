@@ -25,7 +25,9 @@ class GenerationResult:
     the prefetch RAM tier instead of being read and decoded from the store (0 when prefetch is
     off). ``convertible`` is True when the injected KV was written by another engine and
     converted (``allow_convertible`` only); ``source_engine`` names the engine whose KV was
-    injected (None on a miss and for a donor served whole).
+    injected (None on a miss and for a donor served whole). ``uncached_reason`` is None unless
+    a cache was asked for but the engine's KV cannot be cut (``EngineAdapter.cache_refusal``):
+    then it says why, and the request was served uncached.
     """
 
     text: str
@@ -45,6 +47,7 @@ class GenerationResult:
     ram_tier_hits: int = 0
     convertible: bool = False
     source_engine: str | None = None
+    uncached_reason: str | None = None
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (what the CLI prints)."""

@@ -88,7 +88,9 @@ class EdgeSync:
             means its ONNX export (``edgesync export-onnx``).
         store: a storage backend (:class:`FragmentBackend`; the local one is
             :class:`FragmentStore`), a store directory, None for the configured store, or False
-            for no cache at all (every request prefills from scratch).
+            for no cache at all (every request prefills from scratch). An engine whose KV cannot
+            be cut (``adapter.cache_refusal``) is served without the store, each result's
+            ``uncached_reason`` saying why.
         config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
 
     Thread safety: one request at a time drives the engine (the adapter's lock).
@@ -104,8 +106,13 @@ class EdgeSync:
         self._owns_adapter = not isinstance(model, _ADAPTERS)
         self.adapter = model if isinstance(model, _ADAPTERS) else _load_adapter(model, self.config)
         self._owns_store = False
+        self.uncached_reason = None
         if store is False or not self.config.cache_enabled:
             self.store = None
+        elif self.adapter.cache_refusal is not None:
+            # KV we cannot cut: the store is neither opened nor read nor written
+            self.store = None
+            self.uncached_reason = self.adapter.cache_refusal
         elif isinstance(store, FragmentBackend):
             self.store = store
         elif store is not None and not isinstance(store, (str, os.PathLike)):
@@ -340,6 +347,7 @@ class EdgeSync:
             ram_tier_hits=injected.ram_tier_hits,
             convertible=injected.convertible,
             source_engine=injected.source_engine,
+            uncached_reason=self.uncached_reason,
         )
         log.info("request: %d prompt tokens, tier %s%s, reused %d, similarity %s, ttft %.1f ms", n, tier,
                  " (approximate)" if injected.approximate else " (convertible)" if injected.convertible else "",
