@@ -98,7 +98,7 @@ bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
 
 # tests/test_arch_matrix.py builds its tiny models from $(LLAMA_SDIST)'s converter, once, into
-# ~/.cache/edgesync/tiny-gguf (about 40 s; EDGESYNC_TINY_GGUF_DIR overrides).
+# ~/.cache/edgesync/tiny-gguf (under a minute; EDGESYNC_TINY_GGUF_DIR overrides).
 test: onnx $(LLAMA_SDIST)
 	$(PY) -m pytest -q tests
 

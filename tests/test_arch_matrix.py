@@ -7,8 +7,8 @@ Exact-reuse rows: a miss stores fragments; a NEW adapter and ``EdgeSync`` on tha
 the same prompt as an exact hit with at most one prompt token evaluated (llama.cpp's own
 counters), then a new question after the same ~330-token system prompt as a partial hit.
 Refused rows: every request is answered uncached, with one warning naming the reason and
-nothing stored. The prompts (system_prompts.json row 0 and two questions) are longer than the
-64-token windows of the sliding-window rows.
+nothing stored. The prompts (system_prompts.json row 0 and two questions, over 300 tokens) are
+longer than the 64-token windows of the sliding-window rows.
 """
 
 from __future__ import annotations
@@ -67,8 +67,11 @@ def config() -> EdgeSyncConfig:
 
 
 @pytest.fixture(scope="module")
-def prompts(study_prompt) -> list[list[dict]]:
-    return [chat(study_prompt, q) for q in QUESTIONS]
+def prompts(system_prompts) -> list[list[dict]]:
+    """Two questions after the same system prompt (the study app's), then the first question
+    after another app's system prompt (a control: the answer must depend on the context the
+    cache supplies, or identical tokens would prove nothing)."""
+    return [chat(system_prompts[0], q) for q in QUESTIONS] + [chat(system_prompts[1], QUESTIONS[0])]
 
 
 def new_adapter(path: Path, config: EdgeSyncConfig) -> LlamaCppAdapter:
@@ -139,6 +142,7 @@ def test_architecture_outcome(row, ggufs, config, prompts, tmp_path, caplog):
     adapter = new_adapter(path, config)
     try:
         reference = uncached_answers(adapter, prompts)
+        assert reference[0] != reference[1] and reference[0] != reference[2]  # answers follow the prompt
         if adapter.cache_refusal is None:
             adapter.close()
             outcome = observe_reuse(path, config, prompts, tmp_path / "store", reference)

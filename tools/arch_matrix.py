@@ -46,6 +46,10 @@ class ArchRow:
         vocab_writer: ``"module:Class"`` of a converter class whose ``set_vocab`` reads only a
             SentencePiece ``tokenizer.model``; the builder gives it the converter's own GPT-2
             BPE writer (``_set_vocab_gpt2``) for SmolLM2's tokenizer.json. None: as shipped.
+        embedding_scale: factor on the random token embeddings. Gemma ties its output
+            layer to them and multiplies them by sqrt(hidden): at the common init the last
+            token's own embedding wins every greedy step whatever the context, so a test of
+            its KV would see the same token repeated; 0.1 lets the context decide.
         seed: ``torch.manual_seed`` for the random weights.
     """
 
@@ -56,6 +60,7 @@ class ArchRow:
     expected: str
     note: str = ""
     vocab_writer: str | None = None
+    embedding_scale: float = 1.0
     seed: int = 0
 
     def config_kwargs(self) -> dict:
@@ -107,7 +112,14 @@ ROWS: tuple[ArchRow, ...] = (
         "Gemma 2: 4 layers alternating sliding (window 64) and global, 4 heads / 2 KV heads of 16, "
         "attention and final soft-capping",
         REFUSED + "gemma2: " + _SWA_CODEC,
-        vocab_writer="conversion.gemma:Gemma2Model"),
+        vocab_writer="conversion.gemma:Gemma2Model", embedding_scale=0.1),
+    ArchRow(
+        "gemma3", "Gemma3TextConfig",
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64,
+         "max_position_embeddings": 4096},
+        "Gemma 3: 6 layers, 5 sliding (window 64, local RoPE base) to 1 global, 4 heads / 2 KV heads of 16, Q/K norms",
+        REFUSED + "gemma3: " + _SWA_CODEC, embedding_scale=0.1),
     ArchRow(
         "mamba", "MambaConfig",
         {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 16, "expand": 2, "conv_kernel": 4},

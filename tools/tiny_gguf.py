@@ -163,7 +163,8 @@ def tokenizer_dir() -> Path:
 def model_key(r: arch_matrix.ArchRow) -> str:
     """16 hex digits of SHA-256 over what determines the GGUF's bytes."""
     spec = {"builder": BUILDER_VERSION, "llama-cpp-python": llama_version(), "outtype": OUTTYPE,
-            "hf_config": r.hf_config, "config": r.config_kwargs(), "seed": r.seed, "vocab_writer": r.vocab_writer}
+            "hf_config": r.hf_config, "config": r.config_kwargs(), "seed": r.seed, "vocab_writer": r.vocab_writer,
+            "embedding_scale": r.embedding_scale}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -181,6 +182,9 @@ def save_random_model(r: arch_matrix.ArchRow, out: Path) -> None:
     config = getattr(transformers, r.hf_config)(**r.config_kwargs())
     torch.manual_seed(r.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if r.embedding_scale != 1.0:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(r.embedding_scale)
     model.save_pretrained(str(out))
     for f in tokenizer_dir().iterdir():
         shutil.copy(f, out / f.name)
