@@ -179,3 +179,18 @@ def test_readme_table_is_the_generated_one():
     printed = subprocess.run([sys.executable, str(ROOT / "tools" / "arch_matrix.py"), "--markdown"],
                              capture_output=True, text=True, check=True).stdout
     assert printed == table
+
+
+def test_missing_source_distribution_is_one_line(tmp_path):
+    """Without the llama-cpp-python sdist the builder says what to run, in one line."""
+    import os
+
+    env = dict(os.environ, EDGESYNC_TINY_GGUF_DIR=str(tmp_path / "cache"),
+               EDGESYNC_LLAMA_SDIST=str(tmp_path / "missing.tar.gz"), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "tiny_gguf.py"), "qwen2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'missing.tar.gz'}: no llama-cpp-python {tiny_gguf.llama_version()} source "
+        f"distribution (run `make build/llama_cpp_python-{tiny_gguf.llama_version()}.tar.gz`, "
+        "or set EDGESYNC_LLAMA_SDIST)"]

@@ -113,7 +113,7 @@ def converter_dir() -> Path:
     if (out / "convert_hf_to_gguf.py").is_file():
         return out
     sdist = sdist_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # also the models' directory
     tmp = Path(tempfile.mkdtemp(prefix=".converter-", dir=out.parent))
     with tarfile.open(sdist) as tar:
         top = tar.next().name.split("/")[0]
@@ -136,15 +136,21 @@ def converter_dir() -> Path:
 
 def tokenizer_dir() -> Path:
     """SmolLM2's tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, chat template),
-    saved once from the SmolLM2 GGUF into the cache directory."""
+    saved once from the SmolLM2 GGUF into the cache directory.
+
+    Raises:
+        TinyGGUFError: the SmolLM2 GGUF is not installed."""
     out = cache_dir() / f"tokenizer-smollm2-v{BUILDER_VERSION}"
     if (out / "tokenizer_config.json").is_file():
         return out
     from transformers import AutoTokenizer
 
-    from edgesync_engines.adapters.model_files import default_model_path
+    from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
 
-    gguf = default_model_path()
+    try:
+        gguf = default_model_path()
+    except ModelNotFoundError as exc:
+        raise TinyGGUFError(f"SmolLM2's tokenizer: {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out.parent))
@@ -190,13 +196,14 @@ def save_random_model(r: arch_matrix.ArchRow, out: Path) -> None:
         shutil.copy(f, out / f.name)
 
 
-def convert(hf_dir: Path, outfile: Path, vocab_writer: str | None) -> None:
-    """Run llama.cpp's ``convert_hf_to_gguf.py`` on ``hf_dir`` (this interpreter).
+def convert(converter: Path, hf_dir: Path, outfile: Path, vocab_writer: str | None) -> None:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` (in ``converter``, see :func:`converter_dir`)
+    on ``hf_dir`` with this interpreter.
 
     Raises:
         TinyGGUFError: the converter failed (its last output lines in the message).
     """
-    cmd = [sys.executable, "-c", _RUN_CONVERTER, str(converter_dir()), vocab_writer or "",
+    cmd = [sys.executable, "-c", _RUN_CONVERTER, str(converter), vocab_writer or "",
            str(hf_dir), "--outfile", str(outfile), "--outtype", OUTTYPE]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -209,18 +216,18 @@ def build(r: arch_matrix.ArchRow) -> Path:
     """Row ``r``'s GGUF: the cached file, or built now (random model, then the converter).
 
     Raises:
-        TinyGGUFError: as :func:`sdist_path` and :func:`convert`.
+        TinyGGUFError: as :func:`sdist_path`, :func:`tokenizer_dir` and :func:`convert`.
     """
     path = gguf_path(r)
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    converter = converter_dir()  # first: a missing sdist fails before any model work
     with tempfile.TemporaryDirectory(prefix=f".{r.name}-", dir=path.parent) as tmp:
         hf_dir = Path(tmp) / "hf"
         save_random_model(r, hf_dir)
         partial = Path(tmp) / path.name
-        convert(hf_dir, partial, r.vocab_writer)
+        convert(converter, hf_dir, partial, r.vocab_writer)
         os.replace(partial, path)
     log.info("built %s in %.1f s", path.name, time.perf_counter() - t0)
     return path
