@@ -15,8 +15,9 @@ converter recognises its pre-tokenizer (the ``smollm`` hash of ``get_vocab_base_
 which is what the Phi-3 converter asks for before it writes a BPE vocabulary.
 
 Models are cached as ``<cache>/<row>-<key>.gguf`` (``~/.cache/edgesync/tiny-gguf``;
-``EDGESYNC_TINY_GGUF_DIR`` overrides); the key hashes the row's config, seed and vocabulary
-writer, :data:`BUILDER_VERSION` and the converter's version, so a changed row rebuilds.
+``EDGESYNC_TINY_GGUF_DIR`` overrides); the key hashes the row's config, seed, embedding scale
+and vocabulary writer, :data:`BUILDER_VERSION` and the converter's version, so a changed row
+rebuilds. Files of earlier keys stay until the directory is deleted (about 10 MB each).
 
 Command: ``python tools/tiny_gguf.py [ROW ...] [--json]`` builds (or finds) the models and
 prints each path with its build time.
@@ -66,7 +67,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """Runs the converter as its own script, with two adjustments and nothing else changed:
 
 * the tokenizer is read exactly as ``tokenizer.json`` says (``TokenizersBackend``). The
-  converter pins transformers 4.57.6, which does so; transformers 5 instead rebuilds the
+  converter's requirements pin transformers 4.57.6, which loads the class named in
+  ``tokenizer_config.json`` from ``tokenizer.json``; transformers 5 instead rebuilds the
   tokenizers of some model types from vocabulary and merges with their family's own
   pre-tokenizer (Qwen2's regex for ``qwen2``: ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`` in
   ``tokenization_auto.py``), which is no longer SmolLM2's and fails the pre-tokenizer hash check;
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                    "bytes": path.stat().st_size}
             print(json.dumps(out) if args.json else f"{r.name:12s} {out['seconds']:6.1f} s  {path}")
     except (KeyError, TinyGGUFError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.args[0]}", file=sys.stderr)
         return 1
     return 0
 
