@@ -26,9 +26,9 @@ VOCAB = 49152
 _TOKENS = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
            "initializer_range": 0.2}
 """Every row's config: SmolLM2's special token IDs (<|im_start|>, <|im_end|>), so configs agree
-with the tokenizer, and weights of std 0.2: at transformers' 0.02 attention is nearly uniform
-and the output follows the last token's own embedding, so greedy tokens would hardly depend on
-the context (the KV) a test means to check."""
+with the tokenizer, and weights of std 0.2: at transformers' 0.02 attention scores are nearly
+flat, and the models tried with tied embeddings repeated the last prompt token whatever the
+context, so greedy tokens would not show whether the KV a test injects is right."""
 _SWA_CODEC = ("sliding-window attention (window 64 tokens) keeps a two-part KV cache "
               "(global + sliding-window layers) that the seq-state codec does not cut yet")
 _RECURRENT = "recurrent or hybrid memory holds no per-token KV to cut"
