@@ -43,8 +43,14 @@ _PREFIX_TAG = b"edgesync/prefix/v1\0"
 _KEY_TAG = b"edgesync/key/v1\0"
 _NAMESPACE_TAG = b"edgesync/namespace/v1\0"
 
-KV_DTYPES = {"f16": np.float16, "f32": np.float32}
-"""KV element types a fragment may hold, by name (llama.cpp's type_k/type_v names)."""
+KV_DTYPES = {"f16": np.float16, "f32": np.float32, "bf16": np.uint16, "q8_0": np.uint8, "q4_0": np.uint8}
+"""KV types a fragment may hold, by llama.cpp's type_k/type_v names, with the numpy dtype of a
+row's items: the element type (bf16 kept as raw 16-bit words), or bytes for block-quantized
+types (:data:`KV_BLOCKS`)."""
+KV_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18)}
+"""Block-quantized KV types: (values, bytes) per block, from ggml's ``ggml-common.h``
+(``block_q8_0``: an f16 scale and 32 int8; ``block_q4_0``: an f16 scale and 16 bytes of
+nibbles). A head's values are whole blocks, so rows slice by head and by token."""
 
 
 def token_bytes(token_ids: Iterable[int] | np.ndarray) -> bytes:
@@ -80,7 +86,8 @@ class Namespace:
 
     * ``model_fingerprint``: SHA-256 hex of the model file (see ``fingerprint.py``);
     * ``engine`` and ``engine_version``: e.g. ``"llama.cpp"``, ``"llama-cpp-python 0.3.36"``;
-    * ``kv_dtype``: element type of K and V, ``"f16"`` or ``"f32"``;
+    * ``kv_dtype``: type of K and V, a key of :data:`KV_DTYPES` (``"f16"``, ``"f32"``,
+      ``"bf16"``, or quantized ``"q8_0"``/``"q4_0"``);
     * ``flash_attn``: flash attention changes the V layout and the numbers (../shared/DESIGN.md 2.2);
     * ``layout``: name of the tensor layout and state format the engine wrote;
     * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry, used by the invariants.
@@ -105,11 +112,27 @@ class Namespace:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"namespace.{name}: must be a positive integer, got {value!r}")
+        block = KV_BLOCKS.get(self.kv_dtype, (1, 0))[0]
+        if self.head_dim % block:
+            raise ValueError(f"namespace.head_dim: {self.head_dim} is not whole {self.kv_dtype} blocks of {block}")
 
     @property
     def np_dtype(self) -> np.dtype:
-        """numpy dtype of the K and V elements."""
+        """numpy dtype of the items of a K or V row (bytes for quantized types)."""
         return np.dtype(KV_DTYPES[self.kv_dtype])
+
+    @property
+    def quantized(self) -> bool:
+        """True for block-quantized KV (rows are raw bytes; no conversion to another engine)."""
+        return self.kv_dtype in KV_BLOCKS
+
+    @property
+    def head_width(self) -> int:
+        """Row items per KV head: ``head_dim`` values, or their bytes for quantized types."""
+        if self.kv_dtype in KV_BLOCKS:
+            values, nbytes = KV_BLOCKS[self.kv_dtype]
+            return self.head_dim // values * nbytes
+        return self.head_dim
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (the on-disk form)."""
@@ -266,7 +289,7 @@ class KVFragment:
 
     def _check_arrays(self) -> None:
         ns = self.namespace
-        expected = (self.n_layers, self.token_end - self.token_start, (self.head_end - self.head_start) * ns.head_dim)
+        expected = (self.n_layers, self.token_end - self.token_start, (self.head_end - self.head_start) * ns.head_width)
         for name in ("keys", "values"):
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.size == 0:

@@ -29,8 +29,8 @@ _TOKENS = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token
 with the tokenizer, and weights of std 0.2: at transformers' 0.02 attention scores are nearly
 flat, and the models tried with tied embeddings repeated the last prompt token whatever the
 context, so greedy tokens would not show whether the KV a test injects is right."""
-_SWA_CODEC = ("sliding-window attention (window 64 tokens) keeps a two-part KV cache "
-              "(global + sliding-window layers) that the seq-state codec does not cut yet")
+_TWO_PARTS = ("two cache parts (global + sliding window, window 64): the window's KV is read block by block "
+              "during the prefill, and every part is injected at positions 0..N-1 (full-size window cache)")
 _RECURRENT = "recurrent or hybrid memory holds no per-token KV to cut"
 _ONE_CACHE = "one KV cache, f16 rows per layer and token, as SmolLM2's"
 
@@ -114,7 +114,7 @@ ROWS: tuple[ArchRow, ...] = (
          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "max_position_embeddings": 4096},
         "Gemma 2: 4 layers alternating sliding (window 64) and global, 4 heads / 2 KV heads of 16, "
         "attention and final soft-capping",
-        REFUSED + "gemma2: " + _SWA_CODEC,
+        EXACT, _TWO_PARTS,
         vocab_writer="conversion.gemma:Gemma2Model", embedding_scale=0.1),
     ArchRow(
         "gemma3", "Gemma3TextConfig",
@@ -122,7 +122,7 @@ ROWS: tuple[ArchRow, ...] = (
          "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64,
          "max_position_embeddings": 4096},
         "Gemma 3: 6 layers, 5 sliding (window 64, local RoPE base) to 1 global, 4 heads / 2 KV heads of 16, Q/K norms",
-        REFUSED + "gemma3: " + _SWA_CODEC, embedding_scale=0.1),
+        EXACT, _TWO_PARTS, embedding_scale=0.1),
     ArchRow(
         "mamba", "MambaConfig",
         {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 16, "expand": 2, "conv_kernel": 4},

@@ -50,7 +50,7 @@ def assemble_kv(
     """
     if n_tokens < 1 or n_tokens > len(tokens):
         raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-    width = ns.n_head_kv * ns.head_dim
+    width = ns.n_head_kv * ns.head_width
     k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
     v = np.empty_like(k)
     filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
@@ -65,7 +65,7 @@ def assemble_kv(
             raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
         if frag.prefix_hash != prefix_hash(ids[:lo]):
             raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-        cols = slice(frag.head_start * ns.head_dim, frag.head_end * ns.head_dim)
+        cols = slice(frag.head_start * ns.head_width, frag.head_end * ns.head_width)
         for i, layer in enumerate(frag.layers):
             k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
             v[layer, lo:hi, cols] = frag.values[i, : hi - lo]

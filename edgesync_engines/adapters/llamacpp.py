@@ -1,8 +1,10 @@
 """llama-cpp-python adapter: KV fragments out of and into a live llama.cpp sequence.
 
 Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
-``seqstate.parse``; injection assembles fragments into one ``llama_state_seq_set_data`` buffer
-(``seqstate.serialize``). Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
+``seqstate.parse_parts``; injection assembles fragments into one ``llama_state_seq_set_data``
+buffer (``seqstate.serialize_parts``); ``kv_layout`` maps the state's cache parts (one, or two
+for sliding-window models) to the store's arrays and keeps the sliding-window rows a prefill
+leaves behind. Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
 0.3.36): set_data replaces the destination sequence and must cover positions 0..N-1; after
 injecting N tokens, ``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops
 the injected cells or writes the suffix at position 0; ``Llama.reset()`` does not clear KV
@@ -23,6 +25,7 @@ import numpy as np
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
+from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -36,13 +39,15 @@ from edgesync_store.schema import Namespace
 log = logging.getLogger(__name__)
 
 ENGINE = "llama.cpp"
-LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
-"""Name of the fragment tensor layout this adapter writes: per layer [tokens, heads*head_dim]."""
+__all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "KV_TYPES", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
+KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
+"""``type_k``/``type_v`` an adapter can be asked for by name; a quantized V needs flash
+attention in llama.cpp (``llama_init_from_model`` refuses it otherwise), so it is turned on."""
 _SEQ = 0
 """The one llama.cpp sequence an adapter uses."""
-_GGML_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16"}
-"""ggml_type codes of ``ggml.h`` that llama.cpp accepts as ``type_k``/``type_v``, by name."""
+_PARTIAL_ONLY = 1
+"""``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
 
 
 class LlamaCppAdapter(EngineAdapterBase):
@@ -55,6 +60,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         n_threads: CPU threads (default: all cores).
         flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
             namespace).
+        kv_type: K and V cache type, one of :data:`KV_TYPES` (recorded in the namespace; the
+            quantized types turn flash attention on).
         verbose: let llama.cpp's log lines through at WARNING (``model_files.route_native_logs``).
         seed: the sampler's seed when ``generate`` is given none.
         model_path: the GGUF file of a ``Llama`` passed as ``model``.
@@ -62,7 +69,10 @@ class LlamaCppAdapter(EngineAdapterBase):
     Raises:
         ModelNotFoundError: the model file is missing.
         ModelLoadError: llama.cpp cannot load the file or create the context.
+        ValueError: a ``kv_type`` not in :data:`KV_TYPES`.
 
+    A sliding-window model gets a full-size window cache (``swa_full``: n_ctx cells in its
+    sliding layers too) so that any prefix can be injected exactly (see ``kv_layout``).
     A model whose KV cannot be cut (see :meth:`_probe`) is still served, uncached:
     ``cache_refusal`` then holds the reason and ``namespace`` is None.
     """
@@ -76,9 +86,16 @@ class LlamaCppAdapter(EngineAdapterBase):
         verbose: bool = False,
         seed: int = 0,
         model_path: str | os.PathLike | None = None,
+        kv_type: str = "f16",
     ) -> None:
         import llama_cpp
 
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type: {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        type_kv = seqstate.GGML_TYPE_BY_NAME[kv_type]
+        if type_kv.quantized and not flash_attn:
+            log.info("kv_type %s: turning flash attention on (llama.cpp needs it for a quantized V)", kv_type)
+            flash_attn = True
         route_native_logs(verbose)
         self._llama_cpp = llama_cpp
         self.lock = threading.RLock()
@@ -95,6 +112,9 @@ class LlamaCppAdapter(EngineAdapterBase):
                     flash_attn=flash_attn,
                     verbose=verbose,
                     seed=seed,
+                    type_k=type_kv.code,
+                    type_v=type_kv.code,
+                    swa_full=True,
                 )
             except ValueError as exc:  # llama-cpp-python's "Failed to load model / create context"
                 raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx})") from None
@@ -115,6 +135,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         self._ctx = self.llm.ctx
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self._swa = SwaCapture()
         self._probe()
 
     @property
@@ -132,13 +153,17 @@ class LlamaCppAdapter(EngineAdapterBase):
         :attr:`cache_refusal` to the reason, logs it once as a warning, and leaves
         :attr:`namespace` None: the engine still answers, uncached."""
         self.namespace = None
+        self._layout: StateLayout | None = None
         self.cache_refusal = self._unsupported_memory()
         if self.cache_refusal is None:
             self.clear_kv_cache()
             try:
-                self.llm.eval([self.llm.token_eos()])
-                self.namespace = self._probed_namespace(seqstate.parse(self._get_state()))
+                # two cells, so a 2D cell position (M-RoPE) shows in the second one
+                self.llm.eval([self.llm.token_eos()] * 2)
+                self._layout = self._probed_layout(self._get_state())
+                self.namespace = self._probed_namespace(self._layout)
             except ValueError as exc:  # SeqStateError, or a geometry Namespace refuses
+                self._layout = None
                 self.cache_refusal = f"seq state not understood: {exc}"
             finally:
                 self.clear_kv_cache()
@@ -155,54 +180,80 @@ class LlamaCppAdapter(EngineAdapterBase):
         if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
             return f"{arch}: recurrent or hybrid memory holds no per-token KV to cut"
         n_swa = int(llama_cpp.llama_model_n_swa(model))
-        if n_swa > 0:
-            return (f"{arch}: sliding-window attention (window {n_swa} tokens) keeps a two-part KV cache "
-                    "(global + sliding-window layers) that the seq-state codec does not cut yet")
+        if n_swa > 0 and not self.llm.context_params.swa_full:
+            return (f"{arch}: sliding-window attention (window {n_swa} tokens) without a full-size window "
+                    "cache: build the Llama with swa_full=True to cache it")
         types = (int(self.llm.context_params.type_k), int(self.llm.context_params.type_v))
-        if any(t not in seqstate.DTYPE_NAMES for t in types):
-            names = [_GGML_TYPE_NAMES.get(t, f"ggml type {t}") for t in types]
-            return f"quantized KV (type_k {names[0]}, type_v {names[1]}): only f16 and f32 KV are cut"
+        names = [seqstate.GGML_TYPES[t].name if t in seqstate.GGML_TYPES else f"ggml type {t}" for t in types]
+        if types[0] != types[1] or seqstate.GGML_TYPES.get(types[0]) is None or names[0] not in KV_TYPES:
+            return f"KV types type_k {names[0]}, type_v {names[1]}: only equal {', '.join(KV_TYPES)} are cut"
         return None
 
-    def _probed_namespace(self, state: seqstate.SeqState) -> Namespace:
-        """The namespace of a parsed one-token seq state (sets the K/V type and V layout).
+    def _probed_layout(self, raw: bytes) -> StateLayout:
+        """The :class:`StateLayout` of the probe's seq state; for a sliding-window model also
+        checks that a partial read (the window's part alone) matches its second part.
 
         Raises:
-            seqstate.SeqStateError: layers, types or widths that disagree with the model.
+            seqstate.SeqStateError: a state neither layout parses, or parts that disagree.
+        """
+        llama_cpp, model = self._llama_cpp, self.llm.model
+        try:
+            parts = seqstate.parse_parts(raw)
+        except seqstate.SeqStateError as plain:
+            try:
+                parts = seqstate.parse_parts(raw, seqstate.CELL_EXT_BYTES)
+            except seqstate.SeqStateError:
+                raise plain from None
+        pos_2d = False
+        if parts[0].ext is not None:
+            pos_2d = int(parts[0].ext[1, 0]) == 1
+        layout = StateLayout.from_probe(parts, int(llama_cpp.llama_model_n_layer(model)),
+                                        int(llama_cpp.llama_model_n_swa(model)), pos_2d)
+        if layout.swa_part is not None:
+            (window,) = self._swa_part_now()
+            if window.n_layer != layout.part_layers[layout.swa_part]:
+                raise seqstate.SeqStateError("probe: the sliding-window read disagrees with the state's part")
+        return layout
+
+    def _probed_namespace(self, layout: StateLayout) -> Namespace:
+        """The namespace of a probed layout (K/V type, V layout, cache parts, geometry).
+
+        Raises:
+            seqstate.SeqStateError: widths that do not split into the model's KV heads.
         """
         llama_cpp = self._llama_cpp
-        n_layer = int(llama_cpp.llama_model_n_layer(self.llm.model))
         n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm.model))
-        if state.n_layer != n_layer:
-            raise seqstate.SeqStateError(f"probe: seq state has {state.n_layer} layers, the model {n_layer}")
-        if state.type_k != state.type_v:
-            raise seqstate.SeqStateError(f"probe: K type {state.type_k} != V type {state.type_v}")
-        width = state.k.shape[2]
-        if width % n_head_kv or state.v.shape[2] != width:
-            raise seqstate.SeqStateError(f"probe: K width {width}, V width {state.v.shape[2]}, {n_head_kv} KV heads")
-        self._type_kv = state.type_k
-        self._v_trans = state.v_trans
+        t = seqstate.ggml_type(layout.type_kv)
+        elements = layout.width * np.dtype(t.dtype).itemsize // t.block_bytes * t.block
+        if elements % n_head_kv or (elements // n_head_kv) % t.block:
+            raise seqstate.SeqStateError(f"probe: row of {elements} {t.name} values, {n_head_kv} KV heads")
         return Namespace(
             model_fingerprint=file_fingerprint(self.model_path),
             engine=ENGINE,
             engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
-            kv_dtype=seqstate.DTYPE_NAMES[state.type_k],
+            kv_dtype=t.name,
             flash_attn=self.flash_attn,
-            layout=f"{LAYOUT};v_trans={state.v_trans}",
-            n_layer=n_layer,
+            layout=layout.name,
+            n_layer=sum(layout.part_layers),
             n_head_kv=n_head_kv,
-            head_dim=width // n_head_kv,
+            head_dim=elements // n_head_kv,
         )
 
-    def _get_state(self) -> bytes:
-        """The sequence's state, ``llama_state_seq_get_data`` (layout: ``seqstate``)."""
+    def _get_state(self, flags: int = 0) -> bytes:
+        """The sequence's state, ``llama_state_seq_get_data_ext`` (layout: ``seqstate``);
+        ``flags`` :data:`_PARTIAL_ONLY` reads the sliding-window part alone."""
         llama_cpp = self._llama_cpp
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, _SEQ)
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags)
         buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, _SEQ)
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, _SEQ, flags)
         if written != size:
             raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buf)
+
+    def _swa_part_now(self) -> list[seqstate.CachePart]:
+        """The live sliding-window part alone (a list of one part)."""
+        ext = seqstate.CELL_EXT_BYTES if self._layout is not None and self._layout.cell_ext else 0
+        return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext)
 
     # -- tokens and text --------------------------------------------------------------------
 
@@ -241,27 +292,54 @@ class LlamaCppAdapter(EngineAdapterBase):
     def _truncate(self, n: int) -> None:
         # Llama.eval removes the cells from position n_tokens on before it decodes
         self.llm.n_tokens = n
+        self._swa.truncate(n)
 
     def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
                  head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Rows ``layers`` and the columns of KV heads ``[head_start, head_end)`` of one
-        seq-state read (``seqstate.parse``), per span."""
-        state = seqstate.parse(self._get_state())
-        rows = slice(layers.start, layers.stop, layers.step)
-        cols = slice(head_start * self.namespace.head_dim, head_end * self.namespace.head_dim)
-        return [
-            (np.ascontiguousarray(state.k[rows, start:end, cols]), np.ascontiguousarray(state.v[rows, start:end, cols]))
-            for start, end in spans
-        ]
+        seq-state read (``seqstate.parse_parts``), per span; a sliding-window part's rows come
+        from the capture of the prefill (:class:`~edgesync_engines.adapters.kv_layout.SwaCapture`)
+        where the window no longer holds them.
+
+        Raises:
+            ValueError: KV of a span that neither the state nor the capture holds, or cells
+                that are not plain text tokens.
+        """
+        layout, live = self._layout, self._live_tokens(self.n_tokens)
+        parts = seqstate.parse_parts(self._get_state(), seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
+        cols = slice(head_start * self.namespace.head_width, head_end * self.namespace.head_width)
+        out = []
+        for start, end in spans:
+            k_parts, v_parts = [], []
+            for i, part in enumerate(parts):
+                if not part.n_layer:
+                    continue
+                if part.pos[0] <= start and end - 1 <= part.pos[-1]:
+                    layout.check_text_cells(part, start, end, live)
+                    at = slice(int(start - part.pos[0]), int(end - part.pos[0]))
+                    k_parts.append(np.stack([a[at] for a in part.k]))
+                    v_parts.append(np.stack([a[at] for a in part.v]))
+                elif i == layout.swa_part:
+                    k_rows, v_rows = self._swa.rows(start, end)
+                    k_parts.append(k_rows)
+                    v_parts.append(v_rows)
+                else:
+                    raise seqstate.SeqStateError(f"cache part {i} does not hold positions [{start}, {end})")
+            k, v = np.concatenate(k_parts), np.concatenate(v_parts)
+            rows = slice(layers.start, layers.stop, layers.step)
+            out.append((np.ascontiguousarray(k[rows, :, cols]), np.ascontiguousarray(v[rows, :, cols])))
+        return out
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """``llama_state_seq_set_data`` of one ``seqstate.serialize`` buffer, then
-        ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
+        """``llama_state_seq_set_data`` of one ``seqstate.serialize_parts`` buffer holding
+        positions 0..n-1 in every cache part, then ``input_ids[:n]`` and ``n_tokens`` so that
+        the next ``eval`` continues at position n.
 
         Raises:
             InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
         """
-        buf = seqstate.serialize(k, v, self._type_kv, self._type_kv, self._v_trans, _SEQ)
+        layout = self._layout
+        buf = seqstate.serialize_parts(layout.to_parts(k, v, tokens), _SEQ)
         arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
         read = self._llama_cpp.llama_state_seq_set_data(self._ctx, arr, len(buf), _SEQ)
         if read != len(buf):
@@ -269,6 +347,9 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise InjectionError(f"llama_state_seq_set_data read {read} of {len(buf)} bytes")
         self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
         self.llm.n_tokens = n_tokens
+        if layout.swa_part is not None:
+            rows = layout.part_range(layout.swa_part)
+            self._swa.seed(k[rows.start:rows.stop], v[rows.start:rows.stop])
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """How many of ``available`` stored prompt tokens to inject for a prompt of
@@ -295,10 +376,17 @@ class LlamaCppAdapter(EngineAdapterBase):
         end = n_prompt - 1
         pos = n_past
         n_batch = max(int(self.llm.n_batch), 2)
+        window = self._layout.n_swa if self._layout is not None and self._layout.swa_part is not None else 0
+        if window:
+            n_batch = max(min(n_batch, window), 2)
         while pos < end:
-            size = min(n_batch, end - pos)
+            # with a window, blocks end on its grid, so every block's cells are still in the
+            # window when it has been evaluated (standard and chunked windows alike)
+            size = min(n_batch - pos % n_batch if window else n_batch, end - pos)
+            if size < 2:  # a one-token batch runs other kernels; a standard window takes 2 across its grid
+                size = 2
             if end - pos - size == 1:  # never leave a one-token remainder
-                size -= 1
+                size = size - 1 if size > 2 else size + 1
             plan.append((pos, pos + size))
             pos += size
         plan.append((end, n_prompt))
@@ -310,6 +398,13 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def _eval_batch(self, batch: Sequence[int]) -> None:
         self.llm.eval(list(batch))
+        if self._layout is not None and self._layout.swa_part is not None:
+            n = self.llm.n_tokens
+            try:
+                self._swa.add(self._swa_part_now()[0], n - len(batch), n)
+            except seqstate.SeqStateError as exc:
+                # the prompt is still answered; its sliding-window KV is just not storable
+                log.warning("sliding-window KV not captured: %s", exc)
 
     def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
         """llama-cpp-python's sampler on the live sequence: greedy (top-k 40 at temperature
@@ -341,6 +436,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         """Empty the KV memory (``llama_memory_clear(mem, True)``) and forget the tokens."""
         self._llama_cpp.llama_memory_clear(self._mem, True)
         self.llm.n_tokens = 0
+        self._swa.clear()
 
     def close(self) -> None:
         """Free the model and context if this adapter loaded them; a ``Llama`` passed in stays

@@ -1,27 +1,31 @@
-"""llama.cpp per-sequence KV state bytes <-> numpy arrays.
+"""llama.cpp per-sequence KV state bytes <-> numpy arrays, for any number of cache parts.
 
-The byte layout is the one ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` use in
-llama-cpp-python 0.3.36, read from the vendored ``src/llama-kv-cache.cpp``
-(``llama_kv_cache::state_write``, ``state_write_meta``, ``state_write_data`` and their
-``state_read*`` counterparts) and ``src/llama-context.cpp`` (``state_seq_get_data`` writes
-``io_magic`` and the seq id first; ``state_seq_set_data`` checks the magic). Little-endian::
+The byte layout is the one ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` (and
+their ``_ext`` variants) use in llama-cpp-python 0.3.36, read from the vendored
+``src/llama-kv-cache.cpp`` (``llama_kv_cache::state_write``, ``state_write_meta``,
+``state_write_data`` and their ``state_read*`` counterparts), ``src/llama-kv-cache-iswa.cpp``
+(a sliding-window model's cache writes its global part, then its sliding-window part) and
+``src/llama-context.cpp`` (``state_seq_get_data`` writes ``io_magic`` and the seq id first).
+Little-endian::
 
     magic 0xAF143CD8, seq_id                    u32, i32
-    n_stream                                    u32
-    per stream:
-      cell_count                                u32
-      per cell: pos i32, n_seq_id u32, [ext: 12 bytes, M-RoPE/PLE models only], seq_id i32 x n_seq_id
-      (only when cell_count > 0:)
-      v_trans u32, n_layer u32
-      per layer K: type i32, row_bytes u64, cell_count x row_bytes
-      per layer V, v_trans == 0: type i32, row_bytes u64, cell_count x row_bytes
-      per layer V, v_trans == 1: type i32, el_size u32, n_embd_v_gqa u32, n_embd_v_gqa x cell_count x el_size
+    per cache part (one for most models, two for iSWA models: global then sliding window):
+      n_stream                                  u32
+      per stream:
+        cell_count                              u32
+        per cell: pos i32, n_seq_id u32, [ext x i32, y i32, tok i32: M-RoPE and PLE models], seq_id i32 x n_seq_id
+        (only when cell_count > 0:)
+        v_trans u32, n_layer u32
+        per layer K: type i32, row_bytes u64, cell_count x row_bytes
+        per layer V, v_trans == 0: type i32, row_bytes u64, cell_count x row_bytes
+        per layer V, v_trans == 1: type i32, el_size u32, n_embd_v_gqa u32, n_embd_v_gqa x cell_count x el_size
 
-Models with a two-part cache (gemma3's global + sliding window) write one such section per
-part, back to back; :func:`parse` reads only single-part states and says so otherwise.
+A sliding-window part holds only the cells its window still needs: ``state_write`` skips cells
+that ``llama_hparams::is_masked_swa`` masks for the sequence's highest position.
 
-Arrays returned are in canonical order: ``k`` and ``v`` float ``[n_layer, n_tokens, width]``
-(f16 for type 1, f32 for type 0), rows sorted by position 0..n_tokens-1.
+Arrays are in canonical order: per layer ``[n_cells, width]`` rows sorted by position, where a
+row is ``width`` elements of f16/f32/bf16 (bf16 kept as raw ``<u2``), or for block-quantized
+types (q8_0, q4_0, ...) ``width`` raw bytes: whole blocks, so a row can still be cut by token.
 """
 
 from __future__ import annotations
@@ -31,11 +35,52 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GGML_TYPE_DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
-"""ggml_type codes (ggml.h: GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1) whose rows are plain arrays."""
-DTYPE_NAMES = {0: "f32", 1: "f16"}
 SEQ_STATE_MAGIC = 0xAF143CD8
 """``io_magic`` in llama.cpp's ``src/llama-context.cpp``."""
+CELL_EXT_BYTES = 12
+"""``sizeof(llama_kv_cell_ext)`` (``src/llama-kv-cells.h``: x, y, tok as int32)."""
+
+
+@dataclass(frozen=True)
+class GgmlType:
+    """A ggml tensor type as a KV row holds it: ``block`` elements take ``block_bytes`` bytes
+    (ggml's ``type_traits`` in ``ggml/src/ggml.c``; block structs in ``ggml-common.h``)."""
+
+    code: int
+    name: str
+    block: int
+    block_bytes: int
+    dtype: str
+    """numpy dtype of a row's items: the element type, or ``uint8`` for quantized blocks."""
+
+    @property
+    def quantized(self) -> bool:
+        """True for block-quantized types (rows are raw bytes)."""
+        return self.block > 1
+
+    def row_items(self, n_elements: int) -> int:
+        """Items (elements, or bytes when quantized) in a row of ``n_elements`` values.
+
+        Raises:
+            SeqStateError: ``n_elements`` is not a whole number of blocks.
+        """
+        if n_elements % self.block:
+            raise SeqStateError(f"{self.name}: {n_elements} elements are not whole blocks of {self.block}")
+        return n_elements // self.block * self.block_bytes // np.dtype(self.dtype).itemsize
+
+
+GGML_TYPES = {t.code: t for t in (
+    GgmlType(0, "f32", 1, 4, "<f4"),
+    GgmlType(1, "f16", 1, 2, "<f2"),
+    GgmlType(2, "q4_0", 32, 18, "u1"),
+    GgmlType(3, "q4_1", 32, 20, "u1"),
+    GgmlType(6, "q5_0", 32, 22, "u1"),
+    GgmlType(7, "q5_1", 32, 24, "u1"),
+    GgmlType(8, "q8_0", 32, 34, "u1"),
+    GgmlType(30, "bf16", 1, 2, "<u2"),
+)}
+"""The ggml types (``ggml.h`` codes) llama.cpp accepts as ``type_k``/``type_v``."""
+GGML_TYPE_BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 
 
 class SeqStateError(ValueError):
@@ -43,13 +88,34 @@ class SeqStateError(ValueError):
 
 
 @dataclass
-class SeqState:
-    """A parsed single-stream, single-part sequence state.
+class CachePart:
+    """One cache part of a single-stream sequence state.
 
-    ``k``, ``v``: ``[n_layer, n_tokens, width]`` arrays of dtype f16 or f32, rows in position
-    order; ``type_k``/``type_v`` are ggml type codes; ``v_trans`` as written by llama.cpp
-    (1 when flash attention is off).
+    ``pos``: ``[n_cells]`` int64 positions, ascending and consecutive; ``ext``: ``[n_cells, 3]``
+    int32 (x, y, tok) for models with a cell extension, else None; ``k``, ``v``: one array
+    per layer of the part, ``[n_cells, width]`` of ``ggml_type(type).dtype``; ``type_k``,
+    ``type_v``: ggml type codes (one per part); ``v_trans`` as llama.cpp wrote it (1 when
+    flash attention is off).
     """
+
+    pos: np.ndarray
+    ext: np.ndarray | None
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    type_k: int
+    type_v: int
+    v_trans: int
+
+    @property
+    def n_layer(self) -> int:
+        """Layers in this part."""
+        return len(self.k)
+
+
+@dataclass
+class SeqState:
+    """A parsed single-part state whose layers are uniform: ``k``, ``v`` ``[n_layer,
+    n_tokens, width]`` for positions 0..n_tokens-1 (see :func:`parse`)."""
 
     k: np.ndarray
     v: np.ndarray
@@ -66,6 +132,18 @@ class SeqState:
     def n_layer(self) -> int:
         """Layers held."""
         return int(self.k.shape[0])
+
+
+def ggml_type(code: int) -> GgmlType:
+    """The :class:`GgmlType` of a ggml type code.
+
+    Raises:
+        SeqStateError: a type llama.cpp does not use for KV.
+    """
+    t = GGML_TYPES.get(code)
+    if t is None:
+        raise SeqStateError(f"ggml type {code} is not a KV type this codec knows")
+    return t
 
 
 class _Reader:
@@ -88,105 +166,210 @@ class _Reader:
         self.at += n
         return out
 
+    def array(self, n_rows: int, row_bytes: int, t: GgmlType) -> np.ndarray:
+        return np.frombuffer(self.raw(n_rows * row_bytes), dtype=t.dtype).reshape(n_rows, -1)
 
-def _read_cells(r: _Reader, cell_count: int, cell_ext_bytes: int) -> np.ndarray:
-    """Positions of the cells; fast path for the common record (pos, n_seq_id=1, seq_id)."""
-    if cell_ext_bytes == 0 and r.at + 12 * cell_count <= len(r.view):
-        block = np.frombuffer(r.view[r.at : r.at + 12 * cell_count], dtype="<i4").reshape(cell_count, 3)
+
+def _read_cells(r: _Reader, cell_count: int, ext_bytes: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Positions (and extensions) of the cells; fast path for one seq id per cell."""
+    rec = 12 + ext_bytes
+    if r.at + rec * cell_count <= len(r.view):
+        block = np.frombuffer(r.view[r.at : r.at + rec * cell_count], dtype="<i4").reshape(cell_count, rec // 4)
         if np.all(block[:, 1] == 1):
-            r.at += 12 * cell_count
-            return block[:, 0].astype(np.int64)
+            r.at += rec * cell_count
+            ext = block[:, 2:5].astype(np.int32) if ext_bytes else None
+            return block[:, 0].astype(np.int64), ext
     pos = np.empty(cell_count, dtype=np.int64)
+    ext = np.empty((cell_count, 3), dtype=np.int32) if ext_bytes else None
     for i in range(cell_count):
         pos[i] = r.take("i")
         n_seq = r.take("I")
-        r.raw(cell_ext_bytes)
+        if ext is not None:
+            ext[i] = np.frombuffer(r.raw(ext_bytes), dtype="<i4")
         r.raw(4 * n_seq)
-    return pos
+    return pos, ext
 
 
-def parse(data: bytes | memoryview, cell_ext_bytes: int = 0) -> SeqState:
-    """Parse ``llama_state_seq_get_data`` output of one sequence into position-ordered arrays.
+def _read_layers(r: _Reader, n_layer: int, cell_count: int, v_trans: int, part: int):
+    k, v, types_k, types_v = [], [], set(), set()
+    for il in range(n_layer):
+        t = ggml_type(r.take("i"))
+        row_bytes = r.take("Q")
+        if row_bytes % t.block_bytes:
+            raise SeqStateError(f"part {part} layer {il} K: row_bytes {row_bytes} is not whole {t.name} blocks")
+        types_k.add(t.code)
+        k.append(r.array(cell_count, row_bytes, t))
+    for il in range(n_layer):
+        t = ggml_type(r.take("i"))
+        types_v.add(t.code)
+        if v_trans:
+            el_size, n_embd = r.take("I"), r.take("I")
+            if t.quantized or el_size != t.block_bytes:
+                raise SeqStateError(f"part {part} layer {il} V: a transposed {t.name} V (el_size {el_size}) is not cut")
+            v.append(r.array(n_embd, cell_count * el_size, t).T)
+        else:
+            v.append(r.array(cell_count, r.take("Q"), t))
+    if len(types_k) != 1 or len(types_v) != 1:
+        raise SeqStateError(f"part {part}: K or V types differ between layers")
+    return k, v, types_k.pop(), types_v.pop()
+
+
+def _read_part(r: _Reader, n: int, cell_ext_bytes: int) -> CachePart:
+    """Part ``n`` of a seq state, from the reader's position (layout: module docstring)."""
+    n_stream = r.take("I")
+    if n_stream != 1:
+        raise SeqStateError(f"part {n} n_stream: {n_stream} streams; only a single stream is supported")
+    cell_count = r.take("I")
+    if cell_count == 0:
+        raise SeqStateError(f"part {n} cell_count: the sequence is empty")
+    pos, ext = _read_cells(r, cell_count, cell_ext_bytes)
+    v_trans, n_layer = r.take("I"), r.take("I")
+    # a part may hold cells but no layers (an iSWA cache whose model has no sliding layers)
+    k, v, type_k, type_v = _read_layers(r, n_layer, cell_count, v_trans, n) if n_layer else ([], [], 1, 1)
+    order = np.argsort(pos, kind="stable")
+    pos = pos[order]
+    if not np.array_equal(pos, np.arange(pos[0], pos[0] + cell_count)):
+        raise SeqStateError(f"part {n}: positions are not consecutive from {pos[0]}")
+    if not np.array_equal(order, np.arange(cell_count)):
+        k, v = [a[order] for a in k], [a[order] for a in v]
+        ext = ext[order] if ext is not None else None
+    return CachePart(pos, ext, k, v, type_k, type_v, v_trans)
+
+
+def parse_parts(data: bytes | memoryview, cell_ext_bytes: int = 0) -> list[CachePart]:
+    """Parse ``llama_state_seq_get_data`` output of one sequence into its cache parts, each in
+    position order.
 
     Args:
         data: the seq-state bytes.
-        cell_ext_bytes: per-cell extension size (0 for llama-architecture models such as
-            SmolLM2; 12 for M-RoPE models).
+        cell_ext_bytes: per-cell extension size: 0, or :data:`CELL_EXT_BYTES` for M-RoPE and
+            PLE models (``llama_kv_cache::has_cell_ext``).
 
     Raises:
-        SeqStateError: truncated or trailing bytes, several streams or cache parts, quantized
-            K/V types, positions that are not exactly 0..n-1, or per-layer widths that differ.
+        SeqStateError: bad magic, truncated bytes, several streams, a part with no cells,
+            unknown ggml types, a transposed quantized V, or positions with gaps or repeats.
     """
     r = _Reader(data)
     magic = r.take("I")
     if magic != SEQ_STATE_MAGIC:
         raise SeqStateError(f"magic: 0x{magic:08X} is not llama.cpp's seq-state magic 0x{SEQ_STATE_MAGIC:08X}")
     r.take("i")  # the source seq_id
-    n_stream = r.take("I")
-    if n_stream != 1:
-        raise SeqStateError(f"n_stream: {n_stream} streams; only a single stream is supported")
-    cell_count = r.take("I")
-    if cell_count == 0:
-        raise SeqStateError("cell_count: the sequence is empty")
-    pos = _read_cells(r, cell_count, cell_ext_bytes)
-    v_trans = r.take("I")
-    n_layer = r.take("I")
-    if n_layer == 0:
-        raise SeqStateError("n_layer: 0 layers")
-    k_layers, v_layers, type_k, type_v = [], [], None, None
-    for il in range(n_layer):
-        t = r.take("i")
-        row_bytes = r.take("Q")
-        dtype = GGML_TYPE_DTYPES.get(t)
-        if dtype is None:
-            raise SeqStateError(f"layer {il} K: ggml type {t} is not f16/f32 (quantized KV is not supported)")
-        if row_bytes % dtype.itemsize:
-            raise SeqStateError(f"layer {il} K: row_bytes {row_bytes} is not a multiple of {dtype.itemsize}")
-        type_k = t if type_k is None else type_k
-        k_layers.append(np.frombuffer(r.raw(cell_count * row_bytes), dtype=dtype).reshape(cell_count, -1))
-    for il in range(n_layer):
-        t = r.take("i")
-        dtype = GGML_TYPE_DTYPES.get(t)
-        if dtype is None:
-            raise SeqStateError(f"layer {il} V: ggml type {t} is not f16/f32 (quantized KV is not supported)")
-        type_v = t if type_v is None else type_v
-        if v_trans:
-            el_size = r.take("I")
-            n_embd = r.take("I")
-            if el_size != dtype.itemsize:
-                raise SeqStateError(f"layer {il} V: el_size {el_size} disagrees with type {t}")
-            rows = np.frombuffer(r.raw(n_embd * cell_count * el_size), dtype=dtype).reshape(n_embd, cell_count)
-            v_layers.append(rows.T)
+    parts = []
+    while r.at < len(r.view):
+        try:
+            parts.append(_read_part(r, len(parts), cell_ext_bytes))
+        except SeqStateError as exc:
+            if not parts:
+                raise
+            raise SeqStateError(f"seq state has trailing bytes after {len(parts)} cache part(s) that are not "
+                                f"another part ({exc})") from None
+    if not parts:
+        raise SeqStateError("seq state holds no cache part")
+    if all(p.n_layer == 0 for p in parts):
+        raise SeqStateError("n_layer: no part holds a layer")
+    return parts
+
+
+def parse(data: bytes | memoryview, cell_ext_bytes: int = 0) -> SeqState:
+    """Parse a single-part state of positions 0..n-1 with uniform layers into
+    ``[n_layer, n_tokens, width]`` arrays (native byte order).
+
+    Raises:
+        SeqStateError: see :func:`parse_parts`; also "trailing" bytes (a second cache part),
+            positions that do not start at 0, or per-layer widths that differ.
+    """
+    parts = parse_parts(data, cell_ext_bytes)
+    if len(parts) != 1:
+        raise SeqStateError(f"seq state has trailing bytes: {len(parts)} cache parts where one was expected")
+    p = parts[0]
+    if p.pos[0] != 0:
+        raise SeqStateError(f"positions start at {p.pos[0]}, not 0")
+    if len({a.shape[1] for a in p.k}) != 1 or len({a.shape[1] for a in p.v}) != 1:
+        raise SeqStateError("per-layer K or V widths differ; only uniform layers are stacked")
+    k = np.stack(p.k).astype(np.dtype(ggml_type(p.type_k).dtype).newbyteorder("="), copy=False)
+    v = np.stack(p.v).astype(np.dtype(ggml_type(p.type_v).dtype).newbyteorder("="), copy=False)
+    return SeqState(np.ascontiguousarray(k), np.ascontiguousarray(v), p.type_k, p.type_v, p.v_trans)
+
+
+def _part_bytes(part: CachePart, ext_bytes: int) -> int:
+    n = len(part.pos)
+    size = 8 + (12 + ext_bytes) * n + 8
+    size += sum(12 + a.shape[1] * a.itemsize * n for a in part.k)
+    size += sum(12 + a.shape[1] * a.itemsize * n for a in part.v)
+    return size
+
+
+def _write_part(buf: bytearray, at: int, part: CachePart, ext_bytes: int, seq_id: int) -> int:
+    n = len(part.pos)
+    struct.pack_into("<II", buf, at, 1, n)
+    at += 8
+    rec = (12 + ext_bytes) // 4
+    cells = np.frombuffer(buf, dtype="<i4", count=rec * n, offset=at).reshape(n, rec)
+    cells[:, 0] = part.pos
+    cells[:, 1] = 1
+    if ext_bytes:
+        cells[:, 2:5] = part.ext
+    cells[:, rec - 1] = seq_id
+    at += 4 * rec * n
+    struct.pack_into("<II", buf, at, int(part.v_trans), part.n_layer)
+    at += 8
+    tk, tv = ggml_type(part.type_k), ggml_type(part.type_v)
+    for a in part.k:
+        row = a.shape[1] * a.itemsize
+        struct.pack_into("<iQ", buf, at, tk.code, row)
+        at += 12
+        np.frombuffer(buf, dtype=tk.dtype, count=n * a.shape[1], offset=at).reshape(n, -1)[:] = a
+        at += n * row
+    for a in part.v:
+        width = a.shape[1]
+        if part.v_trans:
+            struct.pack_into("<iII", buf, at, tv.code, a.itemsize, width)
+            at += 12
+            np.frombuffer(buf, dtype=tv.dtype, count=n * width, offset=at).reshape(width, n)[:] = a.T
         else:
-            row_bytes = r.take("Q")
-            v_layers.append(np.frombuffer(r.raw(cell_count * row_bytes), dtype=dtype).reshape(cell_count, -1))
-    if r.at != len(r.view):
-        raise SeqStateError(
-            f"seq state has {len(r.view) - r.at} trailing bytes: a multi-part cache (e.g. gemma3 sliding window) "
-            "is not supported"
-        )
-    if len({a.shape[1] for a in k_layers}) != 1 or len({a.shape[1] for a in v_layers}) != 1:
-        raise SeqStateError("per-layer K or V widths differ; only uniform layers are supported")
-    order = np.argsort(pos, kind="stable")
-    if not np.array_equal(pos[order], np.arange(cell_count)):
-        raise SeqStateError(f"positions are not exactly 0..{cell_count - 1}")
-    k = np.stack(k_layers)[:, order].astype(GGML_TYPE_DTYPES[type_k].newbyteorder("="), copy=False)
-    v = np.stack(v_layers)[:, order].astype(GGML_TYPE_DTYPES[type_v].newbyteorder("="), copy=False)
-    return SeqState(np.ascontiguousarray(k), np.ascontiguousarray(v), type_k, type_v, v_trans)
+            struct.pack_into("<iQ", buf, at, tv.code, width * a.itemsize)
+            at += 12
+            np.frombuffer(buf, dtype=tv.dtype, count=n * width, offset=at).reshape(n, width)[:] = a
+        at += n * width * a.itemsize
+    return at
+
+
+def serialize_parts(parts: list[CachePart], seq_id: int = 0) -> bytearray:
+    """Build ``llama_state_seq_set_data`` bytes from cache parts (in the order the model's
+    memory reads them: global, then sliding window).
+
+    Writes straight into one preallocated buffer; the result is a writable ``bytearray`` so
+    that ctypes can hand it to llama.cpp without another copy.
+
+    Raises:
+        SeqStateError: a part whose arrays disagree with its cell count, types or extension.
+    """
+    ext_bytes = CELL_EXT_BYTES if parts and parts[0].ext is not None else 0
+    for i, p in enumerate(parts):
+        n = len(p.pos)
+        if n == 0 or len(p.k) != len(p.v):
+            raise SeqStateError(f"part {i}: need cells and as many K as V layers")
+        if any(a.ndim != 2 or a.shape[0] != n for a in (*p.k, *p.v)):
+            raise SeqStateError(f"part {i}: every layer must be [{n}, width]")
+        if (p.ext is not None) != bool(ext_bytes) or (p.ext is not None and p.ext.shape != (n, 3)):
+            raise SeqStateError(f"part {i}: cell extensions must be [{n}, 3] in every part or in none")
+        for a, t in ((p.k[0], p.type_k), (p.v[0], p.type_v)) if p.k else ():
+            if np.dtype(ggml_type(t).dtype).itemsize != a.itemsize:
+                raise SeqStateError(f"part {i}: {a.dtype} arrays do not hold ggml type {ggml_type(t).name}")
+    total = 8 + sum(_part_bytes(p, ext_bytes) for p in parts)
+    buf = bytearray(total)
+    struct.pack_into("<Ii", buf, 0, SEQ_STATE_MAGIC, seq_id)
+    at = 8
+    for p in parts:
+        at = _write_part(buf, at, p, ext_bytes, seq_id)
+    if at != total:
+        raise SeqStateError(f"serialize wrote {at} of {total} bytes")
+    return buf
 
 
 def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: int, seq_id: int = 0) -> bytearray:
-    """Build ``llama_state_seq_set_data`` bytes for positions 0..n-1 of one sequence.
-
-    Writes straight into one preallocated buffer (no intermediate copies); the result is a
-    writable ``bytearray`` so that ctypes can hand it to llama.cpp without another copy.
-
-    Args:
-        k, v: ``[n_layer, n_tokens, width]`` arrays, dtype matching ``type_k``/``type_v``.
-        type_k, type_v: ggml type codes (0 f32, 1 f16), as the destination context uses.
-        v_trans: 1 when the destination context stores V transposed (flash attention off).
-        seq_id: the sequence id written in the header and in each cell (llama.cpp ignores it
-            on read and uses the destination sequence).
+    """Build ``llama_state_seq_set_data`` bytes for positions 0..n-1 of a single-part state
+    from ``[n_layer, n_tokens, width]`` arrays (:func:`serialize_parts` with one part).
 
     Raises:
         SeqStateError: shapes or dtypes that disagree.
@@ -195,37 +378,13 @@ def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: i
         raise SeqStateError(
             f"k {k.shape} and v {v.shape} must be [n_layer, n_tokens, width] with equal n_layer, n_tokens"
         )
-    n_layer, n_tokens, width_k = k.shape
-    width_v = v.shape[2]
-    dk, dv = GGML_TYPE_DTYPES.get(type_k), GGML_TYPE_DTYPES.get(type_v)
-    if dk is None or dv is None:
-        raise SeqStateError(f"types {type_k}/{type_v}: only f16 (1) and f32 (0) are supported")
-    k_bytes = n_tokens * width_k * dk.itemsize
-    v_bytes = n_tokens * width_v * dv.itemsize
-    total = 16 + 12 * n_tokens + 8 + n_layer * (12 + k_bytes) + n_layer * (12 + v_bytes)
-    buf = bytearray(total)
-    struct.pack_into("<IiII", buf, 0, SEQ_STATE_MAGIC, seq_id, 1, n_tokens)
-    cells = np.frombuffer(buf, dtype="<i4", count=3 * n_tokens, offset=16).reshape(n_tokens, 3)
-    cells[:, 0] = np.arange(n_tokens)
-    cells[:, 1] = 1
-    cells[:, 2] = seq_id
-    at = 16 + 12 * n_tokens
-    struct.pack_into("<II", buf, at, int(v_trans), n_layer)
-    at += 8
-    for il in range(n_layer):
-        struct.pack_into("<iQ", buf, at, type_k, width_k * dk.itemsize)
-        at += 12
-        np.frombuffer(buf, dtype=dk, count=n_tokens * width_k, offset=at).reshape(n_tokens, width_k)[:] = k[il]
-        at += k_bytes
-    for il in range(n_layer):
-        if v_trans:
-            struct.pack_into("<iII", buf, at, type_v, dv.itemsize, width_v)
-            at += 12
-            np.frombuffer(buf, dtype=dv, count=n_tokens * width_v, offset=at).reshape(width_v, n_tokens)[:] = v[il].T
-        else:
-            struct.pack_into("<iQ", buf, at, type_v, width_v * dv.itemsize)
-            at += 12
-            np.frombuffer(buf, dtype=dv, count=n_tokens * width_v, offset=at).reshape(n_tokens, width_v)[:] = v[il]
-        at += v_bytes
-    assert at == total
-    return buf
+    part = CachePart(np.arange(k.shape[1]), None, list(k), list(v), type_k, type_v, v_trans)
+    return serialize_parts([part], seq_id)
+
+
+def text_cell_ext(pos: np.ndarray, tokens: np.ndarray, pos_2d: bool) -> np.ndarray:
+    """The cell extensions llama.cpp gives text tokens (``llama_kv_cache::apply_ubatch``):
+    ``[n, 3]`` int32 (x, y, tok), tok the token id, x = y = the position for M-RoPE models
+    (``pos_2d``: a text token has the same position in every dimension) and 0 otherwise."""
+    xy = np.asarray(pos) if pos_2d else np.zeros(len(pos), dtype=np.int64)
+    return np.stack([xy, xy, np.asarray(tokens)], axis=1).astype(np.int32)

@@ -135,7 +135,7 @@ def split_heads(fragment: KVFragment, heads_per_fragment: int) -> list[KVFragmen
         ValueError: ``heads_per_fragment`` not an integer in [1, head_end - head_start].
     """
     n = fragment.head_end - fragment.head_start
-    dim = fragment.namespace.head_dim
+    dim = fragment.namespace.head_width
     out = []
     for a, b in _groups(n, _check_count("heads_per_fragment", heads_per_fragment, n, "fragment heads")):
         cols = slice(a * dim, b * dim)

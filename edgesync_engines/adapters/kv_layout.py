@@ -1,0 +1,180 @@
+"""How a llama.cpp model's seq state maps to the store's ``[n_layer, n_tokens, width]`` arrays,
+and the sliding-window KV captured during a prefill.
+
+The canonical layer order is the seq state's: the layers of cache part 0, then those of part 1
+(for an iSWA model, such as Gemma 2/3: the global layers, then the sliding-window layers; see
+``seqstate``). A fragment's ``layers`` index this order, and the namespace's layout string
+records the split (``parts=3+15;swa=512``), so fragments of another split never mix.
+
+A sliding-window part's seq state holds only the cells its window still needs, so the KV of a
+sliding layer for a position is read while the position is in the window: :class:`SwaCapture`
+keeps those rows, block by block, as the prefill goes (the adapter evaluates blocks no longer
+than the window). Injection writes every position 0..N-1 into every part, the sliding part
+included (its masked cells are never attended to), so the cells sit in the same slots as after
+an uncached prefill: that needs a full-size sliding-window cache (``swa_full``), which keeps the
+results bit-identical (../shared/DESIGN.md 2.7: restored cells in other slots change the sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.seqstate import CachePart, SeqStateError
+
+LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
+"""Name of the fragment tensor layout: per layer [tokens, heads*head_dim] rows."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The parts of a model's seq state, learnt from a probe (:meth:`from_probe`).
+
+    ``part_layers``: layers per part, in state order; ``swa_part``: index of the
+    sliding-window part (None: no window); ``n_swa``: the window in tokens; ``cell_ext`` /
+    ``pos_2d``: cells carry an extension (M-RoPE, PLE) / a 2D position; ``type_kv``: the ggml
+    type of every K and V row; ``v_trans``; ``width``: items per K and V row (elements, or bytes
+    for quantized types).
+    """
+
+    part_layers: tuple[int, ...]
+    swa_part: int | None
+    n_swa: int
+    cell_ext: bool
+    pos_2d: bool
+    type_kv: int
+    v_trans: int
+    width: int
+
+    @classmethod
+    def from_probe(cls, parts: Sequence[CachePart], n_layer: int, n_swa: int, pos_2d: bool) -> "StateLayout":
+        """The layout of a probe's parsed parts for a model of ``n_layer`` layers and window
+        ``n_swa`` (0: none).
+
+        Raises:
+            SeqStateError: layers that do not add up, types or widths that differ between
+                layers, K and V, or a window model whose state is not two parts.
+        """
+        part_layers = tuple(p.n_layer for p in parts)
+        if sum(part_layers) != n_layer:
+            raise SeqStateError(f"probe: seq state has {sum(part_layers)} layers, the model {n_layer}")
+        if n_swa > 0 and len(parts) != 2:
+            raise SeqStateError(f"probe: a sliding-window model wrote {len(parts)} cache parts, not 2")
+        if len(parts) > 1 and n_swa == 0:
+            raise SeqStateError(f"probe: {len(parts)} cache parts without a sliding window")
+        layered = [p for p in parts if p.n_layer]
+        types = {(p.type_k, p.type_v) for p in layered}
+        widths = {a.shape[1] for p in layered for a in (*p.k, *p.v)}
+        if len(types) != 1 or len(set(types.pop())) != 1:
+            raise SeqStateError("probe: K and V types differ between layers or parts")
+        if len(widths) != 1:
+            raise SeqStateError(f"probe: K/V row widths differ between layers ({sorted(widths)})")
+        if len({p.v_trans for p in layered}) != 1:
+            raise SeqStateError("probe: parts disagree on the V layout")
+        return cls(part_layers, 1 if n_swa > 0 else None, n_swa, parts[0].ext is not None, pos_2d,
+                   layered[0].type_k, layered[0].v_trans, widths.pop())
+
+    @property
+    def name(self) -> str:
+        """The namespace's layout string; a single-part layout keeps the plain form."""
+        name = f"{LAYOUT};v_trans={self.v_trans}"
+        if len(self.part_layers) > 1:
+            name += ";parts=" + "+".join(map(str, self.part_layers))
+        if self.swa_part is not None:
+            name += f";swa={self.n_swa};swa_full=1"
+        if self.cell_ext:
+            name += f";cell_ext={'2d' if self.pos_2d else 'tok'}"
+        return name
+
+    def part_range(self, i: int) -> range:
+        """Canonical layer indices of part ``i``."""
+        start = sum(self.part_layers[:i])
+        return range(start, start + self.part_layers[i])
+
+    def to_parts(self, k: np.ndarray, v: np.ndarray, tokens: Sequence[int]) -> list[CachePart]:
+        """Cache parts holding positions 0..n-1 of ``k``, ``v`` ``[n_layer, n, width]`` in
+        every part (views, no copies)."""
+        n = k.shape[1]
+        pos = np.arange(n, dtype=np.int64)
+        ext = seqstate.text_cell_ext(pos, np.asarray(tokens[:n]), self.pos_2d) if self.cell_ext else None
+        parts = []
+        for i in range(len(self.part_layers)):
+            rows = self.part_range(i)
+            parts.append(CachePart(pos, ext, list(k[rows.start:rows.stop]), list(v[rows.start:rows.stop]),
+                                   self.type_kv, self.type_kv, self.v_trans))
+        return parts
+
+    def check_text_cells(self, part: CachePart, start: int, end: int, tokens: Sequence[int]) -> None:
+        """Refuse cells ``[start, end)`` of ``part`` whose extension is not a text token's
+        (e.g. an image embedding): their KV cannot be rebuilt from token IDs.
+
+        Raises:
+            ValueError: a cell's extension differs from :func:`seqstate.text_cell_ext`.
+        """
+        if not self.cell_ext:
+            return
+        at = int(start - part.pos[0])
+        want = seqstate.text_cell_ext(np.arange(start, end), np.asarray(tokens[start:end]), self.pos_2d)
+        if not np.array_equal(part.ext[at:at + end - start], want):
+            raise ValueError(f"cells [{start}, {end}) are not plain text tokens (cell extension differs)")
+
+
+class SwaCapture:
+    """Rows of the sliding-window layers, ``[n_swa_layers, n, width]`` for positions 0..n-1,
+    gathered while they are in the window. Blocks arrive in position order."""
+
+    def __init__(self) -> None:
+        self._k: list[np.ndarray] = []
+        self._v: list[np.ndarray] = []
+        self.n_tokens = 0
+
+    def clear(self) -> None:
+        """Forget every row."""
+        self._k, self._v, self.n_tokens = [], [], 0
+
+    def seed(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Start from ``k``, ``v`` ``[n_swa_layers, n, width]`` (positions 0..n-1, injected)."""
+        self._k, self._v, self.n_tokens = [k], [v], int(k.shape[1])
+
+    def add(self, part: CachePart, start: int, end: int) -> None:
+        """Take positions ``[start, end)`` from a parsed sliding-window part; ``start`` must
+        not pass :attr:`n_tokens` (rows already held are skipped).
+
+        Raises:
+            SeqStateError: the part no longer (or does not yet) hold those positions.
+        """
+        start = max(start, self.n_tokens)
+        if start >= end:
+            return
+        if start > self.n_tokens or start < part.pos[0] or end - 1 > part.pos[-1]:
+            raise SeqStateError(
+                f"sliding-window KV of positions [{start}, {end}) not in the window's cells "
+                f"[{part.pos[0]}, {part.pos[-1]}] (held: {self.n_tokens})"
+            )
+        rows = slice(int(start - part.pos[0]), int(end - part.pos[0]))
+        self._k.append(np.stack([a[rows] for a in part.k]))
+        self._v.append(np.stack([a[rows] for a in part.v]))
+        self.n_tokens = end
+
+    def truncate(self, n: int) -> None:
+        """Keep positions 0..n-1 only."""
+        if n >= self.n_tokens:
+            return
+        k, v = self.rows(0, n) if n else (None, None)
+        self._k, self._v = ([k], [v]) if n else ([], [])
+        self.n_tokens = n
+
+    def rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """K, V ``[n_swa_layers, end - start, width]`` of positions ``[start, end)``.
+
+        Raises:
+            SeqStateError: positions beyond those captured.
+        """
+        if end > self.n_tokens:
+            raise SeqStateError(f"sliding-window KV captured for {self.n_tokens} positions, not {end}")
+        if len(self._k) > 1:
+            self._k, self._v = [np.concatenate(self._k, axis=1)], [np.concatenate(self._v, axis=1)]
+        return self._k[0][:, start:end], self._v[0][:, start:end]
