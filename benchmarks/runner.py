@@ -430,6 +430,25 @@ def _kv_types(text: str) -> list[str]:
     return names
 
 
+def env_kv_types() -> list[str | None]:
+    """``[EDGESYNC_KV_TYPE]`` when it is set (so that the peers run the KV type EdgeSync will
+    read from the environment), else ``[None]``.
+
+    Raises:
+        ValueError: a value that is not a KV type name.
+    """
+    from benchmarks.systems import KV_TYPE_ENV
+
+    raw = os.environ.get(KV_TYPE_ENV, "").strip()
+    if not raw:
+        return [None]
+    try:
+        (name,) = _kv_types(raw)
+    except (argparse.ArgumentTypeError, ValueError):
+        raise ValueError(f"{KV_TYPE_ENV}={raw!r}: not one KV type name (f16, f32, q8_0, q4_0)") from None
+    return [name]
+
+
 def model_info(path: Path | None) -> dict:
     """What the report says of the model: ``path``, ``file``, ``bytes``, ``name``
     (``general.name``), ``architecture`` and ``sliding_window`` from the GGUF header
@@ -496,6 +515,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     EdgeSyncConfig.load()  # a bad EDGESYNC_* setting fails here, not in every worker
     model = model_info(args.model)  # a missing or unreadable GGUF too
+    kv_types = args.kv_type or env_kv_types()
 
     # read every selected workload's data now, not after an hour of the first one
     checks = {"seed": lambda: seed_requests(1), "doc-qa": lambda: doc_qa_requests(1),
@@ -505,7 +525,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with progress_bar("{task.description:>7}", console=console, disable=args.no_progress) as progress:
         report = Runner(out, sizes, workloads, args.threads, progress, model=args.model,
-                        kv_types=args.kv_type or [None]).run(model)
+                        kv_types=kv_types).run(model)
     sys.stdout.write((Path(out).resolve() / "report.md").read_text())
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))

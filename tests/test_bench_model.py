@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks.bench_report import build_report, kv_suffix
-from benchmarks.runner import FULL, QUICK, Lane, Sizes, limited, model_info
+from benchmarks.runner import FULL, QUICK, Lane, Sizes, env_kv_types, limited, model_info
 from benchmarks.systems import KV_TYPES, kv_settings, make_system
 from edgesync_engines.adapters.model_files import default_model_path, gemma3_model_path
 from edgesync_engines.config import BY_NAME
@@ -145,3 +145,13 @@ def test_report_sets_kv_types_side_by_side(tmp_path):
     md = build_report(recs, stats, meta, tmp_path)["markdown"]
     assert "- seed/edgesync@q8_0: asked for KV type q8_0, the engine ran f16" in md
     assert "- seed/edgesync@q8_0: served uncached: gemma3: sliding-window attention" in md
+
+
+def test_an_environment_kv_type_is_the_runs_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.delenv("EDGESYNC_KV_TYPE", raising=False)
+    assert env_kv_types() == [None]
+    monkeypatch.setenv("EDGESYNC_KV_TYPE", " Q8_0 ")
+    assert env_kv_types() == ["q8_0"]  # the peers then run what EdgeSync reads
+    monkeypatch.setenv("EDGESYNC_KV_TYPE", "q5_k")
+    with pytest.raises(ValueError, match="EDGESYNC_KV_TYPE='q5_k': not one KV type name"):
+        env_kv_types()
