@@ -35,7 +35,77 @@ def _pct(v) -> str:
 
 def _systems(summaries: dict, workload: str) -> list[str]:
     present = {s for (w, s) in summaries if w == workload}
-    return [s for s in SYSTEM_ORDER if s in present]
+    extra = sorted(present - set(SYSTEM_ORDER), key=lambda s: (kv_suffix(s), not s.startswith("no-cache"), s))
+    return [s for s in SYSTEM_ORDER if s in present] + extra
+
+
+def kv_suffix(system: str) -> str:
+    """``"@q8_0"`` for ``edgesync@q8_0`` (a lane of a further KV type), ``""`` otherwise."""
+    return system[system.index("@"):] if "@" in system else ""
+
+
+def kv_table(workload: str, storage: dict, summaries: dict, stats: dict, kv_types: Sequence) -> str:
+    """Markdown table of EdgeSync's bytes on disk per cached prompt on one workload, one row
+    per KV type (``edgesync`` runs the first, ``edgesync@TYPE`` the others), with ratios to the
+    first: the store directory's allocated bytes and the stored (zstd) fragment bytes, each
+    over the distinct prompts answered. ``ran`` is the KV type the engine really ran (an
+    EdgeSync without the setting runs f16)."""
+    first = kv_types[0] if kv_types else None
+    rows = [("edgesync", first)] + [(f"edgesync@{t}", t) for t in kv_types[1:]]
+    head = (f"| system | KV type asked / ran | cached prompts | on disk per cached prompt MB | vs {first or 'f16'} "
+            f"| fragments (zstd) per cached prompt MB | vs {first or 'f16'} | vs raw f16 KV | identical to no cache |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    base = storage.get((workload, "edgesync")) or {}
+    base_frag = _per_prompt(base, "stored_compressed_bytes")
+    for system, asked in rows:
+        st = storage.get((workload, system))
+        if not st:
+            continue
+        ran = ((stats.get(workload) or {}).get(system) or {}).get("kv_type")
+        frag = _per_prompt(st, "stored_compressed_bytes")
+        s = summaries.get((workload, system)) or {}
+        lines.append(
+            f"| {system} | {asked or 'f16 (default)'} / {ran or '?'} | {st.get('cached_prompts', '-')} "
+            f"| {_mb(st.get('disk_bytes_per_prompt'))} "
+            f"| {_f(ratio(st.get('disk_bytes_per_prompt'), base.get('disk_bytes_per_prompt')), '{:.3f}x')} "
+            f"| {_mb(frag)} | {_f(ratio(frag, base_frag), '{:.3f}x')} | {_f(st.get('vs_raw_f16'), '{:.3f}x')} "
+            f"| {_pct(s.get('identity'))} ({s.get('identity_n', 0)}) |")
+    return "\n".join(lines)
+
+
+def _per_prompt(st: dict, key: str) -> float | None:
+    n = st.get("cached_prompts")
+    return st[key] / n if st.get(key) is not None and n else None
+
+
+def engine_notes(stats: dict, kv_types: Sequence) -> list[str]:
+    """One line per lane that did not run as asked: an EdgeSync that served uncached (its
+    ``cache_refusal``), or a KV type other than the one asked (an EdgeSync without the
+    ``kv_type`` setting runs f16)."""
+    notes = []
+    for workload, lanes in stats.items():
+        for system, st in (lanes or {}).items():
+            if not isinstance(st, dict):
+                continue
+            if st.get("cache_refusal"):
+                notes.append(f"- {workload}/{system}: served uncached: {st['cache_refusal']}")
+            asked = kv_suffix(system)[1:] or (kv_types[0] if kv_types else None) or "f16"
+            if st.get("kv_type") and st["kv_type"] != asked:
+                notes.append(f"- {workload}/{system}: asked for KV type {asked}, the engine ran {st['kv_type']}")
+    return notes
+
+
+def model_line(meta: dict) -> str:
+    """The report's model sentence: the GGUF's file and ``general.name``, its architecture, and
+    the KV types (SmolLM2 when the run did not say)."""
+    m = meta.get("model") or {}
+    kv = [t or "f16 (default)" for t in (meta.get("kv_types") or [None])]
+    if m.get("file"):
+        what = f"{m['file']} ({m.get('name') or '?'}, {m.get('architecture') or '?'}"
+        what += f", sliding window {m['sliding_window']})" if m.get("sliding_window") else ")"
+    else:
+        what = "SmolLM2-135M-Instruct Q4_1"
+    return f"Model: {what} on llama.cpp, KV type {', '.join(kv)}, greedy, 16 new tokens."
 
 
 def main_table(workload: str, summaries: dict, storage: dict) -> str:
@@ -136,7 +206,7 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
     summaries: dict[tuple[str, str], dict] = {}
     storage: dict[tuple[str, str], dict] = {}
     for (workload, system), rs in groups.items():
-        ref = groups.get((workload, "no-cache"))
+        ref = groups.get((workload, "no-cache" + kv_suffix(system)))  # the same KV type's reference
         summaries[(workload, system)] = summarize(rs, ref)
         summaries[(workload, system)]["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0
                                                              for r in rs)
@@ -161,11 +231,17 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
           f"Run: {meta.get('wall_s', 0) / 60:.1f} min on {meta.get('cpu_count')} cores, llama.cpp threads per worker: "
           f"{meta.get('threads') or 'all'}; load average at start {meta.get('loadavg_start')}, "
           f"at end {meta.get('loadavg_end')}. "
-          f"Sizes: {sizes}. Model: SmolLM2-135M-Instruct Q4_1 (llama.cpp), greedy, 16 new tokens. "
+          f"Sizes: {sizes}. {model_line(meta)} "
           "TTFT: call to first streamed token, chat template and tokenization included, every system.", ""]
+    kv_types = meta.get("kv_types") or [None]
+    notes = engine_notes(stats, kv_types)
+    if notes:
+        md += ["Systems that did not run as asked (their figures are what they ran):", "", *notes, ""]
     for workload in ("seed", "doc-qa", "chat"):
         if any(w == workload for w, _ in summaries):
-            md += [f"## {workload}", "", main_table(workload, summaries, storage), ""]
+            md += [f"## {workload}", "", main_table(workload, summaries, storage), "",
+                   f"EdgeSync's bytes on disk per cached prompt ({workload}):", "",
+                   kv_table(workload, storage, summaries, stats, kv_types), ""]
     quick = sizes.get("seed", 1000) < 1000
     md += ["## Targets", "",
            *(["(A small run: too few requests for these ratios to mean anything; `make bench` for the real ones.)", ""]

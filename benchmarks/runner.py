@@ -1,6 +1,14 @@
 """The benchmark runner: every system on every workload, one worker process each.
 
-``edgesync bench [--quick] [--json FILE] [--out DIR]`` and ``make bench`` call :func:`main`.
+``edgesync bench [--quick] [--limit N] [--model GGUF] [--kv-type TYPE[,TYPE...]] [--json FILE]
+[--out DIR]`` and ``make bench`` call :func:`main`.
+
+Model and KV type: every system runs ``--model`` (default: EdgeSync's configured model,
+SmolLM2-135M-Instruct Q4_1; e.g. Gemma 3 270M) with the first ``--kv-type`` (default: not set,
+f16): the llama-cpp-python systems on their own context, EdgeSync through ``EDGESYNC_KV_TYPE``
+in its worker's environment. Each further KV type adds two lanes, ``no-cache@TYPE`` (its
+identity reference) and ``edgesync@TYPE`` (cold, its own store), so that the report sets
+EdgeSync's bytes on disk per cached prompt of each type side by side, as ratios to the first.
 
 Workloads (:mod:`benchmarks.bench_workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
 (40 passages, each passage's questions in turn) and ``chat`` (40 sessions; each turn's prompt is
@@ -71,6 +79,15 @@ FULL = Sizes(seed=1000, seed_others=300, doc_qa_passages=40, chat_sessions=40)
 QUICK = Sizes(seed=16, seed_others=8, doc_qa_passages=2, chat_sessions=2)
 
 
+def limited(sizes: Sizes, limit: int | None) -> Sizes:
+    """``sizes`` with every figure capped at ``limit`` (seed requests for every system, doc-QA
+    passages, chat sessions); ``sizes`` itself when ``limit`` is None."""
+    if limit is None:
+        return sizes
+    return Sizes(*(min(v, limit) for v in (sizes.seed, sizes.seed_others, sizes.doc_qa_passages,
+                                           sizes.chat_sessions)))
+
+
 class WorkerError(RuntimeError):
     """A worker process died, did not start, or replied out of protocol."""
 
@@ -84,6 +101,8 @@ class Lane:
     workdir: Path
     limit: int | None = None
     config: dict | None = None
+    model: Path | None = None
+    kv_type: str | None = None
     proc: subprocess.Popen | None = None
     seen: set = field(default_factory=set)
     sessions: list = field(default_factory=list)
@@ -101,9 +120,16 @@ class Lane:
             cmd += ["--threads", str(threads)]
         if self.config:
             cmd += ["--config", json.dumps(self.config)]
+        if self.model is not None:
+            cmd += ["--model", str(self.model)]
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.label}.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        if self.kv_type is not None:
+            from benchmarks.systems import KV_TYPE_ENV
+
+            cmd += ["--kv-type", self.kv_type]
+            env[KV_TYPE_ENV] = self.kv_type
         with open(self.log_path, "ab") as log_file:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                                          text=True, bufsize=1, cwd=str(ROOT), env=env)
@@ -168,13 +194,20 @@ class Runner:
         workloads: names from :data:`WORKLOADS`.
         threads: llama.cpp threads per worker (None: ``EDGESYNC_THREADS`` or all cores).
         progress: a ``rich.progress.Progress`` or None.
+        model: the GGUF every system loads (None: EdgeSync's configured model).
+        kv_types: ``systems.KV_TYPES`` names; the first for every system (None: not set, f16),
+            each further one for an extra ``no-cache@TYPE`` and ``edgesync@TYPE`` lane.
     """
 
     def __init__(self, out: Path, sizes: Sizes, workloads: Sequence[str] = WORKLOADS,
-                 threads: int | None = None, progress=None) -> None:
+                 threads: int | None = None, progress=None, model: Path | None = None,
+                 kv_types: Sequence[str | None] = (None,)) -> None:
         unknown = [w for w in workloads if w not in WORKLOADS]
         if unknown:
             raise ValueError(f"workloads: unknown {unknown}; choose from {', '.join(WORKLOADS)}")
+        if not kv_types or None in kv_types[1:] or len(set(kv_types)) != len(kv_types):
+            raise ValueError(f"kv_types: distinct names, only the first may be None; got {list(kv_types)}")
+        self.model, self.kv_types = model, list(kv_types)
         self.out, self.sizes, self.threads = Path(out).resolve(), sizes, threads
         self.workloads = list(dict.fromkeys(workloads))  # each once: a second pass would reuse the stores
         self.progress = progress
@@ -191,9 +224,14 @@ class Runner:
         wd = self.out / "work" / workload
         others = self.sizes.seed_others if workload == "seed" else None
         slow = ("naive-string", "llama-ram", "llama-disk")
-        lanes = [Lane(name, name, wd / name, limit=others if name in slow else None) for name in BASE_SYSTEMS]
+        first = dict(model=self.model, kv_type=self.kv_types[0])
+        lanes = [Lane(name, name, wd / name, limit=others if name in slow else None, **first) for name in BASE_SYSTEMS]
         if workload != "seed":
-            lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True}))
+            lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True},
+                              **first))
+        for kv in self.kv_types[1:]:
+            lanes += [Lane(f"{name}@{kv}", name, wd / f"{name}@{kv}", model=self.model, kv_type=kv)
+                      for name in ("no-cache", "edgesync")]
         return lanes
 
     def _ask(self, lane: Lane, workload: str, index: int, request, messages) -> dict | None:
@@ -312,7 +350,8 @@ class Runner:
             total = sum(len(requests) if lane.limit is None else min(lane.limit, len(requests))
                         for lane in lanes) + len(requests)
         task = self.progress.add_task(workload, total=total) if self.progress is not None else None
-        warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync")
+        warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync", model=self.model,
+                    kv_type=self.kv_types[0])
         try:
             for lane in lanes:
                 lane.start(self.threads, self.out / "workers" / workload)
@@ -340,8 +379,9 @@ class Runner:
         self.stats[workload] = {lane.label: lane.stats for lane in [*lanes, warm]}
         self.timings[workload] = time.perf_counter() - t0
 
-    def run(self) -> dict[str, Any]:
-        """Run every workload; return the report dict (also written to ``out``)."""
+    def run(self, model_info: dict | None = None) -> dict[str, Any]:
+        """Run every workload; return the report dict (also written to ``out``). ``model_info``
+        (:func:`model_info`) goes into the report's ``meta["model"]``."""
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -359,7 +399,8 @@ class Runner:
             "machine": platform.machine(), "python": platform.python_version(),
             "loadavg_start": load0, "loadavg_end": os.getloadavg(),
             "energy": self.energy_reason if self.probe is None else "measured: " + self.energy_reason,
-            "errors": self.errors,
+            "errors": self.errors, "model": model_info or {"path": str(self.model) if self.model else None},
+            "kv_types": self.kv_types,
         }
         return build_report(self.records, self.stats, meta, self.out)
 
@@ -368,7 +409,8 @@ def _default_out() -> Path:
     return ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
 
 
-def _threads(text: str) -> int:
+def _positive(text: str) -> int:
+    """A whole number >= 1 (``--threads``, ``--limit``)."""
     try:
         value = int(text)
     except ValueError:
@@ -378,15 +420,75 @@ def _threads(text: str) -> int:
     return value
 
 
+def _kv_types(text: str) -> list[str]:
+    from benchmarks.systems import KV_TYPES
+
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in KV_TYPES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct names from {', '.join(KV_TYPES)}, comma-separated")
+    return names
+
+
+def env_kv_types() -> list[str | None]:
+    """``[EDGESYNC_KV_TYPE]`` when it is set (so that the peers run the KV type EdgeSync will
+    read from the environment), else ``[None]``.
+
+    Raises:
+        ValueError: a value that is not a KV type name.
+    """
+    from benchmarks.systems import KV_TYPE_ENV
+
+    raw = os.environ.get(KV_TYPE_ENV, "").strip()
+    if not raw:
+        return [None]
+    try:
+        (name,) = _kv_types(raw)
+    except (argparse.ArgumentTypeError, ValueError):
+        raise ValueError(f"{KV_TYPE_ENV}={raw!r}: not one KV type name (f16, f32, q8_0, q4_0)") from None
+    return [name]
+
+
+def model_info(path: Path | None) -> dict:
+    """What the report says of the model: ``path``, ``file``, ``bytes``, ``name``
+    (``general.name``), ``architecture`` and ``sliding_window`` from the GGUF header
+    (``path`` None: EdgeSync's configured model).
+
+    Raises:
+        ValueError: no such file, or not a readable GGUF (one line naming the file).
+    """
+    from edgesync_engines.adapters.gguf_header import GGUFHeaderError, read_header
+    from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
+
+    try:
+        resolved = Path(path) if path is not None else default_model_path()
+        header = read_header(resolved)
+    except (FileNotFoundError, ModelNotFoundError) as exc:
+        raise ValueError(f"--model {path}: no such file ({exc})" if path is not None else str(exc)) from None
+    except (GGUFHeaderError, OSError) as exc:
+        raise ValueError(f"--model: {exc}") from None
+    return {"path": str(resolved.resolve()), "file": resolved.name, "bytes": header.file_size,
+            "name": header.metadata.get("general.name"), "architecture": header.architecture,
+            "sliding_window": header.arch_value("attention.sliding_window")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``edgesync bench`` (shared with ``python -m benchmarks.runner``)."""
     parser.add_argument("--quick", action="store_true",
                         help=f"a small run (seed {QUICK.seed}/{QUICK.seed_others}, {QUICK.doc_qa_passages} passages, "
                              f"{QUICK.chat_sessions} chat sessions; under 5 minutes)")
+    parser.add_argument("--limit", type=_positive, default=None,
+                        help="cap every size at N: seed requests (every system), doc-QA passages, chat sessions")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: seed,doc-qa,chat")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="GGUF every system runs (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--kv-type", type=_kv_types, default=None, metavar="TYPE[,TYPE...]",
+                        help="KV element type (f16, f32, q8_0, q4_0) of every system (EdgeSync: EDGESYNC_KV_TYPE); "
+                             "each further type adds no-cache@TYPE and edgesync@TYPE, compared by bytes per cached "
+                             "prompt (default: not set, f16)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default results/bench-<UTC time>)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report's JSON to this file")
-    parser.add_argument("--threads", type=_threads, default=None,
+    parser.add_argument("--threads", type=_positive, default=None,
                         help="llama.cpp threads per worker (default: EDGESYNC_THREADS or all cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -398,7 +500,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from edgesync_engines.app.cli_common import progress_bar
 
-    sizes = QUICK if args.quick else FULL
+    sizes = limited(QUICK if args.quick else FULL, args.limit)
     out = args.out or _default_out()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -412,6 +514,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from edgesync_engines.config import EdgeSyncConfig
 
     EdgeSyncConfig.load()  # a bad EDGESYNC_* setting fails here, not in every worker
+    model = model_info(args.model)  # a missing or unreadable GGUF too
+    kv_types = args.kv_type or env_kv_types()
 
     # read every selected workload's data now, not after an hour of the first one
     checks = {"seed": lambda: seed_requests(1), "doc-qa": lambda: doc_qa_requests(1),
@@ -420,7 +524,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         checks[w]()
     console = Console(stderr=True)
     with progress_bar("{task.description:>7}", console=console, disable=args.no_progress) as progress:
-        report = Runner(out, sizes, workloads, args.threads, progress).run()
+        report = Runner(out, sizes, workloads, args.threads, progress, model=args.model,
+                        kv_types=kv_types).run(model)
     sys.stdout.write((Path(out).resolve() / "report.md").read_text())
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))

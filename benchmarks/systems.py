@@ -1,8 +1,9 @@
 """The systems the benchmark compares, behind one interface.
 
 Every system answers the same chat requests on the same model (SmolLM2-135M-Instruct Q4_1 from
-``edgesync_engines.adapters.model_files.default_model_path()`` unless told otherwise), greedily, and reports
-one :class:`Answer`::
+``edgesync_engines.adapters.model_files.default_model_path()`` unless ``model_path`` says
+otherwise, e.g. Gemma 3 270M) with the same KV type (``kv_type``, :data:`KV_TYPES`; f16 by
+default), greedily, and reports one :class:`Answer`::
 
     with make_system("llama-ram", n_threads=1) as system:
         a = system.answer([{"role": "system", "content": SYS}, {"role": "user", "content": Q}])
@@ -89,6 +90,17 @@ log = logging.getLogger(__name__)
 
 SYSTEM_NAMES = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-uncached")
 """Names accepted by :func:`make_system`."""
+
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+            "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+"""KV element types a system can run with, by name -> ggml type (``ggml.h``). llama-cpp-python
+systems set ``type_k = type_v`` to it, with flash attention for the quantized ones (llama.cpp
+refuses a quantized V without it); EdgeSync reads it from ``EDGESYNC_KV_TYPE``."""
+QUANTIZED_KV_TYPES = ("q8_0", "q4_0")
+KV_TYPE_NAMES = {code: name for name, code in KV_TYPES.items()}
+KV_TYPE_ENV = "EDGESYNC_KV_TYPE"
+"""The environment setting EdgeSync takes its KV type from (ignored by an EdgeSync that does
+not know it: the worker's stats then report the type the engine really ran)."""
 
 TIER_EXACT, TIER_PARTIAL = "exact", "partial"
 
@@ -213,6 +225,21 @@ class _TracedLlama(llama_cpp.Llama):
         return token
 
 
+def kv_settings(kv_type: str) -> dict:
+    """``llama_cpp.Llama`` keyword arguments for a :data:`KV_TYPES` name: nothing for f16
+    (llama.cpp's default), ``type_k``/``type_v`` otherwise, and ``flash_attn=True`` for the
+    quantized types.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type: {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    if kv_type == "f16":
+        return {}
+    return {"type_k": KV_TYPES[kv_type], "type_v": KV_TYPES[kv_type], "flash_attn": kv_type in QUANTIZED_KV_TYPES}
+
+
 def llama_state_bytes(state) -> int:
     """Bytes a loaded ``LlamaState`` carries: engine state + scores + input ids."""
     return (int(state.llama_state_size) + int(getattr(state.scores, "nbytes", 0))
@@ -226,14 +253,17 @@ class _CompletionSystem(System):
         model_path: GGUF file (default: ``default_model_path()``).
         n_threads: CPU threads (default: ``EDGESYNC_THREADS`` or all cores).
         n_ctx: context window, tokens (default 4,096 as EdgeSync).
+        kv_type: KV element type, a :data:`KV_TYPES` name (default f16: llama.cpp's own
+            default, nothing set).
 
     Raises:
+        ValueError: an unknown ``kv_type``.
         ModelNotFoundError: no model file.
         ModelLoadError: llama.cpp cannot load it.
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, n_threads: int | None = None,
-                 n_ctx: int = DEFAULT_N_CTX) -> None:
+                 n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f16") -> None:
         path = Path(model_path) if model_path is not None else default_model_path()
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such model file")
@@ -241,9 +271,9 @@ class _CompletionSystem(System):
         route_native_logs(False)
         try:
             self.llm = _TracedLlama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                                    n_threads_batch=threads, verbose=False, seed=0)
+                                    n_threads_batch=threads, verbose=False, seed=0, **kv_settings(kv_type))
         except ValueError as exc:
-            raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx})") from None
+            raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx}, kv_type={kv_type})") from None
         self.adapter = LlamaCppAdapter(self.llm, model_path=path)
         self.model_path = path
         self.n_threads = threads
@@ -364,7 +394,7 @@ class LlamaCacheSystem(_CompletionSystem):
             49,152 float32 (about 69 MB): 2 GiB then admits about 250 entries, about 20 GB of
             RAM (measured: 15 GB peak RSS after 300 seed requests).
         cache_dir: directory for ``kind="disk"``.
-        model_path, n_threads, n_ctx: see :class:`_CompletionSystem`.
+        model_path, n_threads, n_ctx, kv_type: see :class:`_CompletionSystem`.
 
     Raises:
         ValueError: unknown kind, or ``kind="disk"`` without ``cache_dir``.
@@ -373,12 +403,12 @@ class LlamaCacheSystem(_CompletionSystem):
 
     def __init__(self, kind: str = "ram", capacity_bytes: int = 2 << 30, cache_dir: str | os.PathLike | None = None,
                  model_path: str | os.PathLike | None = None, n_threads: int | None = None,
-                 n_ctx: int = DEFAULT_N_CTX) -> None:
+                 n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f16") -> None:
         if kind not in ("ram", "disk"):
             raise ValueError(f"kind: 'ram' or 'disk', got {kind!r}")
         if kind == "disk" and cache_dir is None:
             raise ValueError("cache_dir: required for kind='disk'")
-        super().__init__(model_path, n_threads, n_ctx)
+        super().__init__(model_path, n_threads, n_ctx, kv_type)
         self.name = f"llama-{kind}"
         if kind == "ram":
             self.cache = llama_cpp.LlamaRAMCache(capacity_bytes=capacity_bytes)
@@ -413,8 +443,8 @@ class NaiveStringCache(System):
     name = "naive-string"
 
     def __init__(self, model_path: str | os.PathLike | None = None, n_threads: int | None = None,
-                 n_ctx: int = DEFAULT_N_CTX) -> None:
-        self.inner = NoCache(model_path, n_threads, n_ctx)
+                 n_ctx: int = DEFAULT_N_CTX, kv_type: str = "f16") -> None:
+        self.inner = NoCache(model_path, n_threads, n_ctx, kv_type)
         self.answers: dict[str, Answer] = {}
 
     def answer(self, messages, max_tokens: int = 16) -> Answer:
@@ -445,6 +475,9 @@ class EdgeSyncSystem(System):
         config: more ``EdgeSyncConfig`` settings by field name (``ttl_seconds`` defaults to
             1e9 s so that nothing expires during a run).
         model_path, n_threads, n_ctx: as :class:`_CompletionSystem`.
+        kv_type: a :data:`KV_TYPES` name given to EdgeSync's ``kv_type`` setting; None (default)
+            leaves it to the configuration (``EDGESYNC_KV_TYPE``, f16). An EdgeSync without that
+            setting runs its default (logged; :func:`engine_kv_type` says what ran).
 
     ``hit`` is ``result.tier`` (None for ``miss``); ``ttft_ms`` is measured here, the router's own
     figure is ``detail["engine_ttft_ms"]``.
@@ -455,12 +488,19 @@ class EdgeSyncSystem(System):
 
     def __init__(self, store: "str | os.PathLike | bool", config: dict | None = None,
                  model_path: str | os.PathLike | None = None, n_threads: int | None = None,
-                 n_ctx: int = DEFAULT_N_CTX) -> None:
+                 n_ctx: int = DEFAULT_N_CTX, kv_type: str | None = None) -> None:
+        from edgesync_engines.config import BY_NAME
         from edgesync_engines.request.router import EdgeSync
 
         settings = {"ttl_seconds": 1e9, "n_ctx": n_ctx, "n_threads": n_threads or _default_threads(), "seed": 0,
                     "temperature": 0.0, "model_path": model_path, "cache_enabled": store is not False,
                     **(config or {})}
+        if kv_type is not None:
+            kv_settings(kv_type)  # an unknown name fails here, by name
+            if "kv_type" in BY_NAME:
+                settings.setdefault("kv_type", kv_type)
+            else:
+                log.warning("this EdgeSync has no kv_type setting: kv_type %s ignored, it runs f16", kv_type)
         cfg = EdgeSyncConfig.load(settings)
         self.name = "edgesync" if store is not False else "edgesync-uncached"
         self.es = EdgeSync(model=None, store=store if store is not False else False, config=cfg)
@@ -498,12 +538,25 @@ class EdgeSyncSystem(System):
             es.close()
 
 
+def engine_kv_type(system: System) -> str | None:
+    """The KV type (a :data:`KV_TYPES` name, or ``"ggml type N"``) of the llama.cpp context a
+    system really runs (``type_k``), None when it has none."""
+    for llm in (getattr(system, "llm", None), getattr(getattr(system, "inner", None), "llm", None),
+                getattr(getattr(getattr(system, "es", None), "adapter", None), "llm", None)):
+        params = getattr(llm, "context_params", None)
+        if params is not None:
+            code = int(params.type_k)
+            return KV_TYPE_NAMES.get(code, f"ggml type {code}")
+    return None
+
+
 def make_system(name: str, workdir: str | os.PathLike | None = None, **kwargs) -> System:
     """Build a system by name (``SYSTEM_NAMES``).
 
     ``workdir`` is needed by ``llama-disk`` (its cache goes to ``workdir/llama-disk-cache``) and
     ``edgesync`` (store in ``workdir/edgesync-store``); other keyword arguments go to the
-    class (``model_path``, ``n_threads``, ``n_ctx``, ``capacity_bytes``, ``config``).
+    class (``model_path``, ``n_threads``, ``n_ctx``, ``kv_type``, ``capacity_bytes``, ``config``;
+    ``config`` only for EdgeSync, ``capacity_bytes`` only for the llama-cpp-python caches).
 
     Raises:
         ValueError: unknown name, or no workdir where one is needed.

@@ -1,6 +1,12 @@
 """One benchmark worker process: one system, driven over stdin/stdout in JSON lines.
 
-``python -m benchmarks.worker --system NAME --workdir DIR [--threads N] [--config JSON]``
+``python -m benchmarks.worker --system NAME --workdir DIR [--threads N] [--config JSON]
+[--model GGUF] [--kv-type TYPE]``
+
+``--model``: the GGUF every system loads (default: EdgeSync's configured model, SmolLM2).
+``--kv-type``: the KV element type (``systems.KV_TYPES``): the llama-cpp-python systems set
+it on their context; EdgeSync systems get it as ``EDGESYNC_KV_TYPE`` (the runner sets it in the
+worker's environment too).
 
 The runner (:mod:`benchmarks.runner`) starts one worker per system and workload, so that every
 system has its own process (its own model, caches, peak RSS and CPU time), and deals requests
@@ -56,16 +62,23 @@ def dir_disk_bytes(path: str | os.PathLike) -> int:
 
 
 def kv_bytes_per_token(llm) -> int:
-    """Raw f16 K+V bytes per token of a llama-cpp-python model: n_layer x 2 (K, V) x n_head_kv
-    x head_dim x 2 bytes (SmolLM2-135M: 30 x 2 x 3 x 64 x 2 = 23,040; DESIGN.md 2.2)."""
+    """Raw f16 K+V bytes per token of a llama-cpp-python model, every layer holding the token:
+    n_layer x n_head_kv x (K head size + V head size) x 2 bytes. The head sizes are the GGUF's
+    ``<arch>.attention.key_length`` / ``value_length`` when it has them (Gemma 3 270M: 256,
+    not n_embd / n_head = 160), else n_embd / n_head. SmolLM2-135M: 30 x 3 x (64 + 64) x 2 =
+    23,040 (DESIGN.md 2.2); Gemma 3 270M: 18 x 1 x (256 + 256) x 2 = 18,432."""
     import llama_cpp
 
     model = llm.model
     n_layer = llama_cpp.llama_model_n_layer(model)
     n_head = llama_cpp.llama_model_n_head(model)
     n_head_kv = llama_cpp.llama_model_n_head_kv(model)
-    head_dim = llama_cpp.llama_model_n_embd(model) // n_head
-    return int(n_layer * 2 * n_head_kv * head_dim * 2)
+    meta = getattr(llm, "metadata", None) or {}
+    arch = meta.get("general.architecture", "")
+    default = llama_cpp.llama_model_n_embd(model) // n_head
+    k_dim = int(meta.get(f"{arch}.attention.key_length", default))
+    v_dim = int(meta.get(f"{arch}.attention.value_length", k_dim))
+    return int(n_layer * n_head_kv * (k_dim + v_dim) * 2)
 
 
 def _adapter(system):
@@ -82,7 +95,10 @@ def _adapter(system):
 def system_stats(system, workdir: Path) -> dict:
     """What a system holds after its requests, for the report.
 
-    Every system: ``kv_bytes_per_token`` (raw f16 KV of one token of its model). EdgeSync:
+    Every system: ``kv_bytes_per_token`` (raw f16 KV of one token of its model), ``model``
+    (the GGUF's file name), ``kv_type`` (the KV type its llama.cpp context really runs,
+    ``systems.engine_kv_type``). EdgeSync: ``cache_refusal`` (why it serves uncached, None
+    when it caches),
     ``store`` (fragments, compressed/raw bytes from the store's headers), ``store_disk_bytes``
     (allocated bytes of the store directory, LMDB and semantic sidecar), ``prefetch`` (the
     router's ``prefetch_stats()`` when it has one). llama-cpp-python caches: ``cache_entries``,
@@ -90,9 +106,14 @@ def system_stats(system, workdir: Path) -> dict:
     input ids of every entry), for the disk cache ``cache_disk_bytes``. Naive string
     cache: ``answers`` stored.
     """
+    from benchmarks.systems import engine_kv_type
+
     adapter = _adapter(system)
-    out: dict = {"system": system.name, "kv_bytes_per_token": kv_bytes_per_token(adapter.llm)}
+    out: dict = {"system": system.name, "kv_bytes_per_token": kv_bytes_per_token(adapter.llm),
+                 "model": Path(str(adapter.model_path)).name, "kv_type": engine_kv_type(system)}
     es = getattr(system, "es", None)
+    if es is not None:
+        out["cache_refusal"] = getattr(es, "uncached_reason", None)
     if es is not None and getattr(es, "store", None) is not None:
         from edgesync_store.commands.inventory import summary
 
@@ -178,6 +199,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--config", default=None, help="JSON object of EdgeSyncConfig fields (edgesync systems)")
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file every system loads")
+    parser.add_argument("--kv-type", default=None, help="KV element type (f16, f32, q8_0, q4_0)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
@@ -189,7 +212,14 @@ def main(argv=None) -> int:
 
     from benchmarks.systems import make_system
 
-    kwargs: dict = {"n_threads": args.threads}
+    kwargs: dict = {"n_threads": args.threads, "model_path": args.model}
+    if args.kv_type is not None:
+        if args.system.startswith("edgesync"):
+            from benchmarks.systems import KV_TYPE_ENV
+
+            os.environ[KV_TYPE_ENV] = args.kv_type  # EdgeSync reads its KV type from its settings
+        else:
+            kwargs["kv_type"] = args.kv_type
     if args.config:
         try:
             kwargs["config"] = json.loads(args.config)

@@ -1,6 +1,9 @@
 """Damaged, foreign and missing ONNX exports are refused with a message that names the file,
 by the adapter, by `edgesync generate --engine onnx` and by `export-onnx`; bad settings too.
-Damaged copies are made from the real export (large files linked, small ones rewritten)."""
+Damaged copies are made from the real export (large files linked, small ones rewritten).
+Models the export does not handle (the real Gemma 3 270M; small GGUFs the gguf package writes
+with one header field changed; the real GGUF cut short) are refused from the header, in one
+line, before anything is loaded."""
 
 from __future__ import annotations
 
@@ -13,17 +16,20 @@ import time
 
 import pytest
 
+from edgesync_engines.adapters.gguf_header import read_header
 from edgesync_engines.adapters.model_files import ModelLoadError, default_model_path
 from edgesync_engines.adapters.onnx_export import (
     META_FILE,
     MODEL_FILE,
     TOKENIZER_FILE,
     ExportError,
+    check_exportable,
     clean_leftovers,
     export_gguf,
     is_gguf,
     open_export,
 )
+from edgesync_engines.adapters.onnx_support import SUPPORTED_ARCHITECTURES, onnx_refusal
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.config import EdgeSyncConfig
 
@@ -90,18 +96,23 @@ def test_export_refuses_a_non_gguf_and_an_unwritable_place_before_loading_anythi
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
-def test_a_truncated_gguf_is_refused_with_an_export_error(tmp_path):
-    """A file with the GGUF magic and nothing after it (FAKE: a truncated download) passes the
-    magic check; transformers' reader then fails inside, and that becomes an ExportError naming
-    the file, with no export left behind."""
+@pytest.mark.parametrize("cut, message", [
+    (10, "not a readable GGUF: 10 bytes, less than a GGUF header"),
+    (300_000, "not a readable GGUF: a string array runs past the end"),
+    (5_000_000, "truncated: its tensors need 98362432 bytes, the file has 5000000"),
+])
+def test_a_truncated_gguf_is_refused_from_its_header(tmp_path, cut, message):
+    """The real GGUF cut short (a truncated download): in its header, in its vocabulary, or in
+    its weights. Each passes the magic check and is refused from the header, naming the file,
+    before transformers reads it, with no export left behind."""
     truncated = tmp_path / "cut.gguf"
     with open(default_model_path(), "rb") as model:
-        truncated.write_bytes(model.read(10))
+        truncated.write_bytes(model.read(cut))
     assert is_gguf(truncated)
-    with pytest.raises(ExportError, match="cannot load this GGUF") as info:
+    with pytest.raises(ExportError, match=re.escape(message)) as info:
         export_gguf(truncated, root=tmp_path / "onnx")
-    assert str(truncated) in str(info.value)
-    assert not any((tmp_path / "onnx").iterdir())
+    assert str(info.value).startswith(f"cannot export to ONNX: {truncated}")
+    assert not (tmp_path / "onnx").exists()
 
 
 def test_a_sound_export_is_reused_and_an_unfinished_one_is_cleaned(onnx_export, tmp_path):
@@ -126,3 +137,75 @@ def test_bool_and_engine_settings_are_checked():
         EdgeSyncConfig.load({"engine": "bogus"})
     with pytest.raises(ValueError, match="EDGESYNC_ALLOW_CONVERTIBLE"):
         EdgeSyncConfig.load(environ={"EDGESYNC_ALLOW_CONVERTIBLE": "maybe"})
+
+
+def tiny_gguf(path, arch="llama", kv=None, tensors=("token_embd.weight", "output_norm.weight"), tokenizer="gpt2"):
+    """A small GGUF written by the gguf package itself (no weights worth the name): the header
+    fields that decide what the export handles, and float32 zeros for ``tensors``."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_tokenizer_model(tokenizer)
+    for key, value in (kv or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_uint32)(key.format(arch=arch), value)
+    for name in tensors:
+        w.add_tensor(name, np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("build, reason", [
+    (dict(kv={"general.type": "adapter"}), "a GGUF of type 'adapter', not a model"),
+    (dict(tensors=()), "llama GGUF with no tensors (a vocabulary-only file?), not a model"),
+    (dict(tensors=("blk.0.attn_q.weight",)), "without token_embd.weight: not a language model"),
+    (dict(arch="mamba"), "architecture 'mamba': the ONNX export handles llama only"),
+    (dict(arch="qwen2"), "architecture 'qwen2': the ONNX export handles llama only"),
+    (dict(arch="mistral3", kv={"{arch}.attention.sliding_window": 4096}),
+     "mistral3: sliding-window attention (window 4096 tokens) is not exported to ONNX"),
+    (dict(kv={"{arch}.attention.sliding_window": 128}), "llama: sliding-window attention (window 128 tokens)"),
+    (dict(kv={"{arch}.expert_count": 8}), "llama: a mixture of 8 experts"),
+    (dict(tensors=("token_embd.weight", "rope_freqs.weight")), "llama: rope scaling (rope_freqs tensor)"),
+    (dict(kv={"{arch}.rope.scaling.type": "yarn"}), "llama: rope scaling (yarn)"),
+    (dict(kv={"{arch}.rope.dimension_count": 8}), "rotary embedding on 8 of 16 head dimensions"),
+    (dict(tokenizer="llama"), "llama: tokenizer 'llama'; the onnx engine serves byte-level BPE (gpt2)"),
+])
+def test_a_gguf_the_export_does_not_handle_is_refused_in_one_line(tmp_path, build, reason):
+    path = tiny_gguf(tmp_path / "model.gguf", **build)
+    assert onnx_refusal(path) == f"{path}: {reason}" or reason in onnx_refusal(path)
+    with pytest.raises(ExportError, match=re.escape(reason)) as info:
+        export_gguf(path, root=tmp_path / "onnx")
+    assert "\n" not in str(info.value) and not (tmp_path / "onnx").exists()
+
+
+def test_the_supported_set_is_explicit_and_smollm2_is_in_it(tmp_path):
+    assert SUPPORTED_ARCHITECTURES == ("llama",)
+    assert onnx_refusal(default_model_path()) is None
+    check_exportable(default_model_path())
+    assert onnx_refusal(tiny_gguf(tmp_path / "ok.gguf")) is None  # a plain llama header passes
+    header = read_header(default_model_path())  # what the check reads: SmolLM2's own header
+    assert header.architecture == "llama" and header.arch_value("block_count") == 30
+    assert header.array_lengths["tokenizer.ggml.tokens"] == 49152 and header.data_end == header.file_size
+
+
+def test_export_onnx_refuses_gemma3_in_one_line_before_loading_it(tmp_path):
+    """The real Gemma 3 270M (sliding window): `edgesync export-onnx` names the reason in one
+    line, exit 2, no traceback, nothing written, in seconds (the torch load alone is ~30 s)."""
+    from edgesync_engines.adapters.model_files import gemma3_model_path
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "export-onnx", "--model",
+                           str(gemma3_model_path()), "--out", str(tmp_path / "onnx")],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr == (f"error: cannot export to ONNX: {gemma3_model_path()}: gemma3: sliding-window attention "
+                           "(window 512 tokens) is not exported to ONNX; the export handles llama with full "
+                           "attention in every layer\n")
+    assert not (tmp_path / "onnx").exists() and elapsed < 20

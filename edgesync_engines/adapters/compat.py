@@ -15,8 +15,10 @@ string value, which the README's matrix shows):
   asked (``allow_convertible``).
 * :data:`INCOMPATIBLE` (``"incompatible"``): another model (fingerprint; the tokenizer is part
   of the GGUF, so another tokenizer is another fingerprint), another number of layers, KV
-  heads or head size, or a layout or element type without a conversion. Such KV is never
-  injected.
+  heads or head size, or a layout or element type without a conversion: a layout option
+  other than :data:`CONVERTIBLE_LAYOUT_OPTIONS` (a multi-part, e.g. sliding-window, cache
+  records its parts there; ``reshape`` converts one full-attention KV per layer only) or a
+  quantized element type (not in :data:`CONVERTIBLE_KV_DTYPES`). Such KV is never injected.
 
 The matrix for the two engines (also in the README):
 
@@ -28,6 +30,10 @@ onnxruntime       convertible                  exact
 other model       incompatible                 incompatible
 ================  ===========================  ================================
 
+A model the ONNX export does not handle (``onnx_support.onnx_refusal``: Gemma 3's sliding
+window, another architecture) has no onnxruntime namespace at all, and its llama.cpp fragments,
+whose layout records the cache parts, are incompatible with any other namespace.
+
 llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
 compatible, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
 """
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgesync_store.schema import KV_DTYPES, KVFragment, Namespace
+from edgesync_store.schema import KVFragment, Namespace
 
 COMPATIBLE = "exact"
 """Verdict: the same namespace; the KV is used as is (by the ordinary prefix walk)."""
@@ -53,6 +59,13 @@ LAYOUT_FAMILIES = {
 ``;`` option (llama.cpp adds ``;v_trans=N``, which its fragments do not depend on), and the
 order of K's rotary pairs in each: interleaved (llama.cpp, ``src/llama-graph.cpp`` rope on
 pairs 2i, 2i+1) or rotate-half (Hugging Face ``apply_rotary_pos_emb``)."""
+CONVERTIBLE_LAYOUT_OPTIONS = ("v_trans",)
+"""Layout options (``name=value`` after the layout's ``;``) that ``reshape.convert_fragment``
+may ignore: fragments are tokens-major whatever llama.cpp's V order. Any other option names
+something a conversion does not handle (e.g. the parts of a sliding-window cache)."""
+CONVERTIBLE_KV_DTYPES = ("f16", "f32")
+"""Element types ``reshape.convert_fragment`` casts between; quantized KV (q8_0, q4_0: blocks
+of bytes with a scale each) has no conversion."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,21 @@ def layout_family(ns: Namespace) -> str | None:
     return LAYOUT_FAMILIES.get(ns.layout.split(";", 1)[0])
 
 
+def layout_refusal(ns: Namespace) -> str | None:
+    """Why KV of namespace ``ns`` cannot be converted to or from another namespace (unknown
+    layout, a layout option not in :data:`CONVERTIBLE_LAYOUT_OPTIONS`, an element type not in
+    :data:`CONVERTIBLE_KV_DTYPES`), None when a conversion exists."""
+    if layout_family(ns) is None:
+        return f"no conversion for layout {ns.layout!r}"
+    for option in ns.layout.split(";")[1:]:
+        if option.split("=", 1)[0].strip() not in CONVERTIBLE_LAYOUT_OPTIONS:
+            return (f"no conversion for layout option {option!r} of {ns.engine}: only one full-attention "
+                    "KV per layer converts (not, e.g., the parts of a sliding-window cache)")
+    if ns.kv_dtype not in CONVERTIBLE_KV_DTYPES:
+        return f"no conversion for KV type {ns.kv_dtype!r} (only {', '.join(CONVERTIBLE_KV_DTYPES)} convert)"
+    return None
+
+
 def compatible_with(a, b) -> Compatibility:
     """Can KV written under ``a`` serve an engine of namespace ``b``?
 
@@ -109,10 +137,9 @@ def compatible_with(a, b) -> Compatibility:
         return Compatibility(INCOMPATIBLE, "another head layout: {} layers x {} KV heads x {} vs {} x {} x {}".format(
             *geometry_a, *geometry_b))
     for ns in (na, nb):
-        if layout_family(ns) is None:
-            return Compatibility(INCOMPATIBLE, f"no conversion for layout {ns.layout!r}")
-        if ns.kv_dtype not in KV_DTYPES:  # pragma: no cover - Namespace refuses others
-            return Compatibility(INCOMPATIBLE, f"no conversion for KV type {ns.kv_dtype!r}")
+        refusal = layout_refusal(ns)
+        if refusal is not None:
+            return Compatibility(INCOMPATIBLE, refusal)
     differs = [f"{name} {getattr(na, name)!r} -> {getattr(nb, name)!r}"
                for name in ("engine", "engine_version", "kv_dtype", "flash_attn")
                if getattr(na, name) != getattr(nb, name)]

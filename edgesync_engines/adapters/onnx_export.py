@@ -20,8 +20,13 @@ The export directory (:func:`export_dir`) holds:
   among them ``source_fingerprint``, the SHA-256 of the GGUF, which lets
   ``compat.compatible_with`` prove that both engines run one model.
 
+Which GGUFs it exports: :func:`check_exportable` (``onnx_support.SUPPORTED_ARCHITECTURES``:
+llama with full attention, no rope scaling, byte-level BPE), decided from the GGUF header
+before anything is loaded; any other model is refused with one line naming the reason.
+
 The heavy packages (torch, transformers, gguf, accelerate, onnxscript, onnx) are the ``onnx``
-extra of pyproject.toml and are imported only here.
+extra of pyproject.toml and are imported only here (``gguf`` also by ``gguf_header`` for its
+constants).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 import platformdirs
 
 from edgesync_engines.adapters.model_files import file_fingerprint
+from edgesync_engines.adapters.onnx_support import onnx_refusal
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +162,23 @@ def is_gguf(path: Path) -> bool:
             return fh.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+def check_exportable(gguf_path: str | os.PathLike) -> None:
+    """Refuse, from its header alone, a GGUF the ONNX export does not handle
+    (``onnx_support.onnx_refusal``: another architecture, a sliding window, rope scaling,
+    experts, another vocabulary type, or a file that is not a whole model).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ExportError: one line naming the file and the reason.
+    """
+    try:
+        reason = onnx_refusal(gguf_path)
+    except ImportError as exc:  # gguf_header takes its constants from the gguf package
+        raise ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}") from None
+    if reason is not None:
+        raise ExportError(f"cannot export to ONNX: {reason}")
 
 
 def clean_leftovers(root: Path, max_age_s: float = 3600.0) -> int:
@@ -347,18 +370,21 @@ def export_gguf(gguf_path: str | os.PathLike, root: str | os.PathLike | None = N
     (:func:`open_export` loads it, and it records this GGUF's fingerprint); a damaged one is
     exported again, and so is any with ``force``. Returns the directory.
 
-    The destination is checked (created, writable) before the GGUF is loaded.
+    The model (:func:`check_exportable`) and the destination (created, writable) are checked
+    before the GGUF is loaded.
 
     Raises:
         FileNotFoundError: no such GGUF.
-        ExportError: the file is not a GGUF, the destination cannot be written, or see
-            :func:`load_gguf_as_torch` and :func:`export_model`.
+        ExportError: the file is not a GGUF, a model the export does not handle, the
+            destination cannot be written, or see :func:`load_gguf_as_torch` and
+            :func:`export_model`.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
     if not is_gguf(gguf_path):
         raise ExportError(f"{gguf_path}: not a GGUF file (it does not start with the GGUF magic)")
+    check_exportable(gguf_path)
     out = export_dir(gguf_path, root)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -227,15 +227,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- export-onnx --------------------------------------------------------------------------------
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
-    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory."""
+    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory. A model
+    the export does not handle (``onnx_export.check_exportable``) is refused in one line before
+    anything is loaded."""
     from rich.console import Console
 
     from edgesync_engines.adapters.model_files import default_model_path
-    from edgesync_engines.adapters.onnx_export import ExportError, export_gguf, read_meta
+    from edgesync_engines.adapters.onnx_export import ExportError, check_exportable, export_gguf, read_meta
 
     cfg = load_config({"model_path": args.model})
     try:
         gguf = cfg.model_path or default_model_path()
+        if not Path(gguf).is_file():
+            raise CommandError(f"{gguf}: no such GGUF file")
+        check_exportable(gguf)  # before the progress line: a refusal is one line, not "exporting ..."
         t0 = time.perf_counter()
         with Console(stderr=True).status(f"exporting {Path(gguf).name} to ONNX (a few minutes the first time)"):
             out = export_gguf(gguf, root=args.out, force=args.force)

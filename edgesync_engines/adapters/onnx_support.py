@@ -1,0 +1,106 @@
+"""Which GGUFs the ONNX Runtime engine can export and serve, decided from the GGUF header alone.
+
+``edgesync export-onnx`` asks :func:`onnx_refusal` before it loads anything into torch (the
+header reads in well under a second; the load takes about 30 s), so a model the export does
+not handle is refused with one line naming the reason.
+
+What the export handles (:data:`SUPPORTED_ARCHITECTURES`, :data:`SUPPORTED_TOKENIZERS`): a
+``llama`` GGUF with full attention in every layer, rotary embedding over the whole head with
+no scaling, dense feed-forward layers and a byte-level BPE vocabulary; SmolLM2 is one. Why:
+
+* transformers' GGUF loader rebuilds it as ``LlamaForCausalLM`` and reads only the keys in its
+  ``GGUF_CONFIG_MAPPING["llama"]``: rope scaling (``<arch>.rope.scaling.*``, the
+  ``rope_freqs`` tensor of Llama 3) and experts are not among them, so such a model would load
+  and compute other numbers than llama.cpp, silently;
+* the export's decoder keeps one KV per layer holding every past token; a sliding-window
+  model (Gemma 2/3, Mistral, Phi-3 variants: ``<arch>.attention.sliding_window``) keeps only
+  the window in some layers, and recurrent or hybrid models (Mamba, RWKV, LFM2) keep no
+  per-token KV at all;
+* ``reshape``'s K permutation between the engines is Llama's rotary (pairs 2i, 2i+1 over the
+  whole head, ../shared/DESIGN.md 2.3);
+* the onnxrt adapter maps tokens to bytes through GPT-2's byte-level alphabet
+  (``tokenizer.ggml.model`` ``"gpt2"``); a SentencePiece vocabulary (``"llama"``) would
+  detokenize wrong.
+
+Anything else (another architecture, a GGUF that is not a model: an adapter, a projector, a
+vocabulary-only file, a truncated download) gets a one-line reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from edgesync_engines.adapters.gguf_header import GGUFHeader, GGUFHeaderError, read_header
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+"""``general.architecture`` values the ONNX export handles (see the module docstring)."""
+SUPPORTED_TOKENIZERS = ("gpt2",)
+"""``tokenizer.ggml.model`` values the onnxrt adapter serves: byte-level BPE."""
+NO_ROPE_SCALING = (None, "none")
+"""``<arch>.rope.scaling.type`` values that mean no scaling."""
+
+
+def _not_a_model(h: GGUFHeader) -> str | None:
+    kind = h.metadata.get("general.type")
+    if isinstance(kind, str) and kind != "model":
+        return f"a GGUF of type {kind!r}, not a model"
+    if h.architecture is None:
+        return "no general.architecture: not a model GGUF"
+    if not h.tensors:
+        return f"{h.architecture} GGUF with no tensors (a vocabulary-only file?), not a model"
+    if "token_embd.weight" not in h.tensors:
+        return f"{h.architecture} GGUF without token_embd.weight: not a language model"
+    if h.data_end > h.file_size:
+        return f"truncated: its tensors need {h.data_end} bytes, the file has {h.file_size}"
+    return None
+
+
+def _unsupported(h: GGUFHeader) -> str | None:
+    arch = h.architecture
+    window = h.arch_value("attention.sliding_window")
+    if isinstance(window, int) and window > 0:
+        return (f"{arch}: sliding-window attention (window {window} tokens) is not exported to ONNX; "
+                f"the export handles {'/'.join(SUPPORTED_ARCHITECTURES)} with full attention in every layer")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {arch!r}: the ONNX export handles {', '.join(SUPPORTED_ARCHITECTURES)} only"
+    experts = h.arch_value("expert_count")
+    if isinstance(experts, int) and experts > 0:
+        return f"{arch}: a mixture of {experts} experts; the ONNX export handles dense models only"
+    scaling = h.arch_value("rope.scaling.type")
+    if scaling not in NO_ROPE_SCALING or "rope_freqs.weight" in h.tensors:
+        return (f"{arch}: rope scaling ({scaling or 'rope_freqs tensor'}), which transformers' GGUF loader "
+                "drops; the export would compute other numbers than llama.cpp")
+    n_head = h.arch_value("attention.head_count")
+    head_dim = h.arch_value("attention.key_length") or (
+        h.arch_value("embedding_length", 0) // n_head if isinstance(n_head, int) and n_head > 0 else None)
+    n_rot = h.arch_value("rope.dimension_count")
+    if isinstance(n_rot, int) and head_dim and n_rot != head_dim:
+        return f"{arch}: rotary embedding on {n_rot} of {head_dim} head dimensions; the export handles full rotary"
+    tokenizer = h.metadata.get("tokenizer.ggml.model")
+    if tokenizer not in SUPPORTED_TOKENIZERS:
+        return (f"{arch}: tokenizer {tokenizer!r}; the onnx engine serves byte-level BPE "
+                f"({', '.join(SUPPORTED_TOKENIZERS)}) vocabularies only")
+    return None
+
+
+def onnx_refusal_of(header: GGUFHeader) -> str | None:
+    """Why the ONNX engine cannot export or serve the model of ``header`` (one line, without
+    the file name), or None when it can."""
+    return _not_a_model(header) or _unsupported(header)
+
+
+def onnx_refusal(gguf_path: str | os.PathLike) -> str | None:
+    """Why the ONNX engine cannot export or serve the GGUF at ``gguf_path`` (one line naming
+    the file and the reason), or None when it can. Reads only the header (:mod:`gguf_header`).
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(gguf_path)
+    try:
+        header = read_header(path)
+    except GGUFHeaderError as exc:
+        return str(exc)
+    reason = onnx_refusal_of(header)
+    return None if reason is None else f"{path}: {reason}"
