@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import platformdirs
 
+from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_store.commands.units import format_binary, parse_bytes
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
@@ -176,6 +177,9 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v: None if v is None or 1 <= v <= 256 else f"must be in [1, 256], got {v}",
             shown="all cores"),
     _flag("flash_attn", "EDGESYNC_FLASH_ATTN", False, "llama.cpp flash attention"),
+    Setting("kv_type", str, "f16", "EDGESYNC_KV_TYPE", _name,
+            "llama.cpp K and V cache type: `f16`, `f32`, `q8_0` or `q4_0` (a quantized V turns flash attention "
+            "on); part of the namespace", check=_one_of(KV_TYPES)),
     Setting("chunk_tokens", int, 128, "EDGESYNC_CHUNK_TOKENS", int,
             f"fragment span when storing a prompt, tokens ({MIN_SPAN} to {MAX_CHUNK_TOKENS})",
             check=lambda v: None if MIN_SPAN <= v <= MAX_CHUNK_TOKENS

@@ -18,7 +18,7 @@ results bit-identical (../shared/DESIGN.md 2.7: restored cells in other slots ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -178,3 +178,52 @@ class SwaCapture:
         if len(self._k) > 1:
             self._k, self._v = [np.concatenate(self._k, axis=1)], [np.concatenate(self._v, axis=1)]
         return self._k[0][:, start:end], self._v[0][:, start:end]
+
+
+def prefill_blocks(n_past: int, n_prompt: int, n_batch: int, window: int = 0) -> list[tuple[int, int]]:
+    """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
+    batches of 2..n_batch tokens up to the last prompt token, then that token alone (a
+    one-token batch runs other kernels: see ``LlamaCppAdapter.usable_prefix``). With a sliding
+    ``window`` (tokens), batches are at most the window long and end on its grid, so each
+    batch's cells are still in the window once it is evaluated (standard and chunked windows
+    alike); a batch may cross the grid by one token rather than be a single token.
+    A one-token batch appears only for a 2-token prompt."""
+    plan = []
+    end = n_prompt - 1
+    pos = n_past
+    n_batch = max(min(n_batch, window) if window else n_batch, 2)
+    while pos < end:
+        size = min(n_batch - pos % n_batch if window else n_batch, end - pos)
+        if size < 2 and end - pos >= 2:
+            size = 2
+        if end - pos - size == 1:  # never leave a one-token remainder
+            size = size - 1 if size > 2 else size + 1
+        plan.append((pos, pos + size))
+        pos += size
+    plan.append((end, n_prompt))
+    return plan
+
+
+def probe_layout(raw: bytes, n_layer: int, n_swa: int, window_part: Callable[[int], CachePart]) -> StateLayout:
+    """The :class:`StateLayout` of a probe's seq state (two cells) for a model of ``n_layer``
+    layers and window ``n_swa``: parsed without, then with cell extensions; for a window model
+    ``window_part(ext_bytes)`` (the partial read of the window's part alone) must match the
+    state's second part.
+
+    Raises:
+        SeqStateError: a state neither way parses, or parts that disagree.
+    """
+    try:
+        parts = seqstate.parse_parts(raw)
+    except SeqStateError as plain:
+        try:
+            parts = seqstate.parse_parts(raw, seqstate.CELL_EXT_BYTES)
+        except SeqStateError:
+            raise plain from None
+    pos_2d = parts[0].ext is not None and int(parts[0].ext[1, 0]) == 1
+    layout = StateLayout.from_probe(parts, n_layer, n_swa, pos_2d)
+    if layout.swa_part is not None:
+        window = window_part(seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
+        if window.n_layer != layout.part_layers[layout.swa_part]:
+            raise SeqStateError("probe: the sliding-window read disagrees with the state's part")
+    return layout

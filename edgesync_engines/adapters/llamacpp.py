@@ -19,13 +19,14 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture
+from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture, prefill_blocks, probe_layout
+from edgesync_engines.adapters.llamacpp_model import builtin_chat_prompt, builtin_template_for, memory_refusal
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -154,13 +155,15 @@ class LlamaCppAdapter(EngineAdapterBase):
         :attr:`namespace` None: the engine still answers, uncached."""
         self.namespace = None
         self._layout: StateLayout | None = None
-        self.cache_refusal = self._unsupported_memory()
+        self.cache_refusal = memory_refusal(self._llama_cpp, self.llm, KV_TYPES)
         if self.cache_refusal is None:
             self.clear_kv_cache()
             try:
                 # two cells, so a 2D cell position (M-RoPE) shows in the second one
                 self.llm.eval([self.llm.token_eos()] * 2)
-                self._layout = self._probed_layout(self._get_state())
+                self._layout = probe_layout(self._get_state(), int(self._llama_cpp.llama_model_n_layer(self.llm.model)),
+                                            int(self._llama_cpp.llama_model_n_swa(self.llm.model)),
+                                            lambda ext: self._swa_part_now(ext)[0])
                 self.namespace = self._probed_namespace(self._layout)
             except ValueError as exc:  # SeqStateError, or a geometry Namespace refuses
                 self._layout = None
@@ -171,49 +174,6 @@ class LlamaCppAdapter(EngineAdapterBase):
             log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
         else:
             log.debug("llama.cpp KV layout: %s", self.namespace)
-
-    def _unsupported_memory(self) -> str | None:
-        """Why this model's KV memory cannot be cut into fragments, from the model and context
-        settings alone (None: try the probe)."""
-        llama_cpp, model = self._llama_cpp, self.llm.model
-        arch = self.llm.metadata.get("general.architecture", "?")
-        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-            return f"{arch}: recurrent or hybrid memory holds no per-token KV to cut"
-        n_swa = int(llama_cpp.llama_model_n_swa(model))
-        if n_swa > 0 and not self.llm.context_params.swa_full:
-            return (f"{arch}: sliding-window attention (window {n_swa} tokens) without a full-size window "
-                    "cache: build the Llama with swa_full=True to cache it")
-        types = (int(self.llm.context_params.type_k), int(self.llm.context_params.type_v))
-        names = [seqstate.GGML_TYPES[t].name if t in seqstate.GGML_TYPES else f"ggml type {t}" for t in types]
-        if types[0] != types[1] or seqstate.GGML_TYPES.get(types[0]) is None or names[0] not in KV_TYPES:
-            return f"KV types type_k {names[0]}, type_v {names[1]}: only equal {', '.join(KV_TYPES)} are cut"
-        return None
-
-    def _probed_layout(self, raw: bytes) -> StateLayout:
-        """The :class:`StateLayout` of the probe's seq state; for a sliding-window model also
-        checks that a partial read (the window's part alone) matches its second part.
-
-        Raises:
-            seqstate.SeqStateError: a state neither layout parses, or parts that disagree.
-        """
-        llama_cpp, model = self._llama_cpp, self.llm.model
-        try:
-            parts = seqstate.parse_parts(raw)
-        except seqstate.SeqStateError as plain:
-            try:
-                parts = seqstate.parse_parts(raw, seqstate.CELL_EXT_BYTES)
-            except seqstate.SeqStateError:
-                raise plain from None
-        pos_2d = False
-        if parts[0].ext is not None:
-            pos_2d = int(parts[0].ext[1, 0]) == 1
-        layout = StateLayout.from_probe(parts, int(llama_cpp.llama_model_n_layer(model)),
-                                        int(llama_cpp.llama_model_n_swa(model)), pos_2d)
-        if layout.swa_part is not None:
-            (window,) = self._swa_part_now()
-            if window.n_layer != layout.part_layers[layout.swa_part]:
-                raise seqstate.SeqStateError("probe: the sliding-window read disagrees with the state's part")
-        return layout
 
     def _probed_namespace(self, layout: StateLayout) -> Namespace:
         """The namespace of a probed layout (K/V type, V layout, cache parts, geometry).
@@ -250,10 +210,11 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buf)
 
-    def _swa_part_now(self) -> list[seqstate.CachePart]:
+    def _swa_part_now(self, ext_bytes: int | None = None) -> list[seqstate.CachePart]:
         """The live sliding-window part alone (a list of one part)."""
-        ext = seqstate.CELL_EXT_BYTES if self._layout is not None and self._layout.cell_ext else 0
-        return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext)
+        if ext_bytes is None:
+            ext_bytes = seqstate.CELL_EXT_BYTES if self._layout.cell_ext else 0
+        return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext_bytes)
 
     # -- tokens and text --------------------------------------------------------------------
 
@@ -265,6 +226,28 @@ class LlamaCppAdapter(EngineAdapterBase):
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Render chat messages with the GGUF's ``tokenizer.chat_template`` (see the base
+        class) or, for a GGUF that has none, with llama.cpp's built-in template of the model's
+        architecture (e.g. ``gemma`` for Gemma 3), ending with the assistant prompt.
+
+        Raises:
+            ValueError: no template at all, or a message lacks role/content.
+        """
+        if self.llm.metadata.get("tokenizer.chat_template"):
+            return super().apply_chat_template(messages)
+        arch = self.llm.metadata.get("general.architecture", "?")
+        name = builtin_template_for(self._llama_cpp, arch)
+        if name is None:
+            return super().apply_chat_template(messages)  # raises: no template
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
+        if not getattr(self, "_builtin_logged", False):
+            log.info("%s has no chat template: using llama.cpp's built-in %r", self.model_path.name, name)
+            self._builtin_logged = True
+        return builtin_chat_prompt(self._llama_cpp, name, messages)
 
     def _chat_template(self) -> tuple[str, str, str]:
         """The GGUF's ``tokenizer.chat_template`` with its EOS and BOS texts.
@@ -371,26 +354,9 @@ class LlamaCppAdapter(EngineAdapterBase):
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
         """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
         batches of 2..n_batch tokens up to the last prompt token, then that token alone
-        (see :meth:`usable_prefix`). A one-token batch appears only for a 2-token prompt."""
-        plan = []
-        end = n_prompt - 1
-        pos = n_past
-        n_batch = max(int(self.llm.n_batch), 2)
+        (see :meth:`usable_prefix`; :func:`~edgesync_engines.adapters.kv_layout.prefill_blocks`)."""
         window = self._layout.n_swa if self._layout is not None and self._layout.swa_part is not None else 0
-        if window:
-            n_batch = max(min(n_batch, window), 2)
-        while pos < end:
-            # with a window, blocks end on its grid, so every block's cells are still in the
-            # window when it has been evaluated (standard and chunked windows alike)
-            size = min(n_batch - pos % n_batch if window else n_batch, end - pos)
-            if size < 2:  # a one-token batch runs other kernels; a standard window takes 2 across its grid
-                size = 2
-            if end - pos - size == 1:  # never leave a one-token remainder
-                size = size - 1 if size > 2 else size + 1
-            plan.append((pos, pos + size))
-            pos += size
-        plan.append((end, n_prompt))
-        return plan
+        return prefill_blocks(n_past, n_prompt, int(self.llm.n_batch), window)
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""

@@ -74,6 +74,7 @@ def _load_adapter(model, config: EdgeSyncConfig):
         flash_attn=config.flash_attn,
         verbose=config.verbose_engine,
         seed=config.seed,
+        kv_type=config.kv_type,
     )
 
 

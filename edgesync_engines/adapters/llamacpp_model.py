@@ -1,0 +1,74 @@
+"""What a loaded ``llama_cpp.Llama`` says about itself that the adapter needs before the probe:
+whether its KV memory can be cut at all (:func:`memory_refusal`), and a chat template for a
+GGUF that carries none (:func:`builtin_chat_prompt`, llama.cpp's own built-in templates)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from typing import Mapping, Sequence
+
+from edgesync_engines.adapters import seqstate
+
+log = logging.getLogger(__name__)
+
+
+def memory_refusal(llama_cpp, llm, kv_types: Sequence[str]) -> str | None:
+    """Why the KV memory of ``llm`` cannot be cut into fragments, from the model and context
+    settings alone (None: try the probe): recurrent or hybrid memory, a sliding window without
+    a full-size window cache (a ``Llama`` built without ``swa_full=True``), or K/V types that
+    differ or are not in ``kv_types``."""
+    model = llm.model
+    arch = llm.metadata.get("general.architecture", "?")
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return f"{arch}: recurrent or hybrid memory holds no per-token KV to cut"
+    n_swa = int(llama_cpp.llama_model_n_swa(model))
+    if n_swa > 0 and not llm.context_params.swa_full:
+        return (f"{arch}: sliding-window attention (window {n_swa} tokens) without a full-size window "
+                "cache: build the Llama with swa_full=True to cache it")
+    types = (int(llm.context_params.type_k), int(llm.context_params.type_v))
+    names = [seqstate.GGML_TYPES[t].name if t in seqstate.GGML_TYPES else f"ggml type {t}" for t in types]
+    if types[0] != types[1] or names[0] not in kv_types:
+        return f"KV types type_k {names[0]}, type_v {names[1]}: only equal {', '.join(kv_types)} are cut"
+    return None
+
+
+def builtin_templates(llama_cpp) -> list[str]:
+    """Names of llama.cpp's built-in chat templates (``llama_chat_builtin_templates``,
+    ``src/llama-chat.cpp``)."""
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(names, n)
+    return [name.decode() for name in names]
+
+
+def builtin_template_for(llama_cpp, arch: str) -> str | None:
+    """The built-in template named after the model's architecture (``gemma3`` -> ``gemma``,
+    ``llama`` -> ``llama2``... only exact or digit-stripped names), None when there is none."""
+    names = builtin_templates(llama_cpp)
+    for candidate in (arch, re.sub(r"\d+$", "", arch)):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]]) -> str:
+    """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
+    ending with the assistant prompt.
+
+    Raises:
+        ValueError: llama.cpp does not know the template.
+    """
+    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+    chat = (llama_cpp.llama_chat_message * len(keep))(*(llama_cpp.llama_chat_message(r, c) for r, c in keep))
+    size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(keep), True, buf, size)
+        if n < 0:
+            raise ValueError(f"chat template {template!r}: llama.cpp does not know it")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n + 1
+    raise ValueError(f"chat template {template!r}: the prompt did not fit the buffer")
