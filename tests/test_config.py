@@ -55,7 +55,7 @@ def test_readme_settings_table_is_the_generated_one():
     rows = [line for line in readme.splitlines() if line.startswith("| `") or line.startswith("| - |")]
     start = readme.index(table.splitlines()[0])
     assert readme[start:start + len(table)] == table
-    assert len(table.splitlines()) == 2 + 30 + 1 and len(rows) >= 31
+    assert len(table.splitlines()) == 2 + 31 + 1 and len(rows) >= 32
     printed = subprocess.run([sys.executable, "-m", "edgesync_engines.config", "--markdown"],
                              capture_output=True, text=True, check=True).stdout
     assert printed == table
@@ -73,8 +73,8 @@ def test_table_defines_fields_defaults_and_variables():
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
     fields = [f.name for f in dataclasses.fields(EdgeSyncConfig)]
-    assert fields == [s.name for s in SETTINGS] and len(fields) == 30
-    assert len({s.env for s in SETTINGS}) == 30 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
+    assert fields == [s.name for s in SETTINGS] and len(fields) == 31
+    assert len({s.env for s in SETTINGS}) == 31 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
     cfg = EdgeSyncConfig.load(environ={})
     assert cfg.ef_search == DEFAULT_EF_SEARCH == 100
     assert cfg.ttl_seconds == float(DEFAULT_TTL_SECONDS) == 1800.0
@@ -105,3 +105,13 @@ def test_checks_once_for_constructor_and_load(tmp_path):
         EdgeSyncConfig(similarity_exact=0.7, similarity_partial=0.8)
     cfg = EdgeSyncConfig(store_path=str(tmp_path), engine=" ONNX ")
     assert cfg.store_path == tmp_path and cfg.engine == "onnx"
+
+
+def test_kv_type_is_checked_and_named():
+    """EDGESYNC_KV_TYPE takes the adapter's KV types only, and a bad one names the variable."""
+    from edgesync_engines.adapters.llamacpp import KV_TYPES
+
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q8_0"}).kv_type == "q8_0"
+    assert EdgeSyncConfig.load(environ={}).kv_type == "f16" and KV_TYPES == ("f16", "f32", "q8_0", "q4_0")
+    with pytest.raises(ValueError, match=r"^kv_type: 'q5_k' is not one of f16, f32, q8_0, q4_0 \(from EDGESYNC_KV_TYPE"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q5_k"})

@@ -155,7 +155,12 @@ def test_valid_fragments_construct_with_documented_defaults():
 
 def test_namespace_invariants_name_field():
     with pytest.raises(ValueError, match=r"^namespace\.kv_dtype"):
-        replace(SMOL, kv_dtype="q8_0")
+        replace(SMOL, kv_dtype="q5_k")
+    with pytest.raises(ValueError, match=r"^namespace\.head_dim: 48 is not whole q8_0 blocks"):
+        replace(SMOL, kv_dtype="q8_0", head_dim=48)
+    q8 = replace(SMOL, kv_dtype="q8_0")
+    assert q8.quantized and q8.head_width == SMOL.head_dim // 32 * 34 and q8.np_dtype == np.uint8
+    assert q8.digest() != SMOL.digest()
     with pytest.raises(ValueError, match=r"^namespace\.n_layer"):
         replace(SMOL, n_layer=0)
     with pytest.raises(ValueError, match=r"^namespace\.model_fingerprint"):
