@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.app import run_report
 from edgesync_engines.app.cli_common import (
     CommandError,
@@ -45,6 +46,8 @@ def _workload_name(text: str) -> str:
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-type", choices=KV_TYPES, help="llama.cpp K/V cache type (default: EDGESYNC_KV_TYPE or f16)")
     p.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
     p.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
     p.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
@@ -118,6 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "cache_enabled": False if args.no_cache else None,
         "reuse": args.reuse,
         "engine": args.engine,
+        "model_path": args.model,
+        "kv_type": args.kv_type,
         "allow_convertible": args.allow_convertible,
     })
     if args.raw:
@@ -186,7 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.max_tokens is None and not os.environ.get("EDGESYNC_MAX_TOKENS", "").strip():
         args.max_tokens = RUN_MAX_TOKENS
     cfg = load_config({"store_path": args.store, "max_tokens": args.max_tokens, "reuse": args.reuse,
-                       "engine": args.engine, "allow_convertible": args.allow_convertible})
+                       "engine": args.engine, "allow_convertible": args.allow_convertible,
+                       "model_path": args.model, "kv_type": args.kv_type})
     args.max_tokens = cfg.max_tokens
     check_writable(args.json_out)
     try:
