@@ -113,5 +113,6 @@ def test_kv_type_is_checked_and_named():
 
     assert EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q8_0"}).kv_type == "q8_0"
     assert EdgeSyncConfig.load(environ={}).kv_type == "f16" and KV_TYPES == ("f16", "f32", "q8_0", "q4_0")
-    with pytest.raises(ValueError, match=r"^kv_type: 'q5_k' is not one of f16, f32, q8_0, q4_0 \(from EDGESYNC_KV_TYPE"):
+    bad = r"^kv_type: 'q5_k' is not one of f16, f32, q8_0, q4_0 \(from EDGESYNC_KV_TYPE"
+    with pytest.raises(ValueError, match=bad):
         EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q5_k"})
