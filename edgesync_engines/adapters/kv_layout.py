@@ -180,20 +180,58 @@ class SwaCapture:
         return self._k[0][:, start:end], self._v[0][:, start:end]
 
 
-def prefill_blocks(n_past: int, n_prompt: int, n_batch: int, window: int = 0) -> list[tuple[int, int]]:
+ROW_GROUP = 8
+"""Tokens a cached prefill's first batch must start on, relative to the block grid. llama.cpp's
+CPU matrix kernels for repacked quantized weights (``ggml-cpu/repack.cpp``: activations
+quantized 4 rows at a time) give a token's row other last bits when it falls in another group
+of a batch, so an injection point keeps every later token in the group an uncached prefill puts
+it in (measured on Gemma 3 270M Q4_K_M: a 323-token prompt, injecting N tokens was
+bit-identical for N = 4k and 4k+3 and not otherwise; 8 covers the 4- and 8-row kernels)."""
+MIN_FIRST_BATCH = 16
+"""Fewest tokens of a cached prefill's first batch when it does not start on the block grid:
+smaller batches take other kernels (measured as above: first batches of 2 to 9 tokens were
+never bit-identical, 10 or more were when the rows were in their groups)."""
+
+
+def usable_prefix(available: int, n_prompt: int, block: int) -> int:
+    """How many of ``available`` stored prompt tokens to inject for a prompt of ``n_prompt``
+    tokens, prefilled in ``block``-token blocks (:func:`prefill_blocks`), so that every later
+    token is computed as in an uncached prefill and the result is bit-identical to it.
+
+    Every prompt is evaluated as batches ending on the block grid and then its last token
+    alone, like a decode step, with or without a cache (a token evaluated alone goes through
+    other kernels; the last token's KV is never stored). So injecting ``n_prompt - 1``
+    tokens (an exact hit) is always exact; otherwise the injection point is on the block grid,
+    or a multiple of :data:`ROW_GROUP` leaving a first batch of at least
+    :data:`MIN_FIRST_BATCH` tokens. The largest such count not above ``available`` is returned
+    (0 when none).
+    """
+    end = n_prompt - 1
+    usable = min(available, end)
+    if usable == end:
+        return max(usable, 0)
+    usable -= usable % ROW_GROUP
+    while usable > 0 and usable % block:
+        if min(usable - usable % block + block, end) - usable >= MIN_FIRST_BATCH:
+            break
+        usable -= ROW_GROUP
+    return max(usable, 0)
+
+
+def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
-    batches of 2..n_batch tokens up to the last prompt token, then that token alone (a
-    one-token batch runs other kernels: see ``LlamaCppAdapter.usable_prefix``). With a sliding
-    ``window`` (tokens), batches are at most the window long and end on its grid, so each
-    batch's cells are still in the window once it is evaluated (standard and chunked windows
-    alike); a batch may cross the grid by one token rather than be a single token.
-    A one-token batch appears only for a 2-token prompt."""
+    batches ending on the grid of ``block`` tokens (``n_batch``, or a sliding window when it
+    is shorter: then each batch's cells are still in the window once it is evaluated, for
+    standard and chunked windows alike) up to the last prompt token, then that token alone.
+    A batch never holds a single token unless the prompt has 2 tokens (it crosses the grid by
+    one token rather); with injection points from :func:`usable_prefix` the batches are an
+    uncached prefill's, but the first one."""
     plan = []
     end = n_prompt - 1
     pos = n_past
-    n_batch = max(min(n_batch, window) if window else n_batch, 2)
+    block = max(block, 2)
     while pos < end:
-        size = min(n_batch - pos % n_batch if window else n_batch, end - pos)
+        size = min(block - pos % block, end - pos)
         if size < 2 and end - pos >= 2:
             size = 2
         if end - pos - size == 1:  # never leave a one-token remainder

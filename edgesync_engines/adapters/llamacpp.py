@@ -25,7 +25,14 @@ import numpy as np
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture, prefill_blocks, probe_layout
+from edgesync_engines.adapters.kv_layout import (
+    LAYOUT,
+    StateLayout,
+    SwaCapture,
+    prefill_blocks,
+    probe_layout,
+    usable_prefix,
+)
 from edgesync_engines.adapters.llamacpp_model import builtin_chat_prompt, builtin_template_for, memory_refusal
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
@@ -336,27 +343,22 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """How many of ``available`` stored prompt tokens to inject for a prompt of
-        ``n_prompt`` tokens so the result is bit-identical to an uncached run.
-
-        llama.cpp computes a token evaluated alone (a one-token ubatch) through other kernels
-        than a token in a batch of two or more: measured on SmolLM2, the logits differ by up
-        to 0.55 while batches of any size >= 2 agree to the bit. So every prompt is evaluated
-        as batches of >= 2 tokens followed by the last prompt token alone, like a decode step
-        (:meth:`prefill_plan`), with or without a cache; the KV of the last prompt token is
-        never stored. Injecting ``n_prompt - 2`` tokens would leave a one-token batch, so one
-        token fewer is injected then.
-        """
-        usable = min(available, n_prompt - 1)
-        if n_prompt - 1 - usable == 1:
-            usable -= 1
-        return max(usable, 0)
+        ``n_prompt`` tokens so the result is bit-identical to an uncached run
+        (:func:`~edgesync_engines.adapters.kv_layout.usable_prefix`)."""
+        return usable_prefix(available, n_prompt, self._block_tokens())
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
         """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
         batches of 2..n_batch tokens up to the last prompt token, then that token alone
         (see :meth:`usable_prefix`; :func:`~edgesync_engines.adapters.kv_layout.prefill_blocks`)."""
-        window = self._layout.n_swa if self._layout is not None and self._layout.swa_part is not None else 0
-        return prefill_blocks(n_past, n_prompt, int(self.llm.n_batch), window)
+        return prefill_blocks(n_past, n_prompt, self._block_tokens())
+
+    def _block_tokens(self) -> int:
+        """The prefill's block grid: ``n_batch``, or the window when it is shorter."""
+        n_batch = int(self.llm.n_batch)
+        if self._layout is not None and self._layout.swa_part is not None:
+            n_batch = min(n_batch, self._layout.n_swa)
+        return n_batch
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""
