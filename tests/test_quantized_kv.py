@@ -152,3 +152,69 @@ def test_q8_0_fragments_are_q8_0_rows(model, q8, system_prompts, tmp_path):
     print(f"{model}: per cached prompt, raw f16 {raw_f16} B, q8_0 {raw_q8} B; stored f16 {f16_blobs} B, "
           f"q8_0 {q8_blobs} B ({q8_blobs / f16_blobs:.3f})")
     assert q8_blobs < 0.75 * f16_blobs
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_q4_0_exact_and_partial_match_uncached_q4_0(model, system_prompts, tmp_path):
+    """q4_0 (18 bytes per 32 values) the same way: a miss, an exact and a partial hit, each
+    identical to the uncached q4_0 run; fragments hold q4_0 rows."""
+    adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1, kv_type="q4_0")
+    try:
+        assert adapter.cache_refusal is None and adapter.namespace.kv_dtype == "q4_0"
+        prompts = [chat(system_prompts[1], QUESTIONS[0]), chat(system_prompts[1], QUESTIONS[0]),
+                   chat(system_prompts[1], QUESTIONS[1])]
+        uncached = EdgeSync(adapter, store=False)
+        reference = [uncached.generate(p, max_tokens=MAX_TOKENS).tokens for p in prompts]
+        with EdgeSync(adapter, store=tmp_path / "store") as es:
+            results = [es.generate(p, max_tokens=MAX_TOKENS) for p in prompts]
+    finally:
+        adapter.close()
+    assert [r.tier for r in results] == ["miss", "exact", "partial"]
+    assert results[2].tokens_reused >= 256
+    assert [r.tokens for r in results] == reference
+    fragments, _ = _fragments(tmp_path / "store", "q4_0")
+    ns = adapter.namespace
+    for f in fragments.values():
+        heads = (f.head_end or ns.n_head_kv) - f.head_start
+        assert f.keys.dtype == np.uint8 and f.keys.shape[-1] == heads * ns.head_dim // 32 * 18
+
+
+SWEEP_CUTS = (100, 255, 500, 511, 512, 513, 530, 700, 900)
+"""Target injection points of the Gemma 3 q8_0 sweep, in tokens: within the 512-token window,
+at its edge and beyond it."""
+
+
+def test_gemma3_q8_0_cut_point_sweep(q8, system_prompts, tmp_path):
+    """Gemma 3 with q8_0 KV (flash attention on, where cached and uncached logits may differ in
+    the last bits): one stored ~970-token prompt, then prompts that share its first ~N tokens
+    for each N of :data:`SWEEP_CUTS`, each a partial hit whose greedy tokens equal the uncached
+    q8_0 run's."""
+    adapter = q8("gemma3")
+    head, tail = "<start_of_turn>user\n", "\n\nWhat is this about?<end_of_turn>\n<start_of_turn>model\n"
+    context = "\n\n".join(system_prompts[:3])
+    stored = f"{head}{context}{tail}"
+
+    def cut_text(n: int) -> str:
+        """The longest whole-word prefix of the context whose prompt starts with ~n tokens."""
+        words = context.split(" ")
+        lo, hi = 1, len(words)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(adapter.tokenize(head + " ".join(words[:mid]))) <= n:
+                lo = mid
+            else:
+                hi = mid - 1
+        return head + " ".join(words[:lo])
+
+    prompts = [cut_text(n) + " ... and then? Answer in one line." + tail for n in SWEEP_CUTS]
+    uncached = EdgeSync(adapter, store=False)
+    reference = [uncached.generate(p, max_tokens=MAX_TOKENS).tokens for p in prompts]
+    with EdgeSync(adapter, store=tmp_path / "store") as es:
+        assert es.generate(stored, max_tokens=MAX_TOKENS).tier == "miss"
+        results = [es.generate(p, max_tokens=MAX_TOKENS) for p in prompts]
+    cuts = [r.tokens_reused for r in results]
+    print(f"gemma3 q8_0 sweep: injected {cuts}")
+    assert all(r.tier == "partial" for r in results)
+    assert len(set(cuts)) >= len(SWEEP_CUTS) - 2 and min(cuts) < 512 < max(cuts)
+    differ = [c for c, r, ref in zip(cuts, results, reference) if r.tokens != ref]
+    assert not differ, f"greedy tokens differ from the uncached q8_0 run after injecting {differ} tokens"
