@@ -169,3 +169,28 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
     assert partial["tokens_reused"] > 1024
     assert llama_prefilled(partial["perf"], partial["tokens"]) == partial["prompt_tokens"] - partial["tokens_reused"]
     assert partial["tokens"] == reference[1].tokens
+
+
+def test_user_llama_with_swa_full_is_cached(gemma, gemma_path, system_prompts, tmp_path):
+    """A ``llama_cpp.Llama`` the user built with ``swa_full=True`` is cut like the adapter's own:
+    the same namespace, so its fragments serve the adapter (and back), identical tokens."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=N_CTX, n_threads=1, n_threads_batch=1, swa_full=True,
+                          verbose=False)
+    prompt = chat(system_prompts[2], QUESTIONS[0])
+    try:
+        with EdgeSync(llm, store=tmp_path / "store") as es:
+            assert es.adapter.cache_refusal is None
+            assert es.adapter.namespace == gemma.namespace
+            miss = es.generate(prompt, max_tokens=MAX_TOKENS)
+            reference = EdgeSync(es.adapter, store=False).generate(prompt, max_tokens=MAX_TOKENS)
+    finally:
+        llm.close()
+    with EdgeSync(gemma, store=tmp_path / "store") as es:
+        gemma.reset_perf()
+        exact = es.generate(prompt, max_tokens=MAX_TOKENS)
+        perf = gemma.perf_counts()
+    assert miss.tier == "miss" and miss.fragments_written >= 2 and exact.tier == "exact"
+    assert llama_prefilled(perf, exact.tokens) <= 1
+    assert miss.tokens == exact.tokens == reference.tokens

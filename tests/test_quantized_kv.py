@@ -154,13 +154,19 @@ def test_q8_0_fragments_are_q8_0_rows(model, q8, system_prompts, tmp_path):
     assert q8_blobs < 0.75 * f16_blobs
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_q4_0_exact_and_partial_match_uncached_q4_0(model, system_prompts, tmp_path):
-    """q4_0 (18 bytes per 32 values) the same way: a miss, an exact and a partial hit, each
-    identical to the uncached q4_0 run; fragments hold q4_0 rows."""
-    adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1, kv_type="q4_0")
+ROW_BYTES = {"q4_0": (32, 18, np.uint8), "f32": (1, 4, np.float32)}
+"""Values per block, bytes per block and the row items' dtype (ggml-common.h ``block_q4_0``:
+an f16 scale and 32 4-bit values)."""
+
+
+@pytest.mark.parametrize(("kv", "model"), [("q4_0", "smollm2"), ("q4_0", "gemma3"), ("f32", "smollm2")])
+def test_other_kv_types_match_uncached(kv, model, system_prompts, tmp_path):
+    """q4_0 and f32 the same way: a miss, an exact and a partial hit, each identical to the
+    uncached run of the same KV type; fragments hold rows of that type."""
+    adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1, kv_type=kv)
     try:
-        assert adapter.cache_refusal is None and adapter.namespace.kv_dtype == "q4_0"
+        assert adapter.cache_refusal is None and adapter.namespace.kv_dtype == kv
+        assert adapter.flash_attn == (kv == "q4_0")
         prompts = [chat(system_prompts[1], QUESTIONS[0]), chat(system_prompts[1], QUESTIONS[0]),
                    chat(system_prompts[1], QUESTIONS[1])]
         uncached = EdgeSync(adapter, store=False)
@@ -172,11 +178,14 @@ def test_q4_0_exact_and_partial_match_uncached_q4_0(model, system_prompts, tmp_p
     assert [r.tier for r in results] == ["miss", "exact", "partial"]
     assert results[2].tokens_reused >= 256
     assert [r.tokens for r in results] == reference
-    fragments, _ = _fragments(tmp_path / "store", "q4_0")
+    fragments, _ = _fragments(tmp_path / "store", kv)
     ns = adapter.namespace
+    values, nbytes, dtype = ROW_BYTES[kv]
+    assert fragments
     for f in fragments.values():
         heads = (f.head_end or ns.n_head_kv) - f.head_start
-        assert f.keys.dtype == np.uint8 and f.keys.shape[-1] == heads * ns.head_dim // 32 * 18
+        assert f.keys.dtype == dtype and f.keys.nbytes == len(range(f.layer_start, f.layer_end, f.layer_stride)) * (
+            f.token_end - f.token_start) * heads * ns.head_dim // values * nbytes
 
 
 SWEEP_CUTS = (100, 255, 500, 511, 512, 513, 530, 700, 900)
