@@ -194,3 +194,26 @@ def test_user_llama_with_swa_full_is_cached(gemma, gemma_path, system_prompts, t
     assert miss.tier == "miss" and miss.fragments_written >= 2 and exact.tier == "exact"
     assert llama_prefilled(perf, exact.tokens) <= 1
     assert miss.tokens == exact.tokens == reference.tokens
+
+
+def test_layer_groups_and_chat_continuation(gemma, system_prompts, tmp_path):
+    """Fragments of 4 layers, so groups straddle the 3 + 15 split of the two cache parts; then a
+    chat continuation (the first answer and a new user turn after it) is a partial hit on the
+    first prompt and, asked again, an exact hit; every answer identical to the uncached one."""
+    from edgesync_engines.config import EdgeSyncConfig
+
+    config = EdgeSyncConfig.load({"layers_per_fragment": 4, "semantic": False, "jobs": False})
+    context = "\n\n".join(system_prompts[:2])
+    first, other = chat(context, "Hello, what can you do?"), chat(context, "Tell me a joke.")
+    uncached = EdgeSync(gemma, store=False)
+    with EdgeSync(gemma, store=tmp_path / "store", config=config) as es:
+        miss, exact, partial = (es.generate(p, max_tokens=MAX_TOKENS) for p in (first, first, other))
+        follow = first + [{"role": "assistant", "content": miss.text}, {"role": "user", "content": "And what else?"}]
+        continued, again = (es.generate(follow, max_tokens=MAX_TOKENS) for _ in range(2))
+    assert miss.fragments_written >= 10 and miss.fragments_written % 5 == 0  # 18 layers: groups 4,4,4,4,2
+    assert (miss.tier, exact.tier, partial.tier, continued.tier, again.tier) == (
+        "miss", "exact", "partial", "partial", "exact")
+    assert continued.tokens_reused >= miss.prompt_tokens - 128
+    assert miss.tokens == exact.tokens == uncached.generate(first, max_tokens=MAX_TOKENS).tokens
+    assert partial.tokens == uncached.generate(other, max_tokens=MAX_TOKENS).tokens
+    assert continued.tokens == again.tokens == uncached.generate(follow, max_tokens=MAX_TOKENS).tokens
