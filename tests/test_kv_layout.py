@@ -1,0 +1,177 @@
+"""kv_layout's pure logic, no model: the prefill's evaluation blocks (``prefill_blocks``), the
+sliding-window rows kept during a prefill (``SwaCapture``) and the namespace's layout string
+(``StateLayout.name``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture, prefill_blocks
+from edgesync_engines.adapters.seqstate import CachePart, SeqStateError
+
+F16 = 1
+Q8_0 = 8
+
+
+def _check_cover(plan: list[tuple[int, int]], n_past: int, n_prompt: int) -> None:
+    """The blocks cover n_past..n_prompt-1 in order, without gaps or overlaps, and the last
+    prompt token is evaluated alone."""
+    assert plan[0][0] == n_past
+    assert plan[-1] == (n_prompt - 1, n_prompt)
+    for (_, end), (start, _) in zip(plan, plan[1:]):
+        assert end == start
+    assert all(end > start for start, end in plan)
+
+
+@given(n_prompt=st.integers(2, 5000), data=st.data(), n_batch=st.integers(1, 1024))
+def test_blocks_without_window(n_prompt, data, n_batch):
+    n_past = data.draw(st.integers(0, n_prompt - 1))
+    assume(n_prompt - n_past != 2)  # a 2-token remainder is the one-token batch + the last token
+    plan = prefill_blocks(n_past, n_prompt, n_batch)
+    _check_cover(plan, n_past, n_prompt)
+    for start, end in plan[:-1]:
+        # one-token batches run other kernels: only the last prompt token is evaluated alone
+        assert 2 <= end - start <= max(n_batch, 2) + 1
+        assert end - start <= max(n_batch, 3)
+
+
+@given(n_prompt=st.integers(2, 5000), data=st.data(), n_batch=st.integers(1, 1024),
+       window=st.integers(3, 1024))
+def test_blocks_with_window(n_prompt, data, n_batch, window):
+    n_past = data.draw(st.integers(0, n_prompt - 1))
+    assume(n_prompt - n_past != 2)
+    plan = prefill_blocks(n_past, n_prompt, n_batch, window)
+    _check_cover(plan, n_past, n_prompt)
+    grid = max(min(n_batch, window), 2)
+    for i, (start, end) in enumerate(plan[:-1]):
+        assert end - start >= 2
+        # every cell of a block is still in the window once the block is evaluated
+        assert end - start <= window
+        on_grid = end % grid == 0
+        crossing = end - start == 2 and (start + 1) % grid == 0  # crosses the grid by one token
+        last_before_final = i == len(plan) - 2 and end == n_prompt - 1
+        one_short = end % grid == grid - 1 and plan[i + 1] == (end, end + 2)  # before a crossing
+        assert on_grid or crossing or last_before_final or one_short, (start, end, grid, plan)
+
+
+def test_blocks_examples():
+    assert prefill_blocks(0, 1, 512) == [(0, 1)]
+    assert prefill_blocks(0, 2, 512) == [(0, 1), (1, 2)]  # a 2-token prompt: the only 1-token batch
+    assert prefill_blocks(0, 700, 512) == [(0, 512), (512, 699), (699, 700)]
+    # a window of 512 on Gemma 3 with n_batch 512 and an injected prefix of 300 tokens: the first
+    # block ends on the grid, so its cells are all in the window when it is read
+    assert prefill_blocks(300, 1500, 512, 512) == [(300, 512), (512, 1024), (1024, 1499), (1499, 1500)]
+    # a remainder of one token is never left before the last prompt token
+    assert prefill_blocks(0, 514, 512, 512) == [(0, 511), (511, 513), (513, 514)]
+    assert prefill_blocks(511, 1000, 512, 512) == [(511, 513), (513, 999), (999, 1000)]
+
+
+def _part(start: int, end: int, n_layer: int = 2, width: int = 4) -> CachePart:
+    """A sliding-window part holding positions [start, end): K rows are position*10 + layer,
+    V rows their negatives, so every row says where it came from."""
+    pos = np.arange(start, end, dtype=np.int64)
+    k = [np.repeat((pos * 10 + layer)[:, None], width, axis=1).astype(np.float16) for layer in range(n_layer)]
+    v = [-a for a in k]
+    return CachePart(pos, None, k, v, F16, F16, 1)
+
+
+def _expected(start: int, end: int, n_layer: int = 2, width: int = 4) -> np.ndarray:
+    pos = np.arange(start, end)
+    return np.stack([np.repeat((pos * 10 + layer)[:, None], width, axis=1) for layer in range(n_layer)])
+
+
+def test_swa_capture_blocks_in_order():
+    cap = SwaCapture()
+    cap.add(_part(0, 8), 0, 8)
+    cap.add(_part(4, 16), 8, 16)  # the window dropped 0..3; rows 8..15 are new
+    cap.add(_part(10, 18), 12, 18)  # 12..15 are held already and skipped
+    assert cap.n_tokens == 18
+    k, v = cap.rows(0, 18)
+    assert k.shape == (2, 18, 4) and k.dtype == np.float16
+    np.testing.assert_array_equal(k, _expected(0, 18))
+    np.testing.assert_array_equal(v, -_expected(0, 18))
+    k, v = cap.rows(5, 9)
+    np.testing.assert_array_equal(k, _expected(5, 9))
+
+
+def test_swa_capture_refuses_gaps_and_rows_gone():
+    cap = SwaCapture()
+    cap.add(_part(0, 8), 0, 8)
+    with pytest.raises(SeqStateError, match="not in the window"):
+        cap.add(_part(12, 20), 8, 20)  # 8..11 already left the window
+    with pytest.raises(SeqStateError, match="not in the window"):
+        cap.add(_part(8, 12), 8, 14)  # the part does not hold 12..13 yet
+    assert cap.n_tokens == 8
+    with pytest.raises(SeqStateError, match="captured for 8 positions, not 9"):
+        cap.rows(0, 9)
+
+
+def test_swa_capture_truncate_seed_clear():
+    cap = SwaCapture()
+    cap.add(_part(0, 6), 0, 6)
+    cap.add(_part(0, 12), 6, 12)
+    cap.truncate(20)  # beyond what is held: nothing changes
+    assert cap.n_tokens == 12
+    cap.truncate(7)
+    assert cap.n_tokens == 7
+    np.testing.assert_array_equal(cap.rows(0, 7)[0], _expected(0, 7))
+    cap.add(_part(3, 10), 7, 10)  # the prefill goes on from the truncation point
+    np.testing.assert_array_equal(cap.rows(0, 10)[0], _expected(0, 10))
+    cap.truncate(0)
+    assert cap.n_tokens == 0
+    with pytest.raises(SeqStateError):
+        cap.rows(0, 1)
+    seeded = _expected(0, 5).astype(np.float16)
+    cap.seed(seeded, -seeded)  # an injected prefix of 5 tokens
+    cap.add(_part(0, 9), 5, 9)
+    np.testing.assert_array_equal(cap.rows(0, 9)[1], -_expected(0, 9))
+    cap.clear()
+    assert cap.n_tokens == 0
+
+
+def test_swa_capture_quantized_rows_are_bytes():
+    pos = np.arange(0, 4, dtype=np.int64)
+    rows = [np.arange(4 * 34, dtype=np.uint8).reshape(4, 34) + layer for layer in range(3)]
+    cap = SwaCapture()
+    cap.add(CachePart(pos, None, rows, rows, Q8_0, Q8_0, 0), 0, 4)
+    k, _ = cap.rows(1, 3)
+    assert k.dtype == np.uint8 and k.shape == (3, 2, 34)
+    np.testing.assert_array_equal(k[2], rows[2][1:3])
+
+
+def test_layout_name_single_part_is_the_plain_form():
+    """A single-part model (SmolLM2) keeps the layout string stores were written with, so its
+    existing fragments stay in the same namespace."""
+    smollm = StateLayout((30,), None, 0, False, False, F16, 1, 64)
+    assert smollm.name == f"{LAYOUT};v_trans=1" == "llama.cpp-seq-state/tokens-major-v1;v_trans=1"
+    flash = StateLayout((30,), None, 0, False, False, Q8_0, 0, 68)
+    assert flash.name == "llama.cpp-seq-state/tokens-major-v1;v_trans=0"
+
+
+def test_layout_name_two_parts_and_ranges():
+    gemma = StateLayout((3, 15), 1, 512, False, False, F16, 1, 256)
+    assert gemma.name == "llama.cpp-seq-state/tokens-major-v1;v_trans=1;parts=3+15;swa=512;swa_full=1"
+    assert gemma.part_range(0) == range(0, 3) and gemma.part_range(1) == range(3, 18)
+    other_split = StateLayout((6, 12), 1, 512, False, False, F16, 1, 256)
+    assert other_split.name != gemma.name  # fragments of another split never mix
+
+
+def test_layout_from_probe_and_to_parts():
+    parts = [_part(0, 2, n_layer=3), _part(0, 2, n_layer=15)]
+    layout = StateLayout.from_probe(parts, 18, 512, False)
+    assert layout.part_layers == (3, 15) and layout.swa_part == 1 and layout.width == 4
+    with pytest.raises(SeqStateError, match="18 layers, the model 20"):
+        StateLayout.from_probe(parts, 20, 512, False)
+    with pytest.raises(SeqStateError, match="not 2"):
+        StateLayout.from_probe(parts[:1], 3, 512, False)
+    with pytest.raises(SeqStateError, match="without a sliding window"):
+        StateLayout.from_probe(parts, 18, 0, False)
+    k = _expected(0, 5, n_layer=18).astype(np.float16)
+    out = layout.to_parts(k, -k, list(range(5)))
+    assert [p.n_layer for p in out] == [3, 15]
+    for p, rows in zip(out, (range(0, 3), range(3, 18))):
+        np.testing.assert_array_equal(p.pos, np.arange(5))  # every part holds 0..N-1
+        np.testing.assert_array_equal(np.stack(p.k), k[rows.start:rows.stop])
