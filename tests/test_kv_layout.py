@@ -9,7 +9,15 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from edgesync_engines.adapters.kv_layout import LAYOUT, StateLayout, SwaCapture, prefill_blocks
+from edgesync_engines.adapters.kv_layout import (
+    LAYOUT,
+    MIN_FIRST_BATCH,
+    ROW_GROUP,
+    StateLayout,
+    SwaCapture,
+    prefill_blocks,
+    usable_prefix,
+)
 from edgesync_engines.adapters.seqstate import CachePart, SeqStateError
 
 F16 = 1
@@ -26,47 +34,61 @@ def _check_cover(plan: list[tuple[int, int]], n_past: int, n_prompt: int) -> Non
     assert all(end > start for start, end in plan)
 
 
-@given(n_prompt=st.integers(2, 5000), data=st.data(), n_batch=st.integers(1, 1024))
-def test_blocks_without_window(n_prompt, data, n_batch):
+def _valid_injection(n: int, usable: int, block: int) -> bool:
+    """An injection point usable_prefix may return for an n-token prompt."""
+    end = n - 1
+    if usable in (0, end) or usable % block == 0:
+        return True
+    first = min(usable - usable % block + block, end) - usable
+    return usable % ROW_GROUP == 0 and first >= MIN_FIRST_BATCH
+
+
+@given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.integers(1, 1024))
+def test_blocks_end_on_the_grid(n_prompt, data, block):
     n_past = data.draw(st.integers(0, n_prompt - 1))
     assume(n_prompt - n_past != 2)  # a 2-token remainder is the one-token batch + the last token
-    plan = prefill_blocks(n_past, n_prompt, n_batch)
+    plan = prefill_blocks(n_past, n_prompt, block)
     _check_cover(plan, n_past, n_prompt)
-    for start, end in plan[:-1]:
-        # one-token batches run other kernels: only the last prompt token is evaluated alone
-        assert 2 <= end - start <= max(n_batch, 2) + 1
-        assert end - start <= max(n_batch, 3)
-
-
-@given(n_prompt=st.integers(2, 5000), data=st.data(), n_batch=st.integers(1, 1024),
-       window=st.integers(3, 1024))
-def test_blocks_with_window(n_prompt, data, n_batch, window):
-    n_past = data.draw(st.integers(0, n_prompt - 1))
-    assume(n_prompt - n_past != 2)
-    plan = prefill_blocks(n_past, n_prompt, n_batch, window)
-    _check_cover(plan, n_past, n_prompt)
-    grid = max(min(n_batch, window), 2)
+    grid = max(block, 2)
     for i, (start, end) in enumerate(plan[:-1]):
+        # one-token batches run other kernels: only the last prompt token is evaluated alone
         assert end - start >= 2
-        # every cell of a block is still in the window once the block is evaluated
-        assert end - start <= window
+        # so a window's cells are all still in it once a block is evaluated
+        assert end - start <= grid + 1
         on_grid = end % grid == 0
-        crossing = end - start == 2 and (start + 1) % grid == 0  # crosses the grid by one token
+        crossing = end - start in (2, 3) and (end - 1) // grid != start // grid
         last_before_final = i == len(plan) - 2 and end == n_prompt - 1
-        one_short = end % grid == grid - 1 and plan[i + 1] == (end, end + 2)  # before a crossing
+        one_short = end % grid == grid - 1 and i + 1 < len(plan) - 1
         assert on_grid or crossing or last_before_final or one_short, (start, end, grid, plan)
+
+
+@given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.sampled_from([64, 128, 512, 2048]))
+def test_usable_prefix_keeps_later_tokens_where_an_uncached_prefill_puts_them(n_prompt, data, block):
+    """The injection point is an exact hit, on the grid, or a multiple of ROW_GROUP with a first
+    batch of MIN_FIRST_BATCH or more; it is the largest such point within what is available,
+    and the prefill after it starts with one batch and then follows the uncached grid."""
+    available = data.draw(st.integers(0, n_prompt + 5))
+    usable = usable_prefix(available, n_prompt, block)
+    assert 0 <= usable <= min(available, n_prompt - 1)
+    assert _valid_injection(n_prompt, usable, block)
+    assert not any(_valid_injection(n_prompt, u, block) for u in range(usable + 1, min(available, n_prompt - 1) + 1))
+    uncached = prefill_blocks(0, n_prompt, block)
+    cached = prefill_blocks(usable, n_prompt, block)
+    assert cached[1:] == [b for b in uncached if b[0] >= cached[0][1]] or usable == n_prompt - 1
 
 
 def test_blocks_examples():
     assert prefill_blocks(0, 1, 512) == [(0, 1)]
     assert prefill_blocks(0, 2, 512) == [(0, 1), (1, 2)]  # a 2-token prompt: the only 1-token batch
     assert prefill_blocks(0, 700, 512) == [(0, 512), (512, 699), (699, 700)]
-    # a window of 512 on Gemma 3 with n_batch 512 and an injected prefix of 300 tokens: the first
-    # block ends on the grid, so its cells are all in the window when it is read
-    assert prefill_blocks(300, 1500, 512, 512) == [(300, 512), (512, 1024), (1024, 1499), (1499, 1500)]
+    # Gemma 3's window of 512 with an injected prefix of 296 tokens: the first block ends on the
+    # grid, so its cells are all in the window when it is read
+    assert prefill_blocks(296, 1500, 512) == [(296, 512), (512, 1024), (1024, 1499), (1499, 1500)]
     # a remainder of one token is never left before the last prompt token
-    assert prefill_blocks(0, 514, 512, 512) == [(0, 511), (511, 513), (513, 514)]
-    assert prefill_blocks(511, 1000, 512, 512) == [(511, 513), (513, 999), (999, 1000)]
+    assert prefill_blocks(0, 514, 512) == [(0, 511), (511, 513), (513, 514)]
+    assert usable_prefix(309, 323, 512) == 304 and usable_prefix(322, 323, 512) == 322
+    assert usable_prefix(500, 1300, 512) == 496 and usable_prefix(1000, 1300, 512) == 1000
+    assert usable_prefix(512, 1300, 512) == 512 and usable_prefix(515, 1300, 512) == 512
 
 
 def _part(start: int, end: int, n_layer: int = 2, width: int = 4) -> CachePart:
