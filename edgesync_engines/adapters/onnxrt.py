@@ -33,6 +33,7 @@ from edgesync_engines.adapters.model_files import (
     file_fingerprint,
 )
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
+from edgesync_engines.adapters.onnx_support import onnx_refusal
 from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
                 raise ModelNotFoundError(f"{path}: no such model file")
             if not is_gguf(path):
                 raise ModelLoadError(f"{path}: not a GGUF file (the onnx engine runs the export of a GGUF)")
+            refusal = onnx_refusal(path)
+            if refusal is not None:  # say why now, rather than ask for an export that would refuse
+                raise ExportError(f"the onnx engine cannot serve it: {refusal}")
             directory = export_dir(path)
             meta = read_meta(directory)
             if meta["source_fingerprint"] != file_fingerprint(path):
