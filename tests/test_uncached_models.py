@@ -167,7 +167,23 @@ def test_cli_on_a_file_that_is_not_a_gguf(command, tmp_path):
     args = ["generate", QUESTION] if command == "generate" else ["run", "seed", "--limit", "1"]
     line = _one_clear_line(_cli(bad, *args, "--store", str(tmp_path / "s"), timeout=120), "notes.gguf")
     assert line.startswith("error: cannot load the model: ")
+    assert line.endswith("notes.gguf: not a GGUF file (it does not start with the GGUF magic)")
     assert not (tmp_path / "s").exists()
+
+
+def test_adapter_names_what_is_wrong_with_a_model_file(mamba_path, tmp_path):
+    """llama.cpp's own message is only "Failed to load model": the header says what is wrong."""
+    from edgesync_engines.adapters.model_files import ModelLoadError
+
+    vocab_only = tmp_path / "vocab.gguf"
+    vocab_only.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))  # no tensors, no metadata
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(mamba_path.read_bytes()[:-4096])
+    for path, reason in ((tmp_path, "a directory, not a GGUF model file"),
+                         (vocab_only, "no general.architecture: not a model GGUF"),
+                         (cut, "truncated: its tensors need")):
+        with pytest.raises(ModelLoadError, match=f"^{path}: {reason}"):
+            LlamaCppAdapter(path, n_ctx=256)
 
 
 @pytest.mark.parametrize("command", ["generate", "run"])

@@ -200,3 +200,21 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
     align = align if isinstance(align, int) and align > 0 else DEFAULT_ALIGNMENT
     start = -(-cur.pos // align) * align
     return GGUFHeader(path, version, metadata, lengths, tensors, start + end if tensors else cur.pos, size)
+
+
+def not_a_model(h: GGUFHeader) -> str | None:
+    """Why the GGUF of header ``h`` is not a language model one can load (one line, without the
+    file name), or None: another ``general.type``, no architecture, no tensors or no token
+    embedding, or a file shorter than its tensors."""
+    kind = h.metadata.get("general.type")
+    if isinstance(kind, str) and kind != "model":
+        return f"a GGUF of type {kind!r}, not a model"
+    if h.architecture is None:
+        return "no general.architecture: not a model GGUF"
+    if not h.tensors:
+        return f"{h.architecture} GGUF with no tensors (a vocabulary-only file?), not a model"
+    if "token_embd.weight" not in h.tensors:
+        return f"{h.architecture} GGUF without token_embd.weight: not a language model"
+    if h.data_end > h.file_size:
+        return f"truncated: its tensors need {h.data_end} bytes, the file has {h.file_size}"
+    return None

@@ -23,17 +23,8 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters import kv_layout, llamacpp_model, seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.kv_layout import (
-    LAYOUT,
-    StateLayout,
-    SwaCapture,
-    prefill_blocks,
-    probe_layout,
-    usable_prefix,
-)
-from edgesync_engines.adapters.llamacpp_model import builtin_chat_prompt, builtin_template_for, memory_refusal
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -47,6 +38,7 @@ from edgesync_store.schema import Namespace
 log = logging.getLogger(__name__)
 
 ENGINE = "llama.cpp"
+LAYOUT = kv_layout.LAYOUT
 __all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "KV_TYPES", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
@@ -109,6 +101,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         self.lock = threading.RLock()
         if model is None or isinstance(model, (str, os.PathLike)):
             path = Path(model) if model is not None else default_model_path()
+            if path.is_dir():
+                raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
             if not path.is_file():
                 raise ModelNotFoundError(f"{path}: no such model file")
             try:
@@ -125,7 +119,8 @@ class LlamaCppAdapter(EngineAdapterBase):
                     swa_full=True,
                 )
             except ValueError as exc:  # llama-cpp-python's "Failed to load model / create context"
-                raise ModelLoadError(f"{path}: {exc} (n_ctx={n_ctx})") from None
+                problem = llamacpp_model.gguf_problem(path)
+                raise ModelLoadError(f"{path}: {problem}" if problem else f"{path}: {exc} (n_ctx={n_ctx})") from None
             self.model_path = path
             self._owns_llm = True
         else:
@@ -142,8 +137,11 @@ class LlamaCppAdapter(EngineAdapterBase):
         )
         self._ctx = self.llm.ctx
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        if not self._mem or not llama_cpp.llama_model_has_decoder(self.llm.model):
+            self.close()
+            raise ModelLoadError(f"{self.model_path}: no decoder KV memory (an embedding or encoder-only model)")
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
-        self._swa = SwaCapture()
+        self._swa = kv_layout.SwaCapture()
         self._probe()
 
     @property
@@ -161,16 +159,17 @@ class LlamaCppAdapter(EngineAdapterBase):
         :attr:`cache_refusal` to the reason, logs it once as a warning, and leaves
         :attr:`namespace` None: the engine still answers, uncached."""
         self.namespace = None
-        self._layout: StateLayout | None = None
-        self.cache_refusal = memory_refusal(self._llama_cpp, self.llm, KV_TYPES)
+        self._layout: kv_layout.StateLayout | None = None
+        self.cache_refusal = llamacpp_model.memory_refusal(self._llama_cpp, self.llm, KV_TYPES)
         if self.cache_refusal is None:
             self.clear_kv_cache()
             try:
                 # two cells, so a 2D cell position (M-RoPE) shows in the second one
                 self.llm.eval([self.llm.token_eos()] * 2)
-                self._layout = probe_layout(self._get_state(), int(self._llama_cpp.llama_model_n_layer(self.llm.model)),
-                                            int(self._llama_cpp.llama_model_n_swa(self.llm.model)),
-                                            lambda ext: self._swa_part_now(ext)[0])
+                model = self.llm.model
+                self._layout = kv_layout.probe_layout(
+                    self._get_state(), int(self._llama_cpp.llama_model_n_layer(model)),
+                    int(self._llama_cpp.llama_model_n_swa(model)), lambda ext: self._swa_part_now(ext)[0])
                 self.namespace = self._probed_namespace(self._layout)
             except ValueError as exc:  # SeqStateError, or a geometry Namespace refuses
                 self._layout = None
@@ -182,7 +181,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         else:
             log.debug("llama.cpp KV layout: %s", self.namespace)
 
-    def _probed_namespace(self, layout: StateLayout) -> Namespace:
+    def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
         """The namespace of a probed layout (K/V type, V layout, cache parts, geometry).
 
         Raises:
@@ -245,16 +244,14 @@ class LlamaCppAdapter(EngineAdapterBase):
         if self.llm.metadata.get("tokenizer.chat_template"):
             return super().apply_chat_template(messages)
         arch = self.llm.metadata.get("general.architecture", "?")
-        name = builtin_template_for(self._llama_cpp, arch)
+        name = llamacpp_model.builtin_template_for(self._llama_cpp, arch)
         if name is None:
             return super().apply_chat_template(messages)  # raises: no template
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
+        llamacpp_model.check_messages(messages)
         if not getattr(self, "_builtin_logged", False):
             log.info("%s has no chat template: using llama.cpp's built-in %r", self.model_path.name, name)
             self._builtin_logged = True
-        return builtin_chat_prompt(self._llama_cpp, name, messages)
+        return llamacpp_model.builtin_chat_prompt(self._llama_cpp, name, messages)
 
     def _chat_template(self) -> tuple[str, str, str]:
         """The GGUF's ``tokenizer.chat_template`` with its EOS and BOS texts.
@@ -345,13 +342,13 @@ class LlamaCppAdapter(EngineAdapterBase):
         """How many of ``available`` stored prompt tokens to inject for a prompt of
         ``n_prompt`` tokens so the result is bit-identical to an uncached run
         (:func:`~edgesync_engines.adapters.kv_layout.usable_prefix`)."""
-        return usable_prefix(available, n_prompt, self._block_tokens())
+        return kv_layout.usable_prefix(available, n_prompt, self._block_tokens())
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
         """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
         batches of 2..n_batch tokens up to the last prompt token, then that token alone
         (see :meth:`usable_prefix`; :func:`~edgesync_engines.adapters.kv_layout.prefill_blocks`)."""
-        return prefill_blocks(n_past, n_prompt, self._block_tokens())
+        return kv_layout.prefill_blocks(n_past, n_prompt, self._block_tokens())
 
     def _block_tokens(self) -> int:
         """The prefill's block grid: ``n_batch``, or the window when it is shorter."""

@@ -10,6 +10,7 @@ import re
 from typing import Mapping, Sequence
 
 from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.gguf_header import GGUFHeaderError, not_a_model, read_header
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +73,24 @@ def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str
             return buf.raw[:n].decode("utf-8", "replace")
         size = n + 1
     raise ValueError(f"chat template {template!r}: the prompt did not fit the buffer")
+
+
+def gguf_problem(path) -> str | None:
+    """What is wrong with a file llama.cpp refused to load, from its GGUF header alone (no
+    magic, a bad version, truncated, no tensors, not a model), or None when the header looks
+    like a model's (then llama.cpp's own message is all there is)."""
+    try:
+        return not_a_model(read_header(path))
+    except GGUFHeaderError as exc:
+        text = str(exc)
+        return text[len(f"{path}: "):] if text.startswith(f"{path}: ") else text
+    except OSError as exc:
+        return f"cannot read it ({exc.strerror or exc})"
+
+
+def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    """Raise ValueError naming the first chat message that is not a dict of 'role' and
+    'content' strings."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")

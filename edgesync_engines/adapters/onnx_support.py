@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from edgesync_engines.adapters.gguf_header import GGUFHeader, GGUFHeaderError, read_header
+from edgesync_engines.adapters.gguf_header import GGUFHeader, GGUFHeaderError, not_a_model, read_header
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 """``general.architecture`` values the ONNX export handles (see the module docstring)."""
@@ -39,21 +39,6 @@ SUPPORTED_TOKENIZERS = ("gpt2",)
 """``tokenizer.ggml.model`` values the onnxrt adapter serves: byte-level BPE."""
 NO_ROPE_SCALING = (None, "none")
 """``<arch>.rope.scaling.type`` values that mean no scaling."""
-
-
-def _not_a_model(h: GGUFHeader) -> str | None:
-    kind = h.metadata.get("general.type")
-    if isinstance(kind, str) and kind != "model":
-        return f"a GGUF of type {kind!r}, not a model"
-    if h.architecture is None:
-        return "no general.architecture: not a model GGUF"
-    if not h.tensors:
-        return f"{h.architecture} GGUF with no tensors (a vocabulary-only file?), not a model"
-    if "token_embd.weight" not in h.tensors:
-        return f"{h.architecture} GGUF without token_embd.weight: not a language model"
-    if h.data_end > h.file_size:
-        return f"truncated: its tensors need {h.data_end} bytes, the file has {h.file_size}"
-    return None
 
 
 def _unsupported(h: GGUFHeader) -> str | None:
@@ -87,7 +72,7 @@ def _unsupported(h: GGUFHeader) -> str | None:
 def onnx_refusal_of(header: GGUFHeader) -> str | None:
     """Why the ONNX engine cannot export or serve the model of ``header`` (one line, without
     the file name), or None when it can."""
-    return _not_a_model(header) or _unsupported(header)
+    return not_a_model(header) or _unsupported(header)
 
 
 def onnx_refusal(gguf_path: str | os.PathLike) -> str | None:

@@ -47,7 +47,8 @@ def _workload_name(text: str) -> str:
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-type", choices=KV_TYPES, help="llama.cpp K/V cache type (default: EDGESYNC_KV_TYPE or f16)")
+    p.add_argument("--kv-type", type=str.lower, choices=KV_TYPES,
+                   help="llama.cpp K/V cache type (default: EDGESYNC_KV_TYPE or f16)")
     p.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
     p.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
     p.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
