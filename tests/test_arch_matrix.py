@@ -23,6 +23,7 @@ import pytest
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
+from tests.llama_counts import chat, llama_prefilled
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -34,24 +35,6 @@ ADAPTER_LOG = "edgesync_engines.adapters.llamacpp"
 MAX_TOKENS = 16
 N_CTX = 1024
 QUESTIONS = ("How do I improve my English?", "What is the best way to learn the periodic table?")
-
-
-def chat(system: str, user: str) -> list[dict]:
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def decode_steps(generated: list[int]) -> int:
-    """Tokens decoding evaluated: every generated token but the last one when max_tokens
-    (not an end-of-generation token) stopped the request."""
-    return len(generated) - (len(generated) == MAX_TOKENS)
-
-
-def llama_prefilled(perf: dict, generated: list[int]) -> int:
-    """Prompt tokens llama.cpp evaluated, from its perf counters (``adapter.perf_counts``):
-    n_p_eval counts tokens of multi-token batches (it reports 0 as 1, and a multi-token batch
-    is never 1 token), n_eval single-token evaluations, decode steps included."""
-    n_p_eval = perf["n_p_eval"] if perf["n_p_eval"] > 1 else 0
-    return n_p_eval + perf["n_eval"] - decode_steps(generated)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +65,7 @@ def answer(es: EdgeSync, prompt) -> tuple:
     """The result of one request and the prompt tokens llama.cpp evaluated for it."""
     es.adapter.reset_perf()
     result = es.generate(prompt, max_tokens=MAX_TOKENS)
-    return result, llama_prefilled(es.adapter.perf_counts(), result.tokens)
+    return result, llama_prefilled(es.adapter.perf_counts(), result.tokens, MAX_TOKENS)
 
 
 def uncached_answers(adapter: LlamaCppAdapter, prompts) -> list[list[int]]:

@@ -26,6 +26,7 @@ from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.model_files import gemma3_model_path
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.schema import common_prefix_len
+from tests.llama_counts import chat, llama_prefilled
 
 ROOT = Path(__file__).resolve().parents[1]
 N_CTX = 2048
@@ -33,24 +34,6 @@ MAX_TOKENS = 12
 CONTEXT_TOKENS = 1500
 QUESTIONS = ("Which of these apps would help me most before an exam? Answer briefly.",
              "Summarise what the travel app does in two sentences.")
-
-
-def chat(system: str, user: str) -> list[dict]:
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def decode_steps(generated: list[int]) -> int:
-    """Tokens decoding evaluated: every generated token but the last one when max_tokens
-    (not an end-of-generation token) stopped the request."""
-    return len(generated) - (len(generated) == MAX_TOKENS)
-
-
-def llama_prefilled(perf: dict, generated: list[int]) -> int:
-    """Prompt tokens llama.cpp evaluated, from ``adapter.perf_counts()``: n_p_eval counts
-    tokens of multi-token batches (it reports 0 as 1; such a batch is never 1 token), n_eval
-    single-token evaluations, decode steps included."""
-    n_p_eval = perf["n_p_eval"] if perf["n_p_eval"] > 1 else 0
-    return n_p_eval + perf["n_eval"] - decode_steps(generated)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +128,7 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
         k = common_prefix_len(es.prompt_tokens(first), es.prompt_tokens(second))
     assert miss.prompt_tokens >= CONTEXT_TOKENS and k >= CONTEXT_TOKENS - 100
     assert miss.tier == "miss" and miss.tokens_reused == 0 and miss.fragments_written >= 2
-    assert llama_prefilled(miss_perf, miss.tokens) == miss.prompt_tokens
+    assert llama_prefilled(miss_perf, miss.tokens, MAX_TOKENS) == miss.prompt_tokens
     assert miss.tokens == reference[0].tokens
 
     requests = tmp_path / "requests.json"
@@ -158,7 +141,7 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
     exact, partial = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
     assert exact["tier"] == "exact" and exact["tokens_reused"] == exact["prompt_tokens"] - 1
-    assert llama_prefilled(exact["perf"], exact["tokens"]) <= 1
+    assert llama_prefilled(exact["perf"], exact["tokens"], MAX_TOKENS) <= 1
     assert exact["bytes_read"] > 0
     assert exact["tokens"] == reference[0].tokens
 
@@ -167,7 +150,8 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
     assert partial["tier"] == "partial"
     assert k >= partial["tokens_reused"] >= k - 128
     assert partial["tokens_reused"] > 1024
-    assert llama_prefilled(partial["perf"], partial["tokens"]) == partial["prompt_tokens"] - partial["tokens_reused"]
+    prefilled = llama_prefilled(partial["perf"], partial["tokens"], MAX_TOKENS)
+    assert prefilled == partial["prompt_tokens"] - partial["tokens_reused"]
     assert partial["tokens"] == reference[1].tokens
 
 
@@ -192,7 +176,7 @@ def test_user_llama_with_swa_full_is_cached(gemma, gemma_path, system_prompts, t
         exact = es.generate(prompt, max_tokens=MAX_TOKENS)
         perf = gemma.perf_counts()
     assert miss.tier == "miss" and miss.fragments_written >= 2 and exact.tier == "exact"
-    assert llama_prefilled(perf, exact.tokens) <= 1
+    assert llama_prefilled(perf, exact.tokens, MAX_TOKENS) <= 1
     assert miss.tokens == exact.tokens == reference.tokens
 
 
