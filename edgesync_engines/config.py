@@ -34,8 +34,10 @@ from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
 ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
-REUSE_MODES = ("exact", "semantic")
-"""``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode."""
+REUSE_MODES = ("exact", "semantic", "blend")
+"""``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode;
+``blend``: documents' stored KV placed at their new positions with a share recomputed
+(approximate, ``request/blend.py``)."""
 EMBEDDING_BACKENDS = tuple(BACKENDS)
 """Embedders of ``edgesync_store.semantic.embedders``: ``onnx``, ``sentence-transformers``."""
 MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
@@ -201,7 +203,16 @@ SETTINGS: tuple[Setting, ...] = (
             check=_one_of(EMBEDDING_BACKENDS)),
     Setting("reuse", str, "exact", "EDGESYNC_REUSE", _name,
             "`exact`: inject only token-identical KV (answers equal uncached runs); `semantic`: also serve "
-            "a donor at `similarity_exact` whole (approximate answers)", check=_one_of(REUSE_MODES)),
+            "a donor at `similarity_exact` whole (approximate answers); `blend`: place documents' stored KV at "
+            "their positions in the prompt, recomputing `blend_recompute` of it (approximate answers)",
+            check=_one_of(REUSE_MODES)),
+    Setting("document_header", str, "none", "EDGESYNC_DOCUMENT_HEADER", _name,
+            "what a new document's KV is computed after: `none` (standalone) or `chat` (the chat template's "
+            "default system part)", check=_one_of(("none", "chat"))),
+    Setting("blend_recompute", float, 0.15, "EDGESYNC_BLEND_RECOMPUTE", float,
+            "share of each document's tokens, from its start, recomputed against the assembled prompt in "
+            "`blend` mode (0 to 1)",
+            check=lambda v: None if math.isfinite(v) and 0 <= v <= 1 else f"must be in [0, 1], got {v}"),
     Setting("similarity_exact", float, 0.92, "EDGESYNC_SIMILARITY_EXACT", float,
             "cosine at or above which the approximate mode serves a donor whole", check=_unit_interval),
     Setting("similarity_partial", float, 0.75, "EDGESYNC_SIMILARITY_PARTIAL", float,

@@ -19,6 +19,10 @@ that hits, expiry and eviction never read or rewrite a blob. Layout (little-endi
     hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8 (0 short, 1 long)
     | nbytes u64 (the stored blob) | raw_nbytes u64 (K + V before compression)
 
+A third tier, **document** (code 2), holds the fragments of documents an application added
+(``edgesync_store.documents``): ``expires_at`` is +inf, so the TTL never expires them; hits
+keep them there; eviction takes them last; they leave when their document is removed.
+
 Store format 1 wrote only the first three fields (``<Idd``, 20 bytes); :meth:`Lifecycle.unpack`
 reads both, and ``migrations/m0002_lifecycle_v2.py`` rewrites the old ones.
 """
@@ -32,7 +36,8 @@ from typing import Callable
 
 from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
-__all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFETIMES", "LIFETIME_LONG",
+__all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFETIMES", "LIFETIME_DOCUMENT",
+           "LIFETIME_LONG",
            "LIFETIME_SHORT", "LONG_TTL_SECONDS", "Lifecycle", "ManualClock", "PROMOTE_HITS", "TTLPolicy",
            "merged_counters", "sweep"]
 
@@ -40,7 +45,9 @@ LIFETIME_SHORT = "short"
 """The lifetime tier of a new fragment (``ttl_seconds``); the value is what JSON reports show."""
 LIFETIME_LONG = "long"
 """The lifetime tier of a promoted fragment (``long_ttl_seconds`` after each hit)."""
-LIFETIMES = (LIFETIME_SHORT, LIFETIME_LONG)
+LIFETIME_DOCUMENT = "document"
+"""The lifetime tier of a document's fragments: never expired, evicted last."""
+LIFETIMES = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT)
 PROMOTE_HITS = 5
 """Hits that move a fragment to the long-lived tier."""
 LONG_TTL_SECONDS = 7 * 24 * 3600
@@ -51,8 +58,8 @@ Clock = Callable[[], float]
 
 LIFECYCLE_V1 = struct.Struct("<Idd")
 LIFECYCLE_V2 = struct.Struct("<IdddBQQ")
-_LIFETIME_CODES = {LIFETIME_SHORT: 0, LIFETIME_LONG: 1}
-_LIFETIME_NAMES = {0: LIFETIME_SHORT, 1: LIFETIME_LONG}
+_LIFETIME_CODES = {LIFETIME_SHORT: 0, LIFETIME_LONG: 1, LIFETIME_DOCUMENT: 2}
+_LIFETIME_NAMES = {code: name for name, code in _LIFETIME_CODES.items()}
 
 
 class ManualClock:
@@ -90,7 +97,7 @@ class Lifecycle:
         last_hit_at: Unix seconds of the last hit (0.0: never hit).
         expires_at: Unix seconds after which the fragment is never served.
         created_at: Unix seconds the fragment was written (0.0: unknown, format-1 record).
-        lifetime: the lifetime tier, ``"short"`` or ``"long"``.
+        lifetime: the lifetime tier, ``"short"``, ``"long"`` or ``"document"``.
         nbytes: bytes of the stored blob (compressed; what the size budget counts).
         raw_nbytes: bytes of K + V before compression.
     """
@@ -157,6 +164,8 @@ class TTLPolicy:
         and extend a long-lived fragment's expiry to ``now + long_ttl_seconds``."""
         life.hit_count += 1
         life.last_hit_at = now
+        if life.lifetime == LIFETIME_DOCUMENT:
+            return life
         if life.lifetime == LIFETIME_LONG or life.hit_count >= self.promote_hits:
             life.lifetime = LIFETIME_LONG
             life.expires_at = max(life.expires_at, now + self.long_ttl_seconds)
@@ -166,6 +175,9 @@ class TTLPolicy:
         """The record of a fragment that replaces ``parts`` (:func:`merged_counters`), in the
         long-lived tier when any part was long-lived or the hits reach ``promote_hits``."""
         hits, last_hit, expires, created = merged_counters(parts, sum_hits)
+        if any(p.lifetime == LIFETIME_DOCUMENT for p in parts):
+            return Lifecycle(hit_count=hits, last_hit_at=last_hit, expires_at=float("inf"), created_at=created,
+                             lifetime=LIFETIME_DOCUMENT, nbytes=nbytes, raw_nbytes=raw_nbytes)
         was_long = any(p.lifetime == LIFETIME_LONG for p in parts)
         lifetime = LIFETIME_LONG if hits >= self.promote_hits or was_long else LIFETIME_SHORT
         if lifetime == LIFETIME_LONG and not was_long:

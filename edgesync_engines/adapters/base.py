@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 
@@ -88,6 +88,42 @@ class EngineAdapterBase(abc.ABC):
     _chat_formatter = None  # built on first use: the Jinja2 template compiles once
     cache_refusal: str | None = None
     """Why this engine's KV cannot be cached (None: it can); see the protocol."""
+    blend_refusal: str | None = "this engine cannot move stored KV to another position"
+    """Why stored KV cannot be placed at another position here (None: :meth:`place_kv` and
+    :meth:`recompute` work); see the protocol."""
+
+    def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int],
+                 at: int, tokens: Sequence[int]) -> None:
+        """Add stored KV at another position (only where :attr:`blend_refusal` is None).
+
+        Raises:
+            InjectionError: always here (the engine cannot).
+        """
+        raise InjectionError(self.blend_refusal or "place_kv: not supported")
+
+    def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Re-evaluate live positions against the cells before them (see :meth:`place_kv`).
+
+        Raises:
+            InjectionError: always here (the engine cannot).
+        """
+        raise InjectionError(self.blend_refusal or "recompute: not supported")
+
+    def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
+        """Evaluate ``tokens[n_past:]`` on top of the live ``tokens[:n_past]`` in
+        :meth:`prefill_plan`'s batches, sampling nothing (the live sequence then holds all of
+        ``tokens``).
+
+        Raises:
+            ContextOverflowError: more tokens than the context holds.
+            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence that does
+                not hold ``tokens[:n_past]``.
+        """
+        if len(tokens) > self.n_ctx:
+            raise ContextOverflowError(len(tokens), 0, self.n_ctx)
+        self._resume(tokens, n_past)
+        for start, end in self.prefill_plan(n_past, len(tokens)):
+            self._eval_batch(tokens[start:end])
 
     # -- engine hooks -------------------------------------------------------------------
 

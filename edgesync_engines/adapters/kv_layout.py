@@ -24,6 +24,7 @@ import numpy as np
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.seqstate import CachePart, SeqStateError
+from edgesync_store.schema import Namespace
 
 LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
 """Name of the fragment tensor layout: per layer [tokens, heads*head_dim] rows."""
@@ -88,6 +89,34 @@ class StateLayout:
         if self.cell_ext:
             name += f";cell_ext={'2d' if self.pos_2d else 'tok'}"
         return name
+
+    def namespace(self, n_head_kv: int, **fields) -> Namespace:
+        """The namespace of KV in this layout for a model with ``n_head_kv`` KV heads;
+        ``fields`` are the rest (``model_fingerprint``, ``engine``, ``engine_version``,
+        ``flash_attn``).
+
+        Raises:
+            SeqStateError: rows that do not split into ``n_head_kv`` heads of whole blocks.
+        """
+        t = seqstate.ggml_type(self.type_kv)
+        elements = self.width * np.dtype(t.dtype).itemsize // t.block_bytes * t.block
+        if elements % n_head_kv or (elements // n_head_kv) % t.block:
+            raise SeqStateError(f"probe: row of {elements} {t.name} values, {n_head_kv} KV heads")
+        return Namespace(kv_dtype=t.name, layout=self.name, n_layer=sum(self.part_layers), n_head_kv=n_head_kv,
+                         head_dim=elements // n_head_kv, **fields)
+
+    def blend_refusal(self) -> str | None:
+        """Why KV in this layout cannot be moved to another position (None: it can). A
+        sliding-window part keeps only the window's cells of a sequence, cells with an
+        extension carry their position twice (M-RoPE), and a quantized K would be shifted
+        through a lossy round trip."""
+        if self.swa_part is not None:
+            return "a sliding-window KV cache (its window part cannot hold documents moved to new positions)"
+        if self.cell_ext:
+            return "cells with a position extension (M-RoPE)"
+        if seqstate.ggml_type(self.type_kv).quantized:
+            return f"a quantized KV cache ({seqstate.ggml_type(self.type_kv).name})"
+        return None
 
     def part_range(self, i: int) -> range:
         """Canonical layer indices of part ``i``."""

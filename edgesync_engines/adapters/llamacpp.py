@@ -23,7 +23,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters import kv_layout, llamacpp_model, seqstate
+from edgesync_engines.adapters import kv_layout, llamacpp_blend, llamacpp_model, seqstate
 from edgesync_engines.adapters.base import EngineAdapterBase
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
@@ -106,18 +106,19 @@ class LlamaCppAdapter(EngineAdapterBase):
             if not path.is_file():
                 raise ModelNotFoundError(f"{path}: no such model file")
             try:
-                self.llm = llama_cpp.Llama(
-                    model_path=str(path),
-                    n_ctx=n_ctx,
-                    n_threads=n_threads or os.cpu_count() or 1,
-                    n_threads_batch=n_threads or os.cpu_count() or 1,
-                    flash_attn=flash_attn,
-                    verbose=verbose,
-                    seed=seed,
-                    type_k=type_kv.code,
-                    type_v=type_kv.code,
-                    swa_full=True,
-                )
+                with llamacpp_blend.two_sequence_params(llama_cpp):
+                    self.llm = llama_cpp.Llama(
+                        model_path=str(path),
+                        n_ctx=n_ctx,
+                        n_threads=n_threads or os.cpu_count() or 1,
+                        n_threads_batch=n_threads or os.cpu_count() or 1,
+                        flash_attn=flash_attn,
+                        verbose=verbose,
+                        seed=seed,
+                        type_k=type_kv.code,
+                        type_v=type_kv.code,
+                        swa_full=True,
+                    )
             except ValueError as exc:  # llama-cpp-python's "Failed to load model / create context"
                 problem = llamacpp_model.gguf_problem(path)
                 raise ModelLoadError(f"{path}: {problem}" if problem else f"{path}: {exc} (n_ctx={n_ctx})") from None
@@ -180,30 +181,18 @@ class LlamaCppAdapter(EngineAdapterBase):
             log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
         else:
             log.debug("llama.cpp KV layout: %s", self.namespace)
+        self.blend_refusal = self.cache_refusal or self._layout.blend_refusal() or (
+            None if self.llm.context_params.n_seq_max >= 2 and self.llm.context_params.kv_unified
+            else "the Llama was opened with one sequence (blending needs n_seq_max >= 2, kv_unified)")
+        self._scratch = llamacpp_blend.ScratchSequence(self._llama_cpp, self._ctx, self._mem, self.llm.n_batch)
 
     def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
-        """The namespace of a probed layout (K/V type, V layout, cache parts, geometry).
-
-        Raises:
-            seqstate.SeqStateError: widths that do not split into the model's KV heads.
-        """
-        llama_cpp = self._llama_cpp
-        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self.llm.model))
-        t = seqstate.ggml_type(layout.type_kv)
-        elements = layout.width * np.dtype(t.dtype).itemsize // t.block_bytes * t.block
-        if elements % n_head_kv or (elements // n_head_kv) % t.block:
-            raise seqstate.SeqStateError(f"probe: row of {elements} {t.name} values, {n_head_kv} KV heads")
-        return Namespace(
-            model_fingerprint=file_fingerprint(self.model_path),
-            engine=ENGINE,
-            engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
-            kv_dtype=t.name,
-            flash_attn=self.flash_attn,
-            layout=layout.name,
-            n_layer=sum(layout.part_layers),
-            n_head_kv=n_head_kv,
-            head_dim=elements // n_head_kv,
-        )
+        """The namespace of a probed layout (``StateLayout.namespace``)."""
+        c = self._llama_cpp
+        return layout.namespace(
+            int(c.llama_model_n_head_kv(self.llm.model)), model_fingerprint=file_fingerprint(self.model_path),
+            engine=ENGINE, engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
+            flash_attn=self.flash_attn)
 
     def _get_state(self, flags: int = 0) -> bytes:
         """The sequence's state, ``llama_state_seq_get_data_ext`` (layout: ``seqstate``);
@@ -218,16 +207,14 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def _swa_part_now(self, ext_bytes: int | None = None) -> list[seqstate.CachePart]:
         """The live sliding-window part alone (a list of one part)."""
-        if ext_bytes is None:
-            ext_bytes = seqstate.CELL_EXT_BYTES if self._layout.cell_ext else 0
-        return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext_bytes)
+        ext = (seqstate.CELL_EXT_BYTES if self._layout.cell_ext else 0) if ext_bytes is None else ext_bytes
+        return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext)
 
-    # -- tokens and text --------------------------------------------------------------------
-
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         """Token IDs of ``text``; chat markers such as ``<|im_start|>`` are parsed as special
-        tokens; a BOS is added only when the model asks for one (SmolLM2 does not)."""
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+        tokens unless ``special`` is False; a BOS is added only when ``add_bos`` and the model
+        asks for one (SmolLM2 does not)."""
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
@@ -236,35 +223,24 @@ class LlamaCppAdapter(EngineAdapterBase):
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         """Render chat messages with the GGUF's ``tokenizer.chat_template`` (see the base
         class) or, for a GGUF that has none, with llama.cpp's built-in template of the model's
-        architecture (e.g. ``gemma`` for Gemma 3), ending with the assistant prompt.
+        architecture (``llamacpp_model.builtin_template_for``), ending with the assistant prompt.
 
         Raises:
             ValueError: no template at all, or a message lacks role/content.
         """
-        if self.llm.metadata.get("tokenizer.chat_template"):
-            return super().apply_chat_template(messages)
-        arch = self.llm.metadata.get("general.architecture", "?")
-        name = llamacpp_model.builtin_template_for(self._llama_cpp, arch)
+        name = None
+        if not self.llm.metadata.get("tokenizer.chat_template"):
+            name = llamacpp_model.builtin_template_for(self._llama_cpp, self.llm.metadata.get("general.architecture"))
         if name is None:
-            return super().apply_chat_template(messages)  # raises: no template
-        llamacpp_model.check_messages(messages)
-        if not getattr(self, "_builtin_logged", False):
-            log.info("%s has no chat template: using llama.cpp's built-in %r", self.model_path.name, name)
-            self._builtin_logged = True
-        return llamacpp_model.builtin_chat_prompt(self._llama_cpp, name, messages)
+            return super().apply_chat_template(messages)  # raises when there is no template at all
+        return llamacpp_model.builtin_chat_prompt(self._llama_cpp, name, messages, self.model_path.name)
 
     def _chat_template(self) -> tuple[str, str, str]:
-        """The GGUF's ``tokenizer.chat_template`` with its EOS and BOS texts.
-
-        Raises:
-            ValueError: the GGUF has no chat template.
-        """
         template = self.llm.metadata.get("tokenizer.chat_template")
         if not template:
             raise ValueError(f"{self.model_path.name}: the GGUF has no tokenizer.chat_template")
-        eos = self.detokenize([self.llm.token_eos()])
         bos = self.detokenize([self.llm.token_bos()]) if self.llm.token_bos() >= 0 else ""
-        return template, eos, bos
+        return template, self.detokenize([self.llm.token_eos()]), bos
 
     # -- the live sequence ------------------------------------------------------------------
 
@@ -338,6 +314,38 @@ class LlamaCppAdapter(EngineAdapterBase):
             rows = layout.part_range(layout.swa_part)
             self._swa.seed(k[rows.start:rows.stop], v[rows.start:rows.stop])
 
+    def place_kv(self, fragments, chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
+                 tokens: Sequence[int]) -> None:
+        """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
+        ``chain_tokens`` from 0) to the live sequence at ``at..`` (``ScratchSequence.place``;
+        needs ``blend_refusal`` None); ``tokens[at:]`` must start with the kept chain tokens.
+
+        Raises:
+            ValueError: see :meth:`assemble`, or kept tokens that differ from ``tokens``.
+            InjectionError: llama.cpp refused the state (the live sequence is unchanged).
+        """
+        start, end = keep
+        if list(chain_tokens[start:end]) != list(tokens[at:at + end - start]):
+            raise ValueError(f"place_kv: the kept chain tokens differ from the prompt's at {at}")
+        k, v = self.assemble(fragments, end, chain_tokens)
+        buf = seqstate.serialize_parts(self._layout.to_parts(k, v, chain_tokens), llamacpp_blend.SCRATCH_SEQ)
+        self._scratch.place(buf, end, start, end, at)
+        self._mark_live(tokens, at, at + end - start)
+
+    def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Evaluate ``tokens[start:end]`` again against the live cells before ``start`` and make
+        them the live KV there (``llamacpp_blend.ScratchSequence.recompute``).
+
+        Raises:
+            InjectionError: llama.cpp failed the decode (the old cells stay).
+        """
+        self._scratch.recompute(tokens, start, end)
+        self._mark_live(tokens, start, end)
+
+    def _mark_live(self, tokens: Sequence[int], start: int, end: int) -> None:
+        self.llm.input_ids[start:end] = np.asarray(tokens[start:end], dtype=self.llm.input_ids.dtype)
+        self.llm.n_tokens = max(self.llm.n_tokens, end)
+
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """How many of ``available`` stored prompt tokens to inject for a prompt of
         ``n_prompt`` tokens so the result is bit-identical to an uncached run
@@ -386,10 +394,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         return self.llm.detokenize([token])
 
     def perf_counts(self) -> dict:
-        """llama.cpp's own counters since the last reset: ``n_p_eval`` (tokens evaluated in
-        multi-token batches) and ``n_eval`` (single-token evaluations), as
-        ``llama_perf_context`` reports them (it reports 0 as 1: ``std::max(1, n)`` in
-        ``src/llama-context.cpp``)."""
+        """llama.cpp's counters since the last reset (``llama_perf_context``, which reports 0
+        as 1): ``n_p_eval`` (tokens in multi-token batches), ``n_eval`` (one-token evaluations)."""
         data = self._llama_cpp.llama_perf_context(self._ctx)
         return {"n_p_eval": int(data.n_p_eval), "n_eval": int(data.n_eval)}
 

@@ -44,9 +44,11 @@ def builtin_templates(llama_cpp) -> list[str]:
     return [name.decode() for name in names]
 
 
-def builtin_template_for(llama_cpp, arch: str) -> str | None:
+def builtin_template_for(llama_cpp, arch: str | None) -> str | None:
     """The built-in template named after the model's architecture (``gemma3`` -> ``gemma``,
     ``llama`` -> ``llama2``... only exact or digit-stripped names), None when there is none."""
+    if not arch:
+        return None
     names = builtin_templates(llama_cpp)
     for candidate in (arch, re.sub(r"\d+$", "", arch)):
         if candidate in names:
@@ -54,13 +56,21 @@ def builtin_template_for(llama_cpp, arch: str) -> str | None:
     return None
 
 
-def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]]) -> str:
+_LOGGED_BUILTIN: set[tuple[str, str]] = set()
+
+
+def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]],
+                        model_name: str = "the model") -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
-    ending with the assistant prompt.
+    ending with the assistant prompt; logs once per model that the built-in one is used.
 
     Raises:
-        ValueError: llama.cpp does not know the template.
+        ValueError: llama.cpp does not know the template, or a message lacks role/content.
     """
+    check_messages(messages)
+    if (model_name, template) not in _LOGGED_BUILTIN:
+        _LOGGED_BUILTIN.add((model_name, template))
+        log.info("%s has no chat template: using llama.cpp's built-in %r", model_name, template)
     keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
     chat = (llama_cpp.llama_chat_message * len(keep))(*(llama_cpp.llama_chat_message(r, c) for r, c in keep))
     size = 2 * sum(len(r) + len(c) for r, c in keep) + 256

@@ -177,9 +177,11 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
 
     # -- tokens ---------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         """Token IDs of ``text`` from the export's tokenizer.json (special tokens such as
-        ``<|im_start|>`` parsed; the same IDs as llama.cpp, tested)."""
+        ``<|im_start|>`` parsed; the same IDs as llama.cpp, tested). The exported models add no
+        BOS, so ``add_bos`` changes nothing; ``special`` is accepted for the protocol (the
+        tokenizer always parses special tokens)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token: int) -> bytes:

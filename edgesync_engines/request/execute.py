@@ -131,7 +131,7 @@ class Injector:
             return 0, [], bytes_before
         pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
         with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
-            fragments, keys, nbytes, covered, missing = self._fetch_spans(match, target)
+            fragments, keys, nbytes, covered, missing = self.fetch_spans(match, target)
             bytes_total = bytes_before + nbytes
             again = planning.walk(self.store, namespace, tokens) if missing and retry else None
             if again is None or again.matched_tokens <= covered:
@@ -160,7 +160,7 @@ class Injector:
             return 0, [], nbytes
         return target, keys, nbytes
 
-    def _fetch_spans(self, match: PrefixMatch, target: int):
+    def fetch_spans(self, match: PrefixMatch, target: int):
         """Read the spans of ``match`` below ``target``: (fragments, keys, compressed bytes,
         tokens covered, whether a fragment was missing or refused)."""
         fragments, keys, bytes_read, covered = [], [], 0, 0

@@ -71,6 +71,9 @@ class ReuseMode:
     """Only KV of token-identical prefixes (the default): the output equals an uncached run's."""
     SEMANTIC = "semantic"
     """Also a similar donor prompt's KV, served whole (approximate answers)."""
+    BLEND = "blend"
+    """Documents' stored KV placed at their positions, a share recomputed (approximate
+    answers; ``request/blend.py``); other prompts as in ``EXACT``."""
 
 
 class SourceKind:

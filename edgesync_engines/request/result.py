@@ -3,7 +3,7 @@ streamed request, :class:`GenerationStream`."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 
@@ -28,6 +28,16 @@ class GenerationResult:
     injected (None on a miss and for a donor served whole). ``uncached_reason`` is None unless
     a cache was asked for but the engine's KV cannot be cut (``EngineAdapter.cache_refusal``):
     then it says why, and the request was served uncached.
+
+    With documents (``generate(documents=...)`` or ``retrieve=k``): ``documents`` lists the
+    document IDs (64 hex digits) in prompt order, ``retrieval_scores`` the cosine of each when
+    they were retrieved (None when the app passed them). In ``reuse="blend"`` (``approximate``
+    True) ``blended_tokens`` counts document tokens whose stored KV was placed and kept as is,
+    ``recomputed_tokens`` the document and separator tokens evaluated against the assembled
+    prompt; ``tokens_reused`` is the exact prefix injected plus ``blended_tokens``.
+    ``blend_refusal`` says why a blend was asked for but the request ran exact (None otherwise).
+    ``documents_computed`` counts the prompt's documents whose KV this request computed and
+    stored (in blend mode before the blend, otherwise after the answer).
     """
 
     text: str
@@ -48,6 +58,12 @@ class GenerationResult:
     convertible: bool = False
     source_engine: str | None = None
     uncached_reason: str | None = None
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
+    documents: list[str] = field(default_factory=list)
+    retrieval_scores: list[float] | None = None
+    blend_refusal: str | None = None
+    documents_computed: int = 0
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (what the CLI prints)."""

@@ -37,8 +37,9 @@ from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
+from edgesync_engines.request.documents_api import DocumentsMixin
 from edgesync_engines.request.execute import Injection, Injector
-from edgesync_engines.request.plan import ReusePlan, hit_tier, plan_reuse
+from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import Prefetcher, request_key
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
@@ -78,7 +79,7 @@ def _load_adapter(model, config: EdgeSyncConfig):
     )
 
 
-class EdgeSync:
+class EdgeSync(DocumentsMixin):
     """A llama.cpp or ONNX Runtime model with a persistent KV fragment cache in front of its
     prefill.
 
@@ -159,22 +160,26 @@ class EdgeSync:
         """The semantic lookup's open index once loaded (for the store jobs), else None."""
         return self.semantic.index_if_ready() if self.semantic is not None else None
 
-    def forget(self, prompt: "str | Sequence[dict]") -> int:
+    def forget(self, prompt: "str | Sequence[dict]", documents: "Sequence[str | dict] | None" = None) -> int:
         """Remove every fragment this prompt wrote or would hit: at each position of its
         tokens, the stored fragments (any chunk size, layer or head group, live or expired)
         that follow its prefix and start with its next token, written by this engine or by
         another engine for the same model, with their donor records and vectors; the prefetch
         RAM tier drops nothing it could still serve (it serves only what the store holds).
-        Afterwards the same prompt is a miss. Returns the fragments removed.
+        With ``documents`` the prompt is the documents prompt, and those documents are removed
+        too. Afterwards the same request is a miss. Returns the fragments removed.
 
         Raises:
             ValueError: an empty prompt or malformed chat messages.
             PermissionError: the store is open read-only.
             StoreError: the store could not be written.
         """
-        tokens = self.prompt_tokens(prompt)
+        tokens = self.prompt_tokens(prompt) if documents is None else list(
+            self.document_prompt(prompt, documents)[0].tokens)
         if self.store is None:
             return 0
+        if documents is not None:
+            self.forget_documents(documents)
         # every engine's copy: KV another engine wrote for this model would still serve it
         # with allow_convertible
         namespaces = {self.namespace}
@@ -191,9 +196,7 @@ class EdgeSync:
         return self.adapter.namespace
 
     def prefetch_stats(self) -> dict | None:
-        """Prefetch counters (:meth:`Prefetcher.stats`: predictor ``top1``/``topk`` accuracy
-        over ``predictions``, RAM tier ``hits``, ``misses``, ``bytes``, ``entries``...), or None
-        when prefetch is off."""
+        """Prefetch counters (:meth:`Prefetcher.stats`), or None when prefetch is off."""
         return None if self.prefetcher is None else self.prefetcher.stats()
 
     def prompt_tokens(self, prompt: "str | Sequence[dict]") -> list[int]:
@@ -229,8 +232,16 @@ class EdgeSync:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        documents: "Sequence[str | dict] | None" = None,
+        retrieve: int | None = None,
+        reuse: str | None = None,
     ) -> "GenerationResult | GenerationStream":
         """Answer a prompt (a string used as is, or chat messages), reusing stored KV.
+
+        ``documents`` (strings or dicts with ``text``) or ``retrieve=k`` (the k stored documents
+        nearest to the last user turn) go before the question (``request/documents.py``);
+        ``reuse`` overrides ``config.reuse``: ``"blend"`` places their stored KV (approximate,
+        ``request/blend.py``); otherwise only token-identical KV is injected.
 
         Returns a :class:`GenerationResult`, or with ``stream=True`` a
         :class:`GenerationStream` of text pieces whose ``result`` is set once exhausted.
@@ -238,15 +249,23 @@ class EdgeSync:
         Raises:
             ContextOverflowError: prompt tokens + max_tokens exceed the context (no engine
                 work is done).
-            ValueError: an empty prompt or malformed chat messages.
+            ValueError: an empty prompt or malformed chat messages, a bad document, an unknown
+                ``reuse``, or ``retrieve`` on a store without documents.
         """
         cfg = self.config
+        mode = cfg.reuse if reuse is None else reuse
+        if mode not in (ReuseMode.EXACT, ReuseMode.SEMANTIC, ReuseMode.BLEND):
+            raise ValueError(f"reuse: {mode!r} is not one of exact, semantic, blend")
+        docs = None
+        if documents is not None or retrieve is not None:
+            docs = self.document_prompt(prompt, documents, retrieve)
         events = self._run(
             prompt,
             cfg.max_tokens if max_tokens is None else max_tokens,
             cfg.temperature if temperature is None else temperature,
             cfg.top_p if top_p is None else top_p,
             cfg.seed if seed is None else seed,
+            docs, mode,
         )
         stream_obj = GenerationStream.start(events)
         if stream:
@@ -255,14 +274,24 @@ class EdgeSync:
             pass
         return stream_obj.result
 
-    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int):
+    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int, docs=None,
+             mode: str = ReuseMode.EXACT):
         """The request as a generator: "" once the input is checked, then the text pieces,
         then the :class:`GenerationResult`."""
         t0 = time.perf_counter()
-        tokens = self._checked_tokens(prompt, max_tokens, temperature, top_p)
+        doc_prompt = docs[0] if docs is not None else None
+        tokens = self._checked_tokens(prompt, max_tokens, temperature, top_p,
+                                      None if doc_prompt is None else list(doc_prompt.tokens))
         yield ""  # input checked: errors above raise from generate() itself
         with self.adapter.lock:
-            plan, injected = self._reuse(prompt, tokens, max_tokens)
+            blended, refusal, computed = None, None, 0
+            if doc_prompt is not None and mode == ReuseMode.BLEND and doc_prompt.pieces:
+                blended, refusal, computed = self.blend_documents(doc_prompt, self._injector)
+            if blended is not None:
+                plan = ReusePlan(prompt=tuple(tokens))
+                injected = Injection(None, tuple(tokens), blended.n_past, blended.keys, blended.bytes_read)
+            else:
+                plan, injected = self._reuse(prompt, tokens, max_tokens)
             out: list[int] = []
             decoder = self.adapter.text_stream()
             ttft_ms = None
@@ -279,14 +308,26 @@ class EdgeSync:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if injected.keys:
                     storeback.record_hits(self.store, injected.keys)
-            written = self._after_answer(prompt, tokens, out, plan, injected)
-        yield self._result(tokens, out, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
+            written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
+            if doc_prompt is not None and blended is None:
+                computed = self.store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
+        result = self._result(tokens, out, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
+        if doc_prompt is not None:
+            result.documents, result.retrieval_scores = doc_prompt.document_ids, docs[1]
+            result.blend_refusal, result.documents_computed = refusal, computed
+        if blended is not None:
+            result.approximate = True
+            result.blended_tokens, result.recomputed_tokens = blended.blended_tokens, blended.recomputed_tokens
+            result.tier = hit_tier(blended.head_reused + blended.blended_tokens, len(tokens))
+        yield result
 
-    def _checked_tokens(self, prompt, max_tokens: int, temperature: float, top_p: float) -> list[int]:
-        """The prompt's tokens once the request is checked (see :meth:`generate`'s errors)."""
+    def _checked_tokens(self, prompt, max_tokens: int, temperature: float, top_p: float,
+                        tokens: list[int] | None = None) -> list[int]:
+        """The prompt's tokens (``tokens`` when already built) once the request is checked
+        (see :meth:`generate`'s errors)."""
         if self.adapter.closed:
             raise RuntimeError("EdgeSync: the engine is closed")
-        tokens = self.prompt_tokens(prompt)
+        tokens = self.prompt_tokens(prompt) if tokens is None else tokens
         if not tokens:
             raise ValueError("prompt: tokenizes to nothing")
         if max_tokens < 1:

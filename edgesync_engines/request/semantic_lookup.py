@@ -131,6 +131,13 @@ class SemanticLookup:
             return None
         return text, self._embedder.encode([text])[0]
 
+    def encode(self, texts: Sequence[str]) -> np.ndarray | None:
+        """Embeddings of ``texts`` (float32 ``[n, 384]``, unit rows) with the lookup's embedder,
+        or None when the lookup is off."""
+        if not self._ready():
+            return None
+        return self._embedder.encode(list(texts))
+
     def nominate(self, prompt: "str | Sequence[dict]", namespace: Namespace) -> Lookup | None:
         """Embed the request and return the stored donors of ``namespace`` nearest to it.
 

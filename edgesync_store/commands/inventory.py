@@ -15,6 +15,7 @@ Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import datetime
@@ -24,7 +25,7 @@ from typing import Any
 from edgesync_store.commands.units import format_bytes
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreNotFoundError
-from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT
+from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, LIFETIME_SHORT
 
 __all__ = [
     "StoreNotFoundError",
@@ -44,9 +45,9 @@ KEY_PREFIX_CHARS = 12
 FINGERPRINT_PREFIX_CHARS = 12
 EXPIRED = "expired"
 TOTAL = "total"
-SUMMARY_ROWS = (LIFETIME_SHORT, LIFETIME_LONG, EXPIRED, TOTAL)
+SUMMARY_ROWS = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT, EXPIRED, TOTAL)
 """Rows of :func:`tier_summary`, in order: live short-tier fragments, live long-tier ones,
-expired ones (whatever their tier) and all of them."""
+documents' fragments, expired ones (whatever their tier) and all of them."""
 
 def iso_time(t: float | None) -> str | None:
     """ISO-8601 local time with offset, to the second; None for 0/None (never happened)."""
@@ -94,9 +95,10 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
             "last_hit_at": life.last_hit_at or None,
             "last_used": iso_time(last_used_at),
             "last_used_at": last_used_at or None,
-            "expires": iso_time(expires_at),
-            "expires_at": expires_at or None,
-            "expires_in_s": round(expires_at - now, 1) if expires_at else None,
+            # a document's fragment never expires (+inf): JSON has no infinity, so None
+            "expires": iso_time(expires_at) if math.isfinite(expires_at) else None,
+            "expires_at": expires_at if expires_at and math.isfinite(expires_at) else None,
+            "expires_in_s": round(expires_at - now, 1) if expires_at and math.isfinite(expires_at) else None,
             "expired": life.expired(now),
             "engine": None,
             "model": None,

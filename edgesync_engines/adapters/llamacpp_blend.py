@@ -1,0 +1,144 @@
+"""Placing stored KV at another position of a llama.cpp sequence, and recomputing runs of it.
+
+The blend of stored documents (``request/blend.py``) needs three operations llama-cpp-python's
+``Llama`` does not offer; this module does them with llama.cpp's own calls on a context opened
+with two sequences in one unified cache (:func:`two_sequence_params`):
+
+* :meth:`ScratchSequence.place`: restore a stored chain into the scratch sequence (1) at
+  positions 0..M-1 (``llama_state_seq_set_data``), move the kept range ``[keep_start,
+  keep_end)`` to its new position (``llama_memory_seq_add``: llama.cpp applies the RoPE K-shift
+  with the model's own frequencies and ``rope_freqs`` on the next decode), tag those cells into
+  sequence 0 (``llama_memory_seq_cp``, no copy in a unified cache) and drop the scratch tags.
+* :meth:`ScratchSequence.recompute`: evaluate tokens ``[a, b)`` again against what sequence 0
+  holds before ``a``: the cells before ``a`` are tagged into the scratch sequence, the run is
+  decoded there at positions a..b-1, and its new cells replace sequence 0's ``[a, b)``.
+
+Facts this relies on (../shared/DESIGN.md 2.6, read in the vendored ``src/llama-batch.cpp`` and
+``src/llama-kv-cache.cpp``): a sequence's batch must start right after its highest cached
+position; a token attends only to cells of its own sequence at positions not after its own;
+``state_read`` finds free cells anywhere (``find_slot(ubatch, false)``). Opening the context
+with ``n_seq_max=2, kv_unified=True`` changes neither the seq-state bytes nor a prefill's
+logits (measured on SmolLM2: max |d| 0.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+
+from edgesync_engines.adapters.protocol import InjectionError
+
+log = logging.getLogger(__name__)
+
+MAIN_SEQ = 0
+"""The sequence the adapter answers from."""
+SCRATCH_SEQ = 1
+"""The sequence stored KV is restored and recomputed in before it joins :data:`MAIN_SEQ`."""
+N_SEQ_MAX = 2
+
+_PARAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def two_sequence_params(llama_cpp_module):
+    """While open, ``llama_context_default_params()`` returns params with ``n_seq_max`` 2 and
+    ``kv_unified`` on: ``Llama.__init__`` reads them and sets these two fields only in
+    embedding mode (llama-cpp-python 0.3.36 ``llama.py``), so this is the one way to open a
+    generating context with a scratch sequence. Serialized: the module attribute is shared."""
+    low = llama_cpp_module.llama_cpp
+    with _PARAMS_LOCK:
+        original = low.llama_context_default_params
+
+        def params():
+            p = original()
+            p.n_seq_max = N_SEQ_MAX
+            p.kv_unified = True
+            return p
+
+        low.llama_context_default_params = params
+        try:
+            yield
+        finally:
+            low.llama_context_default_params = original
+
+
+class ScratchSequence:
+    """The scratch-sequence operations on one context (the caller holds the adapter's lock).
+
+    Args:
+        llama_cpp_module: the ``llama_cpp`` package.
+        ctx: the ``llama_context`` pointer.
+        mem: its ``llama_memory_t``.
+        n_batch: the largest batch ``llama_decode`` takes (tokens).
+    """
+
+    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int) -> None:
+        self._c = llama_cpp_module
+        self._ctx = ctx
+        self._mem = mem
+        self._n_batch = int(n_batch)
+
+    def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
+        """Restore ``state`` (a seq-state buffer of ``n_cells`` cells at positions
+        0..n_cells-1, from ``seqstate.serialize_parts``) and add its cells ``[keep_start,
+        keep_end)`` to the main sequence at positions ``at..at + keep_end - keep_start - 1``.
+
+        Raises:
+            InjectionError: llama.cpp refused the buffer (the scratch sequence is cleared; the
+                main sequence is unchanged).
+        """
+        c, mem = self._c, self._mem
+        arr = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        read = c.llama_state_seq_set_data(self._ctx, arr, len(state), SCRATCH_SEQ)
+        if read != len(state):
+            c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+            raise InjectionError(f"llama_state_seq_set_data (scratch) read {read} of {len(state)} bytes")
+        delta = at - keep_start
+        if delta:
+            c.llama_memory_seq_add(mem, SCRATCH_SEQ, 0, n_cells, delta)
+        c.llama_memory_seq_cp(mem, SCRATCH_SEQ, MAIN_SEQ, at, at + keep_end - keep_start)
+        c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+
+    def recompute(self, tokens, a: int, b: int) -> None:
+        """Evaluate ``tokens[a:b]`` at positions a..b-1 against the main sequence's cells
+        before ``a`` (which must hold position ``a - 1`` when ``a > 0``), and make the result
+        the main sequence's cells ``[a, b)``.
+
+        Raises:
+            InjectionError: ``llama_decode`` failed (the scratch sequence is cleared; the main
+                sequence still holds its old cells of ``[a, b)``).
+        """
+        c, mem = self._c, self._mem
+        c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+        if a:
+            c.llama_memory_seq_cp(mem, MAIN_SEQ, SCRATCH_SEQ, 0, a)
+        try:
+            for start in range(a, b, self._n_batch):
+                self._decode(tokens, start, min(b, start + self._n_batch))
+        except InjectionError:
+            c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+            raise
+        c.llama_memory_seq_rm(mem, MAIN_SEQ, a, b)
+        c.llama_memory_seq_cp(mem, SCRATCH_SEQ, MAIN_SEQ, a, b)
+        c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+
+    def _decode(self, tokens, start: int, end: int) -> None:
+        """One ``llama_decode`` of ``tokens[start:end]`` in the scratch sequence, no logits."""
+        c = self._c
+        n = end - start
+        batch = c.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i in range(n):
+                batch.token[i] = int(tokens[start + i])
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = SCRATCH_SEQ
+                batch.logits[i] = 0
+            rc = c.llama_decode(self._ctx, batch)
+        finally:
+            c.llama_batch_free(batch)
+        if rc != 0:
+            raise InjectionError(f"llama_decode of a recomputed run [{start}, {end}) returned {rc}")
