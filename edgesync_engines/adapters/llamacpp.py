@@ -184,7 +184,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         self.blend_refusal = self.cache_refusal or self._layout.blend_refusal() or (
             None if self.llm.context_params.n_seq_max >= 2 and self.llm.context_params.kv_unified
             else "the Llama was opened with one sequence (blending needs n_seq_max >= 2, kv_unified)")
-        self._scratch = llamacpp_blend.ScratchSequence(self._llama_cpp, self._ctx, self._mem, self.llm.n_batch)
+        self._scratch = llamacpp_blend.ScratchSequence(self._llama_cpp, self._ctx, self._mem, self.llm.n_batch,
+                                                       self.blend_refusal)
 
     def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
         """The namespace of a probed layout (``StateLayout.namespace``)."""

@@ -72,13 +72,16 @@ class ScratchSequence:
         ctx: the ``llama_context`` pointer.
         mem: its ``llama_memory_t``.
         n_batch: the largest batch ``llama_decode`` takes (tokens).
+        refusal: why this context cannot blend (None: it can); every operation then raises
+            :class:`InjectionError` with it.
     """
 
-    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int) -> None:
+    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None = None) -> None:
         self._c = llama_cpp_module
         self._ctx = ctx
         self._mem = mem
         self._n_batch = int(n_batch)
+        self.refusal = refusal
 
     def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
         """Restore ``state`` (a seq-state buffer of ``n_cells`` cells at positions
@@ -89,6 +92,8 @@ class ScratchSequence:
             InjectionError: llama.cpp refused the buffer (the scratch sequence is cleared; the
                 main sequence is unchanged).
         """
+        if self.refusal is not None:
+            raise InjectionError(self.refusal)
         c, mem = self._c, self._mem
         arr = (ctypes.c_uint8 * len(state)).from_buffer(state)
         read = c.llama_state_seq_set_data(self._ctx, arr, len(state), SCRATCH_SEQ)
@@ -110,6 +115,8 @@ class ScratchSequence:
             InjectionError: ``llama_decode`` failed (the scratch sequence is cleared; the main
                 sequence still holds its old cells of ``[a, b)``).
         """
+        if self.refusal is not None:
+            raise InjectionError(self.refusal)
         c, mem = self._c, self._mem
         c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
         if a:

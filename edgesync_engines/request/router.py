@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -137,11 +138,11 @@ class EdgeSync(DocumentsMixin):
                                   self.config.compact_interval_s).start()
 
     def _open_store(self, path: Path) -> FragmentStore | None:
-        """Open the configured store with this config's TTL and budget. A store the system
-        will not let us write (a read-only disk or directory, no space or permission to
-        create it) is opened read-only, or not at all, with a warning: requests are then served
-        from what it holds, or uncached, never failed. A path that is not a store (a file, a
-        foreign directory) still raises ``StoreOpenError``."""
+        """Open the configured store with this config's TTL and budget. A store the system will
+        not let us write (read-only disk or directory, no space or permission) is opened
+        read-only, or not at all, with a warning: requests are served from it, or uncached,
+        never failed. A path that is not a store (a file, a foreign directory) raises
+        ``StoreOpenError``."""
         policy = TTLPolicy(ttl_seconds=self.config.ttl_seconds)
         try:
             return FragmentStore(path, policy=policy, max_bytes=self.config.max_bytes)
@@ -190,10 +191,7 @@ class EdgeSync(DocumentsMixin):
         log.info("forgot %d fragments of a %d-token prompt", removed, len(tokens))
         return removed
 
-    @property
-    def namespace(self):
-        """The engine's KV namespace."""
-        return self.adapter.namespace
+    namespace = property(lambda self: self.adapter.namespace, doc="The engine's KV namespace.")
 
     def prefetch_stats(self) -> dict | None:
         """Prefetch counters (:meth:`Prefetcher.stats`), or None when prefetch is off."""
@@ -274,8 +272,7 @@ class EdgeSync(DocumentsMixin):
             pass
         return stream_obj.result
 
-    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int, docs=None,
-             mode: str = ReuseMode.EXACT):
+    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int, docs=None, mode="exact"):
         """The request as a generator: "" once the input is checked, then the text pieces,
         then the :class:`GenerationResult`."""
         t0 = time.perf_counter()
@@ -291,7 +288,7 @@ class EdgeSync(DocumentsMixin):
                 plan = ReusePlan(prompt=tuple(tokens))
                 injected = Injection(None, tuple(tokens), blended.n_past, blended.keys, blended.bytes_read)
             else:
-                plan, injected = self._reuse(prompt, tokens, max_tokens)
+                plan, injected = self._reuse(prompt, tokens, max_tokens, mode)
             out: list[int] = []
             decoder = self.adapter.text_stream()
             ttft_ms = None
@@ -340,10 +337,12 @@ class EdgeSync(DocumentsMixin):
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         return tokens
 
-    def _reuse(self, prompt, tokens: list[int], max_tokens: int) -> tuple[ReusePlan, Injection]:
-        """Plan what the request reuses and inject it (the caller holds the adapter's lock)."""
+    def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str) -> tuple[ReusePlan, Injection]:
+        """Plan what the request reuses in ``mode`` and inject it (the caller holds the adapter's lock)."""
+        mode = ReuseMode.EXACT if mode == ReuseMode.BLEND else mode  # blend concerns documents only
+        config = self.config if mode == self.config.reuse else replace(self.config, reuse=mode)
         plan = plan_reuse(prompt, tokens, max_tokens, store=self.store, adapter=self.adapter,
-                          config=self.config, semantic=self.semantic)
+                          config=config, semantic=self.semantic)
         for key in plan.stale_donors:
             self.semantic.forget(key)
         if self._injector is None:
