@@ -91,8 +91,8 @@ def test_add_stores_each_document_with_its_tokens(added, rows, adapter):
 def test_second_add_computes_nothing(added):
     store, jsonl, _ = added
     before = store_totals(store)
-    report = run_json("docs", "add", str(jsonl), "--store", str(store))
-    assert (report["added"], report["already_stored"], report["tokens"]) == (0, ROWS, 0)
+    report = run_json("docs", "add", str(jsonl), str(jsonl), "--store", str(store))  # the file twice
+    assert (report["added"], report["already_stored"], report["duplicates"], report["tokens"]) == (0, ROWS, ROWS, 0)
     assert (report["fragments_written"], report["bytes_written"]) == (0, 0)
     assert store_totals(store) == before
     assert {d["status"] for d in report["documents"]} == {"stored"}
