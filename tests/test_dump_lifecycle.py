@@ -23,6 +23,7 @@ from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.inventory import fragment_rows, render_table, render_tier_table, tier_summary
 from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
+from edgesync_store.documents.retrieval import keep_as_document
 from edgesync_store.ttl import LONG_TTL_SECONDS, ManualClock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,8 @@ def test_summary_counts_and_bytes_by_tier(lifecycle_store):
     with FragmentStore(path, readonly=True, clock=clock) as store:
         summ = tier_summary(store)
     tiers = summ["tiers"]
-    assert list(tiers) == ["short", "long", "expired", "total"]
+    assert list(tiers) == ["short", "long", "document", "expired", "total"]
+    assert tiers["document"] == {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
     for name, hits in (("short", 0), ("long", 5), ("expired", 0)):
         assert tiers[name] == {"fragments": 1, "stored_bytes": info[name]["stored"],
                                "raw_bytes": info[name]["raw"], "hits": hits}, name
@@ -146,8 +148,8 @@ def test_summary_counts_and_bytes_by_tier(lifecycle_store):
     assert [
         line.split()[1]
         for line in text.splitlines()
-        if line.split()[1:2] in (["short"], ["long"], ["expired"], ["total"])
-    ] == ["short", "long", "expired", "total"]
+        if line.split()[1:2] in (["short"], ["long"], ["document"], ["expired"], ["total"])
+    ] == ["short", "long", "document", "expired", "total"]
     assert f"({summ['used_percent']:.1f}%)" in text
 
 
@@ -160,7 +162,7 @@ def test_dump_script_summary_json(lifecycle_store):
     doc = json.loads(proc.stdout)
     # judged at the real time: the first fragment expired an hour ago, the others are live
     assert {name: row["fragments"] for name, row in doc["tiers"].items()} == \
-        {"short": 1, "long": 1, "expired": 1, "total": 3}
+        {"short": 1, "long": 1, "document": 0, "expired": 1, "total": 3}
     assert doc["tiers"]["long"]["hits"] == 5
     assert doc["tiers"]["expired"]["stored_bytes"] == info["expired"]["stored"]
     assert doc["max_bytes"] == BUDGET and doc["used_bytes"] == doc["tiers"]["total"]["stored_bytes"]
@@ -183,6 +185,35 @@ def test_dump_rows_and_cli_summary_flag(lifecycle_store, capsys):
     assert cli.main(["dump", str(path), "--summary", "--json"]) == 0
     summ = json.loads(capsys.readouterr().out)
     assert summ["tiers"]["total"]["fragments"] == 3 and summ["tiers"]["long"]["fragments"] == 1
+
+
+def test_document_tier_fragment_never_expires_in_dump(lifecycle_store, capsys):
+    path, clock, info = lifecycle_store
+    key = info["short"]["key"]
+    with FragmentStore(path, clock=clock, max_bytes=BUDGET) as store:
+        assert keep_as_document(store, [key]) == 1
+        assert keep_as_document(store, [key]) == 0  # already there: nothing rewritten
+
+    from edgesync_engines.app import cli
+
+    assert cli.main(["dump", str(path), "--json"]) == 0
+    rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["fragments"]}
+    doc_row = rows[key.hex()[:12]]
+    assert (doc_row["tier"], doc_row["expired"]) == ("document", False)
+    assert doc_row["expires"] is None and doc_row["expires_at"] is None and doc_row["expires_in_s"] is None
+    assert rows[info["long"]["key"].hex()[:12]]["tier"] == "long"
+
+    assert cli.main(["dump", str(path), "--summary", "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    assert {name: row["fragments"] for name, row in tiers.items()} == \
+        {"short": 0, "long": 1, "document": 1, "expired": 1, "total": 3}
+    assert tiers["document"]["stored_bytes"] == info["short"]["stored"]
+
+    # a week and a day later the long one has expired; the document's fragment has not
+    clock.advance(LONG_TTL_SECONDS + 86400.0)
+    with FragmentStore(path, readonly=True, clock=clock) as store:
+        later = tier_summary(store)["tiers"]
+    assert (later["document"]["fragments"], later["expired"]["fragments"]) == (1, 2)
 
 
 def test_summary_of_missing_store_exits_2_and_creates_nothing(tmp_path):

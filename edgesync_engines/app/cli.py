@@ -1,6 +1,6 @@
 """The ``edgesync`` command: ``generate``, ``run``, ``export-onnx`` (:mod:`.cli_model`), ``dump``,
-``clear``, ``reindex`` (:mod:`.cli_store`), ``compact`` (:mod:`.compact`), ``fidelity``
-(:mod:`.cli_fidelity`) and ``bench`` (:mod:`benchmarks.runner`).
+``clear``, ``reindex`` (:mod:`.cli_store`), ``docs add|list|remove`` (:mod:`.cli_docs`), ``compact``
+(:mod:`.compact`), ``fidelity`` (:mod:`.cli_fidelity`) and ``bench`` (:mod:`benchmarks.runner`).
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Sequence
 
-from edgesync_engines.app import cli_fidelity, cli_model, cli_store, compact
+from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_store, compact
 from edgesync_engines.app.cli_common import EXIT_USAGE, LOG_LEVELS, CommandError, print_error
 from edgesync_engines.app.workloads import WorkloadDataError
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     cli_model.add_parsers(sub, common)
     cli_store.add_parsers(sub, common)
+    cli_docs.add_parsers(sub, common)
     compact.add_parser(sub, common)
     cli_fidelity.add_parser(sub, common)
     cli_model.add_export_parser(sub, common)

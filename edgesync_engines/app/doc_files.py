@@ -1,0 +1,154 @@
+"""Reading documents from files for ``edgesync docs add``: JSON Lines files and directories of
+text files, turned into the dicts ``EdgeSync.add_documents`` takes.
+
+* ``FILE.jsonl``: one document per line, a JSON object with ``text`` (or ``context``) and
+  optional ``title`` and ``source`` (or ``doc_id``/``id``); the shared ``doc_qa.jsonl`` reads
+  as it is. Blank lines are ignored. The file is one unit: a line that is not such an object,
+  or whose text is blank, or a file that is not UTF-8, refuses the whole file
+  (:class:`DocumentFileError` naming ``file:line``).
+* ``FILE.txt`` / ``FILE.md``: one document, titled with the file name.
+* ``DIR``: every ``*.txt`` and ``*.md`` file under it, recursively, in sorted path order; title
+  = the file name, source = the path relative to ``DIR``. A file there that is not UTF-8 or
+  holds only whitespace is skipped and reported (:attr:`DocumentFiles.skipped`), because a
+  folder of notes often holds a stray file the user did not mean as a document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+TEXT_SUFFIXES = (".txt", ".md")
+"""File name endings read as one document each (case-insensitive)."""
+JSONL_SUFFIX = ".jsonl"
+
+__all__ = ["DocumentFileError", "DocumentFiles", "SourceDocument", "read_documents"]
+
+
+class DocumentFileError(ValueError):
+    """A path or a line that cannot be read as documents; the message names it
+    (``path`` or ``path:line``)."""
+
+
+@dataclass(frozen=True)
+class SourceDocument:
+    """One document read from a file.
+
+    Attributes:
+        origin: where it came from, for messages (``file.jsonl:3`` or the text file's path).
+        document: ``{"text", "title", "source"}`` (strings; title and source may be empty).
+    """
+
+    origin: str
+    document: dict
+
+
+@dataclass
+class DocumentFiles:
+    """What :func:`read_documents` found: the documents in input order, and the text files of
+    directories that were skipped as ``(path, reason)``."""
+
+    documents: list[SourceDocument] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _jsonl_document(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise DocumentFileError(f"{where}: expected a JSON object with \"text\" or \"context\", "
+                                f"got {type(obj).__name__}")
+    text = obj.get("text", obj.get("context"))
+    if not isinstance(text, str):
+        raise DocumentFileError(f"{where}: the object has no string \"text\" or \"context\"")
+    if not text.strip():
+        raise DocumentFileError(f"{where}: the text is empty")
+    source = obj.get("source") or obj.get("doc_id") or obj.get("id") or ""
+    return {"text": text, "title": str(obj.get("title") or ""), "source": str(source)}
+
+
+def read_jsonl(path: Path) -> list[SourceDocument]:
+    """The documents of a JSON Lines file (module docstring).
+
+    Raises:
+        DocumentFileError: unreadable or not UTF-8, a malformed line (``path:line``), or no
+            document at all.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DocumentFileError(f"{path}: not UTF-8 (byte {exc.start})") from None
+    except OSError as exc:
+        raise DocumentFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DocumentFileError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        out.append(SourceDocument(where, _jsonl_document(obj, where)))
+    if not out:
+        raise DocumentFileError(f"{path}: no documents (the file is empty)")
+    return out
+
+
+def _text_file(path: Path, source: str) -> tuple[SourceDocument | None, str | None]:
+    """``(document, None)``, or ``(None, why it is skipped)``."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 (byte {exc.start})"
+    except OSError as exc:
+        return None, f"cannot read: {exc.strerror or exc}"
+    if not text.strip():
+        return None, "empty"
+    return SourceDocument(str(path), {"text": text, "title": path.name, "source": source}), None
+
+
+def read_directory(root: Path, found: DocumentFiles) -> None:
+    """Append the ``*.txt``/``*.md`` files under ``root`` to ``found`` (module docstring).
+
+    Raises:
+        DocumentFileError: the directory holds no such file at all.
+    """
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
+    if not files:
+        raise DocumentFileError(f"{root}: no {' or '.join('*' + s for s in TEXT_SUFFIXES)} files in the directory")
+    for path in files:
+        doc, reason = _text_file(path, path.relative_to(root).as_posix())
+        if doc is not None:
+            found.documents.append(doc)
+        else:
+            found.skipped.append((str(path), reason or "unreadable"))
+
+
+def read_documents(paths: Sequence[str | Path]) -> DocumentFiles:
+    """Every document of ``paths`` (JSON Lines files, text files, directories), in order.
+    Nothing is read from the model or the store.
+
+    Raises:
+        DocumentFileError: a missing path, a file of another kind, a bad JSON Lines file, a
+            directory without text files, or no document in all of them.
+    """
+    found = DocumentFiles()
+    for given in paths:
+        path = Path(given).expanduser()
+        if path.is_dir():
+            read_directory(path, found)
+        elif not path.exists():
+            raise DocumentFileError(f"{path}: no such file or directory")
+        elif path.suffix.lower() == JSONL_SUFFIX:
+            found.documents.extend(read_jsonl(path))
+        elif path.suffix.lower() in TEXT_SUFFIXES:
+            doc, reason = _text_file(path, path.name)
+            if doc is None:
+                raise DocumentFileError(f"{path}: {reason}")
+            found.documents.append(doc)
+        else:
+            raise DocumentFileError(f"{path}: expected a .jsonl file, a .txt or .md file, or a directory")
+    if not found.documents:
+        raise DocumentFileError("no documents to add: every text file was skipped")
+    return found
