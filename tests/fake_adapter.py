@@ -76,6 +76,7 @@ class FakeAdapter:
                  answer: Sequence[int] = (ord("o"), ord("k"))) -> None:
         self.namespace = namespace or fake_namespace()
         self.cache_refusal = None
+        self.blend_refusal = "the fake adapter does not place KV"
         self.n_ctx = n_ctx
         self.lock = threading.RLock()
         self.model_path = Path("fake.gguf")
@@ -91,8 +92,18 @@ class FakeAdapter:
     def closed(self) -> bool:
         return self._closed
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         return [ord(c) for c in text]
+
+    def prefill(self, tokens, n_past: int = 0) -> None:
+        self.live = list(tokens)
+        self.prefilled.append(len(tokens) - n_past)
+
+    def place_kv(self, fragments, chain_tokens, keep, at, tokens) -> None:
+        raise InjectionError(self.blend_refusal)
+
+    def recompute(self, tokens, start: int, end: int) -> None:
+        raise InjectionError(self.blend_refusal)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         parts = []

@@ -33,7 +33,7 @@ from edgesync_engines.adapters.model_files import (
     route_native_logs,
 )
 from edgesync_engines.adapters.protocol import InjectionError
-from edgesync_store.schema import Namespace
+from edgesync_store.schema import KVFragment, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             rows = layout.part_range(layout.swa_part)
             self._swa.seed(k[rows.start:rows.stop], v[rows.start:rows.stop])
 
-    def place_kv(self, fragments, chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
+    def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
                  tokens: Sequence[int]) -> None:
         """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
         ``chain_tokens`` from 0) to the live sequence at ``at..`` (``ScratchSequence.place``;

@@ -55,6 +55,9 @@ class EngineAdapter(Protocol):
             engine, KV dtype, layout, ``n_layer``, ``n_head_kv``, ``head_dim``); fragments of
             another namespace must be converted (``reshape.convert_fragment``) before
             :meth:`inject_fragment`. None when :attr:`cache_refusal` is set.
+        blend_refusal: None when stored KV can be placed at another position of the sequence
+            (:meth:`place_kv`, :meth:`recompute`: ``reuse="blend"``); otherwise why not (e.g.
+            a sliding-window cache, the ONNX engine).
         cache_refusal: None when the engine's KV can be cut into fragments; otherwise one line
             saying why not (e.g. a sliding-window or quantized KV cache, found at start). The
             request path then serves every request uncached: no store read, no store write,
@@ -68,6 +71,7 @@ class EngineAdapter(Protocol):
 
     namespace: Namespace | None
     cache_refusal: str | None
+    blend_refusal: str | None
     n_ctx: int
     lock: threading.RLock
     model_path: Path
@@ -79,10 +83,10 @@ class EngineAdapter(Protocol):
 
     # -- text and tokens ------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         """Token IDs of ``text``, special tokens such as chat markers (``<|im_start|>``) parsed
-        as such; a BOS only when the model asks for one. Both engines give the same IDs for
-        the same model."""
+        as such unless ``special`` is False; a BOS only when ``add_bos`` and the model asks for
+        one. Both engines give the same IDs for the same model."""
         ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
@@ -189,6 +193,43 @@ class EngineAdapter(Protocol):
             ValueError: an empty prompt, ``max_tokens < 1``, ``n_past`` outside
                 ``[0, len(tokens) - 1]``, or a live sequence that does not hold
                 ``tokens[:n_past]``.
+        """
+        ...
+
+    def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
+        """Evaluate ``tokens[n_past:]`` on top of the live ``tokens[:n_past]`` (0: cleared
+        first), sampling nothing.
+
+        Raises:
+            ContextOverflowError: more tokens than the context holds.
+            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence that
+                does not hold ``tokens[:n_past]``.
+        """
+        ...
+
+    def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int],
+                 at: int, tokens: Sequence[int]) -> None:
+        """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
+        ``chain_tokens`` from position 0) to the live sequence at positions ``at..at + end -
+        start - 1``, K re-rotated for the shift; ``tokens`` is the prompt, whose
+        ``[at, at + end - start)`` must equal the kept tokens. Positions may be left unfilled
+        between placed ranges until :meth:`recompute` fills them.
+
+        Raises:
+            ValueError: fragments that do not tile the chain, or kept tokens that differ.
+            InjectionError: :attr:`blend_refusal` is set, or the engine refused the state (the
+                live sequence is unchanged).
+        """
+        ...
+
+    def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Evaluate ``tokens[start:end]`` at positions start..end-1 against the live cells
+        before ``start`` (position ``start - 1`` must be filled) and make the result the live KV
+        there.
+
+        Raises:
+            InjectionError: :attr:`blend_refusal` is set, or the decode failed (the old cells
+                stay).
         """
         ...
 

@@ -14,10 +14,27 @@ import numpy as np
 
 from edgesync_engines.request.blend import Blended, blend
 from edgesync_engines.request.documents import DocumentLibrary, DocumentPrompt, as_inputs, build_prompt
+from edgesync_engines.request.plan import hit_tier
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.errors import StoreError
 
 log = logging.getLogger(__name__)
+
+
+def annotate(result, prompt: DocumentPrompt, scores: list[float] | None, blended: "Blended | None",
+             refusal: str | None, computed: int) -> None:
+    """Fill a documents request's fields of its ``GenerationResult`` (in place): the document
+    IDs and retrieval scores, why a blend was refused, the documents computed, and for a blend
+    the approximate flag, the blended and recomputed counts and what they make of
+    ``tokens_reused`` (exact head + blended tokens), ``tokens_prefilled`` and the tier."""
+    result.documents, result.retrieval_scores = prompt.document_ids, scores
+    result.blend_refusal, result.documents_computed = refusal, computed
+    if blended is not None:
+        result.approximate = True
+        result.blended_tokens, result.recomputed_tokens = blended.blended_tokens, blended.recomputed_tokens
+        result.tokens_reused = blended.head_reused + blended.blended_tokens
+        result.tokens_prefilled = result.prompt_tokens - result.tokens_reused
+        result.tier = hit_tier(result.tokens_reused, result.prompt_tokens)
 
 
 class DocumentsMixin:

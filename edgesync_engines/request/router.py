@@ -38,7 +38,7 @@ from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
-from edgesync_engines.request.documents_api import DocumentsMixin
+from edgesync_engines.request.documents_api import DocumentsMixin, annotate
 from edgesync_engines.request.execute import Injection, Injector
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import Prefetcher, request_key
@@ -310,12 +310,7 @@ class EdgeSync(DocumentsMixin):
                 computed = self.store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
         result = self._result(tokens, out, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
         if doc_prompt is not None:
-            result.documents, result.retrieval_scores = doc_prompt.document_ids, docs[1]
-            result.blend_refusal, result.documents_computed = refusal, computed
-        if blended is not None:
-            result.approximate = True
-            result.blended_tokens, result.recomputed_tokens = blended.blended_tokens, blended.recomputed_tokens
-            result.tier = hit_tier(blended.head_reused + blended.blended_tokens, len(tokens))
+            annotate(result, doc_prompt, docs[1], blended, refusal, computed)
         yield result
 
     def _checked_tokens(self, prompt, max_tokens: int, temperature: float, top_p: float,
