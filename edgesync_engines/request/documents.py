@@ -43,8 +43,9 @@ SEPARATOR = "\n\n"
 WINDOW_WORDS = 150
 """Words per embedded window (about 200 MiniLM word pieces: under its 256)."""
 WINDOW_OVERLAP = 30
-_QUESTION_MARK = "\x00edgesync-question\x00"
-"""Stands for the question while the chat template renders, to split head from tail."""
+_QUESTION_MARK = "EdgeSyncQuestion7f3a9c"
+"""Stands for the question while the chat template renders, to split head from tail (plain
+letters: llama.cpp's built-in templates take C strings, and Jinja templates may trim)."""
 
 
 @dataclass(frozen=True)
