@@ -206,9 +206,10 @@ SETTINGS: tuple[Setting, ...] = (
             "a donor at `similarity_exact` whole (approximate answers); `blend`: place documents' stored KV at "
             "their positions in the prompt, recomputing `blend_recompute` of it (approximate answers)",
             check=_one_of(REUSE_MODES)),
-    Setting("document_header", str, "none", "EDGESYNC_DOCUMENT_HEADER", _name,
-            "what a new document's KV is computed after: `none` (standalone) or `chat` (the chat template's "
-            "default system part)", check=_one_of(("none", "chat"))),
+    Setting("document_header", str, "chat", "EDGESYNC_DOCUMENT_HEADER", _name,
+            "what a new document's KV is computed after: `chat` (the chat template's default system part, so "
+            "the document's first token is not its own attention sink) or `none` (standalone)",
+            check=_one_of(("none", "chat"))),
     Setting("blend_recompute", float, 0.15, "EDGESYNC_BLEND_RECOMPUTE", float,
             "share of each document's tokens, from its start, recomputed against the assembled prompt in "
             "`blend` mode (0 to 1)",
