@@ -113,8 +113,8 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
     shaper = _Shaper(kind, settings.model_id, job)
     if not body.stream:
         final = first
-        async for final in messages:
-            pass
+        async for msg in messages:
+            final = msg
         return _whole(final, shaper, metrics, endpoint)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15)
