@@ -30,12 +30,20 @@ def default_workers(cpus: int | None = None) -> int:
     return max(1, min(4, cpus // 2))
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
+    return value
+
+
 def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``edgesync serve`` on ``sub``; ``common`` holds ``--log-level``."""
     p = sub.add_parser("serve", parents=[common], description=__doc__.split("\n\n")[0],
                        help="an OpenAI-compatible HTTP server whose prompt cache survives restarts")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int_at_least(0), default=8000, help="TCP port (default 8000; 0 = any free one)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free one)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help=f"engine processes (default {default_workers()} here: one per 2 CPUs, 1 to 4)")
     p.add_argument("--model", default=None, help="model GGUF (default: the configured model)")
