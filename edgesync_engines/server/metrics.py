@@ -4,7 +4,8 @@ Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}``,
 ``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens injected from the store),
 ``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
 queueing included), ``hits_total{tier}`` (exact, partial, miss), ``store_bytes`` (the store's
-files on disk), ``workers``, ``worker_restarts_total`` and ``queued_requests``.
+files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
+early: the client went away) and ``queued_requests``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ class ServerMetrics:
 
     Args:
         store: the store directory (for ``store_bytes``).
-        workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs.
+        workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs;
+        cancelled: -> jobs stopped early.
     """
 
     def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
-                 queued: Callable[[], int]) -> None:
+                 queued: Callable[[], int], cancelled: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -56,6 +58,8 @@ class ServerMetrics:
         Gauge("edgesync_workers", "engine worker processes", registry=r).set_function(workers)
         Gauge("edgesync_worker_restarts_total", "worker processes restarted after dying",
               registry=r).set_function(restarts)
+        Gauge("edgesync_cancelled_requests_total", "requests stopped early because the client went away",
+              registry=r).set_function(cancelled)
         Gauge("edgesync_queued_requests", "requests sent to a worker and not answered yet",
               registry=r).set_function(queued)
 

@@ -78,6 +78,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closing = False
+        self._cancelled = 0
         self._threads: list[threading.Thread] = []
 
     @property
@@ -143,6 +144,10 @@ class WorkerPool:
         """Worker processes restarted since :meth:`start`."""
         return sum(slot.restarts for slot in self._slots)
 
+    def cancelled(self) -> int:
+        """Jobs a worker stopped early because their client went away (or on shutdown)."""
+        return self._cancelled
+
     def queued(self) -> int:
         """Jobs submitted and not yet answered, over all workers."""
         with self._lock:
@@ -181,6 +186,8 @@ class WorkerPool:
         with self._lock:
             if msg.get("type") in FINAL_TYPES:
                 slot.jobs.discard(msg.get("id"))
+            if msg.get("type") == "cancelled":
+                self._cancelled += 1
             target = self._listeners.get(msg.get("id"))
         if target is not None:
             loop, inbox = target
