@@ -117,7 +117,9 @@ class Server:
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[:4]} did not start; see its log")
+                log.flush()
+                tail = Path(log.name).read_text()[-800:]
+                raise RuntimeError(f"{' '.join(cmd[:4])} did not start:\n{tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
                     return self
@@ -138,7 +140,7 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path) ->
     py = sys.executable
     if system == "edgesync":
         return [py, "-m", "edgesync_engines.app.cli", "serve", "--port", "{port}", "--workers", "1", "--model",
-                str(model), "--store", str(state / "store")], ROOT
+                str(model), "--store", str(state / "store"), "--max-tokens-limit", str(MAX_TOKENS)], ROOT
     cache_type = "disk" if system == "llama-disk" else "ram"
     return [py, "-m", "llama_cpp.server", "--model", str(model), "--port", "{port}", "--n_ctx", str(n_ctx),
             "--n_threads", str(threads), "--cache", "true", "--cache_type", cache_type], state

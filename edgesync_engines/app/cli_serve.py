@@ -109,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
                                          max_tokens_limit=args.max_tokens_limit,
                                          default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
-                                         max_body_bytes=args.max_body_bytes, api_key=args.api_key))
+                                         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                                         shutdown_grace_s=max(0.0, args.grace_seconds - 1.0)))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
                                            timeout_graceful_shutdown=args.grace_seconds))
     host, port = sock.getsockname()[:2]

@@ -35,7 +35,8 @@ class ServeSettings:
     """What the routes need to know. ``model_id``: the one model name served (the GGUF's file
     stem); ``max_tokens_limit``: the largest ``max_tokens`` a request may ask; ``default_max_tokens``:
     used when a request gives none; ``max_body_bytes``: request body limit; ``api_key``: None
-    for no key."""
+    for no key; ``shutdown_grace_s``: seconds a stream may go on once shutdown began (keep it
+    under the ASGI server's own graceful-shutdown timeout)."""
 
     model_id: str
     store: Path
@@ -43,6 +44,7 @@ class ServeSettings:
     default_max_tokens: int
     max_body_bytes: int
     api_key: str | None = None
+    shutdown_grace_s: float = 0.0
 
 
 def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
@@ -117,7 +119,8 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
             final = msg
         return _whole(final, shaper, metrics, endpoint)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15)
+    return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15,
+                               shutdown_grace_period=settings.shutdown_grace_s)
 
 
 def _api_error(msg: dict) -> APIError:

@@ -232,7 +232,7 @@ class WorkerPool:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask every worker to stop after its current job, wait up to ``timeout_s`` for them
-        to close their engine and store, then terminate what is left."""
+        to close their engine and store, then kill what is left (workers ignore SIGTERM)."""
         with self._lock:
             self._closing = True
         for slot in self._slots:
@@ -244,8 +244,8 @@ class WorkerPool:
                 continue
             slot.process.join(max(0.0, deadline - time.monotonic()))
             if slot.process.is_alive():
-                log.warning("worker %d did not stop in %.0f s; terminating it", slot.index, timeout_s)
-                slot.process.terminate()
+                log.warning("worker %d did not stop in %.0f s; killing it", slot.index, timeout_s)
+                slot.process.kill()
                 slot.process.join(5)
         for thread in self._threads:
             thread.join(1)

@@ -7,8 +7,9 @@ store directory, which is safe across processes. Only plain dicts cross the proc
 server parses and checks the JSON and passes the values on.
 
 A request stops early when the server writes its id into the worker's ``cancel`` value (the
-client went away), checked after every token, or on SIGTERM. Ctrl-C reaches the whole process
-group; workers ignore SIGINT so that the server decides when they stop.
+client went away), checked after every token. Ctrl-C, and a service manager's SIGTERM, reach the
+whole process group: workers ignore both, so that the server first lets in-flight requests
+finish and then stops them (a None in the queue); a worker whose server is gone stops by itself.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import time
 
@@ -29,22 +31,12 @@ RESULT_FIELDS = ("tier", "prompt_tokens", "tokens_reused", "tokens_prefilled", "
 """The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` too)."""
 
 
-class _Stop:
-    """SIGTERM seen: finish the current token, then end."""
-
-    requested = False
-
-
-def _on_sigterm(signum, frame) -> None:
-    _Stop.requested = True
-
-
 def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING") -> None:
     """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
     values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
-    arrives or SIGTERM; close the engine and the store on the way out."""
+    arrives or the server process is gone; close the engine and the store on the way out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
                         format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
     from edgesync_engines.config import EdgeSyncConfig
@@ -60,10 +52,10 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     parent = os.getppid()
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
-        while not _Stop.requested and os.getppid() == parent:
+        while os.getppid() == parent:
             try:
                 job = requests.get(timeout=0.5)
-            except Exception:  # queue.Empty: look at the stop flag again
+            except queue.Empty:
                 continue
             if job is None:
                 break
@@ -116,7 +108,7 @@ def _generate(engine, job: dict, cancel, emit) -> dict:
         for piece in stream:
             if first_token_at is None:
                 first_token_at = time.time()
-            if cancel.value == job_id or _Stop.requested:
+            if cancel.value == job_id:
                 return {"id": job_id, "type": "cancelled"}
             out = scanner.feed(piece)
             # after a stop sequence the engine still finishes the answer (up to max_tokens), so
