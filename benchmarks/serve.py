@@ -147,11 +147,14 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path) ->
 
 
 def send(client, model_id: str, messages: list[dict]) -> dict:
-    """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens."""
+    """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens.
+    ``repeat_penalty`` 1 (llama_cpp.server's default is 1.1; EdgeSync ignores the field) makes
+    every server decode greedily, so that their answers can be compared."""
     start = time.perf_counter()
     ttft, cached, parts = None, None, []
     for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}):
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"repeat_penalty": 1.0}):
         usage = getattr(chunk, "usage", None)
         if usage is not None and usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
