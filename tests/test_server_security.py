@@ -49,6 +49,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         busy = _serve("--port", str(port), "--store", str(tmp_path / "s"))
     assert busy.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port}" in busy.stderr
     assert "Traceback" not in busy.stderr
+    exposed = _serve("--host", "0.0.0.0", "--model", str(tmp_path / "none.gguf"))
+    assert exposed.stderr.splitlines()[0].startswith("warning: serving on 0.0.0.0, not loopback")
+    assert "no --api-key" in exposed.stderr and exposed.returncode == 2
     port = _serve("--port", "70000")
     assert port.returncode == 2 and "must be <= 65535" in port.stderr
     limit = _serve("--max-tokens-limit", "5000", "--store", str(tmp_path / "s"))

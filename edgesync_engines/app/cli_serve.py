@@ -83,6 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
     from edgesync_engines.server.security import bind_warning
 
+    warning = bind_warning(args.host, args.api_key)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     cfg = load_config({"model_path": args.model, "store_path": args.store})
     try:
         model = Path(cfg.model_path) if cfg.model_path is not None else default_model_path()
@@ -95,9 +98,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens_limit >= cfg.n_ctx:
         raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
                            f"context of {cfg.n_ctx} tokens")
-    warning = bind_warning(args.host, args.api_key)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
     sock = _bind(args.host, args.port)
     settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
     level = getattr(args, "log_level", "WARNING")
