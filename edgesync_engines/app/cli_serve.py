@@ -1,0 +1,129 @@
+"""``edgesync serve``: the OpenAI-compatible server (:mod:`edgesync_engines.server`).
+
+Default worker count: one engine process per 2 logical CPUs, at least 1 and at most 4 (a
+llama.cpp engine uses several cores well, and each worker holds its own copy of the model and
+its KV), each engine with ``CPUs // workers`` threads unless ``EDGESYNC_THREADS`` says
+otherwise. The server binds to loopback unless ``--host`` names another address (then it warns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_TOKENS_LIMIT = 2048
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """Engine processes for a machine with ``cpus`` logical CPUs (default: this one's)."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(4, cpus // 2))
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
+    return value
+
+
+def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``edgesync serve`` on ``sub``; ``common`` holds ``--log-level``."""
+    p = sub.add_parser("serve", parents=[common], description=__doc__.split("\n\n")[0],
+                       help="an OpenAI-compatible HTTP server whose prompt cache survives restarts")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free one)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help=f"engine processes (default {default_workers()} here: one per 2 CPUs, 1 to 4)")
+    p.add_argument("--model", default=None, help="model GGUF (default: the configured model)")
+    p.add_argument("--store", default=None, help=STORE_ARG_HELP)
+    p.add_argument("--api-key", default=os.environ.get("EDGESYNC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' (default: $EDGESYNC_API_KEY, else no key)")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
+                   help=f"largest max_tokens a request may ask (default {DEFAULT_MAX_TOKENS_LIMIT})")
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body, bytes (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--grace-seconds", type=int_at_least(0), default=10,
+                   help="on SIGTERM or Ctrl-C, seconds in-flight requests may take to finish (default 10)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket (CommandError when the address cannot be bound)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(128)
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
+    from edgesync_engines.server.app import ServeSettings, create_app
+    from edgesync_engines.server.pool import PoolStartError, WorkerPool
+    from edgesync_engines.server.security import bind_warning
+
+    warning = bind_warning(args.host, args.api_key)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    cfg = load_config({"model_path": args.model, "store_path": args.store})
+    try:
+        model = Path(cfg.model_path) if cfg.model_path is not None else default_model_path()
+    except ModelNotFoundError as exc:
+        raise CommandError(f"model not found: {exc}") from None
+    if not model.is_file():
+        raise CommandError(f"model not found: {model}")
+    workers = args.workers or default_workers()
+    threads = cfg.n_threads or max(1, (os.cpu_count() or 1) // workers)
+    if args.max_tokens_limit >= cfg.n_ctx:
+        raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
+                           f"context of {cfg.n_ctx} tokens")
+    sock = _bind(args.host, args.port)
+    settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
+    level = getattr(args, "log_level", "WARNING")
+    try:
+        pool = WorkerPool(settings, workers, log_level=level).start()
+    except PoolStartError as exc:
+        sock.close()
+        raise CommandError(str(exc)) from None
+    app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
+                                         max_tokens_limit=args.max_tokens_limit,
+                                         default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
+                                         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                                         shutdown_grace_s=max(0.0, args.grace_seconds - 1.0)))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=args.grace_seconds))
+    host, port = sock.getsockname()[:2]
+    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {workers} workers x "
+          f"{threads} threads, store {cfg.store_path})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers
+    # that ends here instead of killing the process before the workers close the store
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        pool.close()
+        sock.close()
+    print("edgesync serve: stopped; store closed", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,222 @@
+"""The FastAPI application of ``edgesync serve``: the routes and how an answer is shaped.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
+events when ``stream`` is true, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET
+/health`` (no API key needed) and ``GET /metrics`` (Prometheus text). Requests are answered by
+the :class:`~.pool.WorkerPool`; this module checks them, turns the worker's messages into the
+OpenAI shapes (:mod:`.schemas`) and counts them (:mod:`.metrics`).
+
+A streamed request waits for its worker's first message before answering, so that input the
+engine refuses (a prompt that does not fit the context) still gets a plain 400, not a stream
+that fails. An error after the first chunk (the worker died) is sent as a last event
+``{"error": {...}}``, which the ``openai`` client raises as an ``APIError``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Response
+from sse_starlette.sse import EventSourceResponse
+
+from edgesync_engines.server import schemas
+from edgesync_engines.server.errors import APIError, install_handlers
+from edgesync_engines.server.metrics import CONTENT_TYPE, ServerMetrics
+from edgesync_engines.server.pool import WorkerPool
+from edgesync_engines.server.security import Guard
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the routes need to know. ``model_id``: the one model name served (the GGUF's file
+    stem); ``max_tokens_limit``: the largest ``max_tokens`` a request may ask; ``default_max_tokens``:
+    used when a request gives none; ``max_body_bytes``: request body limit; ``api_key``: None
+    for no key; ``shutdown_grace_s``: seconds a stream may go on once shutdown began (keep it
+    under the ASGI server's own graceful-shutdown timeout)."""
+
+    model_id: str
+    store: Path
+    max_tokens_limit: int
+    default_max_tokens: int
+    max_body_bytes: int
+    api_key: str | None = None
+    shutdown_grace_s: float = 0.0
+
+
+def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
+    """The application over a started ``pool`` (the caller starts and closes the pool)."""
+    app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled)
+    install_handlers(app)
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": settings.model_id, "workers": pool.n_workers, "worker_pids": pool.pids()}
+
+    @app.get("/v1/models")
+    async def models() -> schemas.ModelList:
+        return schemas.ModelList(data=[schemas.ModelCard(id=settings.model_id, created=started)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: schemas.ChatCompletionRequest):
+        prompt = [m.plain() for m in body.messages]
+        return await _answer(pool, settings, metrics, body, prompt, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest):
+        return await _answer(pool, settings, metrics, body, body.text(), "completion")
+
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict:
+    """The worker job of a checked request (APIError for an unknown model or a max_tokens
+    over the limit)."""
+    if body.model != settings.model_id:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_id!r}",
+                       code="model_not_found", param="model")
+    max_tokens = body.wanted_tokens() or settings.default_max_tokens
+    if max_tokens > settings.max_tokens_limit:
+        raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {settings.max_tokens_limit}",
+                       code="invalid_value", param="max_tokens")
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "seed": body.seed, "stop": body.stops(), "stream": body.stream,
+            "reuse": body.edgesync.reuse if body.edgesync is not None else None, "submitted_at": time.time()}
+
+
+async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, body, prompt, kind: str):
+    """Run one request on the pool and answer it whole or as a stream."""
+    endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    try:
+        job = _job(body, settings, prompt)
+    except APIError as exc:
+        metrics.failed(endpoint, exc.status)
+        raise
+    try:
+        messages = pool.submit(job)
+    except RuntimeError as exc:  # shutting down
+        metrics.failed(endpoint, 503)
+        raise APIError(503, str(exc), code="shutting_down") from None
+    first = await anext(messages)
+    if first["type"] == "error":
+        await messages.aclose()
+        metrics.failed(endpoint, first["status"])
+        raise _api_error(first)
+    shaper = _Shaper(kind, settings.model_id, job)
+    if not body.stream:
+        final = first
+        async for msg in messages:
+            final = msg
+        return _whole(final, shaper, metrics, endpoint)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15,
+                               shutdown_grace_period=settings.shutdown_grace_s)
+
+
+def _api_error(msg: dict) -> APIError:
+    return APIError(msg["status"], msg["message"], code=msg.get("code"), param=msg.get("param"),
+                    err_type=msg.get("err_type"))
+
+
+def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str) -> dict:
+    """The non-streamed response body of a job's final message."""
+    if final["type"] == "error":
+        metrics.failed(endpoint, final["status"])
+        raise _api_error(final)
+    if final["type"] != "done":
+        metrics.failed(endpoint, 503)
+        raise APIError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
+    metrics.answered(endpoint, final["result"], final["first_token_at"] - shaper.job["submitted_at"])
+    return shaper.whole(final).model_dump()
+
+
+async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str,
+                  include_usage: bool):
+    """The server-sent events of a streamed answer: chunks, then ``[DONE]``."""
+    msg = first
+    if shaper.kind == "chat":
+        yield {"data": shaper.chunk(role=True).model_dump_json(exclude_none=True)}
+    while True:
+        if msg["type"] == "piece":
+            yield {"data": shaper.chunk(text=msg["text"]).model_dump_json(exclude_none=True)}
+        elif msg["type"] == "done":
+            metrics.answered(endpoint, msg["result"], msg["first_token_at"] - shaper.job["submitted_at"])
+            yield {"data": shaper.chunk(final=msg).model_dump_json(exclude_none=True)}
+            if include_usage:
+                yield {"data": shaper.usage_chunk(msg).model_dump_json(exclude_none=True)}
+            break
+        else:
+            status = msg.get("status", 503)
+            metrics.failed(endpoint, status)
+            error = _api_error(msg) if msg["type"] == "error" else APIError(
+                503, "the request was cancelled: the server is shutting down", code="shutting_down")
+            yield {"data": json.dumps(error.body())}
+            break
+        msg = await anext(messages)
+    yield {"data": "[DONE]"}
+
+
+class _Shaper:
+    """Builds the OpenAI objects of one job (one id and creation time for all its chunks)."""
+
+    def __init__(self, kind: str, model: str, job: dict) -> None:
+        self.kind = kind
+        self.model = model
+        self.job = job
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def usage(self, final: dict) -> schemas.Usage:
+        r = final["result"]
+        return schemas.Usage(prompt_tokens=r["prompt_tokens"], completion_tokens=r["completion_tokens"],
+                             total_tokens=r["prompt_tokens"] + r["completion_tokens"],
+                             prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=r["tokens_reused"]))
+
+    def info(self, final: dict) -> schemas.EdgeSyncInfo:
+        r = final["result"]
+        waited_ms = (final["first_token_at"] - self.job["submitted_at"]) * 1000 - r["ttft_ms"]
+        return schemas.EdgeSyncInfo(tier=r["tier"], tokens_reused=r["tokens_reused"],
+                                    tokens_prefilled=r["tokens_prefilled"], ttft_ms=round(r["ttft_ms"], 3),
+                                    queue_ms=round(max(0.0, waited_ms), 3), approximate=r["approximate"],
+                                    convertible=r["convertible"], similarity=r["similarity"],
+                                    uncached_reason=r["uncached_reason"])
+
+    def whole(self, final: dict):
+        """The non-streamed ChatCompletion or Completion."""
+        common = {"id": self.id, "created": self.created, "model": self.model, "usage": self.usage(final),
+                  "edgesync": self.info(final)}
+        if self.kind == "chat":
+            choice = schemas.ChatChoice(message=schemas.ChatMessageOut(content=final["text"]),
+                                        finish_reason=final["finish_reason"])
+            return schemas.ChatCompletion(choices=[choice], **common)
+        return schemas.Completion(choices=[schemas.CompletionChoice(text=final["text"],
+                                                                    finish_reason=final["finish_reason"])],
+                                  **common)
+
+    def chunk(self, text: str | None = None, role: bool = False, final: dict | None = None):
+        """A streamed chunk: the opening role (chat), a text piece, or the finish (with ``edgesync``)."""
+        finish = final["finish_reason"] if final is not None else None
+        info = self.info(final) if final is not None else None
+        common = {"id": self.id, "created": self.created, "model": self.model, "edgesync": info}
+        if self.kind == "chat":
+            delta = schemas.ChatDelta(role="assistant" if role else None, content="" if role else text)
+            return schemas.ChatCompletionChunk(choices=[schemas.ChatChunkChoice(delta=delta, finish_reason=finish)],
+                                               **common)
+        return schemas.Completion(choices=[schemas.CompletionChoice(text=text or "", finish_reason=finish)], **common)
+
+    def usage_chunk(self, final: dict):
+        """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        common = {"id": self.id, "created": self.created, "model": self.model, "usage": self.usage(final)}
+        if self.kind == "chat":
+            return schemas.ChatCompletionChunk(choices=[], **common)
+        return schemas.Completion(choices=[], **common)

@@ -1,0 +1,83 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}`` with the
+status that says what went wrong (400 bad input, 401 no or wrong key, 404 unknown model or
+route, 413 body too large, 500 the server failed, 503 shutting down)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+"""The OpenAI error ``type`` of each status."""
+
+
+class APIError(Exception):
+    """An error answered as the OpenAI error body with HTTP status ``status``."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type or TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        """The JSON body ``{"error": {...}}``."""
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The error as a response."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+    """The JSON body of an error, encoded (for the ASGI middleware, which answers before FastAPI)."""
+    return json.dumps(APIError(status, message, code).body()).encode()
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A pydantic validation failure as one 400: the first problem, naming its field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return APIError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
+    # a union (str | list) reports one error per branch: name the field, not the branch
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p).startswith(("str", "list[", "int"))]
+    param = ".".join(loc) or None
+    msg = "a required field is missing" if first.get("type") == "missing" else first.get("msg", "invalid value")
+    return APIError(400, f"{param or 'body'}: {msg}", code="invalid_value", param=param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` in the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                            str(exc.detail))
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return APIError(500, f"the server failed: {type(exc).__name__}").response()

@@ -1,0 +1,81 @@
+"""The server's Prometheus metrics (``GET /metrics``, text format through prometheus-client).
+
+Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}``,
+``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens injected from the store),
+``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
+queueing included), ``hits_total{tier}`` (exact, partial, miss), ``store_bytes`` (the store's
+files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
+early: the client went away) and ``queued_requests``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Histogram bounds of ``edgesync_ttft_seconds``, seconds."""
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The ``Content-Type`` of :meth:`ServerMetrics.render`."""
+
+
+def store_disk_bytes(store: Path) -> int:
+    """Bytes of the store's LMDB files (0 when the directory holds none yet)."""
+    try:
+        return sum(p.stat().st_size for p in Path(store).glob("*.mdb"))
+    except OSError:
+        return 0
+
+
+class ServerMetrics:
+    """The metrics of one server, in their own registry (two servers in one process, as in
+    tests, do not collide).
+
+    Args:
+        store: the store directory (for ``store_bytes``).
+        workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs;
+        cancelled: -> jobs stopped early.
+    """
+
+    def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
+                 queued: Callable[[], int], cancelled: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("edgesync_prompt_tokens", "prompt tokens of answered requests", registry=r)
+        self.cached_tokens = Counter("edgesync_cached_prompt_tokens", "prompt tokens injected from the store",
+                                     registry=r)
+        self.completion_tokens = Counter("edgesync_completion_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("edgesync_ttft_seconds", "request received to first token, seconds",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.hits = Counter("edgesync_hits", "answered requests by hit tier", ["tier"], registry=r)
+        Gauge("edgesync_store_bytes", "bytes of the fragment store on disk", registry=r).set_function(
+            lambda: store_disk_bytes(store))
+        Gauge("edgesync_workers", "engine worker processes", registry=r).set_function(workers)
+        Gauge("edgesync_worker_restarts_total", "worker processes restarted after dying",
+              registry=r).set_function(restarts)
+        Gauge("edgesync_cancelled_requests_total", "requests stopped early because the client went away",
+              registry=r).set_function(cancelled)
+        Gauge("edgesync_queued_requests", "requests sent to a worker and not answered yet",
+              registry=r).set_function(queued)
+
+    def answered(self, endpoint: str, result: dict, ttft_s: float) -> None:
+        """Count one answer (``result``: the worker's ``done`` fields)."""
+        self.requests.labels(endpoint, "200").inc()
+        self.prompt_tokens.inc(result["prompt_tokens"])
+        self.cached_tokens.inc(result["tokens_reused"])
+        self.completion_tokens.inc(result["completion_tokens"])
+        self.hits.labels(result["tier"]).inc()
+        self.ttft.observe(max(0.0, ttft_s))
+
+    def failed(self, endpoint: str, status: int) -> None:
+        """Count one request answered with an error status."""
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

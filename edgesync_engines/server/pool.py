@@ -1,0 +1,251 @@
+"""The worker processes as the server sees them: start, dispatch, cancel, restart, stop.
+
+Each worker (:func:`~.worker.worker_main`) is a process started with ``spawn`` (a fresh
+interpreter: no engine state or lock is inherited through ``fork``) and owns a request queue, a
+response queue and a shared ``cancel`` value. Messages are plain dicts:
+
+* to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
+  ``stop``, ``stream``, ``reuse``) or None (stop);
+* from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
+  job ``piece`` (``text``), then one of ``done`` (``text``, ``finish_reason``,
+  ``first_token_at``, ``result``), ``error`` (``status``, ``message``, ``err_type``, ``code``,
+  ``param``) or ``cancelled``.
+
+A job goes to the worker with the fewest outstanding jobs (the lowest index on a tie); each
+worker answers its queue in arrival order. One thread per worker reads its responses and hands
+them to the asyncio queue of their job. When a worker process dies, that thread fails its
+outstanding jobs with a 500 ``worker_died`` error and starts a new process with new queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from edgesync_engines.server.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+FINAL_TYPES = ("done", "error", "cancelled")
+"""Message types that end a job."""
+
+
+class PoolStartError(RuntimeError):
+    """A worker could not load its engine (the message says why) or did not start in time."""
+
+
+@dataclass
+class _Slot:
+    """One worker position: its current process and queues, and its outstanding job ids."""
+
+    index: int
+    process: multiprocessing.Process | None = None
+    requests: object = None
+    responses: object = None
+    cancel: object = None
+    pid: int | None = None
+    restarts: int = 0
+    jobs: set = field(default_factory=set)
+
+
+class WorkerPool:
+    """``n_workers`` engine processes serving jobs (see the module docstring).
+
+    Args:
+        settings: ``EdgeSyncConfig.to_dict()`` values every worker loads its engine from.
+        n_workers: processes (>= 1).
+        log_level: the workers' logging level name.
+        start_timeout_s: seconds a worker may take to load its engine.
+    """
+
+    def __init__(self, settings: dict, n_workers: int, log_level: str = "WARNING",
+                 start_timeout_s: float = 300.0) -> None:
+        if n_workers < 1:
+            raise ValueError(f"n_workers: must be >= 1, got {n_workers}")
+        self.settings = dict(settings)
+        self.log_level = log_level
+        self.start_timeout_s = start_timeout_s
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots = [_Slot(i) for i in range(n_workers)]
+        self._listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._cancelled = 0
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def n_workers(self) -> int:
+        """Worker processes."""
+        return len(self._slots)
+
+    def start(self) -> "WorkerPool":
+        """Start every worker and wait until each has loaded its engine.
+
+        Raises:
+            PoolStartError: a worker reported that its engine cannot load, or timed out.
+        """
+        for slot in self._slots:
+            self._spawn(slot)
+        try:
+            for slot in self._slots:
+                self._await_ready(slot)
+        except PoolStartError:
+            self.close()
+            raise
+        for slot in self._slots:
+            thread = threading.Thread(target=self._read, args=(slot,), name=f"edgesync-worker-{slot.index}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _spawn(self, slot: _Slot) -> None:
+        """A new process for ``slot``, with new queues (a dead process may have left its old
+        queues half-written)."""
+        slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
+        slot.cancel = self._ctx.Value("q", 0, lock=False)
+        slot.process = self._ctx.Process(
+            target=worker_main, name=f"edgesync-worker-{slot.index}", daemon=True,
+            args=(slot.index, self.settings, slot.requests, slot.responses, slot.cancel, self.log_level))
+        slot.process.start()
+
+    def _await_ready(self, slot: _Slot) -> None:
+        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death or timeout)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                msg = slot.responses.get(timeout=0.5)
+            except queue.Empty:
+                if not slot.process.is_alive():
+                    raise PoolStartError(f"worker {slot.index} exited with status {slot.process.exitcode} "
+                                         "before its engine was loaded") from None
+                continue
+            if msg.get("type") == "fatal":
+                raise PoolStartError(f"worker {slot.index} cannot load the engine: {msg['message']}")
+            if msg.get("type") == "ready":
+                slot.pid = msg["pid"]
+                log.info("worker %d ready (pid %d)", slot.index, slot.pid)
+                return
+        raise PoolStartError(f"worker {slot.index} did not load its engine within {self.start_timeout_s:.0f} s")
+
+    def pids(self) -> list[int | None]:
+        """The current process id of each worker (None while one is starting)."""
+        return [slot.pid for slot in self._slots]
+
+    def restarts(self) -> int:
+        """Worker processes restarted since :meth:`start`."""
+        return sum(slot.restarts for slot in self._slots)
+
+    def cancelled(self) -> int:
+        """Jobs a worker stopped early because their client went away (or on shutdown)."""
+        return self._cancelled
+
+    def queued(self) -> int:
+        """Jobs submitted and not yet answered, over all workers."""
+        with self._lock:
+            return sum(len(slot.jobs) for slot in self._slots)
+
+    async def submit(self, job: dict) -> AsyncIterator[dict]:
+        """Send ``job`` (a dict without ``id``) to a worker; yields its messages, ending with
+        the final one (``done``, ``error`` or ``cancelled``). Closing the iterator early
+        cancels the job (the worker stops at its next token)."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the server is shutting down")
+            job_id = next(self._ids)
+            slot = min(self._slots, key=lambda s: (len(s.jobs), s.index))
+            slot.jobs.add(job_id)
+            self._listeners[job_id] = (loop, inbox)
+            slot.requests.put({**job, "id": job_id})
+        finished = False
+        try:
+            while True:
+                msg = await inbox.get()
+                finished = msg["type"] in FINAL_TYPES
+                yield msg
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._listeners.pop(job_id, None)
+                if not finished and job_id in slot.jobs:
+                    slot.cancel.value = job_id
+
+    def _deliver(self, slot: _Slot, msg: dict) -> None:
+        """Hand a worker's message to its job's queue (dropped when nobody listens)."""
+        with self._lock:
+            if msg.get("type") in FINAL_TYPES:
+                slot.jobs.discard(msg.get("id"))
+            if msg.get("type") == "cancelled":
+                self._cancelled += 1
+            target = self._listeners.get(msg.get("id"))
+        if target is not None:
+            loop, inbox = target
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+
+    def _read(self, slot: _Slot) -> None:
+        """The reader thread of one slot: deliver messages, restart the worker when it dies."""
+        while True:
+            try:
+                msg = slot.responses.get(timeout=0.2)
+            except (queue.Empty, EOFError, OSError):
+                if self._closing:
+                    return
+                if not slot.process.is_alive():
+                    self._restart(slot)
+                continue
+            if msg.get("type") in ("ready", "fatal"):
+                continue
+            self._deliver(slot, msg)
+
+    def _restart(self, slot: _Slot) -> None:
+        """Fail ``slot``'s outstanding jobs and start a new process in its place."""
+        code = slot.process.exitcode
+        with self._lock:
+            # one critical section: a job submitted now goes to the new queue, never the dead one's
+            lost = sorted(slot.jobs)
+            slot.jobs.clear()
+            slot.pid = None
+            slot.restarts += 1
+            self._spawn(slot)
+        log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", slot.index, code,
+                  len(lost))
+        for job_id in lost:
+            self._deliver(slot, {"id": job_id, "type": "error", "status": 500, "err_type": "server_error",
+                                 "code": "worker_died", "param": None,
+                                 "message": f"the worker serving this request died (exit status {code}); "
+                                            "it was restarted, retry the request"})
+        try:
+            self._await_ready(slot)
+        except PoolStartError as exc:
+            log.error("%s", exc)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask every worker to stop after its current job, wait up to ``timeout_s`` for them
+        to close their engine and store, then kill what is left (workers ignore SIGTERM)."""
+        with self._lock:
+            self._closing = True
+        for slot in self._slots:
+            if slot.process is not None and slot.process.is_alive():
+                slot.requests.put(None)
+        deadline = time.monotonic() + timeout_s
+        for slot in self._slots:
+            if slot.process is None:
+                continue
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                log.warning("worker %d did not stop in %.0f s; killing it", slot.index, timeout_s)
+                slot.process.kill()
+                slot.process.join(5)
+        for thread in self._threads:
+            thread.join(1)

@@ -1,0 +1,130 @@
+"""One engine in one process: the loop a worker of :class:`~.pool.WorkerPool` runs.
+
+llama.cpp contexts are not thread-safe, so each worker process owns one :class:`EdgeSync` (one
+engine) and answers its queue's requests one at a time, in arrival order. Workers share the
+store directory, which is safe across processes. Only plain dicts cross the process boundary
+(see :mod:`.pool` for their fields); nothing read from the network is unpickled here: the
+server parses and checks the JSON and passes the values on.
+
+A request stops early when the server writes its id into the worker's ``cancel`` value (the
+client went away), checked after every token. Ctrl-C, and a service manager's SIGTERM, reach the
+whole process group: workers ignore both, so that the server first lets in-flight requests
+finish and then stops them (a None in the queue); a worker whose server is gone stops by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import time
+
+from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_engines.server.stops import StopScanner
+
+log = logging.getLogger(__name__)
+
+RESULT_FIELDS = ("tier", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
+                 "approximate", "convertible", "similarity", "uncached_reason")
+"""The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` too)."""
+
+
+def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING") -> None:
+    """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
+    values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
+    arrives or the server process is gone; close the engine and the store on the way out."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
+                        format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.router import EdgeSync
+
+    try:
+        config = EdgeSyncConfig.load(settings)
+        engine = EdgeSync(config=config)
+    except Exception as exc:  # any load failure is reported to the server, which exits with it
+        responses.put({"type": "fatal", "worker": index, "message": f"{type(exc).__name__}: {exc}"})
+        return
+    responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
+    parent = os.getppid()
+    try:
+        # a server killed without closing the pool leaves its workers to init: they stop too
+        while os.getppid() == parent:
+            try:
+                job = requests.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if job is None:
+                break
+            responses.put(serve_one(engine, config, job, cancel, responses.put))
+    finally:
+        engine.close()
+        log.info("worker %d: engine and store closed", index)
+
+
+def _error(job_id: int, status: int, message: str, err_type: str = "invalid_request_error",
+           code: str | None = None, param: str | None = None) -> dict:
+    return {"id": job_id, "type": "error", "status": status, "message": message, "err_type": err_type,
+            "code": code, "param": param}
+
+
+def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
+    """Answer one request dict (``id``, ``prompt`` (str or chat messages), ``max_tokens``,
+    ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``;
+    returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
+    through ``emit`` (default: the worker's response queue, see :func:`worker_main`)."""
+    job_id = job["id"]
+    reuse = job.get("reuse")
+    if reuse is not None and reuse != config.reuse:
+        if reuse == "semantic" and not config.semantic:
+            return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
+                          "on this server (EDGESYNC_SEMANTIC)", param="edgesync.reuse")
+        engine.config = dataclasses.replace(config, reuse=reuse)
+    try:
+        return _generate(engine, job, cancel, emit)
+    except ContextOverflowError as exc:
+        return _error(job_id, 400, str(exc), code="context_length_exceeded", param="messages")
+    except ValueError as exc:
+        return _error(job_id, 400, str(exc))
+    except Exception as exc:  # the request fails, the worker goes on
+        log.exception("request %s failed", job_id)
+        return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
+    finally:
+        engine.config = config
+
+
+def _generate(engine, job: dict, cancel, emit) -> dict:
+    """The generation loop of :func:`serve_one`."""
+    job_id = job["id"]
+    stream = engine.generate(job["prompt"], max_tokens=job["max_tokens"], stream=True,
+                             temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"])
+    scanner = StopScanner(job.get("stop") or [])
+    text: list[str] = []
+    first_token_at = None
+    with stream:
+        for piece in stream:
+            if first_token_at is None:
+                first_token_at = time.time()
+            if cancel.value == job_id:
+                return {"id": job_id, "type": "cancelled"}
+            out = scanner.feed(piece)
+            # after a stop sequence the engine still finishes the answer (up to max_tokens), so
+            # that the prompt is stored and the usage is the engine's own count
+            if out:
+                text.append(out)
+                if job.get("stream") and emit is not None:
+                    emit({"id": job_id, "type": "piece", "text": out})
+    tail = scanner.flush()
+    if tail:
+        text.append(tail)
+        if job.get("stream") and emit is not None:
+            emit({"id": job_id, "type": "piece", "text": tail})
+    result = stream.result
+    fields = {name: getattr(result, name) for name in RESULT_FIELDS}
+    fields["completion_tokens"] = len(result.tokens)
+    finish = "stop" if scanner.stopped or len(result.tokens) < job["max_tokens"] else "length"
+    return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": finish,
+            "first_token_at": first_token_at or time.time(), "result": fields}

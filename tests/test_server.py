@@ -1,0 +1,242 @@
+"""``edgesync serve`` end to end: the real server (a subprocess on a free loopback port, a store in
+a temp dir, the real SmolLM2) driven by the real ``openai`` client. Streamed and whole answers
+equal the library's own uncached ``generate``; a repeat injects all but at most one prompt token
+and says so in ``usage.prompt_tokens_details.cached_tokens``; the cache survives a restart; every
+bad input gets its status and the OpenAI error shape; a killed worker is replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from edgesync_engines.app.workloads import seed_workload
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.router import EdgeSync
+from tests.serve_process import ServeProcess
+
+MAX_TOKENS = 24
+BODY_LIMIT = 64 * 1024
+THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The library uncached, with the server's settings: the answers every server answer must equal."""
+    es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": THREADS}))
+    yield es
+    es.close()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-store")
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with ServeProcess(store, "--workers", "1", "--max-body-bytes", str(BODY_LIMIT), "--max-tokens-limit", "512",
+                      env={"EDGESYNC_THREADS": str(THREADS)}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+@pytest.fixture(scope="module")
+def chat_messages():
+    """A seed-workload request: a system prompt and a question (342 prompt tokens)."""
+    return seed_workload(1)[0].as_messages()
+
+
+def _streamed_chat(client, model, messages, **kw) -> tuple[str, object]:
+    """The joined deltas of a streamed chat answer and its usage chunk."""
+    parts, usage = [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+    return "".join(parts), usage
+
+
+def _post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """A raw POST (for bodies the openai client would never send)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _assert_error_shape(body: dict) -> dict:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_chat_whole_streamed_and_repeat(client, model, reference, chat_messages):
+    expected = reference.generate(chat_messages, max_tokens=MAX_TOKENS)
+    whole = client.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == expected.prompt_tokens == len(reference.prompt_tokens(chat_messages))
+    assert whole.usage.completion_tokens == MAX_TOKENS
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert whole.model_extra["edgesync"]["tier"] == "miss"
+
+    text, usage = _streamed_chat(client, model, chat_messages, max_tokens=MAX_TOKENS)
+    assert text == expected.text
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1
+
+    again = client.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS,
+                                           extra_body={"edgesync": {"reuse": "exact"}})
+    assert again.choices[0].message.content == expected.text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= again.usage.prompt_tokens - 1
+    ext = again.model_extra["edgesync"]
+    assert ext["tier"] == "exact" and ext["tokens_reused"] == cached
+    assert ext["approximate"] is False and ext["convertible"] is False
+    assert ext["tokens_prefilled"] == again.usage.prompt_tokens - cached
+
+
+def test_completions_whole_and_streamed(client, model, reference, chat_messages):
+    prompt = chat_messages[0]["content"] + "\n\nQuestion: " + chat_messages[1]["content"] + "\nAnswer:"
+    expected = reference.generate(prompt, max_tokens=MAX_TOKENS)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].text == expected.text
+    assert whole.usage.prompt_tokens == expected.prompt_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, stream=True) if c.choices)
+    assert streamed == expected.text
+    repeat = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS)
+    assert repeat.usage.prompt_tokens_details.cached_tokens >= repeat.usage.prompt_tokens - 1
+    assert repeat.choices[0].text == expected.text
+
+
+def test_stop_sequence_cuts_the_answer(client, model, reference, chat_messages):
+    expected = reference.generate(chat_messages, max_tokens=MAX_TOKENS).text
+    stop = expected.split()[3]
+    whole = client.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS, stop=[stop])
+    assert whole.choices[0].message.content == expected[:expected.index(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+    text, _ = _streamed_chat(client, model, chat_messages, max_tokens=MAX_TOKENS, stop=stop)
+    assert text == expected[:expected.index(stop)]
+
+
+def test_errors_have_the_openai_shape_and_status(server, client, model, reference, chat_messages):
+    status, body = _post(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400 and _assert_error_shape(body)["code"] == "invalid_json"
+
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="no-such-model", messages=chat_messages)
+    assert _assert_error_shape(nf.value.response.json())["code"] == "model_not_found"
+
+    long_text = "tell me more about the weather " * 700
+    n_prompt = len(reference.prompt_tokens([{"role": "user", "content": long_text}]))
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as big:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}],
+                                           max_tokens=100, stream=stream)
+        err = _assert_error_shape(big.value.response.json())
+        assert err["code"] == "context_length_exceeded"
+        assert f"prompt of {n_prompt} tokens" in err["message"] and "context of 4096 tokens" in err["message"]
+
+    for bad, param in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 513}, "max_tokens"),
+                       ({"extra_body": {"edgesync": {"documents": []}}}, "edgesync.documents"),
+                       ({"extra_body": {"edgesync": {"reuse": "sloppy"}}}, "edgesync.reuse")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=model, messages=chat_messages, **bad)
+        assert _assert_error_shape(exc.value.response.json())["param"] == param, bad
+
+    status, body = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "x" * BODY_LIMIT}]}).encode())
+    assert status == 413 and _assert_error_shape(body)["code"] == "request_too_large"
+
+    status, body = _post(server, "/v1/files", b"{}")
+    assert status == 404 and _assert_error_shape(body)["type"] == "invalid_request_error"
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_a_client_that_goes_away_frees_its_worker(server, client, model):
+    before = _metric(server, "edgesync_completion_tokens_total")
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a long story."}],
+                                            max_tokens=500, stream=True)
+    next(iter(stream))
+    stream.response.close()
+    deadline = time.monotonic() + 60
+    while _metric(server, "edgesync_cancelled_requests_total") < 1:
+        assert time.monotonic() < deadline, "the worker did not stop the abandoned request"
+        time.sleep(0.1)
+    assert _metric(server, "edgesync_completion_tokens_total") == before  # it was not answered to the end
+
+
+def test_killed_worker_is_replaced(server, client, model, reference, chat_messages):
+    old_pid = server.health()["worker_pids"][0]
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a long story."}],
+                                            max_tokens=500, stream=True)
+    next(iter(stream))  # the worker is generating
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as died:
+        for _ in stream:
+            pass
+    assert "died" in str(died.value)
+    deadline = time.monotonic() + 120
+    while server.health()["worker_pids"][0] in (None, old_pid):
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        time.sleep(0.2)
+    answer = client.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS)
+    assert answer.choices[0].message.content == reference.generate(chat_messages, max_tokens=MAX_TOKENS).text
+    assert answer.model_extra["edgesync"]["tier"] == "exact"  # the store is intact
+
+
+def test_restart_keeps_the_cache_and_the_key_is_checked(server, store, reference, chat_messages, model):
+    assert server.stop() == 0
+    assert "store closed" in server.stderr()
+    with ServeProcess(store, "--workers", "1", "--api-key", "s3cret", env={"EDGESYNC_THREADS": str(THREADS)}) as s2:
+        wrong = openai.OpenAI(base_url=s2.base_url, api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            wrong.chat.completions.create(model=model, messages=chat_messages)
+        assert _assert_error_shape(denied.value.response.json())["code"] == "invalid_api_key"
+        assert s2.health()["status"] == "ok"  # liveness needs no key
+        ok = openai.OpenAI(base_url=s2.base_url, api_key="s3cret", max_retries=0, timeout=120)
+        first = ok.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS)
+        assert first.model_extra["edgesync"]["tier"] == "exact"
+        assert first.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        assert first.choices[0].message.content == reference.generate(chat_messages, max_tokens=MAX_TOKENS).text
+        req = urllib.request.Request(f"http://127.0.0.1:{s2.port}/metrics", headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'edgesync_hits_total{tier="exact"} 1.0' in metrics
+        cached = float(first.usage.prompt_tokens_details.cached_tokens)
+        assert f"edgesync_cached_prompt_tokens_total {cached}" in metrics
+        assert "edgesync_ttft_seconds_count 1.0" in metrics
+        assert s2.stop() == 0
