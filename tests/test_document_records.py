@@ -114,3 +114,10 @@ def test_the_index_finds_the_nearest_document_and_follows_other_writers(tmp_path
         records.delete_document(store, recs[4].key)
         assert recs[4].key not in {k for k, _ in index.search(recs[4].vectors[0], 5)}
         assert DocumentIndex(store, b"\2" * 32).search(recs[0].vectors[0], 3) == []
+
+
+def test_clearing_the_store_empties_the_documents_too(tmp_path):
+    with FragmentStore(tmp_path / "s") as store:
+        records.put_document(store, record(range(80)))
+        store.drop_all()
+        assert list(records.iterate_documents(store)) == []

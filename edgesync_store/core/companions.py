@@ -23,6 +23,10 @@ import struct
 from edgesync_store.core.lmdb_env import U64
 
 DONORS_DB = b"donors"
+DOCUMENTS_DB = b"documents"
+"""Document records (``edgesync_store/documents/records.py`` lays them out): not keyed by a
+fragment, so a fragment's deletion leaves them (readers recompute what is gone); emptied with
+the store."""
 VECTORS_DB = b"emb_vectors"
 VECTORS_META_DB = b"emb_meta"
 COMPANION_DATABASES = (DONORS_DB, VECTORS_DB, VECTORS_META_DB)
@@ -109,8 +113,10 @@ def drop_vectors_in(store, txn) -> int:
 
 
 def drop_in(store, txn) -> None:
-    """Empty every companion database (donor records, vectors, their counters and log)."""
-    donors_db = store.named_db(DONORS_DB, txn=txn)
-    if donors_db is not None:
-        txn.drop(donors_db, delete=False)
+    """Empty every companion database (donor records, document records, vectors, their
+    counters and log)."""
+    for name in (DONORS_DB, DOCUMENTS_DB):
+        db = store.named_db(name, txn=txn)
+        if db is not None:
+            txn.drop(db, delete=False)
     drop_vectors_in(store, txn)

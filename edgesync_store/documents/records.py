@@ -31,11 +31,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from edgesync_store.core.companions import DOCUMENTS_DB
 from edgesync_store.schema import token_bytes
 
 log = logging.getLogger(__name__)
 
-DOCUMENTS_DB = b"documents"
 GENERATION_KEY = b"generation"
 _TAG = b"edgesync/document/v1\x00"
 _U32 = struct.Struct("<I")
