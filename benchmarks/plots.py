@@ -225,3 +225,50 @@ def bytes_per_cached_prompt(rows: Sequence[Mapping], path: str | os.PathLike) ->
         ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def quality_vs_ttft(rows: Sequence[Mapping], path: str | os.PathLike, title: str = "") -> Path:
+    """Answer quality against mean TTFT (ms): one line per measure (``f1`` against gold,
+    ``rouge_l`` against full prefill) through the blend rows in share order, each point labelled
+    with its share, and the other rows (full prefill, prefix-only, the noise floor) as marked
+    points.
+
+    Args:
+        rows: dicts ``{"system", "share", "label", "n", "ttft_mean_ms", "f1", "rouge_l"}`` (the
+            ``systems`` of :func:`edgesync_engines.app.rag_fidelity.summarize`); blend rows have
+            ``system == "blend"`` and a share.
+        path: the PNG to write.
+        title: the figure's title (default: a generic one).
+
+    Returns:
+        the Path written.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    blend = sorted((r for r in rows if r.get("system") == "blend" and r.get("ttft_mean_ms") is not None),
+                   key=lambda r: r["share"])
+    others = [r for r in rows if r.get("system") != "blend" and r.get("ttft_mean_ms") is not None]
+    styles = {"f1": ("F1 vs gold", "#1f77b4", "o"), "rouge_l": ("ROUGE-L vs full prefill", "#d62728", "s")}
+    for key, (name, colour, marker) in styles.items():
+        pts = [(r["ttft_mean_ms"], r[key], r) for r in blend if r.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colour, label=f"blend: {name}")
+            for x, y, r in pts:
+                ax.annotate(f"{100 * r['share']:g}% (n={r['n']})", (x, y), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=colour)
+        for r in others:
+            if r.get(key) is not None:
+                ax.scatter([r["ttft_mean_ms"]], [r[key]], marker="*" if r["system"] == "full-prefill" else "D",
+                           s=90, color=colour, edgecolors="black", zorder=3)
+                ax.annotate(f"{r['label']} (n={r['n']})", (r["ttft_mean_ms"], r[key]), textcoords="offset points",
+                            xytext=(4, -10), fontsize=7)
+    for r in others:
+        ax.axvline(r["ttft_mean_ms"], color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("mean TTFT (ms)")
+    ax.set_ylabel("answer quality (0 to 1)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title or "Answer quality against TTFT across recompute shares")
+    ax.grid(True, alpha=0.3)
+    _legend_or_empty(ax, bool(blend or others), "lower right")
+    fig.tight_layout()
+    return _save(fig, plt, path)

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 
 WORKLOADS = ("seed", "doc-qa", "chat")
+RAG = "rag"
+"""Run alone, in this process (:mod:`edgesync_engines.app.cli_rag`), not by the worker lanes."""
 BASE_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync")
 
 
@@ -479,7 +481,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{QUICK.chat_sessions} chat sessions; under 5 minutes)")
     parser.add_argument("--limit", type=_positive, default=None,
                         help="cap every size at N: seed requests (every system), doc-QA passages, chat sessions")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: seed,doc-qa,chat")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated: seed,doc-qa,chat; or rag alone (documents reuse, every system in "
+                             "this process: edgesync_engines/app/rag_fidelity.py)")
+    parser.add_argument("--curve-limit", type=_positive, default=None, metavar="N",
+                        help="rag: recompute shares other than the default on the first N requests only")
     parser.add_argument("--model", type=Path, default=None,
                         help="GGUF every system runs (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--kv-type", type=_kv_types, default=None, metavar="TYPE[,TYPE...]",
@@ -503,6 +509,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     sizes = limited(QUICK if args.quick else FULL, args.limit)
     out = args.out or _default_out()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if RAG in workloads:
+        return _run_rag(args, workloads, out)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise ValueError(f"--workloads: unknown {unknown or args.workloads!r}; choose from {', '.join(WORKLOADS)}")
@@ -533,6 +541,22 @@ def run_from_args(args: argparse.Namespace) -> int:
     console.print(f"report: {out / 'report.md'}  json: {out / 'report.json'}  "
                   f"wall {report['meta']['wall_s'] / 60:.1f} min")
     return 1 if report["meta"]["errors"] else 0
+
+
+def _run_rag(args: argparse.Namespace, workloads: list[str], out: Path) -> int:
+    """``--workloads rag``: :func:`edgesync_engines.app.cli_rag.run_bench` (one process, not
+    the worker lanes); ValueError for bad input."""
+    from edgesync_engines.app.cli_common import CommandError
+    from edgesync_engines.app.cli_rag import run_bench
+
+    if workloads != [RAG]:
+        raise ValueError("--workloads rag runs alone (every system side by side in one process): "
+                         "edgesync bench --workloads rag")
+    args.out = out
+    try:
+        return run_bench(args)
+    except CommandError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """``edgesync fidelity``: how often the approximate mode serves a paraphrase's KV, and how the
-answers compare (computation in :mod:`edgesync_engines.app.fidelity`).
+answers compare (computation in :mod:`edgesync_engines.app.fidelity`); with ``--workload rag``,
+documents reuse by recompute share against full prefill (:mod:`edgesync_engines.app.cli_rag`).
 
 Prints a table (or, with ``--json``, one JSON object) to stdout; progress bars and errors go to
 stderr. Bad input (missing data, a bad option, a missing package or model) exits 2.
@@ -14,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.app import fidelity, fidelity_vectors
+from edgesync_engines.app import cli_rag, fidelity, fidelity_vectors, rag_fidelity
 from edgesync_engines.app.cli_common import (
     CommandError,
     check_writable,
@@ -70,6 +71,19 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="llamacpp (default) or onnx (ONNX Runtime on the export of the same GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    rag = p.add_argument_group("--workload rag")
+    rag.add_argument("--workload", choices=("pairs", "rag"), default="pairs",
+                     help="pairs: the approximate mode on labelled pairs (default); rag: documents reuse "
+                          "(full prefill, prefix-only, blend by recompute share, flash-attention noise floor)")
+    rag.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                     help="rag: first N requests (default 200)")
+    rag.add_argument("--shares", type=cli_rag.shares_arg, default=list(rag_fidelity.DEFAULT_SHARES),
+                     metavar="S,S,...",
+                     help="rag: recompute shares of blend (default 0,0.05,0.15,0.3,1; the configured "
+                          "blend_recompute is always measured)")
+    rag.add_argument("--curve-limit", type=positive_int, default=None, metavar="N",
+                     help="rag: shares other than the default on the first N requests only (default: all)")
+    rag.add_argument("--plot", metavar="FILE.png", help="rag: write the quality-against-TTFT plot to FILE.png")
     p.set_defaults(func=cmd_fidelity)
     return p
 
@@ -128,6 +142,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
     cfg = load_config({"engine": args.engine})
     check_writable(args.json_out)
+    if args.workload == "rag":
+        return cli_rag.cmd_fidelity_rag(args, cfg)
     try:
         pairs = fidelity.load_pairs(args.pairs)
         app, system_prompt = fidelity.load_system_prompt(args.topic)
