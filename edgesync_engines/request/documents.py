@@ -206,13 +206,14 @@ class DocumentLibrary:
                              f"{self.adapter.n_ctx} tokens; split the document or raise n_ctx (EDGESYNC_N_CTX)")
         digest = self.namespace.digest() if self.namespace is not None else b"\0" * 32
         key = records.document_key(digest, tokens)
-        stored = self._get(key)
+        stored = self.get(key)
         if stored is not None:
             return stored
         return DocumentRecord(digest, np.asarray(tokens, np.int32), np.asarray(self.header_tokens(), np.int32),
                               doc.title, doc.source, doc.text, time.time())
 
-    def _get(self, key: bytes) -> DocumentRecord | None:
+    def get(self, key: bytes) -> DocumentRecord | None:
+        """The stored record under ``key`` (None: none, no store, or unreadable: logged)."""
         if self.store is None:
             return None
         try:
@@ -298,7 +299,7 @@ class DocumentLibrary:
                              "EdgeSync.add_documents or `edgesync docs add`")
         out = []
         for key, score in hits:
-            rec = self._get(key)
+            rec = self.get(key)
             if rec is not None:
                 out.append((rec, score))
         return out

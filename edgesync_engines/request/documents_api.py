@@ -115,8 +115,7 @@ class DocumentsMixin:
     def forget_documents(self, documents: Iterable["str | Mapping"]) -> int:
         """Remove the given documents (as passed to ``generate``) if stored; returns how many."""
         recs = [self.documents.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
-        stored = {r.key for r in self.documents.list()}
-        gone = [r for r in recs if r.key in stored]
+        gone = [r for r in recs if self.documents.get(r.key) is not None]
         for rec in gone:
             self.documents.remove(rec)
         return len(gone)
@@ -157,10 +156,9 @@ class DocumentsMixin:
         if self.store is None or self.store.readonly or self.adapter.namespace is None:
             return 0
         added = 0
-        stored = {r.key for r in self.documents.list()}
         for rec, _ in prompt.pieces:
             try:
-                if rec.key not in stored or not self.documents.kv_stored(rec):
+                if self.documents.get(rec.key) is None or not self.documents.kv_stored(rec):
                     self.documents.add(rec)
                     added += 1
             except (StoreError, OSError, ValueError, RuntimeError) as exc:
