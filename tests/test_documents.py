@@ -168,3 +168,29 @@ def test_blend_on_a_sliding_window_model_runs_exact_with_its_reason(config, rows
         gemma.close()
     assert "sliding-window" in result.blend_refusal and not result.approximate
     assert result.tokens == reference.tokens and result.recomputed_tokens == 0
+
+
+def test_compaction_keeps_a_documents_kv_usable(adapter, config, rows, tmp_path):
+    """A prompt with no system message starts with the document's chain (the chat header, then
+    the document): compaction's dedup replaces the document's last chunk by the prompt's longer
+    one. The document still counts as stored and blends without being computed again."""
+    from edgesync_store.compactor import Compactor
+
+    doc = rows[4]["context"]
+    messages = [{"role": "user", "content": rows[4]["questions"][0]}]
+    with EdgeSync(model=adapter, store=tmp_path / "s", config=config) as es:
+        es.add_documents([doc])
+        es.generate(messages, documents=[doc], max_tokens=MAX_TOKENS)
+        report = Compactor(es.store).run(do_reclaim=False)
+        (rec,) = es.list_documents()
+        assert es.documents.kv_stored(rec)
+        result = es.generate(messages, documents=[doc], max_tokens=MAX_TOKENS, reuse="blend")
+    assert report.deduplicated >= 1
+    assert result.documents_computed == 0 and result.blended_tokens > 0
+
+
+def test_a_single_string_is_one_document(adapter, config, rows, tmp_path):
+    with EdgeSync(model=adapter, store=tmp_path / "s", config=config) as es:
+        (rec,) = es.add_documents(rows[3]["context"])
+        assert rec.text == rows[3]["context"]
+        assert es.remove_documents(rec.doc_id[:10]) == 1

@@ -61,14 +61,16 @@ class DocumentInput:
     source: str = ""
 
 
-def as_inputs(documents: Iterable["str | Mapping"]) -> list[DocumentInput]:
+def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[DocumentInput]:
     """Documents given as strings or as dicts with ``text`` (or ``context``) and optional
-    ``title``, ``source`` (or ``doc_id``/``id``).
+    ``title``, ``source`` (or ``doc_id``/``id``); a single string or dict is one document.
 
     Raises:
         ValueError: a document that is not a string or such a dict, or whose text is blank,
             naming its index.
     """
+    if isinstance(documents, (str, Mapping)):
+        documents = [documents]  # one document, not its characters or keys
     out = []
     for i, doc in enumerate(documents):
         if isinstance(doc, str):
@@ -223,11 +225,13 @@ class DocumentLibrary:
             return None
 
     def kv_stored(self, rec: DocumentRecord) -> bool:
-        """True when the store holds the document's whole chain (live)."""
+        """True when live fragments hold the document's whole chain: the prefix walk of the
+        chain reaches its end, whatever fragments do it (compaction may have replaced the
+        document's own chunks by a longer prompt's that start with them)."""
         chain = rec.chain
-        spans = chunk_spans(len(chain), self.chunk_tokens)
-        return bool(spans) and all(
-            self.store.covers_span(self.namespace, prefix_hash(chain[:s]), chain[s:e], s) for s, e in spans)
+        if not chunk_spans(len(chain), self.chunk_tokens):
+            return False
+        return self.store.prefix_walk(self.namespace, chain).matched_tokens >= len(chain)
 
     def add(self, rec: DocumentRecord) -> DocumentRecord:
         """Store ``rec``: its KV (computed standalone when its chain is not all stored: the
@@ -244,7 +248,9 @@ class DocumentLibrary:
         spans = chunk_spans(len(chain), self.chunk_tokens)
         if spans and not self.kv_stored(rec):
             self.adapter.prefill(chain)
-            self.store.put_many(self.adapter.extract_fragments(chain, spans, now=self.store.clock()))
+            missing = [(s, e) for s, e in spans
+                       if not self.store.covers_span(self.namespace, prefix_hash(chain[:s]), chain[s:e], s)]
+            self.store.put_many(self.adapter.extract_fragments(chain, missing, now=self.store.clock()))
             self.adapter.clear_kv_cache()
         if spans:
             keep_as_document(self.store, self.store.keys_along(self.namespace, chain))

@@ -102,11 +102,14 @@ class DocumentsMixin:
             KeyError: an ID that names no stored document (or several).
             StoreError: the store could not be written.
         """
+        if isinstance(ids, (str, DocumentRecord)):
+            ids = [ids]  # one ID, not its characters
         found = []
         for doc_id in ids:
             rec = doc_id if isinstance(doc_id, DocumentRecord) else self.documents.resolve(str(doc_id))
             if rec is None:
-                raise KeyError(f"no stored document {doc_id!r} (or the prefix names several)")
+                raise KeyError(f"no stored document matches {doc_id!r}: unknown, under 8 hex digits, or a prefix "
+                               f"of several (give more digits)")
             found.append(rec)
         for rec in found:
             self.documents.remove(rec)
