@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.figures import group_records, ratio, storage_figures, summarize, targets
+from benchmarks.figures import group_records, ratio, same_requests, storage_figures, summarize, targets
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,37 @@ def model_line(meta: dict) -> str:
     return f"Model: {what} on llama.cpp, KV type {', '.join(kv)}, greedy, 16 new tokens."
 
 
+def _vs_no_cache(s: dict) -> str:
+    """Mean TTFT over no cache's on the requests both ran, with their count when that is not
+    all of the system's requests (EdgeSync's 1,000 seed requests against no cache's 300)."""
+    v = ratio(s.get("ttft_mean_same_requests"), s.get("no_cache_ttft_mean_same_requests"))
+    n = s.get("same_requests")
+    return _f(v, "{:.3f}x") + (f" ({n})" if v is not None and n != s["n"] else "")
+
+
+def sampled_lines(sampled: dict) -> list[str]:
+    """The report's "What was sampled" lines from the runner's ``meta["sampled"]``."""
+    lines = []
+    for workload, d in (sampled or {}).items():
+        if workload == "seed":
+            lines.append(f"- seed: {d['requests']} requests ({d['distinct_prompts']} distinct prompts) for EdgeSync "
+                         f"(cold and warm); the first {d['no_cache_and_peers_requests']} of them "
+                         f"({d['no_cache_and_peers_distinct_prompts']} distinct prompts) for no cache, naive string, "
+                         f"LlamaRAMCache and LlamaDiskCache, dealt in turn with EdgeSync's; {d['selection']}.")
+        elif workload == "doc-qa":
+            lines.append(f"- doc-qa: {d['passages']} passages, {d['questions']} questions, every system: "
+                         f"{d['selection']}: {', '.join(d['doc_ids'])}.")
+        elif workload == "chat":
+            lines.append(f"- chat: {d['sessions']} sessions, {d['user_turns']} user turns in the data (the turns "
+                         f"each system served are its requests column), every system: {d['selection']}: "
+                         f"{', '.join(d['session_ids'])}.")
+    return lines
+
+
 def main_table(workload: str, summaries: dict, storage: dict) -> str:
     """Markdown table of one workload: one row per system (see :mod:`benchmarks.figures`)."""
-    head = ("| system | requests | TTFT p50 ms | TTFT p95 ms | TTFT mean ms | vs no cache | first-seen mean ms "
+    head = ("| system | requests | TTFT p50 ms | TTFT p95 ms | TTFT mean ms | vs no cache (same requests) "
+            "| first-seen mean ms "
             "| repeat mean ms | exact / partial / miss | not prefilled | bytes read / req MB "
             "| stored per cached prompt MB (vs raw f16 KV) | CPU s / req | peak RSS MB | identical to no cache |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
@@ -126,7 +154,7 @@ def main_table(workload: str, summaries: dict, storage: dict) -> str:
         lines.append(
             f"| {system} | {s['n']} | {_f(s['ttft_ms']['p50'])} | {_f(s['ttft_ms']['p95'])} "
             f"| {_f(s['ttft_ms']['mean'])} "
-            f"| {_f(ratio(s['ttft_ms']['mean'], s.get('no_cache_ttft_mean_same_requests')), '{:.3f}x')} "
+            f"| {_vs_no_cache(s)} "
             f"| {_f(s['first_seen_ttft_ms']['mean'])} "
             f"| {_f(s['repeat_ttft_ms']['mean'])} | {h['exact']} / {h['partial']} / {h['miss']} "
             f"| {_pct(s['not_prefilled_share'])} | {_mb(s['bytes_read_per_request'])} | {stored} "
@@ -207,15 +235,18 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
     storage: dict[tuple[str, str], dict] = {}
     for (workload, system), rs in groups.items():
         ref = groups.get((workload, "no-cache" + kv_suffix(system)))  # the same KV type's reference
-        summaries[(workload, system)] = summarize(rs, ref)
-        summaries[(workload, system)]["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0
-                                                             for r in rs)
-        if ref:  # "vs no cache": no cache's mean TTFT over the same requests (300-request systems)
-            ids = {r["request_id"] for r in rs}
-            same = [r["ttft_ms"] for r in ref if r["request_id"] in ids]
-            summaries[(workload, system)]["no_cache_ttft_mean_same_requests"] = sum(same) / len(same) if same else None
+        # seed and doc-QA: equal prompt keys are equal messages, so no cache's answer to a prompt
+        # is the reference for EdgeSync's requests after the 300 no cache ran
+        s = summaries[(workload, system)] = summarize(rs, ref, by_prompt=workload in ("seed", "doc-qa"))
+        s["ram_tier_hits"] = sum((r.get("detail") or {}).get("ram_tier_hits") or 0 for r in rs)
+        if ref:  # "vs no cache": both means over the requests both ran
+            mine, theirs = same_requests(rs, ref), same_requests(ref, rs)
+            s["same_requests"] = len(mine)
+            s["ttft_mean_same_requests"] = sum(r["ttft_ms"] for r in mine) / len(mine) if mine else None
+            s["no_cache_ttft_mean_same_requests"] = (sum(r["ttft_ms"] for r in theirs) / len(theirs)
+                                                     if theirs else None)
         storage[(workload, system)] = storage_figures(rs, (stats.get(workload) or {}).get(system))
-    tgt = targets(summaries, storage)
+    tgt = targets(summaries, storage, groups)
     pf_md, pf = prefetch_table(summaries, stats)
     try:
         from benchmarks import device_profile
@@ -233,6 +264,9 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
           f"at end {meta.get('loadavg_end')}. "
           f"Sizes: {sizes}. {model_line(meta)} "
           "TTFT: call to first streamed token, chat template and tokenization included, every system.", ""]
+    if meta.get("sampled"):
+        md += ["What was sampled (fixed seeds; every comparison with no cache is over the requests both ran):", "",
+               *sampled_lines(meta["sampled"]), ""]
     kv_types = meta.get("kv_types") or [None]
     notes = engine_notes(stats, kv_types)
     if notes:

@@ -16,7 +16,9 @@ choice below is a fixed seed, so every run and every process sees the same reque
     requests, for the slower systems, which run a part of it.
 ``doc-qa``
     :func:`doc_qa_requests`: 40 passages (rows) of ``doc_qa.jsonl``, chosen as
-    ``sorted(random.Random(0).sample(range(n_rows), 40))`` and kept in file order; each
+    ``sorted(random.Random(0).sample(range(n_rows), 40))`` and kept in file order (fewer, ``n``:
+    the first ``n`` of that same draw, so a smaller sample is a subset of the 40; the runner's
+    full run takes :data:`BENCH_DOC_QA_PASSAGES`); each
     passage's questions in file order as successive requests, with the messages of
     ``edgesync_engines.app.workloads.doc_qa_workload`` (system ``DOC_QA_SYSTEM_PROMPT``, user
     ``"Passage (title):\\n<context>\\n\\nQuestion: <q>"``). Why a sample and not the first
@@ -27,10 +29,12 @@ choice below is a fixed seed, so every run and every process sees the same reque
     (then the result equals ``doc_qa_workload(40)``, what ``edgesync run doc-qa`` uses).
 ``chat``
     :func:`chat_sessions`: 40 sessions of ``chat_sessions.jsonl``, chosen as
-    ``sorted(random.Random(0).sample(range(n_rows), 40))`` in file order. Why a sample: the
-    file is sorted by ``session_id``, so its first 40 rows are all Chatbot Arena; the sample
-    holds 29 WildChat, 6 Chatbot Arena and 5 OpenAssistant sessions (145 user turns), close
-    to the file's mix (339 / 120 / 41). ``seed=None`` takes the first 40 rows.
+    ``sorted(random.Random(0).sample(range(n_rows), 40))`` in file order (fewer: the first ``n``
+    of that draw, as for doc-QA; the runner's full run takes :data:`BENCH_CHAT_SESSIONS`). Why
+    a sample: the file is sorted by ``session_id``, so its first 40 rows are all Chatbot
+    Arena; the sample holds 29 WildChat, 6 Chatbot Arena and 5 OpenAssistant sessions (145
+    user turns), close to the file's mix (339 / 120 / 41). ``seed=None`` takes the first 40
+    rows.
 
     The prompt of turn ``j`` is the conversation so far: user turns ``0..j`` with the
     model's own answers to turns ``0..j-1`` between them. Those answers exist only at run
@@ -75,6 +79,8 @@ from edgesync_engines.app.workloads import (
 )
 
 __all__ = [
+    "BENCH_CHAT_SESSIONS",
+    "BENCH_DOC_QA_PASSAGES",
     "BENCH_MAX_TOKENS",
     "BENCH_N_CTX",
     "CHAT_FILE",
@@ -96,12 +102,19 @@ log = logging.getLogger(__name__)
 BENCH_MAX_TOKENS = 16
 #: Context window in tokens that a chat turn's prompt plus ``BENCH_MAX_TOKENS`` must fit.
 BENCH_N_CTX = 4096
-#: Seed-workload requests run by the slower baselines (naive string, LlamaRAMCache, LlamaDiskCache).
+#: Seed-workload requests run by no cache and the peers (naive string, LlamaRAMCache,
+#: LlamaDiskCache): the first 300 of the 1,000 that EdgeSync runs.
 SLOW_SYSTEM_LIMIT = 300
-#: Passages of ``doc_qa.jsonl`` in the doc-QA workload.
+#: Passages of ``doc_qa.jsonl`` drawn for the doc-QA workload (a smaller sample is a prefix of the draw).
 N_DOC_QA_PASSAGES = 40
-#: Sessions of ``chat_sessions.jsonl`` in the chat workload.
+#: Sessions of ``chat_sessions.jsonl`` drawn for the chat workload (likewise).
 N_CHAT_SESSIONS = 40
+#: Passages the runner's full run takes (the first 10 of the 40 drawn; 48 questions): about 5
+#: minutes of the hour on 2 cores, from the 40-passage run's 19.5 minutes for 207 questions.
+BENCH_DOC_QA_PASSAGES = 10
+#: Sessions the runner's full run takes (the first 10 of the 40 drawn; 29 user turns, about 5
+#: minutes, from the 40-session run's 17.7 minutes for 145 turns, by turns and prompt tokens).
+BENCH_CHAT_SESSIONS = 10
 #: Seed of ``random.Random`` that picks the doc-QA passages and the chat sessions.
 SELECTION_SEED = 0
 CHAT_FILE = "chat_sessions.jsonl"
@@ -134,15 +147,17 @@ def _read_rows(name: str, data_dir: str | os.PathLike | None) -> list[dict]:
     return read_jsonl(data_file(name, data_dir))
 
 
-def _pick(n_rows: int, n: int, seed: int | None, what: str) -> list[int]:
-    """Row indices, ascending: a ``random.Random(seed).sample`` of ``n``, or the first ``n``."""
+def _pick(n_rows: int, n: int, seed: int | None, what: str, draw: int) -> list[int]:
+    """Row indices, ascending: the first ``n`` of ``random.Random(seed).sample(range(n_rows),
+    max(n, draw))`` (so every ``n <= draw`` picks a subset of the same ``draw`` rows; for
+    ``n == draw`` this is ``sample(range(n_rows), n)`` itself), or the first ``n`` rows."""
     if n < 1:
         raise ValueError(f"{what}: n must be >= 1, got {n}")
     if n > n_rows:
         raise WorkloadDataError(f"{what}: needs {n} rows, the file has {n_rows}")
     if seed is None:
         return list(range(n))
-    return sorted(random.Random(seed).sample(range(n_rows), n))
+    return sorted(random.Random(seed).sample(range(n_rows), min(max(n, draw), n_rows))[:n])
 
 
 def doc_qa_requests(
@@ -152,8 +167,9 @@ def doc_qa_requests(
 ) -> list[Request]:
     """The doc-QA workload: ``n_passages`` passages, all their questions in file order.
 
-    Passages: ``sorted(random.Random(seed).sample(range(n_rows), n_passages))`` of
-    ``doc_qa.jsonl`` (``seed=None``: the first ``n_passages`` rows). Requests come from
+    Passages: the first ``n_passages`` of ``random.Random(seed).sample(range(n_rows), 40)``
+    (more than 40: a sample of ``n_passages``), sorted, of ``doc_qa.jsonl`` (``seed=None``: the
+    first ``n_passages`` rows). Requests come from
     ``doc_qa_workload`` (same messages, ``group`` = ``doc_id``, ``prompt_key`` =
     ``"<doc_id>#q<j>"``), renumbered ``request_id`` ``"doc-qa-NNNN"`` by position here.
 
@@ -162,7 +178,7 @@ def doc_qa_requests(
         WorkloadDataError: data missing or malformed, or fewer rows than ``n_passages``.
     """
     rows = _read_rows(DOC_QA_FILE, data_dir)
-    chosen = _pick(len(rows), n_passages, seed, DOC_QA_FILE)
+    chosen = _pick(len(rows), n_passages, seed, DOC_QA_FILE, N_DOC_QA_PASSAGES)
     ids = [rows[i].get("doc_id") for i in chosen]
     wanted = set(ids)
     full = doc_qa_workload(n_docs=len(rows), data_dir=data_dir)
@@ -325,8 +341,9 @@ def chat_sessions(
 ) -> list[ChatSession]:
     """Fresh :class:`ChatSession` objects for the chat workload, in file order.
 
-    Sessions: ``sorted(random.Random(seed).sample(range(n_rows), n_sessions))`` of
-    ``chat_sessions.jsonl`` (``seed=None``: the first ``n_sessions`` rows). Each call
+    Sessions: the first ``n_sessions`` of ``random.Random(seed).sample(range(n_rows), 40)``
+    (more than 40: a sample of ``n_sessions``), sorted, of ``chat_sessions.jsonl``
+    (``seed=None``: the first ``n_sessions`` rows). Each call
     builds new sessions with no answers recorded (one per worker process or pass).
 
     Args: see :class:`ChatSession`; ``count_tokens`` is required because the cut-off is
@@ -338,7 +355,7 @@ def chat_sessions(
     """
     rows = _read_rows(CHAT_FILE, data_dir)
     sessions = []
-    for pos, i in enumerate(_pick(len(rows), n_sessions, seed, CHAT_FILE)):
+    for pos, i in enumerate(_pick(len(rows), n_sessions, seed, CHAT_FILE, N_CHAT_SESSIONS)):
         sid, turns = rows[i].get("session_id"), rows[i].get("turns")
         if not isinstance(sid, str) or not (
             isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)

@@ -15,7 +15,10 @@ Per system and workload (:func:`summarize`):
 * ``bytes_read`` total and per request (what reuse read from the store or cache);
 * ``cpu_s_per_request`` (user + sys of the worker) and ``peak_rss_bytes``;
 * ``identity``: share of requests whose generated tokens equal no cache's for the same request
-  (matched by ``request_id``), over the requests both ran; ``identity_n`` how many;
+  (matched by ``request_id``; on seed and doc-QA, where equal ``prompt_key`` means equal
+  messages, a request no cache did not run is matched with no cache's answer to the same
+  prompt: no cache clears its KV before every request, so its greedy answer depends on the
+  prompt alone), over the requests that have a reference; ``identity_n`` how many;
 * storage (:func:`storage_figures`): bytes per cached prompt on disk (EdgeSync: the store
   directory's allocated bytes over the distinct prompts it cached; LlamaDiskCache: its
   directory over its entries) and RAM (LlamaRAMCache), against the raw f16 KV of a cached
@@ -62,19 +65,40 @@ def group_records(records: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
     return dict(out)
 
 
-def identity_against(records: Sequence[dict], reference: Sequence[dict]) -> tuple[float | None, int]:
+def identity_against(records: Sequence[dict], reference: Sequence[dict],
+                     by_prompt: bool = False) -> tuple[float | None, int]:
     """(share of ``records`` whose ``tokens`` equal the reference's for the same ``request_id``,
-    how many were compared). Requests the reference did not run are left out."""
+    how many were compared). With ``by_prompt``, a request the reference did not run is
+    compared with the reference's first answer to the same ``prompt_key``; otherwise (and when
+    the reference never answered that prompt) it is left out."""
     ref = {r["request_id"]: r["tokens"] for r in reference}
-    pairs = [(r["tokens"], ref[r["request_id"]]) for r in records if r["request_id"] in ref]
+    by_key: dict[str, list] = {}
+    if by_prompt:
+        for r in reference:
+            by_key.setdefault(r["prompt_key"], r["tokens"])
+    pairs = []
+    for r in records:
+        want = ref.get(r["request_id"])
+        if want is None:
+            want = by_key.get(r["prompt_key"])
+        if want is not None:
+            pairs.append((r["tokens"], want))
     if not pairs:
         return None, 0
     return sum(a == b for a, b in pairs) / len(pairs), len(pairs)
 
 
-def summarize(records: Sequence[dict], reference: Sequence[dict] | None = None) -> dict[str, Any]:
+def same_requests(records: Sequence[dict], reference: Sequence[dict]) -> list[dict]:
+    """The ``records`` whose ``request_id`` the reference ran too, in order."""
+    ids = {r["request_id"] for r in reference}
+    return [r for r in records if r["request_id"] in ids]
+
+
+def summarize(records: Sequence[dict], reference: Sequence[dict] | None = None,
+              by_prompt: bool = False) -> dict[str, Any]:
     """Figures of one system on one workload (see the module docstring). ``reference``: no
-    cache's records of the same workload, for ``identity``."""
+    cache's records of the same workload, for ``identity`` (``by_prompt``: see
+    :func:`identity_against`)."""
     first = [r for r in records if r["first_seen"]]
     repeats = [r for r in records if not r["first_seen"]]
     hits = {t: sum((r["hit"] or "miss") == t for r in records) for t in TIERS}
@@ -114,7 +138,7 @@ def summarize(records: Sequence[dict], reference: Sequence[dict] | None = None) 
         "wall_s": sum(r["total_ms"] for r in records) / 1000.0,
     }
     if reference is not None:
-        out["identity"], out["identity_n"] = identity_against(records, reference)
+        out["identity"], out["identity_n"] = identity_against(records, reference, by_prompt)
     return out
 
 
@@ -177,27 +201,45 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def targets(summaries: dict[tuple[str, str], dict], storage: dict[tuple[str, str], dict]) -> list[dict]:
+def targets(summaries: dict[tuple[str, str], dict], storage: dict[tuple[str, str], dict],
+            groups: dict[tuple[str, str], list[dict]] | None = None) -> list[dict]:
     """The benchmark's targets on the seed workload, each a ratio from this run: rows of ``target``,
-    ``value`` (the ratio), ``limit``, ``met`` (None when a figure is missing) and ``how``."""
+    ``value`` (the ratio), ``limit``, ``met`` (None when a figure is missing), ``how`` and
+    ``requests`` (how many of EdgeSync's requests the ratio is over).
+
+    With ``groups`` (:func:`group_records`) every TTFT ratio is over comparable requests: cold
+    EdgeSync's records restricted to the requests no cache ran (the first 300 of its 1,000 in
+    a full run), and for the exact-hit target to those LlamaDiskCache ran. Without it, over each
+    system's summary as given."""
     def get(system: str) -> dict:
         return summaries.get(("seed", system), {})
 
     es, nc, disk = get("edgesync"), get("no-cache"), get("llama-disk")
+    es_nc, es_disk = es, es
+    if groups is not None and groups.get(("seed", "edgesync")):
+        recs = groups[("seed", "edgesync")]
+        if groups.get(("seed", "no-cache")):
+            es_nc = summarize(same_requests(recs, groups[("seed", "no-cache")]))
+        if groups.get(("seed", "llama-disk")):
+            es_disk = summarize(same_requests(recs, groups[("seed", "llama-disk")]))
+    n_nc, n_disk = es_nc.get("n"), es_disk.get("n")
     rows = [
-        ("EdgeSync mean TTFT / no cache mean TTFT", ratio((es.get("ttft_ms") or {}).get("mean"),
+        ("EdgeSync mean TTFT / no cache mean TTFT", ratio((es_nc.get("ttft_ms") or {}).get("mean"),
                                                           (nc.get("ttft_ms") or {}).get("mean")), 1 / 5,
-         "cold EdgeSync over the full seed workload"),
+         f"cold EdgeSync and no cache over the same {n_nc} seed requests (the ones no cache ran)", n_nc),
         ("EdgeSync first-seen TTFT / no cache TTFT (mean)",
-         ratio((es.get("first_seen_ttft_ms") or {}).get("mean"), (nc.get("ttft_ms") or {}).get("mean")), 1 / 3,
-         "prompts EdgeSync's process had not seen before, against every no-cache request"),
+         ratio((es_nc.get("first_seen_ttft_ms") or {}).get("mean"), (nc.get("ttft_ms") or {}).get("mean")), 1 / 3,
+         f"prompts EdgeSync's process had not seen before among those {n_nc} requests "
+         f"({(es_nc.get('first_seen_ttft_ms') or {}).get('n')}), against every no-cache request", n_nc),
         ("EdgeSync exact-hit TTFT / LlamaDiskCache hit TTFT (mean)",
-         ratio(es.get("exact_hit_ttft_ms"), disk.get("hit_ttft_ms")), 1 / 3,
+         ratio(es_disk.get("exact_hit_ttft_ms"), disk.get("hit_ttft_ms")), 1 / 3,
+         f"EdgeSync's exact hits ({es_disk.get('exact_hits')}) among the {n_disk} requests LlamaDiskCache ran; "
          "LlamaDiskCache: mean TTFT of every request it served with >= 64 reused tokens, whatever the "
-         "source (in one process its hits come from the live context: it pops each entry it looks up)"),
+         "source (in one process its hits come from the live context: it pops each entry it looks up)", n_disk),
         ("EdgeSync bytes on disk per cached prompt / raw f16 KV",
          (storage.get(("seed", "edgesync")) or {}).get("vs_raw_f16"), 1 / 2,
-         "store directory's allocated bytes over distinct cached prompts"),
+         f"store directory's allocated bytes over distinct cached prompts (all {es.get('n')} requests)", es.get("n")),
     ]
-    return [{"target": t, "value": v, "limit": lim, "met": None if v is None else v <= lim, "how": how}
-            for t, v, lim, how in rows]
+    return [{"target": t, "value": v, "limit": lim, "met": None if v is None else v <= lim, "how": how,
+             "requests": n}
+            for t, v, lim, how, n in rows]

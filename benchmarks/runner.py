@@ -11,16 +11,26 @@ identity reference) and ``edgesync@TYPE`` (cold, its own store), so that the rep
 EdgeSync's bytes on disk per cached prompt of each type side by side, as ratios to the first.
 
 Workloads (:mod:`benchmarks.bench_workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
-(40 passages, each passage's questions in turn) and ``chat`` (40 sessions; each turn's prompt is
-the conversation so far with the system's own earlier answers). ``max_tokens`` 16.
+(10 passages, the first 10 of the 40 that ``random.Random(0)`` draws, each passage's questions
+in turn: 48 questions) and ``chat`` (10 sessions drawn the same way, 29 user turns; each turn's
+prompt is the conversation so far with the system's own earlier answers). ``max_tokens`` 16.
+:data:`FULL` holds the sizes; the report's "What was sampled" section lists them.
 
 Systems (:mod:`benchmarks.systems`): ``no-cache``, ``naive-string``, ``llama-ram``,
 ``llama-disk``, ``edgesync`` (cold: a new store), then ``edgesync-warm`` (a second process on
 the cold run's store, after the cold process has closed it). On ``doc-qa`` and ``chat``
 also ``edgesync-prefetch`` (cold, its own store, N-gram prefetch into the RAM tier on), so
-that prefetch on and off are measured side by side. No cache and EdgeSync run the full seed
-workload; naive string, LlamaRAMCache and LlamaDiskCache its first 300
-(:data:`~benchmarks.bench_workloads.SLOW_SYSTEM_LIMIT`).
+that prefetch on and off are measured side by side. EdgeSync (cold and warm) runs the full seed
+workload; no cache, naive string, LlamaRAMCache and LlamaDiskCache its first 300
+(:data:`~benchmarks.bench_workloads.SLOW_SYSTEM_LIMIT`), dealt in turn with EdgeSync's first
+300. Every comparison with no cache is over the requests both ran (:mod:`benchmarks.figures`).
+
+Why these sizes (the hour of ``make bench`` on 2 cores): the 1,000-request run took 99
+minutes, 62 of them seed, where no cache (about 2.0 s a request: a 340-token prefill and 16
+tokens) alone took about 33. With no cache and the peers on 300 requests the seed workload takes
+about 36 minutes, EdgeSync's 2 x 1,000 requests (about 0.25 s each) about 9 of them; doc-QA on
+10 of its 40 passages and chat on 10 of its 40 sessions take about 5 minutes each, about 47 in
+all.
 EdgeSync's TTL is 1e9 s, so nothing expires during a run.
 
 Dealing: each system has its own worker process (:mod:`benchmarks.worker`); request ``i`` is
@@ -62,14 +72,17 @@ WORKLOADS = ("seed", "doc-qa", "chat")
 RAG = "rag"
 """Run alone, in this process (:mod:`edgesync_engines.app.cli_rag`), not by the worker lanes."""
 BASE_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync")
+SLOW_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk")
+"""The lanes that run only the first ``Sizes.seed_others`` seed requests (``no-cache@TYPE`` too)."""
 
 
 @dataclass(frozen=True)
 class Sizes:
     """How much of each workload a run takes.
 
-    ``seed``: requests run by no cache and EdgeSync; ``seed_others``: by naive string,
-    LlamaRAMCache and LlamaDiskCache; ``doc_qa_passages``; ``chat_sessions``."""
+    ``seed``: requests run by EdgeSync (cold and warm); ``seed_others``: the first of those run
+    by no cache, naive string, LlamaRAMCache and LlamaDiskCache; ``doc_qa_passages``;
+    ``chat_sessions`` (every system)."""
 
     seed: int
     seed_others: int
@@ -77,7 +90,9 @@ class Sizes:
     chat_sessions: int
 
 
-FULL = Sizes(seed=1000, seed_others=300, doc_qa_passages=40, chat_sessions=40)
+# bench_workloads' SLOW_SYSTEM_LIMIT, BENCH_DOC_QA_PASSAGES and BENCH_CHAT_SESSIONS (not imported
+# here: the edgesync command builds this parser for every subcommand)
+FULL = Sizes(seed=1000, seed_others=300, doc_qa_passages=10, chat_sessions=10)
 QUICK = Sizes(seed=16, seed_others=8, doc_qa_passages=2, chat_sessions=2)
 
 
@@ -216,23 +231,28 @@ class Runner:
         self.records: list[dict] = []
         self.stats: dict[str, dict[str, dict]] = {}
         self.timings: dict[str, float] = {}
+        self.sampled: dict[str, dict] = {}
         self.errors: list[str] = []
         self.probe, self.energy_reason = _energy_probe()
         self._fh = None
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _lanes(self, workload: str) -> list[Lane]:
+    def lanes(self, workload: str) -> list[Lane]:
+        """The worker lanes of ``workload`` (not started): every system, ``edgesync-prefetch`` on
+        doc-QA and chat, two more per further KV type; on seed the :data:`SLOW_SYSTEMS` lanes stop
+        after ``sizes.seed_others`` requests."""
         wd = self.out / "work" / workload
         others = self.sizes.seed_others if workload == "seed" else None
-        slow = ("naive-string", "llama-ram", "llama-disk")
         first = dict(model=self.model, kv_type=self.kv_types[0])
-        lanes = [Lane(name, name, wd / name, limit=others if name in slow else None, **first) for name in BASE_SYSTEMS]
+        lanes = [Lane(name, name, wd / name, limit=others if name in SLOW_SYSTEMS else None, **first)
+                 for name in BASE_SYSTEMS]
         if workload != "seed":
             lanes.append(Lane("edgesync-prefetch", "edgesync", wd / "edgesync-prefetch", config={"prefetch": True},
                               **first))
         for kv in self.kv_types[1:]:
-            lanes += [Lane(f"{name}@{kv}", name, wd / f"{name}@{kv}", model=self.model, kv_type=kv)
+            lanes += [Lane(f"{name}@{kv}", name, wd / f"{name}@{kv}", model=self.model, kv_type=kv,
+                           limit=others if name in SLOW_SYSTEMS else None)
                       for name in ("no-cache", "edgesync")]
         return lanes
 
@@ -337,12 +357,36 @@ class Runner:
 
         return sum(s.n_turns for s in chat_sessions(lambda m: 0, self.sizes.chat_sessions))
 
+    def sample_note(self, workload: str, requests: list | None) -> dict:
+        """What ``workload`` takes of its data, for the report's "What was sampled" section:
+        counts, the selection seed and the rows chosen (``requests``: the seed or doc-QA
+        requests; None for chat)."""
+        from benchmarks.bench_workloads import N_CHAT_SESSIONS, N_DOC_QA_PASSAGES, SELECTION_SEED, chat_sessions
+
+        if workload == "seed":
+            others = min(self.sizes.seed_others, len(requests))
+            return {"requests": len(requests), "distinct_prompts": len({r.prompt_key for r in requests}),
+                    "no_cache_and_peers_requests": others,
+                    "no_cache_and_peers_distinct_prompts": len({r.prompt_key for r in requests[:others]}),
+                    "selection": "seed_workload(1000): random.Random(0), first N requests"}
+        draw = {"seed": SELECTION_SEED, "drawn": N_DOC_QA_PASSAGES if workload == "doc-qa" else N_CHAT_SESSIONS}
+        if workload == "doc-qa":
+            ids = list(dict.fromkeys(r.group for r in requests))
+            return {"passages": len(ids), "questions": len(requests), **draw, "doc_ids": ids,
+                    "selection": f"the first {len(ids)} of random.Random({SELECTION_SEED}).sample(range(rows), "
+                                 f"{max(len(ids), draw['drawn'])}) of doc_qa.jsonl, in file order"}
+        sessions = chat_sessions(lambda m: 0, self.sizes.chat_sessions)
+        return {"sessions": len(sessions), "user_turns": sum(s.n_turns for s in sessions), **draw,
+                "session_ids": [s.session_id for s in sessions],
+                "selection": f"the first {len(sessions)} of random.Random({SELECTION_SEED}).sample(range(rows), "
+                             f"{max(len(sessions), draw['drawn'])}) of chat_sessions.jsonl, in file order"}
+
     # -- workloads ----------------------------------------------------------------------------
 
     def run_workload(self, workload: str) -> None:
         """Run every system on ``workload`` (round robin), then EdgeSync warm alone."""
         t0 = time.perf_counter()
-        lanes = self._lanes(workload)
+        lanes = self.lanes(workload)
         if workload == "chat":
             n_chat = self._chat_total()
             total = n_chat * (len(lanes) + 1)
@@ -351,6 +395,7 @@ class Runner:
             requests = self._static_requests(workload)
             total = sum(len(requests) if lane.limit is None else min(lane.limit, len(requests))
                         for lane in lanes) + len(requests)
+        self.sampled[workload] = self.sample_note(workload, requests)
         task = self.progress.add_task(workload, total=total) if self.progress is not None else None
         warm = Lane("edgesync-warm", "edgesync", self.out / "work" / workload / "edgesync", model=self.model,
                     kv_type=self.kv_types[0])
@@ -402,7 +447,7 @@ class Runner:
             "loadavg_start": load0, "loadavg_end": os.getloadavg(),
             "energy": self.energy_reason if self.probe is None else "measured: " + self.energy_reason,
             "errors": self.errors, "model": model_info or {"path": str(self.model) if self.model else None},
-            "kv_types": self.kv_types,
+            "kv_types": self.kv_types, "sampled": self.sampled,
         }
         return build_report(self.records, self.stats, meta, self.out)
 

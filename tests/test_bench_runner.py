@@ -123,3 +123,65 @@ def test_report_compares_a_partial_system_with_no_cache_on_the_same_requests(tmp
     assert "| naive-string | 2 |" in rep["markdown"] and f"{100 / 1500:.3f}x" in rep["markdown"]
     assert "too few requests" in rep["markdown"]
     assert (tmp_path / "report.md").read_text() == rep["markdown"]
+
+
+def test_identity_falls_back_to_no_caches_answer_to_the_same_prompt():
+    """EdgeSync runs 4 requests, no cache the first 2: with ``by_prompt`` a later repeat of a
+    prompt no cache answered is compared with that answer; a prompt it never saw is left out."""
+    ref = [_rec(0, "no-cache", key="a", tokens=(1, 2)), _rec(1, "no-cache", key="b", tokens=(3, 4))]
+    es = [_rec(0, key="a", tokens=(1, 2)), _rec(1, key="b", tokens=(3, 4)),
+          _rec(2, key="a", tokens=(1, 9), first=False), _rec(3, key="c", tokens=(5, 6))]
+    assert summarize(es, ref)["identity_n"] == 2
+    s = summarize(es, ref, by_prompt=True)
+    assert s["identity_n"] == 3 and s["identity"] == pytest.approx(2 / 3)
+
+
+def test_targets_compare_edgesync_with_no_cache_on_the_requests_both_ran():
+    """No cache ran the first 2 of EdgeSync's 4 requests: the mean-TTFT target divides
+    EdgeSync's mean over those 2 (500 ms) by no cache's (1,000 ms), not its mean over 4."""
+    from benchmarks.figures import group_records
+
+    nc = [_rec(i, "no-cache", ttft=1000.0) for i in range(2)]
+    disk = [_rec(i, "llama-disk", ttft=300.0, hit="partial", reused=100) for i in range(2)]
+    es = [_rec(0, ttft=900.0), _rec(1, ttft=100.0, hit="exact", reused=299, first=False),
+          _rec(2, ttft=10.0, hit="exact", reused=299, first=False), _rec(3, ttft=10.0, hit="exact", reused=299,
+                                                                         first=False)]
+    recs = nc + disk + es
+    groups = group_records(recs)
+    summaries = {k: summarize(v) for k, v in groups.items()}
+    rows = targets(summaries, {}, groups)
+    assert rows[0]["value"] == pytest.approx(500.0 / 1000.0) and rows[0]["requests"] == 2
+    assert rows[1]["value"] == pytest.approx(900.0 / 1000.0)  # the one first-seen request among the 2
+    assert rows[2]["value"] == pytest.approx(100.0 / 300.0) and rows[2]["requests"] == 2
+    assert targets(summaries, {})[0]["value"] == pytest.approx(255.0 / 1000.0)  # without groups: as given
+
+
+def test_report_divides_edgesyncs_mean_by_no_caches_on_the_same_requests_and_says_what_was_sampled(tmp_path):
+    from benchmarks.bench_report import build_report
+
+    nc = [_rec(i, "no-cache", ttft=1000.0) for i in range(2)]
+    es = [_rec(i, ttft=100.0 * (i + 1)) for i in range(4)]
+    sampled = {"seed": {"requests": 4, "distinct_prompts": 4, "no_cache_and_peers_requests": 2,
+                        "no_cache_and_peers_distinct_prompts": 2, "selection": "seed_workload(1000)"},
+               "doc-qa": {"passages": 2, "questions": 7, "doc_ids": ["d1", "d2"], "selection": "first 2 of 40"}}
+    rep = build_report(nc + es, {}, {"sizes": {"seed": 4}, "sampled": sampled}, tmp_path)
+    s = rep["summaries"]["seed/edgesync"]
+    assert s["same_requests"] == 2 and s["ttft_mean_same_requests"] == pytest.approx(150.0)
+    assert f"| {150 / 1000:.3f}x (2) |" in rep["markdown"]
+    assert "the first 2 of them (2 distinct prompts) for no cache" in rep["markdown"]
+    assert "doc-qa: 2 passages, 7 questions" in rep["markdown"] and "d1, d2" in rep["markdown"]
+
+
+def test_full_run_sizes_and_which_lanes_stop_at_300(tmp_path):
+    from benchmarks import bench_workloads as bw
+    from benchmarks.runner import FULL, Runner
+
+    assert (FULL.seed, FULL.seed_others, FULL.doc_qa_passages, FULL.chat_sessions) == (
+        1000, bw.SLOW_SYSTEM_LIMIT, bw.BENCH_DOC_QA_PASSAGES, bw.BENCH_CHAT_SESSIONS)
+    runner = Runner(tmp_path, FULL, kv_types=("f16", "q8_0"))
+    limits = {lane.label: lane.limit for lane in runner.lanes("seed")}
+    assert limits == {"no-cache": 300, "naive-string": 300, "llama-ram": 300, "llama-disk": 300, "edgesync": None,
+                      "no-cache@q8_0": 300, "edgesync@q8_0": None}
+    assert all(lane.limit is None for lane in runner.lanes("doc-qa"))
+    note = runner.sample_note("doc-qa", bw.doc_qa_requests(FULL.doc_qa_passages))
+    assert note["passages"] == 10 and note["questions"] == 48 and note["drawn"] == 40

@@ -85,6 +85,24 @@ def test_doc_qa_has_40_sampled_passages_questions_in_file_order(data_dir):
     assert len({r.prompt_key for r in reqs}) == len(reqs)
 
 
+def test_smaller_samples_are_subsets_of_the_40_drawn(data_dir):
+    """The full bench run's 10 passages and 10 sessions are the first 10 of the same 40-row
+    draws, so every passage or session it runs is one the 40-row run had."""
+    full = bw.doc_qa_requests()
+    part = bw.doc_qa_requests(bw.BENCH_DOC_QA_PASSAGES)
+    groups = list(dict.fromkeys(r.group for r in part))
+    assert len(groups) == 10 and len(part) == 48
+    assert [r.messages for r in part] == [r.messages for r in full if r.group in set(groups)]
+    rows = [json.loads(line) for line in (data_dir / "doc_qa.jsonl").open(encoding="utf-8")]
+    draw = random.Random(0).sample(range(len(rows)), 40)[:10]
+    assert groups == [rows[i]["doc_id"] for i in sorted(draw)]
+    sessions = bw.chat_sessions(fake_count, bw.BENCH_CHAT_SESSIONS)
+    all_ids = [s.session_id for s in bw.chat_sessions(fake_count)]
+    ids = [s.session_id for s in sessions]
+    assert len(ids) == 10 and set(ids) <= set(all_ids) and ids == [i for i in all_ids if i in set(ids)]
+    assert sum(s.n_turns for s in sessions) == 29
+
+
 def test_doc_qa_first_rows_option_equals_engine_workload():
     assert bw.doc_qa_requests(seed=None) == doc_qa_workload(40)
 
