@@ -213,15 +213,15 @@ class Bench:
     the same adapter, and the figures (:mod:`benchmarks.floor_report`)."""
 
     def __init__(self, workdir: Path, threads: int | None, max_tokens: int, repeats: int, progress=None) -> None:
+        from benchmarks.worker import wait_for_warm_up
         from edgesync_engines.config import EdgeSyncConfig
         from edgesync_engines.request.router import EdgeSync
 
         self.store_path = workdir / "store"
         self.cfg = EdgeSyncConfig.load({"n_threads": threads, "store_path": self.store_path})
         self.es = EdgeSync(store=self.store_path, config=self.cfg)
-        ready = getattr(getattr(self.es, "semantic", None), "wait_ready", None)
-        if callable(ready):  # a background warm-up must not run during the timings
-            ready()
+        wait_for_warm_up()  # a background warm-up must not run during the timings
+        self.model = str(self.es.adapter.model_path)
         self.uncached = EdgeSync(model=self.es.adapter, store=False, config=self.cfg)
         self.max_tokens, self.repeats, self.progress = max_tokens, repeats, progress
         self.refs: dict[str, list[list[int]]] = {}
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
     meta = {"sizes": sizes, "max_tokens": args.max_tokens, "doc_tokens": args.doc_tokens,
             "threads": bench.cfg.n_threads, "cpu_count": os.cpu_count(), "machine": platform.machine(),
-            "python": platform.python_version(), "model": str(bench.cfg.model_path or "default"),
+            "python": platform.python_version(), "model": bench.model,
             "wall_s": time.perf_counter() - t0, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     return {"meta": meta, "figures": fig, "verdicts": verdicts(fig),
             "profile": {w: p["groups"] for w, p in profile.items()}, "profile_top": {w: p["top"] for w, p in

@@ -38,6 +38,7 @@ import logging
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +138,21 @@ def system_stats(system, workdir: Path) -> dict:
     return out
 
 
+WARM_UP_THREAD = "edgesync-semantic-warm-up"
+"""The name of the thread ``SemanticLookup.warm_up`` loads the embedder and index in."""
+
+
+def wait_for_warm_up(timeout_s: float = 300.0) -> bool:
+    """Wait for EdgeSync's background semantic warm-up when one is running (the router starts
+    it where its mode uses the lookup), so that its loading does not overlap a timed request;
+    True if there was one. It loads nothing itself: where EdgeSync loads the embedder lazily,
+    nothing is waited for and nothing is loaded (``SemanticLookup.wait_ready`` would load it)."""
+    warm = [t for t in threading.enumerate() if t.name == WARM_UP_THREAD and t.is_alive()]
+    for t in warm:
+        t.join(timeout_s)
+    return bool(warm)
+
+
 def _rusage() -> tuple[float, int]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024  # Linux: ru_maxrss in KiB
@@ -233,9 +249,7 @@ def main(argv=None) -> int:
     except Exception as exc:
         out.write(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)}) + "\n")
         return 2
-    semantic = getattr(getattr(system, "es", None), "semantic", None)
-    if semantic is not None:  # its warm-up thread must not run during another system's request
-        semantic.wait_ready()
+    wait_for_warm_up()  # a background warm-up must not run during another system's request
     out.write(json.dumps({"ok": True, "ready": name, "pid": os.getpid()}) + "\n")
     serve(system, args.workdir, sys.stdin, out)
     return 0

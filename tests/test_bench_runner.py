@@ -185,3 +185,16 @@ def test_full_run_sizes_and_which_lanes_stop_at_300(tmp_path):
     assert all(lane.limit is None for lane in runner.lanes("doc-qa"))
     note = runner.sample_note("doc-qa", bw.doc_qa_requests(FULL.doc_qa_passages))
     assert note["passages"] == 10 and note["questions"] == 48 and note["drawn"] == 40
+
+
+def test_worker_waits_for_a_running_warm_up_and_loads_nothing_otherwise():
+    import threading
+    import time
+
+    from benchmarks.worker import WARM_UP_THREAD, wait_for_warm_up
+
+    assert wait_for_warm_up() is False  # no warm-up running: nothing waited for, nothing loaded
+    done = []
+    t = threading.Thread(target=lambda: (time.sleep(0.2), done.append(1)), name=WARM_UP_THREAD, daemon=True)
+    t.start()
+    assert wait_for_warm_up() is True and done == [1]
