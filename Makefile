@@ -91,8 +91,11 @@ demo-onnx: onnx
 	@echo "== llama.cpp served from ONNX Runtime's KV (--allow-convertible) =="
 	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-b --allow-convertible
 
-# Every system on every workload (99 minutes on 2 cores; `make bench BENCH_ARGS=--quick` for a
-# small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a test: never run by CI.
+# Every system on every workload: EdgeSync on 1,000 seed requests, no cache and the peers on the
+# first 300, doc-QA and chat on 10 sampled passages / sessions (about 47 minutes on 2 cores,
+# estimated from the per-request costs of the earlier 99-minute run; `make bench BENCH_ARGS=--quick`
+# for a small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a
+# test: never run by CI.
 BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
