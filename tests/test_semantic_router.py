@@ -78,6 +78,7 @@ def test_default_mode_loads_nothing_semantic_and_records_the_donor(adapter, tmp_
         again = es.generate(messages, max_tokens=8)
         donors = list(iterate_donors(es.store))
         assert es.semantic is not None and es.semantic.embedder is None and es.semantic.index_if_ready() is None
+        assert es.jobs is not None and es.jobs.index_source() is None  # the store jobs never load it
         assert es.store.named_db(b"emb_vectors") is None  # no vector was ever written
         assert unindexed_keys(es.store) == [donors[0][0]] and pending_generation(es.store) == 1
     assert first.tier == "miss" and first.lookup_ms is None and first.similarity is None
