@@ -213,19 +213,20 @@ def donor_of(adapter, config, messages, similarity) -> Donor:
     return Donor(storeback.donor_key(adapter.namespace, tokens, config), similarity, np.asarray(tokens, dtype=np.int32))
 
 
-def test_lookup_runs_only_when_enough_is_uncovered(store, adapter):
+def test_lookup_runs_only_in_the_approximate_mode_and_not_on_an_exact_hit(store, adapter):
     serve(store, adapter, cfg(), text(300))
     lookup = FakeLookup()
-    serve(store, adapter, cfg(semantic_min_uncovered=64), text(250) + other(50), semantic=lookup)
-    assert lookup.nominated == 0  # 50 uncovered
-    plan, _, _ = serve(store, adapter, cfg(semantic_min_uncovered=64), text(200) + other(100), semantic=lookup)
-    assert lookup.nominated == 1 and plan.lookup_ms is not None and plan.embedded[0] == "embedded text"
+    for prompt in (text(200) + other(100), other(300), text(298) + "QR"):  # partial, miss, 2 uncovered
+        plan, _, _ = serve(store, adapter, cfg(), prompt, semantic=lookup)
+        assert plan.lookup_ms is None and plan.similarity is None and plan.embedded is None
+    assert lookup.nominated == 0  # the default mode never asks
 
     semantic_mode = cfg(reuse="semantic")
     serve(store, adapter, semantic_mode, text(300), semantic=lookup)
-    assert lookup.nominated == 1  # an exact hit never looks
-    serve(store, adapter, semantic_mode, text(298) + "QR", semantic=lookup)
-    assert lookup.nominated == 2  # 2 uncovered are enough in the approximate mode
+    assert lookup.nominated == 0  # an exact hit never looks
+    plan, _, _ = serve(store, adapter, semantic_mode, text(298) + "XY", semantic=lookup)
+    assert lookup.nominated == 1  # 2 uncovered are enough in the approximate mode
+    assert plan.lookup_ms is not None and plan.embedded[0] == "embedded text"
 
 
 @pytest.mark.parametrize("similarity, served", [(0.99, True), (0.92, True), (0.9199, False)])
@@ -248,13 +249,14 @@ def test_approximate_mode_serves_a_donor_at_similarity_exact(store, adapter, sim
 
 
 def test_default_mode_never_serves_a_donor_whole(store, adapter):
-    config = cfg(semantic_min_uncovered=2)
+    config = cfg()
     donor_msgs = chat("What is the capital of France, and why is it famous?")
     serve(store, adapter, config, donor_msgs)
     donor = donor_of(adapter, config, donor_msgs, 0.999)
-    plan, injected, _ = serve(store, adapter, config, chat("Which city is the capital of France?"),
-                              semantic=FakeLookup([donor]))
+    lookup = FakeLookup([donor])
+    plan, injected, _ = serve(store, adapter, config, chat("Which city is the capital of France?"), semantic=lookup)
     assert [s.kind for s in plan.sources] == [SourceKind.PREFIX] and not injected.approximate
+    assert lookup.nominated == 0 and plan.sources[0].donor is None
 
 
 def test_donor_of_another_context_or_too_long_is_not_served(store, adapter):

@@ -1,10 +1,11 @@
 """What a request reuses: the decision, made in one place and returned as a :class:`ReusePlan`.
 
-:func:`plan_reuse` reads the store (prefix walks) and asks the semantic lookup for donors, but
-changes neither the store nor the engine: :mod:`edgesync_engines.request.execute` carries the
-plan out. The plan lists the KV sources worth injecting, best first; the executor injects the
-first one that delivers at least its ``required`` tokens, so a source spoiled between the plan
-and the injection (a fragment evicted or corrupt) falls back to the next.
+:func:`plan_reuse` reads the store (prefix walks) and, in the approximate mode, asks the
+semantic lookup for donors, but changes neither the store nor the engine:
+:mod:`edgesync_engines.request.execute` carries the plan out. The plan lists the KV sources
+worth injecting, best first; the executor injects the first one that delivers at least its
+``required`` tokens, so a source spoiled between the plan and the injection (a fragment
+evicted or corrupt) falls back to the next.
 
 The decision, in order (``n`` prompt tokens):
 
@@ -12,16 +13,20 @@ The decision, in order (``n`` prompt tokens):
    (``adapter.cache_refusal``): no source, the request prefills.
 2. The prefix walk of the engine's own namespace: the longest stored chain whose token IDs
    equal the prompt's.
-3. When it leaves tokens uncovered (``semantic_min_uncovered``, 64, in the default mode; 2 in
-   the approximate mode), the semantic lookup nominates donors at cosine >=
-   ``similarity_partial``:
+3. Approximate mode only (``reuse="semantic"``), when the walk leaves at least
+   :data:`APPROXIMATE_MIN_UNCOVERED` (2) tokens uncovered (the request is not an exact hit):
+   the semantic lookup nominates donors at cosine >= ``similarity_partial``:
 
-   a. approximate mode only (``reuse="semantic"``): each donor at cosine >=
-      ``similarity_exact`` (0.92) that shares everything before the embedded text, fits the
-      context and whose chain is stored whole becomes a :data:`SourceKind.DONOR` source,
-      served whole (the model answers the donor's prompt);
+   a. each donor at cosine >= ``similarity_exact`` (0.92) that shares everything before the
+      embedded text, fits the context and whose chain is stored whole becomes a
+      :data:`SourceKind.DONOR` source, served whole (the model answers the donor's prompt);
    b. token by token: a donor's chain counts up to where its tokens stop matching the
       prompt's; the longest verified prefix replaces the walk's (one as long names the donor).
+
+   The default (exact) mode never asks: the walk already follows fragments of any chunk size
+   and takes the matching start of the fragment where the prompt parts from the stored one,
+   so a verified donor only ever confirmed the walk's prefix, at the price of loading MiniLM
+   and the HNSW index (about 250 MB) and of an encode per request.
 
 4. ``allow_convertible``: when the own namespace does not serve all it could, the longest chain
    of a convertible namespace (``compat.compatible_with``: the other engine, same model) that
@@ -51,6 +56,11 @@ if TYPE_CHECKING:
     from edgesync_store.core.store import FragmentStore
 
 log = logging.getLogger(__name__)
+
+APPROXIMATE_MIN_UNCOVERED = 2
+"""Uncovered prompt tokens, after the walk, that start a lookup in the approximate mode: a
+served donor saves every uncovered token, so any request that is not an exact hit looks (a
+short question behind a shared system prompt is the common case there)."""
 
 
 class HitTier:
@@ -161,8 +171,9 @@ def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "Fragme
     """Decide what the request ``prompt`` (a string or chat messages, tokenized as ``tokens``)
     reuses, for an answer of up to ``max_tokens`` tokens: the steps in the module docstring.
 
-    Reads the store and runs the semantic lookup (``semantic``, None: off); never raises for a
-    store problem (a failed walk finds nothing)."""
+    Reads the store and, in the approximate mode, runs the semantic lookup (``semantic``, None:
+    off; never touched in the default mode); never raises for a store problem (a failed walk
+    finds nothing)."""
     tokens = tuple(int(t) for t in tokens)
     n = len(tokens)
     if store is None or adapter.cache_refusal is not None or n < MIN_SPAN:
@@ -171,18 +182,13 @@ def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "Fragme
     match = walk(store, own_ns, tokens)
     limit, donor_key = match.matched_tokens, None
     found = _Found()
-    # Default mode: a donor can only add verified tokens, worth an encode (~15 ms) when 64 or
-    # more are uncovered. Approximate mode: a donor saves every uncovered token, so any
-    # request that is not an exact hit looks (a short question behind a shared system prompt
-    # is the common case there).
-    gate = config.semantic_min_uncovered if config.reuse == ReuseMode.EXACT else 2
-    if semantic is not None and n - match.matched_tokens >= gate:
+    approximate = config.reuse == ReuseMode.SEMANTIC
+    if semantic is not None and approximate and n - match.matched_tokens >= APPROXIMATE_MIN_UNCOVERED:
         t_lookup = time.perf_counter()
         lookup = semantic.nominate(prompt, own_ns)
         if lookup is not None:
             found.similarity, found.embedded = lookup.similarity, lookup.embedded
-            if config.reuse == ReuseMode.SEMANTIC:
-                _donor_sources(prompt, tokens, max_tokens, lookup, store, adapter, config, found)
+            _donor_sources(prompt, tokens, max_tokens, lookup, store, adapter, config, found)
             match, limit, donor_key = _verified_prefix(tokens, lookup.donors, match, limit, store, own_ns)
             found.lookup_ms = (time.perf_counter() - t_lookup) * 1000
     own = adapter.usable_prefix(min(match.matched_tokens, limit), n)

@@ -4,15 +4,16 @@
 are rendered with the GGUF's own template) in four steps:
 
 1. :func:`~edgesync_engines.request.plan.plan_reuse` decides what the request reuses: the
-   store's longest token-identical prefix, a longer one verified through a semantic donor, a
-   donor served whole (``reuse="semantic"``), or another engine's convertible KV
+   store's longest token-identical prefix, with ``reuse="semantic"`` a longer one verified
+   through a semantic donor or a donor served whole, or another engine's convertible KV
    (``allow_convertible``); see that module for the rules.
 2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (from the prefetch RAM tier
    when it holds the fragment, else from the store), converts and injects that KV.
 3. The adapter prefills the rest and generates.
 4. :mod:`~edgesync_engines.request.storeback` stores the chunks the prompt did not have, so that
-   an exact repeat injects all but at most its last token, indexes the prompt as a donor, and
-   records the hits; the prefetcher (``prefetch=True``) predicts the next requests.
+   an exact repeat injects all but at most its last token, and its donor record (embedded at
+   once only in the semantic mode), and records the hits; the prefetcher
+   (``prefetch=True``) predicts the next requests.
 
 Hit tiers (``GenerationResult.tier``, :class:`~edgesync_engines.request.plan.HitTier`):
 ``exact`` = all but at most one prompt token injected, ``partial`` = at least 64 tokens,
@@ -126,8 +127,9 @@ class EdgeSync(DocumentsMixin):
             self._owns_store = self.store is not None
         self.semantic = None
         if self.store is not None and self.config.semantic:
-            self.semantic = SemanticLookup(self.store, self.config)
-            self.semantic.warm_up()  # loads the embedder and index in the background
+            self.semantic = SemanticLookup(self.store, self.config)  # loads nothing until first needed
+            if self.config.reuse == ReuseMode.SEMANTIC:
+                self.semantic.warm_up()
         self.prefetcher = None
         if self.store is not None and self.config.prefetch:
             self.prefetcher = Prefetcher(self.store, self.namespace, self.config.prefetch_ram_bytes)
@@ -346,11 +348,12 @@ class EdgeSync(DocumentsMixin):
 
     def _after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan,
                       injected: Injection) -> int:
-        """Store back, index and feed the prefetcher; returns the fragments written."""
+        """Store back (with the donor record), index, feed the prefetcher; returns fragments written."""
         written = 0
         # the context holds a donor's or another engine's KV: nothing to store
         if self.store is not None and not (injected.approximate or injected.convertible):
-            written = storeback.store_new(self.store, self.adapter, tokens, self.config)
+            written = storeback.store_new(self.store, self.adapter, tokens, self.config,
+                                          donor_prompt=None if self.semantic is None else prompt)
             if self.semantic is not None:
                 storeback.index_prompt(self.semantic, self.store, self.namespace, prompt, tokens, plan.embedded,
                                        self.config)

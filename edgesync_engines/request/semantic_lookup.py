@@ -1,11 +1,19 @@
-"""The router's semantic lookup: nominate donor prompts by meaning, and remember new ones.
+"""The router's semantic lookup: nominate donor prompts by meaning, and index stored ones.
 
-A request whose prefix walk leaves at least ``semantic_min_uncovered`` prompt tokens uncovered
-embeds what tells it apart (``prompt_text.embed_text_for``: the last user turn, or the tail of a
-raw prompt) with MiniLM-L6-v2 and asks the HNSW index for the nearest stored prompts. Each
-indexed prompt ("donor") is keyed by the last fragment of its chain; its token IDs from position
-0 are in the store's ``donors`` database (``edgesync_store.semantic.donors``). The reuse plan then checks a
-donor token by token (default mode) or, in the opt-in approximate mode, serves it whole.
+In the approximate mode (``reuse="semantic"``) a request that is not an exact hit embeds what
+tells it apart (``prompt_text.embed_text_for``: the last user turn, or the tail of a raw prompt)
+with MiniLM-L6-v2 and asks the HNSW index for the nearest stored prompts. Each indexed prompt
+("donor") is keyed by the last fragment of its chain; its token IDs from position 0 and its
+text are in the store's ``donors`` database (``edgesync_store.semantic.donors``). The reuse plan
+serves a donor whole or checks it token by token. The default (exact) mode never asks.
+
+Nothing loads until something needs it: :class:`SemanticLookup` is created empty; the embedder
+and the index load on first use (a semantic-mode lookup, documents' embeddings) or at once in
+the background (:meth:`SemanticLookup.warm_up`, which the router calls when the configured mode
+is semantic). Prompts stored meanwhile, by this process or another, in the default mode have a
+donor record without a vector; once the index is open a background catch-up embeds them in
+batches (:meth:`SemanticLookup.catch_up`), and again whenever the store's pending counter says
+that more were written. The lookup meanwhile uses what is indexed.
 
 Everything here degrades instead of failing a request: a missing package, an index of another
 embedding backend or an unreadable store turn the lookup off with one warning; the request then
@@ -24,13 +32,16 @@ import numpy as np
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
-from edgesync_store.semantic.donors import delete_donor, get_donor, put_donor
+from edgesync_store.semantic.donors import delete_donor, embed_unindexed, get_donor, pending_generation, put_donor
 
 log = logging.getLogger(__name__)
 
 QUERY_K = 8
 """Nearest neighbours asked of the index per lookup (candidates of other namespaces and below
 ``similarity_partial`` are dropped afterwards)."""
+CATCH_UP_BATCH = 16
+"""Donor texts embedded per batch by the catch-up (about 0.2-1 s of one core for MiniLM: the
+catch-up checks for :meth:`SemanticLookup.close` between batches)."""
 
 
 @dataclass
@@ -66,7 +77,8 @@ class SemanticLookup:
         store: the router's open ``FragmentStore``.
         config: supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
 
-    Thread-safe (the index has its own lock; loading is guarded here).
+    Creating one loads nothing (no embedder, no hnswlib). Thread-safe (the index has its own
+    lock; loading and the catch-up are guarded here).
     """
 
     def __init__(self, store, config: EdgeSyncConfig) -> None:
@@ -76,6 +88,13 @@ class SemanticLookup:
         self._embedder = None
         self._index = None
         self.disabled_reason: str | None = None
+        self._closing = threading.Event()
+        self._catch_lock = threading.Lock()  # one catch-up at a time
+        self._catch_state = threading.Lock()  # guards the two flags below
+        self._catching = self._catch_again = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending_seen: int | None = None  # the pending counter the last catch-up started from
 
     def _ready(self) -> bool:
         """Load the embedder and open the index once; False (and a warning) when impossible."""
@@ -94,14 +113,18 @@ class SemanticLookup:
             try:
                 embedder = get_embedder(self.config.embedding_backend)
                 embedder.load()
-                self._index = SemanticIndex(self.store, embedder.backend_id, ef_search=self.config.ef_search)
-                self._embedder = embedder
+                index = SemanticIndex(self.store, embedder.backend_id, ef_search=self.config.ef_search)
+                self._embedder = embedder  # before the index: other threads test the index alone
+                self._index = index
             except (EmbeddingUnavailableError, IndexUnavailableError) as exc:
                 return self._disable(str(exc))
             except BackendMismatchError as exc:
                 return self._disable(_mismatch_text(exc, self.store.path))
             except (StoreError, OSError, RuntimeError) as exc:
                 return self._disable(f"cannot open the semantic index: {exc}")
+            log.debug("semantic lookup of %s loaded (%s)", self.store.path, embedder.backend_id)
+            if not self.store.readonly:
+                self._schedule_catch_up()
             return True
 
     def wait_ready(self) -> bool:
@@ -113,6 +136,74 @@ class SemanticLookup:
         """Load the embedder and open the index in a daemon thread, so that the first lookup
         does not pay for it (about 0.5 s); a lookup meanwhile waits for it."""
         threading.Thread(target=self._ready, name="edgesync-semantic-warm-up", daemon=True).start()
+
+    # -- the catch-up: embedding donor records stored without a vector ---------------------
+
+    def catch_up(self) -> int:
+        """Embed, in batches of :data:`CATCH_UP_BATCH`, the donor records whose fragment is
+        stored and that have no vector (prompts stored in the default mode, here or in another
+        process), and add them to the index; returns how many were added (0 when the lookup is
+        off, the store read-only, or on a failure, logged). Loads the lookup if needed; runs one
+        at a time (the background catch-up calls it too)."""
+        if self.store.readonly or not self._ready():
+            return 0
+        from edgesync_store.semantic.index import BackendMismatchError
+
+        with self._catch_lock:
+            try:
+                # read first: a record written during the run moves the counter past it
+                self._pending_seen = pending_generation(self.store)
+                added = embed_unindexed(self.store, self._index, self._embedder.encode, CATCH_UP_BATCH,
+                                        stop=self._closing)
+            except BackendMismatchError as exc:  # another process re-embedded the store meanwhile
+                self._disable(_mismatch_text(exc, self.store.path))
+                return 0
+            except (StoreError, OSError, RuntimeError, ValueError) as exc:
+                log.warning("could not embed the stored prompts that lack a vector: %s", exc)
+                return 0
+            return added
+
+    def wait_caught_up(self, timeout: float | None = None) -> bool:
+        """Block until no background catch-up runs (``timeout`` seconds at most); True when
+        none runs."""
+        return self._idle.wait(timeout)
+
+    def _schedule_catch_up(self) -> None:
+        """Run :meth:`catch_up` in a daemon thread, or once more after the running one."""
+        with self._catch_state:
+            if self._closing.is_set():
+                return
+            if self._catching:
+                self._catch_again = True
+                return
+            self._catching, self._catch_again = True, False
+            self._idle.clear()
+        threading.Thread(target=self._catch_up_loop, name="edgesync-semantic-catch-up", daemon=True).start()
+
+    def _catch_up_loop(self) -> None:
+        again = True
+        while again:
+            try:
+                self.catch_up()
+            except Exception:  # noqa: BLE001 - a background thread logs; it never prints or dies loudly
+                log.exception("semantic catch-up failed on %s", self.store.path)
+            with self._catch_state:
+                again = self._catch_again and not self._closing.is_set()
+                self._catch_again = False
+                if not again:
+                    self._catching = False
+                    self._idle.set()
+
+    def _check_pending(self) -> None:
+        """Schedule a catch-up when donor records without a vector were written since the last
+        one started (one read of the store's pending counter)."""
+        if self.store.readonly:
+            return
+        try:
+            if pending_generation(self.store) != self._pending_seen:
+                self._schedule_catch_up()
+        except StoreError as exc:
+            log.debug("pending donor counter unreadable: %s", exc)
 
     def _disable(self, reason: str) -> bool:
         self.disabled_reason = reason
@@ -146,6 +237,7 @@ class SemanticLookup:
         embedded = self.embed(prompt)
         if embedded is None:
             return None
+        self._check_pending()
         digest = namespace.digest()
         from edgesync_store.semantic.index import BackendMismatchError
 
@@ -212,8 +304,16 @@ class SemanticLookup:
         """The loaded embedder's id, or None before first use."""
         return None if self._embedder is None else self._embedder.backend_id
 
+    @property
+    def embedder(self):
+        """The loaded ``Embedder``, or None: nothing semantic was needed yet (or it failed)."""
+        return self._embedder
+
     def close(self) -> None:
-        """Save the sidecar (when it changed) and close the index (idempotent)."""
+        """Stop the catch-up (between batches) and wait for it, save the sidecar (when it
+        changed) and close the index (idempotent)."""
+        self._closing.set()
+        self._idle.wait()
         with self._lock:
             if self._index is not None:
                 try:

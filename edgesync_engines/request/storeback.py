@@ -1,9 +1,17 @@
-"""After an answer: store the prompt's missing chunks, index the prompt as a donor, record hits.
+"""After an answer: store the prompt's missing chunks with its donor record, index the prompt
+as a donor (semantic mode), record hits.
 
 The prompt's own chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)``: chunks
 cover the prompt but its last token, whose KV came from a one-token evaluation (see
 ``LlamaCppAdapter.usable_prefix``). :func:`chunk_key` names a chunk of that grid; the prefetch
 predictor keys requests by the first chunk, the semantic index keys donors by the last.
+
+Every stored prompt gets a donor record (its token IDs and the text the semantic lookup would
+embed, ``edgesync_store.semantic.donors``) in the same write as its fragments, but no vector:
+nothing is embedded on the default mode's request path. A semantic-mode request, whose lookup
+already embedded it, adds its vector right away (:func:`index_prompt`); the others are embedded
+in the background once some process loads the semantic index
+(``semantic_lookup.SemanticLookup``).
 """
 
 from __future__ import annotations
@@ -13,9 +21,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.errors import StoreError
 from edgesync_store.lifecycle.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
+from edgesync_store.semantic.donors import donor_value, put_donor_in, put_pending_donor
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
@@ -54,9 +64,15 @@ def donor_key(namespace: Namespace, tokens: Sequence[int], config: "EdgeSyncConf
                      layers_per_fragment=config.layers_per_fragment, heads_per_fragment=config.heads_per_fragment)
 
 
-def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig") -> int:
+def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
+              donor_prompt=None) -> int:
     """Extract and store the prompt's chunks that the store lacks (or holds expired); return
     how many fragments were written (0, with a warning, when the store or the engine failed).
+
+    With ``donor_prompt`` (the request's prompt: a string or chat messages) the prompt's donor
+    record (key :func:`donor_key`, its tokens and ``prompt_text.embed_text_for(donor_prompt)``,
+    no vector) goes in the same transaction, when its last chunk is stored and has none; a
+    prompt whose chunks were all stored already gets its missing record in a write of its own.
 
     Every chunk of the prompt's own grid is kept, even where fragments of another chunk size
     hold the same tokens, so that the prompt's chain from position 0 is complete and an exact
@@ -70,12 +86,15 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
     """
     ns = adapter.namespace
     try:
+        donor = None if donor_prompt is None or store.readonly else _donor_record(ns, tokens, config, donor_prompt)
         spans = [
             (s, e)
             for s, e in chunk_spans(len(tokens) - 1, config.chunk_tokens)
             if not store.covers_span(ns, prefix_hash(tokens[:s]), tokens[s:e], s)
         ]
         if not spans:
+            if donor is not None:
+                put_pending_donor(store, *donor)  # a store written before donor records came with the fragments
             return 0
         (l0, l1), (h0, h1) = group_ranges(ns, config.layers_per_fragment, config.heads_per_fragment)[0]
         wholes = adapter.extract_fragments(tokens, spans, ttl_seconds=config.ttl_seconds, now=store.clock())
@@ -85,19 +104,32 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
             for layer_part in split_layers(whole, l1 - l0)
             for part in split_heads(layer_part, h1 - h0)
         ]
-        return store.put_many(fragments)
+        also = None if donor is None else (lambda txn: put_donor_in(store, txn, *donor))
+        return store.put_many(fragments, also=also)
     except (StoreError, OSError, ValueError) as exc:
         log.warning("could not store fragments, serving uncached: %s", exc)
         return 0
 
 
+def _donor_record(namespace: Namespace, tokens: list[int], config: "EdgeSyncConfig",
+                  prompt) -> tuple[bytes, bytes] | None:
+    """(key, value) of the prompt's donor record, or None: too short to be cached, or nothing
+    to embed."""
+    key = donor_key(namespace, tokens, config)
+    text = embed_text_for(prompt) if key is not None else ""
+    if not text.strip():
+        return None
+    return key, donor_value(namespace.digest(), tokens, text)
+
+
 def index_prompt(semantic: "SemanticLookup", store: "FragmentStore", namespace: Namespace, prompt,
                  tokens: list[int], embedded, config: "EdgeSyncConfig") -> None:
-    """Index the prompt as a donor (after its answer, off the TTFT path) when its chain is
-    stored and it is not indexed yet. ``embedded``: the lookup's (text, vector) of this
-    request, None when the lookup did not run (then the prompt is embedded here, unless the
-    embedder is still loading: the request does not wait for it)."""
-    if embedded is None and not semantic.ready_now():
+    """Give the prompt's donor its vector now (after its answer, off the TTFT path) when the
+    semantic lookup ran for this request (``embedded``: its (text, float32 ``[384]``
+    embedding); None, as in the default mode, does nothing: the record written with the
+    fragments is embedded in the background later), its chain is stored and it is not indexed
+    yet."""
+    if embedded is None or not semantic.ready_now():
         return
     key = donor_key(namespace, tokens, config)
     try:

@@ -105,13 +105,16 @@ class FragmentBackend(ABC):
         """
 
     @abstractmethod
-    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None) -> int:
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
+                 also: Callable[[object], object] | None = None) -> int:
         """Store ``fragments`` together (all written or none).
 
         A fragment whose key is stored and live is left alone; an expired twin is replaced.
         When the blobs would pass ``max_bytes``, fragments are evicted first (expired, then
         short-lived least recently used, then long-lived; never a pinned one); one that still
-        does not fit is skipped (logged).
+        does not fit is skipped (logged). ``also(txn)``, when given, runs in the same write
+        transaction after the fragments are written (a companion record keyed by one of them,
+        e.g. the prompt's donor record); what it raises aborts the whole write.
 
         Returns:
             How many fragments were written.

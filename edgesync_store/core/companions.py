@@ -6,7 +6,8 @@ The store owns these operations (rather than calling back into the semantic laye
 every process that deletes a fragment removes its donor record and vector in the same write
 transaction, whichever modules it imported.
 
-* ``donors``: store key -> donor record (``semantic/donors.py`` lays out the value);
+* ``donors``: store key -> donor record (``semantic/donors.py`` lays out the value), and one
+  counter under :data:`PENDING_KEY` (not 32 bytes long, so never a store key);
 * ``emb_vectors``: store key -> ``<Q`` label + the unit vector (``<f4``);
 * ``emb_meta``: the vectors' counters (``next_label``, ``generation``: ``<Q``) and change log,
   ``log/`` + ``>Q`` generation -> op (``+`` or ``-``) + ``<Q`` label + store key, trimmed to
@@ -23,6 +24,10 @@ import struct
 from edgesync_store.core.lmdb_env import U64
 
 DONORS_DB = b"donors"
+PENDING_KEY = b"pending"
+"""Key, in ``donors``, of a ``<Q`` counter bumped by every write of a donor record that has no
+vector yet (a prompt stored in the exact mode, or a record moved without one), so that an open
+semantic index can tell cheaply when there are records to embed (``semantic/donors.py``)."""
 DOCUMENTS_DB = b"documents"
 """Document records (``edgesync_store/documents/records.py`` lays them out): not keyed by a
 fragment, so a fragment's deletion leaves them (readers recompute what is gone); emptied with
@@ -53,6 +58,11 @@ def log_change(txn, meta_db, op: bytes, label: int, key: bytes, log_keep: int = 
         txn.delete(LOG_PREFIX + BE64.pack(generation - log_keep), db=meta_db)
 
 
+def bump_pending_in(txn, donors_db) -> None:
+    """Bump the :data:`PENDING_KEY` counter of ``donors_db`` by one in ``txn``."""
+    txn.put(PENDING_KEY, U64.pack(u64(txn.get(PENDING_KEY, db=donors_db)) + 1), db=donors_db)
+
+
 def _vector_dbs(store, txn):
     vec = store.named_db(VECTORS_DB, txn=txn)
     meta = store.named_db(VECTORS_META_DB, txn=txn)
@@ -79,18 +89,25 @@ def delete_in(store, txn, key: bytes) -> None:
 def move_in(store, txn, old: bytes, new: bytes) -> None:
     """Give the donor record and the vector of fragment ``old`` to ``new`` (a merge or dedup
     replaced ``old`` with ``new``), unless ``new`` has its own: the vector gets a new label,
-    ``old``'s is removed, both logged. ``old``'s records are deleted with ``old`` itself."""
+    ``old``'s is removed, both logged. ``old``'s records are deleted with ``old`` itself. A
+    record that arrives at ``new`` without a vector bumps the pending counter (to be embedded)."""
     donors_db = store.named_db(DONORS_DB, txn=txn)
+    moved = False
     if donors_db is not None:
         record = txn.get(old, db=donors_db)
         if record is not None and txn.get(new, db=donors_db) is None:
             txn.put(new, bytes(record), db=donors_db)
+            moved = True
     dbs = _vector_dbs(store, txn)
     if dbs is None:
+        if moved:
+            bump_pending_in(txn, donors_db)
         return
     vec_db, meta_db = dbs
     record = txn.get(old, db=vec_db)
     if record is None or txn.get(new, db=vec_db) is not None or len(record) < 8:
+        if moved and txn.get(new, db=vec_db) is None:
+            bump_pending_in(txn, donors_db)
         return
     label = u64(txn.get(b"next_label", db=meta_db))
     txn.put(b"next_label", U64.pack(label + 1), db=meta_db)

@@ -252,10 +252,10 @@ class FragmentStore(LifecycleOps, FragmentBackend):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None) -> int:
-        """See :meth:`FragmentBackend.put_many`: eviction frees down to ``eviction.LOW_WATER``
-        (90%) of the budget. Encoding (compression) happens before the transaction so the
-        writer lock is held only for the copy into LMDB."""
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
+        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``): eviction
+        frees down to ``eviction.LOW_WATER`` (90%) of the budget. Encoding (compression) happens
+        before the transaction so the writer lock is held only for the copy into LMDB."""
         now = self.clock() if now is None else now
         encoded = [(f.key(), index_key(f.namespace.digest(), f.prefix_hash), codec.encode(f), f) for f in fragments]
         env = self.env
@@ -290,6 +290,8 @@ class FragmentStore(LifecycleOps, FragmentBackend):
                 used += len(blob)
                 added += 1
             txn.put(USED_BYTES_KEY, U64.pack(used), db=env.meta)
+            if also is not None:
+                also(txn)
             return added
 
         return self.transact(write, write=True)

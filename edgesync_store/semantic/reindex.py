@@ -1,10 +1,11 @@
 """Rebuild a store's semantic index on demand (``edgesync reindex [STORE] [--backend NAME]``).
 
 Without a backend: the sidecar graph is rebuilt from the vectors in LMDB with the backend the
-store recorded (the default one when it recorded none), and donors that lack a vector are
-embedded. With another backend than the recorded one: every vector is dropped and every donor
-re-embedded from the text kept in its record (``edgesync_store.semantic.donors``), since a store never
-mixes vectors of two embedders. Donor records whose fragment is gone are removed either way.
+store recorded (the default one when it recorded none), and donors that lack a vector (prompts
+stored in the default mode, which never embeds) are embedded. With another backend than the
+recorded one: every vector is dropped and every donor re-embedded from the text kept in its
+record (``edgesync_store.semantic.donors``), since a store never mixes vectors of two embedders.
+Donor records whose fragment is gone are removed either way.
 
 No printing here: progress goes to an optional callback, the command prints.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreOpenError
-from edgesync_store.semantic.donors import delete_donor, iterate_donors
+from edgesync_store.semantic.donors import delete_donor, embed_unindexed, iterate_donors
 from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_embedder
 from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
 
@@ -79,26 +80,17 @@ def _open_index(store: FragmentStore, backend: str | None) -> tuple[SemanticInde
 
 def _embed_donors(store: FragmentStore, index: SemanticIndex, name: str,
                   progress: Callable[[str, int, int], None] | None) -> tuple[int, int]:
-    """Remove donor records whose fragment is gone and embed (with backend ``name``) those of
-    stored fragments that have no vector; return ``(removed, embedded)``."""
-    removed, missing = 0, []
-    for key, record in iterate_donors(store):
-        if not store.contains(key):
-            removed += delete_donor(store, key)
-        elif key not in index and record.text.strip():
-            missing.append((key, record.text))
-    embedded = 0
-    if missing:
-        embedder = get_embedder(name)
-        for i in range(0, len(missing), EMBED_BATCH):
-            part = missing[i : i + EMBED_BATCH]
-            vectors = embedder.encode([text for _, text in part])
-            keys = [key for key, _ in part]
-            live = [j for j, key in enumerate(keys) if store.contains(key)]
-            index.add_many([keys[j] for j in live], np.asarray(vectors)[live])
-            embedded += len(live)
-            if progress is not None:
-                progress("embedding donors", min(i + len(part), len(missing)), len(missing))
+    """Remove donor records whose fragment is gone and embed (with backend ``name``, loaded
+    only when some record needs it) those of stored fragments that have no vector (prompts
+    stored in the default mode, or all of them after a backend change); return
+    ``(removed, embedded)``."""
+    removed = sum(delete_donor(store, key) for key, _ in iterate_donors(store) if not store.contains(key))
+
+    def encode(texts: list[str]) -> np.ndarray:
+        return get_embedder(name).encode(texts)
+
+    embedded = embed_unindexed(store, index, encode, EMBED_BATCH, progress=None if progress is None else (
+        lambda done, total: progress("embedding donors", done, total)))
     return removed, embedded
 
 
