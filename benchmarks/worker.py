@@ -138,15 +138,13 @@ def system_stats(system, workdir: Path) -> dict:
     return out
 
 
-WARM_UP_THREAD = "edgesync-semantic-warm-up"
-"""The name of the thread ``SemanticLookup.warm_up`` loads the embedder and index in."""
-
-
 def wait_for_warm_up(timeout_s: float = 300.0) -> bool:
     """Wait for EdgeSync's background semantic warm-up when one is running (the router starts
     it where its mode uses the lookup), so that its loading does not overlap a timed request;
     True if there was one. It loads nothing itself: where EdgeSync loads the embedder lazily,
     nothing is waited for and nothing is loaded (``SemanticLookup.wait_ready`` would load it)."""
+    from edgesync_engines.request.semantic_lookup import WARM_UP_THREAD
+
     warm = [t for t in threading.enumerate() if t.name == WARM_UP_THREAD and t.is_alive()]
     for t in warm:
         t.join(timeout_s)

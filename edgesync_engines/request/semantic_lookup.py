@@ -36,6 +36,10 @@ from edgesync_store.semantic.donors import delete_donor, embed_unindexed, get_do
 
 log = logging.getLogger(__name__)
 
+WARM_UP_THREAD = "edgesync-semantic-warm-up"
+"""Name of the thread :meth:`SemanticLookup.warm_up` loads the embedder and index in (benchmarks
+wait for it so that a warm-up never runs during a timed request)."""
+
 QUERY_K = 8
 """Nearest neighbours asked of the index per lookup (candidates of other namespaces and below
 ``similarity_partial`` are dropped afterwards)."""
@@ -135,7 +139,7 @@ class SemanticLookup:
     def warm_up(self) -> None:
         """Load the embedder and open the index in a daemon thread, so that the first lookup
         does not pay for it (about 0.5 s); a lookup meanwhile waits for it."""
-        threading.Thread(target=self._ready, name="edgesync-semantic-warm-up", daemon=True).start()
+        threading.Thread(target=self._ready, name=WARM_UP_THREAD, daemon=True).start()
 
     # -- the catch-up: embedding donor records stored without a vector ---------------------
 
