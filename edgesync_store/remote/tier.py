@@ -7,7 +7,7 @@ keys on one node)::
     P:{K}:b              string  the fragment's blob, exactly core/codec.py's bytes
                                  EXPIRE: the fragment's lifetime tier (short: what is left of
                                  it; long or document: the long lifetime, renewed on hits)
-    P:{K}:n              string  hits counted by every node (INCR), same EXPIRE as the blob
+    P:{K}:n              string  hits counted by every node (INCRBY), same EXPIRE as the blob
     P:i:<ns><prefix>     hash    the prefix index: field = store key (32 raw bytes), value =
                                  the blob's head (codec: magic, version, header JSON, token
                                  IDs, embedding, head CRC; no tensors), so a walk reads
@@ -31,7 +31,7 @@ from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.errors import CodecError
 from edgesync_store.schema import Namespace
 
-COMMANDS = ("get", "set", "exists", "pttl", "incr", "expire", "pexpire", "unlink", "hgetall", "hset", "hsetnx",
+COMMANDS = ("get", "set", "exists", "pttl", "incrby", "expire", "pexpire", "unlink", "hgetall", "hset", "hsetnx",
             "hdel", "scan")
 """Redis commands the tier sends (``scan`` only for ``edgesync clear --remote``); a cluster
 client also needs ``cluster|slots``, ``cluster|shards`` and ``command``."""
