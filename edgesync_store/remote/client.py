@@ -203,7 +203,9 @@ class RemoteClient:
         self.url = url if isinstance(url, RemoteURL) else RemoteURL(url)
         self.cluster = cluster
         self.timeouts_s = {"fast": timeout_ms / 1000.0, "slow": write_timeout_ms / 1000.0}
-        self.breaker = CircuitBreaker(retry_s)
+        # one breaker per client: a remote too slow for the request path's budget may still take
+        # the background writes, and their successes must not keep the request path waiting
+        self.breakers = {"fast": CircuitBreaker(retry_s), "slow": CircuitBreaker(retry_s)}
         self.counters = RemoteCounters()
         self.counters_lock = threading.Lock()
         self._clients: dict[str, object] = {}
@@ -212,6 +214,11 @@ class RemoteClient:
 
     def __repr__(self) -> str:
         return f"RemoteClient({self.url.redacted!r}, cluster={self.cluster})"
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The request path's (fast client's) breaker."""
+        return self.breakers["fast"]
 
     def client(self, which: str):
         """The ``"fast"`` or ``"slow"`` redis-py client, made on first use.
@@ -240,32 +247,33 @@ class RemoteClient:
         Raises:
             RemoteUnavailable: the breaker is open (``skipped``) or the call failed (its kind).
         """
-        if not self.breaker.allow():
+        breaker = self.breakers[which]
+        if not breaker.allow():
             self.count(skipped=1)
             raise RemoteUnavailable("skipped", f"remote {self.url.redacted} unavailable (circuit open)")
         try:
             result = op(self.client(which))
         except RemoteUnavailable as exc:
-            self._failed(exc.kind, what, exc)
+            self._failed(breaker, exc.kind, what, exc)
             raise
         except CLIENT_ERRORS as exc:
             kind = _classify(exc)
-            self._failed(kind, what, exc)
+            self._failed(breaker, kind, what, exc)
             raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {exc}") from None
-        if self.breaker.success():
-            log.info("remote tier %s answers again; circuit closed", self.url.redacted)
+        if breaker.success():
+            log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
         return result
 
-    def _failed(self, kind: str, what: str, exc: Exception) -> None:
+    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, exc: Exception) -> None:
         self.count(**{kind: 1})
         if kind == "oom":  # the server is full, not gone: reads still work
             log.warning("remote tier %s is full (maxmemory, noeviction): %s not stored", self.url.redacted, what)
             return
-        opened = self.breaker.failure()
-        if opened:
+        if breaker.failure():
             self.count(breaker_opens=1)
-            log.warning("remote tier %s: %d failed calls in a row (last: %s %s); serving local-only, retrying "
-                        "in %.1f s", self.url.redacted, self.breaker.failures, what, kind, self.breaker.wait_s)
+            log.warning("remote tier %s: %d failed calls in a row (last: %s %s); %s local-only, retrying in %.1f s",
+                        self.url.redacted, breaker.failures, what, kind,
+                        "serving" if breaker is self.breaker else "writing", breaker.wait_s)
         elif not self._warned:
             log.warning("remote tier %s: %s failed (%s: %s); this request goes on local-only", self.url.redacted,
                         what, kind, exc)
