@@ -36,7 +36,7 @@ from tests.remote_support import new_prefix
 from tools.redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 QUESTION = "How do I make a good first impression?"
 CFG = EdgeSyncConfig.load({"semantic": False, "jobs": False, "max_tokens": MAX_TOKENS}, environ={})
 _UNCACHED: dict[str, list[int]] = {}
@@ -105,8 +105,8 @@ def test_the_remote_killed_mid_run_and_restarted(adapter, tmp_path, system_promp
     try:
         first = _answer(es, _messages(system_prompts, 0))
         server.kill(signal.SIGKILL)  # while the first answer's writes may still be queued
-        assert _answer(es, _messages(system_prompts, 1)).tier == "miss"
         assert _answer(es, _messages(system_prompts, 0)).tier == "exact"  # the local tier serves on
+        assert es.store.flush(30)  # the queued writes fail (counted), none is left waiting
         assert first.tier == "miss" and es.store.remote_stats()["connection"] >= 1
         server.start()  # same port, empty (no persistence)
         time.sleep(max(b.wait_s for b in es.store.client.breakers.values()) + 0.05)  # open circuits' wait
@@ -118,7 +118,7 @@ def test_the_remote_killed_mid_run_and_restarted(adapter, tmp_path, system_promp
         again = _answer(other, _messages(system_prompts, 2))  # written after the restart, served remotely
         assert again.tier == "exact" and other.store.remote_stats()["hits"] == 3
         other.close()
-        assert _intact(es.store) == 9  # three prompts of three chunks
+        assert _intact(es.store) == 6  # two prompts of three chunks
     finally:
         es.close()
         server.stop()
@@ -135,10 +135,9 @@ def test_a_remote_200_ms_late_is_left_behind(adapter, tmp_path, system_prompts, 
     try:
         assert _answer(b, messages).tier == "miss"  # the remote holds it, too late: prefilled
         assert _answer(b, messages).tier == "exact"  # local from now on
-        _answer(b, _messages(system_prompts, 1))
         stats = b.store.remote_stats()
-        assert stats["timeout"] >= 2 and stats["hits"] == 0 and stats["walks"] == 0
-        assert _intact(b.store) == 6
+        assert stats["timeout"] >= 1 and stats["hits"] == 0 and stats["walks"] == 0
+        assert _intact(b.store) == 3
     finally:
         proxy.stop()  # the queued writes then fail at once instead of crawling through it
         b.close()
