@@ -18,7 +18,7 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_store.core import codec
 from edgesync_store.remote.client import FAILURES_TO_OPEN
 from edgesync_store.remote.queue import WriteBehind
-from edgesync_store.remote.tier import COMMANDS
+from edgesync_store.remote.tier import CLUSTER_COMMANDS, COMMANDS
 from edgesync_store.ttl import LIFETIME_LONG, TTLPolicy
 from tests.fragments import SMOL
 from tests.remote_support import chain, new_prefix, prompt, tiered
@@ -218,14 +218,19 @@ def test_the_write_queue_drops_its_oldest_when_full():
     queue.close(1)
 
 
-def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, redis_server):
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, request, topology):
     """The README's ACL user: these commands on these keys, nothing else."""
+    cluster = topology == "cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = new_prefix("acl")
-    redis_server.cli("ACL", "SETUSER", "edge", "on", ">edge-secret", f"~{prefix}:*", "resetchannels", "-@all",
-                     *[f"+{c}" for c in COMMANDS])
-    url = f"redis://edge:edge-secret@127.0.0.1:{redis_server.port}/0"
+    for node in server.nodes if cluster else [server]:
+        node.cli("ACL", "SETUSER", "edge", "on", ">edge-secret", f"~{prefix}:*", "resetchannels", "-@all",
+                 *[f"+{c}" for c in COMMANDS + (CLUSTER_COMMANDS if cluster else ())])
+    port = server.nodes[0].port if cluster else server.port
+    url = f"redis://edge:edge-secret@127.0.0.1:{port}/0"
     tokens = prompt(3)
-    a, b = tiered(tmp_path, "a", url, prefix), tiered(tmp_path, "b", url, prefix)
+    a, b = tiered(tmp_path, "a", url, prefix, cluster=cluster), tiered(tmp_path, "b", url, prefix, cluster=cluster)
     try:
         assert a.put_many(chain(tokens)) == 3 and a.flush(10)
         match = b.prefix_walk(SMOL, tokens)

@@ -33,10 +33,11 @@ from edgesync_store.schema import Namespace
 
 COMMANDS = ("get", "set", "exists", "pttl", "incrby", "expire", "pexpire", "unlink", "hgetall", "hset", "hsetnx",
             "hdel", "scan")
-"""Redis commands the tier sends (``scan`` only for ``edgesync clear --remote``); a cluster
-client also needs ``cluster|slots``, ``cluster|shards`` and ``command``."""
+"""Redis commands the tier sends (``scan`` only for ``edgesync clear --remote``)."""
+CLUSTER_COMMANDS = ("cluster|slots", "cluster|shards", "command")
+"""What a Redis Cluster client sends besides: redis-py reads the slot map and the command table."""
 
-__all__ = ["COMMANDS", "KeyLayout", "head_of", "parse_head"]
+__all__ = ["CLUSTER_COMMANDS", "COMMANDS", "KeyLayout", "head_of", "parse_head"]
 
 
 def head_of(blob: bytes) -> bytes:
