@@ -242,3 +242,37 @@ def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, request, t
     finally:
         a.close()
         b.close()
+
+
+def test_the_clear_command_with_remote(tmp_path, redis_server):
+    """``edgesync clear --remote`` (a subprocess): the local store and every key under the prefix,
+    another prefix untouched; refused without a configured remote; the password never printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prefix, other = new_prefix("cli"), new_prefix("cli-other")
+    redis_server.cli("CONFIG", "SET", "requirepass", "cli-pa55")
+    url = f"redis://:cli-pa55@127.0.0.1:{redis_server.port}/0"
+    try:
+        for name, p in (("node", prefix), ("other", other)):
+            store = tiered(tmp_path, name, url, p)
+            assert store.put_many(chain(prompt(4))) == 3 and store.flush(10)
+            store.close()
+        env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": prefix}
+        cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "node"), "--yes", "--remote"]
+        done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        doc = json.loads(done.stdout)
+        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1
+        r = redis.Redis.from_url(url)
+        assert list(r.scan_iter(match=f"{prefix}:*")) == [] and len(list(r.scan_iter(match=f"{other}:*"))) == 7
+        text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert text.returncode == 0 and "remote tier redis://:***@127.0.0.1" in text.stdout
+        assert "cli-pa55" not in text.stdout + text.stderr + done.stdout + done.stderr
+        env.pop("EDGESYNC_REMOTE_URL")
+        refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert refused.returncode == 2 and "no remote tier is configured" in refused.stderr
+    finally:
+        redis_server.cli("-a", "cli-pa55", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
