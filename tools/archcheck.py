@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modules checked: {report.modules}")
         print(f"import cycles: {len(report.cycles)}")
         print(f"private names used across modules: {len(report.private_uses)}")
-        print(f"lmdb imports in edgesync_engines: {len(report.lmdb_in_engines)}")
+        print(f"lmdb or redis imports in edgesync_engines: {len(report.lmdb_in_engines)}")
         print(f"longest function: {report.longest_function} ({report.longest_function_lines} lines)")
         for rule, items in report.failures().items():
             print(f"\n{rule}:")
