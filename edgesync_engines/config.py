@@ -27,6 +27,7 @@ from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_store.commands.units import format_binary, parse_bytes
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
+from edgesync_store.remote.url import PASSWORD_ENV, USERNAME_ENV, RemoteURL, check_prefix
 from edgesync_store.schema import MAX_SPAN, MIN_SPAN
 from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND
 from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
@@ -122,6 +123,12 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
+def _remote_url(value: Any) -> Any:
+    if isinstance(value, str):
+        return RemoteURL(value) if value.strip() else None
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     """One row of the settings table.
@@ -137,6 +144,7 @@ class Setting:
         coerce: applied to every given value before ``check`` (``str`` -> ``Path``, case).
         shown: the README's default column when the default's own text does not say it.
         factory: ``default`` is a zero-argument function.
+        secret: the environment text may hold a password: error messages never quote it.
     """
 
     name: str
@@ -149,6 +157,7 @@ class Setting:
     coerce: Callable[[Any], Any] | None = None
     shown: str | None = None
     factory: bool = False
+    secret: bool = False
 
     def shown_default(self) -> str:
         """The default as the README's table shows it."""
@@ -249,6 +258,24 @@ SETTINGS: tuple[Setting, ...] = (
             check=_one_of(ENGINES), coerce=_lower),
     _flag("allow_convertible", "EDGESYNC_ALLOW_CONVERTIBLE", False,
           "also inject KV another engine wrote for the same model, converted (close to, not equal to, its own)"),
+    Setting("remote_url", "RemoteURL | None", None, "EDGESYNC_REMOTE_URL", RemoteURL,
+            "shared remote tier: `redis://[user:password@]host:port[/db]` or `rediss://` (TLS), Redis 7 or Valkey; "
+            "the password is never shown (see \"Shared remote tier\")",
+            check=lambda v: None if v is None or isinstance(v, RemoteURL) else f"not a URL: {type(v).__name__}",
+            coerce=_remote_url, shown="none (local store only)", secret=True),
+    Setting("remote_prefix", str, "edgesync", "EDGESYNC_REMOTE_PREFIX", str.strip,
+            "prefix of every remote key: one per deployment or tenant", check=check_prefix),
+    _flag("remote_cluster", "EDGESYNC_REMOTE_CLUSTER", False, "the remote URL is a node of a Redis Cluster"),
+    Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float,
+            "per-call timeout of remote lookups and fetches before the first token, milliseconds (then local-only)",
+            check=_finite_positive),
+    Setting("remote_write_timeout_ms", float, 2000.0, "EDGESYNC_REMOTE_WRITE_TIMEOUT_MS", float,
+            "per-call timeout of background remote writes, forget and clear, milliseconds", check=_finite_positive),
+    Setting("remote_queue", int, 256, "EDGESYNC_REMOTE_QUEUE", int,
+            "remote write-behind queue length, jobs (a full queue drops its oldest)", check=_at_least_one),
+    Setting("remote_retry_s", float, 5.0, "EDGESYNC_REMOTE_RETRY_S", float,
+            "seconds the circuit breaker waits before trying a failing remote again (doubling, up to 8x)",
+            check=_seconds),
 )
 """Every setting, in :class:`EdgeSyncConfig`'s field order."""
 
@@ -265,9 +292,12 @@ CROSS_CHECKS: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
 OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("EDGESYNC_ONNX_DIR", "ONNX export root (read by `export-onnx` and the `onnx` engine)",
      "per-user cache dir (`~/.cache/edgesync/onnx`)"),
+    (USERNAME_ENV, "remote tier user name (an ACL user) when the URL has none", "none"),
+    (PASSWORD_ENV, "remote tier password when the URL has none (never shown)", "none"),
 )
 """Environment variables read outside :class:`EdgeSyncConfig` (variable, help, default), for
-the README's table; ``edgesync_engines.adapters.onnx_export`` reads this one."""
+the README's table; ``edgesync_engines.adapters.onnx_export`` reads the first,
+``edgesync_store.remote.url.credentials`` the remote tier's credentials."""
 
 
 def _post_init(self) -> None:
@@ -300,11 +330,12 @@ def _load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str,
         raw = environ.get(s.env)
         if raw is None or raw.strip() == "":
             continue
+        given = s.env if s.secret else f"{s.env}={raw!r}"  # a secret's parse error redacts it itself
         try:
             values[s.name] = s.parse(raw)
         except ValueError as exc:
-            raise ValueError(f"{s.env}={raw!r}: {exc}") from None
-        source[s.name] = f"{s.env}={raw!r}"
+            raise ValueError(f"{given}: {exc}") from None
+        source[s.name] = given
     for name, value in (overrides or {}).items():
         if name not in BY_NAME:
             raise ValueError(f"unknown setting {name!r}")
@@ -326,7 +357,7 @@ def _to_dict(self) -> dict:
     out = {}
     for s in SETTINGS:
         value = getattr(self, s.name)
-        out[s.name] = str(value) if isinstance(value, Path) else value
+        out[s.name] = str(value) if isinstance(value, (Path, RemoteURL)) else value  # a RemoteURL prints redacted
     return out
 
 

@@ -91,3 +91,27 @@ def llama_all_logits():
     yield a
     a.close()
     llm.close()
+
+
+# The remote tier's servers: real redis-server processes (Debian's package; `make test` installs
+# it) on free loopback ports, one set per test module, stopped after it (tools/redis_servers.py).
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """One standalone redis-server on a free loopback port."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A 3-master Redis Cluster (no replicas) on free loopback ports."""
+    from tools.redis_servers import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()

@@ -10,7 +10,8 @@ Rules (see docs/architecture.md):
 * no module uses an underscore name it does not define itself (``x._name`` where ``x`` is not
   ``self``/``cls``, or ``from m import _name`` from a project module), except inside
   ``edgesync_store/core/``, whose modules implement the store together;
-* ``edgesync_engines`` never imports ``lmdb`` (storage errors cross the seam as
+* ``edgesync_engines`` never imports a storage library, ``lmdb`` or the remote tier's
+  ``redis``/``valkey`` (:data:`STORAGE_LIBRARIES`; storage errors cross the seam as
   ``edgesync_store.errors`` types);
 * library modules stay under :data:`MAX_MODULE_LINES` lines and functions under
   :data:`MAX_FUNCTION_LINES`, except those listed in :data:`LONG_FUNCTIONS` with the reason.
@@ -32,6 +33,8 @@ LIBRARY = ("edgesync_store", "edgesync_engines", "migrations")
 """The packages the size rules apply to."""
 PRIVATE_OK_DIRS = ("edgesync_store/core/",)
 """Modules that may use each other's underscore names: the store's core implements one thing."""
+STORAGE_LIBRARIES = ("lmdb", "redis", "valkey")
+"""Client libraries only ``edgesync_store`` imports (``Report.lmdb_in_engines`` lists offenders)."""
 MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {}
@@ -56,7 +59,7 @@ class Report:
     def failures(self) -> dict[str, list]:
         """The rules that fail, by name (empty when the tree passes)."""
         named = {"import cycles": self.cycles, "private names used across modules": self.private_uses,
-                 "lmdb imported by edgesync_engines": self.lmdb_in_engines,
+                 "lmdb or redis imported by edgesync_engines": self.lmdb_in_engines,
                  "modules over the line limit": self.long_modules,
                  "functions over the line limit": self.long_functions}
         return {k: v for k, v in named.items() if v}
@@ -204,7 +207,7 @@ def check() -> Report:
             for node in ast.walk(tree):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-                if any(n == "lmdb" or n.startswith("lmdb.") for n in names):
+                if any(n.split(".")[0] in STORAGE_LIBRARIES for n in names):
                     report.lmdb_in_engines.append(f"{rel}:{node.lineno}")
         if not rel.startswith(LIBRARY):
             continue
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modules checked: {report.modules}")
         print(f"import cycles: {len(report.cycles)}")
         print(f"private names used across modules: {len(report.private_uses)}")
-        print(f"lmdb imports in edgesync_engines: {len(report.lmdb_in_engines)}")
+        print(f"lmdb or redis imports in edgesync_engines: {len(report.lmdb_in_engines)}")
         print(f"longest function: {report.longest_function} ({report.longest_function_lines} lines)")
         for rule, items in report.failures().items():
             print(f"\n{rule}:")

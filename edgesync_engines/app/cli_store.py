@@ -14,7 +14,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, positive_int
+from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, load_config, positive_int
 from edgesync_engines.config import EMBEDDING_BACKENDS
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.units import format_bytes
@@ -42,6 +42,9 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     clear.add_argument("--yes", "-y", action="store_true",
                        help="do not ask for confirmation (required when stdin is not a terminal)")
     clear.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    clear.add_argument("--remote", action="store_true",
+                       help="also remove every key of the shared remote tier under the key prefix "
+                            "(EDGESYNC_REMOTE_URL, EDGESYNC_REMOTE_PREFIX): for every node of the site")
     clear.set_defaults(func=cmd_clear)
 
     reindex = sub.add_parser("reindex", parents=[common],
@@ -89,26 +92,39 @@ def cmd_clear(args: argparse.Namespace) -> int:
     from edgesync_store.commands.clear import check_store_path, clear_store
 
     store = configured_store(args.store)
+    cfg = load_config({})
+    if args.remote and cfg.remote_url is None:
+        raise CommandError("--remote: no remote tier is configured (set EDGESYNC_REMOTE_URL)")
     try:
         path = check_store_path(store)
     except (StoreNotFoundError, StoreOpenError) as exc:
         raise CommandError(str(exc)) from None
+    remote = f" and every key under {cfg.remote_prefix}: on {cfg.remote_url}" if args.remote else ""
     if not args.yes:
         if not sys.stdin.isatty():
             raise CommandError(f"refusing to clear {path} without --yes (stdin is not a terminal to confirm on)")
-        if not _confirm(f"Erase every fragment, donor and vector of the store at {path}?"):
+        if not _confirm(f"Erase every fragment, donor and vector of the store at {path}{remote}?"):
             print(f"not cleared: {path} left as it was", file=sys.stderr, flush=True)
             return EXIT_DECLINED
     with _command_errors(f"cannot clear the store at {path}",
                          (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError)):
         result = clear_store(path)
+    doc = result.to_dict()
+    if args.remote:
+        from edgesync_store.remote.commands import clear_remote
+
+        with _command_errors("cannot clear the remote tier", (ValueError,)):
+            doc["remote_keys_removed"] = clear_remote(cfg.remote_url, cfg.remote_prefix, cfg.remote_cluster,
+                                                      cfg.remote_write_timeout_ms)
     if args.json:
-        print(json.dumps(result.to_dict()), flush=True)
+        print(json.dumps(doc), flush=True)
     else:
         how = ("files erased (" + ", ".join(result.files_removed) + ") and an empty store created"
                if result.erased_files else f"files not erased: {result.reason}")
         print(f"cleared {result.path}: {result.fragments_removed} fragments removed; data.mdb "
-              f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}", flush=True)
+              f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}"
+              + (f"; remote tier {cfg.remote_url}: {doc['remote_keys_removed']} keys under {cfg.remote_prefix}: "
+                 "removed" if args.remote else ""), flush=True)
     return 0
 
 

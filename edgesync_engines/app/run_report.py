@@ -187,7 +187,8 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
                  uncached_reason: str | None = None):
     """A rich Table of :func:`summarize`'s output: metric, uncached, edgesync, ratio.
 
-    ``store_stats`` is ``FragmentStore.stats().to_dict()`` after the run (None: no store);
+    ``store_stats`` is ``FragmentStore.stats().to_dict()`` after the run (None: no store; with
+    the shared remote tier it holds ``remote``, ``TieredStore.remote_stats()``, shown in four rows);
     ``uncached_reason`` why the EdgeSync pass ran without its store (``EdgeSync.uncached_reason``).
     """
     from rich.table import Table
@@ -228,8 +229,24 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     if store_stats is not None:
         table.add_row("store fragments (after run)", "-", f"{store_stats['fragments']:,}", "")
         table.add_row("store bytes on disk (after run)", "-", format_bytes(store_stats["disk_bytes"]), "")
+        _remote_rows(table, store_stats.get("remote"))
     elif uncached_reason:
         table.add_row("store", "-", f"UNCACHED: {uncached_reason}", "")
     else:
         table.add_row("store", "-", "disabled", "")
     return table
+
+
+def _remote_rows(table, remote: dict | None) -> None:
+    """The shared remote tier's rows (``TieredStore.remote_stats()``), when the run had one."""
+    if not remote:
+        return
+    table.add_row("remote tier: fragments fetched (bytes)", "-",
+                  f"{remote['hits']:,} ({format_bytes(remote['bytes_fetched'])})", "")
+    table.add_row("remote tier: fragments written (bytes)", "-",
+                  f"{remote['puts']:,} ({format_bytes(remote['bytes_written'])})", "")
+    table.add_row("remote tier: errors (timeout / connection / OOM / other)", "-",
+                  f"{remote['errors']:,} ({remote['timeout']} / {remote['connection']} / {remote['oom']} / "
+                  f"{remote['other']})", "")
+    table.add_row("remote tier: corrupt refused, queue drops, calls skipped", "-",
+                  f"{remote['corrupt']:,}, {remote['queue_drops']:,}, {remote['skipped']:,}", "")

@@ -43,6 +43,7 @@ from edgesync_engines.request.documents_api import DocumentsMixin, annotate
 from edgesync_engines.request.execute import Injection, Injector
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import Prefetcher, request_key
+from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
 from edgesync_store.core.backend import FragmentBackend
@@ -123,7 +124,8 @@ class EdgeSync(DocumentsMixin):
             raise TypeError(f"store: expected a FragmentBackend (e.g. a FragmentStore), a path, None or False, "
                             f"got {type(store).__name__}")
         else:
-            self.store = self._open_store(Path(store if store is not None else self.config.store_path))
+            local = self._open_store(Path(store if store is not None else self.config.store_path))
+            self.store = with_remote_tier(local, self.config)  # the shared remote tier, when configured
             self._owns_store = self.store is not None
         self.semantic = None
         if self.store is not None and self.config.semantic:

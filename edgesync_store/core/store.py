@@ -41,6 +41,7 @@ from edgesync_store.core.lmdb_env import (
 )
 from edgesync_store.core.locks import OpenLock, PinTable
 from edgesync_store.core.store_lifecycle import LifecycleOps
+from edgesync_store.core.store_writes import WriteOps
 from edgesync_store.core.walk import PrefixMatch, SpanMatch
 from edgesync_store.errors import (
     CodecError,
@@ -50,7 +51,6 @@ from edgesync_store.errors import (
     StoreOpenError,
     StoreUnavailableError,
 )
-from edgesync_store.lifecycle import eviction
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
@@ -85,7 +85,7 @@ class StoreStats:
         return dict(self.__dict__)
 
 
-class FragmentStore(LifecycleOps, FragmentBackend):
+class FragmentStore(LifecycleOps, WriteOps, FragmentBackend):
     """KV fragments in LMDB, keyed by ``schema.store_key`` (the seam's methods are documented
     on :class:`FragmentBackend`).
 
@@ -251,50 +251,6 @@ class FragmentStore(LifecycleOps, FragmentBackend):
         return self.env.page_bytes(names)
 
     # -- writes ---------------------------------------------------------------------------
-
-    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
-        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``): eviction
-        frees down to ``eviction.LOW_WATER`` (90%) of the budget. Encoding (compression) happens
-        before the transaction so the writer lock is held only for the copy into LMDB."""
-        now = self.clock() if now is None else now
-        encoded = [(f.key(), index_key(f.namespace.digest(), f.prefix_hash), codec.encode(f), f) for f in fragments]
-        env = self.env
-
-        def write(txn) -> int:
-            todo, seen = [], set()
-            for key, ikey, blob, frag in encoded:
-                if key in seen:
-                    continue
-                seen.add(key)
-                if txn.get(key, db=env.fragments) is not None:
-                    if not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now):
-                        continue
-                    self.delete_in(txn, key)
-                todo.append((key, ikey, blob, frag))
-            used, incoming = self.used_in(txn), sum(len(t[2]) for t in todo)
-            if used + incoming > self.max_bytes:
-                target = int(self.max_bytes * eviction.LOW_WATER)
-                evicted = eviction.evict_in(self, txn, used + incoming - target, now, protect={t[0] for t in todo})
-                used -= sum(nbytes for _, nbytes in evicted)
-            added = 0
-            for key, ikey, blob, frag in todo:
-                if used + len(blob) > self.max_bytes:
-                    log.warning("fragment [%d, %d) (%d bytes) does not fit the size budget of %d bytes; not stored",
-                                frag.token_start, frag.token_end, len(blob), self.max_bytes)
-                    continue
-                txn.put(key, blob, db=env.fragments)
-                txn.put(ikey, key, db=env.by_prefix, dupdata=True)
-                life = Lifecycle(frag.hit_count, frag.last_hit_at, frag.expires_at, frag.created_at,
-                                 nbytes=len(blob), raw_nbytes=frag.raw_nbytes)
-                txn.put(key, life.pack(), db=env.lifecycle)
-                used += len(blob)
-                added += 1
-            txn.put(USED_BYTES_KEY, U64.pack(used), db=env.meta)
-            if also is not None:
-                also(txn)
-            return added
-
-        return self.transact(write, write=True)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self.transact(lambda txn: sum(self.delete_in(txn, bytes(k)) > 0 for k in keys), write=True)

@@ -1,0 +1,292 @@
+"""The connection to the remote tier: redis-py clients, a circuit breaker and the counters.
+
+:class:`RemoteClient` owns two redis-py clients on one server (or one Redis Cluster): a *fast*
+one whose per-call timeout is the request path's budget (``remote_timeout_ms``, a few
+milliseconds: index lookups and fragment fetches before the first token) and a *slow* one for
+the background writer and the commands (``remote_write_timeout_ms``). Neither retries: a
+failed call is reported at once and the caller goes on with the local tier alone.
+
+:meth:`RemoteClient.call` runs one operation through the :class:`CircuitBreaker`: after
+``FAILURES_TO_OPEN`` (3) failures in a row the breaker opens and calls are skipped without
+touching the network for ``retry_s`` seconds, doubling on every failed probe up to
+``MAX_RETRY_FACTOR`` (8) times that; then one call probes the server, and a success closes the
+breaker. An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
+``noeviction``) is counted apart and does not open the breaker, since reads still work then.
+
+Every failure is counted in :class:`RemoteCounters` by kind (``timeout``, ``connection``,
+``oom``, ``other``) and logged: the first of a run at WARNING, the breaker opening and closing
+at WARNING and INFO, the rest at DEBUG, so a dead remote does not flood the log. Log lines name
+the server by its redacted URL only (``url.RemoteURL``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError, RedisClusterException
+from redis.retry import Retry
+
+from edgesync_store.remote.url import RemoteURL, credentials
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FAILURES_TO_OPEN = 3
+"""Consecutive failed calls that open the breaker."""
+MAX_RETRY_FACTOR = 8
+"""The open breaker's wait grows to at most this many times ``retry_s``."""
+
+__all__ = ["CircuitBreaker", "FAILURES_TO_OPEN", "RemoteClient", "RemoteCounters", "RemoteUnavailable"]
+
+
+class RemoteUnavailable(Exception):
+    """A remote call was skipped (breaker open) or failed; ``kind`` is one of ``skipped``,
+    ``timeout``, ``connection``, ``oom``, ``other``. Never crosses the storage seam: the tiered
+    backend turns it into local-only service."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class RemoteCounters:
+    """What the remote tier did since the backend opened (counts; bytes).
+
+    Attributes:
+        walks: remote prefix walks run (the local walk fell short of the prompt).
+        walk_gains: of those, walks that reached further than the local one.
+        hits: fragments fetched from the remote, verified and served.
+        bytes_fetched: compressed bytes of those fragments.
+        misses: fragments the remote walk offered that were gone when fetched.
+        corrupt: remote blobs or index entries refused (checksum, content hash, key).
+        puts: fragments written to the remote by the background writer.
+        bytes_written: their compressed bytes.
+        hits_recorded: hit counts added to remote counters.
+        deletes: fragments removed from the remote (forget, corrupt).
+        queue_drops: write-behind jobs dropped, the oldest first, because the queue was full.
+        write_skips: write-behind jobs not sent because the remote was unavailable.
+        timeout, connection, oom, other: failed calls by kind.
+        skipped: calls not made because the breaker was open.
+        breaker_opens: times the breaker opened.
+    """
+
+    walks: int = 0
+    walk_gains: int = 0
+    hits: int = 0
+    bytes_fetched: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    hits_recorded: int = 0
+    deletes: int = 0
+    queue_drops: int = 0
+    write_skips: int = 0
+    timeout: int = 0
+    connection: int = 0
+    oom: int = 0
+    other: int = 0
+    skipped: int = 0
+    breaker_opens: int = 0
+
+    @property
+    def errors(self) -> int:
+        """Failed calls of every kind (skipped calls excluded)."""
+        return self.timeout + self.connection + self.oom + self.other
+
+    def to_dict(self) -> dict:
+        """Every counter by name, plus ``errors``."""
+        return {**asdict(self), "errors": self.errors}
+
+
+class CircuitBreaker:
+    """Closed (calls go through), open (calls skipped until ``retry_s`` pass), half-open (one
+    probe). Thread-safe.
+
+    Args:
+        retry_s: seconds an open breaker waits before a probe (doubles per failed probe, up to
+            ``MAX_RETRY_FACTOR`` times).
+        clock: monotonic seconds (``time.monotonic``).
+    """
+
+    def __init__(self, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retry_s = float(retry_s)
+        self.clock = clock
+        self.failures = 0
+        self.open_until: float | None = None
+        self.wait_s = self.retry_s
+        self.lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        """True while calls are being skipped."""
+        with self.lock:
+            return self.open_until is not None and self.clock() < self.open_until
+
+    def allow(self) -> bool:
+        """True when a call may go out now (closed, or the wait is over: a probe)."""
+        with self.lock:
+            return self.open_until is None or self.clock() >= self.open_until
+
+    def success(self) -> bool:
+        """Record a success; True when it closed an open breaker."""
+        with self.lock:
+            was_open = self.open_until is not None
+            self.failures, self.open_until, self.wait_s = 0, None, self.retry_s
+            return was_open
+
+    def failure(self) -> bool:
+        """Record a failure; True when it opened the breaker (or kept a probing one open)."""
+        with self.lock:
+            self.failures += 1
+            if self.open_until is not None:  # a failed probe: wait longer
+                self.wait_s = min(self.wait_s * 2, self.retry_s * MAX_RETRY_FACTOR)
+                self.open_until = self.clock() + self.wait_s
+                return False
+            if self.failures >= FAILURES_TO_OPEN:
+                self.open_until = self.clock() + self.wait_s
+                return True
+            return False
+
+
+CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
+"""What a redis-py call may raise: its own errors (a cluster's setup errors are not
+``RedisError``s) and the socket's."""
+
+
+def _classify(exc: Exception) -> str:
+    if isinstance(exc, redis.TimeoutError):
+        return "timeout"
+    if isinstance(exc, redis.ConnectionError):
+        return "connection"
+    if isinstance(exc, OutOfMemoryError) or (isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")):
+        return "oom"
+    return "other"
+
+
+def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
+    """A redis-py client for ``url``: no retries, no CLIENT SETINFO (one command fewer for an
+    ACL user), binary replies."""
+    user, password = credentials(url)
+    common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                  decode_responses=False, driver_info=None, username=user, password=password)
+    if cluster:
+        # from_url parses host, port, TLS and query arguments; one reachable node is enough
+        return RedisCluster.from_url(url.secret, require_full_coverage=True, **common)
+    return redis.Redis.from_url(url.secret, health_check_interval=0, **common)
+
+
+class RemoteClient:
+    """The remote tier's clients, breaker and counters.
+
+    Args:
+        url: the server (any node of a cluster).
+        cluster: True for Redis Cluster (``RedisCluster``), False for one server.
+        timeout_ms: per-call timeout of the fast client (request path), milliseconds.
+        write_timeout_ms: per-call timeout of the slow client (background and commands).
+        retry_s: seconds the open breaker waits before probing again.
+
+    Connecting is lazy (a cluster's slot map is read on the first call), so opening never
+    fails for an unreachable remote: the first calls fail and count instead.
+    """
+
+    def __init__(self, url: RemoteURL, cluster: bool = False, timeout_ms: float = 50.0,
+                 write_timeout_ms: float = 2000.0, retry_s: float = 5.0) -> None:
+        self.url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        self.cluster = cluster
+        self.timeouts_s = {"fast": timeout_ms / 1000.0, "slow": write_timeout_ms / 1000.0}
+        # one breaker per client: a remote too slow for the request path's budget may still take
+        # the background writes, and their successes must not keep the request path waiting
+        self.breakers = {"fast": CircuitBreaker(retry_s), "slow": CircuitBreaker(retry_s)}
+        self.counters = RemoteCounters()
+        self.counters_lock = threading.Lock()
+        self._clients: dict[str, object] = {}
+        self._clients_lock = threading.Lock()
+        self._warned = False
+
+    def __repr__(self) -> str:
+        return f"RemoteClient({self.url.redacted!r}, cluster={self.cluster})"
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The request path's (fast client's) breaker."""
+        return self.breakers["fast"]
+
+    def client(self, which: str):
+        """The ``"fast"`` or ``"slow"`` redis-py client, made on first use.
+
+        Raises:
+            RemoteUnavailable: the client could not be made (a cluster whose nodes do not answer).
+        """
+        with self._clients_lock:
+            if which not in self._clients:
+                try:
+                    self._clients[which] = _make_client(self.url, self.cluster, self.timeouts_s[which])
+                except CLIENT_ERRORS as exc:
+                    raise RemoteUnavailable(_classify(exc), f"{self.url.redacted}: {exc}") from None
+            return self._clients[which]
+
+    def count(self, **deltas: int) -> None:
+        """Add ``deltas`` to the named counters."""
+        with self.counters_lock:
+            for name, n in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def call(self, which: str, op: Callable[[object], T], what: str) -> T:
+        """``op(client)`` on the ``which`` client through the breaker; ``what`` names the
+        operation in log lines.
+
+        Raises:
+            RemoteUnavailable: the breaker is open (``skipped``) or the call failed (its kind).
+        """
+        breaker = self.breakers[which]
+        if not breaker.allow():
+            self.count(skipped=1)
+            raise RemoteUnavailable("skipped", f"remote {self.url.redacted} unavailable (circuit open)")
+        try:
+            result = op(self.client(which))
+        except RemoteUnavailable as exc:
+            self._failed(breaker, exc.kind, what, exc)
+            raise
+        except CLIENT_ERRORS as exc:
+            kind = _classify(exc)
+            self._failed(breaker, kind, what, exc)
+            raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {exc}") from None
+        if breaker.success():
+            log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
+        return result
+
+    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, exc: Exception) -> None:
+        self.count(**{kind: 1})
+        if kind == "oom":  # the server is full, not gone: reads still work
+            log.warning("remote tier %s is full (maxmemory, noeviction): %s not stored", self.url.redacted, what)
+            return
+        if breaker.failure():
+            self.count(breaker_opens=1)
+            log.warning("remote tier %s: %d failed calls in a row (last: %s %s); %s local-only, retrying in %.1f s",
+                        self.url.redacted, breaker.failures, what, kind,
+                        "serving" if breaker is self.breaker else "writing", breaker.wait_s)
+        elif not self._warned:
+            log.warning("remote tier %s: %s failed (%s: %s); this request goes on local-only", self.url.redacted,
+                        what, kind, exc)
+        else:
+            log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, exc)
+        self._warned = True
+
+    def close(self) -> None:
+        """Close both clients' connections (idempotent)."""
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            try:
+                c.close()
+            except CLIENT_ERRORS as exc:
+                log.debug("closing a remote client: %s", exc)

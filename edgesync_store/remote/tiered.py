@@ -1,0 +1,417 @@
+"""``TieredStore``: the storage seam over the local LMDB store and a shared remote tier.
+
+The local store (``FragmentStore``) stays the first tier; the remote one (Redis 7 / Valkey,
+standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
+
+* **reads** fall through: :meth:`TieredStore.prefix_walk` walks the local index and, only when
+  that falls short of the prompt, the remote index (``remote/walk.py``), keeping the longer;
+  :meth:`TieredStore.get` reads the local store, then the remote. A remote blob is verified as
+  a local one is (``codec.decode``: CRCs and content hash; then its key): a corrupt or foreign
+  one is refused, counted, deleted from the remote and never asked for again by this process,
+  and the request injects fewer tokens or prefills. A fetched fragment is written to the local
+  store as the same bytes, after the first token (at the next ``record_hits``, ``put_many`` or
+  ``covers_span``), so the next hit is local and the disk write is off the TTFT path.
+* **writes** go to the local store at once and to the remote in the background
+  (``remote/queue.py``: a bounded queue that drops its oldest job when full, never blocking a
+  request). The remote blob's expiry follows the fragment's lifetime tier (``ttl.py``); hits
+  are counted on the remote too (``KeyLayout.add_hits``), summed over the nodes, and a fragment
+  fetched from the remote arrives with that summed count (promoted when it reaches
+  ``promote_hits``).
+* **faults** never fail a request: every remote call has a timeout (``RemoteClient``) and goes
+  through its circuit breaker; a failed or skipped call leaves the request local-only. Counts
+  are in :meth:`stats` (``remote``) and :meth:`remote_stats`.
+
+``forget_tokens`` and ``delete_many`` remove from both tiers. Maintenance (expiry sweep,
+compaction, reclaim, the semantic layer's companion records, ``transact`` and the ``*_in``
+methods) runs on the local store only: the remote tier expires its own keys and Redis's
+``maxmemory`` policy bounds it. Attributes this class does not define (``named_db``,
+``exclusive``, ...) are the local store's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+
+from edgesync_store.core import codec
+from edgesync_store.core.backend import FragmentBackend
+from edgesync_store.core.store import FragmentStore, StoreStats
+from edgesync_store.core.walk import PrefixMatch
+from edgesync_store.errors import CodecError, StoreError
+from edgesync_store.remote import walk as remote_walk
+from edgesync_store.remote.client import RemoteClient, RemoteUnavailable
+from edgesync_store.remote.local_ops import LocalTierOps
+from edgesync_store.remote.queue import WriteBehind
+from edgesync_store.remote.tier import KeyLayout, head_of, parse_head
+from edgesync_store.remote.url import RemoteURL, check_prefix
+from edgesync_store.schema import MIN_SPAN, KVFragment, Namespace
+from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT, Lifecycle
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["TieredStats", "TieredStore"]
+
+
+@dataclass
+class TieredStats(StoreStats):
+    """The local store's :class:`StoreStats` and the remote tier's counters (``remote``:
+    ``RemoteCounters.to_dict()`` plus ``queued``, the write-behind jobs waiting)."""
+
+    remote: dict = field(default_factory=dict)
+
+
+class TieredStore(LocalTierOps, FragmentBackend):
+    """The local store with a shared remote tier behind it (module docstring).
+
+    Args:
+        local: the local store (owned: closed with this object).
+        client: the remote tier's connection (owned).
+        prefix: the deployment's key prefix (``url.check_prefix``).
+        queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
+        grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
+        drain_s: seconds :meth:`close` waits for queued writes.
+    """
+
+    def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
+                 grid: int = 128, drain_s: float = 10.0) -> None:
+        self.local = local
+        self.client = client
+        self.keys = KeyLayout(prefix)
+        self.grid = grid
+        self.drain_s = drain_s
+        self.queue = WriteBehind(queue_size, on_drop=lambda: client.count(queue_drops=1))
+        self._fetched: dict[bytes, tuple[bytes, Lifecycle]] = {}
+        self._refused: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        log.info("remote tier %s (prefix %s%s) behind the local store %s", client.url.redacted, prefix,
+                 ", cluster" if client.cluster else "", local.path)
+
+    @classmethod
+    def connect(cls, local: FragmentStore, url: RemoteURL | str, *, prefix: str = "edgesync", cluster: bool = False,
+                timeout_ms: float = 20.0, write_timeout_ms: float = 2000.0, retry_s: float = 5.0,
+                queue_size: int = 256, grid: int = 128) -> "TieredStore":
+        """A tiered store over ``local`` and the remote at ``url`` (``RemoteClient``'s
+        arguments; connecting is lazy, so an unreachable remote does not fail this).
+
+        Raises:
+            ValueError: a bad URL (message redacted) or key prefix.
+        """
+        url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        problem = check_prefix(prefix)
+        if problem:
+            raise ValueError(f"remote prefix: {problem}")
+        client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
+                              retry_s=retry_s)
+        return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid)
+
+    def __repr__(self) -> str:
+        return f"TieredStore({self.local.path!s}, {self.client!r}, prefix={self.keys.prefix!r})"
+
+    def __getattr__(self, name: str):
+        if name == "local":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    # the seam's attributes are the local store's
+    path = property(lambda self: self.local.path)
+    readonly = property(lambda self: self.local.readonly)
+    clock = property(lambda self: self.local.clock)
+    policy = property(lambda self: self.local.policy)
+    max_bytes = property(lambda self: self.local.max_bytes)
+    max_raw_bytes = property(lambda self: self.local.max_raw_bytes)
+    format_version = property(lambda self: self.local.format_version)
+    pins = property(lambda self: self.local.pins)
+    dropped_corrupt = property(lambda self: self.local.dropped_corrupt + self.client.counters.corrupt,
+                               doc="Corrupt fragments refused by either tier.")
+
+    # -- remote calls -------------------------------------------------------------------------
+
+    def _remote(self, which: str, op: Callable[[object], T], what: str, default: T) -> T:
+        """``op(client)`` on the remote, or ``default`` when it is unavailable (counted, logged)."""
+        try:
+            return self.client.call(which, op, what)
+        except RemoteUnavailable:
+            return default
+
+    def _lookup(self, which: str, namespace: Namespace, live_only: bool = True) -> remote_walk.Lookup:
+        """The remote walk's lookup in ``namespace``: index hashes, heads parsed (a field that
+        does not parse, or whose blob is gone, is dropped from the index in the background)."""
+        digest = namespace.digest()
+
+        def lookup(prefixes: Sequence[bytes]) -> list[list[remote_walk.Candidate]]:
+            ikeys = [self.keys.index_key(digest, p) for p in prefixes]
+            entries = self.client.call(which, lambda c: self.keys.index_entries(c, ikeys), "index lookup")
+            found, stale = [], []
+            for ikey, fields in zip(ikeys, entries):
+                row = []
+                for key, value in fields.items():
+                    key, head = bytes(key), parse_head(value)
+                    if head is None or len(key) != 32:
+                        self.client.count(corrupt=1)
+                        stale.append((ikey, key))
+                    elif key not in self._refused:
+                        row.append((key, head, len(value) + head.payload_nbytes + 4))
+                found.append(row)
+            if live_only:
+                flat = [(i, c) for i, row in enumerate(found) for c in row]
+                alive = self.client.call(which, lambda c: self.keys.alive(c, [k for _, (k, _h, _n) in flat]),
+                                         "index lookup")
+                stale += [(ikeys[i], cand[0]) for (i, cand), ok in zip(flat, alive) if not ok]
+                dead = {cand[0] for (_, cand), ok in zip(flat, alive) if not ok}
+                found = [[c for c in row if c[0] not in dead] for row in found]
+            if stale:
+                self.queue.submit(lambda: self._remote("slow", lambda c: self.keys.drop_index_fields(c, stale),
+                                                       "index cleanup", None))
+            return found
+
+        return lookup
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def prefix_walk(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
+                    now: float | None = None) -> PrefixMatch:
+        """The longer of the local walk and, when the local one leaves more than the prompt's
+        last token uncovered, the remote one (whose expiry is Redis's own: ``now`` applies to
+        the local walk)."""
+        local = self.local.prefix_walk(namespace, tokens, now)
+        n = len(tokens)
+        if n < MIN_SPAN or local.matched_tokens >= n - 1:
+            return local
+        try:
+            remote = remote_walk.prefix_walk(self._lookup("fast", namespace), namespace, tokens, self.grid)
+        except RemoteUnavailable:
+            return local
+        self.client.count(walks=1)
+        if remote.matched_tokens > local.matched_tokens:
+            self.client.count(walk_gains=1)
+            return remote
+        return local
+
+    def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
+        """The local fragment, else one fetched from the remote (verified; module docstring)."""
+        frag = self.local.get(key, copy=copy)
+        if frag is not None:
+            return frag
+        with self._lock:
+            pending = self._fetched.get(key)
+        if pending is not None:
+            return self._decoded(key, *pending)
+        if key in self._refused:
+            return None
+        return self._fetch(key)
+
+    def _decoded(self, key: bytes, blob: bytes, life: Lifecycle) -> KVFragment | None:
+        try:
+            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
+        except CodecError:
+            return None
+        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+        return frag
+
+    def _fetch(self, key: bytes) -> KVFragment | None:
+        blob, hits, pttl = self._remote("fast", lambda c: self.keys.fetch(c, key), "fetch", (None, 0, -2))
+        if blob is None:
+            self.client.count(misses=1)
+            return None
+        try:
+            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
+            if frag.key() != key:
+                raise CodecError("stored under a key that its content does not hash to")
+        except CodecError as exc:
+            self._refuse(key, str(exc))
+            return None
+        now = self.clock()
+        promoted = hits >= self.policy.promote_hits or pttl == -1 or pttl > self.policy.ttl_seconds * 1000
+        expires = now + (self.policy.long_ttl_seconds if pttl == -1 else pttl / 1000.0)
+        life = Lifecycle(hits, now if hits else 0.0, expires, frag.created_at,
+                         LIFETIME_LONG if promoted else LIFETIME_SHORT, len(blob), frag.raw_nbytes)
+        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+        self.client.count(hits=1, bytes_fetched=len(blob))
+        if not self.local.readonly:
+            with self._lock:
+                self._fetched[key] = (bytes(blob), life)
+        return frag
+
+    def _refuse(self, key: bytes, reason: str) -> None:
+        """Count, log and delete a corrupt remote blob; this process never asks for it again."""
+        self.client.count(corrupt=1)
+        self._refused.add(key)
+        log.warning("refusing remote fragment %s: %s; deleting it from the remote tier", key.hex()[:16], reason)
+        if self._remote("fast", lambda c: self.keys.delete(c, [key]), "delete", 0):
+            self.client.count(deletes=1)
+
+    def _flush_fetched(self) -> None:
+        """Write the fragments fetched from the remote to the local store, as fetched."""
+        with self._lock:
+            items, self._fetched = [(k, b, life) for k, (b, life) in self._fetched.items()], {}
+        if not items:
+            return
+        try:
+            self.local.put_blobs(items)
+        except (StoreError, PermissionError) as exc:
+            log.warning("could not keep %d fragments fetched from the remote tier locally: %s", len(items), exc)
+
+    def covers_span(self, namespace: Namespace, prefix: bytes, token_ids: Sequence[int] | np.ndarray,
+                    token_start: int, now: float | None = None) -> bool:
+        """The local tier's coverage (fetched fragments written first): what the request path
+        stores back is decided locally, and reaches the remote behind."""
+        self._flush_fetched()
+        return self.local.covers_span(namespace, prefix, token_ids, token_start, now)
+
+    def keys_along(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Local and remote fragments along ``tokens`` (remote: live or not; none when the
+        remote is unavailable)."""
+        found = self.local.keys_along(namespace, tokens)
+        try:
+            remote = remote_walk.keys_along(self._lookup("slow", namespace, live_only=False), namespace, tokens)
+        except RemoteUnavailable:
+            remote = []
+        return found + [k for k in remote if k not in set(found)]
+
+    def namespaces(self) -> list[Namespace]:
+        """Namespaces of either tier (the remote's as its writers recorded them)."""
+        found = {ns.digest(): ns for ns in self.local.namespaces()}
+        for ns in self._remote("fast", self.keys.namespaces, "namespaces", []):
+            found.setdefault(ns.digest(), ns)
+        return list(found.values())
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
+        """Local at once (``also`` in the local write); each fragment then goes to the remote in
+        the background (skipped there when the remote already holds it)."""
+        self._flush_fetched()
+        written = self.local.put_many(fragments, now, also=also)
+        for key in dict.fromkeys(f.key() for f in fragments):
+            self.queue.submit(lambda key=key: self._push(key))
+        return written
+
+    def _push(self, key: bytes) -> None:
+        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored)."""
+        try:
+            blob, life = self.local.get_blob(key), self.local.lifecycle(key)
+        except StoreError as exc:
+            log.debug("remote write of %s: local read failed: %s", key.hex()[:16], exc)
+            return
+        now = self.clock()
+        if blob is None or life is None or life.expired(now):
+            return  # evicted, merged or expired meanwhile
+        long_ttl = self.policy.long_ttl_seconds
+        ttl = long_ttl if life.lifetime != LIFETIME_SHORT else min(life.expires_at - now, long_ttl)
+        try:
+            head_bytes = head_of(blob)
+            head = codec.peek(head_bytes)
+        except CodecError:
+            return  # the local read path refuses and removes it
+
+        def put(c) -> bool:
+            return not self.keys.exists(c, key) and self.keys.put(c, key, blob, head, head_bytes, ttl, long_ttl)
+
+        try:
+            if self.client.call("slow", put, "write"):
+                self.client.count(puts=1, bytes_written=len(blob))
+        except RemoteUnavailable:
+            self.client.count(write_skips=1)
+
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Local hits at once (fetched fragments written first), remote hit counts behind."""
+        self._flush_fetched()
+        self.local.record_hits(keys, now)
+        keys = list(keys)
+        policy = self.policy
+
+        def add() -> None:
+            counted = self._remote("slow", lambda c: self.keys.add_hits(c, keys, policy.ttl_seconds,
+                                                                        policy.long_ttl_seconds,
+                                                                        policy.promote_hits), "hit count", 0)
+            self.client.count(hits_recorded=counted)
+
+        self.queue.submit(add)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete from the local store and from the remote (synchronously, best effort: the
+        remote copies stay when it is unavailable, logged)."""
+        keys = [bytes(k) for k in keys]
+        with self._lock:
+            for k in keys:
+                self._fetched.pop(k, None)
+        removed = self.local.delete_many(keys)
+        gone = self._remote("slow", lambda c: self.keys.delete(c, keys), "delete", None)
+        if gone is None and keys:
+            log.warning("remote tier unavailable: %d fragments removed locally only", len(keys))
+        else:
+            self.client.count(deletes=gone or 0)
+        return removed
+
+    def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
+        """Delete the prompt's fragments from both tiers (remote blobs, counters and index
+        fields); returns the distinct fragments removed from either."""
+        local_keys = self.local.keys_along(namespace, tokens)
+        self.local.delete_many(local_keys)
+        removed = set(local_keys)
+        digest = namespace.digest()
+        entries: list[tuple[str, bytes]] = []
+
+        def collect(prefixes: Sequence[bytes]) -> list[list[remote_walk.Candidate]]:
+            rows = self._lookup("slow", namespace, live_only=False)(prefixes)
+            for p, row in zip(prefixes, rows):
+                entries.extend((self.keys.index_key(digest, p), key) for key, _h, _n in row)
+            return rows
+
+        try:
+            remote = remote_walk.keys_along(collect, namespace, tokens)
+            mine = [e for e in entries if e[1] in set(remote)]
+            gone = self.client.call("slow", lambda c: self.keys.delete(c, remote), "forget")
+            self.client.call("slow", lambda c: self.keys.drop_index_fields(c, mine), "forget")
+            self.client.count(deletes=gone)
+            removed |= set(remote)
+        except RemoteUnavailable:
+            log.warning("remote tier unavailable: the prompt's remote fragments were not removed")
+        with self._lock:
+            for key in removed:
+                self._fetched.pop(key, None)
+        return len(removed)
+
+    # -- counters and closing ------------------------------------------------------------------
+
+    def remote_stats(self) -> dict:
+        """The remote tier's counters (``RemoteCounters.to_dict()``), ``queued`` (write-behind
+        jobs waiting) and ``circuit_open``."""
+        with self.client.counters_lock:
+            out = self.client.counters.to_dict()
+        return {**out, "queued": len(self.queue), "circuit_open": self.client.breaker.is_open}
+
+    def stats(self) -> TieredStats:
+        """The local store's stats with :meth:`remote_stats` as ``remote``."""
+        self._flush_fetched()
+        base = self.local.stats()
+        return TieredStats(**base.to_dict(), remote=self.remote_stats())
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Write fetched fragments locally and wait up to ``timeout_s`` seconds for the queued
+        remote writes; True when none is left."""
+        self._flush_fetched()
+        return self.queue.drain(timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Run the queued remote writes (up to ``drain_s`` seconds), then close the remote
+        client and the local store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flush_fetched()
+        left = self.queue.close(self.drain_s)
+        if left:
+            self.client.count(queue_drops=left)
+        self.client.close()
+        self.local.close()

@@ -1,0 +1,132 @@
+"""The remote tier's address: a ``redis://`` or ``rediss://`` URL whose secret never shows.
+
+:class:`RemoteURL` holds the URL a deployment gives (``EDGESYNC_REMOTE_URL``); its ``str()``,
+``repr()`` and :attr:`RemoteURL.redacted` print the password (and a ``password=`` query
+argument) as ``***``, so that a config's repr, a log line or an error message never carries
+it. Only :attr:`RemoteURL.secret` gives the URL as typed, for the client that connects.
+
+The username and password may also come from the environment, ``EDGESYNC_REMOTE_USERNAME``
+and ``EDGESYNC_REMOTE_PASSWORD`` (:func:`credentials`), so that the URL itself can be logged
+and checked into a deployment's config. The URL's own user and password win over them.
+
+This module imports no client library: the settings table (``edgesync_engines.config``)
+validates the URL with it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+SCHEMES = ("redis", "rediss")
+"""``redis``: plain TCP; ``rediss``: TLS (redis-py's own URL schemes)."""
+USERNAME_ENV = "EDGESYNC_REMOTE_USERNAME"
+PASSWORD_ENV = "EDGESYNC_REMOTE_PASSWORD"
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+"""A key prefix: 1 to 64 letters, digits, ``_ . : -`` (no braces: they would become a Redis
+Cluster hash tag, no spaces or glob characters: ``clear`` matches ``PREFIX:*``)."""
+
+__all__ = ["PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "USERNAME_ENV", "check_prefix", "credentials"]
+
+
+class RemoteURL:
+    """A validated remote-tier URL, ``redis[s]://[user[:password]@]host[:port][/db][?query]``.
+
+    Args:
+        text: the URL as given.
+
+    Raises:
+        ValueError: not a string, another scheme, no host, a port or db that is not a number;
+            the message shows the URL redacted.
+    """
+
+    __slots__ = ("_text", "scheme", "host", "port", "db")
+
+    def __init__(self, text: str) -> None:
+        if isinstance(text, RemoteURL):
+            text = text.secret
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"must be a redis:// or rediss:// URL, got {type(text).__name__}")
+        self._text = text.strip()
+        try:
+            parts = urlsplit(self._text)
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"{self.redacted}: not a URL (bad host or port)") from None
+        if parts.scheme not in SCHEMES:
+            raise ValueError(f"{self.redacted}: scheme must be redis:// or rediss:// (TLS), got {parts.scheme!r}")
+        if not parts.hostname:
+            raise ValueError(f"{self.redacted}: no host")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"{self.redacted}: the path must be a database number, got {db!r}")
+        self.scheme, self.host, self.port, self.db = parts.scheme, parts.hostname, port or 6379, int(db or 0)
+
+    @property
+    def secret(self) -> str:
+        """The URL as given, password included: for the client only, never for a log line."""
+        return self._text
+
+    @property
+    def tls(self) -> bool:
+        """True for ``rediss://``."""
+        return self.scheme == "rediss"
+
+    @property
+    def username(self) -> str | None:
+        """The URL's user name (None: none given)."""
+        name = urlsplit(self._text).username
+        return unquote(name) if name else None
+
+    @property
+    def password(self) -> str | None:
+        """The URL's password (None: none given); a secret."""
+        parts = urlsplit(self._text)
+        if parts.password is not None:
+            return unquote(parts.password)
+        query = dict(parse_qsl(parts.query))
+        return query.get("password")
+
+    @property
+    def redacted(self) -> str:
+        """The URL with its password (and a ``password=`` query value) replaced by ``***``."""
+        text = self._text
+        try:
+            parts = urlsplit(text)
+            if parts.password is not None:
+                host = parts.netloc.rsplit("@", 1)[1]
+                user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
+                text = parts._replace(netloc=f"{user}:***@{host}").geturl()
+        except ValueError:
+            text = re.sub(r"//[^@/]*@", "//***@", text)
+        return re.sub(r"(password=)[^&]*", r"\1***", text)
+
+    def __str__(self) -> str:
+        return self.redacted
+
+    def __repr__(self) -> str:
+        return f"RemoteURL({self.redacted!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemoteURL) and other.secret == self.secret
+
+    def __hash__(self) -> int:
+        return hash(self.secret)
+
+
+def credentials(url: RemoteURL, environ=None) -> tuple[str | None, str | None]:
+    """``(username, password)`` for ``url``: the URL's own, else ``EDGESYNC_REMOTE_USERNAME`` and
+    ``EDGESYNC_REMOTE_PASSWORD`` from ``environ`` (default ``os.environ``); None when neither
+    gives one."""
+    environ = os.environ if environ is None else environ
+    user = url.username or environ.get(USERNAME_ENV) or None
+    password = url.password or environ.get(PASSWORD_ENV) or None
+    return user, password
+
+
+def check_prefix(prefix: object) -> str | None:
+    """None when ``prefix`` is a usable key prefix (:data:`PREFIX_PATTERN`), else what is wrong."""
+    if isinstance(prefix, str) and PREFIX_PATTERN.match(prefix):
+        return None
+    return f"must be 1 to 64 letters, digits or _ . : - (no braces, spaces or *), got {prefix!r}"

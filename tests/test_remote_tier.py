@@ -1,0 +1,278 @@
+"""The remote tier against real redis-server processes (standalone and a 3-master cluster), with
+fragments of SmolLM2's geometry from seeded random numbers: no model here (the request path's
+tests are in test_remote_nodes.py).
+
+Two ``TieredStore`` objects over separate local stores and one server stand for two nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import redis
+
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_store.core import codec
+from edgesync_store.remote.client import FAILURES_TO_OPEN
+from edgesync_store.remote.queue import WriteBehind
+from edgesync_store.remote.tier import CLUSTER_COMMANDS, COMMANDS
+from edgesync_store.ttl import LIFETIME_LONG, TTLPolicy
+from tests.fragments import SMOL
+from tests.remote_support import chain, new_prefix, prompt, tiered
+from tools.redis_servers import free_port
+
+OTHER = SMOL.__class__(**{**SMOL.to_dict(), "model_fingerprint": "cd" * 32})
+
+
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def _share_one_prompt(tmp_path, url, prefix, cluster=False):
+    """Node A stores a 200-token prompt's chain (3 fragments), its writes drained; node B, on an
+    empty local store, walks and reads it. Returns (a, b, tokens, fragments, match)."""
+    tokens = prompt(0)
+    frags = chain(tokens)
+    a = tiered(tmp_path, "a", url, prefix, cluster=cluster)
+    b = tiered(tmp_path, "b", url, prefix, cluster=cluster)
+    assert a.put_many(frags) == 3 and a.flush(30)
+    assert a.remote_stats()["puts"] == 3
+    assert b.local.prefix_walk(SMOL, tokens).matched_tokens == 0
+    match = b.prefix_walk(SMOL, tokens)
+    return a, b, tokens, frags, match
+
+
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_a_second_node_reads_what_the_first_stored(tmp_path, request, topology):
+    server = request.getfixturevalue("redis_server" if topology == "standalone" else "redis_cluster")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, server.url, new_prefix(topology),
+                                                   cluster=topology == "cluster")
+    try:
+        assert match.matched_tokens == 199 and [s.token_end for s in match.spans] == [64, 128, 199]
+        got = [b.get(k) for s in match.spans for k in s.keys]
+        for g, f in zip(got, frags):
+            assert g.key() == f.key() and np.array_equal(g.keys, f.keys) and np.array_equal(g.values, f.values)
+        stats = b.remote_stats()
+        blobs = [codec.encode(f) for f in frags]
+        assert stats["hits"] == 3 and stats["bytes_fetched"] == sum(len(x) for x in blobs)
+        assert sum(s.compressed_nbytes for s in match.spans) == stats["bytes_fetched"]
+        b.record_hits([k for s in match.spans for k in s.keys])
+        # fetched fragments are now local, as the same bytes: the next walk costs no remote call
+        assert [b.local.get_blob(f.key()) for f in frags] == blobs
+        walks = b.remote_stats()["walks"]
+        assert b.prefix_walk(SMOL, tokens).matched_tokens == 199 and b.remote_stats()["walks"] == walks
+        assert b.flush(10)  # the hit counts reach the remote
+        # clear --remote: every key of the prefix, on every node of a cluster
+        assert b.keys.clear(b.client.client("slow")) == 3 + 3 + 3 + 1  # blobs, hit counters, index, namespaces
+        assert a.prefix_walk(SMOL, tokens + [5] * 70).matched_tokens == 199  # a's local tier is its own
+        c = tiered(tmp_path, "c", server.url, a.keys.prefix, cluster=topology == "cluster")
+        assert c.prefix_walk(SMOL, tokens).matched_tokens == 0
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, redis_server):
+    prefix = new_prefix("ttl")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    blob_key = f"{prefix}:{{{frags[0].key().hex()}}}:b"
+    try:
+        policy = TTLPolicy()
+        assert 0 < r.pttl(blob_key) <= policy.ttl_seconds * 1000  # short tier: what is left of 30 minutes
+        keys = [frags[0].key()]
+        for node in (a, b, a, b):  # four hits from two nodes
+            node.record_hits(keys)
+        assert a.flush(10) and b.flush(10)
+        assert int(r.get(f"{prefix}:{{{frags[0].key().hex()}}}:n")) == 4
+        assert r.pttl(blob_key) <= policy.ttl_seconds * 1000  # not promoted yet
+        b.record_hits(keys)  # the fifth, summed over the nodes: promoted on the remote
+        assert b.flush(10)
+        assert r.pttl(blob_key) > policy.ttl_seconds * 1000
+        c = tiered(tmp_path, "c", redis_server.url, prefix)
+        got = c.get(frags[0].key())
+        assert got.hit_count == 5
+        c.record_hits(keys)
+        assert c.local.lifecycle(frags[0].key()).lifetime == LIFETIME_LONG  # arrives promoted
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_namespaces_and_prefixes_keep_fragments_apart(tmp_path, redis_server):
+    prefix = new_prefix("apart")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    other = tiered(tmp_path, "other-tenant", redis_server.url, new_prefix("tenant2"))
+    try:
+        assert match.matched_tokens == 199
+        assert b.prefix_walk(OTHER, tokens).matched_tokens == 0  # another model's namespace
+        assert other.prefix_walk(SMOL, tokens).matched_tokens == 0  # another deployment's prefix
+        assert {ns.digest() for ns in b.namespaces()} == {SMOL.digest()}
+    finally:
+        for s in (a, b, other):
+            s.close()
+
+
+def test_forget_and_clear_remove_from_both_tiers(tmp_path, redis_server):
+    prefix = new_prefix("forget")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    keeper = new_prefix("keep")
+    k = tiered(tmp_path, "k", redis_server.url, keeper)
+    r = _client(redis_server.url)
+    try:
+        assert k.put_many(chain(prompt(1))) == 3 and k.flush(10)
+        assert a.forget_tokens(SMOL, tokens) == 3
+        assert a.local.prefix_walk(SMOL, tokens).matched_tokens == 0
+        assert b.prefix_walk(SMOL, tokens).matched_tokens == 0  # gone from the remote too
+        assert [key for key in r.scan_iter(match=f"{prefix}:{{*")] == []
+        kept = len(list(r.scan_iter(match=f"{keeper}:*")))
+        assert kept == 3 + 3 + 1  # the other prefix's 3 blobs, 3 index hashes and namespaces hash
+    finally:
+        a.close()
+        b.close()
+    removed = k.keys.clear(k.client.client("slow"))
+    assert removed == kept and list(r.scan_iter(match=f"{keeper}:*")) == []
+    k.close()
+
+
+def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_server):
+    prefix = new_prefix("flip")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    blob_key = f"{prefix}:{{{frags[1].key().hex()}}}:b"
+    try:
+        at = r.strlen(blob_key) // 2  # inside the compressed tensors
+        r.setrange(blob_key, at, bytes([r.getrange(blob_key, at, at)[0] ^ 0x01]))
+        assert b.get(frags[0].key()) is not None
+        assert b.get(frags[1].key()) is None  # the payload CRC refuses it
+        assert b.remote_stats()["corrupt"] == 1 and b.dropped_corrupt == 1 and r.exists(blob_key) == 0
+        assert b.get(frags[1].key()) is None and b.remote_stats()["hits"] == 1  # never asked for again
+        assert b.prefix_walk(SMOL, tokens).matched_tokens == 64  # the walk stops where the chain is broken
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_foreign_blob_under_a_key_is_refused(tmp_path, redis_server):
+    """A valid blob of another fragment stored under this key (a writer with another layout,
+    or a tampered server): the key check refuses it."""
+    prefix = new_prefix("foreign")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    try:
+        r.set(f"{prefix}:{{{frags[2].key().hex()}}}:b", codec.encode(frags[0]))
+        assert b.get(frags[2].key()) is None and b.remote_stats()["corrupt"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_remote_opens_the_circuit_and_the_local_tier_serves(tmp_path, caplog):
+    url = f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0"  # nothing listens there
+    store = tiered(tmp_path, "alone", url, new_prefix("dead"), timeout_ms=20, retry_s=60)
+    tokens = prompt(2)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgesync_store"):
+            assert store.put_many(chain(tokens)) == 3
+            assert store.flush(10)
+            for _ in range(FAILURES_TO_OPEN + 2):
+                assert store.prefix_walk(SMOL, tokens + [7] * 80).matched_tokens == 199  # local, longer prompt
+        stats = store.remote_stats()
+        # the writer's and the request path's circuits each opened after three failures
+        assert stats["connection"] == 2 * FAILURES_TO_OPEN and stats["breaker_opens"] == 2 and stats["circuit_open"]
+        assert stats["write_skips"] == 3 and stats["skipped"] == 2
+        assert "s3cret-pass" not in caplog.text and "redis://:***@127.0.0.1" in caplog.text
+    finally:
+        store.close()
+
+
+def test_the_url_password_is_never_shown():
+    url = "redis://edge:p%40ss-w0rd@10.0.0.5:6380/2?password=p%40ss-w0rd"
+    cfg = EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": url})
+    assert cfg.remote_url.secret == url and cfg.remote_url.password == "p@ss-w0rd"
+    assert (cfg.remote_url.host, cfg.remote_url.port, cfg.remote_url.db) == ("10.0.0.5", 6380, 2)
+    for text in (repr(cfg), str(cfg.to_dict()), str(cfg.remote_url)):
+        assert "w0rd" not in text and "edge:***@10.0.0.5:6380" in text
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "http://u:hunter2@host"})
+    assert "hunter2" not in str(err.value) and "EDGESYNC_REMOTE_URL" in str(err.value)
+    with pytest.raises(ValueError, match="remote_prefix"):
+        EdgeSyncConfig.load({"remote_prefix": "a{b}"}, environ={})
+
+
+def test_the_write_queue_drops_its_oldest_when_full():
+    release, ran, drops = threading.Event(), [], []
+    queue = WriteBehind(2, on_drop=lambda: drops.append(1))
+    queue.submit(release.wait)  # the writer is busy with this one
+    while len(queue):
+        pass
+    for i in range(5):
+        queue.submit(lambda i=i: ran.append(i))
+    release.set()
+    assert queue.drain(5) and ran == [3, 4] and len(drops) == 3
+    queue.close(1)
+
+
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, request, topology):
+    """The README's ACL user: these commands on these keys, nothing else."""
+    cluster = topology == "cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    prefix = new_prefix("acl")
+    for node in server.nodes if cluster else [server]:
+        node.cli("ACL", "SETUSER", "edge", "on", ">edge-secret", f"~{prefix}:*", "resetchannels", "-@all",
+                 *[f"+{c}" for c in COMMANDS + (CLUSTER_COMMANDS if cluster else ())])
+    port = server.nodes[0].port if cluster else server.port
+    url = f"redis://edge:edge-secret@127.0.0.1:{port}/0"
+    tokens = prompt(3)
+    a, b = tiered(tmp_path, "a", url, prefix, cluster=cluster), tiered(tmp_path, "b", url, prefix, cluster=cluster)
+    try:
+        assert a.put_many(chain(tokens)) == 3 and a.flush(10)
+        match = b.prefix_walk(SMOL, tokens)
+        assert match.matched_tokens == 199 and all(b.get(k) for s in match.spans for k in s.keys)
+        b.record_hits(match.spans[0].keys)
+        assert b.flush(10) and b.namespaces()
+        assert b.forget_tokens(SMOL, tokens) == 3
+        assert b.remote_stats()["errors"] == 0 and a.remote_stats()["errors"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_clear_command_with_remote(tmp_path, redis_server):
+    """``edgesync clear --remote`` (a subprocess): the local store and every key under the prefix,
+    another prefix untouched; refused without a configured remote; the password never printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prefix, other = new_prefix("cli"), new_prefix("cli-other")
+    redis_server.cli("CONFIG", "SET", "requirepass", "cli-pa55")
+    url = f"redis://:cli-pa55@127.0.0.1:{redis_server.port}/0"
+    try:
+        for name, p in (("node", prefix), ("other", other)):
+            store = tiered(tmp_path, name, url, p)
+            assert store.put_many(chain(prompt(4))) == 3 and store.flush(10)
+            store.close()
+        env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": prefix}
+        cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "node"), "--yes", "--remote"]
+        done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        doc = json.loads(done.stdout)
+        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1
+        r = redis.Redis.from_url(url)
+        assert list(r.scan_iter(match=f"{prefix}:*")) == [] and len(list(r.scan_iter(match=f"{other}:*"))) == 7
+        text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert text.returncode == 0 and "remote tier redis://:***@127.0.0.1" in text.stdout
+        assert "cli-pa55" not in text.stdout + text.stderr + done.stdout + done.stderr
+        env.pop("EDGESYNC_REMOTE_URL")
+        refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert refused.returncode == 2 and "no remote tier is configured" in refused.stderr
+    finally:
+        redis_server.cli("-a", "cli-pa55", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
