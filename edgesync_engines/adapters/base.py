@@ -1,6 +1,6 @@
 """What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
 the argument checks and decoding loop of ``generate``, fragment extraction and injection
-glue) and the functions behind it (``assemble_kv``, ``kv_ranges``).
+glue) and the functions behind it (``fragment_blocks``, ``assemble_kv``, ``kv_ranges``).
 
 A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
 load assembled KV (``_load_kv``), how to evaluate a batch (``_eval_batch``) and sample
@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import codecs
 import time
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -37,24 +38,40 @@ def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: i
     return layer_end, head_end
 
 
-def assemble_kv(
+@dataclass(frozen=True)
+class KVBlock:
+    """One validated piece of the KV to load: K and V of positions ``[start, end)`` for the
+    canonical layers ``layers`` and the KV heads ``heads``.
+
+    ``keys``, ``values``: ``[len(layers), >= end - start, len(heads) * head_width]`` of the
+    namespace's dtype, row ``t`` being position ``start + t`` (a fragment's arrays, rows past
+    ``end - start`` unused; any strides)."""
+
+    layers: range
+    heads: range
+    start: int
+    end: int
+    keys: np.ndarray
+    values: np.ndarray
+
+
+def fragment_blocks(
     ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
-    head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds
-    its layer, KV head and position (the last span cut to ``n_tokens``).
+) -> list[KVBlock]:
+    """Validate fragments of namespace ``ns`` for positions 0..n_tokens-1 of ``tokens`` and
+    return the block each contributes (the last span cut to ``n_tokens``; a fragment wholly
+    past it contributes none). Every (layer, KV head, position) must be held by some fragment.
 
     Raises:
-        ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
-            that differ from ``tokens``.
+        ValueError: ``n_tokens`` outside ``[1, len(tokens)]``, another namespace, a gap, missing
+            layers or heads, fragment tokens that differ from ``tokens``, or a fragment that
+            follows another prefix.
     """
     if n_tokens < 1 or n_tokens > len(tokens):
         raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-    width = ns.n_head_kv * ns.head_width
-    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
-    v = np.empty_like(k)
     filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
     ids = np.asarray(tokens, dtype=np.int32)
+    blocks = []
     for frag in fragments:
         if frag.namespace != ns:
             raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
@@ -65,14 +82,34 @@ def assemble_kv(
             raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
         if frag.prefix_hash != prefix_hash(ids[:lo]):
             raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-        cols = slice(frag.head_start * ns.head_width, frag.head_end * ns.head_width)
-        for i, layer in enumerate(frag.layers):
-            k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
-            v[layer, lo:hi, cols] = frag.values[i, : hi - lo]
-            filled[layer, frag.head_start : frag.head_end, lo:hi] = True
+        layers, heads = frag.layers, range(frag.head_start, frag.head_end)
+        filled[layers.start:layers.stop:layers.step, heads.start:heads.stop, lo:hi] = True
+        blocks.append(KVBlock(layers, heads, lo, hi, frag.keys, frag.values))
     if not filled.all():
         layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
         raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
+    return blocks
+
+
+def assemble_kv(
+    ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate fragments of namespace ``ns`` (:func:`fragment_blocks`) and build K, V
+    ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each
+    cell from the fragment that holds its layer, KV head and position.
+
+    Raises:
+        ValueError: see :func:`fragment_blocks`.
+    """
+    blocks = fragment_blocks(ns, fragments, n_tokens, tokens)
+    width = ns.n_head_kv * ns.head_width
+    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
+    v = np.empty_like(k)
+    for b in blocks:
+        rows, n = slice(b.layers.start, b.layers.stop, b.layers.step), b.end - b.start
+        cols = slice(b.heads.start * ns.head_width, b.heads.stop * ns.head_width)
+        k[rows, b.start:b.end, cols] = b.keys[:, :n]
+        v[rows, b.start:b.end, cols] = b.values[:, :n]
     return k, v
 
 
