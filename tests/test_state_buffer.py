@@ -3,14 +3,17 @@ against the reference writer (``assemble_kv`` + ``seqstate.serialize_parts``).
 
 On the real SmolLM2 (f16 with V transposed, f16 with flash attention so V is not, q8_0) and
 Gemma 3 270M (two cache parts, a sliding window): the buffer built from stored fragments (cut
-into layer groups with a stride and head groups, the last one cut short) is byte for byte
-``llama_state_seq_get_data`` of an uncached prefill of the same tokens, and the live state
-after injecting it reads back the same bytes. Without a model: random layouts (one to three
-parts, a part without layers, cell extensions with and without 2D positions, f16, f32, bf16,
-q8_0, q4_0, V transposed or not) give the reference writer's bytes.
+into layer groups with a stride and head groups, the last one cut short), or from a RAM tier's
+staged copies of them, is byte for byte ``llama_state_seq_get_data`` of an uncached prefill of
+the same tokens, and the live state after injecting it reads back the same bytes. Without a
+model: random layouts (one to three parts, a part without layers, cell extensions with and
+without 2D positions, f16, f32, bf16, q8_0, q4_0, V transposed or not) give the reference
+writer's bytes.
 """
 
 from __future__ import annotations
+
+import copy
 
 import llama_cpp
 import numpy as np
@@ -88,6 +91,14 @@ def test_buffer_from_fragments_is_llama_cpps_own_state(engines, prompt_text, eng
         rows = layout.part_range(i)
         assert np.array_equal(np.ascontiguousarray(kp).view(np.uint8), k[rows.start:rows.stop].view(np.uint8))
         assert np.array_equal(np.ascontiguousarray(vp).view(np.uint8), v[rows.start:rows.stop].view(np.uint8))
+
+    # a RAM tier's staged copies (V laid out as the state holds it) give the same bytes
+    staged = [a.stage_fragment(copy.copy(f)) for f in fragments]
+    for s, f in zip(staged, fragments):
+        assert np.array_equal(s.values, f.values)
+        assert s.values.flags.c_contiguous == (layout.v_trans == 0)
+    assert bytes(state_buffer.build(layout, ns.head_width, fragment_blocks(ns, staged, n, tokens), n, tokens)[0]) \
+        == bytes(buf)
 
     uncached = _state_of(a, tokens[:n])
     assert bytes(buf) == uncached

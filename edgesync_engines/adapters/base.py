@@ -3,9 +3,9 @@ the argument checks and decoding loop of ``generate``, fragment extraction and i
 glue) and the functions behind it (``fragment_blocks``, ``assemble_kv``, ``kv_ranges``).
 
 A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
-load assembled KV (``_load_kv``), how to evaluate a batch (``_eval_batch``) and sample
-(``_sampled_tokens``), where its chat template lives (``_chat_template``), and the live tokens
-(``n_tokens``, ``_live_tokens``, ``_truncate``).
+load validated KV (``_load_blocks``, or assembled arrays: ``_load_kv``), how to evaluate a
+batch (``_eval_batch``) and sample (``_sampled_tokens``), where its chat template lives
+(``_chat_template``), and the live tokens (``n_tokens``, ``_live_tokens``, ``_truncate``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,12 @@ def assemble_kv(
     Raises:
         ValueError: see :func:`fragment_blocks`.
     """
-    blocks = fragment_blocks(ns, fragments, n_tokens, tokens)
+    return blocks_kv(ns, fragment_blocks(ns, fragments, n_tokens, tokens), n_tokens)
+
+
+def blocks_kv(ns: Namespace, blocks: Sequence[KVBlock], n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` assembled from
+    validated ``blocks`` (:func:`fragment_blocks`: they cover every cell)."""
     width = ns.n_head_kv * ns.head_width
     k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
     v = np.empty_like(k)
@@ -189,14 +194,22 @@ class EngineAdapterBase(abc.ABC):
         (head_end - head_start) * head_dim]`` of ``namespace.np_dtype``, in the store's
         tokens-major layout (spans, layers and heads already checked)."""
 
-    @abc.abstractmethod
-    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` (of
-        ``namespace.np_dtype``) for ``tokens[:n_tokens]``.
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold the validated ``blocks`` (:func:`fragment_blocks`) as
+        positions 0..n_tokens-1 of ``tokens``; here assembled into arrays for :meth:`_load_kv`
+        (an engine that can write blocks in place overrides this instead).
 
         Raises:
             InjectionError: the engine refused it (the sequence is cleared).
         """
+        self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
+
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` (of
+        ``namespace.np_dtype``) for ``tokens[:n_tokens]`` (the engine supplies this, or
+        :meth:`_load_blocks`). Raises InjectionError when the engine refused it (the sequence
+        is cleared)."""
+        raise NotImplementedError(f"{type(self).__name__} loads KV through _load_blocks")
 
     @abc.abstractmethod
     def _eval_batch(self, batch: Sequence[int]) -> None:
@@ -322,16 +335,20 @@ class EngineAdapterBase(abc.ABC):
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
         """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments`` (of
         this adapter's namespace; convert others first with ``reshape.convert_fragment``);
-        everything is validated (:meth:`assemble`) before the engine is touched. Returns
-        ``n_tokens``.
+        everything is validated (:func:`fragment_blocks`) before the engine is touched, then
+        loaded (:meth:`_load_blocks`). Returns ``n_tokens``.
 
         Raises:
             ValueError: see :meth:`assemble` (nothing changed).
             InjectionError: the engine refused the state; the sequence has been cleared.
         """
-        k, v = self.assemble(fragments, n_tokens, tokens)
-        self._load_kv(k, v, n_tokens, tokens)
+        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
         return n_tokens
+
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        """The copy of a decoded fragment a RAM tier keeps: the same values, laid out for the
+        fastest :meth:`inject_fragment` of this engine (here the fragment itself)."""
+        return fragment
 
     # -- generation ---------------------------------------------------------------------
 

@@ -274,28 +274,15 @@ class LlamaCppAdapter(EngineAdapterBase):
         cols = slice(head_start * self.namespace.head_width, head_end * self.namespace.head_width)
         return layout.span_kv(parts, self._swa, spans, self._live_tokens(self.n_tokens), layers, cols)
 
-    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments`` (of
-        this namespace): validated first (``base.fragment_blocks``; nothing changes on an
-        error), then copied once, straight into the seq-state buffer (``state_buffer.build``).
-        Returns ``n_tokens``.
-
-        Raises:
-            ValueError: see ``fragment_blocks``. InjectionError: llama.cpp refused the state
-                (the sequence has been cleared).
-        """
-        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
-        return n_tokens
-
-    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """Load K, V ``[n_layer, n_tokens, width]`` (the base's hook) as one block."""
-        ns = self.namespace
-        self._load_blocks([KVBlock(range(ns.n_layer), range(ns.n_head_kv), 0, n_tokens, k, v)], n_tokens, tokens)
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        """The RAM tier's copy of a fragment of this namespace with V laid out as the seq state
+        holds it (``state_buffer.stage``), so that injecting it is plain row copies."""
+        return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer holding positions
-        0..n-1 in every cache part, then ``input_ids[:n]`` and ``n_tokens`` so that the next
-        ``eval`` continues at position n.
+        0..n-1 in every cache part, each byte copied once from the validated ``blocks``, then
+        ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
 
         Raises:
             InjectionError: llama.cpp refused the buffer; the sequence has been cleared.

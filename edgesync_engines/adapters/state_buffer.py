@@ -11,7 +11,8 @@ width]`` (layers are a constant stride apart, their 12-byte headers in between),
 ``[layers, cells, width]`` when not. So a fragment costs two array copies per part, K and V,
 and nothing is assembled first: the old path (``assemble_kv`` into ``[n_layer, n, width]``
 arrays, then ``seqstate.serialize_parts``) copied every byte twice. ``seqstate.serialize_parts``
-stays the reference writer; the tests check that both give the same bytes.
+stays the reference writer; the tests check that both give the same bytes. :func:`stage` lays
+a RAM tier's copy of a fragment out the way the state holds it, so that those copies are rows.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.base import KVBlock
 from edgesync_engines.adapters.kv_layout import StateLayout
+from edgesync_store.schema import KVFragment
 
 _HEAD = struct.Struct("<Ii")  # magic, seq_id
 _PART = struct.Struct("<II")  # n_stream, cell_count; then v_trans, n_layer
@@ -132,3 +134,15 @@ def _overlap(layers: range, part: range) -> tuple[int, int]:
     lo = max(0, -(-(part.start - layers.start) // step))
     hi = min(len(layers), max(0, -(-(part.stop - layers.start) // step)))
     return lo, hi
+
+
+def stage(layout: StateLayout, fragment: KVFragment) -> KVFragment:
+    """``fragment`` itself with, when the state holds V transposed (``v_trans`` 1), its V
+    re-laid out that way: ``values`` becomes a ``[layers, span, width]`` view of a C-contiguous
+    ``[layers, width, span]`` array (the same values, so no longer a C-contiguous array), and
+    :func:`build` then copies whole rows of V as it does K. One transposing copy when a RAM tier
+    keeps the fragment, instead of one per injection (SmolLM2, 341 tokens: 0.25 ms to copy V
+    laid out so against 1.0 ms transposing, measured on this machine)."""
+    if layout.v_trans and fragment.values.flags.c_contiguous:
+        fragment.values = np.ascontiguousarray(fragment.values.transpose(0, 2, 1)).transpose(0, 2, 1)
+    return fragment

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from edgesync_engines.request.ramtier import RamTier
 
@@ -35,15 +35,19 @@ log = logging.getLogger(__name__)
 class FragmentCache:
     """A read-through RAM tier of decoded fragments of ``store``.
 
-    ``FragmentCache(store, max_bytes)``: ``max_bytes`` >= 1 is the tier's budget, bytes of
-    decoded K + V (``KVFragment.raw_nbytes``); held bytes never exceed it. Raises ValueError
-    for a smaller budget. Thread-safe (the request thread and a prefetch thread share it).
+    ``FragmentCache(store, max_bytes, stage)``: ``max_bytes`` >= 1 is the tier's budget, bytes
+    of decoded K + V (``KVFragment.raw_nbytes``); held bytes never exceed it. ``stage`` turns a
+    decoded fragment into the copy kept (the engine's ``stage_fragment``: the same values laid
+    out for its injection; None keeps it as decoded). Raises ValueError for a smaller budget.
+    Thread-safe (the request thread and a prefetch thread share it).
     """
 
-    def __init__(self, store: "FragmentBackend", max_bytes: int) -> None:
+    def __init__(self, store: "FragmentBackend", max_bytes: int,
+                 stage: "Callable[[KVFragment], KVFragment] | None" = None) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         self.store = store
+        self.stage = stage
         self.ram = RamTier(max_bytes)
         self._lock = threading.Lock()
         self._stale = 0
@@ -96,15 +100,18 @@ class FragmentCache:
         if life is None or life.expires_at <= now:
             return None, False
         frag = self.store.get(key)
-        if frag is not None:
-            self.put(key, frag, life)
-        return frag, False
+        if frag is None:
+            return None, False
+        return self.put(key, frag, life), False
 
-    def put(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> bool:
-        """Keep ``frag`` (decoded from the store under ``key``) as the version of record
-        ``life``; False when it alone exceeds the budget (nothing kept)."""
+    def put(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> "KVFragment":
+        """Keep ``frag`` (decoded from the store under ``key``), staged, as the version of
+        record ``life`` unless it alone exceeds the budget; returns the staged fragment."""
+        if self.stage is not None and frag.raw_nbytes <= self.ram.max_bytes:
+            frag = self.stage(frag)
         frag.created_at = life.created_at  # the version the next reads compare with
-        return self.ram.put(key, frag)
+        self.ram.put(key, frag)
+        return frag
 
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""

@@ -35,6 +35,7 @@ from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
 
 if TYPE_CHECKING:
+    from edgesync_engines.adapters.protocol import EngineAdapter
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_store.core.backend import FragmentBackend
     from edgesync_store.schema import KVFragment
@@ -182,14 +183,15 @@ def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_
     return None if key is None else key.hex()
 
 
-def ram_tiers(store: "FragmentBackend", namespace: Namespace,
+def ram_tiers(store: "FragmentBackend", adapter: "EngineAdapter",
               config: "EdgeSyncConfig") -> "tuple[FragmentCache | None, Prefetcher | None]":
-    """The router's RAM tier (``ram_tier_bytes``; None when 0) and, with ``prefetch``, the
-    prefetcher that fills it (None otherwise; the config refuses prefetch without a tier)."""
+    """The router's RAM tier (``ram_tier_bytes``; None when 0) of fragments staged for
+    ``adapter`` (``stage_fragment``) and, with ``prefetch``, the prefetcher that fills it
+    (None otherwise; the config refuses prefetch without a tier)."""
     if not config.ram_tier_bytes:
         return None, None
-    cache = FragmentCache(store, config.ram_tier_bytes)
-    return cache, Prefetcher(cache, namespace) if config.prefetch else None
+    cache = FragmentCache(store, config.ram_tier_bytes, adapter.stage_fragment)
+    return cache, Prefetcher(cache, adapter.namespace) if config.prefetch else None
 
 
 class Prefetcher:
@@ -342,7 +344,8 @@ class Prefetcher:
             frag = self.store.get(key, copy=True)
             if frag is None:
                 continue
-            if self.cache.put(key, frag, life):
+            self.cache.put(key, frag, life)
+            if key in self.ram:  # not when it alone exceeds the budget
                 with self._cond:
                     self._prefetched += 1
                     self._prefetched_bytes += frag.raw_nbytes

@@ -130,7 +130,7 @@ class EdgeSync(DocumentsMixin):
             self.semantic.warm_up()  # loads the embedder and index in the background
         # the RAM tier of decoded fragments (read through by the injector) and its prefetcher
         self.fragment_cache, self.prefetcher = (None, None) if self.store is None else ram_tiers(
-            self.store, self.namespace, self.config)
+            self.store, self.adapter, self.config)
         self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
