@@ -143,6 +143,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise ModelLoadError(f"{self.model_path}: no decoder KV memory (an embedding or encoder-only model)")
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._swa = kv_layout.SwaCapture()
+        self._state_buf: bytearray | None = None  # the largest injected state so far
         self._probe()
 
     @property
@@ -287,13 +288,15 @@ class LlamaCppAdapter(EngineAdapterBase):
         Raises:
             InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
         """
-        layout = self._layout
-        buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, _SEQ)
-        arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
-        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, arr, len(buf), _SEQ)
-        if read != len(buf):
+        layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
+        # one buffer reused from injection to injection, but where the capture keeps views of it
+        out = self._state_buf if layout.swa_part is None else None
+        buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, _SEQ, out)
+        self._state_buf = buf if layout.swa_part is None else None
+        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, _SEQ)
+        if read != size:
             self.clear_kv_cache()
-            raise InjectionError(f"llama_state_seq_set_data read {read} of {len(buf)} bytes")
+            raise InjectionError(f"llama_state_seq_set_data read {read} of {size} bytes")
         self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
         self.llm.n_tokens = n_tokens
         if layout.swa_part is not None:

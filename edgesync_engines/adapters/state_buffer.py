@@ -42,15 +42,18 @@ def state_bytes(layout: StateLayout, n_tokens: int) -> int:
 
 
 def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
-          seq_id: int = 0) -> tuple[bytearray, list[tuple[np.ndarray, np.ndarray]]]:
+          seq_id: int = 0, out: bytearray | None = None) -> tuple[bytearray, list[tuple[np.ndarray, np.ndarray]]]:
     """The ``llama_state_seq_set_data`` bytes of positions 0..n_tokens-1 in every cache part,
     K and V copied from ``blocks`` (which must cover every layer, KV head and position: see
     ``fragment_blocks``); ``head_width`` is the items of one KV head in a row (elements, or
     bytes for quantized types).
 
     Returns the buffer (a writable ``bytearray``, handed to ctypes without another copy) and,
-    per part, K and V views of it ``[part layers, n_tokens, width]`` (the caller keeps the
-    sliding-window part's rows; the views keep the buffer alive).
+    per part, K and V views of it ``[part layers, n_tokens, width]`` (the views keep the
+    buffer alive). The state is its first :func:`state_bytes` bytes: ``out``, when given and
+    large enough, is written over and returned instead of a new buffer (every byte of the state
+    is written, so nothing of what it held before is left in it), which spares allocating and
+    faulting in a fresh one per injection.
 
     Raises:
         SeqStateError: ``n_tokens`` < 1, or a block whose arrays do not fit the layout.
@@ -60,7 +63,8 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
     t = seqstate.ggml_type(layout.type_kv)
     dtype, width = np.dtype(t.dtype), layout.width
     itemsize, row = dtype.itemsize, layout.width * dtype.itemsize
-    buf = bytearray(state_bytes(layout, n_tokens))
+    size = state_bytes(layout, n_tokens)
+    buf = out if out is not None and len(out) >= size else bytearray(size)
     _HEAD.pack_into(buf, 0, seqstate.SEQ_STATE_MAGIC, seq_id)
     cells = _cells(layout, n_tokens, tokens, seq_id)
     at, views = 8, []
@@ -92,8 +96,8 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
         at += n_layer * stride
         _copy_blocks(blocks, layout.part_range(i), k, v, head_width)
         views.append((k, v))
-    if at != len(buf):
-        raise seqstate.SeqStateError(f"state buffer: wrote {at} of {len(buf)} bytes")
+    if at != size:
+        raise seqstate.SeqStateError(f"state buffer: wrote {at} of {size} bytes")
     return buf, views
 
 
