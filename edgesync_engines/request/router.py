@@ -391,14 +391,16 @@ class EdgeSync(DocumentsMixin):
         return result
 
     def close(self) -> None:
-        """Stop the store jobs, free the engine if this object loaded it (an adapter passed in
-        stays open), save and close the semantic index, and close the store if this object
-        opened it."""
+        """Stop the store jobs, empty the RAM tier, free the engine if this object loaded it (an
+        adapter passed in stays open), save and close the semantic index, and close the store if
+        this object opened it."""
         if self.jobs is not None:
             self.jobs.shutdown()
             self.jobs = None
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.fragment_cache is not None:
+            self.fragment_cache.clear()
         if self.semantic is not None:
             self.semantic.close()
         if self._owns_adapter:
