@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import platformdirs
 
 from edgesync_engines.adapters.llamacpp import KV_TYPES
+from edgesync_engines.request.ramtier import DEFAULT_RAM_TIER_BYTES
 from edgesync_store.commands.units import format_binary, parse_bytes
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
@@ -67,6 +68,10 @@ def _bytes(text: str) -> int:
         return parse_bytes(text)
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _bytes_or_off(text: str) -> int:
+    return 0 if text.strip() == "0" else _bytes(text)
 
 
 def _name(text: str) -> str:
@@ -231,12 +236,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ef_search", int, DEFAULT_EF_SEARCH, "EDGESYNC_EF_SEARCH", int,
             "HNSW query breadth (1 to 10000; at 50 it misses near-duplicates)",
             check=lambda v: None if 1 <= v <= 10_000 else f"must be in [1, 10000], got {v}"),
+    Setting("ram_tier_bytes", int, DEFAULT_RAM_TIER_BYTES, "EDGESYNC_RAM_TIER_BYTES", _bytes_or_off,
+            "budget of the RAM tier, bytes of decoded K + V: fragments read once are served again from RAM "
+            "while the store holds them live (0 = off; `64M`: powers of 1024)",
+            check=lambda v: None if _is_int(v) and v >= 0 else f"must be an int >= 0 bytes, got {v!r}",
+            shown=f"{DEFAULT_RAM_TIER_BYTES} ({_binary(DEFAULT_RAM_TIER_BYTES)})"),
     _flag("prefetch", "EDGESYNC_PREFETCH", False,
-          "predict the next requests and decode their fragments ahead, in a background thread, into a RAM tier"),
-    Setting("prefetch_ram_bytes", int, 64 * 1024 * 1024, "EDGESYNC_PREFETCH_RAM_BYTES", int,
-            "budget of the prefetch RAM tier, bytes of decoded K + V",
-            check=lambda v: None if _is_int(v) and v >= 1 else f"must be an int > 0 bytes, got {v!r}",
-            shown=f"{64 * 1024 * 1024} ({_binary(64 * 1024 * 1024)})"),
+          "predict the next requests and decode their fragments ahead, in a background thread, into the RAM tier"),
     Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", _bytes,
             "size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
             check=lambda v: None if v is None or (_is_int(v) and v >= 1)
@@ -286,6 +292,8 @@ CROSS_CHECKS: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
      if c.reuse == "semantic" and not c.semantic else None),
     ("similarity_partial", lambda c: f"{c.similarity_partial} is above similarity_exact {c.similarity_exact}"
      if c.similarity_partial > c.similarity_exact else None),
+    ("prefetch", lambda c: "needs the RAM tier, which is off (ram_tier_bytes 0)"
+     if c.prefetch and not c.ram_tier_bytes else None),
 )
 """Rules between settings, checked after every setting's own: (the field blamed, check)."""
 

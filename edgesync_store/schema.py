@@ -193,7 +193,9 @@ def layer_indices(layer_start: int, layer_end: int, layer_stride: int) -> range:
 class KVFragment:
     """The K and V of one token span over a layer range and a KV-head range.
 
-    Arrays (C-contiguous, dtype ``namespace.np_dtype``, i.e. float16 for llama.cpp's default):
+    Arrays (C-contiguous when constructed; an engine's RAM-tier copy may hold a transposed view
+    of the same values instead; dtype ``namespace.np_dtype``, i.e. float16 for llama.cpp's
+    default):
 
     * ``keys``, ``values``: ``[n_layers, span, (head_end - head_start) * head_dim]`` where
       ``n_layers = len(range(layer_start, layer_end, layer_stride))`` and

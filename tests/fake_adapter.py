@@ -185,6 +185,9 @@ class FakeAdapter:
         self.injected.append(n_tokens)
         return n_tokens
 
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        return fragment
+
     def generate(self, tokens, n_past=0, max_tokens=128, temperature=0.0, top_p=0.95, seed=None):
         tokens = [int(t) for t in tokens]
         if not tokens or not 0 <= n_past <= len(tokens) - 1:

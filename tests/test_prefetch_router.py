@@ -1,8 +1,8 @@
 """Prefetch wired into the router, on the real model and real stores: doc-QA questions over one
 passage (../shared/workloads/doc_qa.jsonl through ``workloads.doc_qa_workload``) are served from
-the RAM tier with tokens identical to prefetch off and to an uncached run; off means no tier at
-all; a fragment the store lost after it was prefetched is never served from RAM; the
-predictor's accuracy is reported.
+the RAM tier with tokens identical to prefetch and the RAM tier off and to an uncached run; a
+fragment the store lost after it was prefetched is never served from RAM; the predictor's
+accuracy is reported.
 
 The model runs with EDGESYNC_THREADS threads (all cores when unset), in a context of its own.
 """
@@ -46,7 +46,9 @@ def config(prefetch: bool, **extra) -> EdgeSyncConfig:
 
 
 def router(model, path, prefetch: bool) -> EdgeSync:
-    return EdgeSync(model, store=FragmentStore(path), config=config(prefetch))
+    """Prefetch on (into the default RAM tier), or off with no RAM tier at all."""
+    extra = {} if prefetch else {"ram_tier_bytes": 0}
+    return EdgeSync(model, store=FragmentStore(path), config=config(prefetch, **extra))
 
 
 def close(es: EdgeSync) -> None:
@@ -102,7 +104,7 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
             assert r.to_dict()["ram_tier_hits"] == r.ram_tier_hits
         stats = on.prefetch_stats()
         assert stats["hits"] == sum(r.ram_tier_hits for r in results)
-        assert 0 < stats["bytes"] <= stats["max_bytes"] == on.config.prefetch_ram_bytes
+        assert 0 < stats["bytes"] <= stats["max_bytes"] == on.config.ram_tier_bytes
         assert stats["entries"] == len(on.prefetcher.ram) and stats["stale"] == 0
         # one passage: every request has the same key, so each prediction after the first is right
         keys = [request_key(on.namespace, on.prompt_tokens(m)) for m in qs]
@@ -111,8 +113,8 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
         assert stats["predictions"] == len(keys) - 1
         assert stats["top1"] == repeats / (len(keys) - 1)
 
-        # prefetch off: no tier, no hits
-        assert off.prefetcher is None and off.prefetch_stats() is None
+        # prefetch and RAM tier off: no tier, no hits
+        assert off.prefetcher is None and off.prefetch_stats() is None and off.fragment_cache is None
         assert all(r.ram_tier_hits == 0 for r in off_results)
         assert off_results[1].tier == "partial"
     finally:
@@ -121,28 +123,33 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
     assert not on.prefetcher._thread.is_alive()  # close stopped the thread
 
 
-def test_prefetch_is_off_by_default(model, tmp_path, monkeypatch):
+def test_prefetch_is_off_by_default_and_needs_the_ram_tier(model, tmp_path, monkeypatch):
     monkeypatch.delenv("EDGESYNC_PREFETCH", raising=False)
+    monkeypatch.delenv("EDGESYNC_RAM_TIER_BYTES", raising=False)
     cfg = EdgeSyncConfig.load()
-    assert cfg.prefetch is False and cfg.prefetch_ram_bytes == 64 * 1024 * 1024
+    assert cfg.prefetch is False and cfg.ram_tier_bytes == 64 * 1024 * 1024
     es = EdgeSync(model, store=FragmentStore(tmp_path / "s"), config=EdgeSyncConfig.load({"semantic": False}))
     try:
         assert es.prefetcher is None and es.prefetch_stats() is None
+        assert es.fragment_cache.ram.max_bytes == 64 * 1024 * 1024  # the RAM tier is on without prefetch
     finally:
         close(es)
-    env = {"EDGESYNC_PREFETCH": "1", "EDGESYNC_PREFETCH_RAM_BYTES": "1048576"}
+    env = {"EDGESYNC_PREFETCH": "1", "EDGESYNC_RAM_TIER_BYTES": "1M"}
     cfg = EdgeSyncConfig.load(environ=env)
-    assert cfg.prefetch is True and cfg.prefetch_ram_bytes == 1 << 20
-    with pytest.raises(ValueError, match="prefetch_ram_bytes"):
-        EdgeSyncConfig.load({"prefetch_ram_bytes": 0})
-    with pytest.raises(ValueError, match="EDGESYNC_PREFETCH_RAM_BYTES"):
-        EdgeSyncConfig.load(environ={"EDGESYNC_PREFETCH_RAM_BYTES": "-5"})
+    assert cfg.prefetch is True and cfg.ram_tier_bytes == 1 << 20
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_RAM_TIER_BYTES": "0"}).ram_tier_bytes == 0
+    with pytest.raises(ValueError, match="prefetch: needs the RAM tier"):
+        EdgeSyncConfig.load({"prefetch": True, "ram_tier_bytes": 0})
+    with pytest.raises(ValueError, match="ram_tier_bytes"):
+        EdgeSyncConfig.load({"ram_tier_bytes": -1})
+    with pytest.raises(ValueError, match="EDGESYNC_RAM_TIER_BYTES"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_RAM_TIER_BYTES": "-5"})
 
 
 def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, reference, tmp_path, monkeypatch):
     """A prefetched fragment deleted between the walk and the injection (another process) is
     not injected from RAM: the request injects only what precedes it and answers identically.
-    One deleted and stored again (a new expiry) is not served either."""
+    One deleted and stored again (a new version: another ``created_at``) is not served either."""
     qs = passages[0]
     on = router(model, tmp_path / "on", prefetch=True)
     try:
@@ -174,13 +181,13 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         assert len(held_back) == 1
         on.prefetcher.after_request(*held_back[0])
 
-        # replaced under the same key with another expiry: the RAM copy is stale
+        # replaced under the same key by another write: the RAM copy is stale
         assert on.prefetcher.wait_idle(120)
         first = by_start[0]
         assert first in on.prefetcher.ram
         frag = on.store.get(first)
         on.store.delete(first)
-        frag.expires_at += 60.0
+        frag.created_at += 1.0
         assert on.store.put(frag)
         assert on.prefetcher.lookup(first) is None
         assert first not in on.prefetcher.ram

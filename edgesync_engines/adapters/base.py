@@ -1,11 +1,11 @@
 """What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
 the argument checks and decoding loop of ``generate``, fragment extraction and injection
-glue) and the functions behind it (``assemble_kv``, ``kv_ranges``).
+glue) and the functions behind it (``fragment_blocks``, ``assemble_kv``, ``kv_ranges``).
 
 A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
-load assembled KV (``_load_kv``), how to evaluate a batch (``_eval_batch``) and sample
-(``_sampled_tokens``), where its chat template lives (``_chat_template``), and the live tokens
-(``n_tokens``, ``_live_tokens``, ``_truncate``).
+load validated KV (``_load_blocks``, or assembled arrays: ``_load_kv``), how to evaluate a
+batch (``_eval_batch``) and sample (``_sampled_tokens``), where its chat template lives
+(``_chat_template``), and the live tokens (``n_tokens``, ``_live_tokens``, ``_truncate``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import codecs
 import time
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -37,24 +38,40 @@ def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: i
     return layer_end, head_end
 
 
-def assemble_kv(
+@dataclass(frozen=True)
+class KVBlock:
+    """One validated piece of the KV to load: K and V of positions ``[start, end)`` for the
+    canonical layers ``layers`` and the KV heads ``heads``.
+
+    ``keys``, ``values``: ``[len(layers), >= end - start, len(heads) * head_width]`` of the
+    namespace's dtype, row ``t`` being position ``start + t`` (a fragment's arrays, rows past
+    ``end - start`` unused; any strides)."""
+
+    layers: range
+    heads: range
+    start: int
+    end: int
+    keys: np.ndarray
+    values: np.ndarray
+
+
+def fragment_blocks(
     ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate fragments of namespace ``ns`` and build K, V ``[n_layer, n_tokens, n_head_kv *
-    head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each cell from the fragment that holds
-    its layer, KV head and position (the last span cut to ``n_tokens``).
+) -> list[KVBlock]:
+    """Validate fragments of namespace ``ns`` for positions 0..n_tokens-1 of ``tokens`` and
+    return the block each contributes (the last span cut to ``n_tokens``; a fragment wholly
+    past it contributes none). Every (layer, KV head, position) must be held by some fragment.
 
     Raises:
-        ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
-            that differ from ``tokens``.
+        ValueError: ``n_tokens`` outside ``[1, len(tokens)]``, another namespace, a gap, missing
+            layers or heads, fragment tokens that differ from ``tokens``, or a fragment that
+            follows another prefix.
     """
     if n_tokens < 1 or n_tokens > len(tokens):
         raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-    width = ns.n_head_kv * ns.head_width
-    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
-    v = np.empty_like(k)
     filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
     ids = np.asarray(tokens, dtype=np.int32)
+    blocks = []
     for frag in fragments:
         if frag.namespace != ns:
             raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
@@ -65,14 +82,39 @@ def assemble_kv(
             raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
         if frag.prefix_hash != prefix_hash(ids[:lo]):
             raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-        cols = slice(frag.head_start * ns.head_width, frag.head_end * ns.head_width)
-        for i, layer in enumerate(frag.layers):
-            k[layer, lo:hi, cols] = frag.keys[i, : hi - lo]
-            v[layer, lo:hi, cols] = frag.values[i, : hi - lo]
-            filled[layer, frag.head_start : frag.head_end, lo:hi] = True
+        layers, heads = frag.layers, range(frag.head_start, frag.head_end)
+        filled[layers.start:layers.stop:layers.step, heads.start:heads.stop, lo:hi] = True
+        blocks.append(KVBlock(layers, heads, lo, hi, frag.keys, frag.values))
     if not filled.all():
         layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
         raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
+    return blocks
+
+
+def assemble_kv(
+    ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate fragments of namespace ``ns`` (:func:`fragment_blocks`) and build K, V
+    ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each
+    cell from the fragment that holds its layer, KV head and position.
+
+    Raises:
+        ValueError: see :func:`fragment_blocks`.
+    """
+    return blocks_kv(ns, fragment_blocks(ns, fragments, n_tokens, tokens), n_tokens)
+
+
+def blocks_kv(ns: Namespace, blocks: Sequence[KVBlock], n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` assembled from
+    validated ``blocks`` (:func:`fragment_blocks`: they cover every cell)."""
+    width = ns.n_head_kv * ns.head_width
+    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
+    v = np.empty_like(k)
+    for b in blocks:
+        rows, n = slice(b.layers.start, b.layers.stop, b.layers.step), b.end - b.start
+        cols = slice(b.heads.start * ns.head_width, b.heads.stop * ns.head_width)
+        k[rows, b.start:b.end, cols] = b.keys[:, :n]
+        v[rows, b.start:b.end, cols] = b.values[:, :n]
     return k, v
 
 
@@ -152,14 +194,22 @@ class EngineAdapterBase(abc.ABC):
         (head_end - head_start) * head_dim]`` of ``namespace.np_dtype``, in the store's
         tokens-major layout (spans, layers and heads already checked)."""
 
-    @abc.abstractmethod
-    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` (of
-        ``namespace.np_dtype``) for ``tokens[:n_tokens]``.
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold the validated ``blocks`` (:func:`fragment_blocks`) as
+        positions 0..n_tokens-1 of ``tokens``; here assembled into arrays for :meth:`_load_kv`
+        (an engine that can write blocks in place overrides this instead).
 
         Raises:
             InjectionError: the engine refused it (the sequence is cleared).
         """
+        self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
+
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` (of
+        ``namespace.np_dtype``) for ``tokens[:n_tokens]`` (the engine supplies this, or
+        :meth:`_load_blocks`). Raises InjectionError when the engine refused it (the sequence
+        is cleared)."""
+        raise NotImplementedError(f"{type(self).__name__} loads KV through _load_blocks")
 
     @abc.abstractmethod
     def _eval_batch(self, batch: Sequence[int]) -> None:
@@ -285,16 +335,20 @@ class EngineAdapterBase(abc.ABC):
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
         """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments`` (of
         this adapter's namespace; convert others first with ``reshape.convert_fragment``);
-        everything is validated (:meth:`assemble`) before the engine is touched. Returns
-        ``n_tokens``.
+        everything is validated (:func:`fragment_blocks`) before the engine is touched, then
+        loaded (:meth:`_load_blocks`). Returns ``n_tokens``.
 
         Raises:
             ValueError: see :meth:`assemble` (nothing changed).
             InjectionError: the engine refused the state; the sequence has been cleared.
         """
-        k, v = self.assemble(fragments, n_tokens, tokens)
-        self._load_kv(k, v, n_tokens, tokens)
+        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
         return n_tokens
+
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        """The copy of a decoded fragment a RAM tier keeps: the same values, laid out for the
+        fastest :meth:`inject_fragment` of this engine (here the fragment itself)."""
+        return fragment
 
     # -- generation ---------------------------------------------------------------------
 

@@ -136,6 +136,38 @@ class StateLayout:
                                    self.type_kv, self.type_kv, self.v_trans))
         return parts
 
+    def span_kv(self, parts: Sequence[CachePart], swa: "SwaCapture", spans: Sequence[tuple[int, int]],
+                live: Sequence[int], layers: range, cols: slice) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V ``[len(layers), span, cols]`` (C-contiguous) of each span, from a parsed seq
+        state's ``parts`` of the live sequence ``live``; a sliding-window part's rows come from
+        ``swa`` where the window no longer holds them.
+
+        Raises:
+            ValueError: KV of a span that neither the state nor the capture holds, or cells
+                that are not plain text tokens.
+        """
+        out = []
+        for start, end in spans:
+            k_parts, v_parts = [], []
+            for i, part in enumerate(parts):
+                if not part.n_layer:
+                    continue
+                if part.pos[0] <= start and end - 1 <= part.pos[-1]:
+                    self.check_text_cells(part, start, end, live)
+                    at = slice(int(start - part.pos[0]), int(end - part.pos[0]))
+                    k_parts.append(np.stack([a[at] for a in part.k]))
+                    v_parts.append(np.stack([a[at] for a in part.v]))
+                elif i == self.swa_part:
+                    k_rows, v_rows = swa.rows(start, end)
+                    k_parts.append(k_rows)
+                    v_parts.append(v_rows)
+                else:
+                    raise SeqStateError(f"cache part {i} does not hold positions [{start}, {end})")
+            k, v = np.concatenate(k_parts), np.concatenate(v_parts)
+            rows = slice(layers.start, layers.stop, layers.step)
+            out.append((np.ascontiguousarray(k[rows, :, cols]), np.ascontiguousarray(v[rows, :, cols])))
+        return out
+
     def check_text_cells(self, part: CachePart, start: int, end: int, tokens: Sequence[int]) -> None:
         """Refuse cells ``[start, end)`` of ``part`` whose extension is not a text token's
         (e.g. an image embedding): their KV cannot be rebuilt from token IDs.

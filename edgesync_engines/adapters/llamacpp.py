@@ -1,8 +1,8 @@
 """llama-cpp-python adapter: KV fragments out of and into a live llama.cpp sequence.
 
 Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
-``seqstate.parse_parts``; injection assembles fragments into one ``llama_state_seq_set_data``
-buffer (``seqstate.serialize_parts``); ``kv_layout`` maps the state's cache parts (one, or two
+``seqstate.parse_parts``; injection writes fragments straight into one ``llama_state_seq_set_data``
+buffer (``state_buffer.build``); ``kv_layout`` maps the state's cache parts (one, or two
 for sliding-window models) to the store's arrays and keeps the sliding-window rows a prefill
 leaves behind. Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
 0.3.36): set_data replaces the destination sequence and must cover positions 0..N-1; after
@@ -23,8 +23,8 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters import kv_layout, llamacpp_blend, llamacpp_model, seqstate
-from edgesync_engines.adapters.base import EngineAdapterBase
+from edgesync_engines.adapters import kv_layout, llamacpp_blend, llamacpp_model, seqstate, state_buffer
+from edgesync_engines.adapters.base import EngineAdapterBase, KVBlock, fragment_blocks
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -143,6 +143,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise ModelLoadError(f"{self.model_path}: no decoder KV memory (an embedding or encoder-only model)")
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._swa = kv_layout.SwaCapture()
+        self._state_buf: bytearray | None = None  # the largest injected state so far
         self._probe()
 
     @property
@@ -261,59 +262,45 @@ class LlamaCppAdapter(EngineAdapterBase):
     def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
                  head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Rows ``layers`` and the columns of KV heads ``[head_start, head_end)`` of one
-        seq-state read (``seqstate.parse_parts``), per span; a sliding-window part's rows come
-        from the capture of the prefill (:class:`~edgesync_engines.adapters.kv_layout.SwaCapture`)
-        where the window no longer holds them.
+        seq-state read (``seqstate.parse_parts``), per span (``StateLayout.span_kv``: a
+        sliding-window part's rows come from the prefill's capture where the window no longer
+        holds them).
 
         Raises:
             ValueError: KV of a span that neither the state nor the capture holds, or cells
                 that are not plain text tokens.
         """
-        layout, live = self._layout, self._live_tokens(self.n_tokens)
+        layout = self._layout
         parts = seqstate.parse_parts(self._get_state(), seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
         cols = slice(head_start * self.namespace.head_width, head_end * self.namespace.head_width)
-        out = []
-        for start, end in spans:
-            k_parts, v_parts = [], []
-            for i, part in enumerate(parts):
-                if not part.n_layer:
-                    continue
-                if part.pos[0] <= start and end - 1 <= part.pos[-1]:
-                    layout.check_text_cells(part, start, end, live)
-                    at = slice(int(start - part.pos[0]), int(end - part.pos[0]))
-                    k_parts.append(np.stack([a[at] for a in part.k]))
-                    v_parts.append(np.stack([a[at] for a in part.v]))
-                elif i == layout.swa_part:
-                    k_rows, v_rows = self._swa.rows(start, end)
-                    k_parts.append(k_rows)
-                    v_parts.append(v_rows)
-                else:
-                    raise seqstate.SeqStateError(f"cache part {i} does not hold positions [{start}, {end})")
-            k, v = np.concatenate(k_parts), np.concatenate(v_parts)
-            rows = slice(layers.start, layers.stop, layers.step)
-            out.append((np.ascontiguousarray(k[rows, :, cols]), np.ascontiguousarray(v[rows, :, cols])))
-        return out
+        return layout.span_kv(parts, self._swa, spans, self._live_tokens(self.n_tokens), layers, cols)
 
-    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """``llama_state_seq_set_data`` of one ``seqstate.serialize_parts`` buffer holding
-        positions 0..n-1 in every cache part, then ``input_ids[:n]`` and ``n_tokens`` so that
-        the next ``eval`` continues at position n.
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        """The RAM tier's copy of a fragment of this namespace with V laid out as the seq state
+        holds it (``state_buffer.stage``), so that injecting it is plain row copies."""
+        return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
+
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+        """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer holding positions
+        0..n-1 in every cache part, each byte copied once from the validated ``blocks``, then
+        ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
 
         Raises:
             InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
         """
-        layout = self._layout
-        buf = seqstate.serialize_parts(layout.to_parts(k, v, tokens), _SEQ)
-        arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
-        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, arr, len(buf), _SEQ)
-        if read != len(buf):
+        layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
+        # one buffer reused from injection to injection, but where the capture keeps views of it
+        out = self._state_buf if layout.swa_part is None else None
+        buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, _SEQ, out)
+        self._state_buf = buf if layout.swa_part is None else None
+        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, _SEQ)
+        if read != size:
             self.clear_kv_cache()
-            raise InjectionError(f"llama_state_seq_set_data read {read} of {len(buf)} bytes")
+            raise InjectionError(f"llama_state_seq_set_data read {read} of {size} bytes")
         self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
         self.llm.n_tokens = n_tokens
         if layout.swa_part is not None:
-            rows = layout.part_range(layout.swa_part)
-            self._swa.seed(k[rows.start:rows.stop], v[rows.start:rows.stop])
+            self._swa.seed(*views[layout.swa_part])  # views of buf: the capture keeps it alive
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
                  tokens: Sequence[int]) -> None:
@@ -328,8 +315,9 @@ class LlamaCppAdapter(EngineAdapterBase):
         start, end = keep
         if list(chain_tokens[start:end]) != list(tokens[at:at + end - start]):
             raise ValueError(f"place_kv: the kept chain tokens differ from the prompt's at {at}")
-        k, v = self.assemble(fragments, end, chain_tokens)
-        buf = seqstate.serialize_parts(self._layout.to_parts(k, v, chain_tokens), llamacpp_blend.SCRATCH_SEQ)
+        blocks = fragment_blocks(self.namespace, fragments, end, chain_tokens)
+        buf, _ = state_buffer.build(self._layout, self.namespace.head_width, blocks, end, chain_tokens,
+                                    llamacpp_blend.SCRATCH_SEQ)
         self._scratch.place(buf, end, start, end, at)
         self._mark_live(tokens, at, at + end - start)
 

@@ -85,7 +85,7 @@ class ScratchSequence:
 
     def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
         """Restore ``state`` (a seq-state buffer of ``n_cells`` cells at positions
-        0..n_cells-1, from ``seqstate.serialize_parts``) and add its cells ``[keep_start,
+        0..n_cells-1, from ``state_buffer.build``) and add its cells ``[keep_start,
         keep_end)`` to the main sequence at positions ``at..at + keep_end - keep_start - 1``.
 
         Raises:

@@ -171,6 +171,14 @@ class EngineAdapter(Protocol):
         """
         ...
 
+    def stage_fragment(self, fragment: KVFragment) -> KVFragment:
+        """The copy of a decoded fragment that a RAM tier keeps for this engine: the same
+        values (``keys``, ``values`` equal element for element), its arrays possibly laid out
+        otherwise (not C-contiguous) so that :meth:`inject_fragment` copies it fastest; may be
+        ``fragment`` itself, changed in place. Fragments of another namespace come back as
+        they are."""
+        ...
+
     def generate(
         self,
         tokens: Sequence[int],

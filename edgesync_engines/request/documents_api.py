@@ -113,6 +113,7 @@ class DocumentsMixin:
             found.append(rec)
         for rec in found:
             self.documents.remove(rec)
+        self._drop_ram_tier(found)
         return len(found)
 
     def forget_documents(self, documents: Iterable["str | Mapping"]) -> int:
@@ -121,7 +122,14 @@ class DocumentsMixin:
         gone = [r for r in recs if self.documents.get(r.key) is not None]
         for rec in gone:
             self.documents.remove(rec)
+        self._drop_ram_tier(gone)
         return len(gone)
+
+    def _drop_ram_tier(self, removed: list) -> None:
+        """Empty the RAM tier after documents were removed: their decoded KV may sit there
+        (it would not be served, the store no longer holding it, but no copy is kept)."""
+        if removed and getattr(self, "fragment_cache", None) is not None:
+            self.fragment_cache.clear()
 
     def document_prompt(self, messages: Sequence[Mapping[str, str]], documents=None,
                         retrieve: int | None = None) -> tuple[DocumentPrompt, list[float] | None]:

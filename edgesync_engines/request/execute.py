@@ -23,8 +23,9 @@ from edgesync_store.schema import MIN_SPAN
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
-    from edgesync_engines.request.prefetch import Prefetcher
+    from edgesync_engines.request.fragment_cache import FragmentCache
     from edgesync_store.core.store import FragmentStore
+    from edgesync_store.schema import KVFragment
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Injection:
         tokens: the sequence to continue: the prompt's, or a donor's served whole.
         reused: tokens injected (the engine's ``n_past``).
         keys: store keys of the fragments injected (their hits are recorded).
-        bytes_read: compressed bytes of the fragments injected.
-        ram_tier_hits: fragments taken from the prefetch RAM tier while carrying out the plan.
+        bytes_read: compressed bytes read from the store for the fragments injected (those
+            served from the RAM tier read none).
+        ram_tier_hits: fragments taken from the RAM tier while carrying out the plan.
         donor_ms: milliseconds spent on donors tried whole (part of the lookup's cost).
     """
 
@@ -80,14 +82,14 @@ class Injector:
     Args:
         store: the fragment store the plan was made against.
         adapter: the engine (the caller holds ``adapter.lock``).
-        prefetcher: the prefetch RAM tier to read first (None: prefetch off).
+        cache: the RAM tier to read through (None: off, every fragment is read from the store).
     """
 
     def __init__(self, store: "FragmentStore", adapter: "EngineAdapter",
-                 prefetcher: "Prefetcher | None" = None) -> None:
+                 cache: "FragmentCache | None" = None) -> None:
         self.store = store
         self.adapter = adapter
-        self.prefetcher = prefetcher
+        self.cache = cache
         self._ram_hits = 0
 
     def carry_out(self, plan: ReusePlan) -> Injection:
@@ -161,33 +163,44 @@ class Injector:
         return target, keys, nbytes
 
     def fetch_spans(self, match: PrefixMatch, target: int):
-        """Read the spans of ``match`` below ``target``: (fragments, keys, compressed bytes,
-        tokens covered, whether a fragment was missing or refused)."""
+        """Read the spans of ``match`` below ``target`` (pinned by the caller): (fragments,
+        keys, compressed bytes read from the store, tokens covered, whether a fragment was
+        missing or refused). With a RAM tier the chain's lifecycle records are read first, in
+        one transaction, and decide what RAM may serve (``FragmentCache``)."""
         fragments, keys, bytes_read, covered = [], [], 0, 0
-        for span in match.spans:
-            if span.token_start >= target:
-                break
-            got = [self._fetch(key) for key in span.keys]
-            if any(f is None for f in got):
+        spans = [span for span in match.spans if span.token_start < target]
+        records, now = self._records([key for span in spans for key in span.keys])
+        for span in spans:
+            got = [self._fetch(key, records, now) for key in span.keys]
+            if any(f is None for f, _ in got):
                 log.info("fragment at [%d, %d) was refused or is gone after the walk (%d tokens read)",
                          span.token_start, span.token_end, covered)
                 return fragments, keys, bytes_read, covered, True
-            fragments.extend(got)
+            fragments.extend(f for f, _ in got)
             keys.extend(span.keys)
-            bytes_read += span.compressed_nbytes
+            if records is None:
+                bytes_read += span.compressed_nbytes
+            else:
+                bytes_read += sum(records[key].nbytes for key, (_, ram) in zip(span.keys, got) if not ram)
             covered = span.token_start + span.matched
         return fragments, keys, bytes_read, covered, False
 
-    def _fetch(self, key: bytes):
-        """The decoded fragment under ``key``: from the prefetch RAM tier while the store still
-        holds it live, else from the store (None: absent or corrupt)."""
-        if self.prefetcher is not None:
-            try:
-                frag = self.prefetcher.lookup(key)
-            except StoreError as exc:
-                log.warning("RAM tier check failed, reading the store: %s", exc)
-                frag = None
-            if frag is not None:
-                self._ram_hits += 1
-                return frag
-        return self.store.get(key)
+    def _records(self, keys: list[bytes]) -> tuple[dict | None, float]:
+        """The lifecycle records of ``keys`` for the RAM tier (None: no tier, or the store
+        failed: then every fragment is read from the store) and the time they hold for."""
+        if self.cache is None or not keys:
+            return None, 0.0
+        try:
+            return self.cache.records(keys), self.store.clock()
+        except StoreError as exc:
+            log.warning("RAM tier check failed, reading the store: %s", exc)
+            return None, 0.0
+
+    def _fetch(self, key: bytes, records: dict | None, now: float) -> tuple["KVFragment | None", bool]:
+        """The decoded fragment under ``key`` (None: absent or corrupt) and whether the RAM
+        tier served it."""
+        if records is None:
+            return self.store.get(key), False
+        frag, ram = self.cache.get(key, records[key], now)
+        self._ram_hits += ram
+        return frag, ram

@@ -9,12 +9,13 @@ overall. Ties are broken by recency (the most recently seen continuation first),
 is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
 rates of the predictions it would have made before each observed key.
 
-:class:`Prefetcher` wires it and a :class:`~edgesync_engines.request.ramtier.RamTier` (a bounded
-LRU of decoded fragments) to a :class:`~edgesync_store.core.store.FragmentStore` for the router
-(``EdgeSync`` with ``prefetch=True``): after each request it observes the request's key
-(:func:`request_key`), asks the predictor for the likely next keys, and one background thread
-walks the store with the tokens last seen under each predicted key and decodes the matched
-fragments into the RAM tier, so that the next request's injection skips the decompression.
+:class:`Prefetcher` wires it to the router's RAM tier (``EdgeSync`` with ``prefetch=True``;
+:class:`~edgesync_engines.request.fragment_cache.FragmentCache`, the read-through tier the
+injector reads first): after each request it observes the request's key (:func:`request_key`),
+asks the predictor for the likely next keys, and one background thread walks the store with
+the tokens last seen under each predicted key and decodes the matched fragments into the tier,
+so that the next request's injection skips the decompression. :func:`ram_tiers` builds both
+from the settings.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from edgesync_engines.request.ramtier import RamTier
+from edgesync_engines.request.fragment_cache import FragmentCache
 from edgesync_engines.request.storeback import chunk_key
 from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
 
 if TYPE_CHECKING:
-    from edgesync_store.core.store import FragmentStore
+    from edgesync_engines.adapters.protocol import EngineAdapter
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_store.core.backend import FragmentBackend
     from edgesync_store.schema import KVFragment
 
 log = logging.getLogger(__name__)
@@ -181,36 +183,46 @@ def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_
     return None if key is None else key.hex()
 
 
+def ram_tiers(store: "FragmentBackend", adapter: "EngineAdapter",
+              config: "EdgeSyncConfig") -> "tuple[FragmentCache | None, Prefetcher | None]":
+    """The router's RAM tier (``ram_tier_bytes``; None when 0) of fragments staged for
+    ``adapter`` (``stage_fragment``) and, with ``prefetch``, the prefetcher that fills it
+    (None otherwise; the config refuses prefetch without a tier)."""
+    if not config.ram_tier_bytes:
+        return None, None
+    cache = FragmentCache(store, config.ram_tier_bytes, adapter.stage_fragment)
+    return cache, Prefetcher(cache, adapter.namespace) if config.prefetch else None
+
+
 class Prefetcher:
     """Predicts the next requests and decodes their stored fragments into a RAM tier ahead of time.
 
-    ``Prefetcher(store, namespace, max_bytes)``: ``max_bytes`` > 0 is the RAM tier's budget of
-    decoded fragments (bytes of K + V, ``KVFragment.raw_nbytes``); ``n`` and ``top_k`` are the
-    :class:`NgramPredictor`'s order and proposals; ``max_keys`` bounds how many request keys'
-    token sequences are remembered (least recently seen dropped first; at most ``max_keys`` x
-    the context length int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for
-    out-of-range numbers.
+    ``Prefetcher(cache, namespace)``: ``cache`` is the read-through RAM tier
+    (:class:`~edgesync_engines.request.fragment_cache.FragmentCache`) of the store to prefetch
+    from, which the request path reads; ``n`` and ``top_k`` are the :class:`NgramPredictor`'s
+    order and proposals; ``max_keys`` bounds how many request keys' token sequences are
+    remembered (least recently seen dropped first; at most ``max_keys`` x the context length
+    int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for out-of-range numbers.
 
-    The request thread calls :meth:`after_request` once an answer is complete and
-    :meth:`lookup` while injecting; one daemon thread (started by the first
-    :meth:`after_request`) does the prefetching: for each predicted key, most likely first, it
-    walks the store with the tokens last seen under that key and decodes every matched fragment
-    that the tier does not hold yet (or holds in a version the store has since replaced). A new
-    prediction replaces the work not yet started. Fragments are read with ``store.get``, which
-    verifies and decodes them (and removes a corrupt one), so the tier holds exactly what the
-    request path would read. Store errors in the thread are logged and skipped, never raised.
+    The request thread calls :meth:`after_request` once an answer is complete; one daemon
+    thread (started by the first :meth:`after_request`) does the prefetching: for each
+    predicted key, most likely first, it walks the store with the tokens last seen under that
+    key and decodes every matched fragment that the tier does not hold yet (or holds in a
+    version the store has since replaced). A new prediction replaces the work not yet started.
+    Fragments are read with ``store.get``, which verifies and decodes them (and removes a
+    corrupt one), so the tier holds exactly what the request path would read. Store errors in
+    the thread are logged and skipped, never raised.
     """
 
-    def __init__(self, store: "FragmentStore", namespace: Namespace, max_bytes: int, *, n: int = 3,
-                 top_k: int = 3, max_keys: int = 256) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+    def __init__(self, cache: FragmentCache, namespace: Namespace, *, n: int = 3, top_k: int = 3,
+                 max_keys: int = 256) -> None:
         if not isinstance(max_keys, int) or max_keys < 1:
             raise ValueError(f"max_keys must be an int >= 1, got {max_keys!r}")
-        self.store = store
+        self.cache = cache
+        self.store = cache.store
         self.namespace = namespace
         self.predictor = NgramPredictor(n=n, top_k=top_k)
-        self.ram = RamTier(max_bytes)
+        self.ram = cache.ram
         self.max_keys = max_keys
         self._cond = threading.Condition(threading.Lock())
         self._tokens: OrderedDict[str, np.ndarray] = OrderedDict()  # request key -> last tokens
@@ -218,7 +230,7 @@ class Prefetcher:
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._prefetched = self._prefetched_bytes = self._stale = self._errors = 0
+        self._prefetched = self._prefetched_bytes = self._errors = 0
 
     # -- request thread -----------------------------------------------------------------
 
@@ -246,23 +258,10 @@ class Prefetcher:
         return predicted
 
     def lookup(self, key: bytes) -> "KVFragment | None":
-        """The decoded fragment under store key ``key`` from the RAM tier, or None (then read
-        the store). A fragment is served only while the store still holds it live under the
-        same expiry (so not deleted, expired or replaced since it was decoded); otherwise it is
-        dropped from the tier. Its hit count and last hit are refreshed from the store, so it
-        equals what ``store.get(key)`` returns. Raises ``StoreError`` when the store fails."""
-        frag = self.ram.get(key)
-        if frag is None:
-            return None
-        life = self.store.lifecycle(key)
-        if life is None or life.expires_at <= time.time() or life.expires_at != frag.expires_at:
-            self.ram.discard(key)
-            with self._cond:
-                self._stale += 1
-            log.debug("RAM tier: %s is no longer live in the store; not served", key.hex()[:16])
-            return None
-        frag.hit_count, frag.last_hit_at = life.hit_count, life.last_hit_at
-        return frag
+        """The decoded fragment under store key ``key`` from the RAM tier while the store still
+        holds that version live (``FragmentCache.cached``), else None (a stale entry is
+        dropped). Raises ``StoreError`` when the store fails."""
+        return self.cache.cached(key, self.store.lifecycle(key), self.store.clock())
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no prefetch work is queued or running; True when idle, False when
@@ -277,12 +276,13 @@ class Prefetcher:
         prediction) with ``top_k``; the RAM tier's ``hits``, ``misses``, ``bytes`` (held now),
         ``max_bytes``, ``entries``, ``evictions``; ``prefetched`` fragments decoded and their
         ``prefetched_bytes`` (raw), ``stale`` tier entries refused because the store no longer
-        held them live, ``errors`` store or codec errors in the prefetch thread."""
+        held them live, ``errors`` store or codec errors in the prefetch thread. The tier's
+        counters include the request path's own reads through it."""
         acc = self.predictor.accuracy
         ram = self.ram.stats()
         with self._cond:
             own = dict(prefetched=self._prefetched, prefetched_bytes=self._prefetched_bytes,
-                       stale=self._stale, errors=self._errors)
+                       stale=self.cache.stale, errors=self._errors)
         return dict(observed=acc.observed, predictions=acc.predicted, top_k=acc.top_k, top1=acc.top1,
                     topk=acc.topk, hits=ram.hits, misses=ram.misses, bytes=ram.bytes,
                     max_bytes=ram.max_bytes, entries=ram.entries, evictions=ram.evictions, **own)
@@ -328,22 +328,24 @@ class Prefetcher:
     def _prefetch(self, tokens: np.ndarray) -> None:
         """Decode the fragments of the store's longest prefix of ``tokens`` into the tier."""
         match = self.store.prefix_walk(self.namespace, tokens)
-        for span in match.spans:
-            for key in span.keys:
-                if self._stop:
-                    return
-                life = self.store.lifecycle(key)
-                if life is None:
-                    continue
-                held = self.ram.peek(key)
-                if held is not None and held.expires_at == life.expires_at:
-                    continue
-                # None: absent, or corrupt (store.get logs and removes it). copy: decoded
-                # with the store's lock released, so the request thread never waits for it
-                frag = self.store.get(key, copy=True)
-                if frag is None:
-                    continue
-                if self.ram.put(key, frag):
-                    with self._cond:
-                        self._prefetched += 1
-                        self._prefetched_bytes += frag.raw_nbytes
+        keys = [key for span in match.spans for key in span.keys]
+        records = self.cache.records(keys) if keys else {}
+        for key in keys:
+            if self._stop:
+                return
+            life = records[key]
+            if life is None:
+                continue
+            held = self.ram.peek(key)
+            if held is not None and held.created_at == life.created_at:
+                continue
+            # None: absent, or corrupt (store.get logs and removes it). copy: decoded with the
+            # store's lock released, so the request thread never waits for it
+            frag = self.store.get(key, copy=True)
+            if frag is None:
+                continue
+            self.cache.put(key, frag, life)
+            if key in self.ram:  # not when it alone exceeds the budget
+                with self._cond:
+                    self._prefetched += 1
+                    self._prefetched_bytes += frag.raw_nbytes

@@ -1,7 +1,9 @@
-"""The RAM tier that prefetched fragments are decoded into: a bounded, thread-safe LRU.
+"""The RAM tier's container: a bounded, thread-safe LRU of decoded fragments.
 
 :class:`RamTier` maps a key to an object of a known size in bytes (a decoded ``KVFragment``:
-its ``raw_nbytes``); a prefetch thread fills it while the request thread reads.
+its ``raw_nbytes``); the request thread reads and fills it
+(``request/fragment_cache.py``: read-through, checked against the store) while a prefetch
+thread may fill it too (``request/prefetch.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 log = logging.getLogger(__name__)
+
+DEFAULT_RAM_TIER_BYTES = 64 * 1024 * 1024
+"""Default budget of the RAM tier (``ram_tier_bytes``): 64 MiB of decoded K + V, the decoded
+chains of about eight 342-token SmolLM2 prompts (7.9 MB each in f16)."""
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ class GenerationResult:
     except in the approximate mode, where the donor's remaining tokens are evaluated instead).
     ``approximate`` is True when the answer came from a donor's KV whose tokens differ from the
     prompt's (``reuse="semantic"`` only). ``ram_tier_hits`` counts the fragments injected from
-    the prefetch RAM tier instead of being read and decoded from the store (0 when prefetch is
-    off). ``convertible`` is True when the injected KV was written by another engine and
-    converted (``allow_convertible`` only); ``source_engine`` names the engine whose KV was
-    injected (None on a miss and for a donor served whole). ``uncached_reason`` is None unless
+    the RAM tier instead of being read and decoded from the store (0 when ``ram_tier_bytes`` is
+    0); ``bytes_read`` the compressed bytes read from the store for the rest. ``convertible``
+    is True when the injected KV was written by another engine and converted
+    (``allow_convertible`` only); ``source_engine`` names the engine whose KV was injected
+    (None on a miss and for a donor served whole). ``uncached_reason`` is None unless
     a cache was asked for but the engine's KV cannot be cut (``EngineAdapter.cache_refusal``):
     then it says why, and the request was served uncached.
 

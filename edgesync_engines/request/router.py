@@ -7,12 +7,11 @@ are rendered with the GGUF's own template) in four steps:
    store's longest token-identical prefix, with ``reuse="semantic"`` a longer one verified
    through a semantic donor or a donor served whole, or another engine's convertible KV
    (``allow_convertible``); see that module for the rules.
-2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (from the prefetch RAM tier
-   when it holds the fragment, else from the store), converts and injects that KV.
+2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (from the RAM tier when it
+   holds the version the store holds live, else from the store), converts and injects that KV.
 3. The adapter prefills the rest and generates.
-4. :mod:`~edgesync_engines.request.storeback` stores the chunks the prompt did not have, so that
-   an exact repeat injects all but at most its last token, and its donor record (embedded at
-   once only in the semantic mode), and records the hits; the prefetcher
+4. :mod:`~edgesync_engines.request.storeback` stores the prompt's missing chunks (an exact repeat
+   injects all but its last token) with its donor record, and records the hits; the prefetcher
    (``prefetch=True``) predicts the next requests.
 
 Hit tiers (``GenerationResult.tier``, :class:`~edgesync_engines.request.plan.HitTier`):
@@ -42,7 +41,7 @@ from edgesync_engines.request import storeback
 from edgesync_engines.request.documents_api import DocumentsMixin, annotate
 from edgesync_engines.request.execute import Injection, Injector
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
-from edgesync_engines.request.prefetch import Prefetcher, request_key
+from edgesync_engines.request.prefetch import ram_tiers, request_key
 from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
@@ -124,18 +123,18 @@ class EdgeSync(DocumentsMixin):
             raise TypeError(f"store: expected a FragmentBackend (e.g. a FragmentStore), a path, None or False, "
                             f"got {type(store).__name__}")
         else:
-            local = self._open_store(Path(store if store is not None else self.config.store_path))
-            self.store = with_remote_tier(local, self.config)  # the shared remote tier, when configured
+            # with the shared remote tier in front, when configured
+            self.store = with_remote_tier(self._open_store(Path(store or self.config.store_path)), self.config)
             self._owns_store = self.store is not None
         self.semantic = None
         if self.store is not None and self.config.semantic:
             self.semantic = SemanticLookup(self.store, self.config)  # loads nothing until first needed
             if self.config.reuse == ReuseMode.SEMANTIC:
                 self.semantic.warm_up()
-        self.prefetcher = None
-        if self.store is not None and self.config.prefetch:
-            self.prefetcher = Prefetcher(self.store, self.namespace, self.config.prefetch_ram_bytes)
-        self._injector = None if self.store is None else Injector(self.store, self.adapter, self.prefetcher)
+        # the RAM tier of decoded fragments (read through by the injector) and its prefetcher
+        self.fragment_cache, self.prefetcher = (None, None) if self.store is None else ram_tiers(
+            self.store, self.adapter, self.config)
+        self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
             self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
@@ -169,8 +168,8 @@ class EdgeSync(DocumentsMixin):
         """Remove every fragment this prompt wrote or would hit: at each position of its
         tokens, the stored fragments (any chunk size, layer or head group, live or expired)
         that follow its prefix and start with its next token, written by this engine or by
-        another engine for the same model, with their donor records and vectors; the prefetch
-        RAM tier drops nothing it could still serve (it serves only what the store holds).
+        another engine for the same model, with their donor records and vectors; the RAM tier
+        is emptied (it would serve nothing the store no longer holds, but keeps no copy).
         With ``documents`` the prompt is the documents prompt, and those documents are removed
         too. Afterwards the same request is a miss. Returns the fragments removed.
 
@@ -190,8 +189,8 @@ class EdgeSync(DocumentsMixin):
         namespaces = {self.namespace}
         namespaces |= {ns for ns in self.store.namespaces() if compatible_with(ns, self.namespace).usable}
         removed = sum(self.store.forget_tokens(ns, tokens) for ns in namespaces)
-        if self.prefetcher is not None:
-            self.prefetcher.ram.clear()  # decoded KV of this prompt may sit there
+        if self.fragment_cache is not None:
+            self.fragment_cache.clear()  # decoded KV of this prompt may sit there
         log.info("forgot %d fragments of a %d-token prompt", removed, len(tokens))
         return removed
 
@@ -396,14 +395,15 @@ class EdgeSync(DocumentsMixin):
         return result
 
     def close(self) -> None:
-        """Stop the store jobs, free the engine if this object loaded it (an adapter passed in
-        stays open), save and close the semantic index, and close the store if this object
-        opened it."""
+        """Stop the store jobs, empty the RAM tier, free the engine if this object loaded it (not
+        an adapter passed in), save and close the semantic index, close the store if it opened it."""
         if self.jobs is not None:
             self.jobs.shutdown()
             self.jobs = None
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.fragment_cache is not None:
+            self.fragment_cache.clear()
         if self.semantic is not None:
             self.semantic.close()
         if self._owns_adapter:

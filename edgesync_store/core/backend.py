@@ -216,6 +216,15 @@ class FragmentBackend(ABC):
             StoreIOError: the storage failed.
         """
 
+    def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
+        """The records of several fragments, in order (None: absent), read at one point in
+        time where the backend can (the local store: one read transaction).
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+        return [self.lifecycle(key) for key in keys]
+
     @abstractmethod
     def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
         """Overwrite a stored fragment's record (its sizes kept); False when absent.

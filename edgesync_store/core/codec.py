@@ -28,6 +28,7 @@ content hash.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -93,11 +94,21 @@ def _shuffle(arr: np.ndarray) -> bytes:
 
 
 def _unshuffle(data: bytes | memoryview, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """Elements of ``dtype`` and ``shape`` from their byte planes (the inverse of :func:`_shuffle`).
+
+    Each element is built in an unsigned integer of its size, the highest plane first, shifted
+    left a byte per lower plane: whole-array passes with contiguous reads and writes (f16: 0.23
+    ms per 1.5 MB against 0.57 ms for strided byte writes into the output, measured on this
+    machine's numpy 2.4)."""
     item = dtype.itemsize
     planes = np.frombuffer(data, dtype=np.uint8).reshape(item, -1)
-    out = np.empty(planes.size, dtype=np.uint8)
-    for i in range(item):  # strided writes: ~9x faster than copying a transposed view
-        out[i::item] = planes[i]
+    if item == 1:
+        out = planes[0].copy()
+    else:
+        out = planes[item - 1].astype(f"<u{item}")
+        for i in range(item - 2, -1, -1):
+            out <<= 8
+            out |= planes[i]
     return out.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
 
 
@@ -142,48 +153,34 @@ def encode(fragment: KVFragment) -> bytes:
     return b"".join((head, _CRC.pack(zlib.crc32(head)), payload, _CRC.pack(zlib.crc32(payload))))
 
 
-def _parse_head(blob: bytes | memoryview) -> tuple[dict, np.ndarray, np.ndarray, int]:
-    """Parse and verify the head; return (header dict, token_ids, embedding, payload offset)."""
-    view = memoryview(blob)
-    if len(view) < _PREFIX.size:
-        raise CodecError(f"blob: {len(view)} bytes is too short for a fragment")
-    magic, version, header_len = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CodecError(f"magic: {bytes(magic)!r} is not {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"version: blob format {version}, this code reads {FORMAT_VERSION}")
-    if header_len > _MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
-        raise CodecError(f"header_len: {header_len} does not fit the {len(view)}-byte blob")
+_HEADER_MEMO = 2048
+"""Parsed JSON headers kept, by their bytes (:func:`_parsed_json`, :func:`_header_fields`): a
+prefix walk peeks the same fragments request after request, and parsing the JSON and its
+namespace was most of a peek (about 45 of 60 us for a SmolLM2 header). About 3 KB each."""
+
+
+@functools.lru_cache(maxsize=_HEADER_MEMO)
+def _parsed_json(header_bytes: bytes) -> tuple[dict, int, int]:
+    """The header JSON of a blob as (dict, span, embedding_dim); memoized, so never mutate the
+    dict. Raises CodecError for JSON that is not a plausible fragment header."""
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
+        header = json.loads(header_bytes)
         span = int(header["token_end"]) - int(header["token_start"])
         emb_dim = int(header["embedding_dim"])
     except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CodecError(f"header: not a valid fragment header ({exc})") from None
     if not 0 <= span <= 1 << 20 or emb_dim not in (0, EMBEDDING_DIM):
         raise CodecError(f"header: implausible span {span} or embedding_dim {emb_dim}")
-    ids_at = _PREFIX.size + header_len
-    emb_at = ids_at + 4 * span
-    crc_at = emb_at + 4 * emb_dim
-    if crc_at + _CRC.size > len(view):
-        raise CodecError("blob: truncated inside the token IDs or embedding")
-    (stored_crc,) = _CRC.unpack_from(view, crc_at)
-    if zlib.crc32(view[:crc_at]) != stored_crc:
-        raise CodecError("head checksum: crc32 mismatch (corrupt header or token IDs)")
-    token_ids = np.frombuffer(view[ids_at:emb_at], dtype="<i4").astype(np.int32)
-    embedding = np.frombuffer(view[emb_at:crc_at], dtype="<f4").astype(np.float32)
-    return header, token_ids, embedding, crc_at + _CRC.size
+    return header, span, emb_dim
 
 
-def peek(blob: bytes | memoryview) -> FragmentHeader:
-    """Read a blob's header and token IDs without touching the tensors.
-
-    Raises:
-        CodecError: bad magic, version, checksum or header fields.
-    """
-    header, token_ids, _emb, _ = _parse_head(blob)
+@functools.lru_cache(maxsize=_HEADER_MEMO)
+def _header_fields(header_bytes: bytes) -> dict:
+    """The :class:`FragmentHeader` fields but ``token_ids`` of a header whose JSON
+    :func:`_parsed_json` accepted; memoized, so never mutate the dict. Raises CodecError."""
+    header = _parsed_json(header_bytes)[0]
     try:
-        return FragmentHeader(
+        return dict(
             namespace=Namespace.from_dict(header["namespace"]),
             token_start=int(header["token_start"]),
             token_end=int(header["token_end"]),
@@ -196,13 +193,51 @@ def peek(blob: bytes | memoryview) -> FragmentHeader:
             content_hash=str(header["content_hash"]),
             created_at=float(header["created_at"]),
             expires_at=float(header["expires_at"]),
-            token_ids=token_ids,
             raw_nbytes=int(header["raw_nbytes"]),
             payload_nbytes=int(header["payload_nbytes"]),
             shape=tuple(int(x) for x in header["shape"]),
         )
-    except (ValueError, KeyError, TypeError, OverflowError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
         raise CodecError(f"header: {exc}") from None
+
+
+def _parse_head(blob: bytes | memoryview) -> tuple[bytes, np.ndarray, np.ndarray, int]:
+    """Parse and verify the head; return (header JSON bytes, token_ids, embedding, payload
+    offset)."""
+    view = memoryview(blob)
+    if len(view) < _PREFIX.size:
+        raise CodecError(f"blob: {len(view)} bytes is too short for a fragment")
+    magic, version, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError(f"magic: {bytes(magic)!r} is not {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"version: blob format {version}, this code reads {FORMAT_VERSION}")
+    if header_len > _MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
+        raise CodecError(f"header_len: {header_len} does not fit the {len(view)}-byte blob")
+    header_bytes = bytes(view[_PREFIX.size : _PREFIX.size + header_len])
+    _, span, emb_dim = _parsed_json(header_bytes)
+    ids_at = _PREFIX.size + header_len
+    emb_at = ids_at + 4 * span
+    crc_at = emb_at + 4 * emb_dim
+    if crc_at + _CRC.size > len(view):
+        raise CodecError("blob: truncated inside the token IDs or embedding")
+    (stored_crc,) = _CRC.unpack_from(view, crc_at)
+    if zlib.crc32(view[:crc_at]) != stored_crc:
+        raise CodecError("head checksum: crc32 mismatch (corrupt header or token IDs)")
+    token_ids = np.frombuffer(view[ids_at:emb_at], dtype="<i4").astype(np.int32)
+    embedding = np.frombuffer(view[emb_at:crc_at], dtype="<f4").astype(np.float32)
+    return header_bytes, token_ids, embedding, crc_at + _CRC.size
+
+
+def peek(blob: bytes | memoryview) -> FragmentHeader:
+    """Read a blob's header and token IDs without touching the tensors (the head's checksum is
+    verified every time; the JSON parse is memoized by the header's bytes).
+
+    Raises:
+        CodecError: bad magic, version, checksum or header fields.
+    """
+    header_bytes, token_ids, _emb, _ = _parse_head(blob)
+    return FragmentHeader(token_ids=token_ids, **_header_fields(header_bytes))
 
 
 def decode(blob: bytes | memoryview, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES) -> KVFragment:
@@ -218,8 +253,8 @@ def decode(blob: bytes | memoryview, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES)
             shapes...); the message names what was wrong.
     """
     view = memoryview(blob)
-    head = peek(view)
-    _, _, embedding, payload_at = _parse_head(view)
+    header_bytes, token_ids, embedding, payload_at = _parse_head(view)  # once: it checksums the head
+    head = FragmentHeader(token_ids=token_ids, **_header_fields(header_bytes))
     ns = head.namespace
     dtype = ns.np_dtype
     shape = head.shape

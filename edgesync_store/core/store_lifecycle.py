@@ -127,6 +127,16 @@ class LifecycleOps:
         return self.transact(read)
 
 
+    def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
+        """See :meth:`FragmentBackend.lifecycles`: one read transaction."""
+        def read(txn):
+            env = self.env
+            return [None if txn.get(key, db=env.fragments) is None else Lifecycle.unpack(txn.get(key, db=env.lifecycle))
+                    for key in keys]
+
+        return self.transact(read)
+
+
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
         def read(txn):
             rows = []

@@ -144,7 +144,7 @@ def stored_namespaces(store) -> list[Namespace]:
     return store.transact(read)
 
 
-def _spans_at(store, txn, cursor, want: tuple[bytes, dict, set], tokens: np.ndarray, pos: int, digest: bytes,
+def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: np.ndarray, pos: int, digest: bytes,
               now: float, corrupt: list[tuple[bytes, bytes | None]]) -> list[SpanMatch]:
     """The complete-coverage span groups stored right after ``tokens[:pos]`` (prefix hash
     ``digest``) and live at ``now``, of the namespace ``want`` = (digest, ``to_dict()``, every
@@ -167,8 +167,8 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, set], tokens: np.ndar
         life = Lifecycle.unpack(txn.get(key, db=store.env.lifecycle))
         if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
             continue
-        group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
-        group[1].update((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
+        group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, frozenset(), [], 0])
+        group[1] = group[1] | _cells(head, ns_dict, full)
         group[2].append(key)
         group[3] += len(blob)
     spans = []
@@ -178,6 +178,14 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, set], tokens: np.ndar
             if matched > 0:
                 spans.append(SpanMatch(keys_, pos, head.token_end, matched, nbytes))
     return spans
+
+
+def _cells(head, ns_dict: dict, full: frozenset) -> frozenset:
+    """The (layer, KV head) pairs a fragment holds; ``full`` itself for a whole one (most are)."""
+    if (head.layer_start, head.layer_end, head.layer_stride, head.head_start, head.head_end) == (
+            0, ns_dict["n_layer"], 1, 0, ns_dict["n_head_kv"]):
+        return full
+    return frozenset((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
 
 
 def prefix_walk(
@@ -202,7 +210,7 @@ def prefix_walk(
     now = store.clock() if now is None else now
     tokens = np.asarray(tokens, dtype=np.int32)
     want = (namespace.digest(), namespace.to_dict(),
-            {(layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)})
+            frozenset((layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)))
     result = PrefixMatch()
     corrupt: list[tuple[bytes, bytes | None]] = []
 

@@ -1,0 +1,118 @@
+"""The read-through RAM tier: decoded fragments kept for repeats within a process, never
+served once the store no longer holds them live.
+
+:class:`FragmentCache` sits in front of one store's ``get``. The injector reads a chain's
+fragments through it: it reads the lifecycle records of the whole chain in one read
+transaction (:meth:`FragmentCache.records`, after the keys are pinned, so that no eviction or
+expiry sweep in any process takes them afterwards), then takes each fragment from the
+:class:`~edgesync_engines.request.ramtier.RamTier` when the entry is the version the store
+holds and is not expired, else reads and decodes it from the store (verified: checksums,
+content hash, key) and keeps it. The prefetcher (``request/prefetch.py``) fills the same tier.
+
+An entry's version is the ``created_at`` of the lifecycle record read with it: a fragment
+deleted (forget, eviction, expiry, another process's compaction or clear) has no record, and
+one deleted and written again has a new one, so neither is served from RAM; a hit that only
+extends the expiry (long-lived tier) keeps the entry. ``forget`` in this process clears the
+tier; entries another process deleted are dropped when next asked for, or by the LRU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from edgesync_engines.request.ramtier import RamTier
+
+if TYPE_CHECKING:
+    from edgesync_store.core.backend import FragmentBackend
+    from edgesync_store.schema import KVFragment
+    from edgesync_store.ttl import Lifecycle
+
+log = logging.getLogger(__name__)
+
+
+class FragmentCache:
+    """A read-through RAM tier of decoded fragments of ``store``.
+
+    ``FragmentCache(store, max_bytes, stage)``: ``max_bytes`` >= 1 is the tier's budget, bytes
+    of decoded K + V (``KVFragment.raw_nbytes``); held bytes never exceed it. ``stage`` turns a
+    decoded fragment into the copy kept (the engine's ``stage_fragment``: the same values laid
+    out for its injection; None keeps it as decoded). Raises ValueError for a smaller budget.
+    Thread-safe (the request thread and a prefetch thread share it).
+    """
+
+    def __init__(self, store: "FragmentBackend", max_bytes: int,
+                 stage: "Callable[[KVFragment], KVFragment] | None" = None) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        self.store = store
+        self.stage = stage
+        self.ram = RamTier(max_bytes)
+        self._lock = threading.Lock()
+        self._stale = 0
+
+    @property
+    def stale(self) -> int:
+        """Entries refused since the start because the store no longer held them live."""
+        with self._lock:
+            return self._stale
+
+    def records(self, keys: Sequence[bytes]) -> dict[bytes, "Lifecycle | None"]:
+        """The store's lifecycle record of each key (None: not stored), read in one transaction.
+
+        Raises:
+            StoreError: the store failed.
+        """
+        return dict(zip(keys, self.store.lifecycles(keys)))
+
+    def cached(self, key: bytes, life: "Lifecycle | None", now: float) -> "KVFragment | None":
+        """The entry under ``key`` when ``life`` (the store's record, None: not stored) says the
+        store holds that version live at ``now`` (Unix seconds), with its hit count, last hit
+        and expiry refreshed from ``life``; else None, dropping a stale entry. Counts a RAM
+        tier hit or miss."""
+        entry = self.ram.peek(key)
+        if entry is not None:
+            if life is not None and life.created_at == entry.created_at and life.expires_at > now:
+                entry.hit_count, entry.last_hit_at, entry.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+                self.ram.get(key)  # counts the hit, most recently used
+                return entry
+            self.ram.discard(key)
+            with self._lock:
+                self._stale += 1
+            log.debug("RAM tier: %s is no longer live in the store; not served", key.hex()[:16])
+        self.ram.get(key)  # counts the miss
+        return None
+
+    def get(self, key: bytes, life: "Lifecycle | None", now: float) -> "tuple[KVFragment | None, bool]":
+        """The decoded fragment under ``key`` and whether it came from RAM: the entry when
+        :meth:`cached` serves it, else ``store.get`` (None: absent or corrupt), kept in the
+        tier as the version ``life`` names. ``life`` is the record read after the key was
+        pinned (:meth:`records`); None, or a record expired at ``now``, means the fragment is
+        gone (it expired after the walk), so the store is not read.
+
+        Raises:
+            StoreError: the store failed.
+        """
+        frag = self.cached(key, life, now)
+        if frag is not None:
+            return frag, True
+        if life is None or life.expires_at <= now:
+            return None, False
+        frag = self.store.get(key)
+        if frag is None:
+            return None, False
+        return self.put(key, frag, life), False
+
+    def put(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> "KVFragment":
+        """Keep ``frag`` (decoded from the store under ``key``), staged, as the version of
+        record ``life`` unless it alone exceeds the budget; returns the staged fragment."""
+        if self.stage is not None and frag.raw_nbytes <= self.ram.max_bytes:
+            frag = self.stage(frag)
+        frag.created_at = life.created_at  # the version the next reads compare with
+        self.ram.put(key, frag)
+        return frag
+
+    def clear(self) -> None:
+        """Drop every entry (the counters are kept)."""
+        self.ram.clear()

@@ -1,0 +1,190 @@
+"""The read-through RAM tier (``request/fragment_cache.py``) on the real SmolLM2 and real stores:
+a repeat is injected from RAM with nothing read from the store and the tokens of an uncached
+run; a fragment the store forgot, lost (another process's eviction or compaction between the
+walk and the injection) or let expire after it was kept in RAM is not served from RAM, and the
+request prefills what it lacks with identical tokens; the tier never holds more than its
+budget.
+
+Prompts are an app's system prompt (../shared/workloads/system_prompts.json) and a question.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request import plan as planning
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.ttl import ManualClock, TTLPolicy
+
+MAX_TOKENS = 8
+QUESTION = "How should I plan a week of revision?"
+
+
+def chat(system: str, user: str = QUESTION) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def config(**extra) -> EdgeSyncConfig:
+    return EdgeSyncConfig.load({"semantic": False, "jobs": False, **extra})
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    """SmolLM2 with EDGESYNC_THREADS threads (all cores when unset), in a context of its own."""
+    a = LlamaCppAdapter(n_threads=EdgeSyncConfig.load().n_threads)
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def uncached(adapter):
+    es = EdgeSync(adapter, store=False, config=config())
+    cache: dict[str, list[int]] = {}
+
+    def tokens(messages) -> list[int]:
+        key = repr(messages)
+        if key not in cache:
+            cache[key] = es.generate(messages, max_tokens=MAX_TOKENS).tokens
+        return cache[key]
+
+    return tokens
+
+
+def open_router(adapter, store: FragmentStore, **extra) -> EdgeSync:
+    return EdgeSync(adapter, store=store, config=config(**extra))
+
+
+def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, system_prompts, uncached, tmp_path):
+    """Miss, then a hit read from the store (kept in RAM), then hits from RAM alone: every
+    fragment, 0 bytes read, across the promotion to the long-lived tier (5 hits: the expiry
+    moves, the version stays)."""
+    m = chat(system_prompts[0])
+    store = FragmentStore(tmp_path / "s")
+    es = open_router(adapter, store)
+    try:
+        first = es.generate(m, max_tokens=MAX_TOKENS)
+        assert first.tier == "miss" and first.fragments_written == 3 and first.bytes_read == 0
+        assert len(es.fragment_cache.ram) == 0  # nothing was read yet
+        second = es.generate(m, max_tokens=MAX_TOKENS)
+        assert second.tier == "exact" and second.ram_tier_hits == 0
+        keys = es.store.keys_along(es.namespace, es.prompt_tokens(m))
+        assert len(keys) == 3
+        assert second.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
+        repeats = [es.generate(m, max_tokens=MAX_TOKENS) for _ in range(6)]
+        for r in repeats:
+            assert r.tier == "exact" and r.tokens_reused == first.prompt_tokens - 1
+            assert r.ram_tier_hits == 3 and r.bytes_read == 0
+        assert es.store.lifecycle(keys[0]).lifetime == "long"
+        for r in (first, second, *repeats):
+            assert r.tokens == uncached(m)
+        stats = es.fragment_cache.ram.stats()
+        assert stats.hits == 3 * len(repeats) and stats.entries == 3
+        assert stats.bytes == sum(es.store.get(k).raw_nbytes for k in keys) <= stats.max_bytes
+        for key in keys:  # what RAM holds is what the store holds
+            held, stored = es.fragment_cache.ram.peek(key), es.store.get(key)
+            assert np.array_equal(held.keys.view(np.uint16), stored.keys.view(np.uint16))
+            assert np.array_equal(held.values.view(np.uint16), stored.values.view(np.uint16))
+            assert held.created_at == stored.created_at == es.store.lifecycle(key).created_at
+        assert es.fragment_cache.stale == 0
+
+        assert es.forget(m) == 3
+        assert len(es.fragment_cache.ram) == 0  # forget empties the tier
+        after = es.generate(m, max_tokens=MAX_TOKENS)
+        assert after.tier == "miss" and after.ram_tier_hits == 0 and after.tokens == uncached(m)
+    finally:
+        es.close()
+        store.close()
+
+
+def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, system_prompts, uncached, tmp_path,
+                                                                  monkeypatch):
+    """The store loses the chain's second fragment between the walk and the injection (what
+    another process's eviction or compaction does): RAM serves the first only, drops the
+    other, and the request prefills the rest with identical tokens."""
+    m = chat(system_prompts[1])
+    store = FragmentStore(tmp_path / "s")
+    es = open_router(adapter, store)
+    try:
+        es.generate(m, max_tokens=MAX_TOKENS)
+        es.generate(m, max_tokens=MAX_TOKENS)  # read from the store: now in RAM
+        tokens = es.prompt_tokens(m)
+        match = es.store.prefix_walk(es.namespace, tokens)
+        victim = match.spans[1].keys[0]
+        assert victim in es.fragment_cache.ram
+        real_walk = planning.walk
+
+        def walk_then_delete(store_, namespace, toks):
+            found = real_walk(store_, namespace, toks)
+            es.store.delete(victim)
+            return found
+
+        monkeypatch.setattr(planning, "walk", walk_then_delete)
+        r = es.generate(m, max_tokens=MAX_TOKENS)
+        monkeypatch.undo()
+        assert r.tier == "partial" and r.tokens_reused == 128 and r.ram_tier_hits == 1 and r.bytes_read == 0
+        assert r.tokens == uncached(m)
+        assert victim not in es.fragment_cache.ram and es.fragment_cache.stale == 1
+    finally:
+        es.close()
+        store.close()
+
+
+def test_a_fragment_expired_after_the_walk_is_not_served(adapter, system_prompts, uncached, tmp_path, monkeypatch):
+    """The clock passes the chain's expiry between the walk and the injection: nothing is
+    served (from RAM or the store), the request prefills and answers identically."""
+    m = chat(system_prompts[2])
+    clock = ManualClock()
+    store = FragmentStore(tmp_path / "s", clock=clock, policy=TTLPolicy(ttl_seconds=600))
+    es = open_router(adapter, store, ttl_seconds=600)
+    try:
+        es.generate(m, max_tokens=MAX_TOKENS)
+        es.generate(m, max_tokens=MAX_TOKENS)
+        assert len(es.fragment_cache.ram) == 3
+        real_walk = planning.walk
+
+        def walk_then_expire(store_, namespace, toks):
+            found = real_walk(store_, namespace, toks)
+            clock.advance(601)
+            return found
+
+        monkeypatch.setattr(planning, "walk", walk_then_expire)
+        r = es.generate(m, max_tokens=MAX_TOKENS)
+        monkeypatch.undo()
+        assert r.tier == "miss" and r.tokens_reused == 0 and r.ram_tier_hits == 0
+        assert r.tokens == uncached(m)
+        assert es.fragment_cache.stale >= 1
+    finally:
+        es.close()
+        store.close()
+
+
+def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp_path):
+    """A budget of four full 128-token fragments (2.95 MB each in f16: one prompt's chain of
+    about 350 tokens fits, two do not) over three prompts: held bytes never pass it, the least
+    recently used go, the third request of each prompt is served from RAM, and answers stay
+    identical; a budget smaller than one fragment holds nothing."""
+    ns = adapter.namespace
+    one = 128 * ns.n_layer * ns.n_head_kv * ns.head_dim * 2 * 2
+    prompts = [chat(p) for p in system_prompts[3:6]]
+    for budget in (4 * one, one // 2):
+        store = FragmentStore(tmp_path / f"s{budget}")
+        es = open_router(adapter, store, ram_tier_bytes=budget)
+        try:
+            for m in prompts if budget > one else prompts[:1]:
+                rs = [es.generate(m, max_tokens=MAX_TOKENS) for _ in range(3)]
+                for r in rs:
+                    assert r.tokens == uncached(m)
+                    assert es.fragment_cache.ram.bytes <= budget
+                assert rs[2].ram_tier_hits == (3 if budget > one else 0)
+            stats = es.fragment_cache.ram.stats()
+            if budget > one:
+                assert stats.evictions > 0 and stats.hits == 3 * len(prompts)
+            else:
+                assert stats.entries == 0 and stats.rejected > 0 and stats.hits == 0
+        finally:
+            es.close()
+            store.close()
