@@ -191,7 +191,8 @@ def test_worker_waits_for_a_running_warm_up_and_loads_nothing_otherwise():
     import threading
     import time
 
-    from benchmarks.worker import WARM_UP_THREAD, wait_for_warm_up
+    from benchmarks.worker import wait_for_warm_up
+    from edgesync_engines.request.semantic_lookup import WARM_UP_THREAD
 
     assert wait_for_warm_up() is False  # no warm-up running: nothing waited for, nothing loaded
     done = []
