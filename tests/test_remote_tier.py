@@ -172,6 +172,46 @@ def test_a_foreign_blob_under_a_key_is_refused(tmp_path, redis_server):
         b.close()
 
 
+def test_unusable_remote_values_are_skipped_counted_and_deleted(tmp_path, redis_server, caplog):
+    """Values of the wrong form or type under the tier's names (a hand-typed ``SET``, another
+    program): the fragment is still served, the value is logged, counted and deleted, and no
+    call fails or opens the circuit."""
+    prefix = new_prefix("garbage")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    counter = [b.keys.hits_key(f.key()) for f in frags]
+    try:
+        r.set(counter[0], "garbage")
+        r.rpush(counter[1], "not", "a", "string")
+        with caplog.at_level(logging.WARNING, logger="edgesync_store"):
+            got = [b.get(f.key()) for f in frags]
+            assert b.flush(10)
+        assert [g.key() for g in got] == [f.key() for f in frags] and [g.hit_count for g in got] == [0, 0, 0]
+        assert np.array_equal(got[0].keys, frags[0].keys) and np.array_equal(got[1].values, frags[1].values)
+        assert b.remote_stats()["bad_values"] == 2 and r.exists(counter[0], counter[1]) == 0
+        assert counter[0] in caplog.text and "b'garbage'" in caplog.text
+        r.set(counter[2], "12x")  # INCR refuses it: the batch's other hits still count
+        b.record_hits([f.key() for f in frags])
+        assert b.flush(10)
+        assert [r.get(c) for c in counter] == [b"1", b"1", None]
+        assert b.remote_stats()["hits_recorded"] == 2 and b.remote_stats()["bad_values"] == 3
+        # an index entry and the namespaces hash that are not hashes: a third node walks past them
+        first_index = b.keys.index_key(SMOL.digest(), frags[0].prefix_hash)
+        r.delete(first_index, b.keys.namespaces_key)
+        r.set(first_index, "junk")
+        r.set(b.keys.namespaces_key, "junk")
+        c = tiered(tmp_path, "c", redis_server.url, prefix)
+        assert c.prefix_walk(SMOL, tokens).matched_tokens == 0 and c.namespaces() == []
+        assert c.flush(10) and r.exists(first_index, b.keys.namespaces_key) == 0
+        assert c.remote_stats()["bad_values"] == 2
+        for node in (b, c):
+            assert node.remote_stats()["errors"] == 0 and not node.remote_stats()["circuit_open"]
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_dead_remote_opens_the_circuit_and_the_local_tier_serves(tmp_path, caplog):
     url = f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0"  # nothing listens there
     store = tiered(tmp_path, "alone", url, new_prefix("dead"), timeout_ms=20, retry_s=60)

@@ -76,6 +76,8 @@ class RemoteCounters:
         timeout, connection, oom, other: failed calls by kind.
         skipped: calls not made because the breaker was open.
         breaker_opens: times the breaker opened.
+        bad_values: remote values of the wrong type or form (a hit counter that is not a count,
+            a key of another type: ``tier.KeyLayout.on_bad``), skipped and deleted.
     """
 
     walks: int = 0
@@ -96,6 +98,7 @@ class RemoteCounters:
     other: int = 0
     skipped: int = 0
     breaker_opens: int = 0
+    bad_values: int = 0
 
     @property
     def errors(self) -> int:
@@ -160,6 +163,9 @@ class CircuitBreaker:
 CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 """What a redis-py call may raise: its own errors (a cluster's setup errors are not
 ``RedisError``s) and the socket's."""
+REPLY_ERRORS = (ValueError, TypeError, LookupError, AttributeError)
+"""What using a reply of an unexpected form may raise (the tier validates what it reads, this is
+the net below it): counted as ``other`` like a failed call, never raised to a request."""
 
 
 def _classify(exc: Exception) -> str:
@@ -211,6 +217,7 @@ class RemoteClient:
         self._clients: dict[str, object] = {}
         self._clients_lock = threading.Lock()
         self._warned = False
+        self._noted: set[str] = set()
 
     def __repr__(self) -> str:
         return f"RemoteClient({self.url.redacted!r}, cluster={self.cluster})"
@@ -260,6 +267,9 @@ class RemoteClient:
             kind = _classify(exc)
             self._failed(breaker, kind, what, exc)
             raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {exc}") from None
+        except REPLY_ERRORS as exc:
+            self._failed(breaker, "other", what, exc)
+            raise RemoteUnavailable("other", f"remote {what}: unusable reply ({type(exc).__name__}: {exc})") from None
         if breaker.success():
             log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
         return result
@@ -280,6 +290,14 @@ class RemoteClient:
         else:
             log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, exc)
         self._warned = True
+
+    def note(self, kind: str, message: str, *args: object) -> None:
+        """Log ``message % args`` at WARNING the first time for ``kind``, at DEBUG after, so a
+        fault that repeats on every request does not flood the log (its counter counts it)."""
+        with self.counters_lock:
+            first = kind not in self._noted
+            self._noted.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def close(self) -> None:
         """Close both clients' connections (idempotent)."""
