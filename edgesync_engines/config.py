@@ -305,7 +305,10 @@ def _post_init(self) -> None:
     for s in SETTINGS:
         value = getattr(self, s.name)
         if s.coerce is not None:
-            value = s.coerce(value)
+            try:
+                value = s.coerce(value)
+            except ValueError as exc:  # the coercion's message says what (a URL's is redacted)
+                raise ValueError(f"{s.name}: {exc}") from None
             object.__setattr__(self, s.name, value)
         problem = s.check(value) if s.check is not None else None
         if problem:

@@ -245,6 +245,53 @@ def test_the_url_password_is_never_shown():
         EdgeSyncConfig.load({"remote_prefix": "a{b}"}, environ={})
 
 
+PASSWORD_TAIL = "SECRETTAIL"
+
+
+@pytest.mark.parametrize("sep", ["/", "#", "?"])
+def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, caplog, sep):
+    """A password holding ``/``, ``#`` or ``?`` typed as it is: refused at load with a message
+    naming the variable and the fix, the password in no form in it (nor on the command's
+    stderr); percent-encoded, it connects, and a failing call's log line hides it too."""
+    import os
+    import subprocess
+    import sys
+    from urllib.parse import quote
+
+    password = f"ab{sep}{PASSWORD_TAIL}@x"
+    typed = f"redis://:{password}@127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": typed})
+    message = str(err.value)
+    assert "EDGESYNC_REMOTE_URL" in message and "percent-encode" in message and PASSWORD_TAIL not in message
+    assert f"redis://:***@127.0.0.1:{redis_server.port}/0" in message
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load({"remote_url": typed}, environ={})
+    assert str(err.value).startswith("remote_url: ") and PASSWORD_TAIL not in str(err.value)
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": typed}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "s"), "--yes", "--remote"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "EDGESYNC_REMOTE_URL" in done.stderr
+    assert PASSWORD_TAIL not in done.stdout + done.stderr
+    encoded = f"redis://:{quote(password, safe='')}@127.0.0.1:{redis_server.port}/0"
+    cfg = EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": encoded})
+    assert cfg.remote_url.password == password and PASSWORD_TAIL not in repr(cfg) + str(cfg.to_dict())
+    redis_server.cli("CONFIG", "SET", "requirepass", password)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgesync_store"):
+            store = tiered(tmp_path, "node", cfg.remote_url, new_prefix("pw"))
+            assert store.put_many(chain(prompt(5))) == 3 and store.flush(10)
+            assert store.remote_stats()["puts"] == 3 and store.remote_stats()["errors"] == 0
+            store.close()
+            wrong = tiered(tmp_path, "wrong", encoded.replace("ab", "ba", 1), new_prefix("pw"))
+            assert wrong.put_many(chain(prompt(5))) == 3 and wrong.flush(10)
+            assert wrong.remote_stats()["other"] + wrong.remote_stats()["connection"] == 3
+            wrong.close()
+        assert PASSWORD_TAIL not in caplog.text and "redis://:***@127.0.0.1" in caplog.text
+    finally:
+        redis_server.cli("-a", password, "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+
+
 def test_the_write_queue_drops_its_oldest_when_full():
     release, ran, drops = threading.Event(), [], []
     queue = WriteBehind(2, on_drop=lambda: drops.append(1))

@@ -3,7 +3,9 @@
 :class:`RemoteURL` holds the URL a deployment gives (``EDGESYNC_REMOTE_URL``); its ``str()``,
 ``repr()`` and :attr:`RemoteURL.redacted` print the password (and a ``password=`` query
 argument) as ``***``, so that a config's repr, a log line or an error message never carries
-it. Only :attr:`RemoteURL.secret` gives the URL as typed, for the client that connects.
+it. Only :attr:`RemoteURL.secret` gives the URL as typed, for the client that connects. The
+redaction (:func:`redact`) is textual and comes before any parsing, so that a URL no parser
+reads as meant (a password with ``/``, ``?`` or ``#`` typed as it is) is hidden as well.
 
 The username and password may also come from the environment, ``EDGESYNC_REMOTE_USERNAME``
 and ``EDGESYNC_REMOTE_PASSWORD`` (:func:`credentials`), so that the URL itself can be logged
@@ -27,7 +29,36 @@ PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 """A key prefix: 1 to 64 letters, digits, ``_ . : -`` (no braces: they would become a Redis
 Cluster hash tag, no spaces or glob characters: ``clear`` matches ``PREFIX:*``)."""
 
-__all__ = ["PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "USERNAME_ENV", "check_prefix", "credentials"]
+__all__ = ["PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "UNSAFE_IN_USERINFO", "USERNAME_ENV",
+           "check_prefix", "credentials", "redact"]
+
+
+UNSAFE_IN_USERINFO = "/?#"
+"""Characters that end a URL's user and password part (RFC 3986): typed as they are in a password
+they make every URL parser (urllib's, so redis-py's) read the rest as a path, query or fragment.
+Percent-encoded (``%2F``, ``%3F``, ``%23``) they are fine."""
+_SHOWN_USER = re.compile(r"^[A-Za-z0-9._~%!$&'()*+,;=-]*$")
+"""A user name shown in a redacted URL: RFC 3986's user characters, nothing that could be the
+start of a mistyped password."""
+
+
+def redact(text: str) -> str:
+    """``text`` with everything between ``://`` and the last ``@`` (the whole text before the
+    last ``@`` when there is no ``://``) replaced by ``user:***`` (the user name kept only when it
+    is plainly one, else ``***``), and every ``password=`` query value by ``***``.
+
+    Purely textual, so it holds for a URL no parser reads as intended (a password with ``/``,
+    ``?``, ``#`` or ``@`` typed as it is): every message about a URL shows it through this.
+    """
+    scheme_end = text.find("://")
+    start = 0 if scheme_end < 0 else scheme_end + 3
+    at = text.rfind("@")
+    if at >= start:
+        userinfo = text[start:at]
+        user, colon, _password = userinfo.partition(":")
+        shown = f"{user}:***" if colon and scheme_end >= 0 and _SHOWN_USER.match(user) else "***"
+        text = text[:start] + shown + text[at:]
+    return re.sub(r"(password=)[^&]*", r"\1***", text)
 
 
 class RemoteURL:
@@ -37,8 +68,10 @@ class RemoteURL:
         text: the URL as given.
 
     Raises:
-        ValueError: not a string, another scheme, no host, a port or db that is not a number;
-            the message shows the URL redacted.
+        ValueError: not a string, another scheme, no host, a port or db that is not a number, a
+            user or password with an unencoded ``/``, ``?`` or ``#``; the message shows the URL
+            through :func:`redact` only (never a part a parser cut out of it, which could hold
+            the tail of a mistyped password).
     """
 
     __slots__ = ("_text", "scheme", "host", "port", "db")
@@ -49,18 +82,24 @@ class RemoteURL:
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"must be a redis:// or rediss:// URL, got {type(text).__name__}")
         self._text = text.strip()
+        shown = self.redacted
+        scheme_end = self._text.find("://")
+        if self._text.rfind("@") > scheme_end >= 0 and any(
+                c in self._text[scheme_end + 3:self._text.rfind("@")] for c in UNSAFE_IN_USERINFO):
+            raise ValueError(f"{shown}: the user name or password holds '/', '?' or '#' as typed: percent-encode "
+                             "them (%2F, %3F, %23; '@' as %40, '%' as %25; an '@' in the path or query as %40)")
         try:
             parts = urlsplit(self._text)
             port = parts.port
         except ValueError:
-            raise ValueError(f"{self.redacted}: not a URL (bad host or port)") from None
+            raise ValueError(f"{shown}: not a URL (bad host or port)") from None
         if parts.scheme not in SCHEMES:
-            raise ValueError(f"{self.redacted}: scheme must be redis:// or rediss:// (TLS), got {parts.scheme!r}")
+            raise ValueError(f"{shown}: the scheme must be redis:// or rediss:// (TLS)")
         if not parts.hostname:
-            raise ValueError(f"{self.redacted}: no host")
+            raise ValueError(f"{shown}: no host")
         db = parts.path.strip("/")
         if db and not db.isdigit():
-            raise ValueError(f"{self.redacted}: the path must be a database number, got {db!r}")
+            raise ValueError(f"{shown}: the path must be a database number (/0, /1, ...)")
         self.scheme, self.host, self.port, self.db = parts.scheme, parts.hostname, port or 6379, int(db or 0)
 
     @property
@@ -90,17 +129,9 @@ class RemoteURL:
 
     @property
     def redacted(self) -> str:
-        """The URL with its password (and a ``password=`` query value) replaced by ``***``."""
-        text = self._text
-        try:
-            parts = urlsplit(text)
-            if parts.password is not None:
-                host = parts.netloc.rsplit("@", 1)[1]
-                user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
-                text = parts._replace(netloc=f"{user}:***@{host}").geturl()
-        except ValueError:
-            text = re.sub(r"//[^@/]*@", "//***@", text)
-        return re.sub(r"(password=)[^&]*", r"\1***", text)
+        """The URL with its password (and a ``password=`` query value) replaced by ``***``
+        (:func:`redact`)."""
+        return redact(self._text)
 
     def __str__(self) -> str:
         return self.redacted
