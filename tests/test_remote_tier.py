@@ -140,6 +140,43 @@ def test_forget_and_clear_remove_from_both_tiers(tmp_path, redis_server):
     k.close()
 
 
+def test_a_prefix_owns_exactly_its_own_keys(tmp_path, redis_server):
+    """No prefix holds ':' (so ``shop`` cannot own ``shop:17``'s keys), and clearing a prefix
+    removes exactly its layout's names: not a neighbour's (``shop-17``), not names of another
+    form under it (what a ``shop:17`` prefix wrote before ':' was refused, or another program's)."""
+    from edgesync_store.remote.commands import clear_remote
+    from edgesync_store.remote.tier import KeyLayout
+    from edgesync_store.remote.tiered import TieredStore
+
+    for bad in ("shop:17", "shop:", ":shop", "shop\n"):
+        with pytest.raises(ValueError, match="remote_prefix: .*no ':'"):
+            EdgeSyncConfig.load({"remote_prefix": bad}, environ={})
+        with pytest.raises(ValueError, match="no ':'"):
+            KeyLayout(bad)
+    with pytest.raises(ValueError, match="EDGESYNC_REMOTE_PREFIX"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_PREFIX": "shop:17"})
+    with pytest.raises(ValueError, match="remote prefix"):
+        TieredStore.connect(None, redis_server.url, prefix="shop:17")
+    shop = new_prefix("shop")
+    neighbour = f"{shop}-17"
+    r = _client(redis_server.url)
+    for name, p in (("shop", shop), ("neighbour", neighbour)):
+        store = tiered(tmp_path, name, redis_server.url, p)
+        assert store.put_many(chain(prompt(6))) == 3 and store.flush(10)
+        store.close()
+    key = chain(prompt(6))[0].key().hex()
+    foreign = [f"{shop}:17:{{{key}}}:b", f"{shop}:17:ns", f"{shop}:other", f"{shop}:{{{key}}}:x", f"{shop}:nsx"]
+    for name in foreign:
+        r.set(name, "not ours")
+    mine = sorted(n.decode() for n in r.scan_iter(match=f"{shop}:*") if n.decode() not in foreign)
+    assert len(mine) == 3 + 3 + 1 and all(KeyLayout(shop).own(n) for n in mine)
+    assert not any(KeyLayout(shop).own(n) for n in foreign)
+    assert clear_remote(redis_server.url, shop) == 7
+    assert sorted(n.decode() for n in r.scan_iter(match=f"{shop}:*")) == sorted(foreign)
+    assert len(list(r.scan_iter(match=f"{neighbour}:*"))) == 7
+    r.delete(*foreign)
+
+
 def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_server):
     prefix = new_prefix("flip")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)

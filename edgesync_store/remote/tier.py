@@ -1,6 +1,7 @@
 """The remote tier's key layout and its operations, one redis-py pipeline (one round trip) each.
 
-Keys (``P`` = the deployment's prefix, ``EDGESYNC_REMOTE_PREFIX``; ``K`` = the 64 hex digits
+Keys (``P`` = the deployment's prefix, ``EDGESYNC_REMOTE_PREFIX``, which holds no ``:``, so that
+the keys of two prefixes never overlap; ``K`` = the 64 hex digits
 of a store key, ``schema.store_key``; a Redis Cluster hash tag ``{K}`` keeps a fragment's two
 keys on one node)::
 
@@ -38,6 +39,7 @@ from typing import Callable, Sequence
 from edgesync_store.core import codec
 from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.errors import CodecError
+from edgesync_store.remote.url import check_prefix
 from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
@@ -139,12 +141,17 @@ class KeyLayout:
     returns plain values; redis-py's errors propagate to that call, which counts them.
 
     Args:
-        prefix: the deployment's key prefix (``url.check_prefix``).
+        prefix: the deployment's key prefix (``url.check_prefix``; ValueError otherwise).
         on_bad: told of every unusable value met (module docstring); default: logged here.
     """
 
     def __init__(self, prefix: str, on_bad: BadValue | None = None) -> None:
+        problem = check_prefix(prefix)
+        if problem:
+            raise ValueError(f"remote prefix: {problem}")
         self.prefix = prefix
+        # exactly the names below; a prefix has no ':' (url.check_prefix), so none of another's
+        self._own = re.compile(re.escape(prefix) + r":(?:\{[0-9a-f]{64}\}:[bn]|i:[0-9a-f]{128}|ns)")
         self.on_bad: BadValue = on_bad or (lambda name, why: log.warning("remote key %s: %s", name, why))
 
     def blob_key(self, key: bytes) -> str:
@@ -303,11 +310,20 @@ class KeyLayout:
             pipe.hdel(ikey, key)
         pipe.execute()
 
+    def own(self, name: bytes | str) -> bool:
+        """True when ``name`` is one of this layout's keys (module docstring), exactly: a key of
+        another prefix, or another name under this one, is not."""
+        text = name.decode("ascii", "replace") if isinstance(name, (bytes, bytearray)) else name
+        return self._own.fullmatch(text) is not None
+
     def clear(self, client, batch: int = 500) -> int:
-        """Remove every key under the prefix (``SCAN`` on every node, then ``UNLINK``); returns
-        the keys removed. Keys of other prefixes are untouched."""
+        """Remove every key of this layout (``SCAN`` of ``PREFIX:*`` on every node, each name
+        checked by :meth:`own`, then ``UNLINK``); returns the keys removed. Keys of other
+        prefixes, and other names under this one, are untouched."""
         removed, todo = 0, []
         for name in client.scan_iter(match=f"{self.prefix}:*", count=1000):
+            if not self.own(name):
+                continue
             todo.append(name)
             if len(todo) >= batch:
                 removed += self._unlink(client, todo)

@@ -25,9 +25,11 @@ SCHEMES = ("redis", "rediss")
 """``redis``: plain TCP; ``rediss``: TLS (redis-py's own URL schemes)."""
 USERNAME_ENV = "EDGESYNC_REMOTE_USERNAME"
 PASSWORD_ENV = "EDGESYNC_REMOTE_PASSWORD"
-PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-"""A key prefix: 1 to 64 letters, digits, ``_ . : -`` (no braces: they would become a Redis
-Cluster hash tag, no spaces or glob characters: ``clear`` matches ``PREFIX:*``)."""
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A key prefix (the whole string): 1 to 64 letters, digits, ``_ . -``. Every key is
+``PREFIX:...``, so no ``:`` (a prefix ``shop`` would otherwise own the keys of ``shop:17``,
+and ``clear --remote`` of one would remove the other's); no braces (they would become a Redis
+Cluster hash tag), no spaces or glob characters (``clear`` scans ``PREFIX:*``)."""
 
 __all__ = ["PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "UNSAFE_IN_USERINFO", "USERNAME_ENV",
            "check_prefix", "credentials", "redact"]
@@ -158,6 +160,7 @@ def credentials(url: RemoteURL, environ=None) -> tuple[str | None, str | None]:
 
 def check_prefix(prefix: object) -> str | None:
     """None when ``prefix`` is a usable key prefix (:data:`PREFIX_PATTERN`), else what is wrong."""
-    if isinstance(prefix, str) and PREFIX_PATTERN.match(prefix):
+    if isinstance(prefix, str) and PREFIX_PATTERN.fullmatch(prefix):
         return None
-    return f"must be 1 to 64 letters, digits or _ . : - (no braces, spaces or *), got {prefix!r}"
+    return (f"must be 1 to 64 letters, digits or _ . - (no ':', which separates the prefix from the rest of "
+            f"every key, and no braces, spaces or *), got {prefix!r}")
