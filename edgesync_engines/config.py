@@ -124,9 +124,17 @@ def _lower(value: Any) -> Any:
 
 
 def _remote_url(value: Any) -> Any:
-    if isinstance(value, str):
-        return RemoteURL(value) if value.strip() else None
-    return value
+    return (RemoteURL(value) if value.strip() else None) if isinstance(value, str) else value
+
+
+def _remote_options(url: RemoteURL | None, cluster: bool) -> str | None:
+    """The URL's query arguments checked as redis-py reads them (``client.check_options``): at load, not on the
+    first request. None without redis-py (the tier is then unused, ``request/remote_open.py`` says so)."""
+    try:
+        from edgesync_store.remote.client import check_options
+    except ImportError:
+        return None
+    return None if url is None else check_options(url, cluster)
 
 
 @dataclass(frozen=True)
@@ -288,6 +296,7 @@ CROSS_CHECKS: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
      if c.reuse == "semantic" and not c.semantic else None),
     ("similarity_partial", lambda c: f"{c.similarity_partial} is above similarity_exact {c.similarity_exact}"
      if c.similarity_partial > c.similarity_exact else None),
+    ("remote_url", lambda c: _remote_options(c.remote_url, c.remote_cluster)),
 )
 """Rules between settings, checked after every setting's own: (the field blamed, check)."""
 

@@ -329,6 +329,65 @@ def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, capl
         redis_server.cli("-a", password, "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
 
 
+@pytest.mark.parametrize("query", ["?db=x", "?socket_timeout=abc", "?foo=1", "?ssl_ca_certs=/etc/ca.pem",
+                                   "?retry_on_timeout=yes"])
+def test_bad_url_arguments_are_refused_at_load(tmp_path, redis_server, query):
+    """The URL's query arguments are checked when the settings load (redis-py's own URL parser,
+    the options the tier passes on), naming EDGESYNC_REMOTE_URL; ``edgesync clear --remote``
+    says so and exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    url = f"redis://127.0.0.1:{redis_server.port}/0{query}"
+    with pytest.raises(ValueError, match="EDGESYNC_REMOTE_URL") as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": url})
+    assert query.split("=")[0].lstrip("?") in str(err.value)
+    with pytest.raises(ValueError, match="remote"):
+        tiered(tmp_path, "s", url, new_prefix("args"))
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": url}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "s"), "--yes", "--remote"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "EDGESYNC_REMOTE_URL" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_database_numbers_are_checked_at_load_and_on_the_server():
+    for url, problem in (("redis://h/99999999999", "out of range"), ("redis://h/0?db=-1", "database number")):
+        with pytest.raises(ValueError, match=problem):
+            EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": url})
+    with pytest.raises(ValueError, match="database 0 only"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "redis://h/2", "EDGESYNC_REMOTE_CLUSTER": "1"})
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "redis://h/3?db=2"}).remote_url.db == 2  # as redis-py
+
+
+@pytest.mark.parametrize("query", ["/99", "/0?socket_timeout=abc", "/0?foo=1"])
+def test_url_errors_met_at_run_time_leave_the_node_local_only(tmp_path, redis_server, caplog, query):
+    """What only the server can refuse (database 99 of a 16-database server), or an option that
+    slipped past the checks (a client built without ``connect``): every operation of the seam
+    goes on local-only, with a warning that names EDGESYNC_REMOTE_URL."""
+    from edgesync_store.core.store import FragmentStore
+    from edgesync_store.remote.client import RemoteClient
+    from edgesync_store.remote.tiered import TieredStore
+
+    url = f"redis://127.0.0.1:{redis_server.port}{query}"
+    store = TieredStore(FragmentStore(tmp_path / "node"), RemoteClient(url, timeout_ms=2000), prefix=new_prefix("rt"))
+    tokens, frags = prompt(7), chain(prompt(7))
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgesync_store"):
+            assert store.put_many(frags) == 3 and store.flush(10)
+            assert store.prefix_walk(SMOL, tokens + [9] * 70).matched_tokens == 199  # the local chain
+            assert store.get(chain(prompt(8))[0].key()) is None
+            store.record_hits([frags[0].key()])
+            assert {ns.digest() for ns in store.namespaces()} == {SMOL.digest()}
+            assert store.keys_along(SMOL, tokens) and store.forget_tokens(SMOL, tokens) == 3
+            assert store.flush(10)
+        stats = store.remote_stats()
+        assert stats["puts"] == 0 and stats["errors"] >= 3 and stats["errors"] == stats["other"]
+        assert "EDGESYNC_REMOTE_URL" in caplog.text
+    finally:
+        store.close()
+
+
 def test_the_write_queue_drops_its_oldest_when_full():
     release, ran, drops = threading.Event(), [], []
     queue = WriteBehind(2, on_drop=lambda: drops.append(1))

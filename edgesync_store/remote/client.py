@@ -178,6 +178,61 @@ def _classify(exc: Exception) -> str:
     return "other"
 
 
+URL_OPTIONS = frozenset({"db", "username", "password", "client_name", "socket_keepalive", "socket_read_size",
+                         "max_connections"})
+"""Query arguments of the URL passed on to redis-py (its own parsers check their values)."""
+TLS_OPTIONS = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_password",
+                         "ssl_check_hostname", "ssl_min_version", "ssl_ciphers", "ssl_include_verify_flags",
+                         "ssl_exclude_verify_flags"})
+"""Query arguments passed on for ``rediss://`` only (redis-py's ``SSLConnection``)."""
+TIER_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
+                          "health_check_interval", "decode_responses", "encoding", "protocol"})
+"""Query arguments the tier sets itself and a URL must not override (redis-py lets a URL's win):
+its timeouts, no retries, binary RESP2 replies."""
+
+
+def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
+    """None when redis-py can use ``url``'s query arguments as the tier passes them, else what
+    is wrong (the URL redacted, never a value): an argument the tier does not pass on
+    (:data:`URL_OPTIONS`, :data:`TLS_OPTIONS` with ``rediss://``) or sets itself
+    (:data:`TIER_OPTIONS`), a value redis-py's own URL parser refuses, a database other than 0
+    on a Redis Cluster."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from redis.connection import parse_url
+
+    shown = url.redacted
+    for name, _value in parse_qsl(urlsplit(url.secret).query, keep_blank_values=True):
+        if name in TIER_OPTIONS:
+            how = ("EDGESYNC_REMOTE_TIMEOUT_MS and EDGESYNC_REMOTE_WRITE_TIMEOUT_MS set the timeouts"
+                   if "timeout" in name else "the tier sets it")
+            return f"{shown}: {name}= is not taken from the URL ({how})"
+        if name in TLS_OPTIONS and not url.tls:
+            return f"{shown}: {name}= needs rediss:// (TLS)"
+        if name not in URL_OPTIONS | TLS_OPTIONS:
+            return (f"{shown}: {name[:40]}= is not an option the remote tier passes on (it takes "
+                    f"{', '.join(sorted(URL_OPTIONS | (TLS_OPTIONS if url.tls else set())))})")
+    try:
+        parse_url(url.secret)
+    except ValueError as exc:  # its messages name the argument, never the value
+        return f"{shown}: {exc}"
+    if cluster and url.db != 0:
+        return f"{shown}: a Redis Cluster has database 0 only, the URL names {url.db}"
+    return None
+
+
+def _hint(exc: Exception) -> str:
+    """What to check when a failure is the configuration's, not the network's ("" otherwise)."""
+    text = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid username")):
+        return " (check the user and password: EDGESYNC_REMOTE_URL, EDGESYNC_REMOTE_USERNAME/PASSWORD)"
+    if "DB index is out of range" in text or "Invalid Database" in text:
+        return " (the server has fewer databases than the remote URL's number: EDGESYNC_REMOTE_URL)"
+    if text.startswith("NOPERM"):
+        return " (the ACL user lacks a command or key pattern: see tier.COMMANDS and the key prefix)"
+    return ""
+
+
 def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
     """A redis-py client for ``url``: no retries, no CLIENT SETINFO (one command fewer for an
     ACL user), binary replies."""
@@ -238,7 +293,10 @@ class RemoteClient:
                 try:
                     self._clients[which] = _make_client(self.url, self.cluster, self.timeouts_s[which])
                 except CLIENT_ERRORS as exc:
-                    raise RemoteUnavailable(_classify(exc), f"{self.url.redacted}: {exc}") from None
+                    raise RemoteUnavailable(_classify(exc), f"{self.url.redacted}: {exc}{_hint(exc)}") from None
+                except (ValueError, TypeError) as exc:  # redis-py refused the URL's options
+                    raise RemoteUnavailable("other", f"{self.url.redacted}: {exc} (check the remote URL, "
+                                                     "EDGESYNC_REMOTE_URL)") from None
             return self._clients[which]
 
     def count(self, **deltas: int) -> None:
@@ -261,20 +319,22 @@ class RemoteClient:
         try:
             result = op(self.client(which))
         except RemoteUnavailable as exc:
-            self._failed(breaker, exc.kind, what, exc)
+            self._failed(breaker, exc.kind, what, str(exc))
             raise
         except CLIENT_ERRORS as exc:
-            kind = _classify(exc)
-            self._failed(breaker, kind, what, exc)
-            raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {exc}") from None
-        except REPLY_ERRORS as exc:
-            self._failed(breaker, "other", what, exc)
-            raise RemoteUnavailable("other", f"remote {what}: unusable reply ({type(exc).__name__}: {exc})") from None
+            kind, detail = _classify(exc), f"{exc}{_hint(exc)}"
+            self._failed(breaker, kind, what, detail)
+            raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {detail}") from None
+        except REPLY_ERRORS as exc:  # a reply of an unexpected form, or an option redis-py refused late
+            detail = (f"{type(exc).__name__}: {exc} (a reply of an unexpected form, or an option of the remote URL, "
+                      "EDGESYNC_REMOTE_URL)")
+            self._failed(breaker, "other", what, detail)
+            raise RemoteUnavailable("other", f"remote {what} failed (other): {detail}") from None
         if breaker.success():
             log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
         return result
 
-    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, exc: Exception) -> None:
+    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str) -> None:
         self.count(**{kind: 1})
         if kind == "oom":  # the server is full, not gone: reads still work
             log.warning("remote tier %s is full (maxmemory, noeviction): %s not stored", self.url.redacted, what)
@@ -286,9 +346,9 @@ class RemoteClient:
                         "serving" if breaker is self.breaker else "writing", breaker.wait_s)
         elif not self._warned:
             log.warning("remote tier %s: %s failed (%s: %s); this request goes on local-only", self.url.redacted,
-                        what, kind, exc)
+                        what, kind, detail)
         else:
-            log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, exc)
+            log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, detail)
         self._warned = True
 
     def note(self, kind: str, message: str, *args: object) -> None:

@@ -43,7 +43,7 @@ from edgesync_store.core.store import FragmentStore, StoreStats
 from edgesync_store.core.walk import PrefixMatch
 from edgesync_store.errors import CodecError, StoreError
 from edgesync_store.remote import walk as remote_walk
-from edgesync_store.remote.client import RemoteClient, RemoteUnavailable
+from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, check_options
 from edgesync_store.remote.local_ops import LocalTierOps
 from edgesync_store.remote.queue import WriteBehind
 from edgesync_store.remote.reads import RemoteReads
@@ -101,12 +101,19 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         arguments; connecting is lazy, so an unreachable remote does not fail this).
 
         Raises:
-            ValueError: a bad URL (message redacted) or key prefix.
+            ValueError: a bad URL or query argument (``client.check_options``; message redacted)
+                or key prefix.
         """
-        url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        try:
+            url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        except ValueError as exc:  # its message shows the URL redacted
+            raise ValueError(f"remote URL: {exc}") from None
         problem = check_prefix(prefix)
         if problem:
             raise ValueError(f"remote prefix: {problem}")
+        problem = check_options(url, cluster)
+        if problem:
+            raise ValueError(f"remote URL: {problem}")
         client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
                               retry_s=retry_s)
         return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid)

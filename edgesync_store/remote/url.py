@@ -31,10 +31,13 @@ PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 and ``clear --remote`` of one would remove the other's); no braces (they would become a Redis
 Cluster hash tag), no spaces or glob characters (``clear`` scans ``PREFIX:*``)."""
 
-__all__ = ["PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "UNSAFE_IN_USERINFO", "USERNAME_ENV",
+__all__ = ["MAX_DB", "PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "UNSAFE_IN_USERINFO", "USERNAME_ENV",
            "check_prefix", "credentials", "redact"]
 
 
+MAX_DB = 2**31 - 1
+"""The largest database number Redis's ``SELECT`` takes (a C ``int``; the server's ``databases``
+setting, 16 by default, bounds it further: a number above is refused on the first call)."""
 UNSAFE_IN_USERINFO = "/?#"
 """Characters that end a URL's user and password part (RFC 3986): typed as they are in a password
 they make every URL parser (urllib's, so redis-py's) read the rest as a path, query or fragment.
@@ -70,8 +73,9 @@ class RemoteURL:
         text: the URL as given.
 
     Raises:
-        ValueError: not a string, another scheme, no host, a port or db that is not a number, a
-            user or password with an unencoded ``/``, ``?`` or ``#``; the message shows the URL
+        ValueError: not a string, another scheme, no host, a port or db (the path, or ``db=``)
+            that is not a number, a db above :data:`MAX_DB`, a user or password with an
+            unencoded ``/``, ``?`` or ``#``; the message shows the URL
             through :func:`redact` only (never a part a parser cut out of it, which could hold
             the tail of a mistyped password).
     """
@@ -102,7 +106,13 @@ class RemoteURL:
         db = parts.path.strip("/")
         if db and not db.isdigit():
             raise ValueError(f"{shown}: the path must be a database number (/0, /1, ...)")
-        self.scheme, self.host, self.port, self.db = parts.scheme, parts.hostname, port or 6379, int(db or 0)
+        query_db = dict(parse_qsl(parts.query)).get("db")
+        if query_db is not None and not query_db.isdigit():  # redis-py takes ?db= over the path
+            raise ValueError(f"{shown}: db= must be a database number (0, 1, ...)")
+        db = int(query_db if query_db is not None else db or 0)
+        if db > MAX_DB:
+            raise ValueError(f"{shown}: database {db} is out of range (0 to {MAX_DB})")
+        self.scheme, self.host, self.port, self.db = parts.scheme, parts.hostname, port or 6379, db
 
     @property
     def secret(self) -> str:
