@@ -448,7 +448,7 @@ def test_the_clear_command_with_remote(tmp_path, redis_server):
         done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         doc = json.loads(done.stdout)
-        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1
+        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1 and doc["remote_error"] is None
         r = redis.Redis.from_url(url)
         assert list(r.scan_iter(match=f"{prefix}:*")) == [] and len(list(r.scan_iter(match=f"{other}:*"))) == 7
         text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -459,3 +459,35 @@ def test_the_clear_command_with_remote(tmp_path, redis_server):
         assert refused.returncode == 2 and "no remote tier is configured" in refused.stderr
     finally:
         redis_server.cli("-a", "cli-pa55", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+
+
+def test_the_clear_command_with_the_remote_down_reports_both_outcomes(tmp_path):
+    """The local store is cleared, the remote tier cannot be: both are printed (one JSON object with
+    --json), the exit status is 3 (the remote's failure), the password never shown."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from edgesync_store.core.store import FragmentStore
+
+    url = f"redis://:down-pa55@127.0.0.1:{free_port()}/0"  # nothing listens there
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": new_prefix("down")}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "node"), "--yes", "--remote"]
+    for as_json in (True, False):
+        with FragmentStore(tmp_path / "node") as store:
+            assert store.put_many(chain(prompt(9))) == 3
+        done = subprocess.run(cmd + ["--json"] * as_json, capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 3, done.stderr
+        assert "error: the local store was cleared, the remote tier was not: remote tier redis://:***@127.0.0.1" \
+            in done.stderr
+        assert "down-pa55" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+        if as_json:
+            doc = json.loads(done.stdout)
+            assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] is None
+            assert "connection" in doc["remote_error"] and "redis://:***@127.0.0.1" in doc["remote_error"]
+        else:
+            assert "3 fragments removed" in done.stdout and "; remote tier redis://:***@" in done.stdout
+            assert "not cleared: " in done.stdout
+        with FragmentStore(tmp_path / "node") as store:
+            assert store.stats().fragments == 0

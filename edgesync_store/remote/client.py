@@ -345,7 +345,7 @@ class RemoteClient:
                         self.url.redacted, breaker.failures, what, kind,
                         "serving" if breaker is self.breaker else "writing", breaker.wait_s)
         elif not self._warned:
-            log.warning("remote tier %s: %s failed (%s: %s); this request goes on local-only", self.url.redacted,
+            log.warning("remote tier %s: %s failed (%s: %s); going on without it", self.url.redacted,
                         what, kind, detail)
         else:
             log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, detail)
