@@ -177,6 +177,56 @@ def test_a_prefix_owns_exactly_its_own_keys(tmp_path, redis_server):
     r.delete(*foreign)
 
 
+def _index_fields(r, prefix: str) -> dict[bytes, str]:
+    return {field: ikey for ikey in r.scan_iter(match=f"{prefix}:i:*") for field in r.hkeys(ikey)}
+
+
+def test_an_index_entry_only_for_a_stored_blob(tmp_path):
+    """Redis at maxmemory with noeviction refuses some blobs: none of them is left in the index
+    (the blob is written first, its index entry only once it is stored)."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    prefix = new_prefix("oom-index")
+    store = tiered(tmp_path, "node", server.url, prefix)
+    try:
+        frags = [f for seed in range(3) for f in chain(prompt(10 + seed))]
+        assert store.put_many(frags) == 9 and store.flush(30)
+        stats = store.remote_stats()
+        assert stats["oom"] >= 1 and stats["puts"] >= 1 and stats["oom"] + stats["puts"] == 9
+        r = _client(server.url)
+        fields = _index_fields(r, prefix)
+        assert len(fields) == stats["puts"]
+        assert all(r.exists(store.keys.blob_key(bytes(f))) for f in fields)
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_a_blob_without_its_index_entry_is_indexed_again_by_the_next_writer(tmp_path, redis_server):
+    prefix = new_prefix("reindex")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    try:
+        lost = frags[1].key()
+        fields = _index_fields(r, prefix)
+        assert r.hdel(fields[lost], lost) == 1  # as an index write refused after its blob was stored
+        c = tiered(tmp_path, "c", redis_server.url, prefix)
+        assert c.prefix_walk(SMOL, tokens).matched_tokens == 64  # the chain is broken there
+        c.close()
+        d = tiered(tmp_path, "d", redis_server.url, prefix)  # computed the same prompt: writes it
+        assert d.put_many(chain(tokens)) == 3 and d.flush(10)
+        assert d.remote_stats()["puts"] == 0  # every blob was there: none sent again
+        assert lost in _index_fields(r, prefix)
+        d.close()
+        e = tiered(tmp_path, "e", redis_server.url, prefix)
+        assert e.prefix_walk(SMOL, tokens).matched_tokens == 199
+        e.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_server):
     prefix = new_prefix("flip")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)

@@ -236,27 +236,32 @@ class KeyLayout:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def exists(self, client, key: bytes) -> bool:
-        """True when the fragment's blob is stored."""
-        return bool(client.exists(self.blob_key(key)))
-
     def put(self, client, key: bytes, blob: bytes, head: FragmentHeader, head_bytes: bytes, ttl_s: int,
             index_ttl_s: int) -> bool:
-        """Store a fragment unless its blob is there (``SET NX``): blob with ``ttl_s`` seconds to
-        live, its index field (the index hash's expiry set to ``index_ttl_s``) and its
-        namespace. True when the blob was written.
+        """Store a fragment: its blob unless it is there (``EXISTS``, then ``SET NX`` with
+        ``ttl_s`` seconds to live), then, only once the blob is stored (now or before), its index
+        field (the index hash's expiry set to ``index_ttl_s``) and its namespace. A blob whose
+        index field is missing (an earlier writer's index write was refused) is so indexed again.
+        Up to three round trips (the blob and the index hash may live on different cluster
+        nodes, so no transaction spans them). True when the blob was written now.
 
         Raises:
-            redis.ResponseError: ``OOM`` when the server is full (``noeviction``).
+            redis.ResponseError: ``OOM`` when the server is full (``noeviction``); a refused
+                blob leaves no index field behind.
         """
+        bkey = self.blob_key(key)
+        wrote = False
+        if not client.exists(bkey):
+            # None: NX found it stored meanwhile by another writer; indexed all the same
+            wrote = bool(client.set(bkey, blob, ex=max(1, int(ttl_s)), nx=True))
         ikey = self.index_key(head.namespace.digest(), head.prefix_hash)
         pipe = client.pipeline(transaction=False)
-        pipe.set(self.blob_key(key), blob, ex=max(1, int(ttl_s)), nx=True)
         pipe.hset(ikey, key, head_bytes)
         pipe.expire(ikey, max(1, int(index_ttl_s)))
         pipe.hsetnx(self.namespaces_key, head.namespace.digest(),
                     json.dumps(head.namespace.to_dict(), sort_keys=True, separators=(",", ":")))
-        return bool(pipe.execute()[0])
+        pipe.execute()
+        return wrote
 
     def add_hits(self, client, keys: Sequence[bytes], ttl_s: float, long_ttl_s: float, promote_hits: int) -> int:
         """Count one hit on each stored fragment of ``keys``; a fragment whose summed hits reach

@@ -219,7 +219,8 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         return written
 
     def _push(self, key: bytes) -> None:
-        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored)."""
+        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored; when
+        the remote holds the blob already, only its index entry, which may have gone missing)."""
         try:
             blob, life = self.local.get_blob(key), self.local.lifecycle(key)
         except StoreError as exc:
@@ -236,11 +237,9 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         except CodecError:
             return  # the local read path refuses and removes it
 
-        def put(c) -> bool:
-            return not self.keys.exists(c, key) and self.keys.put(c, key, blob, head, head_bytes, ttl, long_ttl)
-
-        try:
-            if self.client.call("slow", put, "write"):
+        try:  # the blob first, its index entry only once it is stored (KeyLayout.put)
+            if self.client.call("slow", lambda c: self.keys.put(c, key, blob, head, head_bytes, ttl, long_ttl),
+                                "write"):
                 self.client.count(puts=1, bytes_written=len(blob))
         except RemoteUnavailable:
             self.client.count(write_skips=1)
