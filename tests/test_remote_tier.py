@@ -203,6 +203,35 @@ def test_an_index_entry_only_for_a_stored_blob(tmp_path):
         server.stop()
 
 
+def test_a_repeated_failure_warns_once_per_kind_and_counts(tmp_path, caplog):
+    """A full server refuses several writes: one WARNING, the repeats at DEBUG, each line with
+    the count so far; then the server dies: the first connection failure warns, the next is
+    DEBUG, the third opens the circuit (one WARNING)."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    store = tiered(tmp_path, "node", server.url, new_prefix("oom-log"), retry_s=60)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgesync_store"):
+            assert store.put_many([f for seed in range(3) for f in chain(prompt(10 + seed))]) == 9 and store.flush(30)
+            oom = store.remote_stats()["oom"]
+            server.kill()
+            assert store.put_many(chain(prompt(13))) == 3 and store.flush(30)
+
+        def lines(text: str) -> list[logging.LogRecord]:
+            return [rec for rec in caplog.records if text in rec.getMessage()]
+
+        full = lines("is full")
+        assert oom >= 2 and [rec.levelno for rec in full] == [logging.WARNING] + [logging.DEBUG] * (oom - 1)
+        assert "(1 refused so far" in full[0].getMessage() and f"({oom} refused so far" in full[-1].getMessage()
+        assert [rec.levelno for rec in lines("failed (connection")] == [logging.WARNING, logging.DEBUG]
+        assert [rec.levelno for rec in lines("failed calls in a row")] == [logging.WARNING]
+        assert store.remote_stats()["connection"] == 3 and store.remote_stats()["breaker_opens"] == 1
+    finally:
+        store.close()
+        server.stop()
+
+
 def test_a_blob_without_its_index_entry_is_indexed_again_by_the_next_writer(tmp_path, redis_server):
     prefix = new_prefix("reindex")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)

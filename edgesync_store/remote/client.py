@@ -14,8 +14,9 @@ breaker. An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxme
 ``noeviction``) is counted apart and does not open the breaker, since reads still work then.
 
 Every failure is counted in :class:`RemoteCounters` by kind (``timeout``, ``connection``,
-``oom``, ``other``) and logged: the first of a run at WARNING, the breaker opening and closing
-at WARNING and INFO, the rest at DEBUG, so a dead remote does not flood the log. Log lines name
+``oom``, ``other``) and logged: the first of each kind in a run at WARNING, with the count so
+far, the repeats at DEBUG (:meth:`RemoteClient.note`), the breaker opening and closing at
+WARNING and INFO, so a dead or full remote does not flood the log. Log lines name
 the server by its redacted URL only (``url.RemoteURL``).
 """
 
@@ -271,7 +272,6 @@ class RemoteClient:
         self.counters_lock = threading.Lock()
         self._clients: dict[str, object] = {}
         self._clients_lock = threading.Lock()
-        self._warned = False
         self._noted: set[str] = set()
 
     def __repr__(self) -> str:
@@ -335,21 +335,23 @@ class RemoteClient:
         return result
 
     def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str) -> None:
+        """Count a failed call by ``kind`` and log it: the first of its kind at WARNING, repeats
+        at DEBUG (:meth:`note`), the breaker opening at WARNING."""
         self.count(**{kind: 1})
-        if kind == "oom":  # the server is full, not gone: reads still work
-            log.warning("remote tier %s is full (maxmemory, noeviction): %s not stored", self.url.redacted, what)
+        with self.counters_lock:
+            n = getattr(self.counters, kind)
+        if kind == "oom":  # the server is full, not gone: reads still work, the breaker stays closed
+            self.note("failure:oom", "remote tier %s is full (maxmemory, noeviction): %s not stored (%d refused so "
+                      "far; counted as oom, repeats logged at DEBUG)", self.url.redacted, what, n)
             return
         if breaker.failure():
             self.count(breaker_opens=1)
             log.warning("remote tier %s: %d failed calls in a row (last: %s %s); %s local-only, retrying in %.1f s",
                         self.url.redacted, breaker.failures, what, kind,
                         "serving" if breaker is self.breaker else "writing", breaker.wait_s)
-        elif not self._warned:
-            log.warning("remote tier %s: %s failed (%s: %s); going on without it", self.url.redacted,
-                        what, kind, detail)
         else:
-            log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, detail)
-        self._warned = True
+            self.note(f"failure:{kind}", "remote tier %s: %s failed (%s: %s); going on without it (%d %s failures "
+                      "so far, repeats logged at DEBUG)", self.url.redacted, what, kind, detail, n, kind)
 
     def note(self, kind: str, message: str, *args: object) -> None:
         """Log ``message % args`` at WARNING the first time for ``kind``, at DEBUG after, so a
