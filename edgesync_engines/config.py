@@ -128,8 +128,7 @@ def _remote_url(value: Any) -> Any:
 
 
 def _remote_options(url: RemoteURL | None, cluster: bool) -> str | None:
-    """The URL's query arguments checked as redis-py reads them (``client.check_options``): at load, not on the
-    first request. None without redis-py (the tier is then unused, ``request/remote_open.py`` says so)."""
+    """``client.check_options`` (the URL read as redis-py reads it) at load; None without redis-py (unused then)."""
     try:
         from edgesync_store.remote.client import check_options
     except ImportError:
@@ -276,11 +275,13 @@ SETTINGS: tuple[Setting, ...] = (
             "prefix of every remote key, one per deployment or tenant: 1 to 64 letters, digits, `_ . -` (no `:`)",
             check=check_prefix),
     _flag("remote_cluster", "EDGESYNC_REMOTE_CLUSTER", False, "the remote URL is a node of a Redis Cluster"),
-    Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float,
-            "per-call timeout of remote lookups and fetches before the first token, milliseconds (then local-only)",
-            check=_finite_positive),
+    Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float, "timeout of each socket read "
+            "of remote lookups and fetches before the first token, ms (then local-only)", check=_finite_positive),
+    Setting("remote_fetch_budget_ms", float, 250.0, "EDGESYNC_REMOTE_FETCH_BUDGET_MS", float,
+            "total time one fragment's remote fetch may take before the first token, milliseconds (then its "
+            "tokens are prefilled)", check=_finite_positive),
     Setting("remote_write_timeout_ms", float, 2000.0, "EDGESYNC_REMOTE_WRITE_TIMEOUT_MS", float,
-            "per-call timeout of background remote writes, forget and clear, milliseconds", check=_finite_positive),
+            "timeout of each socket read of background remote writes, forget and clear, ms", check=_finite_positive),
     Setting("remote_queue", int, 256, "EDGESYNC_REMOTE_QUEUE", int,
             "remote write-behind queue length, jobs (a full queue drops its oldest)", check=_at_least_one),
     Setting("remote_retry_s", float, 5.0, "EDGESYNC_REMOTE_RETRY_S", float,

@@ -328,6 +328,40 @@ def test_unusable_remote_values_are_skipped_counted_and_deleted(tmp_path, redis_
         b.close()
 
 
+def test_the_fetch_budget_bounds_a_whole_fetch_not_one_read(tmp_path, redis_server):
+    """A link that trickles (32 KB per 12 ms: every socket read well inside the per-read timeout,
+    a 280 KB blob at least 96 ms): with a 30 ms budget the fetch is abandoned after its first
+    chunk, counted as a timeout, the request path's circuit opens at once, and nothing is kept;
+    with a large budget the same fetch completes (the per-read timeout alone never stops it)."""
+    from tests.delay_proxy import DelayProxy
+
+    prefix = new_prefix("trickle")
+    a = tiered(tmp_path, "a", redis_server.url, prefix)
+    frags = chain(prompt(14))
+    assert a.put_many(frags) == 3 and a.flush(10)
+    a.close()
+    blob = codec.encode(frags[0])
+    proxy = DelayProxy(redis_server.port, 0.012, piece=32 * 1024)
+    quick = tiered(tmp_path, "quick", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=30)
+    patient = tiered(tmp_path, "patient", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=60_000)
+    try:
+        assert quick.get(frags[0].key()) is None
+        stats = quick.remote_stats()
+        assert stats["timeout"] == 1 and stats["hits"] == stats["misses"] == stats["corrupt"] == 0
+        assert stats["breaker_opens"] == 1 and stats["circuit_open"]  # too slow for the request path: at once
+        assert len(blob) > 2 * 128 * 1024 and proxy.bytes_down < len(blob)  # stopped before the end
+        quick.flush(10)
+        assert quick.local.get(frags[0].key()) is None  # nothing partial kept
+        before = proxy.bytes_down
+        got = patient.get(frags[0].key())
+        assert got is not None and got.key() == frags[0].key() and np.array_equal(got.keys, frags[0].keys)
+        assert patient.remote_stats()["timeout"] == 0 and proxy.bytes_down - before > len(blob)
+    finally:
+        quick.close()
+        patient.close()
+        proxy.stop()
+
+
 def test_a_dead_remote_opens_the_circuit_and_the_local_tier_serves(tmp_path, caplog):
     url = f"redis://:s3cret-pass@127.0.0.1:{free_port()}/0"  # nothing listens there
     store = tiered(tmp_path, "alone", url, new_prefix("dead"), timeout_ms=20, retry_s=60)

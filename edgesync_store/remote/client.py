@@ -1,16 +1,20 @@
 """The connection to the remote tier: redis-py clients, a circuit breaker and the counters.
 
 :class:`RemoteClient` owns two redis-py clients on one server (or one Redis Cluster): a *fast*
-one whose per-call timeout is the request path's budget (``remote_timeout_ms``, a few
-milliseconds: index lookups and fragment fetches before the first token) and a *slow* one for
-the background writer and the commands (``remote_write_timeout_ms``). Neither retries: a
-failed call is reported at once and the caller goes on with the local tier alone.
+one for index lookups and fragment fetches before the first token, whose socket timeout
+(``remote_timeout_ms``, a few milliseconds) bounds each read, and a *slow* one for the
+background writer and the commands (``remote_write_timeout_ms``). A socket timeout bounds one
+read, not a call: a reply that trickles in small reads can take far longer, so a fetch also has
+a deadline of its own (``tier.KeyLayout.fetch``, ``TieredStore``'s ``fetch_budget_ms``).
+Neither client retries: a failed call is reported at once and the caller goes on with the local
+tier alone.
 
 :meth:`RemoteClient.call` runs one operation through the :class:`CircuitBreaker`: after
 ``FAILURES_TO_OPEN`` (3) failures in a row the breaker opens and calls are skipped without
 touching the network for ``retry_s`` seconds, doubling on every failed probe up to
 ``MAX_RETRY_FACTOR`` (8) times that; then one call probes the server, and a success closes the
-breaker. An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
+breaker. A fetch that overruns its whole budget (``tier.FetchBudgetSpent``) opens it at once.
+An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
 ``noeviction``) is counted apart and does not open the breaker, since reads still work then.
 
 Every failure is counted in :class:`RemoteCounters` by kind (``timeout``, ``connection``,
@@ -34,6 +38,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException
 from redis.retry import Retry
 
+from edgesync_store.remote.tier import FetchBudgetSpent
 from edgesync_store.remote.url import RemoteURL, credentials
 
 log = logging.getLogger(__name__)
@@ -147,15 +152,17 @@ class CircuitBreaker:
             self.failures, self.open_until, self.wait_s = 0, None, self.retry_s
             return was_open
 
-    def failure(self) -> bool:
-        """Record a failure; True when it opened the breaker (or kept a probing one open)."""
+    def failure(self, at_once: bool = False) -> bool:
+        """Record a failure; True when it opened the breaker (after ``FAILURES_TO_OPEN`` in a
+        row, or at once with ``at_once``), False when it was open already (a failed probe: it
+        then waits longer) or stays closed."""
         with self.lock:
             self.failures += 1
             if self.open_until is not None:  # a failed probe: wait longer
                 self.wait_s = min(self.wait_s * 2, self.retry_s * MAX_RETRY_FACTOR)
                 self.open_until = self.clock() + self.wait_s
                 return False
-            if self.failures >= FAILURES_TO_OPEN:
+            if at_once or self.failures >= FAILURES_TO_OPEN:
                 self.open_until = self.clock() + self.wait_s
                 return True
             return False
@@ -170,7 +177,7 @@ the net below it): counted as ``other`` like a failed call, never raised to a re
 
 
 def _classify(exc: Exception) -> str:
-    if isinstance(exc, redis.TimeoutError):
+    if isinstance(exc, (redis.TimeoutError, TimeoutError)):  # TimeoutError: tier.FetchBudgetSpent
         return "timeout"
     if isinstance(exc, redis.ConnectionError):
         return "connection"
@@ -252,8 +259,10 @@ class RemoteClient:
     Args:
         url: the server (any node of a cluster).
         cluster: True for Redis Cluster (``RedisCluster``), False for one server.
-        timeout_ms: per-call timeout of the fast client (request path), milliseconds.
-        write_timeout_ms: per-call timeout of the slow client (background and commands).
+        timeout_ms: timeout of each socket read (and connect) of the fast client (request path),
+            milliseconds; redis-py's ``socket_timeout``, so not a bound on a whole call (the
+            fetch's is ``tier.KeyLayout.fetch``'s deadline).
+        write_timeout_ms: the same for the slow client (background and commands).
         retry_s: seconds the open breaker waits before probing again.
 
     Connecting is lazy (a cluster's slot map is read on the first call), so opening never
@@ -323,7 +332,9 @@ class RemoteClient:
             raise
         except CLIENT_ERRORS as exc:
             kind, detail = _classify(exc), f"{exc}{_hint(exc)}"
-            self._failed(breaker, kind, what, detail)
+            # a fetch over its whole budget: the remote is too slow for the request path now, and
+            # the request's walk again (execute.py) must not try it a second time
+            self._failed(breaker, kind, what, detail, at_once=isinstance(exc, FetchBudgetSpent))
             raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {detail}") from None
         except REPLY_ERRORS as exc:  # a reply of an unexpected form, or an option redis-py refused late
             detail = (f"{type(exc).__name__}: {exc} (a reply of an unexpected form, or an option of the remote URL, "
@@ -334,9 +345,9 @@ class RemoteClient:
             log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
         return result
 
-    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str) -> None:
+    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str, at_once: bool = False) -> None:
         """Count a failed call by ``kind`` and log it: the first of its kind at WARNING, repeats
-        at DEBUG (:meth:`note`), the breaker opening at WARNING."""
+        at DEBUG (:meth:`note`), the breaker opening (``at_once``: by this failure) at WARNING."""
         self.count(**{kind: 1})
         with self.counters_lock:
             n = getattr(self.counters, kind)
@@ -344,10 +355,10 @@ class RemoteClient:
             self.note("failure:oom", "remote tier %s is full (maxmemory, noeviction): %s not stored (%d refused so "
                       "far; counted as oom, repeats logged at DEBUG)", self.url.redacted, what, n)
             return
-        if breaker.failure():
+        if breaker.failure(at_once):
             self.count(breaker_opens=1)
-            log.warning("remote tier %s: %d failed calls in a row (last: %s %s); %s local-only, retrying in %.1f s",
-                        self.url.redacted, breaker.failures, what, kind,
+            log.warning("remote tier %s: %d failed calls in a row (last: %s %s%s); %s local-only, retrying in %.1f s",
+                        self.url.redacted, breaker.failures, what, kind, f": {detail}" if at_once else "",
                         "serving" if breaker is self.breaker else "writing", breaker.wait_s)
         else:
             self.note(f"failure:{kind}", "remote tier %s: %s failed (%s: %s); going on without it (%d %s failures "

@@ -4,7 +4,7 @@ value.
 
 :class:`RemoteReads` is mixed into :class:`~edgesync_store.remote.tiered.TieredStore`, whose
 ``client`` (``RemoteClient``), ``keys`` (``KeyLayout``), ``queue`` (``WriteBehind``),
-``local`` store, ``_fetched``, ``_refused`` and ``_lock`` it uses. Nothing a remote server
+``local`` store, ``fetch_budget_s``, ``_fetched``, ``_refused`` and ``_lock`` it uses. Nothing a remote server
 returns fails a request: a corrupt or foreign blob is refused (``corrupt``), a value of the
 wrong type or form (``tier.KeyLayout.on_bad``) is skipped, counted (``bad_values``), logged and
 deleted in the background.
@@ -13,6 +13,7 @@ deleted in the background.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence, TypeVar
 
 from edgesync_store.core import codec
@@ -87,9 +88,13 @@ class RemoteReads:
         return frag
 
     def _fetch(self, key: bytes) -> KVFragment | None:
-        """Fetch, verify and return one remote fragment (None: absent, unavailable or refused);
+        """Fetch, verify and return one remote fragment (None: absent, unavailable, refused, or
+        not read whole within ``fetch_budget_s`` seconds, so the request prefills its tokens);
         it is kept to be written locally after the first token."""
-        got = self._remote("fast", lambda c: self.keys.fetch(c, key), "fetch", Fetched(None, 0, -2))
+        deadline = time.monotonic() + self.fetch_budget_s  # the whole fetch's, not one read's
+        got: Fetched | None = self._remote("fast", lambda c: self.keys.fetch(c, key, deadline), "fetch", None)
+        if got is None:  # unavailable, or too slow for the budget: counted by the client
+            return None
         if got.blob is None:
             self.client.count(misses=1)
             return None

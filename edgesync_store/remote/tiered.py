@@ -76,12 +76,16 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
         grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
         drain_s: seconds :meth:`close` waits for queued writes.
+        fetch_budget_ms: milliseconds one fragment's fetch may take in all (its reads, each also
+            bounded by the client's per-read timeout); then it is abandoned and the request
+            prefills those tokens.
     """
 
     def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
-                 grid: int = 128, drain_s: float = 10.0) -> None:
+                 grid: int = 128, drain_s: float = 10.0, fetch_budget_ms: float = 250.0) -> None:
         self.local = local
         self.client = client
+        self.fetch_budget_s = fetch_budget_ms / 1000.0
         self.keys = KeyLayout(prefix, on_bad=self._bad_value)
         self.grid = grid
         self.drain_s = drain_s
@@ -96,9 +100,10 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
     @classmethod
     def connect(cls, local: FragmentStore, url: RemoteURL | str, *, prefix: str = "edgesync", cluster: bool = False,
                 timeout_ms: float = 20.0, write_timeout_ms: float = 2000.0, retry_s: float = 5.0,
-                queue_size: int = 256, grid: int = 128) -> "TieredStore":
+                queue_size: int = 256, grid: int = 128, fetch_budget_ms: float = 250.0) -> "TieredStore":
         """A tiered store over ``local`` and the remote at ``url`` (``RemoteClient``'s
-        arguments; connecting is lazy, so an unreachable remote does not fail this).
+        arguments, and ``fetch_budget_ms``; connecting is lazy, so an unreachable remote does
+        not fail this).
 
         Raises:
             ValueError: a bad URL or query argument (``client.check_options``; message redacted)
@@ -116,7 +121,7 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
             raise ValueError(f"remote URL: {problem}")
         client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
                               retry_s=retry_s)
-        return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid)
+        return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid, fetch_budget_ms=fetch_budget_ms)
 
     def __repr__(self) -> str:
         return f"TieredStore({self.local.path!s}, {self.client!r}, prefix={self.keys.prefix!r})"
