@@ -418,6 +418,10 @@ def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, capl
     with pytest.raises(ValueError) as err:
         EdgeSyncConfig.load({"remote_url": typed}, environ={})
     assert str(err.value).startswith("remote_url: ") and PASSWORD_TAIL not in str(err.value)
+    in_query = f"redis://127.0.0.1:{redis_server.port}/0?password=ab&{PASSWORD_TAIL}"  # '&' typed as it is
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": in_query})
+    assert "EDGESYNC_REMOTE_URL" in str(err.value) and PASSWORD_TAIL not in str(err.value)
     env = {**os.environ, "EDGESYNC_REMOTE_URL": typed}
     cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "s"), "--yes", "--remote"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -79,7 +79,8 @@ class RemoteCounters:
         deletes: fragments removed from the remote (forget, corrupt).
         queue_drops: write-behind jobs dropped, the oldest first, because the queue was full.
         write_skips: write-behind jobs not sent because the remote was unavailable.
-        timeout, connection, oom, other: failed calls by kind.
+        timeout, connection, oom, other: failed calls by kind (``timeout``: a socket read's timeout,
+            or a fetch over its whole budget).
         skipped: calls not made because the breaker was open.
         breaker_opens: times the breaker opened.
         bad_values: remote values of the wrong type or form (a hit counter that is not a count,
@@ -210,6 +211,7 @@ def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
     from redis.connection import parse_url
 
     shown = url.redacted
+    visible = {name for name, _ in parse_qsl(urlsplit(shown).query, keep_blank_values=True)}
     for name, _value in parse_qsl(urlsplit(url.secret).query, keep_blank_values=True):
         if name in TIER_OPTIONS:
             how = ("EDGESYNC_REMOTE_TIMEOUT_MS and EDGESYNC_REMOTE_WRITE_TIMEOUT_MS set the timeouts"
@@ -218,7 +220,9 @@ def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
         if name in TLS_OPTIONS and not url.tls:
             return f"{shown}: {name}= needs rediss:// (TLS)"
         if name not in URL_OPTIONS | TLS_OPTIONS:
-            return (f"{shown}: {name[:40]}= is not an option the remote tier passes on (it takes "
+            # a name the redaction hid (after password=) may be the tail of a password typed with '&'
+            label = f"{name[:40]}=" if name in visible else "an argument after password= (hidden)"
+            return (f"{shown}: {label} is not an option the remote tier passes on (it takes "
                     f"{', '.join(sorted(URL_OPTIONS | (TLS_OPTIONS if url.tls else set())))})")
     try:
         parse_url(url.secret)

@@ -50,7 +50,8 @@ start of a mistyped password."""
 def redact(text: str) -> str:
     """``text`` with everything between ``://`` and the last ``@`` (the whole text before the
     last ``@`` when there is no ``://``) replaced by ``user:***`` (the user name kept only when it
-    is plainly one, else ``***``), and every ``password=`` query value by ``***``.
+    is plainly one, else ``***``), and everything after a ``password=`` query argument's ``=`` by
+    ``***`` (the arguments after it too: an unencoded ``&`` in the password would end it early).
 
     Purely textual, so it holds for a URL no parser reads as intended (a password with ``/``,
     ``?``, ``#`` or ``@`` typed as it is): every message about a URL shows it through this.
@@ -63,7 +64,8 @@ def redact(text: str) -> str:
         user, colon, _password = userinfo.partition(":")
         shown = f"{user}:***" if colon and scheme_end >= 0 and _SHOWN_USER.match(user) else "***"
         text = text[:start] + shown + text[at:]
-    return re.sub(r"(password=)[^&]*", r"\1***", text)
+    # to the end, not to the next '&': a password typed with an '&' would show its tail otherwise
+    return re.sub(r"(password=).*", r"\1***", text, flags=re.DOTALL)
 
 
 class RemoteURL:
