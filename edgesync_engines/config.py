@@ -74,10 +74,6 @@ def _bytes_or_off(text: str) -> int:
     return 0 if text.strip() == "0" else _bytes(text)
 
 
-def _name(text: str) -> str:
-    return text.strip().lower()
-
-
 # -- checks: value -> None when valid, else what is wrong (the message after "field: ") --------
 
 Check = Callable[[Any], "str | None"]
@@ -129,9 +125,16 @@ def _lower(value: Any) -> Any:
 
 
 def _remote_url(value: Any) -> Any:
-    if isinstance(value, str):
-        return RemoteURL(value) if value.strip() else None
-    return value
+    return (RemoteURL(value) if value.strip() else None) if isinstance(value, str) else value
+
+
+def _remote_options(url: RemoteURL | None, cluster: bool) -> str | None:
+    """``client.check_options`` (the URL read as redis-py reads it) at load; None without redis-py."""
+    try:
+        from edgesync_store.remote.client import check_options
+    except ImportError:
+        return None
+    return None if url is None else check_options(url, cluster)
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v: None if v is None or 1 <= v <= 256 else f"must be in [1, 256], got {v}",
             shown="all cores"),
     _flag("flash_attn", "EDGESYNC_FLASH_ATTN", False, "llama.cpp flash attention"),
-    Setting("kv_type", str, "f16", "EDGESYNC_KV_TYPE", _name,
+    Setting("kv_type", str, "f16", "EDGESYNC_KV_TYPE", _lower,
             "llama.cpp K and V cache type: `f16`, `f32`, `q8_0` or `q4_0` (a quantized V turns flash attention "
             "on); part of the namespace", check=_one_of(KV_TYPES)),
     Setting("chunk_tokens", int, 128, "EDGESYNC_CHUNK_TOKENS", int,
@@ -207,21 +210,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("temperature", float, 0.0, "EDGESYNC_TEMPERATURE", float, "sampling temperature (0 = greedy)",
             check=lambda v: None if math.isfinite(v) and v >= 0 else f"must be a finite number >= 0, got {v}"),
     Setting("top_p", float, 0.95, "EDGESYNC_TOP_P", float, "nucleus sampling mass when temperature > 0",
-            check=lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}"),
+            check=_unit_interval),
     Setting("seed", int, 0, "EDGESYNC_SEED", int, "sampling seed"),
     _flag("verbose_engine", "EDGESYNC_VERBOSE_ENGINE", False, "let llama.cpp's own log lines through"),
     _flag("semantic", "EDGESYNC_SEMANTIC", True,
           "record stored prompts as donors and look them up by meaning in the `semantic` mode (MiniLM and the HNSW "
           "index load when first needed, never for the default mode's requests); off: neither, `semantic` refused"),
-    Setting("embedding_backend", str, DEFAULT_BACKEND, "EDGESYNC_EMBEDDING_BACKEND", _name,
+    Setting("embedding_backend", str, DEFAULT_BACKEND, "EDGESYNC_EMBEDDING_BACKEND", _lower,
             "embedder: `onnx` (int8 MiniLM-L6-v2) or `sentence-transformers`; a store never mixes two",
             check=_one_of(EMBEDDING_BACKENDS)),
-    Setting("reuse", str, "exact", "EDGESYNC_REUSE", _name,
+    Setting("reuse", str, "exact", "EDGESYNC_REUSE", _lower,
             "`exact`: inject only token-identical KV (answers equal uncached runs); `semantic`: also serve "
             "a donor at `similarity_exact` whole (approximate answers); `blend`: place documents' stored KV at "
             "their positions in the prompt, recomputing `blend_recompute` of it (approximate answers)",
             check=_one_of(REUSE_MODES)),
-    Setting("document_header", str, "chat", "EDGESYNC_DOCUMENT_HEADER", _name,
+    Setting("document_header", str, "chat", "EDGESYNC_DOCUMENT_HEADER", _lower,
             "what a new document's KV is computed after: `chat` (the chat template's default system part, so "
             "the document's first token is not its own attention sink) or `none` (standalone)",
             check=_one_of(("none", "chat"))),
@@ -245,8 +248,7 @@ SETTINGS: tuple[Setting, ...] = (
           "predict the next requests and decode their fragments ahead, in a background thread, into the RAM tier"),
     Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", _bytes,
             "size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
-            check=lambda v: None if v is None or (_is_int(v) and v >= 1)
-            else f"must be None or an int > 0 bytes, got {v!r}",
+            check=lambda v: None if v is None or (_is_int(v) and v >= 1) else f"must be None or bytes > 0, got {v!r}",
             shown=f"the budget recorded in the store, else {_binary(DEFAULT_MAX_BYTES)}"),
     _flag("jobs", "EDGESYNC_JOBS", True, "run the expiry sweep and compaction on a schedule in the app process"),
     Setting("sweep_interval_s", float, DEFAULT_SWEEP_INTERVAL_S, "EDGESYNC_SWEEP_INTERVAL_S", float,
@@ -259,7 +261,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heads_per_fragment", "int | None", None, "EDGESYNC_HEADS_PER_FRAGMENT", int,
             "store each chunk as groups of this many KV heads (above the model's count: all)",
             check=_optional_count, shown="all heads in one fragment"),
-    Setting("engine", str, "llamacpp", "EDGESYNC_ENGINE", _name,
+    Setting("engine", str, "llamacpp", "EDGESYNC_ENGINE", _lower,
             "`llamacpp` or `onnx` (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)",
             check=_one_of(ENGINES), coerce=_lower),
     _flag("allow_convertible", "EDGESYNC_ALLOW_CONVERTIBLE", False,
@@ -270,13 +272,16 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v: None if v is None or isinstance(v, RemoteURL) else f"not a URL: {type(v).__name__}",
             coerce=_remote_url, shown="none (local store only)", secret=True),
     Setting("remote_prefix", str, "edgesync", "EDGESYNC_REMOTE_PREFIX", str.strip,
-            "prefix of every remote key: one per deployment or tenant", check=check_prefix),
+            "prefix of every remote key, one per deployment or tenant: 1 to 64 letters, digits, `_ . -` (no `:`)",
+            check=check_prefix),
     _flag("remote_cluster", "EDGESYNC_REMOTE_CLUSTER", False, "the remote URL is a node of a Redis Cluster"),
-    Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float,
-            "per-call timeout of remote lookups and fetches before the first token, milliseconds (then local-only)",
-            check=_finite_positive),
+    Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float, "timeout of each socket read "
+            "of remote lookups and fetches before the first token, ms (then local-only)", check=_finite_positive),
+    Setting("remote_fetch_budget_ms", float, 250.0, "EDGESYNC_REMOTE_FETCH_BUDGET_MS", float,
+            "total time one fragment's remote fetch may take before the first token, milliseconds (then its "
+            "tokens are prefilled)", check=_finite_positive),
     Setting("remote_write_timeout_ms", float, 2000.0, "EDGESYNC_REMOTE_WRITE_TIMEOUT_MS", float,
-            "per-call timeout of background remote writes, forget and clear, milliseconds", check=_finite_positive),
+            "timeout of each socket read of background remote writes, forget and clear, ms", check=_finite_positive),
     Setting("remote_queue", int, 256, "EDGESYNC_REMOTE_QUEUE", int,
             "remote write-behind queue length, jobs (a full queue drops its oldest)", check=_at_least_one),
     Setting("remote_retry_s", float, 5.0, "EDGESYNC_REMOTE_RETRY_S", float,
@@ -294,6 +299,7 @@ CROSS_CHECKS: tuple[tuple[str, Callable[[Any], str | None]], ...] = (
      if c.similarity_partial > c.similarity_exact else None),
     ("prefetch", lambda c: "needs the RAM tier, which is off (ram_tier_bytes 0)"
      if c.prefetch and not c.ram_tier_bytes else None),
+    ("remote_url", lambda c: _remote_options(c.remote_url, c.remote_cluster)),
 )
 """Rules between settings, checked after every setting's own: (the field blamed, check)."""
 
@@ -303,16 +309,18 @@ OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
     (USERNAME_ENV, "remote tier user name (an ACL user) when the URL has none", "none"),
     (PASSWORD_ENV, "remote tier password when the URL has none (never shown)", "none"),
 )
-"""Environment variables read outside :class:`EdgeSyncConfig` (variable, help, default), for
-the README's table; ``edgesync_engines.adapters.onnx_export`` reads the first,
-``edgesync_store.remote.url.credentials`` the remote tier's credentials."""
+"""Environment variables read outside :class:`EdgeSyncConfig` (variable, help, default), for the README's
+table; ``adapters.onnx_export`` reads the first, ``edgesync_store.remote.url.credentials`` the others."""
 
 
 def _post_init(self) -> None:
     for s in SETTINGS:
         value = getattr(self, s.name)
         if s.coerce is not None:
-            value = s.coerce(value)
+            try:
+                value = s.coerce(value)
+            except ValueError as exc:  # the coercion's message says what (a URL's is redacted)
+                raise ValueError(f"{s.name}: {exc}") from None
             object.__setattr__(self, s.name, value)
         problem = s.check(value) if s.check is not None else None
         if problem:
@@ -400,8 +408,7 @@ def markdown_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m edgesync_engines.config --markdown``: print the README's settings table."""
-    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.config",
-                                     description="Print EdgeSync's settings table.")
+    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.config", description="Print the settings table.")
     parser.add_argument("--markdown", action="store_true", help="as the README's Markdown table (the default)")
     parser.parse_args(argv)
     sys.stdout.write(markdown_table())

@@ -143,6 +143,32 @@ def test_a_remote_200_ms_late_is_left_behind(adapter, tmp_path, system_prompts, 
         b.close()
 
 
+def test_a_remote_that_trickles_is_left_behind(adapter, tmp_path, system_prompts, redis_server):
+    """Replies trickling at 32 KB per 12 ms: each socket read is quick, a 2.3 MB fragment would
+    take some 860 ms. The fetch budget (50 ms here) abandons the first fragment's fetch and opens
+    the request path's circuit (the request's second walk stays local), the request prefills, the
+    answer is the uncached one."""
+    prefix, messages = new_prefix("trickle"), _messages(system_prompts, 0)
+    a = _node(adapter, tmp_path, "a", redis_server.url, prefix)
+    _answer(a, messages)
+    assert a.store.flush(30)
+    smallest = min(n for _k, _h, _l, n in a.store.local.iterate())
+    a.close()
+    proxy = DelayProxy(redis_server.port, 0.012, piece=32 * 1024)
+    b = _node(adapter, tmp_path, "b", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=50, retry_s=60)
+    try:
+        assert _answer(b, messages).tier == "miss"  # the remote holds it, too slowly: prefilled
+        stats = b.store.remote_stats()
+        assert stats["walks"] == 1 and stats["timeout"] == 1 and stats["hits"] == 0
+        assert stats["breaker_opens"] == 1 and stats["skipped"] >= 1  # the request's walk again stays local
+        assert proxy.bytes_down < smallest / 4  # the fetch stopped long before its blob's end
+        assert _answer(b, messages).tier == "exact" and b.store.remote_stats()["walks"] == 1  # local now
+        assert _intact(b.store) == 3
+    finally:
+        proxy.stop()
+        b.close()
+
+
 def test_a_flipped_byte_in_a_remote_blob(adapter, tmp_path, system_prompts, redis_server):
     prefix, messages = new_prefix("flipped"), _messages(system_prompts, 0)
     a = _node(adapter, tmp_path, "a", redis_server.url, prefix)

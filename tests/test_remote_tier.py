@@ -76,6 +76,27 @@ def test_a_second_node_reads_what_the_first_stored(tmp_path, request, topology):
         b.close()
 
 
+def test_records_of_remote_fragments_come_from_the_fetch_and_are_read_once(tmp_path, redis_server):
+    """The RAM tier reads a chain's records before its fragments: a fragment only the remote
+    holds has a record (the fetched one), and the read that follows costs no second fetch."""
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, new_prefix("life"))
+    try:
+        keys = [k for s in match.spans for k in s.keys]
+        assert b.local.lifecycles(keys) == [None, None, None]
+        lives = b.lifecycles(keys + [b"\x00" * 32])
+        assert lives[-1] is None and all(life is not None for life in lives[:-1])
+        assert [life.created_at for life in lives[:-1]] == [f.created_at for f in frags]
+        assert all(life.expires_at > b.clock() for life in lives[:-1])
+        assert b.remote_stats()["hits"] == 3
+        got = [b.get(k) for k in keys]
+        assert b.remote_stats()["hits"] == 3  # held since the records were read
+        assert all(np.array_equal(g.keys, f.keys) and np.array_equal(g.values, f.values) for g, f in zip(got, frags))
+        assert [b.lifecycle(k).created_at for k in keys] == [f.created_at for f in frags]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, redis_server):
     prefix = new_prefix("ttl")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -140,6 +161,122 @@ def test_forget_and_clear_remove_from_both_tiers(tmp_path, redis_server):
     k.close()
 
 
+def test_a_prefix_owns_exactly_its_own_keys(tmp_path, redis_server):
+    """No prefix holds ':' (so ``shop`` cannot own ``shop:17``'s keys), and clearing a prefix
+    removes exactly its layout's names: not a neighbour's (``shop-17``), not names of another
+    form under it (what a ``shop:17`` prefix wrote before ':' was refused, or another program's)."""
+    from edgesync_store.remote.commands import clear_remote
+    from edgesync_store.remote.tier import KeyLayout
+    from edgesync_store.remote.tiered import TieredStore
+
+    for bad in ("shop:17", "shop:", ":shop", "shop\n"):
+        with pytest.raises(ValueError, match="remote_prefix: .*no ':'"):
+            EdgeSyncConfig.load({"remote_prefix": bad}, environ={})
+        with pytest.raises(ValueError, match="no ':'"):
+            KeyLayout(bad)
+    with pytest.raises(ValueError, match="EDGESYNC_REMOTE_PREFIX"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_PREFIX": "shop:17"})
+    with pytest.raises(ValueError, match="remote prefix"):
+        TieredStore.connect(None, redis_server.url, prefix="shop:17")
+    shop = new_prefix("shop")
+    neighbour = f"{shop}-17"
+    r = _client(redis_server.url)
+    for name, p in (("shop", shop), ("neighbour", neighbour)):
+        store = tiered(tmp_path, name, redis_server.url, p)
+        assert store.put_many(chain(prompt(6))) == 3 and store.flush(10)
+        store.close()
+    key = chain(prompt(6))[0].key().hex()
+    foreign = [f"{shop}:17:{{{key}}}:b", f"{shop}:17:ns", f"{shop}:other", f"{shop}:{{{key}}}:x", f"{shop}:nsx"]
+    for name in foreign:
+        r.set(name, "not ours")
+    mine = sorted(n.decode() for n in r.scan_iter(match=f"{shop}:*") if n.decode() not in foreign)
+    assert len(mine) == 3 + 3 + 1 and all(KeyLayout(shop).own(n) for n in mine)
+    assert not any(KeyLayout(shop).own(n) for n in foreign)
+    assert clear_remote(redis_server.url, shop) == 7
+    assert sorted(n.decode() for n in r.scan_iter(match=f"{shop}:*")) == sorted(foreign)
+    assert len(list(r.scan_iter(match=f"{neighbour}:*"))) == 7
+    r.delete(*foreign)
+
+
+def _index_fields(r, prefix: str) -> dict[bytes, str]:
+    return {field: ikey for ikey in r.scan_iter(match=f"{prefix}:i:*") for field in r.hkeys(ikey)}
+
+
+def test_an_index_entry_only_for_a_stored_blob(tmp_path):
+    """Redis at maxmemory with noeviction refuses some blobs: none of them is left in the index
+    (the blob is written first, its index entry only once it is stored)."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    prefix = new_prefix("oom-index")
+    store = tiered(tmp_path, "node", server.url, prefix)
+    try:
+        frags = [f for seed in range(3) for f in chain(prompt(10 + seed))]
+        assert store.put_many(frags) == 9 and store.flush(30)
+        stats = store.remote_stats()
+        assert stats["oom"] >= 1 and stats["puts"] >= 1 and stats["oom"] + stats["puts"] == 9
+        r = _client(server.url)
+        fields = _index_fields(r, prefix)
+        assert len(fields) == stats["puts"]
+        assert all(r.exists(store.keys.blob_key(bytes(f))) for f in fields)
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_a_repeated_failure_warns_once_per_kind_and_counts(tmp_path, caplog):
+    """A full server refuses several writes: one WARNING, the repeats at DEBUG, each line with
+    the count so far; then the server dies: the first connection failure warns, the next is
+    DEBUG, the third opens the circuit (one WARNING)."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    store = tiered(tmp_path, "node", server.url, new_prefix("oom-log"), retry_s=60)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgesync_store"):
+            assert store.put_many([f for seed in range(3) for f in chain(prompt(10 + seed))]) == 9 and store.flush(30)
+            oom = store.remote_stats()["oom"]
+            server.kill()
+            assert store.put_many(chain(prompt(13))) == 3 and store.flush(30)
+
+        def lines(text: str) -> list[logging.LogRecord]:
+            return [rec for rec in caplog.records if text in rec.getMessage()]
+
+        full = lines("is full")
+        assert oom >= 2 and [rec.levelno for rec in full] == [logging.WARNING] + [logging.DEBUG] * (oom - 1)
+        assert "(1 refused so far" in full[0].getMessage() and f"({oom} refused so far" in full[-1].getMessage()
+        assert [rec.levelno for rec in lines("failed (connection")] == [logging.WARNING, logging.DEBUG]
+        assert [rec.levelno for rec in lines("failed calls in a row")] == [logging.WARNING]
+        assert store.remote_stats()["connection"] == 3 and store.remote_stats()["breaker_opens"] == 1
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_a_blob_without_its_index_entry_is_indexed_again_by_the_next_writer(tmp_path, redis_server):
+    prefix = new_prefix("reindex")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    try:
+        lost = frags[1].key()
+        fields = _index_fields(r, prefix)
+        assert r.hdel(fields[lost], lost) == 1  # as an index write refused after its blob was stored
+        c = tiered(tmp_path, "c", redis_server.url, prefix)
+        assert c.prefix_walk(SMOL, tokens).matched_tokens == 64  # the chain is broken there
+        c.close()
+        d = tiered(tmp_path, "d", redis_server.url, prefix)  # computed the same prompt: writes it
+        assert d.put_many(chain(tokens)) == 3 and d.flush(10)
+        assert d.remote_stats()["puts"] == 0  # every blob was there: none sent again
+        assert lost in _index_fields(r, prefix)
+        d.close()
+        e = tiered(tmp_path, "e", redis_server.url, prefix)
+        assert e.prefix_walk(SMOL, tokens).matched_tokens == 199
+        e.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_server):
     prefix = new_prefix("flip")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -170,6 +307,80 @@ def test_a_foreign_blob_under_a_key_is_refused(tmp_path, redis_server):
     finally:
         a.close()
         b.close()
+
+
+def test_unusable_remote_values_are_skipped_counted_and_deleted(tmp_path, redis_server, caplog):
+    """Values of the wrong form or type under the tier's names (a hand-typed ``SET``, another
+    program): the fragment is still served, the value is logged, counted and deleted, and no
+    call fails or opens the circuit."""
+    prefix = new_prefix("garbage")
+    a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
+    r = _client(redis_server.url)
+    counter = [b.keys.hits_key(f.key()) for f in frags]
+    try:
+        r.set(counter[0], "garbage")
+        r.rpush(counter[1], "not", "a", "string")
+        with caplog.at_level(logging.WARNING, logger="edgesync_store"):
+            got = [b.get(f.key()) for f in frags]
+            assert b.flush(10)
+        assert [g.key() for g in got] == [f.key() for f in frags] and [g.hit_count for g in got] == [0, 0, 0]
+        assert np.array_equal(got[0].keys, frags[0].keys) and np.array_equal(got[1].values, frags[1].values)
+        assert b.remote_stats()["bad_values"] == 2 and r.exists(counter[0], counter[1]) == 0
+        assert counter[0] in caplog.text and "b'garbage'" in caplog.text
+        r.set(counter[2], "12x")  # INCR refuses it: the batch's other hits still count
+        b.record_hits([f.key() for f in frags])
+        assert b.flush(10)
+        assert [r.get(c) for c in counter] == [b"1", b"1", None]
+        assert b.remote_stats()["hits_recorded"] == 2 and b.remote_stats()["bad_values"] == 3
+        # an index entry and the namespaces hash that are not hashes: a third node walks past them
+        first_index = b.keys.index_key(SMOL.digest(), frags[0].prefix_hash)
+        r.delete(first_index, b.keys.namespaces_key)
+        r.set(first_index, "junk")
+        r.set(b.keys.namespaces_key, "junk")
+        c = tiered(tmp_path, "c", redis_server.url, prefix)
+        assert c.prefix_walk(SMOL, tokens).matched_tokens == 0 and c.namespaces() == []
+        assert c.flush(10) and r.exists(first_index, b.keys.namespaces_key) == 0
+        assert c.remote_stats()["bad_values"] == 2
+        for node in (b, c):
+            assert node.remote_stats()["errors"] == 0 and not node.remote_stats()["circuit_open"]
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_fetch_budget_bounds_a_whole_fetch_not_one_read(tmp_path, redis_server):
+    """A link that trickles (32 KB per 12 ms: every socket read well inside the per-read timeout,
+    a 280 KB blob at least 96 ms): with a 30 ms budget the fetch is abandoned after its first
+    chunk, counted as a timeout, the request path's circuit opens at once, and nothing is kept;
+    with a large budget the same fetch completes (the per-read timeout alone never stops it)."""
+    from tests.delay_proxy import DelayProxy
+
+    prefix = new_prefix("trickle")
+    a = tiered(tmp_path, "a", redis_server.url, prefix)
+    frags = chain(prompt(14))
+    assert a.put_many(frags) == 3 and a.flush(10)
+    a.close()
+    blob = codec.encode(frags[0])
+    proxy = DelayProxy(redis_server.port, 0.012, piece=32 * 1024)
+    quick = tiered(tmp_path, "quick", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=30)
+    patient = tiered(tmp_path, "patient", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=60_000)
+    try:
+        assert quick.get(frags[0].key()) is None
+        stats = quick.remote_stats()
+        assert stats["timeout"] == 1 and stats["hits"] == stats["misses"] == stats["corrupt"] == 0
+        assert stats["breaker_opens"] == 1 and stats["circuit_open"]  # too slow for the request path: at once
+        assert len(blob) > 2 * 128 * 1024 and proxy.bytes_down < len(blob)  # stopped before the end
+        quick.flush(10)
+        assert quick.local.get(frags[0].key()) is None  # nothing partial kept
+        before = proxy.bytes_down
+        got = patient.get(frags[0].key())
+        assert got is not None and got.key() == frags[0].key() and np.array_equal(got.keys, frags[0].keys)
+        assert patient.remote_stats()["timeout"] == 0 and proxy.bytes_down - before > len(blob)
+    finally:
+        quick.close()
+        patient.close()
+        proxy.stop()
 
 
 def test_a_dead_remote_opens_the_circuit_and_the_local_tier_serves(tmp_path, caplog):
@@ -203,6 +414,116 @@ def test_the_url_password_is_never_shown():
     assert "hunter2" not in str(err.value) and "EDGESYNC_REMOTE_URL" in str(err.value)
     with pytest.raises(ValueError, match="remote_prefix"):
         EdgeSyncConfig.load({"remote_prefix": "a{b}"}, environ={})
+
+
+PASSWORD_TAIL = "SECRETTAIL"
+
+
+@pytest.mark.parametrize("sep", ["/", "#", "?"])
+def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, caplog, sep):
+    """A password holding ``/``, ``#`` or ``?`` typed as it is: refused at load with a message
+    naming the variable and the fix, the password in no form in it (nor on the command's
+    stderr); percent-encoded, it connects, and a failing call's log line hides it too."""
+    import os
+    import subprocess
+    import sys
+    from urllib.parse import quote
+
+    password = f"ab{sep}{PASSWORD_TAIL}@x"
+    typed = f"redis://:{password}@127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": typed})
+    message = str(err.value)
+    assert "EDGESYNC_REMOTE_URL" in message and "percent-encode" in message and PASSWORD_TAIL not in message
+    assert f"redis://:***@127.0.0.1:{redis_server.port}/0" in message
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load({"remote_url": typed}, environ={})
+    assert str(err.value).startswith("remote_url: ") and PASSWORD_TAIL not in str(err.value)
+    in_query = f"redis://127.0.0.1:{redis_server.port}/0?password=ab&{PASSWORD_TAIL}"  # '&' typed as it is
+    with pytest.raises(ValueError) as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": in_query})
+    assert "EDGESYNC_REMOTE_URL" in str(err.value) and PASSWORD_TAIL not in str(err.value)
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": typed}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "s"), "--yes", "--remote"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "EDGESYNC_REMOTE_URL" in done.stderr
+    assert PASSWORD_TAIL not in done.stdout + done.stderr
+    encoded = f"redis://:{quote(password, safe='')}@127.0.0.1:{redis_server.port}/0"
+    cfg = EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": encoded})
+    assert cfg.remote_url.password == password and PASSWORD_TAIL not in repr(cfg) + str(cfg.to_dict())
+    redis_server.cli("CONFIG", "SET", "requirepass", password)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgesync_store"):
+            store = tiered(tmp_path, "node", cfg.remote_url, new_prefix("pw"))
+            assert store.put_many(chain(prompt(5))) == 3 and store.flush(10)
+            assert store.remote_stats()["puts"] == 3 and store.remote_stats()["errors"] == 0
+            store.close()
+            wrong = tiered(tmp_path, "wrong", encoded.replace("ab", "ba", 1), new_prefix("pw"))
+            assert wrong.put_many(chain(prompt(5))) == 3 and wrong.flush(10)
+            assert wrong.remote_stats()["other"] + wrong.remote_stats()["connection"] == 3
+            wrong.close()
+        assert PASSWORD_TAIL not in caplog.text and "redis://:***@127.0.0.1" in caplog.text
+    finally:
+        redis_server.cli("-a", password, "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+
+
+@pytest.mark.parametrize("query", ["?db=x", "?socket_timeout=abc", "?foo=1", "?ssl_ca_certs=/etc/ca.pem",
+                                   "?retry_on_timeout=yes"])
+def test_bad_url_arguments_are_refused_at_load(tmp_path, redis_server, query):
+    """The URL's query arguments are checked when the settings load (redis-py's own URL parser,
+    the options the tier passes on), naming EDGESYNC_REMOTE_URL; ``edgesync clear --remote``
+    says so and exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    url = f"redis://127.0.0.1:{redis_server.port}/0{query}"
+    with pytest.raises(ValueError, match="EDGESYNC_REMOTE_URL") as err:
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": url})
+    assert query.split("=")[0].lstrip("?") in str(err.value)
+    with pytest.raises(ValueError, match="remote"):
+        tiered(tmp_path, "s", url, new_prefix("args"))
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": url}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "s"), "--yes", "--remote"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "EDGESYNC_REMOTE_URL" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_database_numbers_are_checked_at_load_and_on_the_server():
+    for url, problem in (("redis://h/99999999999", "out of range"), ("redis://h/0?db=-1", "database number")):
+        with pytest.raises(ValueError, match=problem):
+            EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": url})
+    with pytest.raises(ValueError, match="database 0 only"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "redis://h/2", "EDGESYNC_REMOTE_CLUSTER": "1"})
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "redis://h/3?db=2"}).remote_url.db == 2  # as redis-py
+
+
+@pytest.mark.parametrize("query", ["/99", "/0?socket_timeout=abc", "/0?foo=1"])
+def test_url_errors_met_at_run_time_leave_the_node_local_only(tmp_path, redis_server, caplog, query):
+    """What only the server can refuse (database 99 of a 16-database server), or an option that
+    slipped past the checks (a client built without ``connect``): every operation of the seam
+    goes on local-only, with a warning that names EDGESYNC_REMOTE_URL."""
+    from edgesync_store.core.store import FragmentStore
+    from edgesync_store.remote.client import RemoteClient
+    from edgesync_store.remote.tiered import TieredStore
+
+    url = f"redis://127.0.0.1:{redis_server.port}{query}"
+    store = TieredStore(FragmentStore(tmp_path / "node"), RemoteClient(url, timeout_ms=2000), prefix=new_prefix("rt"))
+    tokens, frags = prompt(7), chain(prompt(7))
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgesync_store"):
+            assert store.put_many(frags) == 3 and store.flush(10)
+            assert store.prefix_walk(SMOL, tokens + [9] * 70).matched_tokens == 199  # the local chain
+            assert store.get(chain(prompt(8))[0].key()) is None
+            store.record_hits([frags[0].key()])
+            assert {ns.digest() for ns in store.namespaces()} == {SMOL.digest()}
+            assert store.keys_along(SMOL, tokens) and store.forget_tokens(SMOL, tokens) == 3
+            assert store.flush(10)
+        stats = store.remote_stats()
+        assert stats["puts"] == 0 and stats["errors"] >= 3 and stats["errors"] == stats["other"]
+        assert "EDGESYNC_REMOTE_URL" in caplog.text
+    finally:
+        store.close()
 
 
 def test_the_write_queue_drops_its_oldest_when_full():
@@ -265,7 +586,7 @@ def test_the_clear_command_with_remote(tmp_path, redis_server):
         done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         doc = json.loads(done.stdout)
-        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1
+        assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] == 3 + 3 + 1 and doc["remote_error"] is None
         r = redis.Redis.from_url(url)
         assert list(r.scan_iter(match=f"{prefix}:*")) == [] and len(list(r.scan_iter(match=f"{other}:*"))) == 7
         text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -276,3 +597,35 @@ def test_the_clear_command_with_remote(tmp_path, redis_server):
         assert refused.returncode == 2 and "no remote tier is configured" in refused.stderr
     finally:
         redis_server.cli("-a", "cli-pa55", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+
+
+def test_the_clear_command_with_the_remote_down_reports_both_outcomes(tmp_path):
+    """The local store is cleared, the remote tier cannot be: both are printed (one JSON object with
+    --json), the exit status is 3 (the remote's failure), the password never shown."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from edgesync_store.core.store import FragmentStore
+
+    url = f"redis://:down-pa55@127.0.0.1:{free_port()}/0"  # nothing listens there
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": new_prefix("down")}
+    cmd = [sys.executable, "-m", "edgesync_engines.app.cli", "clear", str(tmp_path / "node"), "--yes", "--remote"]
+    for as_json in (True, False):
+        with FragmentStore(tmp_path / "node") as store:
+            assert store.put_many(chain(prompt(9))) == 3
+        done = subprocess.run(cmd + ["--json"] * as_json, capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 3, done.stderr
+        assert "error: the local store was cleared, the remote tier was not: remote tier redis://:***@127.0.0.1" \
+            in done.stderr
+        assert "down-pa55" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+        if as_json:
+            doc = json.loads(done.stdout)
+            assert doc["fragments_removed"] == 3 and doc["remote_keys_removed"] is None
+            assert "connection" in doc["remote_error"] and "redis://:***@127.0.0.1" in doc["remote_error"]
+        else:
+            assert "3 fragments removed" in done.stdout and "; remote tier redis://:***@" in done.stdout
+            assert "not cleared: " in done.stdout
+        with FragmentStore(tmp_path / "node") as store:
+            assert store.stats().fragments == 0

@@ -14,7 +14,14 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, configured_store, load_config, positive_int
+from edgesync_engines.app.cli_common import (
+    STORE_ARG_HELP,
+    CommandError,
+    configured_store,
+    load_config,
+    positive_int,
+    print_error,
+)
 from edgesync_engines.config import EMBEDDING_BACKENDS
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.units import format_bytes
@@ -22,6 +29,9 @@ from edgesync_store.errors import StoreBusyError, StoreError, StoreFormatError, 
 
 EXIT_DECLINED = 1
 """``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
+EXIT_REMOTE_FAILED = 3
+"""``edgesync clear --remote``'s exit status when the local store was cleared and the remote tier
+could not be (down, refusing): both outcomes are printed."""
 
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
@@ -87,8 +97,11 @@ def _confirm(question: str) -> bool:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     """``edgesync clear``: :func:`edgesync_store.commands.clear.clear_store` after a confirmation (or
-    ``--yes``); what was removed goes to stdout. Exit 0, 1 when the user declines, 2 for bad
-    input or a refusal to clear without ``--yes`` when stdin is not a terminal."""
+    ``--yes``), then with ``--remote`` the shared tier's keys (:func:`_clear_remote`); what was
+    removed goes to stdout (one JSON object with ``--json``), both outcomes always. Exit 0, 1 when
+    the user declines, 2 for bad input or a refusal to clear without ``--yes`` when stdin is not a
+    terminal, :data:`EXIT_REMOTE_FAILED` when the local store was cleared and the remote tier was
+    not."""
     from edgesync_store.commands.clear import check_store_path, clear_store
 
     store = configured_store(args.store)
@@ -106,26 +119,41 @@ def cmd_clear(args: argparse.Namespace) -> int:
         if not _confirm(f"Erase every fragment, donor and vector of the store at {path}{remote}?"):
             print(f"not cleared: {path} left as it was", file=sys.stderr, flush=True)
             return EXIT_DECLINED
-    with _command_errors(f"cannot clear the store at {path}",
+    untouched = "; the remote tier was not cleared" if args.remote else ""
+    with _command_errors(f"cannot clear the store at {path}{untouched}",
                          (StoreNotFoundError, StoreOpenError, StoreFormatError, StoreBusyError)):
         result = clear_store(path)
     doc = result.to_dict()
+    how = ("files erased (" + ", ".join(result.files_removed) + ") and an empty store created"
+           if result.erased_files else f"files not erased: {result.reason}")
+    summary = (f"cleared {result.path}: {result.fragments_removed} fragments removed; data.mdb "
+               f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}")
+    failed = None
     if args.remote:
+        failed = _clear_remote(cfg, doc)
+        summary += (f"; remote tier {cfg.remote_url}: " + (f"{doc['remote_keys_removed']} keys under "
+                    f"{cfg.remote_prefix}: removed" if failed is None else f"not cleared: {failed}"))
+    print(json.dumps(doc) if args.json else summary, flush=True)
+    if failed is not None:
+        print_error(f"the local store was cleared, the remote tier was not: {failed}")
+        return EXIT_REMOTE_FAILED
+    return 0
+
+
+def _clear_remote(cfg, doc: dict) -> str | None:
+    """Clear the remote tier of ``cfg``; sets ``doc["remote_keys_removed"]`` (None when it failed)
+    and ``doc["remote_error"]`` (None when it did not). Returns the error, or None."""
+    doc["remote_keys_removed"], doc["remote_error"] = None, None
+    try:
         from edgesync_store.remote.commands import clear_remote
 
-        with _command_errors("cannot clear the remote tier", (ValueError,)):
-            doc["remote_keys_removed"] = clear_remote(cfg.remote_url, cfg.remote_prefix, cfg.remote_cluster,
-                                                      cfg.remote_write_timeout_ms)
-    if args.json:
-        print(json.dumps(doc), flush=True)
-    else:
-        how = ("files erased (" + ", ".join(result.files_removed) + ") and an empty store created"
-               if result.erased_files else f"files not erased: {result.reason}")
-        print(f"cleared {result.path}: {result.fragments_removed} fragments removed; data.mdb "
-              f"{format_bytes(result.bytes_before)} -> {format_bytes(result.bytes_after)}; {how}"
-              + (f"; remote tier {cfg.remote_url}: {doc['remote_keys_removed']} keys under {cfg.remote_prefix}: "
-                 "removed" if args.remote else ""), flush=True)
-    return 0
+        doc["remote_keys_removed"] = clear_remote(cfg.remote_url, cfg.remote_prefix, cfg.remote_cluster,
+                                                  cfg.remote_write_timeout_ms)
+    except ImportError as exc:
+        doc["remote_error"] = f"the remote client is missing ({exc}; install the `remote` extra)"
+    except (ValueError, StoreError, OSError) as exc:  # their messages show the URL redacted
+        doc["remote_error"] = str(exc)
+    return doc["remote_error"]
 
 
 def cmd_reindex(args: argparse.Namespace) -> int:

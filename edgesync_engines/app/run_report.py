@@ -248,5 +248,6 @@ def _remote_rows(table, remote: dict | None) -> None:
     table.add_row("remote tier: errors (timeout / connection / OOM / other)", "-",
                   f"{remote['errors']:,} ({remote['timeout']} / {remote['connection']} / {remote['oom']} / "
                   f"{remote['other']})", "")
-    table.add_row("remote tier: corrupt refused, queue drops, calls skipped", "-",
-                  f"{remote['corrupt']:,}, {remote['queue_drops']:,}, {remote['skipped']:,}", "")
+    table.add_row("remote tier: corrupt refused, unusable values, queue drops, calls skipped", "-",
+                  f"{remote['corrupt']:,}, {remote.get('bad_values', 0):,}, {remote['queue_drops']:,}, "
+                  f"{remote['skipped']:,}", "")

@@ -37,4 +37,4 @@ def with_remote_tier(local: "FragmentBackend | None", config: "EdgeSyncConfig") 
     return TieredStore.connect(local, config.remote_url, prefix=config.remote_prefix, cluster=config.remote_cluster,
                                timeout_ms=config.remote_timeout_ms, write_timeout_ms=config.remote_write_timeout_ms,
                                retry_s=config.remote_retry_s, queue_size=config.remote_queue,
-                               grid=config.chunk_tokens)
+                               grid=config.chunk_tokens, fetch_budget_ms=config.remote_fetch_budget_ms)

@@ -1,21 +1,26 @@
 """The connection to the remote tier: redis-py clients, a circuit breaker and the counters.
 
 :class:`RemoteClient` owns two redis-py clients on one server (or one Redis Cluster): a *fast*
-one whose per-call timeout is the request path's budget (``remote_timeout_ms``, a few
-milliseconds: index lookups and fragment fetches before the first token) and a *slow* one for
-the background writer and the commands (``remote_write_timeout_ms``). Neither retries: a
-failed call is reported at once and the caller goes on with the local tier alone.
+one for index lookups and fragment fetches before the first token, whose socket timeout
+(``remote_timeout_ms``, a few milliseconds) bounds each read, and a *slow* one for the
+background writer and the commands (``remote_write_timeout_ms``). A socket timeout bounds one
+read, not a call: a reply that trickles in small reads can take far longer, so a fetch also has
+a deadline of its own (``tier.KeyLayout.fetch``, ``TieredStore``'s ``fetch_budget_ms``).
+Neither client retries: a failed call is reported at once and the caller goes on with the local
+tier alone.
 
 :meth:`RemoteClient.call` runs one operation through the :class:`CircuitBreaker`: after
 ``FAILURES_TO_OPEN`` (3) failures in a row the breaker opens and calls are skipped without
 touching the network for ``retry_s`` seconds, doubling on every failed probe up to
 ``MAX_RETRY_FACTOR`` (8) times that; then one call probes the server, and a success closes the
-breaker. An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
+breaker. A fetch that overruns its whole budget (``tier.FetchBudgetSpent``) opens it at once.
+An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
 ``noeviction``) is counted apart and does not open the breaker, since reads still work then.
 
 Every failure is counted in :class:`RemoteCounters` by kind (``timeout``, ``connection``,
-``oom``, ``other``) and logged: the first of a run at WARNING, the breaker opening and closing
-at WARNING and INFO, the rest at DEBUG, so a dead remote does not flood the log. Log lines name
+``oom``, ``other``) and logged: the first of each kind in a run at WARNING, with the count so
+far, the repeats at DEBUG (:meth:`RemoteClient.note`), the breaker opening and closing at
+WARNING and INFO, so a dead or full remote does not flood the log. Log lines name
 the server by its redacted URL only (``url.RemoteURL``).
 """
 
@@ -33,6 +38,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException
 from redis.retry import Retry
 
+from edgesync_store.remote.tier import FetchBudgetSpent
 from edgesync_store.remote.url import RemoteURL, credentials
 
 log = logging.getLogger(__name__)
@@ -73,9 +79,12 @@ class RemoteCounters:
         deletes: fragments removed from the remote (forget, corrupt).
         queue_drops: write-behind jobs dropped, the oldest first, because the queue was full.
         write_skips: write-behind jobs not sent because the remote was unavailable.
-        timeout, connection, oom, other: failed calls by kind.
+        timeout, connection, oom, other: failed calls by kind (``timeout``: a socket read's timeout,
+            or a fetch over its whole budget).
         skipped: calls not made because the breaker was open.
         breaker_opens: times the breaker opened.
+        bad_values: remote values of the wrong type or form (a hit counter that is not a count,
+            a key of another type: ``tier.KeyLayout.on_bad``), skipped and deleted.
     """
 
     walks: int = 0
@@ -96,6 +105,7 @@ class RemoteCounters:
     other: int = 0
     skipped: int = 0
     breaker_opens: int = 0
+    bad_values: int = 0
 
     @property
     def errors(self) -> int:
@@ -143,15 +153,17 @@ class CircuitBreaker:
             self.failures, self.open_until, self.wait_s = 0, None, self.retry_s
             return was_open
 
-    def failure(self) -> bool:
-        """Record a failure; True when it opened the breaker (or kept a probing one open)."""
+    def failure(self, at_once: bool = False) -> bool:
+        """Record a failure; True when it opened the breaker (after ``FAILURES_TO_OPEN`` in a
+        row, or at once with ``at_once``), False when it was open already (a failed probe: it
+        then waits longer) or stays closed."""
         with self.lock:
             self.failures += 1
             if self.open_until is not None:  # a failed probe: wait longer
                 self.wait_s = min(self.wait_s * 2, self.retry_s * MAX_RETRY_FACTOR)
                 self.open_until = self.clock() + self.wait_s
                 return False
-            if self.failures >= FAILURES_TO_OPEN:
+            if at_once or self.failures >= FAILURES_TO_OPEN:
                 self.open_until = self.clock() + self.wait_s
                 return True
             return False
@@ -160,16 +172,77 @@ class CircuitBreaker:
 CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
 """What a redis-py call may raise: its own errors (a cluster's setup errors are not
 ``RedisError``s) and the socket's."""
+REPLY_ERRORS = (ValueError, TypeError, LookupError, AttributeError)
+"""What using a reply of an unexpected form may raise (the tier validates what it reads, this is
+the net below it): counted as ``other`` like a failed call, never raised to a request."""
 
 
 def _classify(exc: Exception) -> str:
-    if isinstance(exc, redis.TimeoutError):
+    if isinstance(exc, (redis.TimeoutError, TimeoutError)):  # TimeoutError: tier.FetchBudgetSpent
         return "timeout"
     if isinstance(exc, redis.ConnectionError):
         return "connection"
     if isinstance(exc, OutOfMemoryError) or (isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")):
         return "oom"
     return "other"
+
+
+URL_OPTIONS = frozenset({"db", "username", "password", "client_name", "socket_keepalive", "socket_read_size",
+                         "max_connections"})
+"""Query arguments of the URL passed on to redis-py (its own parsers check their values)."""
+TLS_OPTIONS = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_password",
+                         "ssl_check_hostname", "ssl_min_version", "ssl_ciphers", "ssl_include_verify_flags",
+                         "ssl_exclude_verify_flags"})
+"""Query arguments passed on for ``rediss://`` only (redis-py's ``SSLConnection``)."""
+TIER_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
+                          "health_check_interval", "decode_responses", "encoding", "protocol"})
+"""Query arguments the tier sets itself and a URL must not override (redis-py lets a URL's win):
+its timeouts, no retries, binary RESP2 replies."""
+
+
+def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
+    """None when redis-py can use ``url``'s query arguments as the tier passes them, else what
+    is wrong (the URL redacted, never a value): an argument the tier does not pass on
+    (:data:`URL_OPTIONS`, :data:`TLS_OPTIONS` with ``rediss://``) or sets itself
+    (:data:`TIER_OPTIONS`), a value redis-py's own URL parser refuses, a database other than 0
+    on a Redis Cluster."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from redis.connection import parse_url
+
+    shown = url.redacted
+    visible = {name for name, _ in parse_qsl(urlsplit(shown).query, keep_blank_values=True)}
+    for name, _value in parse_qsl(urlsplit(url.secret).query, keep_blank_values=True):
+        if name in TIER_OPTIONS:
+            how = ("EDGESYNC_REMOTE_TIMEOUT_MS and EDGESYNC_REMOTE_WRITE_TIMEOUT_MS set the timeouts"
+                   if "timeout" in name else "the tier sets it")
+            return f"{shown}: {name}= is not taken from the URL ({how})"
+        if name in TLS_OPTIONS and not url.tls:
+            return f"{shown}: {name}= needs rediss:// (TLS)"
+        if name not in URL_OPTIONS | TLS_OPTIONS:
+            # a name the redaction hid (after password=) may be the tail of a password typed with '&'
+            label = f"{name[:40]}=" if name in visible else "an argument after password= (hidden)"
+            return (f"{shown}: {label} is not an option the remote tier passes on (it takes "
+                    f"{', '.join(sorted(URL_OPTIONS | (TLS_OPTIONS if url.tls else set())))})")
+    try:
+        parse_url(url.secret)
+    except ValueError as exc:  # its messages name the argument, never the value
+        return f"{shown}: {exc}"
+    if cluster and url.db != 0:
+        return f"{shown}: a Redis Cluster has database 0 only, the URL names {url.db}"
+    return None
+
+
+def _hint(exc: Exception) -> str:
+    """What to check when a failure is the configuration's, not the network's ("" otherwise)."""
+    text = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid username")):
+        return " (check the user and password: EDGESYNC_REMOTE_URL, EDGESYNC_REMOTE_USERNAME/PASSWORD)"
+    if "DB index is out of range" in text or "Invalid Database" in text:
+        return " (the server has fewer databases than the remote URL's number: EDGESYNC_REMOTE_URL)"
+    if text.startswith("NOPERM"):
+        return " (the ACL user lacks a command or key pattern: see tier.COMMANDS and the key prefix)"
+    return ""
 
 
 def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
@@ -190,8 +263,10 @@ class RemoteClient:
     Args:
         url: the server (any node of a cluster).
         cluster: True for Redis Cluster (``RedisCluster``), False for one server.
-        timeout_ms: per-call timeout of the fast client (request path), milliseconds.
-        write_timeout_ms: per-call timeout of the slow client (background and commands).
+        timeout_ms: timeout of each socket read (and connect) of the fast client (request path),
+            milliseconds; redis-py's ``socket_timeout``, so not a bound on a whole call (the
+            fetch's is ``tier.KeyLayout.fetch``'s deadline).
+        write_timeout_ms: the same for the slow client (background and commands).
         retry_s: seconds the open breaker waits before probing again.
 
     Connecting is lazy (a cluster's slot map is read on the first call), so opening never
@@ -210,7 +285,7 @@ class RemoteClient:
         self.counters_lock = threading.Lock()
         self._clients: dict[str, object] = {}
         self._clients_lock = threading.Lock()
-        self._warned = False
+        self._noted: set[str] = set()
 
     def __repr__(self) -> str:
         return f"RemoteClient({self.url.redacted!r}, cluster={self.cluster})"
@@ -231,7 +306,10 @@ class RemoteClient:
                 try:
                     self._clients[which] = _make_client(self.url, self.cluster, self.timeouts_s[which])
                 except CLIENT_ERRORS as exc:
-                    raise RemoteUnavailable(_classify(exc), f"{self.url.redacted}: {exc}") from None
+                    raise RemoteUnavailable(_classify(exc), f"{self.url.redacted}: {exc}{_hint(exc)}") from None
+                except (ValueError, TypeError) as exc:  # redis-py refused the URL's options
+                    raise RemoteUnavailable("other", f"{self.url.redacted}: {exc} (check the remote URL, "
+                                                     "EDGESYNC_REMOTE_URL)") from None
             return self._clients[which]
 
     def count(self, **deltas: int) -> None:
@@ -254,32 +332,49 @@ class RemoteClient:
         try:
             result = op(self.client(which))
         except RemoteUnavailable as exc:
-            self._failed(breaker, exc.kind, what, exc)
+            self._failed(breaker, exc.kind, what, str(exc))
             raise
         except CLIENT_ERRORS as exc:
-            kind = _classify(exc)
-            self._failed(breaker, kind, what, exc)
-            raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {exc}") from None
+            kind, detail = _classify(exc), f"{exc}{_hint(exc)}"
+            # a fetch over its whole budget: the remote is too slow for the request path now, and
+            # the request's walk again (execute.py) must not try it a second time
+            self._failed(breaker, kind, what, detail, at_once=isinstance(exc, FetchBudgetSpent))
+            raise RemoteUnavailable(kind, f"remote {what} failed ({kind}): {detail}") from None
+        except REPLY_ERRORS as exc:  # a reply of an unexpected form, or an option redis-py refused late
+            detail = (f"{type(exc).__name__}: {exc} (a reply of an unexpected form, or an option of the remote URL, "
+                      "EDGESYNC_REMOTE_URL)")
+            self._failed(breaker, "other", what, detail)
+            raise RemoteUnavailable("other", f"remote {what} failed (other): {detail}") from None
         if breaker.success():
             log.info("remote tier %s answers again (%s); circuit closed", self.url.redacted, what)
         return result
 
-    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, exc: Exception) -> None:
+    def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str, at_once: bool = False) -> None:
+        """Count a failed call by ``kind`` and log it: the first of its kind at WARNING, repeats
+        at DEBUG (:meth:`note`), the breaker opening (``at_once``: by this failure) at WARNING."""
         self.count(**{kind: 1})
-        if kind == "oom":  # the server is full, not gone: reads still work
-            log.warning("remote tier %s is full (maxmemory, noeviction): %s not stored", self.url.redacted, what)
+        with self.counters_lock:
+            n = getattr(self.counters, kind)
+        if kind == "oom":  # the server is full, not gone: reads still work, the breaker stays closed
+            self.note("failure:oom", "remote tier %s is full (maxmemory, noeviction): %s not stored (%d refused so "
+                      "far; counted as oom, repeats logged at DEBUG)", self.url.redacted, what, n)
             return
-        if breaker.failure():
+        if breaker.failure(at_once):
             self.count(breaker_opens=1)
-            log.warning("remote tier %s: %d failed calls in a row (last: %s %s); %s local-only, retrying in %.1f s",
-                        self.url.redacted, breaker.failures, what, kind,
+            log.warning("remote tier %s: %d failed calls in a row (last: %s %s%s); %s local-only, retrying in %.1f s",
+                        self.url.redacted, breaker.failures, what, kind, f": {detail}" if at_once else "",
                         "serving" if breaker is self.breaker else "writing", breaker.wait_s)
-        elif not self._warned:
-            log.warning("remote tier %s: %s failed (%s: %s); this request goes on local-only", self.url.redacted,
-                        what, kind, exc)
         else:
-            log.debug("remote tier %s: %s failed (%s: %s)", self.url.redacted, what, kind, exc)
-        self._warned = True
+            self.note(f"failure:{kind}", "remote tier %s: %s failed (%s: %s); going on without it (%d %s failures "
+                      "so far, repeats logged at DEBUG)", self.url.redacted, what, kind, detail, n, kind)
+
+    def note(self, kind: str, message: str, *args: object) -> None:
+        """Log ``message % args`` at WARNING the first time for ``kind``, at DEBUG after, so a
+        fault that repeats on every request does not flood the log (its counter counts it)."""
+        with self.counters_lock:
+            first = kind not in self._noted
+            self._noted.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def close(self) -> None:
         """Close both clients' connections (idempotent)."""

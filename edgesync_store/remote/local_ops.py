@@ -38,7 +38,12 @@ class LocalTierOps:
         return self.local.is_live(key, now)
 
     def lifecycle(self, key: bytes) -> Lifecycle | None:
-        return self.local.lifecycle(key)
+        life = self.local.lifecycle(key)
+        if life is None:
+            with self._lock:
+                pending = self._fetched.get(key)
+            life = pending[1] if pending is not None else None
+        return life
 
     def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
         self._flush_fetched()

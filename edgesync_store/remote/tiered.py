@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 
@@ -43,13 +43,14 @@ from edgesync_store.core.store import FragmentStore, StoreStats
 from edgesync_store.core.walk import PrefixMatch
 from edgesync_store.errors import CodecError, StoreError
 from edgesync_store.remote import walk as remote_walk
-from edgesync_store.remote.client import RemoteClient, RemoteUnavailable
+from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, check_options
 from edgesync_store.remote.local_ops import LocalTierOps
 from edgesync_store.remote.queue import WriteBehind
-from edgesync_store.remote.tier import KeyLayout, head_of, parse_head
+from edgesync_store.remote.reads import RemoteReads
+from edgesync_store.remote.tier import KeyLayout, head_of
 from edgesync_store.remote.url import RemoteURL, check_prefix
 from edgesync_store.schema import MIN_SPAN, KVFragment, Namespace
-from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT, Lifecycle
+from edgesync_store.ttl import LIFETIME_SHORT, Lifecycle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,7 +66,7 @@ class TieredStats(StoreStats):
     remote: dict = field(default_factory=dict)
 
 
-class TieredStore(LocalTierOps, FragmentBackend):
+class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
     """The local store with a shared remote tier behind it (module docstring).
 
     Args:
@@ -75,17 +76,21 @@ class TieredStore(LocalTierOps, FragmentBackend):
         queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
         grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
         drain_s: seconds :meth:`close` waits for queued writes.
+        fetch_budget_ms: milliseconds one fragment's fetch may take in all (its reads, each also
+            bounded by the client's per-read timeout); then it is abandoned and the request
+            prefills those tokens.
     """
 
     def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
-                 grid: int = 128, drain_s: float = 10.0) -> None:
+                 grid: int = 128, drain_s: float = 10.0, fetch_budget_ms: float = 250.0) -> None:
         self.local = local
         self.client = client
-        self.keys = KeyLayout(prefix)
+        self.fetch_budget_s = fetch_budget_ms / 1000.0
+        self.keys = KeyLayout(prefix, on_bad=self._bad_value)
         self.grid = grid
         self.drain_s = drain_s
         self.queue = WriteBehind(queue_size, on_drop=lambda: client.count(queue_drops=1))
-        self._fetched: dict[bytes, tuple[bytes, Lifecycle]] = {}
+        self._fetched: dict[bytes, tuple[bytes, Lifecycle, KVFragment | None]] = {}
         self._refused: set[bytes] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -95,20 +100,28 @@ class TieredStore(LocalTierOps, FragmentBackend):
     @classmethod
     def connect(cls, local: FragmentStore, url: RemoteURL | str, *, prefix: str = "edgesync", cluster: bool = False,
                 timeout_ms: float = 20.0, write_timeout_ms: float = 2000.0, retry_s: float = 5.0,
-                queue_size: int = 256, grid: int = 128) -> "TieredStore":
+                queue_size: int = 256, grid: int = 128, fetch_budget_ms: float = 250.0) -> "TieredStore":
         """A tiered store over ``local`` and the remote at ``url`` (``RemoteClient``'s
-        arguments; connecting is lazy, so an unreachable remote does not fail this).
+        arguments, and ``fetch_budget_ms``; connecting is lazy, so an unreachable remote does
+        not fail this).
 
         Raises:
-            ValueError: a bad URL (message redacted) or key prefix.
+            ValueError: a bad URL or query argument (``client.check_options``; message redacted)
+                or key prefix.
         """
-        url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        try:
+            url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+        except ValueError as exc:  # its message shows the URL redacted
+            raise ValueError(f"remote URL: {exc}") from None
         problem = check_prefix(prefix)
         if problem:
             raise ValueError(f"remote prefix: {problem}")
+        problem = check_options(url, cluster)
+        if problem:
+            raise ValueError(f"remote URL: {problem}")
         client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
                               retry_s=retry_s)
-        return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid)
+        return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid, fetch_budget_ms=fetch_budget_ms)
 
     def __repr__(self) -> str:
         return f"TieredStore({self.local.path!s}, {self.client!r}, prefix={self.keys.prefix!r})"
@@ -129,48 +142,6 @@ class TieredStore(LocalTierOps, FragmentBackend):
     pins = property(lambda self: self.local.pins)
     dropped_corrupt = property(lambda self: self.local.dropped_corrupt + self.client.counters.corrupt,
                                doc="Corrupt fragments refused by either tier.")
-
-    # -- remote calls -------------------------------------------------------------------------
-
-    def _remote(self, which: str, op: Callable[[object], T], what: str, default: T) -> T:
-        """``op(client)`` on the remote, or ``default`` when it is unavailable (counted, logged)."""
-        try:
-            return self.client.call(which, op, what)
-        except RemoteUnavailable:
-            return default
-
-    def _lookup(self, which: str, namespace: Namespace, live_only: bool = True) -> remote_walk.Lookup:
-        """The remote walk's lookup in ``namespace``: index hashes, heads parsed (a field that
-        does not parse, or whose blob is gone, is dropped from the index in the background)."""
-        digest = namespace.digest()
-
-        def lookup(prefixes: Sequence[bytes]) -> list[list[remote_walk.Candidate]]:
-            ikeys = [self.keys.index_key(digest, p) for p in prefixes]
-            entries = self.client.call(which, lambda c: self.keys.index_entries(c, ikeys), "index lookup")
-            found, stale = [], []
-            for ikey, fields in zip(ikeys, entries):
-                row = []
-                for key, value in fields.items():
-                    key, head = bytes(key), parse_head(value)
-                    if head is None or len(key) != 32:
-                        self.client.count(corrupt=1)
-                        stale.append((ikey, key))
-                    elif key not in self._refused:
-                        row.append((key, head, len(value) + head.payload_nbytes + 4))
-                found.append(row)
-            if live_only:
-                flat = [(i, c) for i, row in enumerate(found) for c in row]
-                alive = self.client.call(which, lambda c: self.keys.alive(c, [k for _, (k, _h, _n) in flat]),
-                                         "index lookup")
-                stale += [(ikeys[i], cand[0]) for (i, cand), ok in zip(flat, alive) if not ok]
-                dead = {cand[0] for (_, cand), ok in zip(flat, alive) if not ok}
-                found = [[c for c in row if c[0] not in dead] for row in found]
-            if stale:
-                self.queue.submit(lambda: self._remote("slow", lambda c: self.keys.drop_index_fields(c, stale),
-                                                       "index cleanup", None))
-            return found
-
-        return lookup
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -206,51 +177,19 @@ class TieredStore(LocalTierOps, FragmentBackend):
             return None
         return self._fetch(key)
 
-    def _decoded(self, key: bytes, blob: bytes, life: Lifecycle) -> KVFragment | None:
-        try:
-            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
-        except CodecError:
-            return None
-        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
-        return frag
-
-    def _fetch(self, key: bytes) -> KVFragment | None:
-        blob, hits, pttl = self._remote("fast", lambda c: self.keys.fetch(c, key), "fetch", (None, 0, -2))
-        if blob is None:
-            self.client.count(misses=1)
-            return None
-        try:
-            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
-            if frag.key() != key:
-                raise CodecError("stored under a key that its content does not hash to")
-        except CodecError as exc:
-            self._refuse(key, str(exc))
-            return None
-        now = self.clock()
-        promoted = hits >= self.policy.promote_hits or pttl == -1 or pttl > self.policy.ttl_seconds * 1000
-        expires = now + (self.policy.long_ttl_seconds if pttl == -1 else pttl / 1000.0)
-        life = Lifecycle(hits, now if hits else 0.0, expires, frag.created_at,
-                         LIFETIME_LONG if promoted else LIFETIME_SHORT, len(blob), frag.raw_nbytes)
-        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
-        self.client.count(hits=1, bytes_fetched=len(blob))
-        if not self.local.readonly:
-            with self._lock:
-                self._fetched[key] = (bytes(blob), life)
-        return frag
-
-    def _refuse(self, key: bytes, reason: str) -> None:
-        """Count, log and delete a corrupt remote blob; this process never asks for it again."""
-        self.client.count(corrupt=1)
-        self._refused.add(key)
-        log.warning("refusing remote fragment %s: %s; deleting it from the remote tier", key.hex()[:16], reason)
-        if self._remote("fast", lambda c: self.keys.delete(c, [key]), "delete", 0):
-            self.client.count(deletes=1)
+    def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
+        """The local records (one read transaction); for a key the local store lacks, the
+        record of the remote fragment, fetched and verified now and held for :meth:`get`
+        (None: the remote has no usable one). Raises StoreIOError: the local store failed."""
+        return [life if life is not None else self._remote_lifecycle(key)
+                for key, life in zip(keys, self.local.lifecycles(keys))]
 
     def _flush_fetched(self) -> None:
-        """Write the fragments fetched from the remote to the local store, as fetched."""
+        """Write the fragments fetched from the remote to the local store, as fetched (a
+        read-only local store keeps none)."""
         with self._lock:
-            items, self._fetched = [(k, b, life) for k, (b, life) in self._fetched.items()], {}
-        if not items:
+            items, self._fetched = [(k, b, life) for k, (b, life, _f) in self._fetched.items()], {}
+        if not items or self.local.readonly:
             return
         try:
             self.local.put_blobs(items)
@@ -293,7 +232,8 @@ class TieredStore(LocalTierOps, FragmentBackend):
         return written
 
     def _push(self, key: bytes) -> None:
-        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored)."""
+        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored; when
+        the remote holds the blob already, only its index entry, which may have gone missing)."""
         try:
             blob, life = self.local.get_blob(key), self.local.lifecycle(key)
         except StoreError as exc:
@@ -310,11 +250,9 @@ class TieredStore(LocalTierOps, FragmentBackend):
         except CodecError:
             return  # the local read path refuses and removes it
 
-        def put(c) -> bool:
-            return not self.keys.exists(c, key) and self.keys.put(c, key, blob, head, head_bytes, ttl, long_ttl)
-
-        try:
-            if self.client.call("slow", put, "write"):
+        try:  # the blob first, its index entry only once it is stored (KeyLayout.put)
+            if self.client.call("slow", lambda c: self.keys.put(c, key, blob, head, head_bytes, ttl, long_ttl),
+                                "write"):
                 self.client.count(puts=1, bytes_written=len(blob))
         except RemoteUnavailable:
             self.client.count(write_skips=1)
