@@ -9,7 +9,7 @@ decompression) and the ``by_prefix`` and ``lifecycle`` databases, one read trans
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -188,6 +188,38 @@ def _cells(head, ns_dict: dict, full: frozenset) -> frozenset:
     return frozenset((layer, h) for layer in head.layers for h in range(head.head_start, head.head_end))
 
 
+def longest_chain(tokens: np.ndarray, spans_at: Callable[[int, bytes], list[SpanMatch]]) -> list[SpanMatch]:
+    """The chain of spans reaching furthest into ``tokens`` (int32, shape ``(n,)``) from 0.
+
+    ``spans_at(pos, digest)`` gives the span groups stored at ``pos`` after the prefix whose
+    hash is ``digest`` (``schema.prefix_hasher`` over ``tokens[:pos]``). A complete span leads
+    on to its end position; a partial one ends its path. Depth first with one lookup per
+    position: spans of other chunk sizes branch, so a greedy choice of the longest complete
+    span can end short of another branch. Shared by the local walk and the remote tier's.
+    """
+    memo: dict[int, tuple[int, list[SpanMatch]]] = {}
+
+    def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
+        if pos in memo:
+            return memo[pos]
+        found: tuple[int, list[SpanMatch]] = (pos, [])
+        if pos < len(tokens):
+            for span in spans_at(pos, hasher.digest()):
+                if span.complete and span.token_end <= len(tokens):
+                    nxt = hasher.copy()
+                    nxt.update(token_bytes(tokens[pos : span.token_end]))
+                    reach, chain = best(span.token_end, nxt)
+                    option = (reach, [span] + chain)
+                else:
+                    option = (pos + span.matched, [span])
+                if option[0] > found[0]:
+                    found = option
+        memo[pos] = found
+        return found
+
+    return best(0, prefix_hasher())[1]
+
+
 def prefix_walk(
     store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None
 ) -> PrefixMatch:
@@ -216,29 +248,8 @@ def prefix_walk(
 
     def read(txn) -> None:
         cursor = txn.cursor(db=store.env.by_prefix)
-        memo: dict[int, tuple[int, list[SpanMatch]]] = {}
-
-        def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
-            # Longest reach from ``pos``: spans of other chunk sizes branch, so a greedy
-            # choice of the longest complete span can end short of another branch.
-            if pos in memo:
-                return memo[pos]
-            found: tuple[int, list[SpanMatch]] = (pos, [])
-            if pos < len(tokens):
-                for span in _spans_at(store, txn, cursor, want, tokens, pos, hasher.digest(), now, corrupt):
-                    if span.complete and span.token_end <= len(tokens):
-                        nxt = hasher.copy()
-                        nxt.update(token_bytes(tokens[pos : span.token_end]))
-                        reach, chain = best(span.token_end, nxt)
-                        option = (reach, [span] + chain)
-                    else:
-                        option = (pos + span.matched, [span])
-                    if option[0] > found[0]:
-                        found = option
-            memo[pos] = found
-            return found
-
-        result.spans[:] = best(0, prefix_hasher())[1]
+        result.spans[:] = longest_chain(
+            tokens, lambda pos, digest: _spans_at(store, txn, cursor, want, tokens, pos, digest, now, corrupt))
 
     store.transact(read)
     for key, ikey in corrupt:

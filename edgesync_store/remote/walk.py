@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edgesync_store.core.codec import FragmentHeader
-from edgesync_store.core.walk import PrefixMatch, SpanMatch
+from edgesync_store.core.walk import PrefixMatch, SpanMatch, longest_chain
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
 
 Candidate = tuple[bytes, FragmentHeader, int]
@@ -79,32 +79,13 @@ def prefix_walk(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np
                                   for h in range(namespace.n_head_kv)})
     batch = _grid_digests(tokens, max(1, grid))
     found = dict(zip(batch, lookup(list(batch.values())))) if batch else {}
-    memo: dict[int, tuple[int, list[SpanMatch]]] = {}
 
     def at(pos: int, digest: bytes) -> list[SpanMatch]:
         if pos not in found:
             found[pos] = lookup([digest])[0]
         return _spans(found[pos], tokens, pos, want)
 
-    def best(pos: int, hasher) -> tuple[int, list[SpanMatch]]:
-        if pos in memo:
-            return memo[pos]
-        result: tuple[int, list[SpanMatch]] = (pos, [])
-        if pos < len(tokens):
-            for span in at(pos, hasher.digest()):
-                if span.complete and span.token_end <= len(tokens):
-                    nxt = hasher.copy()
-                    nxt.update(token_bytes(tokens[pos : span.token_end]))
-                    reach, chain = best(span.token_end, nxt)
-                    option = (reach, [span] + chain)
-                else:
-                    option = (pos + span.matched, [span])
-                if option[0] > result[0]:
-                    result = option
-        memo[pos] = result
-        return result
-
-    return PrefixMatch(spans=best(0, prefix_hasher())[1])
+    return PrefixMatch(spans=longest_chain(tokens, at))
 
 
 def keys_along(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
