@@ -158,6 +158,7 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         by_start = {on.prefetcher.ram.peek(k).token_start: k for k in on.prefetcher.ram.keys()}
         assert 0 in by_start and 128 in by_start
         victim = by_start[128]
+        old_version = on.prefetcher.ram.peek(victim).created_at
 
         real_walk = planning.walk
 
@@ -167,8 +168,7 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
             return match
 
         monkeypatch.setattr(planning, "walk", walk_then_delete)
-        # the request stores the victim's chunk again, which the prefetch thread would decode
-        # anew at once: hold the prefetch back until the stale copy is checked gone
+        # hold the prefetch back until the RAM tier's versions are checked
         held_back = []
         monkeypatch.setattr(on.prefetcher, "after_request", lambda key, tokens: held_back.append((key, tokens)))
         r = on.generate(qs[1], max_tokens=MAX_TOKENS)
@@ -176,8 +176,12 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
         assert r.ram_tier_hits == 1  # the first chunk only
         assert r.tokens_reused == 128
         assert r.tokens == reference[(0, 1)]
-        assert victim not in on.prefetcher.ram
         assert on.prefetch_stats()["stale"] == 1
+        # the request stored the victim's chunk again (the same tokens: the same key) and kept
+        # that new version in RAM at its store-back, never the stale one
+        life = on.store.lifecycle(victim)
+        assert life is not None and life.created_at != old_version
+        assert on.prefetcher.ram.peek(victim).created_at == life.created_at
         assert len(held_back) == 1
         on.prefetcher.after_request(*held_back[0])
 

@@ -1,9 +1,9 @@
 """The read-through RAM tier (``request/fragment_cache.py``) on the real SmolLM2 and real stores:
-a repeat is injected from RAM with nothing read from the store and the tokens of an uncached
-run; a fragment the store forgot, lost (another process's eviction or compaction between the
-walk and the injection) or let expire after it was kept in RAM is not served from RAM, and the
-request prefills what it lacks with identical tokens; the tier never holds more than its
-budget.
+what a request stored, or read from the store, is injected from RAM next time with nothing read
+from the store and the tokens of an uncached run; a fragment the store forgot, lost (another
+process's eviction or compaction between the walk and the injection) or let expire after it was
+kept in RAM is not served from RAM, and the request prefills what it lacks with identical
+tokens; the tier never holds more than its budget.
 
 Prompts are an app's system prompt (../shared/workloads/system_prompts.json) and a question.
 """
@@ -59,36 +59,42 @@ def open_router(adapter, store: FragmentStore, **extra) -> EdgeSync:
 
 
 def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, system_prompts, uncached, tmp_path):
-    """Miss, then a hit read from the store (kept in RAM), then hits from RAM alone: every
+    """Miss (its store-back keeps the chain in RAM too), then hits from RAM alone: every
     fragment, 0 bytes read, across the promotion to the long-lived tier (5 hits: the expiry
-    moves, the version stays)."""
+    moves, the version stays). A second router on the same store starts with an empty tier:
+    its first hit reads the chain from the store and keeps it, its next ones read nothing."""
     m = chat(system_prompts[0])
     store = FragmentStore(tmp_path / "s")
     es = open_router(adapter, store)
+    other = None
     try:
         first = es.generate(m, max_tokens=MAX_TOKENS)
         assert first.tier == "miss" and first.fragments_written == 3 and first.bytes_read == 0
-        assert len(es.fragment_cache.ram) == 0  # nothing was read yet
-        second = es.generate(m, max_tokens=MAX_TOKENS)
-        assert second.tier == "exact" and second.ram_tier_hits == 0
         keys = es.store.keys_along(es.namespace, es.prompt_tokens(m))
-        assert len(keys) == 3
-        assert second.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
+        assert len(keys) == 3 and all(k in es.fragment_cache.ram for k in keys)  # kept at the store-back
         repeats = [es.generate(m, max_tokens=MAX_TOKENS) for _ in range(6)]
         for r in repeats:
             assert r.tier == "exact" and r.tokens_reused == first.prompt_tokens - 1
             assert r.ram_tier_hits == 3 and r.bytes_read == 0
         assert es.store.lifecycle(keys[0]).lifetime == "long"
-        for r in (first, second, *repeats):
+        for r in (first, *repeats):
             assert r.tokens == uncached(m)
         stats = es.fragment_cache.ram.stats()
         assert stats.hits == 3 * len(repeats) and stats.entries == 3
         assert stats.bytes == sum(es.store.get(k).raw_nbytes for k in keys) <= stats.max_bytes
-        for key in keys:  # what RAM holds is what the store holds
-            held, stored = es.fragment_cache.ram.peek(key), es.store.get(key)
-            assert np.array_equal(held.keys.view(np.uint16), stored.keys.view(np.uint16))
-            assert np.array_equal(held.values.view(np.uint16), stored.values.view(np.uint16))
-            assert held.created_at == stored.created_at == es.store.lifecycle(key).created_at
+
+        other = open_router(adapter, store)
+        read = other.generate(m, max_tokens=MAX_TOKENS)
+        assert read.tier == "exact" and read.ram_tier_hits == 0 and read.tokens == uncached(m)
+        assert read.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
+        again = other.generate(m, max_tokens=MAX_TOKENS)
+        assert again.ram_tier_hits == 3 and again.bytes_read == 0 and again.tokens == uncached(m)
+        for key in keys:  # what RAM holds (kept at the store-back, or read) is what the store holds
+            stored = es.store.get(key)
+            for held in (es.fragment_cache.ram.peek(key), other.fragment_cache.ram.peek(key)):
+                assert np.array_equal(held.keys.view(np.uint16), stored.keys.view(np.uint16))
+                assert np.array_equal(held.values.view(np.uint16), stored.values.view(np.uint16))
+                assert held.created_at == stored.created_at == es.store.lifecycle(key).created_at
         assert es.fragment_cache.stale == 0
 
         assert es.forget(m) == 3
@@ -96,6 +102,8 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
         after = es.generate(m, max_tokens=MAX_TOKENS)
         assert after.tier == "miss" and after.ram_tier_hits == 0 and after.tokens == uncached(m)
     finally:
+        if other is not None:
+            other.close()
         es.close()
         store.close()
 
@@ -109,8 +117,7 @@ def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, syste
     store = FragmentStore(tmp_path / "s")
     es = open_router(adapter, store)
     try:
-        es.generate(m, max_tokens=MAX_TOKENS)
-        es.generate(m, max_tokens=MAX_TOKENS)  # read from the store: now in RAM
+        es.generate(m, max_tokens=MAX_TOKENS)  # stored, and kept in RAM
         tokens = es.prompt_tokens(m)
         match = es.store.prefix_walk(es.namespace, tokens)
         victim = match.spans[1].keys[0]
@@ -179,10 +186,10 @@ def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp
                 for r in rs:
                     assert r.tokens == uncached(m)
                     assert es.fragment_cache.ram.bytes <= budget
-                assert rs[2].ram_tier_hits == (3 if budget > one else 0)
+                assert rs[1].ram_tier_hits == rs[2].ram_tier_hits == (3 if budget > one else 0)
             stats = es.fragment_cache.ram.stats()
             if budget > one:
-                assert stats.evictions > 0 and stats.hits == 3 * len(prompts)
+                assert stats.evictions > 0 and stats.hits == 6 * len(prompts)
             else:
                 assert stats.entries == 0 and stats.rejected > 0 and stats.hits == 0
         finally:

@@ -113,6 +113,24 @@ class FragmentCache:
         self.ram.put(key, frag)
         return frag
 
+    def keep_stored(self, fragments: "Sequence[KVFragment]") -> int:
+        """Keep fragments just written to the store (the store-back's, decoded K + V still in
+        hand), so that a request sharing them reads them from RAM even the first time; returns
+        how many were kept. Each is kept as the version the store now holds (their records,
+        one read transaction): one the store did not write because it holds a live copy already
+        (another version) or could not keep is skipped, as is one larger than the budget.
+
+        Raises:
+            StoreError: the store failed.
+        """
+        keys = [f.key() for f in fragments]
+        kept = 0
+        for key, frag, life in zip(keys, fragments, self.store.lifecycles(keys)):
+            if life is not None and life.created_at == frag.created_at and frag.raw_nbytes <= self.ram.max_bytes:
+                self.put(key, frag, life)
+                kept += 1
+        return kept
+
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""
         self.ram.clear()

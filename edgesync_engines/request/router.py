@@ -353,8 +353,8 @@ class EdgeSync(DocumentsMixin):
         written = 0
         # the context holds a donor's or another engine's KV: nothing to store
         if self.store is not None and not (injected.approximate or injected.convertible):
-            written = storeback.store_new(self.store, self.adapter, tokens, self.config,
-                                          donor_prompt=None if self.semantic is None else prompt)
+            donor = None if self.semantic is None else prompt
+            written = storeback.store_new(self.store, self.adapter, tokens, self.config, donor, self.fragment_cache)
             if self.semantic is not None:
                 storeback.index_prompt(self.semantic, self.store, self.namespace, prompt, tokens, plan.embedded,
                                        self.config)

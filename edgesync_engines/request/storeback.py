@@ -30,6 +30,7 @@ from edgesync_store.semantic.donors import donor_value, put_donor_in, put_pendin
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
     from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.fragment_cache import FragmentCache
     from edgesync_engines.request.semantic_lookup import SemanticLookup
     from edgesync_store.core.store import FragmentStore
 
@@ -65,7 +66,7 @@ def donor_key(namespace: Namespace, tokens: Sequence[int], config: "EdgeSyncConf
 
 
 def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
-              donor_prompt=None) -> int:
+              donor_prompt=None, ram: "FragmentCache | None" = None) -> int:
     """Extract and store the prompt's chunks that the store lacks (or holds expired); return
     how many fragments were written (0, with a warning, when the store or the engine failed).
 
@@ -82,7 +83,8 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
     and KV head, whatever their grouping (``covers_span``). Missing chunks are extracted whole
     (one seq-state read for all) and cut into the configured ``layers_per_fragment`` x
     ``heads_per_fragment`` groups; all fragments of all chunks go in one ``put_many`` (one write
-    transaction, so no reader sees half a chunk).
+    transaction, so no reader sees half a chunk). With ``ram`` (the router's RAM tier) the
+    fragments written are kept there too (``FragmentCache.keep_stored``).
     """
     ns = adapter.namespace
     try:
@@ -105,7 +107,10 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
             for part in split_heads(layer_part, h1 - h0)
         ]
         also = None if donor is None else (lambda txn: put_donor_in(store, txn, *donor))
-        return store.put_many(fragments, also=also)
+        written = store.put_many(fragments, also=also)
+        if ram is not None and written:
+            ram.keep_stored(fragments)
+        return written
     except (StoreError, OSError, ValueError) as exc:
         log.warning("could not store fragments, serving uncached: %s", exc)
         return 0
