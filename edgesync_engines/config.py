@@ -240,7 +240,7 @@ SETTINGS: tuple[Setting, ...] = (
             "HNSW query breadth (1 to 10000; at 50 it misses near-duplicates)",
             check=lambda v: None if 1 <= v <= 10_000 else f"must be in [1, 10000], got {v}"),
     Setting("ram_tier_bytes", int, DEFAULT_RAM_TIER_BYTES, "EDGESYNC_RAM_TIER_BYTES", _bytes_or_off,
-            "budget of the RAM tier, bytes of decoded K + V: fragments read once are served again from RAM "
+            "budget of the RAM tier, bytes of decoded K + V: fragments stored or read once are served again from RAM "
             "while the store holds them live (0 = off; `64M`: powers of 1024)",
             check=lambda v: None if _is_int(v) and v >= 0 else f"must be an int >= 0 bytes, got {v!r}",
             shown=f"{DEFAULT_RAM_TIER_BYTES} ({_binary(DEFAULT_RAM_TIER_BYTES)})"),
