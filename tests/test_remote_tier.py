@@ -97,6 +97,104 @@ def test_records_of_remote_fragments_come_from_the_fetch_and_are_read_once(tmp_p
         b.close()
 
 
+def _split_chain(tmp_path, url, prefix, remote_has, local_has):
+    """Node A stores ``prompt(0)``'s chain (3 fragments: [0,64), [64,128), [128,199)) on the
+    remote, whose copies of the chunks not in ``remote_has`` are then deleted (as Redis's LRU
+    eviction drops a blob and leaves its index entry); node B holds the chunks ``local_has`` in
+    its local store only. Returns (a, b, tokens, fragments, blobs)."""
+    tokens = prompt(0)
+    frags = chain(tokens)
+    a = tiered(tmp_path, "a", url, prefix)
+    b = tiered(tmp_path, "b", url, prefix)
+    assert a.put_many(frags) == 3 and a.flush(30)
+    gone = [f.key() for i, f in enumerate(frags) if i not in remote_has]
+    assert a.keys.delete(a.client.client("slow"), gone) == len(gone)
+    assert b.local.put_many([frags[i] for i in local_has]) == len(local_has)
+    return a, b, tokens, frags, [codec.encode(f) for f in frags]
+
+
+def _lookups(store) -> list[str]:
+    """Records the remote index lookups (one pipeline, one round trip, each) ``store`` makes."""
+    calls, call = [], store.client.call
+
+    def counted(which, op, what):
+        if what == "index lookup":
+            calls.append(which)
+        return call(which, op, what)
+
+    store.client.call = counted
+    return calls
+
+
+def _run_table(store_stats: dict) -> dict[str, str]:
+    """``edgesync run``'s table over one request and ``store_stats``: the edgesync column by row."""
+    from edgesync_engines.app import run_report
+
+    result = {"tokens": [1], "tier": "miss", "ttft_ms": 1.0, "total_ms": 2.0, "prompt_tokens": 200,
+              "tokens_reused": 0, "tokens_prefilled": 200, "bytes_read": 0, "lookup_ms": None}
+    table = run_report.render_table(run_report.summarize([{"prompt_key": "k", "uncached": result,
+                                                           "edgesync": result}]), store_stats, "t")
+    return dict(zip(map(str, table.columns[0]._cells), map(str, table.columns[2]._cells)))
+
+
+@pytest.mark.parametrize("remote_has, local_has, lookups", [((1, 2), (0,), 2), ((0,), (1, 2), 4)],
+                         ids=["local-head", "remote-head"])
+def test_a_chain_split_across_the_tiers_is_walked_whole(tmp_path, redis_server, remote_has, local_has, lookups):
+    """The local store holds one part of a prompt's chain, the remote the other (its copy of
+    the rest evicted): the walk joins them, the remote part alone is fetched, and each key
+    reads back the stored arrays. Round trips: the grid, the local chain's ends and the last
+    position in one index pipeline and one existence pipeline; with the head remote, position
+    64 (off the 128 grid, reached through the remote's span) costs one pair more."""
+    a, b, tokens, frags, blobs = _split_chain(tmp_path, redis_server.url, new_prefix("split"), remote_has, local_has)
+    try:
+        assert b.local.prefix_walk(SMOL, tokens).matched_tokens == (64 if 0 in local_has else 0)
+        calls = _lookups(b)
+        match = b.prefix_walk(SMOL, tokens)
+        assert match.matched_tokens == 199 and [s.keys for s in match.spans] == [[f.key()] for f in frags]
+        assert len(calls) == lookups
+        assert sum(s.compressed_nbytes for s in match.spans) == sum(len(x) for x in blobs)
+        got = [b.get(f.key()) for f in frags]
+        for g, f in zip(got, frags):
+            assert g.key() == f.key() and np.array_equal(g.keys, f.keys) and np.array_equal(g.values, f.values)
+        stats = b.remote_stats()
+        assert stats["hits"] == len(remote_has) and stats["misses"] == 0
+        assert stats["bytes_fetched"] == sum(len(blobs[i]) for i in remote_has)
+        assert (stats["walks"], stats["walk_gains"], stats["walk_splits"]) == (1, 1, 1)
+        assert _run_table(b.stats().to_dict())["remote tier: walks (reached further / chain split across both tiers)"] \
+            == "1 (1 / 1)"
+        b.record_hits([f.key() for f in frags])  # the fetched part is written locally: the next walk is local
+        assert b.prefix_walk(SMOL, tokens).matched_tokens == 199 and len(calls) == lookups
+        assert b.remote_stats()["walks"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_split_chain_with_the_remote_down_is_the_local_part(tmp_path):
+    """The same split (local [0,64), remote the rest) joined while the remote is up; once it is
+    killed (a closed port) the walk is the local part alone, without an error, through three
+    failed calls and then the open circuit (no call)."""
+    from tools.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    a, b, tokens, frags, blobs = _split_chain(tmp_path, server.url, new_prefix("split-down"), (1, 2), (0,))
+    try:
+        assert b.prefix_walk(SMOL, tokens).matched_tokens == 199
+        assert b.flush(10)  # the evicted blob's index entry is removed (behind) before the kill
+        server.kill()
+        for _ in range(FAILURES_TO_OPEN + 2):
+            match = b.prefix_walk(SMOL, tokens)
+            assert match.matched_tokens == 64 and [s.keys for s in match.spans] == [[frags[0].key()]]
+        stats = b.remote_stats()
+        assert stats["connection"] == FAILURES_TO_OPEN and stats["circuit_open"] and stats["skipped"] == 2
+        assert (stats["walks"], stats["walk_gains"], stats["walk_splits"]) == (1, 1, 1)
+        assert b.get(frags[0].key()) is not None and b.get(frags[1].key()) is None  # skipped, not an error
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+
+
 def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, redis_server):
     prefix = new_prefix("ttl")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)

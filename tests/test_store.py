@@ -762,12 +762,24 @@ def test_get_with_copy_returns_the_same_fragment_and_refuses_the_same_corruption
         assert_same(store.get(good.key(), copy=True), good)
 
 
-def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence):
+def _walked(store, tokens, per_position: bool) -> int:
+    """Tokens matched by the store's walk, or by ``longest_chain`` over ``core.walk.local_spans``
+    (one read transaction per position: the local half of the walk over both tiers)."""
+    if not per_position:
+        return store.prefix_walk(SMOL, tokens).matched_tokens
+    from edgesync_store.core.walk import PrefixMatch, local_spans, longest_chain
+
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return PrefixMatch(longest_chain(tokens, local_spans(store, SMOL, tokens))).matched_tokens
+
+
+@pytest.mark.parametrize("per_position", [False, True], ids=["walk", "per-position"])
+def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence, per_position):
     path = tmp_path / "s"
     frags = [make_fragment(sequence, 0, 128, seed=0), make_fragment(sequence, 128, 256, seed=1)]
     with FragmentStore(path) as store:
         store.put_many(frags)
-        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 256
+        assert _walked(store, sequence[:256], per_position) == 256
 
     def flip(txn, db, _by_prefix):
         data = bytearray(txn.get(frags[1].key(), db=db))
@@ -776,11 +788,11 @@ def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence):
 
     raw_fragments_edit(path, flip)
     with FragmentStore(path) as store:
-        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 128
+        assert _walked(store, sequence[:256], per_position) == 128
         assert store.stats().dropped_corrupt == 1
         assert not store.contains(frags[1].key())
         # the dangling index entry is cleaned by the next walk
-        assert store.prefix_walk(SMOL, sequence[:256]).matched_tokens == 128
+        assert _walked(store, sequence[:256], per_position) == 128
     assert raw_by_prefix_values(path) == [frags[0].key()]
 
 

@@ -188,7 +188,7 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     """A rich Table of :func:`summarize`'s output: metric, uncached, edgesync, ratio.
 
     ``store_stats`` is ``FragmentStore.stats().to_dict()`` after the run (None: no store; with
-    the shared remote tier it holds ``remote``, ``TieredStore.remote_stats()``, shown in four rows);
+    the shared remote tier it holds ``remote``, ``TieredStore.remote_stats()``, shown in five rows);
     ``uncached_reason`` why the EdgeSync pass ran without its store (``EdgeSync.uncached_reason``).
     """
     from rich.table import Table
@@ -241,6 +241,8 @@ def _remote_rows(table, remote: dict | None) -> None:
     """The shared remote tier's rows (``TieredStore.remote_stats()``), when the run had one."""
     if not remote:
         return
+    table.add_row("remote tier: walks (reached further / chain split across both tiers)", "-",
+                  f"{remote['walks']:,} ({remote['walk_gains']:,} / {remote['walk_splits']:,})", "")
     table.add_row("remote tier: fragments fetched (bytes)", "-",
                   f"{remote['hits']:,} ({format_bytes(remote['bytes_fetched'])})", "")
     table.add_row("remote tier: fragments written (bytes)", "-",

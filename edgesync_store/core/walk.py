@@ -1,9 +1,11 @@
-"""The prefix index's queries: the walk that finds a prompt's stored KV, the coverage check of
-one span, the fragments along a prompt (what ``forget`` removes), and the namespaces stored.
+"""The prefix index's queries: the walk that finds a prompt's stored KV (and its per-position
+lookup, for a walk combined with the remote tier's), the coverage check of one span, the
+fragments along a prompt (what ``forget`` removes), and the namespaces stored.
 
 Functions of an open ``FragmentStore`` (its methods ``prefix_walk``, ``covers_span`` and
 ``keys_along`` call them). They read only fragment headers (``codec.peek``: no
-decompression) and the ``by_prefix`` and ``lifecycle`` databases, one read transaction each.
+decompression) and the ``by_prefix`` and ``lifecycle`` databases, one read transaction each
+(``local_spans``: one per position).
 """
 
 from __future__ import annotations
@@ -220,6 +222,56 @@ def longest_chain(tokens: np.ndarray, spans_at: Callable[[int, bytes], list[Span
     return best(0, prefix_hasher())[1]
 
 
+def _full_cells(namespace: Namespace) -> tuple[bytes, dict, frozenset]:
+    """``_spans_at``'s ``want`` for ``namespace``: its digest, ``to_dict()`` and every (layer, head)."""
+    return (namespace.digest(), namespace.to_dict(),
+            frozenset((layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)))
+
+
+def _remove_corrupt(store, corrupt: list[tuple[bytes, bytes | None]]) -> None:
+    """Remove what ``_spans_at`` met: a dangling index entry (unless read-only), a fragment
+    whose header does not parse (``drop_corrupt``). Outside the read transaction."""
+    for key, ikey in corrupt:
+        if ikey is not None and not store.readonly:
+            # transact runs the function before it returns: binding the pair is only for clarity
+            store.transact(lambda txn, ikey=ikey, key=key: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
+        elif ikey is None:
+            store.drop_corrupt(key, "header does not parse")
+
+
+def local_spans(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
+                now: float | None = None) -> Callable[[int, bytes], list[SpanMatch]]:
+    """The local store's ``spans_at`` for :func:`longest_chain` in a walk that also asks another
+    tier at each position (``remote/walk.combined_walk``): ``spans_at(pos, digest)`` is the
+    complete-coverage span groups of ``namespace`` stored right after ``tokens[:pos]`` (int32
+    token IDs; ``digest`` its prefix hash) and live at ``now`` (Unix seconds; default: the
+    store's clock, read once), exactly as :func:`prefix_walk` finds them.
+
+    Each call opens its own read transaction: between positions such a walk waits for remote
+    round trips (each up to the remote timeout), and ``LMDBEnv.transact`` holds the
+    environment's thread lock for as long as a transaction is open, so one transaction over the
+    whole walk would stall every other thread's store access (the write-behind's reads, the
+    prefetcher) for the network's time. A walk visits a handful of positions; a read
+    transaction costs microseconds. Corrupt or dangling entries met are removed after each
+    call, as by :func:`prefix_walk`.
+
+    Raises:
+        StoreIOError: LMDB failed (from ``store.transact``).
+    """
+    now = store.clock() if now is None else now
+    tokens = np.asarray(tokens, dtype=np.int32)
+    want = _full_cells(namespace)
+
+    def spans_at(pos: int, digest: bytes) -> list[SpanMatch]:
+        corrupt: list[tuple[bytes, bytes | None]] = []
+        spans = store.transact(lambda txn: _spans_at(store, txn, txn.cursor(db=store.env.by_prefix), want, tokens,
+                                                     pos, digest, now, corrupt))
+        _remove_corrupt(store, corrupt)
+        return spans
+
+    return spans_at
+
+
 def prefix_walk(
     store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None
 ) -> PrefixMatch:
@@ -231,8 +283,8 @@ def prefix_walk(
     head. A group whose tokens all match leads on to its end position; one that matches
     only a head ends a path as a partial span. The walk returns the path that reaches
     furthest (a depth-first search with one lookup per position, since spans of other
-    chunk sizes branch). Reads headers only; corrupt or dangling entries met on the way
-    are removed.
+    chunk sizes branch). Reads headers only, in one read transaction; corrupt or dangling
+    entries met on the way are removed.
 
     Args:
         namespace: only fragments of this namespace are considered.
@@ -241,8 +293,7 @@ def prefix_walk(
     """
     now = store.clock() if now is None else now
     tokens = np.asarray(tokens, dtype=np.int32)
-    want = (namespace.digest(), namespace.to_dict(),
-            frozenset((layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)))
+    want = _full_cells(namespace)
     result = PrefixMatch()
     corrupt: list[tuple[bytes, bytes | None]] = []
 
@@ -252,10 +303,5 @@ def prefix_walk(
             tokens, lambda pos, digest: _spans_at(store, txn, cursor, want, tokens, pos, digest, now, corrupt))
 
     store.transact(read)
-    for key, ikey in corrupt:
-        if ikey is not None and not store.readonly:
-            # transact runs the function before it returns: binding the pair is only for clarity
-            store.transact(lambda txn, ikey=ikey, key=key: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
-        elif ikey is None:
-            store.drop_corrupt(key, "header does not parse")
+    _remove_corrupt(store, corrupt)
     return result

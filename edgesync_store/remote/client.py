@@ -67,8 +67,10 @@ class RemoteCounters:
     """What the remote tier did since the backend opened (counts; bytes).
 
     Attributes:
-        walks: remote prefix walks run (the local walk fell short of the prompt).
+        walks: prefix walks over both tiers run (the local walk fell short of the prompt).
         walk_gains: of those, walks that reached further than the local one.
+        walk_splits: of the gains, walks whose chain took spans from both tiers (a chain part of
+            which Redis evicted while the local store kept it, or the reverse).
         hits: fragments fetched from the remote, verified and served.
         bytes_fetched: compressed bytes of those fragments.
         misses: fragments the remote walk offered that were gone when fetched.
@@ -89,6 +91,7 @@ class RemoteCounters:
 
     walks: int = 0
     walk_gains: int = 0
+    walk_splits: int = 0
     hits: int = 0
     bytes_fetched: int = 0
     misses: int = 0

@@ -65,7 +65,7 @@ class RemoteReads:
                     elif key not in self._refused:
                         row.append((key, head, len(value) + head.payload_nbytes + 4))
                 found.append(row)
-            if live_only:
+            if live_only and any(found):  # no entry at all: no existence round trip
                 flat = [(i, c) for i, row in enumerate(found) for c in row]
                 alive = self.client.call(which, lambda c: self.keys.alive(c, [k for _, (k, _h, _n) in flat]),
                                          "index lookup")

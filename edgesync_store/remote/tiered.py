@@ -4,13 +4,15 @@ The local store (``FragmentStore``) stays the first tier; the remote one (Redis 
 standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
 
 * **reads** fall through: :meth:`TieredStore.prefix_walk` walks the local index and, only when
-  that falls short of the prompt, the remote index (``remote/walk.py``), keeping the longer;
-  :meth:`TieredStore.get` reads the local store, then the remote. A remote blob is verified as
-  a local one is (``codec.decode``: CRCs and content hash; then its key): a corrupt or foreign
-  one is refused, counted, deleted from the remote and never asked for again by this process,
-  and the request injects fewer tokens or prefills. A fetched fragment is written to the local
-  store as the same bytes, after the first token (at the next ``record_hits``, ``put_many`` or
-  ``covers_span``), so the next hit is local and the disk write is off the TTFT path.
+  that falls short of the prompt, both indexes at once (``remote/walk.py``: at each position
+  the span groups of either tier, so a chain whose head or tail only the remote holds is
+  joined), keeping it when it reaches further; :meth:`TieredStore.get` reads the local store,
+  then the remote. A remote blob is verified as a local one is (``codec.decode``: CRCs and
+  content hash; then its key): a corrupt or foreign one is refused, counted, deleted from the
+  remote and never asked for again by this process, and the request injects fewer tokens or
+  prefills. A fetched fragment is written to the local store as the same bytes, after the
+  first token (at the next ``record_hits``, ``put_many`` or ``covers_span``), so the next hit
+  is local and the disk write is off the TTFT path.
 * **writes** go to the local store at once and to the remote in the background
   (``remote/queue.py``: a bounded queue that drops its oldest job when full, never blocking a
   request). The remote blob's expiry follows the fragment's lifetime tier (``ttl.py``); hits
@@ -40,7 +42,7 @@ import numpy as np
 from edgesync_store.core import codec
 from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.core.store import FragmentStore, StoreStats
-from edgesync_store.core.walk import PrefixMatch
+from edgesync_store.core.walk import PrefixMatch, local_spans
 from edgesync_store.errors import CodecError, StoreError
 from edgesync_store.remote import walk as remote_walk
 from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, check_options
@@ -147,22 +149,27 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
 
     def prefix_walk(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
                     now: float | None = None) -> PrefixMatch:
-        """The longer of the local walk and, when the local one leaves more than the prompt's
-        last token uncovered, the remote one (whose expiry is Redis's own: ``now`` applies to
-        the local walk)."""
+        """The local walk, or, when it leaves more than the prompt's last token uncovered, the
+        walk over both tiers (``remote_walk.combined_walk``: at each position the span groups of
+        either, so a chain split between them is joined) when that reaches further. The remote
+        tier's expiry is Redis's own: ``now`` applies to the local groups. A remote failure
+        leaves the local walk (counted by the client); the local store's ``StoreError``
+        propagates as from ``FragmentStore.prefix_walk``."""
         local = self.local.prefix_walk(namespace, tokens, now)
         n = len(tokens)
         if n < MIN_SPAN or local.matched_tokens >= n - 1:
             return local
         try:
-            remote = remote_walk.prefix_walk(self._lookup("fast", namespace), namespace, tokens, self.grid)
+            both, remote_spans = remote_walk.combined_walk(
+                self._lookup("fast", namespace), local_spans(self.local, namespace, tokens, now), local, namespace,
+                tokens, self.grid)
         except RemoteUnavailable:
             return local
         self.client.count(walks=1)
-        if remote.matched_tokens > local.matched_tokens:
-            self.client.count(walk_gains=1)
-            return remote
-        return local
+        if both.matched_tokens <= local.matched_tokens:
+            return local
+        self.client.count(walk_gains=1, walk_splits=int(0 < remote_spans < len(both.spans)))
+        return both
 
     def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
         """The local fragment, else one fetched from the remote (verified; module docstring)."""

@@ -1,4 +1,5 @@
-"""The prefix walk and the fragments-along-a-prompt query over the remote tier's index.
+"""The prefix walk and the fragments-along-a-prompt query over the remote tier's index, and the
+walk over both tiers at once.
 
 The same rules as the local walk (``core/walk.py``): at each position the fragments stored
 after exactly this prefix (namespace digest + prefix hash) are grouped by span, a group counts
@@ -6,12 +7,16 @@ when it holds every layer and KV head of the namespace and its token IDs match t
 and the walk returns the path that reaches furthest (depth first, spans of other chunk sizes
 branch). Headers come from the index hash (``tier.KeyLayout``), never from blobs; a blob that
 no longer exists (Redis expired or evicted it) does not count, and its field is reported for
-removal.
+removal. :func:`combined_walk` takes at each position the groups of either tier (a group is
+complete within one tier: coverage is never summed across tiers), so a chain whose head
+Redis evicted while the local store kept it, or the reverse, is joined.
 
 Round trips: the positions of the chunk grid (``grid`` tokens apart, the configured
-``chunk_tokens``) are looked up together in one pipeline, and their blobs' existence in a
-second; a position off the grid (a chain of another chunk size) costs two more. A walk over a
-342-token prompt stored in 128-token chunks is two round trips.
+``chunk_tokens``), the prompt's last position and, in a combined walk, the ends of the local
+chain's spans are looked up together in one pipeline, and their blobs' existence in a second
+(skipped when no entry was found); any other position the walk reaches (a chain of another
+chunk size) costs one or two more. A walk over a 342-token prompt stored in 128-token chunks
+is two round trips.
 
 The lookup function is given by the caller (:class:`~edgesync_store.remote.tiered.TieredStore`),
 so this module sends nothing itself.
@@ -19,7 +24,7 @@ so this module sends nothing itself.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -31,16 +36,19 @@ Candidate = tuple[bytes, FragmentHeader, int]
 """(store key, header, blob bytes) of one live fragment stored after a prefix."""
 Lookup = Callable[[Sequence[bytes]], list[list[Candidate]]]
 """prefix hashes -> for each, the live fragments of the walk's namespace stored after it."""
+SpansAt = Callable[[int, bytes], list[SpanMatch]]
+"""(position, prefix hash) -> the complete span groups stored there (``core.walk.longest_chain``)."""
 
-__all__ = ["Candidate", "Lookup", "keys_along", "prefix_walk"]
+__all__ = ["Candidate", "Lookup", "SpansAt", "combined_walk", "keys_along", "prefix_walk"]
 
 
-def _grid_digests(tokens: np.ndarray, grid: int) -> dict[int, bytes]:
-    """Prefix hashes at positions 0, grid, 2 grid, ... below ``len(tokens)``."""
-    hasher, out = prefix_hasher(), {}
-    for pos in range(0, len(tokens), grid):
-        out[pos] = hasher.digest()
-        hasher.update(token_bytes(tokens[pos : pos + grid]))
+def _digests_at(tokens: np.ndarray, positions: Iterable[int]) -> dict[int, bytes]:
+    """Prefix hashes of ``tokens[:pos]`` for each of ``positions`` (below ``len(tokens)``), in
+    position order, hashing the prompt once."""
+    hasher, out, at = prefix_hasher(), {}, 0
+    for pos in sorted(set(positions)):
+        hasher.update(token_bytes(tokens[at:pos]))
+        out[pos], at = hasher.digest(), pos
     return out
 
 
@@ -64,6 +72,25 @@ def _spans(candidates: list[Candidate], tokens: np.ndarray, pos: int, want: tupl
     return spans
 
 
+def _remote_spans(lookup: Lookup, namespace: Namespace, tokens: np.ndarray, grid: int,
+                  also: Iterable[int] = ()) -> SpansAt:
+    """The remote ``spans_at``: the grid positions, the last one and ``also`` are looked up now
+    in one batch (module docstring), any other position when the walk asks for it."""
+    want = (namespace.to_dict(), {(layer, h) for layer in range(namespace.n_layer)
+                                  for h in range(namespace.n_head_kv)})
+    n = len(tokens)
+    batch = _digests_at(tokens, [*range(0, n, max(1, grid)), *([n - 1] if n else []),
+                                 *(p for p in also if 0 <= p < n)])
+    found = dict(zip(batch, lookup(list(batch.values())))) if batch else {}
+
+    def at(pos: int, digest: bytes) -> list[SpanMatch]:
+        if pos not in found:
+            found[pos] = lookup([digest])[0]
+        return _spans(found[pos], tokens, pos, want)
+
+    return at
+
+
 def prefix_walk(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np.ndarray, grid: int = 128
                 ) -> PrefixMatch:
     """The longest run of remote fragments of ``namespace`` matching ``tokens`` from position 0.
@@ -75,17 +102,41 @@ def prefix_walk(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np
         grid: the chunk size whose positions are looked up in one batch (tokens).
     """
     tokens = np.asarray(tokens, dtype=np.int32)
-    want = (namespace.to_dict(), {(layer, h) for layer in range(namespace.n_layer)
-                                  for h in range(namespace.n_head_kv)})
-    batch = _grid_digests(tokens, max(1, grid))
-    found = dict(zip(batch, lookup(list(batch.values())))) if batch else {}
+    return PrefixMatch(spans=longest_chain(tokens, _remote_spans(lookup, namespace, tokens, grid)))
+
+
+def combined_walk(lookup: Lookup, local_at: SpansAt, local: PrefixMatch, namespace: Namespace,
+                  tokens: Sequence[int] | np.ndarray, grid: int = 128) -> tuple[PrefixMatch, int]:
+    """The chain reaching furthest into ``tokens`` when, at each position, the span groups of
+    either tier count: the local ones first (so a tie goes to the local tier, which needs no
+    fetch), then the remote ones that are not the same group (same end, same keys).
+
+    Args:
+        lookup: the remote lookup (module docstring); its errors propagate (``RemoteUnavailable``:
+            the caller falls back to the local walk).
+        local_at: the local tier's ``spans_at`` (``core.walk.local_spans``); its errors propagate.
+        local: the local walk of ``tokens``: the ends of its spans join the first remote batch,
+            as positions this walk reaches.
+        namespace: only its fragments count.
+        tokens: the prompt's token IDs.
+        grid: the chunk size whose positions are looked up in one batch (tokens).
+
+    Returns:
+        (the chain, how many of its spans are the remote tier's groups).
+    """
+    tokens = np.asarray(tokens, dtype=np.int32)
+    remote_at = _remote_spans(lookup, namespace, tokens, grid, [s.token_end for s in local.spans if s.complete])
+    offered: list[SpanMatch] = []
 
     def at(pos: int, digest: bytes) -> list[SpanMatch]:
-        if pos not in found:
-            found[pos] = lookup([digest])[0]
-        return _spans(found[pos], tokens, pos, want)
+        mine = local_at(pos, digest)
+        seen = {(s.token_end, frozenset(s.keys)) for s in mine}
+        theirs = [s for s in remote_at(pos, digest) if (s.token_end, frozenset(s.keys)) not in seen]
+        offered.extend(theirs)
+        return mine + theirs
 
-    return PrefixMatch(spans=longest_chain(tokens, at))
+    spans = longest_chain(tokens, at)
+    return PrefixMatch(spans=spans), sum(any(s is r for r in offered) for s in spans)
 
 
 def keys_along(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
