@@ -143,7 +143,8 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path) ->
                 str(model), "--store", str(state / "store"), "--max-tokens-limit", str(MAX_TOKENS)], ROOT
     cache_type = "disk" if system == "llama-disk" else "ram"
     return [py, "-m", "llama_cpp.server", "--model", str(model), "--port", "{port}", "--n_ctx", str(n_ctx),
-            "--n_threads", str(threads), "--cache", "true", "--cache_type", cache_type], state
+            "--n_threads", str(threads), "--n_threads_batch", str(threads),  # its batch default is every core
+            "--cache", "true", "--cache_type", cache_type], state
 
 
 def send(client, model_id: str, messages: list[dict]) -> dict:
