@@ -39,7 +39,7 @@ from redis.exceptions import OutOfMemoryError, RedisClusterException
 from redis.retry import Retry
 
 from edgesync_store.remote.tier import FetchBudgetSpent
-from edgesync_store.remote.url import RemoteURL, credentials
+from edgesync_store.remote.url import RemoteURL, check_prefix, credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -388,3 +388,23 @@ class RemoteClient:
                 c.close()
             except CLIENT_ERRORS as exc:
                 log.debug("closing a remote client: %s", exc)
+
+
+def checked_target(url: "RemoteURL | str", prefix: str, cluster: bool = False) -> RemoteURL:
+    """``url`` parsed and, with ``prefix``, checked the way every command and the tiered store
+    use them (:func:`check_prefix`, :func:`check_options`).
+
+    Raises:
+        ValueError: a bad URL or query argument (message redacted) or key prefix.
+    """
+    try:
+        url = url if isinstance(url, RemoteURL) else RemoteURL(url)
+    except ValueError as exc:  # its message shows the URL redacted
+        raise ValueError(f"remote URL: {exc}") from None
+    problem = check_prefix(prefix)
+    if problem:
+        raise ValueError(f"remote prefix: {problem}")
+    problem = check_options(url, cluster)
+    if problem:
+        raise ValueError(f"remote URL: {problem}")
+    return url

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 
 from edgesync_store.errors import StoreIOError
-from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, check_options
+from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, checked_target
 from edgesync_store.remote.tier import KeyLayout
-from edgesync_store.remote.url import RemoteURL, check_prefix
+from edgesync_store.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +27,7 @@ def clear_remote(url: RemoteURL | str, prefix: str = "edgesync", cluster: bool =
         ValueError: a bad URL (message redacted) or prefix.
         StoreIOError: the remote did not answer or refused (message redacted).
     """
-    try:
-        url = url if isinstance(url, RemoteURL) else RemoteURL(url)
-    except ValueError as exc:  # its message shows the URL redacted
-        raise ValueError(f"remote URL: {exc}") from None
-    problem = check_prefix(prefix)
-    if problem:
-        raise ValueError(f"remote prefix: {problem}")
-    problem = check_options(url, cluster)
-    if problem:
-        raise ValueError(f"remote URL: {problem}")
+    url = checked_target(url, prefix, cluster)
     client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=timeout_ms)
     try:
         removed = client.call("slow", KeyLayout(prefix).clear, "clear")

@@ -45,12 +45,12 @@ from edgesync_store.core.store import FragmentStore, StoreStats
 from edgesync_store.core.walk import PrefixMatch, local_spans
 from edgesync_store.errors import CodecError, StoreError
 from edgesync_store.remote import walk as remote_walk
-from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, check_options
+from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, checked_target
 from edgesync_store.remote.local_ops import LocalTierOps
 from edgesync_store.remote.queue import WriteBehind
 from edgesync_store.remote.reads import RemoteReads
 from edgesync_store.remote.tier import KeyLayout, head_of
-from edgesync_store.remote.url import RemoteURL, check_prefix
+from edgesync_store.remote.url import RemoteURL
 from edgesync_store.schema import MIN_SPAN, KVFragment, Namespace
 from edgesync_store.ttl import LIFETIME_SHORT, Lifecycle
 
@@ -111,16 +111,7 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
             ValueError: a bad URL or query argument (``client.check_options``; message redacted)
                 or key prefix.
         """
-        try:
-            url = url if isinstance(url, RemoteURL) else RemoteURL(url)
-        except ValueError as exc:  # its message shows the URL redacted
-            raise ValueError(f"remote URL: {exc}") from None
-        problem = check_prefix(prefix)
-        if problem:
-            raise ValueError(f"remote prefix: {problem}")
-        problem = check_options(url, cluster)
-        if problem:
-            raise ValueError(f"remote URL: {problem}")
+        url = checked_target(url, prefix, cluster)
         client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
                               retry_s=retry_s)
         return cls(local, client, prefix=prefix, queue_size=queue_size, grid=grid, fetch_budget_ms=fetch_budget_ms)
