@@ -193,9 +193,8 @@ def layer_indices(layer_start: int, layer_end: int, layer_stride: int) -> range:
 class KVFragment:
     """The K and V of one token span over a layer range and a KV-head range.
 
-    Arrays (C-contiguous when constructed; an engine's RAM-tier copy may hold a transposed view
-    of the same values instead; dtype ``namespace.np_dtype``, i.e. float16 for llama.cpp's
-    default):
+    Arrays (C-contiguous, or channel-major: a transposed view of a C-contiguous ``[layers,
+    width, span]`` array, as V is staged for llama.cpp; dtype ``namespace.np_dtype``):
 
     * ``keys``, ``values``: ``[n_layers, span, (head_end - head_start) * head_dim]`` where
       ``n_layers = len(range(layer_start, layer_end, layer_stride))`` and
@@ -302,7 +301,8 @@ class KVFragment:
                 )
             if arr.dtype != ns.np_dtype:
                 raise ValueError(f"{name}: dtype {arr.dtype} != namespace kv_dtype {ns.kv_dtype}")
-            if not arr.flags.c_contiguous:
+            # C-contiguous, or channel-major (a transposed view: see the class docstring)
+            if not arr.flags.c_contiguous and not arr.transpose(0, 2, 1).flags.c_contiguous:
                 setattr(self, name, np.ascontiguousarray(arr))
 
     def _check_hashes(self) -> None:

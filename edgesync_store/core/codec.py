@@ -1,26 +1,43 @@
-"""Fragment <-> bytes: a versioned header, the token IDs, zstd-compressed tensors, checksums.
+"""Fragment <-> bytes: a versioned head (header, token IDs, checksum), then the tensors.
 
-Blob layout (version 1, all integers little-endian)::
+Blob layout (version 2, all integers little-endian)::
 
     offset  size            field
     0       4               magic b"ESKV"
-    4       2               format version (u16) = 1
+    4       2               format version (u16) = 2
     6       4               header_len (u32): length of the JSON header
-    10      header_len      JSON header (UTF-8): namespace, ranges, hashes, times, dtype,
-                            shapes, raw_nbytes, payload_nbytes, shuffle
+    10      header_len      JSON header (UTF-8): namespace, ranges, hashes, times, dtype, shape,
+                            raw_nbytes, payload_nbytes, compression, v_order
     ..      4 * span        token IDs (<i4)
     ..      4 * emb_dim     embedding (<f4), emb_dim 0 or 384
-    ..      4               crc32 of everything above (the "head")
-    ..      payload_nbytes  zstd frame of the byte-shuffled K then V
-    ..      4               crc32 of the zstd frame
+    ..      8               xxh3_64 of everything above: the end of the "head"
+    ..      0-63            zero bytes, so that the payload starts at a multiple of 64
+    ..      payload_nbytes  the payload: K then V
+    ..      8               xxh3_64 of the payload
 
-The header is JSON and the arrays raw little-endian: nothing read is unpickled. Byte shuffling stores the low
-bytes of every f16 element, then the high bytes (byte planes), which compresses better and
-faster than plain f16 (ratio 1.17 against 1.08, ../shared/DESIGN.md 2.4). zstd level 1: higher levels
-gain nothing on KV (same source).
+The head alone (up to its checksum) is what the prefix walk reads (:func:`peek`, the store's
+``heads`` database, the remote tier's index); :func:`head_of` cuts it from a blob.
+
+The payload by ``compression``:
+
+* ``"none"`` (the default): K ``[layers, span, width]`` C-order, then V in ``v_order``:
+  ``"token"`` ``[layers, span, width]`` or ``"channel"`` ``[layers, width, span]`` (how
+  llama.cpp's seq state holds V without flash attention, ``v_trans``). :func:`decode` with
+  ``copy=False`` returns read-only numpy views of the blob's own bytes (zero-copy: a store
+  read is a checksum and then one copy into the engine's buffer). The payload's offset, a
+  multiple of 64, keeps those views aligned wherever the blob starts aligned (an LMDB value
+  on its own pages starts 16 bytes into a page).
+* ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): 0.86x the
+  raw f16 KV on the seed workload, at 10-20 ms per 1,000-token SmolLM2 chain to decompress
+  and unshuffle.
+
+xxh3_64 (the ``xxhash`` package) checks the bytes: about 0.9 ms per 25 MB where zlib's crc32
+took 4.4 ms (measured on this machine kind). Nothing read is unpickled: the header is JSON and
+the arrays raw little-endian. Format-1 blobs (zstd, crc32, no alignment) are still read
+(``codec_v1``); :func:`encode` writes format 2 only.
 
 Decoding refuses, with :class:`CodecError` (a ``ValueError``), a wrong magic or version, a bad
-checksum, a header whose shapes disagree with its declared sizes, and any blob whose declared
+checksum, a header whose shapes disagree with its declared sizes, and a blob whose declared
 decompressed size exceeds ``max_raw_bytes``; that check happens before any allocation. The
 fragment's own invariants (``schema.KVFragment``) are checked last, which refuses a wrong
 content hash.
@@ -31,31 +48,45 @@ from __future__ import annotations
 import functools
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
-import zstandard
+import xxhash
 
+from edgesync_store.core import codec_v1, zstd_planes
 from edgesync_store.errors import CodecError
 from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace
 
 MAGIC = b"ESKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DEFAULT_MAX_RAW_BYTES = 256 * 1024 * 1024
 """Cap on a fragment's decompressed K+V size (bytes); a 2,048-token SmolLM2 fragment is 47 MB."""
-ZSTD_LEVEL = 1
+COMPRESSIONS = ("none", "zstd")
+"""Payload encodings, :data:`DEFAULT_COMPRESSION` first."""
+DEFAULT_COMPRESSION = "none"
+V_ORDERS = ("token", "channel")
+PAYLOAD_ALIGN = 64
+"""The payload starts at a multiple of this many bytes from the blob's start."""
 
-_PREFIX = struct.Struct("<4sHI")
-_CRC = struct.Struct("<I")
-_MAX_HEADER_BYTES = 64 * 1024
+PREFIX = struct.Struct("<4sHI")
+"""magic, version, header_len: the first 10 bytes of every blob version."""
+_SUM = struct.Struct("<Q")
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def checksum(data) -> int:
+    """xxh3_64 of a bytes-like object (no copy)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass(frozen=True)
 class FragmentHeader:
-    """Everything in a blob but the tensors; read without decompressing (:func:`peek`).
+    """Everything in a blob but the tensors; read without touching them (:func:`peek`).
 
-    ``token_ids`` is int32 ``[span]``; ``raw_nbytes`` and ``payload_nbytes`` are bytes.
+    ``token_ids`` is int32 ``[span]``; ``raw_nbytes`` and ``payload_nbytes`` are bytes;
+    ``shape`` is K's ``[layers, span, width]``; ``head_nbytes`` is the head's length and
+    ``payload_at`` the payload's offset in the blob (bytes).
     """
 
     namespace: Namespace
@@ -74,6 +105,11 @@ class FragmentHeader:
     raw_nbytes: int
     payload_nbytes: int
     shape: tuple
+    compression: str = "zstd"
+    v_order: str = "token"
+    version: int = FORMAT_VERSION
+    head_nbytes: int = 0
+    payload_at: int = 0
 
     @property
     def span(self) -> int:
@@ -85,42 +121,39 @@ class FragmentHeader:
         """Model layers held."""
         return range(self.layer_start, self.layer_end, self.layer_stride)
 
-
-def _shuffle(arr: np.ndarray) -> bytes:
-    """Byte planes of ``arr``: all byte 0s, then all byte 1s, ... (little-endian elements)."""
-    item = arr.dtype.itemsize
-    flat = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).view(np.uint8)
-    return flat.reshape(-1, item).T.tobytes() if item > 1 else flat.tobytes()
+    @property
+    def blob_nbytes(self) -> int:
+        """The whole blob's length in bytes (head, padding, payload and its checksum)."""
+        return self.payload_at + self.payload_nbytes + (_SUM.size if self.version >= 2 else 4)
 
 
-def _unshuffle(data: bytes | memoryview, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    """Elements of ``dtype`` and ``shape`` from their byte planes (the inverse of :func:`_shuffle`).
-
-    Each element is built in an unsigned integer of its size, the highest plane first, shifted
-    left a byte per lower plane: whole-array passes with contiguous reads and writes (f16: 0.23
-    ms per 1.5 MB against 0.57 ms for strided byte writes into the output, measured on this
-    machine's numpy 2.4)."""
-    item = dtype.itemsize
-    planes = np.frombuffer(data, dtype=np.uint8).reshape(item, -1)
-    if item == 1:
-        out = planes[0].copy()
-    else:
-        out = planes[item - 1].astype(f"<u{item}")
-        for i in range(item - 2, -1, -1):
-            out <<= 8
-            out |= planes[i]
-    return out.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
+def _v_order(values: np.ndarray) -> tuple[str, np.ndarray]:
+    """How ``values`` ``[layers, span, width]`` lies in memory and the C-contiguous array to
+    write: ``("channel", [layers, width, span])`` for a transposed view (an engine's staged
+    layout), else ``("token", [layers, span, width])``."""
+    if not values.flags.c_contiguous and values.transpose(0, 2, 1).flags.c_contiguous:
+        return "channel", values.transpose(0, 2, 1)
+    return "token", np.ascontiguousarray(values)
 
 
-def encode(fragment: KVFragment) -> bytes:
-    """Serialise a fragment to a blob (layout in the module docstring).
+def encode(fragment: KVFragment, compression: str = DEFAULT_COMPRESSION) -> bytes:
+    """Serialise a fragment to a format-2 blob (layout in the module docstring).
 
-    Lifecycle counters (``hit_count``, ``last_hit_at``) are not part of the blob: the store keeps
-    them apart so a hit never rewrites the tensors.
+    V is written in the order it lies in memory (``v_order``: a transposed view, as an
+    engine's ``stage_fragment`` lays it out, is written ``"channel"``). Lifecycle counters
+    (``hit_count``, ``last_hit_at``) are not part of the blob: the store keeps them apart so a
+    hit never rewrites the tensors.
+
+    Raises:
+        ValueError: ``compression`` is not one of :data:`COMPRESSIONS`.
     """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression: {compression!r} is not one of {', '.join(COMPRESSIONS)}")
     dtype = fragment.namespace.np_dtype
-    payload_raw = _shuffle(fragment.keys) + _shuffle(fragment.values)
-    payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(payload_raw)
+    keys = np.ascontiguousarray(fragment.keys)
+    v_order, values = _v_order(fragment.values)
+    raw_nbytes = keys.nbytes + values.nbytes
+    payload = zstd_planes.compress(keys, values) if compression == "zstd" else None
     header = {
         "namespace": fragment.namespace.to_dict(),
         "token_start": fragment.token_start,
@@ -135,22 +168,34 @@ def encode(fragment: KVFragment) -> bytes:
         "created_at": fragment.created_at,
         "expires_at": fragment.expires_at,
         "dtype": dtype.name,
-        "shape": list(fragment.keys.shape),
+        "shape": list(keys.shape),
         "embedding_dim": int(fragment.embedding.size),
-        "raw_nbytes": len(payload_raw),
-        "payload_nbytes": len(payload),
-        "shuffle": "byteplanes",
+        "raw_nbytes": raw_nbytes,
+        "payload_nbytes": raw_nbytes if payload is None else len(payload),
+        "compression": compression,
+        "v_order": v_order,
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    head = b"".join(
-        (
-            _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)),
-            header_bytes,
-            fragment.token_ids.astype("<i4").tobytes(),
-            fragment.embedding.astype("<f4").tobytes(),
-        )
-    )
-    return b"".join((head, _CRC.pack(zlib.crc32(head)), payload, _CRC.pack(zlib.crc32(payload))))
+    head = b"".join((
+        PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)),
+        header_bytes,
+        fragment.token_ids.astype("<i4").tobytes(),
+        fragment.embedding.astype("<f4").tobytes(),
+    ))
+    head += _SUM.pack(checksum(head))
+    payload_at = -(-len(head) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    size = payload_at + header["payload_nbytes"] + _SUM.size
+    out = bytearray(size)
+    out[:len(head)] = head
+    body = memoryview(out)[payload_at:size - _SUM.size]
+    if payload is None:
+        dest = np.frombuffer(body, dtype=np.uint8)
+        dest[:keys.nbytes] = keys.reshape(-1).view(np.uint8)
+        dest[keys.nbytes:] = values.reshape(-1).view(np.uint8)
+    else:
+        body[:] = payload
+    _SUM.pack_into(out, size - _SUM.size, checksum(body))
+    return bytes(out)
 
 
 _HEADER_MEMO = 2048
@@ -175,12 +220,12 @@ def _parsed_json(header_bytes: bytes) -> tuple[dict, int, int]:
 
 
 @functools.lru_cache(maxsize=_HEADER_MEMO)
-def _header_fields(header_bytes: bytes) -> dict:
-    """The :class:`FragmentHeader` fields but ``token_ids`` of a header whose JSON
-    :func:`_parsed_json` accepted; memoized, so never mutate the dict. Raises CodecError."""
+def _header_fields(header_bytes: bytes, version: int) -> dict:
+    """The :class:`FragmentHeader` fields but ``token_ids`` and the offsets of a header whose
+    JSON :func:`_parsed_json` accepted; memoized, so never mutate the dict. Raises CodecError."""
     header = _parsed_json(header_bytes)[0]
     try:
-        return dict(
+        fields = dict(
             namespace=Namespace.from_dict(header["namespace"]),
             token_start=int(header["token_start"]),
             token_end=int(header["token_end"]),
@@ -196,56 +241,123 @@ def _header_fields(header_bytes: bytes) -> dict:
             raw_nbytes=int(header["raw_nbytes"]),
             payload_nbytes=int(header["payload_nbytes"]),
             shape=tuple(int(x) for x in header["shape"]),
+            compression=str(header.get("compression", "zstd")) if version >= 2 else "zstd",
+            v_order=str(header.get("v_order", "token")) if version >= 2 else "token",
+            version=version,
         )
     except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
         raise CodecError(f"header: {exc}") from None
+    if fields["compression"] not in COMPRESSIONS:
+        raise CodecError(f"compression: {fields['compression']!r} is not one of {', '.join(COMPRESSIONS)}")
+    if fields["v_order"] not in V_ORDERS:
+        raise CodecError(f"v_order: {fields['v_order']!r} is not one of {', '.join(V_ORDERS)}")
+    return fields
 
 
-def _parse_head(blob: bytes | memoryview) -> tuple[bytes, np.ndarray, np.ndarray, int]:
-    """Parse and verify the head; return (header JSON bytes, token_ids, embedding, payload
-    offset)."""
+def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
+    """Parse and verify the head of a blob (or a head alone); return the header and the
+    embedding (float32)."""
     view = memoryview(blob)
-    if len(view) < _PREFIX.size:
+    if len(view) < PREFIX.size:
         raise CodecError(f"blob: {len(view)} bytes is too short for a fragment")
-    magic, version, header_len = _PREFIX.unpack_from(view, 0)
+    magic, version, header_len = PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise CodecError(f"magic: {bytes(magic)!r} is not {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"version: blob format {version}, this code reads {FORMAT_VERSION}")
-    if header_len > _MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
+    if version not in READABLE_VERSIONS:
+        raise CodecError(f"version: blob format {version}, this code reads {READABLE_VERSIONS}")
+    if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > len(view):
         raise CodecError(f"header_len: {header_len} does not fit the {len(view)}-byte blob")
-    header_bytes = bytes(view[_PREFIX.size : _PREFIX.size + header_len])
+    header_bytes = bytes(view[PREFIX.size : PREFIX.size + header_len])
     _, span, emb_dim = _parsed_json(header_bytes)
-    ids_at = _PREFIX.size + header_len
+    ids_at = PREFIX.size + header_len
     emb_at = ids_at + 4 * span
-    crc_at = emb_at + 4 * emb_dim
-    if crc_at + _CRC.size > len(view):
-        raise CodecError("blob: truncated inside the token IDs or embedding")
-    (stored_crc,) = _CRC.unpack_from(view, crc_at)
-    if zlib.crc32(view[:crc_at]) != stored_crc:
-        raise CodecError("head checksum: crc32 mismatch (corrupt header or token IDs)")
+    sum_at = emb_at + 4 * emb_dim
+    if version == 1:
+        head_end = codec_v1.check_head(view, sum_at)
+        payload_at = head_end
+    else:
+        if sum_at + _SUM.size > len(view):
+            raise CodecError("blob: truncated inside the token IDs or embedding")
+        (stored,) = _SUM.unpack_from(view, sum_at)
+        if checksum(view[:sum_at]) != stored:
+            raise CodecError("head checksum: xxh3 mismatch (corrupt header or token IDs)")
+        head_end = sum_at + _SUM.size
+        payload_at = -(-head_end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     token_ids = np.frombuffer(view[ids_at:emb_at], dtype="<i4").astype(np.int32)
-    embedding = np.frombuffer(view[emb_at:crc_at], dtype="<f4").astype(np.float32)
-    return header_bytes, token_ids, embedding, crc_at + _CRC.size
+    embedding = np.frombuffer(view[emb_at:sum_at], dtype="<f4").astype(np.float32)
+    head = FragmentHeader(token_ids=token_ids, head_nbytes=head_end, payload_at=payload_at,
+                          **_header_fields(header_bytes, version))
+    return head, embedding
 
 
-def peek(blob: bytes | memoryview) -> FragmentHeader:
-    """Read a blob's header and token IDs without touching the tensors (the head's checksum is
-    verified every time; the JSON parse is memoized by the header's bytes).
+def peek(blob) -> FragmentHeader:
+    """Read a blob's header and token IDs without touching the tensors; ``blob`` may be the
+    head alone (:func:`head_of`). The head's checksum is verified every time; the JSON parse
+    is memoized by the header's bytes.
 
     Raises:
         CodecError: bad magic, version, checksum or header fields.
     """
-    header_bytes, token_ids, _emb, _ = _parse_head(blob)
-    return FragmentHeader(token_ids=token_ids, **_header_fields(header_bytes))
+    return _parse_head(blob)[0]
 
 
-def decode(blob: bytes | memoryview, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES) -> KVFragment:
-    """Parse, verify and decompress a blob into a :class:`KVFragment`.
+def head_of(blob) -> bytes:
+    """The head of a blob (header, token IDs, embedding and the head's checksum), a valid input
+    of :func:`peek`: what the store's ``heads`` database and the remote tier's index hold.
+
+    Raises:
+        CodecError: the blob's head does not parse, or its payload does not fit the blob.
+    """
+    head = peek(blob)
+    if head.blob_nbytes != len(blob):
+        raise CodecError(f"payload_nbytes: header says {head.payload_nbytes}, the blob's length disagrees")
+    return bytes(memoryview(blob)[:head.head_nbytes])
+
+
+def _checked_shape(head: FragmentHeader, max_raw_bytes: int) -> None:
+    """Refuse a header whose shape and sizes disagree, or over the cap (before allocating)."""
+    shape = head.shape
+    if len(shape) != 3 or any(d <= 0 for d in shape):
+        raise CodecError(f"shape: {shape} is not [layers, span, width]")
+    expected_raw = 2 * shape[0] * shape[1] * shape[2] * head.namespace.np_dtype.itemsize  # Python ints: no wrap
+    if head.raw_nbytes != expected_raw:
+        raise CodecError(f"raw_nbytes: header says {head.raw_nbytes}, shape {shape} implies {expected_raw}")
+    if head.raw_nbytes > max_raw_bytes:
+        raise CodecError(f"raw_nbytes: {head.raw_nbytes} bytes exceeds the cap of {max_raw_bytes} bytes")
+    if head.compression == "none" and head.payload_nbytes != head.raw_nbytes:
+        raise CodecError(f"payload_nbytes: {head.payload_nbytes} for an uncompressed payload of {head.raw_nbytes}")
+
+
+def _tensors(head: FragmentHeader, payload: memoryview, copy: bool) -> tuple[np.ndarray, np.ndarray]:
+    """K and V ``[layers, span, width]`` from a verified payload (V a transposed view when
+    stored ``"channel"``)."""
+    dtype, shape = head.namespace.np_dtype, head.shape
+    half = head.raw_nbytes // 2
+    v_shape = (shape[0], shape[2], shape[1]) if head.v_order == "channel" else shape
+    if head.compression == "zstd":
+        raw = zstd_planes.decompress(payload, head.raw_nbytes)
+        keys = zstd_planes.unshuffle(raw[:half], dtype, shape)
+        values = zstd_planes.unshuffle(raw[half:], dtype, v_shape)
+    else:
+        le = dtype.newbyteorder("<")
+        keys = np.frombuffer(payload, dtype=le, count=half // dtype.itemsize).reshape(shape)
+        values = np.frombuffer(payload, dtype=le, offset=half).reshape(v_shape)
+        if copy:
+            keys, values = keys.copy(), values.copy()
+        keys, values = keys.view(dtype), values.view(dtype)
+    return keys, values.transpose(0, 2, 1) if head.v_order == "channel" else values
+
+
+def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = True) -> KVFragment:
+    """Parse, verify and decode a blob (format 1 or 2) into a :class:`KVFragment`.
 
     Args:
         blob: bytes from :func:`encode` (a zero-copy LMDB buffer is fine).
         max_raw_bytes: refuse blobs declaring more decompressed bytes than this.
+        copy: False returns K and V of an uncompressed payload as views of ``blob`` (no copy;
+            read-only when ``blob`` is, as ``bytes`` and LMDB's buffers are; valid only as long
+            as ``blob``'s memory is, e.g. inside the LMDB read transaction that returned it); a
+            compressed payload is always decoded into arrays of its own.
 
     Raises:
         CodecError: corrupt, truncated or crafted blob, a declared size over ``max_raw_bytes``
@@ -253,44 +365,25 @@ def decode(blob: bytes | memoryview, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES)
             shapes...); the message names what was wrong.
     """
     view = memoryview(blob)
-    header_bytes, token_ids, embedding, payload_at = _parse_head(view)  # once: it checksums the head
-    head = FragmentHeader(token_ids=token_ids, **_header_fields(header_bytes))
-    ns = head.namespace
-    dtype = ns.np_dtype
-    shape = head.shape
-    if len(shape) != 3 or any(d <= 0 for d in shape):
-        raise CodecError(f"shape: {shape} is not [layers, span, width]")
-    expected_raw = 2 * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if head.raw_nbytes != expected_raw:
-        raise CodecError(f"raw_nbytes: header says {head.raw_nbytes}, shape {shape} implies {expected_raw}")
-    if head.raw_nbytes > max_raw_bytes:
-        raise CodecError(f"raw_nbytes: {head.raw_nbytes} bytes exceeds the cap of {max_raw_bytes} bytes")
-    payload_end = payload_at + head.payload_nbytes
-    if payload_end + _CRC.size != len(view):
-        raise CodecError(
-            f"payload_nbytes: header says {head.payload_nbytes}, blob holds {len(view) - payload_at - _CRC.size}"
-        )
-    payload = view[payload_at:payload_end]
-    (stored_crc,) = _CRC.unpack_from(view, payload_end)
-    if zlib.crc32(payload) != stored_crc:
-        raise CodecError("payload checksum: crc32 mismatch (corrupt tensors)")
-    try:
-        frame_size = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"payload: not a zstd frame ({exc})") from None
-    if frame_size != head.raw_nbytes:
-        raise CodecError(f"payload: zstd frame declares {frame_size} bytes, header {head.raw_nbytes}")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=head.raw_nbytes)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"payload: zstd decompression failed ({exc})") from None
-    if len(raw) != head.raw_nbytes:
-        raise CodecError(f"payload: decompressed {len(raw)} bytes, expected {head.raw_nbytes}")
-    half = head.raw_nbytes // 2
-    raw_view = memoryview(raw)
+    head, embedding = _parse_head(view)  # once: it checksums the head
+    _checked_shape(head, max_raw_bytes)
+    payload_end = head.payload_at + head.payload_nbytes
+    if head.blob_nbytes != len(view):
+        held = len(view) - head.blob_nbytes + head.payload_nbytes
+        raise CodecError(f"payload_nbytes: header says {head.payload_nbytes}, blob holds {held}")
+    if any(view[head.head_nbytes:head.payload_at]):
+        raise CodecError("padding: the bytes between the head and the payload are not zero")
+    payload = view[head.payload_at:payload_end]
+    if head.version == 1:
+        codec_v1.check_payload(view, payload, payload_end)
+    else:
+        (stored,) = _SUM.unpack_from(view, payload_end)
+        if checksum(payload) != stored:
+            raise CodecError("payload checksum: xxh3 mismatch (corrupt tensors)")
+    keys, values = _tensors(head, payload, copy)
     try:
         return KVFragment(
-            namespace=ns,
+            namespace=head.namespace,
             token_start=head.token_start,
             token_end=head.token_end,
             layer_start=head.layer_start,
@@ -298,8 +391,8 @@ def decode(blob: bytes | memoryview, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES)
             layer_stride=head.layer_stride,
             head_start=head.head_start,
             head_end=head.head_end,
-            keys=_unshuffle(raw_view[:half], dtype, shape),
-            values=_unshuffle(raw_view[half:], dtype, shape),
+            keys=keys,
+            values=values,
             token_ids=head.token_ids,
             prefix_hash=head.prefix_hash,
             content_hash=head.content_hash,
