@@ -7,6 +7,8 @@
 * ``m0002_lifecycle_v2``: 1 -> 2: lifecycle records that expiry and eviction read without
   touching tensors (creation time, tier, blob sizes) and the ``used_bytes`` counter of the
   size budget.
+* ``m0003_heads``: 2 -> 3: each blob's head in its own database (``heads``), so that the prefix
+  walk never maps a blob.
 
 A migration is crash-safe: each of its transactions commits whole or not at all, its steps are
 idempotent, and the version moves on only in its last transaction, so a migration killed
@@ -21,14 +23,14 @@ from __future__ import annotations
 import logging
 
 from edgesync_store.errors import StoreFormatError, StoreOpenError
-from migrations import m0001_initial, m0002_lifecycle_v2
+from migrations import m0001_initial, m0002_lifecycle_v2, m0003_heads
 from migrations.versions import read_version, write_version
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CURRENT_VERSION", "MIGRATIONS", "migrate", "read_version", "write_version"]
 
-MIGRATIONS = (m0001_initial, m0002_lifecycle_v2)
+MIGRATIONS = (m0001_initial, m0002_lifecycle_v2, m0003_heads)
 """Every migration, in order; migration ``i`` (1-based) takes a store from ``i - 1`` to ``i``."""
 CURRENT_VERSION = len(MIGRATIONS)
 

@@ -263,6 +263,67 @@ def test_merge_heads_names_what_disagrees():
         merge_heads([a, synthetic(heads=(1, 3), tokens=np.arange(64)[::-1])])
 
 
+def channel_major(frag: KVFragment) -> KVFragment:
+    """``frag`` with V laid out channel-major: a transposed view of a C-contiguous
+    ``[layers, width, span]`` array (as an engine stages it), the same values."""
+    v = np.ascontiguousarray(frag.values.transpose(0, 2, 1)).transpose(0, 2, 1)
+    return KVFragment(
+        namespace=frag.namespace, token_start=frag.token_start, token_end=frag.token_end,
+        layer_start=frag.layer_start, layer_end=frag.layer_end, layer_stride=frag.layer_stride,
+        head_start=frag.head_start, head_end=frag.head_end, keys=frag.keys, values=v, token_ids=frag.token_ids,
+        prefix_hash=frag.prefix_hash, created_at=frag.created_at, expires_at=frag.expires_at,
+    )
+
+
+def is_channel_major(v: np.ndarray) -> bool:
+    return not v.flags.c_contiguous and v.transpose(0, 2, 1).flags.c_contiguous
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel-major", "c-contiguous"])
+def test_split_and_merge_keep_the_layout_of_v(channel):
+    """V comes out of split_layers, split_heads, merge_layers and merge_heads laid out as it went
+    in (channel-major stays channel-major, C-contiguous stays C-contiguous), with equal values;
+    K is C-contiguous either way."""
+    layout = channel_major if channel else (lambda f: f)
+    whole = synthetic(span=96)
+    src = layout(whole)
+    assert is_channel_major(src.values) is channel and src.values.flags.c_contiguous is not channel
+
+    def check(out: KVFragment, want_values: np.ndarray) -> None:
+        assert is_channel_major(out.values) is channel
+        assert out.values.flags.c_contiguous is not channel
+        assert out.keys.flags.c_contiguous
+        assert out.values.shape == want_values.shape
+        assert np.array_equal(out.values.view(np.uint16), want_values.view(np.uint16))
+
+    lay = split_layers(src, 4)
+    assert len(lay) == 8
+    for part, (a, b) in zip(lay, layer_groups(30, 4)):
+        check(part, whole.values[a:b])
+        assert np.array_equal(part.keys, whole.keys[a:b])
+    hds = split_heads(src, 2)
+    assert [(p.head_start, p.head_end) for p in hds] == [(0, 2), (2, 3)]
+    check(hds[0], whole.values[:, :, :128])
+    check(hds[1], whole.values[:, :, 128:])
+    strided = split_layers(layout(synthetic(span=96, layers=(1, 30, 2))), 5)
+    assert all(is_channel_major(p.values) is channel for p in strided)
+
+    merged = merge_layers(lay[::-1])
+    check(merged, whole.values)
+    assert merged.key() == whole.key() and np.array_equal(merged.keys, whole.keys)
+    merged = merge_heads([hds[1], hds[0]])
+    check(merged, whole.values)
+    assert merged.key() == whole.key() and np.array_equal(merged.keys, whole.keys)
+    # parts made channel-major on their own (as an engine extracts them) merge the same way
+    parts = [layout(synthetic(span=96, layers=(0, 30, 2))), layout(synthetic(span=96, layers=(1, 30, 2)))]
+    merged = merge_layers(parts)
+    want = np.empty_like(whole.values)
+    want[0::2], want[1::2] = parts[0].values, parts[1].values
+    check(merged, want)
+    nested = merge_layers([merge_heads(split_heads(p, 1)) for p in split_layers(src, 15)])
+    check(nested, whole.values)
+
+
 # -- the router's grouped writes ---------------------------------------------------------------
 
 def config(**settings) -> EdgeSyncConfig:

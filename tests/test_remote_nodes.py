@@ -194,7 +194,7 @@ def test_a_flipped_byte_in_a_remote_blob(adapter, tmp_path, system_prompts, redi
 
 
 def test_a_full_remote_with_noeviction(adapter, tmp_path, system_prompts):
-    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "6mb", "--maxmemory-policy", "noeviction")).start()
     prefix, messages = new_prefix("full"), _messages(system_prompts, 0)
     a = _node(adapter, tmp_path, "a", server.url, prefix)
     try:

@@ -305,7 +305,7 @@ def test_an_index_entry_only_for_a_stored_blob(tmp_path):
     (the blob is written first, its index entry only once it is stored)."""
     from tools.redis_servers import RedisServer
 
-    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "6mb", "--maxmemory-policy", "noeviction")).start()
     prefix = new_prefix("oom-index")
     store = tiered(tmp_path, "node", server.url, prefix)
     try:
@@ -328,7 +328,7 @@ def test_a_repeated_failure_warns_once_per_kind_and_counts(tmp_path, caplog):
     DEBUG, the third opens the circuit (one WARNING)."""
     from tools.redis_servers import RedisServer
 
-    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
+    server = RedisServer(tmp_path / "redis", args=("--maxmemory", "6mb", "--maxmemory-policy", "noeviction")).start()
     store = tiered(tmp_path, "node", server.url, new_prefix("oom-log"), retry_s=60)
     try:
         with caplog.at_level(logging.DEBUG, logger="edgesync_store"):

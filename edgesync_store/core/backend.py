@@ -23,6 +23,7 @@ of the same backend (and backend-specific modules) use it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -103,6 +104,25 @@ class FragmentBackend(ABC):
         Raises:
             StoreIOError: the storage failed.
         """
+
+    @contextmanager
+    def reading(self, keys: Sequence[bytes]) -> Iterator[list[tuple[KVFragment | None, bool]]]:
+        """The fragments under ``keys`` for one injection, decoded and verified as by
+        :meth:`get`, for the ``with`` block: ``(fragment or None, in_place)`` per key, in order.
+        ``in_place`` True means K and V are read-only views of the backend's own memory (no
+        copy; valid only inside the block: copy what must outlive it). This default reads each
+        with :meth:`get` (arrays of their own, ``in_place`` False).
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+        yield [(self.get(bytes(key)), False) for key in keys]
+
+    @property
+    def serves_in_place(self) -> bool:
+        """True when :meth:`reading` returns the fragments this backend writes in place, as
+        cheaply as a RAM copy would serve them (a RAM tier then need not keep them)."""
+        return False
 
     @abstractmethod
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
@@ -234,13 +254,25 @@ class FragmentBackend(ABC):
         """
 
     @abstractmethod
-    def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
+                    reused: tuple[bytes, int] | None = None) -> None:
         """Count one hit on each stored fragment of ``keys`` at ``now`` (``policy.on_hit``:
-        hit count + 1, last hit, promotion to the long-lived tier).
+        hit count + 1, last hit, promotion to the long-lived tier). ``reused`` is (namespace
+        digest, tokens the hit injected), kept for :meth:`reuse_hint`, in the same write.
 
         Raises:
             PermissionError: read-only. StoreIOError: the storage failed.
         """
+
+    def reuse_hint(self, namespace_digest: bytes) -> int:
+        """The tokens the latest hit in the namespace ``namespace_digest`` injected, as
+        :meth:`record_hits` kept it (0: none known): an engine warms up for an injection of
+        that size before its first request. This default knows none.
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+        return 0
 
     @abstractmethod
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from edgesync_store.core import codec, companions
 from edgesync_store.core.codec import FragmentHeader
-from edgesync_store.core.lmdb_env import U64, USED_BYTES_KEY, index_key
+from edgesync_store.core.lmdb_env import REUSE_TOKENS_PREFIX, U64, USED_BYTES_KEY, index_key, read_u64
 from edgesync_store.errors import CodecError
 from edgesync_store.schema import KVFragment
 from edgesync_store.ttl import Lifecycle
@@ -27,16 +27,14 @@ class LifecycleOps:
         """See :meth:`FragmentBackend.put_replacing`; ``life``'s sizes are set here. When the
         new key is already stored, only the removals happen."""
         key = fragment.key()
-        blob = codec.encode(fragment)
+        blob = codec.encode(fragment, self.compression)
         env = self.env
 
         def write(txn) -> bool:
-            if any(txn.get(k, db=env.fragments) is None for k in remove):
+            if not all(env.has_blob(txn, k) for k in remove):
                 return False
-            if txn.get(key, db=env.fragments) is None:
-                txn.put(key, blob, db=env.fragments)
-                txn.put(index_key(fragment.namespace.digest(), fragment.prefix_hash), key, db=env.by_prefix,
-                        dupdata=True)
+            if not env.has_blob(txn, key):
+                self.put_blob_in(txn, key, index_key(fragment.namespace.digest(), fragment.prefix_hash), blob)
                 self._add_used(txn, len(blob))
             life.nbytes, life.raw_nbytes = len(blob), fragment.raw_nbytes
             txn.put(key, life.pack(), db=env.lifecycle)
@@ -53,7 +51,7 @@ class LifecycleOps:
         env = self.env
 
         def write(txn) -> bool:
-            if any(txn.get(k, db=env.fragments) is None for k in [keep, *remove]):
+            if not all(env.has_blob(txn, k) for k in [keep, *remove]):
                 return False
             old = Lifecycle.unpack(txn.get(keep, db=env.lifecycle))
             life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
@@ -76,7 +74,7 @@ class LifecycleOps:
             gone = []
             for key in keys:
                 raw = txn.get(key, db=env.lifecycle)
-                if raw is None and txn.get(key, db=env.fragments) is None:
+                if raw is None and not env.has_blob(txn, key):
                     continue
                 if not Lifecycle.unpack(raw).expired(now) or self.pins.is_pinned(key):
                     continue
@@ -94,7 +92,7 @@ class LifecycleOps:
         env = self.env
 
         def write(txn) -> bool:
-            if txn.get(key, db=env.fragments) is None:
+            if not env.has_blob(txn, key):
                 return False
             old = Lifecycle.unpack(txn.get(key, db=env.lifecycle))
             life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
@@ -104,13 +102,18 @@ class LifecycleOps:
         return self.transact(write, write=True)
 
 
-    def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
+                    reused: tuple[bytes, int] | None = None) -> None:
         now = self.clock() if now is None else now
         env = self.env
 
         def write(txn) -> None:
+            if reused is not None:
+                hint = REUSE_TOKENS_PREFIX + reused[0]
+                if read_u64(txn.get(hint, db=env.meta)) != reused[1]:
+                    txn.put(hint, U64.pack(reused[1]), db=env.meta)
             for key in keys:
-                if txn.get(key, db=env.fragments) is None:
+                if not env.has_blob(txn, key):
                     continue
                 life = self.policy.on_hit(Lifecycle.unpack(txn.get(key, db=env.lifecycle)), now)
                 txn.put(key, life.pack(), db=env.lifecycle)
@@ -118,9 +121,15 @@ class LifecycleOps:
         self.transact(write, write=True)
 
 
+    def reuse_hint(self, namespace_digest: bytes) -> int:
+        """See :meth:`FragmentBackend.reuse_hint`: the ``reuse_tokens:`` record in ``meta``."""
+        return read_u64(self.transact(lambda txn: txn.get(REUSE_TOKENS_PREFIX + namespace_digest,
+                                                          db=self.env.meta))) or 0
+
+
     def lifecycle(self, key: bytes) -> Lifecycle | None:
         def read(txn):
-            if txn.get(key, db=self.env.fragments) is None:
+            if not self.env.has_blob(txn, key):
                 return None
             return Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
 
@@ -131,7 +140,7 @@ class LifecycleOps:
         """See :meth:`FragmentBackend.lifecycles`: one read transaction."""
         def read(txn):
             env = self.env
-            return [None if txn.get(key, db=env.fragments) is None else Lifecycle.unpack(txn.get(key, db=env.lifecycle))
+            return [Lifecycle.unpack(txn.get(key, db=env.lifecycle)) if env.has_blob(txn, key) else None
                     for key in keys]
 
         return self.transact(read)
@@ -140,12 +149,14 @@ class LifecycleOps:
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
         def read(txn):
             rows = []
-            for key, value in txn.cursor(db=self.env.fragments):
+            for key in txn.cursor(db=self.env.fragments).iternext(keys=True, values=False):
+                key = bytes(key)
+                life = Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
                 try:
-                    head = codec.peek(value)
+                    head = codec.peek(self.env.head_in(txn, key))
                 except CodecError:
                     head = None
-                rows.append((bytes(key), head, Lifecycle.unpack(txn.get(key, db=self.env.lifecycle)), len(value)))
+                rows.append((key, head, life, life.nbytes or len(txn.get(key, db=self.env.fragments))))
             return rows
 
         yield from self.transact(read)
@@ -164,7 +175,7 @@ class LifecycleOps:
 
         def write(txn) -> int:
             n = txn.stat(env.fragments)["entries"]
-            for db in (env.fragments, env.by_prefix, env.lifecycle):
+            for db in (env.fragments, env.heads, env.by_prefix, env.lifecycle):
                 txn.drop(db, delete=False)
             companions.drop_in(self, txn)
             txn.put(USED_BYTES_KEY, U64.pack(0), db=env.meta)

@@ -1,6 +1,7 @@
 """The store's fragment writes, as a part of ``FragmentStore``: new fragments (``put_many``) and
 blobs that are already encoded and verified (``put_blobs``, for a fragment fetched from the
-remote tier: its exact bytes are stored, no second compression).
+remote tier: its exact bytes are stored, no second encoding). Every blob goes in with its head
+(``heads``) and its ``by_prefix`` entry, in the same transaction (:meth:`WriteOps.put_blob_in`).
 
 :class:`WriteOps` is mixed into ``FragmentStore`` (``core/store.py``), whose environment
 (``self.env``), ``delete_in``, ``used_in`` and budget it uses. Both writes share one
@@ -34,7 +35,7 @@ class WriteOps:
         before the transaction so the writer lock is held only for the copy into LMDB."""
         encoded = []
         for f in fragments:
-            blob = codec.encode(f)
+            blob = codec.encode(f, self.compression)
             life = Lifecycle(f.hit_count, f.last_hit_at, f.expires_at, f.created_at, nbytes=len(blob),
                              raw_nbytes=f.raw_nbytes)
             encoded.append((f.key(), index_key(f.namespace.digest(), f.prefix_hash), blob, life,
@@ -59,6 +60,20 @@ class WriteOps:
                             f"fragment [{head.token_start}, {head.token_end})"))
         return self._write_encoded(encoded, now)
 
+    def put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
+        """Write ``blob`` under ``key``, its head (``codec.head_of``) in ``heads`` and its
+        ``by_prefix`` entry ``ikey``, in ``txn`` (the lifecycle record and ``used_bytes`` are
+        the caller's).
+
+        Raises:
+            CodecError: the blob's head does not parse (nothing written).
+        """
+        head = codec.head_of(blob)
+        env = self.env
+        txn.put(key, blob, db=env.fragments)
+        txn.put(key, head, db=env.heads)
+        txn.put(ikey, key, db=env.by_prefix, dupdata=True)
+
     def _write_encoded(self, encoded: Sequence[Encoded], now: float | None, also=None) -> int:
         now = self.clock() if now is None else now
         env = self.env
@@ -70,7 +85,7 @@ class WriteOps:
                 if key in seen:
                     continue
                 seen.add(key)
-                if txn.get(key, db=env.fragments) is not None:
+                if env.has_blob(txn, key):
                     if not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now):
                         continue
                     self.delete_in(txn, key)
@@ -86,8 +101,7 @@ class WriteOps:
                     log.warning("%s (%d bytes) does not fit the size budget of %d bytes; not stored", what,
                                 len(blob), self.max_bytes)
                     continue
-                txn.put(key, blob, db=env.fragments)
-                txn.put(ikey, key, db=env.by_prefix, dupdata=True)
+                self.put_blob_in(txn, key, ikey, blob)
                 txn.put(key, life.pack(), db=env.lifecycle)
                 used += len(blob)
                 added += 1

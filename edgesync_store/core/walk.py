@@ -3,9 +3,9 @@ lookup, for a walk combined with the remote tier's), the coverage check of one s
 fragments along a prompt (what ``forget`` removes), and the namespaces stored.
 
 Functions of an open ``FragmentStore`` (its methods ``prefix_walk``, ``covers_span`` and
-``keys_along`` call them). They read only fragment headers (``codec.peek``: no
-decompression) and the ``by_prefix`` and ``lifecycle`` databases, one read transaction each
-(``local_spans``: one per position).
+``keys_along`` call them). They read only fragment heads (the ``heads`` database through
+``LmdbEnv.head_in``, ``codec.peek``: no blob is mapped) and the ``by_prefix`` and
+``lifecycle`` databases, one read transaction each (``local_spans``: one per position).
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ def covers_span(store, namespace: Namespace, prefix: bytes, token_ids: Sequence[
             return False
         covered: set[tuple[int, int]] = set()
         for key in cursor.iternext_dup():
-            blob = txn.get(key, db=store.env.fragments)
-            if blob is None or Lifecycle.unpack(txn.get(key, db=store.env.lifecycle)).expired(now):
+            head_bytes = store.env.head_in(txn, bytes(key))
+            if head_bytes is None or Lifecycle.unpack(txn.get(key, db=store.env.lifecycle)).expired(now):
                 continue
             try:
-                head = codec.peek(blob)
+                head = codec.peek(head_bytes)
             except CodecError:
                 continue
             if (head.token_start != token_start or head.token_end != end
@@ -100,9 +100,9 @@ def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) 
         for pos in range(len(tokens)):
             if cursor.set_key(index_key(ns_digest, hasher.digest())):
                 for key in [bytes(k) for k in cursor.iternext_dup()]:
-                    blob = txn.get(key, db=store.env.fragments)
+                    head_bytes = store.env.head_in(txn, key)
                     try:
-                        head = codec.peek(blob) if blob is not None else None
+                        head = codec.peek(head_bytes) if head_bytes is not None else None
                     except CodecError:
                         head = None
                     if head is None or head.namespace.to_dict() != ns_dict or head.token_start != pos:
@@ -134,9 +134,9 @@ def stored_namespaces(store) -> list[Namespace]:
             digest = ikey[:-len(empty)]
             if ikey[-len(empty):] != empty or digest in found:
                 continue
-            blob = txn.get(bytes(key), db=store.env.fragments)
+            head_bytes = store.env.head_in(txn, bytes(key))
             try:
-                head = codec.peek(blob) if blob is not None else None
+                head = codec.peek(head_bytes) if head_bytes is not None else None
             except CodecError:
                 head = None
             if head is not None and head.namespace.digest() == digest:
@@ -157,12 +157,12 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: n
     keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(ikey) else []
     groups: dict[tuple[int, bytes], list] = {}
     for key in keys:
-        blob = txn.get(key, db=store.env.fragments)
-        if blob is None:
+        head_bytes = store.env.head_in(txn, key)
+        if head_bytes is None:
             corrupt.append((key, ikey))
             continue
         try:
-            head = codec.peek(blob)
+            head = codec.peek(head_bytes)
         except CodecError:
             corrupt.append((key, None))
             continue
@@ -172,7 +172,7 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: n
         group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, frozenset(), [], 0])
         group[1] = group[1] | _cells(head, ns_dict, full)
         group[2].append(key)
-        group[3] += len(blob)
+        group[3] += life.nbytes
     spans = []
     for head, covered, keys_, nbytes in groups.values():
         if covered == full:

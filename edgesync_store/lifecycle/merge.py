@@ -89,11 +89,22 @@ def group_ranges(
     return [(lg, hg) for lg in layers for hg in heads]
 
 
+def laid_out_like(like: np.ndarray, arr: np.ndarray) -> np.ndarray:
+    """``arr`` ``[layers, span, width]`` in memory as ``like`` is: a transposed view of a
+    C-contiguous ``[layers, width, span]`` array when ``like`` is one (V as llama.cpp's seq
+    state holds it without flash attention: ``codec`` stores it so, and an injection then
+    copies rows), else C-contiguous. A copy unless ``arr`` is laid out so already."""
+    if not like.flags.c_contiguous and like.transpose(0, 2, 1).flags.c_contiguous:
+        return np.ascontiguousarray(arr.transpose(0, 2, 1)).transpose(0, 2, 1)
+    return np.ascontiguousarray(arr)
+
+
 def _derived(src: KVFragment, keys: np.ndarray, values: np.ndarray, **ranges) -> KVFragment:
-    """A fragment of ``src``'s span and lifecycle with other arrays and layer/head ranges."""
+    """A fragment of ``src``'s span and lifecycle with other arrays and layer/head ranges (V
+    laid out as ``src``'s)."""
     return KVFragment(
         namespace=src.namespace, token_start=src.token_start, token_end=src.token_end,
-        keys=np.ascontiguousarray(keys), values=np.ascontiguousarray(values), token_ids=src.token_ids,
+        keys=np.ascontiguousarray(keys), values=laid_out_like(src.values, values), token_ids=src.token_ids,
         prefix_hash=src.prefix_hash, content_hash=src.content_hash, embedding=src.embedding,
         created_at=src.created_at, expires_at=src.expires_at, hit_count=src.hit_count,
         last_hit_at=src.last_hit_at, **ranges,
@@ -220,7 +231,8 @@ def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
         keys[rows] = f.keys
         values[rows] = f.values
     log.debug("merged %d layer groups of [%d, %d)", len(fragments), first.token_start, first.token_end)
-    return _merged(fragments, keys, values, layer_start=0, layer_end=n_layer, layer_stride=1,
+    return _merged(fragments, keys, laid_out_like(first.values, values), layer_start=0, layer_end=n_layer,
+                   layer_stride=1,
                    head_start=first.head_start, head_end=first.head_end)
 
 
@@ -252,7 +264,7 @@ def merge_heads(fragments: Sequence[KVFragment]) -> KVFragment:
     if pos < n_head:
         raise ValueError(f"heads: missing head {pos}")
     keys = np.concatenate([f.keys for f in ordered], axis=2)
-    values = np.concatenate([f.values for f in ordered], axis=2)
+    values = laid_out_like(first.values, np.concatenate([f.values for f in ordered], axis=2))
     log.debug("merged %d head groups of [%d, %d)", len(fragments), first.token_start, first.token_end)
     return _merged(fragments, keys, values, layer_start=first.layer_start, layer_end=first.layer_end,
                    layer_stride=first.layer_stride, head_start=0, head_end=n_head)

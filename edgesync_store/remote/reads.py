@@ -63,7 +63,7 @@ class RemoteReads:
                         self.client.count(corrupt=1)
                         stale.append((ikey, key))
                     elif key not in self._refused:
-                        row.append((key, head, len(value) + head.payload_nbytes + 4))
+                        row.append((key, head, head.blob_nbytes))
                 found.append(row)
             if live_only and any(found):  # no entry at all: no existence round trip
                 flat = [(i, c) for i, row in enumerate(found) for c in row]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from edgesync_store.core import codec
-from edgesync_store.core.codec import FragmentHeader
+from edgesync_store.core.codec import FragmentHeader, head_of
 from edgesync_store.errors import CodecError
 from edgesync_store.remote.url import check_prefix
 from edgesync_store.schema import Namespace
@@ -72,20 +72,6 @@ MAX_COUNT = 2**63 - 1
 """Redis counters are signed 64-bit integers (``INCRBY``'s range)."""
 BadValue = Callable[[str, str], None]
 """``(key name, what is wrong)``: a reply that cannot be used (see the module docstring)."""
-
-
-def head_of(blob: bytes) -> bytes:
-    """The head of a codec blob: everything before the compressed tensors (header, token IDs,
-    embedding and the head's CRC), a valid input of ``codec.peek``.
-
-    Raises:
-        CodecError: the blob's head does not parse.
-    """
-    head = codec.peek(blob)
-    end = len(blob) - head.payload_nbytes - 4  # the payload and its CRC32 follow the head
-    if end <= 0:
-        raise CodecError("blob: payload_nbytes does not fit the blob")
-    return bytes(blob[:end])
 
 
 def parse_count(value: object) -> int | None:

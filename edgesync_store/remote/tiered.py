@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -175,6 +176,22 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
             return None
         return self._fetch(key)
 
+    @contextmanager
+    def reading(self, keys: Sequence[bytes]) -> Iterator[list[tuple[KVFragment | None, bool]]]:
+        """The local store's in-place read; the keys it lacks are fetched from the remote first
+        (verified, arrays of their own), so that no network wait happens inside the local read
+        transaction."""
+        keys = [bytes(k) for k in keys]
+        fetched = {key: self.get(key) for key, life in zip(keys, self.local.lifecycles(keys)) if life is None}
+        with self.local.reading(keys) as local:
+            yield [(fetched[key], False) if key in fetched else got for key, got in zip(keys, local)]
+
+    serves_in_place = property(lambda self: self.local.serves_in_place)
+
+    def reuse_hint(self, namespace_digest: bytes) -> int:
+        """The local store's (the remote tier keeps none)."""
+        return self.local.reuse_hint(namespace_digest)
+
     def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
         """The local records (one read transaction); for a key the local store lacks, the
         record of the remote fragment, fetched and verified now and held for :meth:`get`
@@ -255,10 +272,11 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         except RemoteUnavailable:
             self.client.count(write_skips=1)
 
-    def record_hits(self, keys: Sequence[bytes], now: float | None = None) -> None:
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
+                    reused: tuple[bytes, int] | None = None) -> None:
         """Local hits at once (fetched fragments written first), remote hit counts behind."""
         self._flush_fetched()
-        self.local.record_hits(keys, now)
+        self.local.record_hits(keys, now, reused=reused)
         keys = list(keys)
         policy = self.policy
 
