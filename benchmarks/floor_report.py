@@ -43,7 +43,7 @@ WALL_OVER_UNCACHED = 0.6
 PROFILE_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("tokenize", (("router.py", "prompt_tokens"),)),
     ("walk", (("plan.py", "plan_reuse"),)),
-    ("fetch", (("execute.py", "fetch_spans"),)),
+    ("fetch", (("execute.py", "fetched"),)),
     ("assemble/inject", (("base.py", "inject_fragment"), ("llamacpp.py", "inject_fragment"))),
     ("eval", (("llama.py", "eval"),)),
     ("sample", (("llama.py", "sample"),)),

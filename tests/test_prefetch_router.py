@@ -46,9 +46,10 @@ def config(prefetch: bool, **extra) -> EdgeSyncConfig:
 
 
 def router(model, path, prefetch: bool) -> EdgeSync:
-    """Prefetch on (into the default RAM tier), or off with no RAM tier at all."""
+    """Prefetch on (into the default RAM tier), or off with no RAM tier at all; a zstd store,
+    whose reads decode (what prefetching saves: an uncompressed store is read in place)."""
     extra = {} if prefetch else {"ram_tier_bytes": 0}
-    return EdgeSync(model, store=FragmentStore(path), config=config(prefetch, **extra))
+    return EdgeSync(model, store=FragmentStore(path, compression="zstd"), config=config(prefetch, **extra))
 
 
 def close(es: EdgeSync) -> None:

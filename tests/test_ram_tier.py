@@ -3,7 +3,9 @@ what a request stored, or read from the store, is injected from RAM next time wi
 from the store and the tokens of an uncached run; a fragment the store forgot, lost (another
 process's eviction or compaction between the walk and the injection) or let expire after it was
 kept in RAM is not served from RAM, and the request prefills what it lacks with identical
-tokens; the tier never holds more than its budget.
+tokens; the tier never holds more than its budget. The tier keeps what a read decodes into memory
+of its own: these tests use zstd stores (``compression="zstd"``); a store of uncompressed blobs
+(the default) is read in place, and its fragments are not kept (the last test).
 
 Prompts are an app's system prompt (../shared/workloads/system_prompts.json) and a question.
 """
@@ -64,7 +66,7 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
     moves, the version stays). A second router on the same store starts with an empty tier:
     its first hit reads the chain from the store and keeps it, its next ones read nothing."""
     m = chat(system_prompts[0])
-    store = FragmentStore(tmp_path / "s")
+    store = FragmentStore(tmp_path / "s", compression="zstd")
     es = open_router(adapter, store)
     other = None
     try:
@@ -114,7 +116,7 @@ def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, syste
     another process's eviction or compaction does): RAM serves the first only, drops the
     other, and the request prefills the rest with identical tokens."""
     m = chat(system_prompts[1])
-    store = FragmentStore(tmp_path / "s")
+    store = FragmentStore(tmp_path / "s", compression="zstd")
     es = open_router(adapter, store)
     try:
         es.generate(m, max_tokens=MAX_TOKENS)  # stored, and kept in RAM
@@ -148,7 +150,7 @@ def test_a_fragment_expired_after_the_walk_is_not_served(adapter, system_prompts
     served (from RAM or the store), the request prefills and answers identically."""
     m = chat(system_prompts[2])
     clock = ManualClock()
-    store = FragmentStore(tmp_path / "s", clock=clock, policy=TTLPolicy(ttl_seconds=600))
+    store = FragmentStore(tmp_path / "s", clock=clock, policy=TTLPolicy(ttl_seconds=600), compression="zstd")
     es = open_router(adapter, store, ttl_seconds=600)
     try:
         es.generate(m, max_tokens=MAX_TOKENS)
@@ -181,7 +183,7 @@ def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp
     one = 128 * ns.n_layer * ns.n_head_kv * ns.head_dim * 2 * 2
     prompts = [chat(p) for p in system_prompts[3:6]]
     for budget in (4 * one, one // 2):
-        store = FragmentStore(tmp_path / f"s{budget}")
+        store = FragmentStore(tmp_path / f"s{budget}", compression="zstd")
         es = open_router(adapter, store, ram_tier_bytes=budget)
         try:
             for m in prompts if budget > one else prompts[:1]:
@@ -198,3 +200,40 @@ def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp
         finally:
             es.close()
             store.close()
+
+
+def test_an_uncompressed_store_is_read_in_place_and_not_kept_in_ram(adapter, system_prompts, uncached, tmp_path,
+                                                                     monkeypatch):
+    """The default store (``compression="none"``): the store-back keeps nothing in RAM, each
+    repeat reads the chain from the store in place (its blob bytes counted, no RAM tier hit)
+    with the tokens of an uncached run; a fragment deleted between the walk and the read
+    leaves the first span only, and the request prefills the rest identically."""
+    m = chat(system_prompts[6])
+    store = FragmentStore(tmp_path / "s")
+    es = open_router(adapter, store)
+    try:
+        assert store.serves_in_place
+        first = es.generate(m, max_tokens=MAX_TOKENS)
+        keys = es.store.keys_along(es.namespace, es.prompt_tokens(m))
+        assert first.tier == "miss" and len(keys) == 3 and len(es.fragment_cache.ram) == 0
+        for _ in range(2):
+            r = es.generate(m, max_tokens=MAX_TOKENS)
+            assert r.tier == "exact" and r.tokens_reused == first.prompt_tokens - 1 and r.ram_tier_hits == 0
+            assert r.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
+            assert r.tokens == uncached(m)
+        assert len(es.fragment_cache.ram) == 0
+        victim = es.store.prefix_walk(es.namespace, es.prompt_tokens(m)).spans[1].keys[0]
+        real_walk = planning.walk
+
+        def walk_then_delete(store_, namespace, toks):
+            found = real_walk(store_, namespace, toks)
+            es.store.delete(victim)
+            return found
+
+        monkeypatch.setattr(planning, "walk", walk_then_delete)
+        r = es.generate(m, max_tokens=MAX_TOKENS)
+        monkeypatch.undo()
+        assert r.tier == "partial" and r.tokens_reused == 128 and r.tokens == uncached(m)
+    finally:
+        es.close()
+        store.close()

@@ -118,7 +118,7 @@ def test_unrelated_prompt_misses_and_matches_uncached(cached, uncached, system_p
 
 
 def _raw_fragments_db(store_dir: Path):
-    env = lmdb.open(str(store_dir), max_dbs=8, subdir=True)
+    env = lmdb.open(str(store_dir), max_dbs=16, subdir=True, map_size=1 << 30)
     return env, env.open_db(b"fragments")
 
 
@@ -145,10 +145,11 @@ def _flip_payload_byte(blob: bytearray) -> bytearray:
 
 
 def _wrong_content_hash(blob: bytearray) -> bytearray:
-    """Change the header's content_hash and recompute the head crc, so that only the hash is
-    wrong (layout: codec.py docstring)."""
+    """Change the header's content_hash and recompute the head's xxh3, so that only the hash is
+    wrong (layout: codec.py docstring, format 2)."""
     import struct
-    import zlib
+
+    import xxhash
 
     _magic, _version, header_len = struct.unpack_from("<4sHI", blob, 0)
     header = json.loads(bytes(blob[10 : 10 + header_len]))
@@ -157,8 +158,8 @@ def _wrong_content_hash(blob: bytearray) -> bytearray:
     assert len(new_header) == header_len
     blob[10 : 10 + header_len] = new_header
     span = header["token_end"] - header["token_start"]
-    crc_at = 10 + header_len + 4 * span + 4 * header["embedding_dim"]
-    struct.pack_into("<I", blob, crc_at, zlib.crc32(bytes(blob[:crc_at])))
+    sum_at = 10 + header_len + 4 * span + 4 * header["embedding_dim"]
+    struct.pack_into("<Q", blob, sum_at, xxhash.xxh3_64_intdigest(bytes(blob[:sum_at])))
     return blob
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_engines.adapters.reshape import convert_fragment
@@ -133,17 +134,17 @@ class Injector:
             return 0, [], bytes_before
         pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
         with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
-            fragments, keys, nbytes, covered, missing = self.fetch_spans(match, target)
-            bytes_total = bytes_before + nbytes
-            again = planning.walk(self.store, namespace, tokens) if missing and retry else None
-            if again is None or again.matched_tokens <= covered:
-                if missing:
-                    log.warning("a stored fragment was refused or is gone; injecting %d of %d matched tokens",
-                                covered, match.matched_tokens)
-                target = self.adapter.usable_prefix(min(target, covered), n)
-                if target < MIN_SPAN:
-                    return 0, [], bytes_total
-                return self._inject_fragments(fragments, target, tokens, namespace, keys, bytes_total)
+            with self.fetched(match, target) as (fragments, keys, nbytes, covered, missing):
+                bytes_total = bytes_before + nbytes
+                again = planning.walk(self.store, namespace, tokens) if missing and retry else None
+                if again is None or again.matched_tokens <= covered:
+                    if missing:
+                        log.warning("a stored fragment was refused or is gone; injecting %d of %d matched tokens",
+                                    covered, match.matched_tokens)
+                    target = self.adapter.usable_prefix(min(target, covered), n)
+                    if target < MIN_SPAN:
+                        return 0, [], bytes_total
+                    return self._inject_fragments(fragments, target, tokens, namespace, keys, bytes_total)
         log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
         # the sequence's own tokens: the new walk is verified all along
         return self._inject_match(source, again, again.matched_tokens, bytes_total, retry=False)
@@ -162,26 +163,56 @@ class Injector:
             return 0, [], nbytes
         return target, keys, nbytes
 
-    def fetch_spans(self, match: PrefixMatch, target: int):
-        """Read the spans of ``match`` below ``target`` (pinned by the caller): (fragments,
-        keys, compressed bytes read from the store, tokens covered, whether a fragment was
-        missing or refused). With a RAM tier the chain's lifecycle records are read first, in
-        one transaction, and decide what RAM may serve (``FragmentCache``)."""
-        fragments, keys, bytes_read, covered = [], [], 0, 0
+    @contextmanager
+    def fetched(self, match: PrefixMatch, target: int) -> Iterator[tuple]:
+        """The spans of ``match`` below ``target`` (pinned by the caller), for the ``with`` block:
+        (fragments, keys, compressed bytes read from the store, tokens covered, whether a
+        fragment was missing or refused). Fragments read in place (``FragmentBackend.reading``)
+        are views of the store's memory, valid inside the block only: inject them there.
+
+        With a RAM tier the chain's lifecycle records are read first, in one transaction, and
+        decide what RAM may serve (``FragmentCache``); what the store decoded into arrays of
+        their own (compressed blobs, remote fetches) is kept there for the next request, what it
+        served in place is not (the OS page cache already holds it).
+        """
         spans = [span for span in match.spans if span.token_start < target]
         records, now = self._records([key for span in spans for key in span.keys])
+        held: dict[bytes, KVFragment | None] = {}
+        if records is not None:
+            for i, span in enumerate(spans):
+                for key in span.keys:
+                    life = records[key]
+                    frag = self.cache.cached(key, life, now)
+                    if frag is not None or life is None or life.expires_at <= now:  # from RAM, or gone
+                        held[key] = frag
+                        self._ram_hits += frag is not None
+                if any(held.get(key, True) is None for key in span.keys):
+                    spans = spans[:i + 1]  # the chain ends here: read nothing after it
+                    break
+        need = [key for span in spans for key in span.keys if key not in held]
+        with self.store.reading(need) as got:
+            for key, (frag, in_place) in zip(need, got):
+                if frag is not None and records is not None and not in_place:
+                    frag = self.cache.put(key, frag, records[key])
+                held[key] = frag
+            yield self._chain(spans, held, set(need), records)
+
+    def _chain(self, spans, held: dict, read: set, records: dict | None) -> tuple:
+        """(fragments, keys, bytes read from the store, tokens covered, missing) of the spans
+        in order, up to the first span with a fragment absent or refused."""
+        fragments, keys, bytes_read, covered = [], [], 0, 0
         for span in spans:
-            got = [self._fetch(key, records, now) for key in span.keys]
-            if any(f is None for f, _ in got):
+            got = [held[key] for key in span.keys]
+            if any(f is None for f in got):
                 log.info("fragment at [%d, %d) was refused or is gone after the walk (%d tokens read)",
                          span.token_start, span.token_end, covered)
                 return fragments, keys, bytes_read, covered, True
-            fragments.extend(f for f, _ in got)
+            fragments.extend(got)
             keys.extend(span.keys)
             if records is None:
                 bytes_read += span.compressed_nbytes
             else:
-                bytes_read += sum(records[key].nbytes for key, (_, ram) in zip(span.keys, got) if not ram)
+                bytes_read += sum(records[key].nbytes for key in span.keys if key in read)
             covered = span.token_start + span.matched
         return fragments, keys, bytes_read, covered, False
 
@@ -195,12 +226,3 @@ class Injector:
         except StoreError as exc:
             log.warning("RAM tier check failed, reading the store: %s", exc)
             return None, 0.0
-
-    def _fetch(self, key: bytes, records: dict | None, now: float) -> tuple["KVFragment | None", bool]:
-        """The decoded fragment under ``key`` (None: absent or corrupt) and whether the RAM
-        tier served it."""
-        if records is None:
-            return self.store.get(key), False
-        frag, ram = self.cache.get(key, records[key], now)
-        self._ram_hits += ram
-        return frag, ram

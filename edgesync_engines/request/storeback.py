@@ -83,8 +83,10 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
     and KV head, whatever their grouping (``covers_span``). Missing chunks are extracted whole
     (one seq-state read for all) and cut into the configured ``layers_per_fragment`` x
     ``heads_per_fragment`` groups; all fragments of all chunks go in one ``put_many`` (one write
-    transaction, so no reader sees half a chunk). With ``ram`` (the router's RAM tier) the
-    fragments written are kept there too (``FragmentCache.keep_stored``).
+    transaction, so no reader sees half a chunk), laid out as the engine injects them
+    (``stage_fragment``). With ``ram`` (the router's RAM tier) the fragments written are kept
+    there too (``FragmentCache.keep_stored``), unless the store reads them in place as cheaply
+    (``serves_in_place``).
     """
     ns = adapter.namespace
     try:
@@ -101,14 +103,14 @@ def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int
         (l0, l1), (h0, h1) = group_ranges(ns, config.layers_per_fragment, config.heads_per_fragment)[0]
         wholes = adapter.extract_fragments(tokens, spans, ttl_seconds=config.ttl_seconds, now=store.clock())
         fragments = [
-            part
+            adapter.stage_fragment(part)  # V stored as the engine injects it: a hit copies rows
             for whole in wholes
             for layer_part in split_layers(whole, l1 - l0)
             for part in split_heads(layer_part, h1 - h0)
         ]
         also = None if donor is None else (lambda txn: put_donor_in(store, txn, *donor))
         written = store.put_many(fragments, also=also)
-        if ram is not None and written:
+        if ram is not None and written and not store.serves_in_place:
             ram.keep_stored(fragments)
         return written
     except (StoreError, OSError, ValueError) as exc:
@@ -146,9 +148,10 @@ def index_prompt(semantic: "SemanticLookup", store: "FragmentStore", namespace: 
     semantic.remember(key, namespace, tokens, prompt, embedded)
 
 
-def record_hits(store: "FragmentStore", keys: Sequence[bytes]) -> None:
-    """Count a hit on each injected fragment (for eviction and merging); a failure is logged."""
+def record_hits(store: "FragmentStore", keys: Sequence[bytes], reused: tuple[bytes, int] | None = None) -> None:
+    """Count a hit on each injected fragment (for eviction and merging) and keep ``reused``
+    (namespace digest, tokens injected) as the store's reuse hint; a failure is logged."""
     try:
-        store.record_hits(keys)
+        store.record_hits(keys, reused=reused)
     except (StoreError, OSError) as exc:
         log.warning("could not record hits: %s", exc)
