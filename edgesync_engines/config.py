@@ -23,9 +23,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import platformdirs
 
+from edgesync_engines import settings_checks as checks
 from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.request.ramtier import DEFAULT_RAM_TIER_BYTES
-from edgesync_store.commands.units import format_binary, parse_bytes
+from edgesync_store.commands.units import format_binary
+from edgesync_store.core.codec import COMPRESSIONS, DEFAULT_COMPRESSION
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.remote.url import PASSWORD_ENV, USERNAME_ENV, RemoteURL, check_prefix
@@ -50,66 +52,6 @@ MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
 def default_store_path() -> Path:
     """The per-user cache directory's ``store`` folder (e.g. ``~/.cache/edgesync/store``)."""
     return Path(platformdirs.user_cache_dir("edgesync")) / "store"
-
-
-# -- environment parsers: text -> value, ValueError when the text does not parse ---------------
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except argparse.ArgumentTypeError as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _bytes_or_off(text: str) -> int:
-    return 0 if text.strip() == "0" else _bytes(text)
-
-
-# -- checks: value -> None when valid, else what is wrong (the message after "field: ") --------
-
-Check = Callable[[Any], "str | None"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
-
-
-def _one_of(choices: Sequence[str]) -> Check:
-    return lambda v: None if v in choices else f"{v!r} is not one of {', '.join(choices)}"
-
-
-def _at_least_one(v: Any) -> str | None:
-    return f"must be >= 1, got {v}" if v < 1 else None
-
-
-def _unit_interval(v: Any) -> str | None:
-    return None if isinstance(v, (int, float)) and 0 < v <= 1 else f"must be in (0, 1], got {v}"
-
-
-def _finite_positive(v: Any) -> str | None:
-    return None if math.isfinite(v) and v > 0 else f"must be a finite number > 0, got {v}"
-
-
-def _seconds(v: Any) -> str | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-    return None if ok else f"must be a positive number of seconds, got {v!r}"
-
-
-def _optional_count(v: Any) -> str | None:
-    return None if v is None or (_is_int(v) and v >= 1) else f"must be None or an int >= 1, got {v!r}"
 
 
 def _binary(n: int) -> str:
@@ -161,7 +103,7 @@ class Setting:
     env: str
     parse: Callable[[str], Any]
     help: str
-    check: Check | None = None
+    check: checks.Check | None = None
     coerce: Callable[[Any], Any] | None = None
     shown: str | None = None
     factory: bool = False
@@ -181,7 +123,7 @@ class Setting:
 
 
 def _flag(name: str, env: str, default: bool, help: str) -> Setting:
-    return Setting(name, bool, default, env, _bool, help, check=_boolean)
+    return Setting(name, bool, default, env, checks.parse_flag, help, check=checks.check_flag)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -198,19 +140,19 @@ SETTINGS: tuple[Setting, ...] = (
     _flag("flash_attn", "EDGESYNC_FLASH_ATTN", False, "llama.cpp flash attention"),
     Setting("kv_type", str, "f16", "EDGESYNC_KV_TYPE", _lower,
             "llama.cpp K and V cache type: `f16`, `f32`, `q8_0` or `q4_0` (a quantized V turns flash attention "
-            "on); part of the namespace", check=_one_of(KV_TYPES)),
+            "on); part of the namespace", check=checks.one_of(KV_TYPES)),
     Setting("chunk_tokens", int, 128, "EDGESYNC_CHUNK_TOKENS", int,
             f"fragment span when storing a prompt, tokens ({MIN_SPAN} to {MAX_CHUNK_TOKENS})",
             check=lambda v: None if MIN_SPAN <= v <= MAX_CHUNK_TOKENS
             else f"{v} must be in [{MIN_SPAN}, {MAX_CHUNK_TOKENS}]"),
     Setting("ttl_seconds", float, float(DEFAULT_TTL_SECONDS), "EDGESYNC_TTL_SECONDS", float,
-            "fragment lifetime from creation, seconds", check=_finite_positive),
+            "fragment lifetime from creation, seconds", check=checks.finite_positive),
     Setting("max_tokens", int, 128, "EDGESYNC_MAX_TOKENS", int, "default generation length, tokens",
-            check=_at_least_one),
+            check=checks.at_least_one),
     Setting("temperature", float, 0.0, "EDGESYNC_TEMPERATURE", float, "sampling temperature (0 = greedy)",
             check=lambda v: None if math.isfinite(v) and v >= 0 else f"must be a finite number >= 0, got {v}"),
     Setting("top_p", float, 0.95, "EDGESYNC_TOP_P", float, "nucleus sampling mass when temperature > 0",
-            check=_unit_interval),
+            check=checks.unit_interval),
     Setting("seed", int, 0, "EDGESYNC_SEED", int, "sampling seed"),
     _flag("verbose_engine", "EDGESYNC_VERBOSE_ENGINE", False, "let llama.cpp's own log lines through"),
     _flag("semantic", "EDGESYNC_SEMANTIC", True,
@@ -218,52 +160,58 @@ SETTINGS: tuple[Setting, ...] = (
           "index load when first needed, never for the default mode's requests); off: neither, `semantic` refused"),
     Setting("embedding_backend", str, DEFAULT_BACKEND, "EDGESYNC_EMBEDDING_BACKEND", _lower,
             "embedder: `onnx` (int8 MiniLM-L6-v2) or `sentence-transformers`; a store never mixes two",
-            check=_one_of(EMBEDDING_BACKENDS)),
+            check=checks.one_of(EMBEDDING_BACKENDS)),
     Setting("reuse", str, "exact", "EDGESYNC_REUSE", _lower,
             "`exact`: inject only token-identical KV (answers equal uncached runs); `semantic`: also serve "
             "a donor at `similarity_exact` whole (approximate answers); `blend`: place documents' stored KV at "
             "their positions in the prompt, recomputing `blend_recompute` of it (approximate answers)",
-            check=_one_of(REUSE_MODES)),
+            check=checks.one_of(REUSE_MODES)),
     Setting("document_header", str, "chat", "EDGESYNC_DOCUMENT_HEADER", _lower,
             "what a new document's KV is computed after: `chat` (the chat template's default system part, so "
             "the document's first token is not its own attention sink) or `none` (standalone)",
-            check=_one_of(("none", "chat"))),
+            check=checks.one_of(("none", "chat"))),
     Setting("blend_recompute", float, 0.15, "EDGESYNC_BLEND_RECOMPUTE", float,
             "share of each document's tokens, from its start, recomputed against the assembled prompt in "
             "`blend` mode (0 to 1)",
             check=lambda v: None if math.isfinite(v) and 0 <= v <= 1 else f"must be in [0, 1], got {v}"),
     Setting("similarity_exact", float, 0.92, "EDGESYNC_SIMILARITY_EXACT", float,
-            "cosine at or above which the approximate mode serves a donor whole", check=_unit_interval),
+            "cosine at or above which the approximate mode serves a donor whole", check=checks.unit_interval),
     Setting("similarity_partial", float, 0.75, "EDGESYNC_SIMILARITY_PARTIAL", float,
-            "cosine at or above which the approximate mode verifies a donor token by token", check=_unit_interval),
+            "cosine at or above which the approximate mode verifies a donor token by token",
+            check=checks.unit_interval),
     Setting("ef_search", int, DEFAULT_EF_SEARCH, "EDGESYNC_EF_SEARCH", int,
             "HNSW query breadth (1 to 10000; at 50 it misses near-duplicates)",
             check=lambda v: None if 1 <= v <= 10_000 else f"must be in [1, 10000], got {v}"),
-    Setting("ram_tier_bytes", int, DEFAULT_RAM_TIER_BYTES, "EDGESYNC_RAM_TIER_BYTES", _bytes_or_off,
+    Setting("ram_tier_bytes", int, DEFAULT_RAM_TIER_BYTES, "EDGESYNC_RAM_TIER_BYTES", checks.parse_size_or_off,
             "budget of the RAM tier, bytes of decoded K + V: fragments stored or read once are served again from RAM "
             "while the store holds them live (0 = off; `64M`: powers of 1024)",
-            check=lambda v: None if _is_int(v) and v >= 0 else f"must be an int >= 0 bytes, got {v!r}",
+            check=lambda v: None if checks.is_int(v) and v >= 0 else f"must be an int >= 0 bytes, got {v!r}",
             shown=f"{DEFAULT_RAM_TIER_BYTES} ({_binary(DEFAULT_RAM_TIER_BYTES)})"),
     _flag("prefetch", "EDGESYNC_PREFETCH", False,
           "predict the next requests and decode their fragments ahead, in a background thread, into the RAM tier"),
-    Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", _bytes,
+    Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", checks.parse_size,
             "size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
-            check=lambda v: None if v is None or (_is_int(v) and v >= 1) else f"must be None or bytes > 0, got {v!r}",
+            check=lambda v: None if v is None or (checks.is_int(v) and v >= 1)
+            else f"must be None or bytes > 0, got {v!r}",
             shown=f"the budget recorded in the store, else {_binary(DEFAULT_MAX_BYTES)}"),
+    Setting("compression", str, DEFAULT_COMPRESSION, "EDGESYNC_COMPRESSION", _lower,
+            "how new fragments hold K and V: `none` (a hit reads them in place, no decompression) or `zstd` "
+            "(about 0.86x the bytes of f16 KV, decompressed on every read)",
+            check=checks.one_of(COMPRESSIONS), coerce=_lower),
     _flag("jobs", "EDGESYNC_JOBS", True, "run the expiry sweep and compaction on a schedule in the app process"),
     Setting("sweep_interval_s", float, DEFAULT_SWEEP_INTERVAL_S, "EDGESYNC_SWEEP_INTERVAL_S", float,
-            "seconds between expiry sweeps", check=_seconds),
+            "seconds between expiry sweeps", check=checks.seconds),
     Setting("compact_interval_s", float, DEFAULT_COMPACT_INTERVAL_S, "EDGESYNC_COMPACT_INTERVAL_S", float,
-            "seconds between compactions", check=_seconds),
+            "seconds between compactions", check=checks.seconds),
     Setting("layers_per_fragment", "int | None", None, "EDGESYNC_LAYERS_PER_FRAGMENT", int,
             "store each chunk as groups of this many layers (above the model's count: all)",
-            check=_optional_count, shown="all layers in one fragment"),
+            check=checks.optional_count, shown="all layers in one fragment"),
     Setting("heads_per_fragment", "int | None", None, "EDGESYNC_HEADS_PER_FRAGMENT", int,
             "store each chunk as groups of this many KV heads (above the model's count: all)",
-            check=_optional_count, shown="all heads in one fragment"),
+            check=checks.optional_count, shown="all heads in one fragment"),
     Setting("engine", str, "llamacpp", "EDGESYNC_ENGINE", _lower,
             "`llamacpp` or `onnx` (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)",
-            check=_one_of(ENGINES), coerce=_lower),
+            check=checks.one_of(ENGINES), coerce=_lower),
     _flag("allow_convertible", "EDGESYNC_ALLOW_CONVERTIBLE", False,
           "also inject KV another engine wrote for the same model, converted (close to, not equal to, its own)"),
     Setting("remote_url", "RemoteURL | None", None, "EDGESYNC_REMOTE_URL", RemoteURL,
@@ -276,17 +224,18 @@ SETTINGS: tuple[Setting, ...] = (
             check=check_prefix),
     _flag("remote_cluster", "EDGESYNC_REMOTE_CLUSTER", False, "the remote URL is a node of a Redis Cluster"),
     Setting("remote_timeout_ms", float, 20.0, "EDGESYNC_REMOTE_TIMEOUT_MS", float, "timeout of each socket read "
-            "of remote lookups and fetches before the first token, ms (then local-only)", check=_finite_positive),
+            "of remote lookups and fetches before the first token, ms (then local-only)", check=checks.finite_positive),
     Setting("remote_fetch_budget_ms", float, 250.0, "EDGESYNC_REMOTE_FETCH_BUDGET_MS", float,
             "total time one fragment's remote fetch may take before the first token, milliseconds (then its "
-            "tokens are prefilled)", check=_finite_positive),
+            "tokens are prefilled)", check=checks.finite_positive),
     Setting("remote_write_timeout_ms", float, 2000.0, "EDGESYNC_REMOTE_WRITE_TIMEOUT_MS", float,
-            "timeout of each socket read of background remote writes, forget and clear, ms", check=_finite_positive),
+            "timeout of each socket read of background remote writes, forget and clear, ms",
+            check=checks.finite_positive),
     Setting("remote_queue", int, 256, "EDGESYNC_REMOTE_QUEUE", int,
-            "remote write-behind queue length, jobs (a full queue drops its oldest)", check=_at_least_one),
+            "remote write-behind queue length, jobs (a full queue drops its oldest)", check=checks.at_least_one),
     Setting("remote_retry_s", float, 5.0, "EDGESYNC_REMOTE_RETRY_S", float,
             "seconds the circuit breaker waits before trying a failing remote again (doubling, up to 8x)",
-            check=_seconds),
+            check=checks.seconds),
 )
 """Every setting, in :class:`EdgeSyncConfig`'s field order."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from edgesync_engines.config import EdgeSyncConfig, default_store_path
+from edgesync_store.core import codec
 
 
 def test_precedence_defaults_environment_overrides(tmp_path):
@@ -55,7 +56,7 @@ def test_readme_settings_table_is_the_generated_one():
     rows = [line for line in readme.splitlines() if line.startswith("| `") or line.startswith("| - |")]
     start = readme.index(table.splitlines()[0])
     assert readme[start:start + len(table)] == table
-    assert len(table.splitlines()) == 2 + 40 + 3 and len(rows) >= 43
+    assert len(table.splitlines()) == 2 + 41 + 3 and len(rows) >= 44
     printed = subprocess.run([sys.executable, "-m", "edgesync_engines.config", "--markdown"],
                              capture_output=True, text=True, check=True).stdout
     assert printed == table
@@ -73,12 +74,17 @@ def test_table_defines_fields_defaults_and_variables():
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
     fields = [f.name for f in dataclasses.fields(EdgeSyncConfig)]
-    assert fields == [s.name for s in SETTINGS] and len(fields) == 40
-    assert len({s.env for s in SETTINGS}) == 40 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
+    assert fields == [s.name for s in SETTINGS] and len(fields) == 41
+    assert len({s.env for s in SETTINGS}) == 41 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
     cfg = EdgeSyncConfig.load(environ={})
     assert cfg.ef_search == DEFAULT_EF_SEARCH == 100
     assert (cfg.reuse, cfg.blend_recompute, cfg.document_header) == ("exact", 0.15, "chat")
     assert cfg.ttl_seconds == float(DEFAULT_TTL_SECONDS) == 1800.0
+    assert cfg.compression == codec.DEFAULT_COMPRESSION == "none"
+    assert BY_NAME["compression"].env == "EDGESYNC_COMPRESSION"
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_COMPRESSION": " ZSTD "}).compression == "zstd"
+    with pytest.raises(ValueError, match=r"^compression: 'gzip' is not one of none, zstd"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_COMPRESSION": "gzip"})
     assert (cfg.sweep_interval_s, cfg.compact_interval_s) == (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S)
     assert (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S) == (60.0, 900.0)
     assert cfg.max_bytes is None and "1 GiB" in BY_NAME["max_bytes"].shown_default() and DEFAULT_MAX_BYTES == 1 << 30
