@@ -204,5 +204,9 @@ class FakeAdapter:
     def clear_kv_cache(self) -> None:
         self.live = []
 
+    def warm_up(self, n_tokens: int = 0) -> None:
+        """Nothing to warm: the fake evaluates nothing (``warmed_for`` records the size asked)."""
+        self.warmed_for = n_tokens
+
     def close(self) -> None:
         self._closed = True

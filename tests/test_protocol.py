@@ -30,7 +30,7 @@ DATA = {"namespace": Namespace, "cache_refusal": type(None), "blend_refusal": (t
 PROPERTIES = {"closed"}
 METHODS = ["tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix",
            "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill", "place_kv", "recompute",
-           "clear_kv_cache", "close"]
+           "clear_kv_cache", "warm_up", "close"]
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "Why do caches make repeated prompts faster? " * 12}]
 
@@ -160,6 +160,26 @@ def test_kv_members_return_what_the_protocol_says(engine):
         engine.clear_kv_cache()
         with pytest.raises(ValueError, match="n_past"):
             next(engine.generate(tokens, 64, 4))  # the cleared cache does not hold them
+
+
+def test_warm_up_leaves_the_engine_as_a_fresh_load(engine):
+    """``warm_up`` evaluates and renders, then leaves an empty cache: an answer after it equals
+    the one before, the cleared cache holds nothing (continuing at n_past raises), and on
+    llama.cpp the warm-up's own evaluation is not in the counters and the seq-state buffer it
+    faulted in is what the next injection of that size writes into (no new allocation)."""
+    tokens = engine.tokenize(engine.apply_chat_template(MESSAGES))
+    before = list(engine.generate(tokens, 0, 6))
+    engine.warm_up(len(tokens))
+    with pytest.raises(ValueError, match="n_past"):
+        next(engine.generate(tokens, 64, 4))
+    if engine.namespace.engine == "llama.cpp":
+        assert engine.perf_counts()["n_p_eval"] <= 1 and engine.perf_counts()["n_eval"] <= 1  # 0 shows as 1
+        assert list(engine.generate(tokens, 0, 6)) == before
+        whole = engine.extract_fragments(tokens, [(0, 64), (64, 128)])
+        engine.clear_kv_cache()
+        buf = engine._state_buf  # the buffer the warm-up faulted in, sized for the whole prompt
+        assert engine.inject_fragment(whole, 128, tokens) == 128 and engine._state_buf is buf
+    assert list(engine.generate(tokens, 0, 6)) == before
 
 
 def test_the_request_path_uses_only_protocol_members():

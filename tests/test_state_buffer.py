@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgesync_engines.adapters import seqstate, state_buffer
-from edgesync_engines.adapters.base import assemble_kv, fragment_blocks
+from edgesync_engines.adapters.kv_blocks import assemble_kv, fragment_blocks
 from edgesync_engines.adapters.kv_layout import StateLayout
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.model_files import gemma3_model_path

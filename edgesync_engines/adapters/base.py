@@ -1,6 +1,6 @@
 """What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
 the argument checks and decoding loop of ``generate``, fragment extraction and injection
-glue) and the functions behind it (``fragment_blocks``, ``assemble_kv``, ``kv_ranges``).
+glue); the fragments' validation and layout behind it are ``adapters/kv_blocks.py``.
 
 A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
 load validated KV (``_load_blocks``, or assembled arrays: ``_load_kv``), how to evaluate a
@@ -12,110 +12,17 @@ from __future__ import annotations
 
 import abc
 import codecs
+import logging
 import time
-from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from edgesync_engines.adapters.kv_blocks import KVBlock, assemble_kv, blocks_kv, fragment_blocks, kv_ranges
 from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
-from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+from edgesync_store.schema import KVFragment, common_prefix_len, prefix_hash
 
-
-def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
-    """An extraction's ``(layer_end, head_end)`` with None meaning all layers / all KV heads of
-    ``ns``.
-
-    Raises:
-        ValueError: a head range outside ``[0, n_head_kv]`` or empty.
-    """
-    layer_end = ns.n_layer if layer_end is None else layer_end
-    head_end = ns.n_head_kv if head_end is None else head_end
-    if not 0 <= head_start < head_end <= ns.n_head_kv:
-        raise ValueError(
-            f"head_start: need 0 <= head_start < head_end <= {ns.n_head_kv}, got [{head_start}, {head_end})"
-        )
-    return layer_end, head_end
-
-
-@dataclass(frozen=True)
-class KVBlock:
-    """One validated piece of the KV to load: K and V of positions ``[start, end)`` for the
-    canonical layers ``layers`` and the KV heads ``heads``.
-
-    ``keys``, ``values``: ``[len(layers), >= end - start, len(heads) * head_width]`` of the
-    namespace's dtype, row ``t`` being position ``start + t`` (a fragment's arrays, rows past
-    ``end - start`` unused; any strides)."""
-
-    layers: range
-    heads: range
-    start: int
-    end: int
-    keys: np.ndarray
-    values: np.ndarray
-
-
-def fragment_blocks(
-    ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
-) -> list[KVBlock]:
-    """Validate fragments of namespace ``ns`` for positions 0..n_tokens-1 of ``tokens`` and
-    return the block each contributes (the last span cut to ``n_tokens``; a fragment wholly
-    past it contributes none). Every (layer, KV head, position) must be held by some fragment.
-
-    Raises:
-        ValueError: ``n_tokens`` outside ``[1, len(tokens)]``, another namespace, a gap, missing
-            layers or heads, fragment tokens that differ from ``tokens``, or a fragment that
-            follows another prefix.
-    """
-    if n_tokens < 1 or n_tokens > len(tokens):
-        raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
-    filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)
-    ids = np.asarray(tokens, dtype=np.int32)
-    blocks = []
-    for frag in fragments:
-        if frag.namespace != ns:
-            raise ValueError(f"namespace: fragment {frag.content_hash[:12]} belongs to another namespace")
-        lo, hi = frag.token_start, min(frag.token_end, n_tokens)
-        if lo >= hi:
-            continue
-        if common_prefix_len(frag.token_ids[: hi - lo], ids[lo:hi]) != hi - lo:
-            raise ValueError(f"token_ids: fragment [{lo}, {frag.token_end}) differs from the prompt's tokens")
-        if frag.prefix_hash != prefix_hash(ids[:lo]):
-            raise ValueError(f"prefix_hash: fragment [{lo}, {frag.token_end}) follows another prefix")
-        layers, heads = frag.layers, range(frag.head_start, frag.head_end)
-        filled[layers.start:layers.stop:layers.step, heads.start:heads.stop, lo:hi] = True
-        blocks.append(KVBlock(layers, heads, lo, hi, frag.keys, frag.values))
-    if not filled.all():
-        layer, head, pos = (int(x[0]) for x in np.nonzero(~filled))
-        raise ValueError(f"fragments: no KV for layer {layer}, head {head}, position {pos}")
-    return blocks
-
-
-def assemble_kv(
-    ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate fragments of namespace ``ns`` (:func:`fragment_blocks`) and build K, V
-    ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each
-    cell from the fragment that holds its layer, KV head and position.
-
-    Raises:
-        ValueError: see :func:`fragment_blocks`.
-    """
-    return blocks_kv(ns, fragment_blocks(ns, fragments, n_tokens, tokens), n_tokens)
-
-
-def blocks_kv(ns: Namespace, blocks: Sequence[KVBlock], n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` assembled from
-    validated ``blocks`` (:func:`fragment_blocks`: they cover every cell)."""
-    width = ns.n_head_kv * ns.head_width
-    k = np.empty((ns.n_layer, n_tokens, width), dtype=ns.np_dtype)
-    v = np.empty_like(k)
-    for b in blocks:
-        rows, n = slice(b.layers.start, b.layers.stop, b.layers.step), b.end - b.start
-        cols = slice(b.heads.start * ns.head_width, b.heads.stop * ns.head_width)
-        k[rows, b.start:b.end, cols] = b.keys[:, :n]
-        v[rows, b.start:b.end, cols] = b.values[:, :n]
-    return k, v
+log = logging.getLogger(__name__)
 
 
 class EngineAdapterBase(abc.ABC):
@@ -166,6 +73,24 @@ class EngineAdapterBase(abc.ABC):
         self._resume(tokens, n_past)
         for start, end in self.prefill_plan(n_past, len(tokens)):
             self._eval_batch(tokens[start:end])
+
+    def warm_up(self, n_tokens: int = 0) -> None:
+        """Do a request's first-time work now, at load, so that the first request does not: render
+        the chat template (its compilation) and tokenize, evaluate one token (the engine's first
+        decode: graph and buffer set-up) and clear the cache; an engine that injects through a
+        buffer of its own also makes room for ``n_tokens`` injected tokens. The engine's state
+        afterwards is that of a fresh load (empty cache, no live tokens). A failure is logged
+        at DEBUG and leaves it to the first request. The caller holds :attr:`lock`."""
+        try:
+            if not getattr(self, "_warmed", False):  # once per engine; the cache is emptied each time
+                self._warmed = True
+                tokens = self.tokenize(self.apply_chat_template([{"role": "user", "content": "Hello"}]))
+                if tokens:
+                    self.prefill(tokens[:1])
+        except (ValueError, RuntimeError) as exc:
+            log.debug("warm-up skipped: %s", exc)
+        finally:
+            self.clear_kv_cache()
 
     # -- engine hooks -------------------------------------------------------------------
 

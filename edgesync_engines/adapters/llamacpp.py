@@ -24,7 +24,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from edgesync_engines.adapters import kv_layout, llamacpp_blend, llamacpp_model, seqstate, state_buffer
-from edgesync_engines.adapters.base import EngineAdapterBase, KVBlock, fragment_blocks
+from edgesync_engines.adapters.base import EngineAdapterBase
+from edgesync_engines.adapters.kv_blocks import KVBlock, fragment_blocks
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -143,7 +144,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             raise ModelLoadError(f"{self.model_path}: no decoder KV memory (an embedding or encoder-only model)")
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._swa = kv_layout.SwaCapture()
-        self._state_buf: bytearray | None = None  # the largest injected state so far
+        self._state_buf: np.ndarray | None = None  # the largest injected state so far (uint8)
         self._probe()
 
     @property
@@ -279,6 +280,17 @@ class LlamaCppAdapter(EngineAdapterBase):
         """The RAM tier's copy of a fragment of this namespace with V laid out as the seq state
         holds it (``state_buffer.stage``), so that injecting it is plain row copies."""
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
+
+    def warm_up(self, n_tokens: int = 0) -> None:
+        """The base warm-up, then room for injecting ``n_tokens`` cells (``state_buffer.room``:
+        the reused seq-state buffer allocated and faulted in now; not for sliding-window caches,
+        whose capture keeps views of each injected buffer)."""
+        super().warm_up(n_tokens)
+        # llama.cpp counts queued evaluations at its next synchronisation: settle the warm-up's
+        self._llama_cpp.llama_synchronize(self._ctx)
+        self.reset_perf()
+        if n_tokens >= 1 and self._layout.swa_part is None:
+            self._state_buf = state_buffer.room(self._layout, min(n_tokens, self.n_ctx), self._state_buf)
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer holding positions

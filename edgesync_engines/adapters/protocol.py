@@ -245,6 +245,12 @@ class EngineAdapter(Protocol):
         """Empty the KV cache and forget the live tokens."""
         ...
 
+    def warm_up(self, n_tokens: int = 0) -> None:
+        """Do a request's first-time work at load (chat template, one evaluation, then an empty
+        cache again) and make room for injecting ``n_tokens`` tokens; never raises. The caller
+        holds :attr:`lock`."""
+        ...
+
     def close(self) -> None:
         """Free what the adapter loaded; it is unusable afterwards (:attr:`closed` is True).
         Idempotent."""

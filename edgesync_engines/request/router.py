@@ -33,52 +33,21 @@ from pathlib import Path
 from typing import Sequence
 
 from edgesync_engines.adapters.compat import compatible_with
-from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
-from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
 from edgesync_engines.request.documents_api import DocumentsMixin, annotate
 from edgesync_engines.request.execute import Injection, Injector
+from edgesync_engines.request.loading import ADAPTERS, load_adapter, open_store, warm_up
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import ram_tiers, request_key
 from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
 from edgesync_store.core.backend import FragmentBackend
-from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
 from edgesync_store.lifecycle.jobs import StoreJobs
-from edgesync_store.ttl import TTLPolicy
 
 log = logging.getLogger(__name__)
-
-
-_ADAPTERS = (LlamaCppAdapter, OnnxRuntimeAdapter)
-
-
-def _load_adapter(model, config: EdgeSyncConfig):
-    """The engine ``config.engine`` names for ``model`` (a GGUF path, a ``llama_cpp.Llama`` for
-    llama.cpp, or None for ``config.model_path``)."""
-    if config.engine == "onnx":
-        if model is not None and not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"model: the onnx engine takes a GGUF path or an OnnxRuntimeAdapter, "
-                            f"got {type(model).__name__}")
-        return OnnxRuntimeAdapter(
-            model if model is not None else config.model_path,
-            n_ctx=config.n_ctx,
-            n_threads=config.n_threads,
-            seed=config.seed,
-        )
-    return LlamaCppAdapter(
-        model if model is not None else config.model_path,
-        n_ctx=config.n_ctx,
-        n_threads=config.n_threads,
-        flash_attn=config.flash_attn,
-        verbose=config.verbose_engine,
-        seed=config.seed,
-        kv_type=config.kv_type,
-    )
 
 
 class EdgeSync(DocumentsMixin):
@@ -107,8 +76,8 @@ class EdgeSync(DocumentsMixin):
     def __init__(self, model=None, store: "FragmentBackend | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
-        self._owns_adapter = not isinstance(model, _ADAPTERS)
-        self.adapter = model if isinstance(model, _ADAPTERS) else _load_adapter(model, self.config)
+        self._owns_adapter = not isinstance(model, ADAPTERS)
+        self.adapter = model if isinstance(model, ADAPTERS) else load_adapter(model, self.config)
         self._owns_store = False
         self.uncached_reason = None
         if store is False or not self.config.cache_enabled:
@@ -124,7 +93,7 @@ class EdgeSync(DocumentsMixin):
                             f"got {type(store).__name__}")
         else:
             # with the shared remote tier in front, when configured
-            self.store = with_remote_tier(self._open_store(Path(store or self.config.store_path)), self.config)
+            self.store = with_remote_tier(open_store(Path(store or self.config.store_path), self.config), self.config)
             self._owns_store = self.store is not None
         self.semantic = None
         if self.store is not None and self.config.semantic:
@@ -135,30 +104,11 @@ class EdgeSync(DocumentsMixin):
         self.fragment_cache, self.prefetcher = (None, None) if self.store is None else ram_tiers(
             self.store, self.adapter, self.config)
         self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
+        warm_up(self.adapter, self.store)  # the first request's one-time work, done at load
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
             self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
                                   self.config.compact_interval_s).start()
-
-    def _open_store(self, path: Path) -> FragmentStore | None:
-        """Open the configured store with this config's TTL and budget. A store the system will
-        not let us write (read-only disk or directory, no space or permission) is opened
-        read-only, or not at all, with a warning: requests are served from it, or uncached,
-        never failed. A path that is not a store (a file, a foreign directory) raises
-        ``StoreOpenError``."""
-        policy = TTLPolicy(ttl_seconds=self.config.ttl_seconds)
-        try:
-            return FragmentStore(path, policy=policy, max_bytes=self.config.max_bytes)
-        except StoreUnavailableError as exc:
-            if not (path / "data.mdb").exists():
-                log.warning("fragment store unavailable, serving uncached: %s", exc)
-                return None
-            log.warning("fragment store %s cannot be written (%s); serving from it read-only", path, exc)
-        try:
-            return FragmentStore(path, readonly=True, policy=policy)
-        except (StoreOpenError, StoreIOError, OSError) as exc:
-            log.warning("fragment store unavailable, serving uncached: %s", exc)
-            return None
 
     def _semantic_index(self):
         """The semantic lookup's open index once loaded (for the store jobs), else None."""
@@ -302,12 +252,12 @@ class EdgeSync(DocumentsMixin):
                 out.append(token)
                 yield decoder.decode(self.adapter.token_bytes(token))
                 if len(out) == 1 and injected.keys:
-                    storeback.record_hits(self.store, injected.keys)
+                    storeback.record_hits(self.store, injected.keys, (self.namespace.digest(), injected.reused))
             # bytes of a character cut by max_tokens stay out of the text (no trailing U+FFFD)
             if ttft_ms is None:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if injected.keys:
-                    storeback.record_hits(self.store, injected.keys)
+                    storeback.record_hits(self.store, injected.keys, (self.namespace.digest(), injected.reused))
             written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
             if doc_prompt is not None and blended is None:
                 computed = self.store_missing_documents(doc_prompt)  # after the answer: off the TTFT path

@@ -1,0 +1,103 @@
+"""What ``EdgeSync`` does before its first request: load the engine, open the configured store,
+and warm the engine up for its first hit.
+
+:func:`load_adapter` picks the engine ``config.engine`` names; :func:`open_store` opens the
+local store with the configured TTL, budget and compression (read-only, or not at all, with a
+warning when the system will not let us write it); :func:`warm_up` asks the adapter to do the
+first-time work of a request at load rather than during the first request: the store's reuse
+hint (``FragmentBackend.reuse_hint``, the tokens the latest hit in this namespace injected, from
+any process) sizes the injection it makes room for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_store.core.store import FragmentStore
+from edgesync_store.errors import StoreError, StoreIOError, StoreOpenError, StoreUnavailableError
+from edgesync_store.ttl import TTLPolicy
+
+if TYPE_CHECKING:
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_store.core.backend import FragmentBackend
+
+log = logging.getLogger(__name__)
+
+ADAPTERS = (LlamaCppAdapter, OnnxRuntimeAdapter)
+"""The engine adapters ``EdgeSync`` takes as its ``model``."""
+
+
+def load_adapter(model, config: "EdgeSyncConfig"):
+    """The engine ``config.engine`` names for ``model`` (a GGUF path, a ``llama_cpp.Llama`` for
+    llama.cpp, or None for ``config.model_path``).
+
+    Raises:
+        TypeError: the onnx engine given something else than a GGUF path.
+        onnx_export.ExportError: ``config.engine == "onnx"`` and the GGUF has no sound export.
+    """
+    if config.engine == "onnx":
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model: the onnx engine takes a GGUF path or an OnnxRuntimeAdapter, "
+                            f"got {type(model).__name__}")
+        return OnnxRuntimeAdapter(
+            model if model is not None else config.model_path,
+            n_ctx=config.n_ctx,
+            n_threads=config.n_threads,
+            seed=config.seed,
+        )
+    return LlamaCppAdapter(
+        model if model is not None else config.model_path,
+        n_ctx=config.n_ctx,
+        n_threads=config.n_threads,
+        flash_attn=config.flash_attn,
+        verbose=config.verbose_engine,
+        seed=config.seed,
+        kv_type=config.kv_type,
+    )
+
+
+def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
+    """Open the configured store with this config's TTL, budget and compression. A store the
+    system will not let us write (read-only disk or directory, no space or permission) is
+    opened read-only, or not at all, with a warning: requests are served from it, or uncached,
+    never failed.
+
+    Raises:
+        StoreOpenError: the path is not a store (a file, a foreign directory).
+        StoreFormatError: a store of a newer format.
+    """
+    policy = TTLPolicy(ttl_seconds=config.ttl_seconds)
+    try:
+        return FragmentStore(path, policy=policy, max_bytes=config.max_bytes, compression=config.compression)
+    except StoreUnavailableError as exc:
+        if not (path / "data.mdb").exists():
+            log.warning("fragment store unavailable, serving uncached: %s", exc)
+            return None
+        log.warning("fragment store %s cannot be written (%s); serving from it read-only", path, exc)
+    try:
+        return FragmentStore(path, readonly=True, policy=policy, compression=config.compression)
+    except (StoreOpenError, StoreIOError, OSError) as exc:
+        log.warning("fragment store unavailable, serving uncached: %s", exc)
+        return None
+
+
+def warm_up(adapter, store: "FragmentBackend | None") -> None:
+    """``adapter.warm_up`` for an injection of the store's reuse hint (none without a store),
+    under the adapter's lock; a store failure only drops the hint (logged). Costs tens of ms at
+    load (timed at DEBUG)."""
+    tokens = 0
+    if store is not None:
+        try:
+            tokens = store.reuse_hint(adapter.namespace.digest())
+        except StoreError as exc:
+            log.warning("could not read the store's reuse hint: %s", exc)
+    t0 = time.perf_counter()
+    with adapter.lock:
+        adapter.warm_up(tokens)
+    log.debug("engine warmed up for %d injected tokens in %.1f ms", tokens, (time.perf_counter() - t0) * 1000)
