@@ -609,40 +609,40 @@ def test_record_hits_persists_and_does_not_touch_the_blob(tmp_path):
 
 
 def test_record_hits_keeps_the_reuse_hint_per_namespace(tmp_path):
-    """``record_hits(..., reused=(digest, n))`` keeps the tokens the latest hit injected per
-    namespace in ``meta``: read back by ``reuse_hint``, overwritten by the next hit, kept across
-    a reopen and readable from a read-only store; the hits themselves are counted as before."""
+    """``record_hits(..., reused=(digest, token IDs))`` keeps the tokens the latest hit injected
+    per namespace in ``meta`` (``<i4``): read back by ``reuse_hint``, overwritten by the next hit,
+    kept across a reopen and readable from a read-only store; the hits are counted as before."""
     path = tmp_path / "s"
     frag = make_fragment(seed=42)
     digest_ = SMOL.digest()
     other = replace(SMOL, flash_attn=True).digest()
     assert other != digest_
+    first, second = list(range(7, 328)), [5] * 400
     with FragmentStore(path) as store:
         store.put(frag)
-        assert store.reuse_hint(digest_) == 0
-        store.record_hits([frag.key()], now=1000.0, reused=(digest_, 321))
-        assert store.reuse_hint(digest_) == 321
-        assert store.reuse_hint(other) == 0
+        assert store.reuse_hint(digest_).tolist() == []
+        store.record_hits([frag.key()], now=1000.0, reused=(digest_, first))
+        assert store.reuse_hint(digest_).tolist() == first and store.reuse_hint(digest_).dtype == np.int32
+        assert store.reuse_hint(other).tolist() == []
         life = store.lifecycle(frag.key())
         assert (life.hit_count, life.last_hit_at) == (1, 1000.0)
-        store.record_hits([frag.key()], now=2000.0, reused=(digest_, 400))
-        assert store.reuse_hint(digest_) == 400
-        assert store.reuse_hint(other) == 0
+        store.record_hits([frag.key()], now=2000.0, reused=(digest_, np.asarray(second)))
+        assert store.reuse_hint(digest_).tolist() == second
+        assert store.reuse_hint(other).tolist() == []
         assert (store.lifecycle(frag.key()).hit_count, store.lifecycle(frag.key()).last_hit_at) == (2, 2000.0)
         # a hit without ``reused`` leaves the hint alone
         store.record_hits([frag.key()], now=3000.0)
-        assert store.reuse_hint(digest_) == 400
-    assert raw_records(path, b"meta")[b"reuse_tokens:" + digest_] == (400).to_bytes(8, "little")
+        assert store.reuse_hint(digest_).tolist() == second
+    assert raw_records(path, b"meta")[b"reuse_tokens:" + digest_] == np.asarray(second, "<i4").tobytes()
     with FragmentStore(path) as store:
-        assert store.reuse_hint(digest_) == 400
-        assert store.reuse_hint(other) == 0
+        assert store.reuse_hint(digest_).tolist() == second
+        assert store.reuse_hint(other).tolist() == []
         assert store.lifecycle(frag.key()).hit_count == 3
     with FragmentStore(path, readonly=True) as ro:
-        assert ro.reuse_hint(digest_) == 400
-        assert ro.reuse_hint(other) == 0
+        assert ro.reuse_hint(digest_).tolist() == second
         with pytest.raises(PermissionError):
-            ro.record_hits([frag.key()], reused=(digest_, 500))
-        assert ro.reuse_hint(digest_) == 400
+            ro.record_hits([frag.key()], reused=(digest_, first))
+        assert ro.reuse_hint(digest_).tolist() == second
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1029,6 +1029,35 @@ def test_reading_refuses_a_corrupt_blob_and_removes_it_after_the_block(tmp_path)
             assert store.stats().fragments == 2
         assert bad.key() not in raw_records(path, b"heads")
         assert sorted(raw_by_prefix_values(path)) == sorted(f.key() for f in frags[1:])
+
+
+def test_deferred_checks_report_a_corrupt_payload_at_confirm(tmp_path):
+    """``reading(defer_checks=True)``: an uncompressed blob with a flipped payload byte is served
+    in place (its checksum still running), and ``confirm()`` names it; it is then refused and
+    removed after the block like any corrupt fragment. A zstd blob is checked before it is
+    decoded, deferred or not. A block left without ``confirm()`` still waits for the checks."""
+    frags = _reading_fragments()
+    bad = frags[1]
+    for compression in ("none", "zstd"):
+        path = tmp_path / compression
+        with FragmentStore(path, compression=compression) as store:
+            store.put_many(frags)
+        flip_payload_byte(path, bad.key())
+        keys = [f.key() for f in frags]
+        with FragmentStore(path, compression=compression) as store:
+            with store.reading(keys, defer_checks=True) as got:
+                if compression == "none":
+                    assert got[1][0] is not None and got[1][1] is True  # served, checksum pending
+                    assert got.confirm() == [bad.key()] and got.confirm() == [bad.key()]
+                else:
+                    assert got[1] == (None, False) and got.confirm() == []
+                for i in (0, 2):
+                    _assert_read(got[i][0], frags[i])
+                assert store.stats().dropped_corrupt == 0
+            assert store.stats().dropped_corrupt == 1 and not store.contains(bad.key())
+            with store.reading(keys, defer_checks=True) as intact:  # no confirm() in the block
+                assert intact[1] == (None, False)
+            assert intact.confirm() == [] and store.stats().dropped_corrupt == 1
 
 
 def test_an_exception_inside_reading_propagates_and_leaves_the_store_usable(tmp_path):

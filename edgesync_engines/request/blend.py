@@ -131,8 +131,8 @@ def _place(rec, offset: int, tokens: list[int], injector: "Injector") -> tuple[l
     if match.matched_tokens < len(chain):
         return None
     keys = [key for span in match.spans for key in span.keys]
-    with store.pins.pinned(keys), injector.fetched(match, len(chain)) as (fragments, keys, nbytes, covered, missing):
-        if missing or covered < len(chain):
+    with store.pins.pinned(keys), injector.fetched(match, len(chain)) as got:
+        if got.missing or got.covered < len(chain):
             return None
-        adapter.place_kv(fragments, chain, (len(rec.header), len(chain)), offset, tokens)
-    return keys, nbytes
+        adapter.place_kv(got.fragments, chain, (len(rec.header), len(chain)), offset, tokens)
+    return got.keys, got.nbytes

@@ -12,7 +12,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_engines.adapters.reshape import convert_fragment
@@ -77,6 +77,21 @@ class Injection:
         return self.source.namespace.engine
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """What :meth:`Injector.fetched` yields: the chain's fragments in order (up to the first
+    one missing or refused), their store keys, the compressed bytes read from the store (none
+    for RAM tier hits), the tokens they cover, whether one was missing or refused, and
+    ``confirm()``: wait for deferred payload checksums, the keys that failed them."""
+
+    fragments: list
+    keys: list
+    nbytes: int
+    covered: int
+    missing: bool
+    confirm: Callable[[], list]
+
+
 class Injector:
     """Injects plans into one engine from one store.
 
@@ -134,41 +149,64 @@ class Injector:
             return 0, [], bytes_before
         pinned = [key for span in match.spans if span.token_start < target for key in span.keys]
         with self.store.pins.pinned(pinned):  # eviction in any process skips them meanwhile
-            with self.fetched(match, target) as (fragments, keys, nbytes, covered, missing):
-                bytes_total = bytes_before + nbytes
-                again = planning.walk(self.store, namespace, tokens) if missing and retry else None
+            with self.fetched(match, target, defer_checks=True) as got:
+                bytes_total, covered = bytes_before + got.nbytes, got.covered
+                again = planning.walk(self.store, namespace, tokens) if got.missing and retry else None
                 if again is None or again.matched_tokens <= covered:
-                    if missing:
+                    if got.missing:
                         log.warning("a stored fragment was refused or is gone; injecting %d of %d matched tokens",
                                     covered, match.matched_tokens)
                     target = self.adapter.usable_prefix(min(target, covered), n)
                     if target < MIN_SPAN:
                         return 0, [], bytes_total
-                    return self._inject_fragments(fragments, target, tokens, namespace, keys, bytes_total)
+                    return self._inject_fragments(got, target, tokens, namespace, bytes_total)
         log.info("a fragment went away after the walk (%d tokens read); walking again", covered)
         # the sequence's own tokens: the new walk is verified all along
         return self._inject_match(source, again, again.matched_tokens, bytes_total, retry=False)
 
-    def _inject_fragments(self, fragments, target: int, tokens: list[int], namespace, keys: list[bytes],
+    def _inject_fragments(self, got: "Fetched", target: int, tokens: list[int], namespace,
                           nbytes: int) -> tuple[int, list[bytes], int]:
-        """Convert (another namespace) and inject ``fragments`` up to ``target`` tokens; on a
-        refusal the engine's sequence is cleared and nothing counts as injected."""
+        """Convert (another namespace) and inject ``got``'s fragments up to ``target`` tokens,
+        then wait for their payload checksums (run meanwhile on another thread: the copies and
+        the engine's load overlap them); on a refusal or a failed checksum the engine's sequence
+        is cleared (before anything was computed from it) and nothing counts as injected."""
+        fragments = got.fragments
         try:
             if namespace != self.adapter.namespace:
                 fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]
             self.adapter.inject_fragment(fragments, target, tokens)
         except (ValueError, InjectionError) as exc:
+            got.confirm()
             log.warning("injection refused, prefilling from scratch: %s", exc)
             self.adapter.clear_kv_cache()
             return 0, [], nbytes
-        return target, keys, nbytes
+        failed = set(got.confirm())
+        if not failed:
+            return target, got.keys, nbytes
+        # the chain up to the first fragment that failed was verified: inject that much again
+        cut = min(f.token_start for f, key in zip(fragments, got.keys) if key in failed)
+        kept = [(f, key) for f, key in zip(fragments, got.keys) if f.token_start < cut]
+        self.adapter.clear_kv_cache()
+        target = self.adapter.usable_prefix(min(target, cut), len(tokens))
+        log.warning("%d injected fragment(s) failed their checksum (refused and removed); injecting %d tokens",
+                    len(failed), target if target >= MIN_SPAN else 0)
+        if target < MIN_SPAN:
+            return 0, [], nbytes
+        try:
+            self.adapter.inject_fragment([f for f, _ in kept], target, tokens)
+        except (ValueError, InjectionError) as exc:
+            log.warning("injection refused, prefilling from scratch: %s", exc)
+            self.adapter.clear_kv_cache()
+            return 0, [], nbytes
+        return target, [key for _, key in kept], nbytes
 
     @contextmanager
-    def fetched(self, match: PrefixMatch, target: int) -> Iterator[tuple]:
-        """The spans of ``match`` below ``target`` (pinned by the caller), for the ``with`` block:
-        (fragments, keys, compressed bytes read from the store, tokens covered, whether a
-        fragment was missing or refused). Fragments read in place (``FragmentBackend.reading``)
-        are views of the store's memory, valid inside the block only: inject them there.
+    def fetched(self, match: PrefixMatch, target: int, defer_checks: bool = False) -> Iterator["Fetched"]:
+        """The spans of ``match`` below ``target`` (pinned by the caller), for the ``with`` block
+        (:class:`Fetched`). Fragments read in place (``FragmentBackend.reading``) are views of
+        the store's memory, valid inside the block only: inject them there. With
+        ``defer_checks`` their payload checksums may still be running: ``confirm()`` before
+        anything computed from them is used.
 
         With a RAM tier the chain's lifecycle records are read first, in one transaction, and
         decide what RAM may serve (``FragmentCache``); what the store decoded into arrays of
@@ -190,12 +228,12 @@ class Injector:
                     spans = spans[:i + 1]  # the chain ends here: read nothing after it
                     break
         need = [key for span in spans for key in span.keys if key not in held]
-        with self.store.reading(need) as got:
+        with self.store.reading(need, defer_checks=defer_checks) as got:
             for key, (frag, in_place) in zip(need, got):
                 if frag is not None and records is not None and not in_place:
                     frag = self.cache.put(key, frag, records[key])
                 held[key] = frag
-            yield self._chain(spans, held, set(need), records)
+            yield Fetched(*self._chain(spans, held, set(need), records), confirm=got.confirm)
 
     def _chain(self, spans, held: dict, read: set, records: dict | None) -> tuple:
         """(fragments, keys, bytes read from the store, tokens covered, missing) of the spans

@@ -28,6 +28,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Sequence, TypeV
 
 import numpy as np
 
+from edgesync_store.core.chain_read import ChainRead
 from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.core.walk import PrefixMatch
 from edgesync_store.schema import KVFragment, Namespace
@@ -35,7 +36,7 @@ from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
 T = TypeVar("T")
 
-__all__ = ["FragmentBackend", "PinTableLike"]
+__all__ = ["ChainRead", "FragmentBackend", "PinTableLike"]
 
 
 class PinTableLike(ABC):
@@ -106,17 +107,21 @@ class FragmentBackend(ABC):
         """
 
     @contextmanager
-    def reading(self, keys: Sequence[bytes]) -> Iterator[list[tuple[KVFragment | None, bool]]]:
+    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator["ChainRead"]:
         """The fragments under ``keys`` for one injection, decoded and verified as by
-        :meth:`get`, for the ``with`` block: ``(fragment or None, in_place)`` per key, in order.
-        ``in_place`` True means K and V are read-only views of the backend's own memory (no
-        copy; valid only inside the block: copy what must outlive it). This default reads each
-        with :meth:`get` (arrays of their own, ``in_place`` False).
+        :meth:`get`, for the ``with`` block: a :class:`ChainRead` of ``(fragment or None,
+        in_place)`` per key, in order. ``in_place`` True means K and V are read-only views of
+        the backend's own memory (no copy; valid only inside the block: copy what must outlive
+        it; after the block a view shows whatever the store later writes there, and once the
+        store is closed, touching one crashes the process). With ``defer_checks`` the payload checksums of fragments read in place may still
+        be running (in another thread) when the block starts: call ``confirm()`` before using
+        anything computed from them. This default reads each with :meth:`get` (arrays of their
+        own, ``in_place`` False, nothing deferred).
 
         Raises:
             StoreIOError: the storage failed.
         """
-        yield [(self.get(bytes(key)), False) for key in keys]
+        yield ChainRead((self.get(bytes(key)), False) for key in keys)
 
     @property
     def serves_in_place(self) -> bool:
@@ -255,24 +260,29 @@ class FragmentBackend(ABC):
 
     @abstractmethod
     def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
-                    reused: tuple[bytes, int] | None = None) -> None:
+                    reused: tuple[bytes, Sequence[int]] | None = None) -> None:
         """Count one hit on each stored fragment of ``keys`` at ``now`` (``policy.on_hit``:
         hit count + 1, last hit, promotion to the long-lived tier). ``reused`` is (namespace
-        digest, tokens the hit injected), kept for :meth:`reuse_hint`, in the same write.
+        digest, the token IDs the hit injected), kept for :meth:`reuse_hint`, in the same write.
 
         Raises:
             PermissionError: read-only. StoreIOError: the storage failed.
         """
 
-    def reuse_hint(self, namespace_digest: bytes) -> int:
-        """The tokens the latest hit in the namespace ``namespace_digest`` injected, as
-        :meth:`record_hits` kept it (0: none known): an engine warms up for an injection of
-        that size before its first request. This default knows none.
+    def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
+        """The token IDs (int32 ``[n]``) the latest hit in the namespace ``namespace_digest``
+        injected, as :meth:`record_hits` kept them (empty: none known): a new process rehearses
+        that hit before its first request. This default knows none.
 
         Raises:
             StoreIOError: the storage failed.
         """
-        return 0
+        return np.zeros(0, dtype=np.int32)
+
+    def release_mapped(self) -> None:
+        """Give back the memory this process maps the store's data with (a store read in place
+        maps what it reads), keeping the data cached by the OS; a no-op by default."""
+        return None
 
     @abstractmethod
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:

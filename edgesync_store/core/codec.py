@@ -45,7 +45,6 @@ content hash.
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -54,18 +53,16 @@ import numpy as np
 import xxhash
 
 from edgesync_store.core import codec_v1, zstd_planes
+from edgesync_store.core.codec_header import COMPRESSIONS, header_fields, parsed_json
 from edgesync_store.errors import CodecError
-from edgesync_store.schema import EMBEDDING_DIM, KVFragment, Namespace
+from edgesync_store.schema import KVFragment, Namespace
 
 MAGIC = b"ESKV"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DEFAULT_MAX_RAW_BYTES = 256 * 1024 * 1024
 """Cap on a fragment's decompressed K+V size (bytes); a 2,048-token SmolLM2 fragment is 47 MB."""
-COMPRESSIONS = ("none", "zstd")
-"""Payload encodings, :data:`DEFAULT_COMPRESSION` first."""
 DEFAULT_COMPRESSION = "none"
-V_ORDERS = ("token", "channel")
 PAYLOAD_ALIGN = 64
 """The payload starts at a multiple of this many bytes from the blob's start."""
 
@@ -198,62 +195,6 @@ def encode(fragment: KVFragment, compression: str = DEFAULT_COMPRESSION) -> byte
     return bytes(out)
 
 
-_HEADER_MEMO = 2048
-"""Parsed JSON headers kept, by their bytes (:func:`_parsed_json`, :func:`_header_fields`): a
-prefix walk peeks the same fragments request after request, and parsing the JSON and its
-namespace was most of a peek (about 45 of 60 us for a SmolLM2 header). About 3 KB each."""
-
-
-@functools.lru_cache(maxsize=_HEADER_MEMO)
-def _parsed_json(header_bytes: bytes) -> tuple[dict, int, int]:
-    """The header JSON of a blob as (dict, span, embedding_dim); memoized, so never mutate the
-    dict. Raises CodecError for JSON that is not a plausible fragment header."""
-    try:
-        header = json.loads(header_bytes)
-        span = int(header["token_end"]) - int(header["token_start"])
-        emb_dim = int(header["embedding_dim"])
-    except (ValueError, KeyError, TypeError, OverflowError) as exc:
-        raise CodecError(f"header: not a valid fragment header ({exc})") from None
-    if not 0 <= span <= 1 << 20 or emb_dim not in (0, EMBEDDING_DIM):
-        raise CodecError(f"header: implausible span {span} or embedding_dim {emb_dim}")
-    return header, span, emb_dim
-
-
-@functools.lru_cache(maxsize=_HEADER_MEMO)
-def _header_fields(header_bytes: bytes, version: int) -> dict:
-    """The :class:`FragmentHeader` fields but ``token_ids`` and the offsets of a header whose
-    JSON :func:`_parsed_json` accepted; memoized, so never mutate the dict. Raises CodecError."""
-    header = _parsed_json(header_bytes)[0]
-    try:
-        fields = dict(
-            namespace=Namespace.from_dict(header["namespace"]),
-            token_start=int(header["token_start"]),
-            token_end=int(header["token_end"]),
-            layer_start=int(header["layer_start"]),
-            layer_end=int(header["layer_end"]),
-            layer_stride=int(header["layer_stride"]),
-            head_start=int(header["head_start"]),
-            head_end=int(header["head_end"]),
-            prefix_hash=bytes.fromhex(header["prefix_hash"]),
-            content_hash=str(header["content_hash"]),
-            created_at=float(header["created_at"]),
-            expires_at=float(header["expires_at"]),
-            raw_nbytes=int(header["raw_nbytes"]),
-            payload_nbytes=int(header["payload_nbytes"]),
-            shape=tuple(int(x) for x in header["shape"]),
-            compression=str(header.get("compression", "zstd")) if version >= 2 else "zstd",
-            v_order=str(header.get("v_order", "token")) if version >= 2 else "token",
-            version=version,
-        )
-    except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
-        raise CodecError(f"header: {exc}") from None
-    if fields["compression"] not in COMPRESSIONS:
-        raise CodecError(f"compression: {fields['compression']!r} is not one of {', '.join(COMPRESSIONS)}")
-    if fields["v_order"] not in V_ORDERS:
-        raise CodecError(f"v_order: {fields['v_order']!r} is not one of {', '.join(V_ORDERS)}")
-    return fields
-
-
 def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
     """Parse and verify the head of a blob (or a head alone); return the header and the
     embedding (float32)."""
@@ -268,7 +209,7 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
     if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > len(view):
         raise CodecError(f"header_len: {header_len} does not fit the {len(view)}-byte blob")
     header_bytes = bytes(view[PREFIX.size : PREFIX.size + header_len])
-    _, span, emb_dim = _parsed_json(header_bytes)
+    _, span, emb_dim = parsed_json(header_bytes)
     ids_at = PREFIX.size + header_len
     emb_at = ids_at + 4 * span
     sum_at = emb_at + 4 * emb_dim
@@ -286,7 +227,7 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
     token_ids = np.frombuffer(view[ids_at:emb_at], dtype="<i4").astype(np.int32)
     embedding = np.frombuffer(view[emb_at:sum_at], dtype="<f4").astype(np.float32)
     head = FragmentHeader(token_ids=token_ids, head_nbytes=head_end, payload_at=payload_at,
-                          **_header_fields(header_bytes, version))
+                          **header_fields(header_bytes, version))
     return head, embedding
 
 
@@ -348,7 +289,25 @@ def _tensors(head: FragmentHeader, payload: memoryview, copy: bool) -> tuple[np.
     return keys, values.transpose(0, 2, 1) if head.v_order == "channel" else values
 
 
-def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = True) -> KVFragment:
+def payload_check(blob) -> tuple[memoryview, int]:
+    """(the payload of a format-2 blob, the xxh3_64 it must have): for a caller that verifies
+    it apart (:func:`decode` with ``check_payload=False``); ``checksum(view) == expected``.
+
+    Raises:
+        CodecError: the head does not parse, or a format-1 blob (crc32: decode checks it).
+    """
+    view = memoryview(blob)
+    head = _parse_head(view)[0]
+    if head.version < 2:
+        raise CodecError(f"version: format {head.version} payloads are checked by decode only")
+    payload_end = head.payload_at + head.payload_nbytes
+    if payload_end + _SUM.size != len(view):
+        raise CodecError(f"payload_nbytes: header says {head.payload_nbytes}, the blob's length disagrees")
+    return view[head.payload_at:payload_end], _SUM.unpack_from(view, payload_end)[0]
+
+
+def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = True,
+           check_payload: bool = True) -> KVFragment:
     """Parse, verify and decode a blob (format 1 or 2) into a :class:`KVFragment`.
 
     Args:
@@ -358,6 +317,9 @@ def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = Tru
             read-only when ``blob`` is, as ``bytes`` and LMDB's buffers are; valid only as long
             as ``blob``'s memory is, e.g. inside the LMDB read transaction that returned it); a
             compressed payload is always decoded into arrays of its own.
+        check_payload: False skips the payload's checksum of an uncompressed format-2 blob read
+            in place (``copy=False``): the caller verifies it apart (:func:`payload_check`)
+            before anything it computes from the tensors is used. Everything else is checked.
 
     Raises:
         CodecError: corrupt, truncated or crafted blob, a declared size over ``max_raw_bytes``
@@ -376,7 +338,7 @@ def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = Tru
     payload = view[head.payload_at:payload_end]
     if head.version == 1:
         codec_v1.check_payload(view, payload, payload_end)
-    else:
+    elif check_payload or copy or head.compression != "none":
         (stored,) = _SUM.unpack_from(view, payload_end)
         if checksum(payload) != stored:
             raise CodecError("payload checksum: xxh3 mismatch (corrupt tensors)")

@@ -18,9 +18,8 @@ named databases, created by ``migrations/m0001_initial.py``, and ``heads``, crea
   sweep and eviction never read or rewrite tensors;
 * ``meta``: store-wide facts: ``format_version`` (ASCII digits, see ``migrations/``),
   ``used_bytes`` (sum of the stored blobs, ``<Q``; what the size budget counts), ``max_bytes``
-  (the budget, ``<Q``), and per namespace ``reuse_tokens:`` + its digest (``<Q``: the tokens
-  the latest hit injected, which a new process reads to make room for its first injection
-  before the first request).
+  (the budget, ``<Q``), and per namespace ``reuse_tokens:`` + its digest (``<i4`` token IDs:
+  what the latest hit injected, which a new process rehearses before its first request).
 
 The companion databases keyed by a fragment's store key (``donors``, ``emb_vectors``,
 ``emb_meta``) are laid out in :mod:`edgesync_store.core.companions`, ``documents`` in
@@ -45,6 +44,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import lmdb
 
 from edgesync_store.core.locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME
+from edgesync_store.core.map_advice import MapAdvice
 from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class LmdbEnv:
         self._map_size = map_size
         self._use_lock_file = lock
         self._named: dict[bytes, object] = {}
+        self.advice = MapAdvice(path / "data.mdb")
         self.fragments = self.by_prefix = self.lifecycle = self.meta = self.heads = None
         self._env = self._open()
 
@@ -283,12 +284,13 @@ class LmdbEnv:
         return head if head is not None else txn.get(key, db=self.fragments)
 
     @contextmanager
-    def reader(self) -> Iterator[lmdb.Transaction]:
+    def reader(self, whole_values: bool = False) -> Iterator[lmdb.Transaction]:
         """A read transaction (buffers: values are memoryviews into the map) held, with
         :attr:`lock`, for the ``with`` block: for reads whose results are used in place (views
         of a value are valid only until the block ends). Keep the block short: this process's
         other threads wait on the lock meanwhile, and a long reader keeps writers from reusing
-        freed pages.
+        freed pages. ``whole_values``: the block reads whole blobs, with the map's read-ahead
+        on (``map_advice.MapAdvice``).
 
         Raises:
             StoreIOError: LMDB failed to begin the transaction.
@@ -305,7 +307,11 @@ class LmdbEnv:
             else:
                 raise StoreIOError(f"store {self.path}: the map keeps growing")
             try:
-                yield txn
+                if whole_values:
+                    with self.advice.whole_values(self._env.info()["map_size"]):
+                        yield txn
+                else:
+                    yield txn
             except lmdb.Error as exc:
                 raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
             finally:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from edgesync_store.core import codec, companions
 from edgesync_store.core.codec import FragmentHeader
-from edgesync_store.core.lmdb_env import REUSE_TOKENS_PREFIX, U64, USED_BYTES_KEY, index_key, read_u64
+from edgesync_store.core.lmdb_env import REUSE_TOKENS_PREFIX, U64, USED_BYTES_KEY, index_key
 from edgesync_store.errors import CodecError
 from edgesync_store.schema import KVFragment
 from edgesync_store.ttl import Lifecycle
@@ -103,15 +105,16 @@ class LifecycleOps:
 
 
     def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
-                    reused: tuple[bytes, int] | None = None) -> None:
+                    reused: tuple[bytes, Sequence[int]] | None = None) -> None:
         now = self.clock() if now is None else now
         env = self.env
+        hint = None if reused is None else np.asarray(reused[1], dtype="<i4").tobytes()
 
         def write(txn) -> None:
-            if reused is not None:
-                hint = REUSE_TOKENS_PREFIX + reused[0]
-                if read_u64(txn.get(hint, db=env.meta)) != reused[1]:
-                    txn.put(hint, U64.pack(reused[1]), db=env.meta)
+            if hint is not None:
+                name = REUSE_TOKENS_PREFIX + reused[0]
+                if txn.get(name, db=env.meta) != hint:
+                    txn.put(name, hint, db=env.meta)
             for key in keys:
                 if not env.has_blob(txn, key):
                     continue
@@ -121,10 +124,16 @@ class LifecycleOps:
         self.transact(write, write=True)
 
 
-    def reuse_hint(self, namespace_digest: bytes) -> int:
+    def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
         """See :meth:`FragmentBackend.reuse_hint`: the ``reuse_tokens:`` record in ``meta``."""
-        return read_u64(self.transact(lambda txn: txn.get(REUSE_TOKENS_PREFIX + namespace_digest,
-                                                          db=self.env.meta))) or 0
+        raw = self.transact(lambda txn: bytes(v) if (v := txn.get(REUSE_TOKENS_PREFIX + namespace_digest,
+                                                                  db=self.env.meta)) is not None else b"")
+        return np.frombuffer(raw[:len(raw) - len(raw) % 4], dtype="<i4").astype(np.int32)
+
+    def release_mapped(self) -> None:
+        """See :meth:`FragmentBackend.release_mapped`."""
+        with self.env.lock:
+            self.env.advice.release(self.env.map_size())
 
 
     def lifecycle(self, key: bytes) -> Lifecycle | None:

@@ -42,6 +42,7 @@ import numpy as np
 
 from edgesync_store.core import codec
 from edgesync_store.core.backend import FragmentBackend
+from edgesync_store.core.chain_read import ChainRead
 from edgesync_store.core.store import FragmentStore, StoreStats
 from edgesync_store.core.walk import PrefixMatch, local_spans
 from edgesync_store.errors import CodecError, StoreError
@@ -177,20 +178,27 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         return self._fetch(key)
 
     @contextmanager
-    def reading(self, keys: Sequence[bytes]) -> Iterator[list[tuple[KVFragment | None, bool]]]:
+    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator[ChainRead]:
         """The local store's in-place read; the keys it lacks are fetched from the remote first
         (verified, arrays of their own), so that no network wait happens inside the local read
         transaction."""
         keys = [bytes(k) for k in keys]
         fetched = {key: self.get(key) for key, life in zip(keys, self.local.lifecycles(keys)) if life is None}
-        with self.local.reading(keys) as local:
-            yield [(fetched[key], False) if key in fetched else got for key, got in zip(keys, local)]
+        with self.local.reading(keys, defer_checks=defer_checks) as local:
+            for i, key in enumerate(keys):
+                if key in fetched:
+                    local[i] = (fetched[key], False)
+            yield local
 
     serves_in_place = property(lambda self: self.local.serves_in_place)
 
-    def reuse_hint(self, namespace_digest: bytes) -> int:
+    def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
         """The local store's (the remote tier keeps none)."""
         return self.local.reuse_hint(namespace_digest)
+
+    def release_mapped(self) -> None:
+        """The local store's."""
+        self.local.release_mapped()
 
     def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
         """The local records (one read transaction); for a key the local store lacks, the
@@ -273,7 +281,7 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
             self.client.count(write_skips=1)
 
     def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
-                    reused: tuple[bytes, int] | None = None) -> None:
+                    reused: tuple[bytes, Sequence[int]] | None = None) -> None:
         """Local hits at once (fetched fragments written first), remote hit counts behind."""
         self._flush_fetched()
         self.local.record_hits(keys, now, reused=reused)
