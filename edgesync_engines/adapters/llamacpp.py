@@ -302,7 +302,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         """
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
-        out = self._state_buf if layout.swa_part is None else None
+        out = state_buffer.room(layout, n_tokens, self._state_buf) if layout.swa_part is None else None
         buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, _SEQ, out)
         self._state_buf = buf if layout.swa_part is None else None
         read = self._llama_cpp.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, _SEQ)

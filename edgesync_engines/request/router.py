@@ -104,7 +104,7 @@ class EdgeSync(DocumentsMixin):
         self.fragment_cache, self.prefetcher = (None, None) if self.store is None else ram_tiers(
             self.store, self.adapter, self.config)
         self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
-        warm_up(self.adapter, self.store)  # the first request's one-time work, done at load
+        warm_up(self.adapter, self.store)  # the first request's one-time work and a rehearsal, at load
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
             self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
@@ -252,12 +252,12 @@ class EdgeSync(DocumentsMixin):
                 out.append(token)
                 yield decoder.decode(self.adapter.token_bytes(token))
                 if len(out) == 1 and injected.keys:
-                    storeback.record_hits(self.store, injected.keys, (self.namespace.digest(), injected.reused))
+                    storeback.record_hits(self.store, injected.keys, self._reused(injected))
             # bytes of a character cut by max_tokens stay out of the text (no trailing U+FFFD)
             if ttft_ms is None:
                 ttft_ms = (time.perf_counter() - t0) * 1000
                 if injected.keys:
-                    storeback.record_hits(self.store, injected.keys, (self.namespace.digest(), injected.reused))
+                    storeback.record_hits(self.store, injected.keys, self._reused(injected))
             written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
             if doc_prompt is not None and blended is None:
                 computed = self.store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
@@ -265,6 +265,13 @@ class EdgeSync(DocumentsMixin):
         if doc_prompt is not None:
             annotate(result, doc_prompt, docs[1], blended, refusal, computed)
         yield result
+
+    def _reused(self, injected: Injection) -> tuple[bytes, tuple[int, ...]] | None:
+        """The reuse hint a hit leaves (namespace digest, tokens injected), or None: a donor's or
+        another engine's KV is not this prompt's to rehearse."""
+        if injected.approximate or injected.convertible:
+            return None
+        return self.namespace.digest(), injected.tokens[:injected.reused]
 
     def _checked_tokens(self, prompt, max_tokens: int, temperature: float, top_p: float,
                         tokens: list[int] | None = None) -> list[int]:

@@ -148,9 +148,10 @@ def index_prompt(semantic: "SemanticLookup", store: "FragmentStore", namespace: 
     semantic.remember(key, namespace, tokens, prompt, embedded)
 
 
-def record_hits(store: "FragmentStore", keys: Sequence[bytes], reused: tuple[bytes, int] | None = None) -> None:
+def record_hits(store: "FragmentStore", keys: Sequence[bytes],
+                reused: tuple[bytes, Sequence[int]] | None = None) -> None:
     """Count a hit on each injected fragment (for eviction and merging) and keep ``reused``
-    (namespace digest, tokens injected) as the store's reuse hint; a failure is logged."""
+    (namespace digest, the token IDs injected) as the store's reuse hint; a failure is logged."""
     try:
         store.record_hits(keys, reused=reused)
     except (StoreError, OSError) as exc:

@@ -1,0 +1,94 @@
+"""What ``EdgeSync`` does before its first request (``request/loading.py``), on the real SmolLM2
+through llama.cpp and real stores in temp dirs: a hit keeps the tokens it injected as the
+store's reuse hint (from any process), and a new ``EdgeSync`` on that store warms its engine up
+for an injection of that size and rehearses that hit (recording no hit, leaving an empty cache
+and zeroed counters), so that its first hit writes into the buffer the warm-up faulted in; the
+warm-up changes no answer.
+
+Prompts are an app's system prompt (../shared/workloads/system_prompts.json, rows 0-1) and a
+question.
+"""
+
+from __future__ import annotations
+
+import pytest
+from llama_counts import chat
+
+from edgesync_engines.adapters import state_buffer
+from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.loading import open_store, warm_up
+from edgesync_engines.request.router import EdgeSync
+from edgesync_store.core.store import FragmentStore
+
+MAX_TOKENS = 8
+
+
+def config(**extra) -> EdgeSyncConfig:
+    return EdgeSyncConfig.load({"semantic": False, "jobs": False, **extra})
+
+
+@pytest.fixture(scope="module")
+def fresh_adapter():
+    """A SmolLM2 context of this module's own: its seq-state buffer starts unallocated."""
+    a = LlamaCppAdapter(n_threads=EdgeSyncConfig.load().n_threads)
+    yield a
+    a.close()
+
+
+def test_a_hit_keeps_its_size_and_a_new_edgesync_warms_up_for_it(adapter, fresh_adapter, system_prompts, tmp_path):
+    path = tmp_path / "store"
+    m = chat(system_prompts[0], "How can I remember new words faster?")
+    first = EdgeSync(adapter, store=path, config=config())
+    try:
+        assert len(first.store.reuse_hint(first.namespace.digest())) == 0
+        miss = first.generate(m, max_tokens=MAX_TOKENS)
+        assert miss.tier == "miss" and len(first.store.reuse_hint(first.namespace.digest())) == 0  # no hit yet
+        hit = first.generate(m, max_tokens=MAX_TOKENS)
+        assert hit.tier == "exact" and hit.tokens == miss.tokens
+        hint = first.store.reuse_hint(first.namespace.digest()).tolist()
+        assert hint == first.prompt_tokens(m)[:hit.tokens_reused] and len(hint) == hit.prompt_tokens - 1
+    finally:
+        first.close()
+
+    assert fresh_adapter._state_buf is None
+    with FragmentStore(path) as store:  # a rehearsal on its own: a hit that answers nothing
+        keys = [k for span in store.prefix_walk(adapter.namespace, hint).spans for k in span.keys]
+        hits = [store.lifecycle(k).hit_count for k in keys]
+        assert warm_up(fresh_adapter, store) == hit.tokens_reused - 1  # never the last token of the hint
+        assert [store.lifecycle(k).hit_count for k in keys] == hits  # no hit recorded
+        assert fresh_adapter.n_tokens == 0 and fresh_adapter.perf_counts() == {"n_p_eval": 1, "n_eval": 1}  # 0 as 1
+    second = EdgeSync(fresh_adapter, store=path, config=config())
+    try:
+        buf = fresh_adapter._state_buf
+        needed = state_buffer.state_bytes(fresh_adapter._layout, hit.tokens_reused)
+        assert buf is not None and needed <= len(buf) < needed + state_buffer.state_bytes(
+            fresh_adapter._layout, state_buffer.ROOM_STEP)
+        assert fresh_adapter.n_tokens == 0  # the warm-up left an empty cache
+        again = second.generate(m, max_tokens=MAX_TOKENS)
+        assert again.tier == "exact" and again.tokens == miss.tokens
+        assert fresh_adapter._state_buf is buf  # the first hit wrote into the warmed-up buffer
+    finally:
+        second.close()
+
+
+def test_warm_up_without_a_store_makes_no_room_and_changes_no_answer(adapter, fresh_adapter, system_prompts):
+    """No store, no hint: the buffer is left as it was, the cache is empty, and an uncached
+    answer after the warm-up equals the session adapter's."""
+    m = chat(system_prompts[1], "Is it cheaper to fly midweek?")
+    before = fresh_adapter._state_buf
+    warm_up(fresh_adapter, None)
+    assert fresh_adapter._state_buf is before and fresh_adapter.n_tokens == 0
+    mine = EdgeSync(fresh_adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
+    reference = EdgeSync(adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
+    assert mine.tokens == reference.tokens and len(mine.tokens) > 0
+
+
+def test_open_store_takes_the_configured_compression(tmp_path):
+    store = open_store(tmp_path / "z", config(compression="zstd"))
+    try:
+        assert store.compression == "zstd" and not store.serves_in_place
+    finally:
+        store.close()
+    with FragmentStore(tmp_path / "n") as plain:
+        assert plain.compression == "none" and plain.serves_in_place
