@@ -3,7 +3,8 @@
 
 * ``m0001_initial``: version 0 (an empty directory) -> 1: the initial layout, the four core
   databases and the version record, created in one transaction.
-* ``versions``: reading and writing the version record.
+* ``versions``: reading and writing the version record; ``batches``: the loop over every
+  fragment in batches of write transactions that migrations 2 and 3 share.
 * ``m0002_lifecycle_v2``: 1 -> 2: lifecycle records that expiry and eviction read without
   touching tensors (creation time, tier, blob sizes) and the ``used_bytes`` counter of the
   size budget.

@@ -22,6 +22,7 @@ from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, LIFECYCLE_DB, META_DB, U64, USED_BYTES_KEY
 from edgesync_store.errors import CodecError
 from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy
+from migrations.batches import each_fragment
 from migrations.versions import write_version
 
 VERSION = 2
@@ -49,30 +50,13 @@ def apply(store) -> None:
     version 2 (module docstring)."""
     fragments, lifecycle, meta = store.named_db(FRAGMENTS_DB), store.named_db(LIFECYCLE_DB), store.named_db(META_DB)
     policy = store.policy
-    after = b""
-    while True:
-        def batch(txn, after: bytes = after) -> bytes | None:  # runs inside this iteration's transact
-            cursor = txn.cursor(db=fragments)
-            if not (cursor.set_range(after) if after else cursor.first()):
-                return None
-            last, n = None, 0
-            for key, blob in cursor:
-                key = bytes(key)
-                if key == after:
-                    continue
-                old = txn.get(key, db=lifecycle)
-                if old is None or len(old) != LIFECYCLE_V2.size:
-                    txn.put(key, upgrade_record(old, blob, policy).pack(), db=lifecycle)
-                last, n = key, n + 1
-                if n >= BATCH:
-                    break
-            return last
 
-        last = store.transact(batch, write=True)
-        if last is None:
-            break
-        crash_point("migrate.batch")
-        after = last
+    def upgrade(txn, key: bytes, blob) -> None:
+        old = txn.get(key, db=lifecycle)
+        if old is None or len(old) != LIFECYCLE_V2.size:
+            txn.put(key, upgrade_record(old, blob, policy).pack(), db=lifecycle)
+
+    each_fragment(store, fragments, upgrade, BATCH)
     crash_point("migrate.before_version")
 
     def finish(txn) -> None:

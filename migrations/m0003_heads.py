@@ -22,6 +22,7 @@ from edgesync_store.core.codec import head_of
 from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, HEADS_DB, META_DB
 from edgesync_store.errors import CodecError
+from migrations.batches import each_fragment
 from migrations.versions import write_version
 
 VERSION = 3
@@ -33,31 +34,14 @@ def apply(store) -> None:
     """Create ``heads``, fill it from every blob, then record version 3 (module docstring)."""
     fragments, meta = store.named_db(FRAGMENTS_DB), store.named_db(META_DB)
     heads = store.named_db(HEADS_DB, create=True)
-    after = b""
-    while True:
-        def batch(txn, after: bytes = after) -> bytes | None:  # runs inside this iteration's transact
-            cursor = txn.cursor(db=fragments)
-            if not (cursor.set_range(after) if after else cursor.first()):
-                return None
-            last, n = None, 0
-            for key, blob in cursor:
-                key = bytes(key)
-                if key == after:
-                    continue
-                if txn.get(key, db=heads) is None:
-                    try:
-                        txn.put(key, head_of(blob), db=heads)
-                    except CodecError:
-                        pass  # a corrupt blob: the next read refuses and removes it
-                last, n = key, n + 1
-                if n >= BATCH:
-                    break
-            return last
 
-        last = store.transact(batch, write=True)
-        if last is None:
-            break
-        crash_point("migrate.batch")
-        after = last
+    def add_head(txn, key: bytes, blob) -> None:
+        if txn.get(key, db=heads) is None:
+            try:
+                txn.put(key, head_of(blob), db=heads)
+            except CodecError:
+                pass  # a corrupt blob: the next read refuses and removes it
+
+    each_fragment(store, fragments, add_head, BATCH)
     crash_point("migrate.before_version")
     store.transact(lambda txn: write_version(txn, meta, VERSION), write=True)

@@ -114,6 +114,16 @@ def _core(env: lmdb.Environment, txn) -> tuple:
             env.open_db(b"meta", txn=txn, create=True))
 
 
+def _put_v1(txn, fragments, by_prefix, frag: KVFragment, blobs: dict[bytes, bytes]) -> tuple[bytes, bytes]:
+    """Write ``frag`` as a format-1 blob with its ``by_prefix`` entry; record it in ``blobs``."""
+    key, blob = frag.key(), encode_v1(frag)
+    assert key not in blobs, "two entries with one store key"
+    blobs[key] = blob
+    txn.put(key, blob, db=fragments)
+    txn.put(frag.namespace.digest() + frag.prefix_hash, key, db=by_prefix, dupdata=True)
+    return key, blob
+
+
 def write_format1_store(path: Path, entries: Iterable[tuple[KVFragment, V1_RECORD | None]],
                         version: bytes = b"1") -> dict[bytes, bytes]:
     """Create a format-1 store at ``path`` holding ``entries`` (a fragment and its format-1
@@ -126,11 +136,7 @@ def write_format1_store(path: Path, entries: Iterable[tuple[KVFragment, V1_RECOR
             fragments, by_prefix, lifecycle, meta = _core(env, txn)
             txn.put(b"format_version", version, db=meta)
             for frag, record in entries:
-                key, blob = frag.key(), encode_v1(frag)
-                assert key not in blobs, "two entries with one store key"
-                blobs[key] = blob
-                txn.put(key, blob, db=fragments)
-                txn.put(frag.namespace.digest() + frag.prefix_hash, key, db=by_prefix, dupdata=True)
+                key, blob = _put_v1(txn, fragments, by_prefix, frag, blobs)
                 if record is not None:
                     txn.put(key, LIFECYCLE_V1.pack(*record), db=lifecycle)
     finally:
@@ -147,11 +153,7 @@ def write_format2_store(path: Path, entries: Iterable[tuple[KVFragment, V2_RECOR
         with env.begin(write=True) as txn:
             fragments, by_prefix, lifecycle, meta = _core(env, txn)
             for frag, record in entries:
-                key, blob = frag.key(), encode_v1(frag)
-                assert key not in blobs, "two entries with one store key"
-                blobs[key] = blob
-                txn.put(key, blob, db=fragments)
-                txn.put(frag.namespace.digest() + frag.prefix_hash, key, db=by_prefix, dupdata=True)
+                key, blob = _put_v1(txn, fragments, by_prefix, frag, blobs)
                 hits, last_hit, expires, created, lifetime, nbytes, raw = record
                 txn.put(key, LIFECYCLE_V2.pack(hits, last_hit, expires, created, lifetime, nbytes or len(blob), raw),
                         db=lifecycle)

@@ -60,6 +60,20 @@ def open_router(adapter, store: FragmentStore, **extra) -> EdgeSync:
     return EdgeSync(adapter, store=store, config=config(**extra))
 
 
+def walk_then_delete(es: EdgeSync, victim: bytes):
+    """``planning.walk`` that deletes ``victim`` from the store once it has walked: what another
+    process's eviction or compaction does between the walk and the injection (a fake for that
+    race, which cannot be timed otherwise)."""
+    real_walk = planning.walk
+
+    def walk(store_, namespace, toks):
+        found = real_walk(store_, namespace, toks)
+        es.store.delete(victim)
+        return found
+
+    return walk
+
+
 def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, system_prompts, uncached, tmp_path):
     """Miss (its store-back keeps the chain in RAM too), then hits from RAM alone: every
     fragment, 0 bytes read, across the promotion to the long-lived tier (5 hits: the expiry
@@ -124,14 +138,7 @@ def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, syste
         match = es.store.prefix_walk(es.namespace, tokens)
         victim = match.spans[1].keys[0]
         old_version = es.fragment_cache.ram.peek(victim).created_at
-        real_walk = planning.walk
-
-        def walk_then_delete(store_, namespace, toks):
-            found = real_walk(store_, namespace, toks)
-            es.store.delete(victim)
-            return found
-
-        monkeypatch.setattr(planning, "walk", walk_then_delete)
+        monkeypatch.setattr(planning, "walk", walk_then_delete(es, victim))
         r = es.generate(m, max_tokens=MAX_TOKENS)
         monkeypatch.undo()
         assert r.tier == "partial" and r.tokens_reused == 128 and r.ram_tier_hits == 1 and r.bytes_read == 0
@@ -223,14 +230,7 @@ def test_an_uncompressed_store_is_read_in_place_and_not_kept_in_ram(adapter, sys
             assert r.tokens == uncached(m)
         assert len(es.fragment_cache.ram) == 0
         victim = es.store.prefix_walk(es.namespace, es.prompt_tokens(m)).spans[1].keys[0]
-        real_walk = planning.walk
-
-        def walk_then_delete(store_, namespace, toks):
-            found = real_walk(store_, namespace, toks)
-            es.store.delete(victim)
-            return found
-
-        monkeypatch.setattr(planning, "walk", walk_then_delete)
+        monkeypatch.setattr(planning, "walk", walk_then_delete(es, victim))
         r = es.generate(m, max_tokens=MAX_TOKENS)
         monkeypatch.undo()
         assert r.tier == "partial" and r.tokens_reused == 128 and r.tokens == uncached(m)
