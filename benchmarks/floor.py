@@ -35,18 +35,24 @@ Measured, per workload:
    (``EdgeSync.prompt_tokens``) + ``adapter.generate(tokens, n_past=n - 1, max_tokens=1)``, which
    checks that the live sequence holds the first n - 1 tokens, cuts it back to them, evaluates
    the last token alone (as every request does) and samples one token.
-5. Partial hits: each new prompt asked once (its system prompt or passages are stored), TTFT
-   against floor + prefill of the uncovered tokens + 5 ms. The uncovered prefill is measured on
+5. Partial hits: each new prompt asked once (its system prompt or passages are stored), then
+   ``max(3, repeats // 2)`` more times in interleaved rounds with the fragments its store-back
+   added deleted before each ask (each ask a partial hit of the same chain); TTFT p50 over
+   those asks against floor + prefill of the uncovered tokens + 5 ms, each bound measured once
+   right after its ask. The uncovered prefill is measured on
    the same adapter with the prompt in the live context: ``prefill(tokens, n_past=r)`` (cut back
    to the r injected tokens, evaluate the rest in the request's own batches and the last token
-   alone) minus ``prefill(tokens, n_past=n - 1)`` (the last token alone), medians of
-   ``--repeats`` each.
+   alone) minus ``prefill(tokens, n_past=n - 1)`` (the last token alone); the p50s of
+   the floor and of the prefill over every ask.
 6. With ``--profile``: cProfile of exact hits (``max_tokens`` 1), grouped into tokenize, walk,
    fetch, assemble/inject, eval, sample, after first token, other.
-7. New process: after this process closed its EdgeSync, ``edgesync generate --json`` in a child
-   process on the warm store (an exact hit) and with ``--no-cache``, for the first
-   ``--process-prompts`` prompts of each workload: first-request TTFT, wall time from start to
-   exit and peak RSS (``ru_maxrss`` from ``os.wait4``).
+7. New process: right after each workload's figures (this process stays open and idle),
+   ``edgesync generate --json`` in a child process on the warm store (an exact hit) and with
+   ``--no-cache``, alternately, for the first ``--process-prompts`` prompts of the workload:
+   first-request TTFT, wall time from start to exit and peak RSS (``ru_maxrss`` from
+   ``os.wait4``). Right after, because this machine kind's host reclaims page cache left
+   untouched for about a minute (DAMON ``pageout``), after which a first hit reads its blobs
+   from disk.
 
 Run it under the project's CPU lock on a shared machine, with ``EDGESYNC_THREADS=1`` or
 ``--threads``: every figure is a ratio to one measured in the same run, yet other processes
@@ -299,25 +305,51 @@ class Bench:
                 "first_tiers": [r["tier"] for r in first], "exact": ex, "floor": fl, "partial": pa, "store_back": sb}
 
     def partials(self, label: str, new: Sequence[list[dict]], refs: Sequence[list[int]], sb: dict) -> dict:
-        """Partial hits of new prompts (module docstring, step 5); their store-back goes into ``sb``."""
+        """Partial hits of new prompts (module docstring, step 5); their store-back goes into ``sb``.
+        Each new prompt is asked once (its store-back measured), then ``max(3, repeats // 2)``
+        more times in interleaved rounds, the fragments its store-back added deleted before
+        each ask, so that every ask is a partial hit of the same shared chain; right after each
+        of those asks its bound is measured once (floor, uncovered prefill), so that the asks and
+        their bounds see the same machine (this machine kind's speed drifts by tens of percent
+        over minutes)."""
         pa: dict[str, Any] = {"ttft_ms": [], "floor_ms": [], "uncovered_prefill_ms": [], "uncovered_tokens": [],
-                              "tokens_reused": [], "prompt_tokens": [], "tiers": {}, "identical": 0, "n": 0}
-        task = self._bar(f"{label}: partial hits", len(new))
-        for m, ref in zip(new, refs, strict=True):
-            r = self.store_new(m, sb)
-            sb["kind"].append("partial")
-            pa["tiers"][r["tier"]] = pa["tiers"].get(r["tier"], 0) + 1
-            pa["n"] += 1
-            pa["identical"] += r["tokens"] == ref
-            if r["tier"] == "partial":
-                floor, prefill = uncovered_prefill_ms(self.es, m, r["tokens_reused"], max(3, self.repeats // 2))
-                pa["ttft_ms"].append(r["ttft_ms"])
-                pa["floor_ms"].append(floor)
-                pa["uncovered_prefill_ms"].append(prefill)
-                pa["uncovered_tokens"].append(r["prompt_tokens"] - 1 - r["tokens_reused"])
-                pa["tokens_reused"].append(r["tokens_reused"])
-                pa["prompt_tokens"].append(r["prompt_tokens"])
-            self._tick(task)
+                              "tokens_reused": [], "prompt_tokens": [], "tiers": {}, "identical": 0, "n": 0,
+                              "asks_per_prompt": 1 + max(3, self.repeats // 2)}
+        task = self._bar(f"{label}: partial hits", len(new) * (pa["asks_per_prompt"] - 1))
+        ns = self.es.namespace
+
+        def along(m: list[dict]) -> set[bytes]:
+            return set(self.es.store.keys_along(ns, self.es.prompt_tokens(m)))
+
+        shared = [along(m) for m in new]
+        rounds = [[self.store_new(m, sb) for m in new]]
+        sb["kind"].extend(["partial"] * len(new))
+        added = [sorted(along(m) - before) for m, before in zip(new, shared)]  # deleted before each repeat
+        bounds: list[list[tuple[float, float]]] = [[] for _ in new]
+        for _ in range(1, pa["asks_per_prompt"]):
+            row = []
+            for i, (m, keys) in enumerate(zip(new, added, strict=True)):
+                self.es.store.delete_many(keys)
+                r = timed_request(self.es, m, self.max_tokens)
+                row.append(r)
+                if r["tier"] == "partial":  # the bound, measured right after (the live context holds m)
+                    bounds[i].append(uncovered_prefill_ms(self.es, m, r["tokens_reused"], 1))
+                self._tick(task)
+            rounds.append(row)
+        for i, ref in enumerate(refs):
+            asks = [row[i] for row in rounds]
+            for r in asks:
+                pa["tiers"][r["tier"]] = pa["tiers"].get(r["tier"], 0) + 1
+                pa["n"] += 1
+                pa["identical"] += r["tokens"] == ref
+            partial = [r for r in asks[1:] if r["tier"] == "partial"]
+            pa["ttft_ms"].extend(r["ttft_ms"] for r in partial)
+            pa["floor_ms"].extend(floor for floor, _ in bounds[i])
+            pa["uncovered_prefill_ms"].extend(prefill for _, prefill in bounds[i])
+            if partial:
+                pa["uncovered_tokens"].append(partial[-1]["prompt_tokens"] - 1 - partial[-1]["tokens_reused"])
+                pa["tokens_reused"].append(partial[-1]["tokens_reused"])
+                pa["prompt_tokens"].append(partial[-1]["prompt_tokens"])
         return pa
 
     def profile(self, exact: Sequence[list[dict]], rounds: int = PROFILE_ROUNDS) -> dict:
@@ -438,14 +470,15 @@ def run(args: argparse.Namespace, progress=None) -> dict:
             prompts[w] = pair[0]
             if args.profile:
                 profile[w] = bench.profile(pair[0])
+            # right after the workload, as an app relaunched after use (this process stays open,
+            # idle): this machine kind's host reclaims page cache left untouched for a minute
+            k = sizes["process_prompts"]
+            np_fig = new_process_runs(bench.store_path, prompts[w][:k], bench.refs[w][:k], args.max_tokens,
+                                      args.threads, progress)
+            np_fig["warm_hit_ttft_ms"] = [p50(x) for x in fig[w]["exact"]["per_prompt_ttft_ms"][:k] if x]
+            fig[w]["new_process"] = np_fig
     finally:
         bench.close()
-    for w in fig:
-        k = sizes["process_prompts"]
-        np_fig = new_process_runs(bench.store_path, prompts[w][:k], bench.refs[w][:k], args.max_tokens,
-                                  args.threads, progress)
-        np_fig["warm_hit_ttft_ms"] = [p50(x) for x in fig[w]["exact"]["per_prompt_ttft_ms"][:k] if x]
-        fig[w]["new_process"] = np_fig
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     meta = {"sizes": sizes, "max_tokens": args.max_tokens, "doc_tokens": args.doc_tokens,

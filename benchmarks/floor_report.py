@@ -11,10 +11,12 @@ Figures (``fig[workload]``, workload ``"seed"`` or ``"doc"``), every time in ms,
   tokens equal the uncached run's);
 * ``floor``: ``ms`` (tokenize + evaluate the last prompt token with the other n - 1 in the live
   context + sample one token, one per exact repeat);
-* ``partial``: per new prompt ``ttft_ms``, ``floor_ms``, ``uncovered_prefill_ms`` (evaluating
-  the tokens between the injected prefix and the last prompt token, in the request's own
-  batches, on top of the prefix in the live context), ``uncovered_tokens``, ``tokens_reused``,
-  ``tiers``, ``identical`` / ``n``;
+* ``partial``: per repeated ask (``asks_per_prompt`` - 1 per new prompt, interleaved; the
+  first ask stores its chunk) ``ttft_ms``, and its bound measured right after it:
+  ``floor_ms``, ``uncovered_prefill_ms`` (evaluating the tokens between the injected prefix and
+  the last prompt token, in the request's own batches, on top of the prefix in the live
+  context); per new prompt ``uncovered_tokens``, ``tokens_reused``; ``tiers``, ``identical`` /
+  ``n`` over every ask;
 * ``store_back``: per new prompt ``ms`` (answer's last piece to the end of the request),
   ``bytes`` (stored fragment bytes added), ``fragments``;
 * ``new_process``: ``warm`` and ``uncached`` runs of a new ``edgesync generate`` process

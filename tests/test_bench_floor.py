@@ -127,9 +127,10 @@ def test_launcher_measures_the_childs_own_peak_rss(tmp_path):
 
 def test_one_small_run_on_the_real_model(tmp_path, monkeypatch):
     """Two seed prompts (one a miss, one a partial hit of the first's system prompt), two
-    interleaved rounds of exact hits with the floor after each, one new prompt: every hit is
-    exact and token-identical to the uncached run, the floor runs on the state the hit left,
-    and the store-back bytes add up to what the store holds."""
+    interleaved rounds of exact hits with the floor after each, one new prompt asked four times
+    as a partial hit: every hit is exact or partial as planned and token-identical to the
+    uncached run, the floor runs on the state the hit left, and the store-back bytes add up to
+    what the store holds."""
     monkeypatch.setenv("EDGESYNC_THREADS", "1")
     exact, new = floor.seed_prompt_sets(8)
     # three prompts of one app: the second and third reuse the first's system prompt
@@ -145,7 +146,10 @@ def test_one_small_run_on_the_real_model(tmp_path, monkeypatch):
     assert fig["first_tiers"] == ["miss", "partial"]
     assert ex["tiers"] == {"exact": 4} and ex["identical"] == ex["n"] == 4
     assert len(fig["floor"]["ms"]) == 4 and all(ms > 0 for ms in fig["floor"]["ms"])
-    assert pa["tiers"] == {"partial": 1} and pa["identical"] == 1
+    # asked once, then three more times with what its store-back added deleted: partial each time
+    assert pa["asks_per_prompt"] == 4 and pa["tiers"] == {"partial": 4} and pa["identical"] == 4
+    # the three repeats are timed, each with its bound measured right after it
+    assert len(pa["ttft_ms"]) == len(pa["floor_ms"]) == len(pa["uncovered_prefill_ms"]) == 3
     assert pa["uncovered_tokens"] == [pa["prompt_tokens"][0] - 1 - pa["tokens_reused"][0]]
     assert 64 <= pa["tokens_reused"][0] < pa["prompt_tokens"][0] - 1
     assert sb["kind"] == ["first", "first", "partial"] and sb["fragments"][0] >= 2
