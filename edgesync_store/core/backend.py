@@ -113,10 +113,10 @@ class FragmentBackend(ABC):
         in_place)`` per key, in order. ``in_place`` True means K and V are read-only views of
         the backend's own memory (no copy; valid only inside the block: copy what must outlive
         it; after the block a view shows whatever the store later writes there, and once the
-        store is closed, touching one crashes the process). With ``defer_checks`` the payload checksums of fragments read in place may still
-        be running (in another thread) when the block starts: call ``confirm()`` before using
-        anything computed from them. This default reads each with :meth:`get` (arrays of their
-        own, ``in_place`` False, nothing deferred).
+        store is closed, touching one crashes the process). With ``defer_checks`` the payload
+        checksums of fragments read in place may still be running (in another thread) when the
+        block starts: call ``confirm()`` before using anything computed from them. This default
+        reads each with :meth:`get` (arrays of their own, ``in_place`` False, nothing deferred).
 
         Raises:
             StoreIOError: the storage failed.

@@ -45,6 +45,7 @@ content hash.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ PREFIX = struct.Struct("<4sHI")
 """magic, version, header_len: the first 10 bytes of every blob version."""
 _SUM = struct.Struct("<Q")
 MAX_HEADER_BYTES = 64 * 1024
+HEAD_MEMO = 4096
+"""Heads kept parsed, by their bytes (about 3 KB each for a 128-token fragment)."""
 
 
 def checksum(data) -> int:
@@ -197,7 +200,7 @@ def encode(fragment: KVFragment, compression: str = DEFAULT_COMPRESSION) -> byte
 
 def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
     """Parse and verify the head of a blob (or a head alone); return the header and the
-    embedding (float32)."""
+    embedding (float32; both read-only and shared: see :func:`_verified_head`)."""
     view = memoryview(blob)
     if len(view) < PREFIX.size:
         raise CodecError(f"blob: {len(view)} bytes is too short for a fragment")
@@ -208,17 +211,34 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
         raise CodecError(f"version: blob format {version}, this code reads {READABLE_VERSIONS}")
     if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > len(view):
         raise CodecError(f"header_len: {header_len} does not fit the {len(view)}-byte blob")
+    _, span, emb_dim = parsed_json(bytes(view[PREFIX.size : PREFIX.size + header_len]))
+    sum_at = PREFIX.size + header_len + 4 * span + 4 * emb_dim
+    head_end = sum_at + (_SUM.size if version >= 2 else codec_v1.CRC.size)
+    if head_end > len(view):
+        raise CodecError("blob: truncated inside the token IDs or embedding")
+    return _verified_head(bytes(view[:head_end]))
+
+
+@functools.lru_cache(maxsize=HEAD_MEMO)
+def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
+    """The header and embedding of a head's exact bytes, its checksum verified: memoized by
+    those bytes (a walk peeks the same heads request after request, and a parse cost about 20
+    us; bytes that differ, a corrupt head among them, are parsed and checked anew). Arrays are
+    read-only: they are shared by every caller.
+
+    Raises:
+        CodecError: a checksum mismatch or bad header fields.
+    """
+    view = memoryview(head)
+    _magic, version, header_len = PREFIX.unpack_from(view, 0)
     header_bytes = bytes(view[PREFIX.size : PREFIX.size + header_len])
     _, span, emb_dim = parsed_json(header_bytes)
     ids_at = PREFIX.size + header_len
     emb_at = ids_at + 4 * span
     sum_at = emb_at + 4 * emb_dim
     if version == 1:
-        head_end = codec_v1.check_head(view, sum_at)
-        payload_at = head_end
+        head_end = payload_at = codec_v1.check_head(view, sum_at)
     else:
-        if sum_at + _SUM.size > len(view):
-            raise CodecError("blob: truncated inside the token IDs or embedding")
         (stored,) = _SUM.unpack_from(view, sum_at)
         if checksum(view[:sum_at]) != stored:
             raise CodecError("head checksum: xxh3 mismatch (corrupt header or token IDs)")
@@ -226,15 +246,15 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
         payload_at = -(-head_end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
     token_ids = np.frombuffer(view[ids_at:emb_at], dtype="<i4").astype(np.int32)
     embedding = np.frombuffer(view[emb_at:sum_at], dtype="<f4").astype(np.float32)
-    head = FragmentHeader(token_ids=token_ids, head_nbytes=head_end, payload_at=payload_at,
-                          **header_fields(header_bytes, version))
-    return head, embedding
+    token_ids.flags.writeable = embedding.flags.writeable = False
+    return FragmentHeader(token_ids=token_ids, head_nbytes=head_end, payload_at=payload_at,
+                          **header_fields(header_bytes, version)), embedding
 
 
 def peek(blob) -> FragmentHeader:
-    """Read a blob's header and token IDs without touching the tensors; ``blob`` may be the
-    head alone (:func:`head_of`). The head's checksum is verified every time; the JSON parse
-    is memoized by the header's bytes.
+    """Read a blob's header and token IDs (read-only, shared) without touching the tensors;
+    ``blob`` may be the head alone (:func:`head_of`). The head's checksum is verified the first
+    time this process meets its exact bytes (memoized by them).
 
     Raises:
         CodecError: bad magic, version, checksum or header fields.

@@ -11,7 +11,7 @@ keys on one node)::
     P:{K}:n              string  hits counted by every node (INCRBY), same EXPIRE as the blob
     P:i:<ns><prefix>     hash    the prefix index: field = store key (32 raw bytes), value =
                                  the blob's head (codec: magic, version, header JSON, token
-                                 IDs, embedding, head CRC; no tensors), so a walk reads
+                                 IDs, embedding, head checksum; no tensors), so a walk reads
                                  headers without blobs; <ns> and <prefix> are the hex of the
                                  namespace digest and the prefix hash (as LMDB's by_prefix)
                                  EXPIRE: the long lifetime, renewed by every write

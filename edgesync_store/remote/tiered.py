@@ -7,7 +7,7 @@ standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
   that falls short of the prompt, both indexes at once (``remote/walk.py``: at each position
   the span groups of either tier, so a chain whose head or tail only the remote holds is
   joined), keeping it when it reaches further; :meth:`TieredStore.get` reads the local store,
-  then the remote. A remote blob is verified as a local one is (``codec.decode``: CRCs and
+  then the remote. A remote blob is verified as a local one is (``codec.decode``: checksums and
   content hash; then its key): a corrupt or foreign one is refused, counted, deleted from the
   remote and never asked for again by this process, and the request injects fewer tokens or
   prefills. A fetched fragment is written to the local store as the same bytes, after the
