@@ -227,6 +227,14 @@ def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def killed_in_migration(src: Path, dst: Path, point: str) -> Path:
+    """A copy of the store at ``src`` opened at ``dst`` by a process killed (SIGKILL) at ``point``."""
+    path = copy(src, dst)
+    proc = open_in_subprocess(path, point)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: exit {proc.returncode}: {proc.stderr}"
+    return path
+
+
 @pytest.fixture(scope="module")
 def migrated_uninterrupted(pristine_v1, tmp_path_factory) -> dict:
     src, _ = pristine_v1
@@ -240,9 +248,7 @@ def migrated_uninterrupted(pristine_v1, tmp_path_factory) -> dict:
 def test_killed_migration_is_finished_by_the_next_open(point, upgraded, material, pristine_v1,
                                                        migrated_uninterrupted, tmp_path):
     src, _ = pristine_v1
-    path = copy(src, tmp_path / "store")
-    proc = open_in_subprocess(path, point)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: exit {proc.returncode}: {proc.stderr}"
+    path = killed_in_migration(src, tmp_path / "store", point)
     # killed mid-way: some records rewritten, the version not yet moved on
     assert on_disk_version(path) == b"1"
     half = dump(path)
@@ -418,10 +424,8 @@ def migrated_v2_uninterrupted(pristine_v2, tmp_path_factory) -> tuple[dict, dict
 def test_killed_migration_3_is_finished_by_the_next_open(point, headed, material, pristine_v2,
                                                          migrated_v2_uninterrupted, tmp_path):
     src, blobs = pristine_v2
-    path = copy(src, tmp_path / "store")
-    before = dump(path)
-    proc = open_in_subprocess(path, point)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: exit {proc.returncode}: {proc.stderr}"
+    before = dump(src)
+    path = killed_in_migration(src, tmp_path / "store", point)
     # killed mid-way: some heads written, nothing else, the version not yet moved on
     assert on_disk_version(path) == b"2"
     half = heads(path)
@@ -444,9 +448,7 @@ def test_format1_store_killed_in_migration_3_is_finished_by_the_next_open(point,
     ``migrate.before_version`` are migration 2's: these kills land in migration 3, with
     migration 2 done."""
     src, blobs = pristine_v1
-    path = copy(src, tmp_path / "store")
-    proc = open_in_subprocess(path, point)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}: exit {proc.returncode}: {proc.stderr}"
+    path = killed_in_migration(src, tmp_path / "store", point)
     assert on_disk_version(path) == b"2"
     half = dump(path)
     assert all(len(v) == LIFECYCLE_V2.size for _, v in half[b"lifecycle"]) and len(half[b"lifecycle"]) == 275
