@@ -26,7 +26,7 @@ import platformdirs
 from edgesync_engines import settings_checks as checks
 from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.request.ramtier import DEFAULT_RAM_TIER_BYTES
-from edgesync_store.commands.units import format_binary
+from edgesync_store.commands.units import LARGEST_SIZE, format_binary
 from edgesync_store.core.codec import COMPRESSIONS, DEFAULT_COMPRESSION
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
@@ -185,14 +185,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ram_tier_bytes", int, DEFAULT_RAM_TIER_BYTES, "EDGESYNC_RAM_TIER_BYTES", checks.parse_size_or_off,
             "budget of the RAM tier, bytes of decoded K + V: fragments stored or read once are served again from RAM "
             "while the store holds them live (0 = off; `64M`: powers of 1024)",
-            check=lambda v: None if checks.is_int(v) and v >= 0 else f"must be an int >= 0 bytes, got {v!r}",
+            check=lambda v: None if checks.is_int(v) and 0 <= v <= LARGEST_SIZE
+            else f"must be an int from 0 to {LARGEST_SIZE} bytes, got {v!r}",
             shown=f"{DEFAULT_RAM_TIER_BYTES} ({_binary(DEFAULT_RAM_TIER_BYTES)})"),
     _flag("prefetch", "EDGESYNC_PREFETCH", False,
           "predict the next requests and decode their fragments ahead, in a background thread, into the RAM tier"),
     Setting("max_bytes", "int | None", None, "EDGESYNC_MAX_BYTES", checks.parse_size,
             "size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
-            check=lambda v: None if v is None or (checks.is_int(v) and v >= 1)
-            else f"must be None or bytes > 0, got {v!r}",
+            check=lambda v: None if v is None or (checks.is_int(v) and 1 <= v <= LARGEST_SIZE)
+            else f"must be None or bytes from 1 to {LARGEST_SIZE}, got {v!r}",
             shown=f"the budget recorded in the store, else {_binary(DEFAULT_MAX_BYTES)}"),
     Setting("compression", str, DEFAULT_COMPRESSION, "EDGESYNC_COMPRESSION", _lower,
             "how new fragments hold K and V: `none` (a hit reads them in place, no decompression) or `zstd` "

@@ -105,6 +105,16 @@ def test_checks_once_for_constructor_and_load(tmp_path):
     with pytest.raises(ValueError, match=r"^EDGESYNC_MAX_BYTES='lots': not a size in bytes"):
         EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "lots"})
     assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "512M"}).max_bytes == 512 * 1024 * 1024
+    # sizes are exact up to the largest file offset, refused past it (the store records a u64)
+    largest = str(2**63 - 1)
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": largest}).max_bytes == 2**63 - 1
+    assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "1.5K"}).max_bytes == 1536
+    for text in ("20000000T", str(2**63)):
+        with pytest.raises(ValueError, match=rf"^EDGESYNC_MAX_BYTES='{text}': must be at most {largest} bytes"):
+            EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": text})
+    for name in ("max_bytes", "ram_tier_bytes"):
+        with pytest.raises(ValueError, match=rf"^{name}: must be .* to {largest}.*, got {2**64}$"):
+            EdgeSyncConfig(**{name: 2**64})
     with pytest.raises(ValueError,
                        match=r"^reuse: 'semantic' needs the semantic lookup.*\(from EDGESYNC_REUSE='semantic'\)$"):
         EdgeSyncConfig.load({"semantic": False}, environ={"EDGESYNC_REUSE": "semantic"})

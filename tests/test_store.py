@@ -1361,3 +1361,16 @@ def test_a_new_store_created_by_another_process_at_the_same_moment_is_opened(tmp
     monkeypatch.undo()
     with FragmentStore(path) as store:
         assert_same(store.get(frag.key()), frag)
+
+
+def test_budget_is_checked_and_recorded_as_64_bits(tmp_path):
+    """``max_bytes`` from 1 to 2**64 - 1 is recorded and read back by the next open; 0, 2**64 and
+    a non-integer are refused with ValueError before anything is created."""
+    for bad in (0, 2**64, 1.5):
+        with pytest.raises(ValueError, match=r"^max_bytes: must be a number of bytes from 1 to 2\*\*64 - 1"):
+            FragmentStore(tmp_path / "refused", max_bytes=bad)
+        assert not (tmp_path / "refused").exists()
+    with FragmentStore(tmp_path / "s", max_bytes=2**64 - 1) as store:
+        assert store.max_bytes == 2**64 - 1
+    with FragmentStore(tmp_path / "s") as store:
+        assert store.recorded_max_bytes() == store.max_bytes == 2**64 - 1

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import re
+from fractions import Fraction
 
-__all__ = ["format_binary", "format_bytes", "parse_bytes"]
+__all__ = ["LARGEST_SIZE", "format_binary", "format_bytes", "parse_bytes"]
+
+LARGEST_SIZE = 2**63 - 1
+"""The largest size in bytes a setting takes: the largest file offset (``off_t``, signed 64-bit on
+Linux); the store records its budget as an unsigned 64-bit integer."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|b)?|b)?\s*$", re.IGNORECASE)
 
@@ -16,17 +21,19 @@ def parse_bytes(text: str) -> int:
     ``KiB``... are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000.
 
     Raises:
-        argparse.ArgumentTypeError: not a size, or under 1 byte.
+        argparse.ArgumentTypeError: not a size, under 1 byte, or over :data:`LARGEST_SIZE`.
     """
     m = _SIZE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1048576, 512M, 1G)")
-    value = float(m.group(1))
+    value = Fraction(m.group(1))  # exact: a float would round sizes near 2**63
     if m.group(2):
         power = "kmgt".index(m.group(2).lower()) + 1
         value *= (1000 if (m.group(3) or "").lower() == "b" else 1024) ** power
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    if value > LARGEST_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {LARGEST_SIZE} bytes (8 EiB), got {text!r}")
     return int(value)
 
 
