@@ -4,8 +4,8 @@ leaves ``edgesync_store``)."""
 
 from __future__ import annotations
 
-__all__ = ["CodecError", "StoreBusyError", "StoreError", "StoreFormatError", "StoreIOError", "StoreNotFoundError",
-           "StoreOpenError", "StoreUnavailableError"]
+__all__ = ["CodecError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError", "StoreIOError",
+           "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError"]
 
 
 class StoreError(RuntimeError):
@@ -15,6 +15,22 @@ class StoreError(RuntimeError):
 class StoreOpenError(StoreError):
     """The store path cannot hold or does not hold a store (a file, a foreign non-empty
     directory, no permission, not LMDB); the message names the path and the reason."""
+
+
+class StoreDamagedError(StoreOpenError):
+    """The path holds an EdgeSync store whose files are damaged beyond what a read can refuse
+    fragment by fragment (a truncated ``data.mdb``): it is a cache, so requests are served
+    uncached and ``edgesync clear`` erases and recreates it.
+
+    Attributes:
+        path: the store directory.
+        damage: what is wrong, e.g. ``"data.mdb is truncated (4000000 of 7938048 bytes)"``.
+    """
+
+    def __init__(self, path: object, damage: str) -> None:
+        super().__init__(f"store {path}: {damage}; `edgesync clear {path} --yes` erases and recreates it "
+                         "(it is a cache)")
+        self.path, self.damage = path, damage
 
 
 class StoreUnavailableError(StoreOpenError):

@@ -19,8 +19,9 @@ from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
 
 from edgesync_store.commands.clear import clear_store
 from edgesync_store.commands.inventory import StoreNotFoundError
-from edgesync_store.core.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME
-from edgesync_store.core.store import FragmentStore, StoreOpenError
+from edgesync_store.core.locks import OPEN_LOCK_NAME, PINS_LOCK_NAME, OpenLock
+from edgesync_store.core.store import DEFAULT_MAX_BYTES, FragmentStore, StoreOpenError
+from edgesync_store.errors import StoreBusyError, StoreDamagedError
 from edgesync_store.semantic import donors
 from edgesync_store.semantic.index import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK, SemanticIndex
 from edgesync_store.semantic.vectors import VectorTable
@@ -136,6 +137,32 @@ def test_clear_refuses_paths_without_a_store(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
     with pytest.raises(StoreOpenError, match="not a directory"):
         clear_store(foreign / "notes.txt")
+
+
+def test_clear_recreates_a_damaged_store_unless_another_process_has_it_open(full_store):
+    """A truncated data.mdb cannot be opened; clear removes the files and creates an empty
+    store (the recorded budget was in the lost pages: the default one) when no other process
+    holds the store's open lock, and refuses, removing nothing, while one does."""
+    path = full_store
+    data = (path / "data.mdb").read_bytes()
+    (path / "data.mdb").write_bytes(data[: len(data) // 3])
+    with pytest.raises(StoreDamagedError):
+        FragmentStore(path)
+    holder = OpenLock(path)  # another open file description: flock(2) locks conflict as between processes
+    try:
+        with pytest.raises(StoreBusyError, match="truncated.*another process has it open"):
+            clear_store(path)
+        assert (path / "data.mdb").stat().st_size == len(data) // 3 and (path / SIDECAR_HNSW).exists()
+    finally:
+        holder.close()
+    result = clear_store(path)
+    assert result.erased_files is True and "damaged" in result.reason
+    assert result.bytes_before == len(data) // 3 and result.fragments_removed == 0
+    assert result.files_removed == [SIDECAR_HNSW, SIDECAR_JSON, "data.mdb", "lock.mdb"]
+    assert SECRET.encode() not in (path / "data.mdb").read_bytes()
+    with FragmentStore(path) as store:
+        assert store.stats().fragments == 0 and store.max_bytes == DEFAULT_MAX_BYTES
+        assert store.put_many([make_fragment(seed=9)]) == 1
 
 
 def _clear_cmd(*args: str, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:

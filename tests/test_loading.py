@@ -11,6 +11,8 @@ question.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from llama_counts import chat
 
@@ -92,3 +94,27 @@ def test_open_store_takes_the_configured_compression(tmp_path):
         store.close()
     with FragmentStore(tmp_path / "n") as plain:
         assert plain.compression == "none" and plain.serves_in_place
+
+
+def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, tmp_path, caplog):
+    """A truncated data.mdb: EdgeSync opens no store (one warning naming the clear command),
+    answers exactly as uncached, and leaves the file as it was."""
+    m = chat(system_prompts[1], "How do I reset my password?")
+    path = tmp_path / "store"
+    with FragmentStore(path) as store:
+        EdgeSync(adapter, store=store, config=config()).generate(m, max_tokens=MAX_TOKENS)
+    data = (path / "data.mdb").read_bytes()
+    (path / "data.mdb").write_bytes(data[: len(data) // 2])
+    with caplog.at_level(logging.WARNING):
+        es = EdgeSync(adapter, store=str(path), config=config())
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "damaged, serving uncached" in warnings[0]
+        assert f"edgesync clear {path} --yes" in warnings[0]
+        assert es.store is None
+        got = es.generate(m, max_tokens=MAX_TOKENS)
+    finally:
+        es.close()
+    reference = EdgeSync(adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
+    assert got.tokens == reference.tokens and got.tokens_reused == 0
+    assert (path / "data.mdb").read_bytes() == data[: len(data) // 2]

@@ -29,7 +29,7 @@ import pytest
 from edgesync_engines.adapters import model_files as fingerprint
 from edgesync_store.core import codec
 from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore, StoreFormatError, StoreOpenError
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import StoreDamagedError, StoreError
 from edgesync_store.schema import DEFAULT_TTL_SECONDS, KVFragment, Namespace, chunk_spans, prefix_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1291,8 +1291,12 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
         store.put(make_fragment(seed=3, kind="bits", end=400))
     data = (good / "data.mdb").read_bytes()
     (good / "data.mdb").write_bytes(data[: len(data) // 4])  # a half-finished copy
-    with pytest.raises(StoreOpenError, match="truncated"):
+    cut = rf"data.mdb is truncated \({len(data) // 4} of \d+ bytes\)"
+    with pytest.raises(StoreDamagedError, match=cut) as exc:
         FragmentStore(good)
+    assert isinstance(exc.value, StoreOpenError) and exc.value.damage.startswith("data.mdb is truncated")
+    assert f"edgesync clear {good} --yes" in str(exc.value)
+    assert (good / "data.mdb").read_bytes() == data[: len(data) // 4]  # untouched
 
 
 # -- the storage seam -------------------------------------------------------------------------

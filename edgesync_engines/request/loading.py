@@ -27,7 +27,7 @@ from edgesync_engines.request import plan as planning
 from edgesync_engines.request.execute import Injector
 from edgesync_engines.request.plan import ReuseSource, SourceKind
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreError, StoreIOError, StoreOpenError, StoreUnavailableError
+from edgesync_store.errors import StoreDamagedError, StoreError, StoreIOError, StoreOpenError, StoreUnavailableError
 from edgesync_store.schema import MIN_SPAN
 from edgesync_store.ttl import TTLPolicy
 
@@ -74,7 +74,8 @@ def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
     """Open the configured store with this config's TTL, budget and compression. A store the
     system will not let us write (read-only disk or directory, no space or permission) is
     opened read-only, or not at all, with a warning: requests are served from it, or uncached,
-    never failed.
+    never failed. So is a damaged store (a truncated data file): served uncached, with a
+    warning that names the command that recreates it.
 
     Raises:
         StoreOpenError: the path is not a store (a file, a foreign directory).
@@ -83,6 +84,9 @@ def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
     policy = TTLPolicy(ttl_seconds=config.ttl_seconds)
     try:
         return FragmentStore(path, policy=policy, max_bytes=config.max_bytes, compression=config.compression)
+    except StoreDamagedError as exc:
+        log.warning("fragment store damaged, serving uncached: %s", exc)
+        return None
     except StoreUnavailableError as exc:
         if not (path / "data.mdb").exists():
             log.warning("fragment store unavailable, serving uncached: %s", exc)

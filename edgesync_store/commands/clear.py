@@ -22,6 +22,10 @@ bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
 A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
 ``data.mdb`` opens as a new, empty store.
 
+A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open safely)
+is never opened: with the exclusive lock taken the same way, its files are removed and an empty
+store (default budget) created; while another process has it open, nothing is done.
+
 Library code: logs (this module's logger), never prints.
 """
 
@@ -33,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edgesync_store.core.lmdb_env import fsync_dir
+from edgesync_store.core.locks import OpenLock
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreNotFoundError, StoreOpenError
+from edgesync_store.errors import StoreBusyError, StoreDamagedError, StoreNotFoundError, StoreOpenError
 from edgesync_store.lifecycle.reclaim import TMP_NAME
 from edgesync_store.semantic.sidecar import SIDECAR_HNSW, SIDECAR_JSON
 
@@ -119,11 +124,15 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
         StoreOpenError: ``path`` is not a directory, holds no EdgeSync store, or is
             not writable.
         StoreFormatError: the store was written by a newer format version.
-        StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
+        StoreBusyError: another process held the store exclusively for ``open_timeout_s``,
+            or has a damaged store open.
         OSError, StoreIOError: removing or recreating the files failed.
     """
     path = check_store_path(path)
-    store = FragmentStore(path, open_timeout_s=open_timeout_s)
+    try:
+        store = FragmentStore(path, open_timeout_s=open_timeout_s)
+    except StoreDamagedError as exc:
+        return _clear_damaged(path, exc.damage, open_timeout_s)
     reopen_budget: int | None = None
     try:
         bytes_before = _data_bytes(path)
@@ -142,14 +151,7 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
             n = store.fragment_count()
             reopen_budget = store.recorded_max_bytes() or None
             store.close_env()
-            removed = []
-            for name in ERASED_FILES:
-                try:
-                    (path / name).unlink()
-                    removed.append(name)
-                except FileNotFoundError:
-                    pass
-            fsync_dir(path)
+            removed = _remove_files(path)
             # leaving exclusive() (back to shared) before the new store below opens: it takes
             # another lock on the same file, and waiting processes may come in
     finally:
@@ -160,3 +162,40 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
     log.info("cleared %s: %d fragments; data.mdb %d -> %d bytes; removed %s",
              path, n, bytes_before, result.bytes_after, ", ".join(removed))
     return result
+
+
+def _remove_files(path: Path) -> list[str]:
+    """Remove :data:`ERASED_FILES` from ``path`` (those present), then sync the directory."""
+    removed = []
+    for name in ERASED_FILES:
+        try:
+            (path / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    fsync_dir(path)
+    return removed
+
+
+def _clear_damaged(path: Path, damage: str, open_timeout_s: float) -> ClearResult:
+    """Erase a store that cannot be opened (``damage`` says why) and create an empty one, when
+    no other process has it open (module docstring).
+
+    Raises:
+        StoreBusyError: another process has it open (or holds it exclusively).
+        OSError: removing or recreating the files failed.
+    """
+    bytes_before = _data_bytes(path)
+    lock = OpenLock(path, open_timeout_s)
+    try:
+        if not lock.try_exclusive():
+            raise StoreBusyError(f"store {path}: {damage}, and another process has it open: clear it when that "
+                                 "process is gone")
+        removed = _remove_files(path)
+    finally:
+        lock.close()
+    FragmentStore(path, open_timeout_s=open_timeout_s).close()
+    log.info("cleared damaged store %s (%s): removed %s", path, damage, ", ".join(removed))
+    return ClearResult(str(path), 0, bytes_before, _data_bytes(path), True,
+                       f"the store was damaged ({damage}): its fragments could not be counted; files removed "
+                       "and an empty store created", removed)

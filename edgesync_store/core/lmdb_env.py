@@ -45,7 +45,7 @@ import lmdb
 
 from edgesync_store.core.locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME
 from edgesync_store.core.map_advice import MapAdvice
-from edgesync_store.errors import StoreIOError, StoreOpenError, StoreUnavailableError
+from edgesync_store.errors import StoreDamagedError, StoreIOError, StoreOpenError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +174,15 @@ class LmdbEnv:
         LMDB environment written by something else (we would write our databases into it).
 
         Raises:
-            StoreOpenError: either; the environment is closed.
+            StoreDamagedError: a truncated data file; the environment is closed.
+            StoreOpenError: a foreign environment; the environment is closed.
         """
         info, psize = self._env.info(), self._env.stat()["psize"]
         data = self.path / "data.mdb"
         needed = (info["last_pgno"] + 1) * psize
         if data.exists() and data.stat().st_size < needed:
             self._env.close()
-            raise StoreOpenError(
-                f"store {self.path}: data.mdb is truncated ({data.stat().st_size} of {needed} bytes); "
-                "delete the directory (it is a cache) or restore it"
-            )
+            raise StoreDamagedError(self.path, f"data.mdb is truncated ({data.stat().st_size} of {needed} bytes)")
         # in a transaction: another process may grow the map between lmdb.open and this read
         names = self.transact(lambda txn: {bytes(k) for k, _ in txn.cursor()})
         # any one core database marks an EdgeSync store (a store created one database per
