@@ -1378,3 +1378,32 @@ def test_budget_is_checked_and_recorded_as_64_bits(tmp_path):
         assert store.max_bytes == 2**64 - 1
     with FragmentStore(tmp_path / "s") as store:
         assert store.recorded_max_bytes() == store.max_bytes == 2**64 - 1
+
+
+def test_a_store_back_replaces_twins_whose_stored_head_is_corrupt(tmp_path, sequence):
+    """Corrupt heads of a whole chain: the walk stops at the first, and the store-back of the
+    prefilled chain (put_many of the same fragments) replaces every corrupt twin, not only the
+    one the walk dropped; an intact twin is left alone. The next walk covers the chain."""
+    path = tmp_path / "s"
+    frags = [make_fragment(sequence, 0, 128, seed=0), make_fragment(sequence, 128, 256, seed=1),
+             make_fragment(sequence, 256, SEQ_LEN, seed=2)]
+    with FragmentStore(path) as store:
+        store.put_many(frags)
+    heads = raw_records(path, b"heads")
+
+    def flip(txn, db):
+        for f in frags[:2]:
+            data = bytearray(txn.get(f.key(), db=db))
+            data[20] ^= 0x01  # FAKE: one flipped byte in the JSON header stands for a corrupt page
+            txn.put(f.key(), bytes(data), db=db)
+
+    raw_db_edit(path, b"heads", flip)
+    with FragmentStore(path) as store:
+        assert _walked(store, sequence, False) == 0  # the first head is corrupt: dropped
+        assert store.stats().dropped_corrupt == 1
+        assert store.put_many(frags) == 2  # the dropped one and its corrupt twin; the third kept
+        assert store.stats().dropped_corrupt == 2
+        assert _walked(store, sequence, False) == SEQ_LEN
+        for f in frags:
+            assert_same(store.get(f.key()), f)
+    assert raw_records(path, b"heads") == heads

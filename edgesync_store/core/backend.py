@@ -134,7 +134,8 @@ class FragmentBackend(ABC):
                  also: Callable[[object], object] | None = None) -> int:
         """Store ``fragments`` together (all written or none).
 
-        A fragment whose key is stored and live is left alone; an expired twin is replaced.
+        A fragment whose key is stored and live is left alone; an expired twin, or one whose
+        stored head is corrupt, is replaced.
         When the blobs would pass ``max_bytes``, fragments are evicted first (expired, then
         short-lived least recently used, then long-lived; never a pinned one); one that still
         does not fit is skipped (logged). ``also(txn)``, when given, runs in the same write

@@ -5,7 +5,8 @@ remote tier: its exact bytes are stored, no second encoding). Every blob goes in
 
 :class:`WriteOps` is mixed into ``FragmentStore`` (``core/store.py``), whose environment
 (``self.env``), ``delete_in``, ``used_in`` and budget it uses. Both writes share one
-transaction body: a live twin is left alone and an expired one replaced, the size budget
+transaction body: a live twin is left alone and an expired one, or one whose stored head is
+corrupt, replaced; the size budget
 evicts first (``lifecycle/eviction.py``) and a fragment that still does not fit is skipped.
 """
 
@@ -16,6 +17,7 @@ from typing import Sequence
 
 from edgesync_store.core import codec
 from edgesync_store.core.lmdb_env import U64, USED_BYTES_KEY, index_key
+from edgesync_store.errors import CodecError
 from edgesync_store.lifecycle import eviction
 from edgesync_store.schema import KVFragment
 from edgesync_store.ttl import Lifecycle
@@ -74,6 +76,19 @@ class WriteOps:
         txn.put(key, head, db=env.heads)
         txn.put(ikey, key, db=env.by_prefix, dupdata=True)
 
+    def sound_head_in(self, txn, key: bytes) -> bool:
+        """True when the stored head of fragment ``key`` parses (``codec.peek``, memoized);
+        else False, logged and counted in ``dropped_corrupt``: a walk stops at the first
+        corrupt head it meets, so a store-back that left the twins after it alone would leave
+        them for one request each to find."""
+        try:
+            codec.peek(self.env.head_in(txn, key))
+            return True
+        except CodecError as exc:
+            self.dropped_corrupt += 1
+            log.warning("replacing fragment %s: its stored head is corrupt (%s)", key.hex()[:16], exc)
+            return False
+
     def _write_encoded(self, encoded: Sequence[Encoded], now: float | None, also=None) -> int:
         now = self.clock() if now is None else now
         env = self.env
@@ -86,7 +101,8 @@ class WriteOps:
                     continue
                 seen.add(key)
                 if env.has_blob(txn, key):
-                    if not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now):
+                    live = not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now)
+                    if live and self.sound_head_in(txn, key):
                         continue
                     self.delete_in(txn, key)
                 todo.append(item)
