@@ -92,9 +92,10 @@ demo-onnx: onnx
 	$(VENV)/bin/edgesync run seed --limit $(ONNX_DEMO_LIMIT) --store $(DEMO_STORE)-onnx-b --allow-convertible
 
 # Every system on every workload: EdgeSync on 1,000 seed requests, no cache and the peers on the
-# first 300, doc-QA and chat on 10 sampled passages / sessions (39 minutes on 2 cores in the
-# 2026-12-01 run; `make bench BENCH_ARGS=--quick` for a small run, about 3.5 minutes). Results in results/bench-<UTC time>/ (git-ignored). Not a
-# test: never run by CI.
+# first 300, doc-QA and chat on 10 sampled passages / sessions (26 minutes on 2 cores in the
+# 2026-12-02 run, 39 on 2026-12-01: this machine kind's speed varies; `make bench
+# BENCH_ARGS=--quick` for a small run, about 3.5 minutes). Results in results/bench-<UTC time>/
+# (git-ignored). Not a test: never run by CI.
 BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)

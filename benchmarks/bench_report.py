@@ -47,13 +47,13 @@ def kv_suffix(system: str) -> str:
 def kv_table(workload: str, storage: dict, summaries: dict, stats: dict, kv_types: Sequence) -> str:
     """Markdown table of EdgeSync's bytes on disk per cached prompt on one workload, one row
     per KV type (``edgesync`` runs the first, ``edgesync@TYPE`` the others), with ratios to the
-    first: the store directory's allocated bytes and the stored (zstd) fragment bytes, each
-    over the distinct prompts answered. ``ran`` is the KV type the engine really ran (an
+    first: the store directory's allocated bytes and the stored fragment bytes (raw by default,
+    zstd on request), each over the distinct prompts answered. ``ran`` is the KV type the engine really ran (an
     EdgeSync without the setting runs f16)."""
     first = kv_types[0] if kv_types else None
     rows = [("edgesync", first)] + [(f"edgesync@{t}", t) for t in kv_types[1:]]
     head = (f"| system | KV type asked / ran | cached prompts | on disk per cached prompt MB | vs {first or 'f16'} "
-            f"| fragments (zstd) per cached prompt MB | vs {first or 'f16'} | vs raw f16 KV | identical to no cache |")
+            f"| fragments per cached prompt MB | vs {first or 'f16'} | vs raw f16 KV | identical to no cache |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     base = storage.get((workload, "edgesync")) or {}
     base_frag = _per_prompt(base, "stored_compressed_bytes")

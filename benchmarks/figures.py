@@ -150,7 +150,7 @@ def storage_figures(records: Sequence[dict], stats: dict | None) -> dict[str, An
     entries they hold at the end. ``raw_f16_kv_per_prompt``: mean over the distinct prompts of
     (prompt tokens - 1) x ``kv_bytes_per_token``. ``disk_bytes_per_prompt`` /
     ``ram_bytes_per_prompt`` and ``vs_raw_f16`` (their ratio to the raw KV; below 1 is smaller).
-    For EdgeSync also ``fragment_compression``: stored (zstd) over raw bytes of the fragments
+    For EdgeSync also ``fragment_compression``: stored (raw or zstd) over raw bytes of the fragments
     themselves, i.e. what compression alone gives before prefix sharing.
     """
     if not stats or not records:
