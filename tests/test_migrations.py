@@ -227,6 +227,17 @@ def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def assert_finished_by_the_next_open(path: Path, material, migrated: dict) -> None:
+    """The next open of ``path`` finishes the migrations: the current format, the fragments read
+    back unchanged, nothing refused, and every record equal to the uninterrupted migration's."""
+    with FragmentStore(path) as store:
+        assert store.format_version == CURRENT_VERSION
+        for frag in material.fragments[:5] + material.fragments[-3:]:
+            assert_same_fragment(store.get(frag.key()), frag)
+        assert store.stats().dropped_corrupt == 0
+    assert dump(path) == migrated
+
+
 def killed_in_migration(src: Path, dst: Path, point: str) -> Path:
     """A copy of the store at ``src`` opened at ``dst`` by a process killed (SIGKILL) at ``point``."""
     path = copy(src, dst)
@@ -254,12 +265,7 @@ def test_killed_migration_is_finished_by_the_next_open(point, upgraded, material
     half = dump(path)
     assert sum(len(v) == LIFECYCLE_V2.size for _, v in half[b"lifecycle"]) == upgraded
     assert not any(k == b"used_bytes" for k, _ in half[b"meta"])
-    with FragmentStore(path) as store:
-        assert store.format_version == CURRENT_VERSION
-        for frag in material.fragments[:5] + material.fragments[-3:]:
-            assert_same_fragment(store.get(frag.key()), frag)
-        assert store.stats().dropped_corrupt == 0
-    assert dump(path) == migrated_uninterrupted
+    assert_finished_by_the_next_open(path, material, migrated_uninterrupted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,10 +459,5 @@ def test_format1_store_killed_in_migration_3_is_finished_by_the_next_open(point,
     half = dump(path)
     assert all(len(v) == LIFECYCLE_V2.size for _, v in half[b"lifecycle"]) and len(half[b"lifecycle"]) == 275
     assert len(heads(path)) == headed
-    with FragmentStore(path) as store:
-        assert store.format_version == CURRENT_VERSION
-        for frag in material.fragments[:5] + material.fragments[-3:]:
-            assert_same_fragment(store.get(frag.key()), frag)
-        assert store.stats().dropped_corrupt == 0
-    assert dump(path) == migrated_uninterrupted
+    assert_finished_by_the_next_open(path, material, migrated_uninterrupted)
     assert_heads_of_every_blob(path, blobs)
