@@ -34,6 +34,7 @@ as :class:`~edgesync_store.errors.StoreIOError`.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -147,6 +148,7 @@ class LmdbEnv:
             (readers then take heads from the blobs: ``codec.peek`` reads either).
 
     Raises:
+        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages.
         StoreUnavailableError: LMDB refused to open the environment.
     """
 
@@ -166,6 +168,14 @@ class LmdbEnv:
             return lmdb.open(str(self.path), map_size=self._map_size, subdir=True, max_dbs=MAX_DBS, mode=0o600,
                              readonly=self.readonly, lock=self._use_lock_file, readahead=False, meminit=False,
                              max_readers=256)
+        except lmdb.InvalidError as exc:
+            size = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+            if 0 < size < 2 * mmap.PAGESIZE:
+                # cut inside LMDB's two meta pages (mdb.c: mdb_env_read_header): nothing of it can
+                # be read, so it is damaged, not foreign
+                raise StoreDamagedError(self.path, f"data.mdb is truncated to {size} bytes, inside LMDB's meta "
+                                                   "pages") from None
+            raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
         except lmdb.Error as exc:
             raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
 
