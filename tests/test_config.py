@@ -109,6 +109,8 @@ def test_checks_once_for_constructor_and_load(tmp_path):
     largest = str(2**63 - 1)
     assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": largest}).max_bytes == 2**63 - 1
     assert EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "1.5K"}).max_bytes == 1536
+    with pytest.raises(ValueError, match=r"^EDGESYNC_MAX_BYTES='1.5': not a whole number of bytes"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": "1.5"})
     for text in ("20000000T", str(2**63)):
         with pytest.raises(ValueError, match=rf"^EDGESYNC_MAX_BYTES='{text}': must be at most {largest} bytes"):
             EdgeSyncConfig.load(environ={"EDGESYNC_MAX_BYTES": text})

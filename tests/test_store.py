@@ -1297,6 +1297,17 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
     assert isinstance(exc.value, StoreOpenError) and exc.value.damage.startswith("data.mdb is truncated")
     assert f"edgesync clear {good} --yes" in str(exc.value)
     assert (good / "data.mdb").read_bytes() == data[: len(data) // 4]  # untouched
+    for size in (1, 4096):  # cut inside LMDB's two meta pages: LMDB itself cannot tell what it was
+        (good / "data.mdb").write_bytes(data[:size])
+        with pytest.raises(StoreDamagedError, match=rf"data.mdb is truncated to {size} bytes, inside LMDB's meta"):
+            FragmentStore(good)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.mdb").write_bytes(b"not lmdb" * 4096)  # someone else's file: refused, not called damaged
+    with pytest.raises(StoreOpenError, match="cannot open the store") as refused:
+        FragmentStore(other)
+    assert not isinstance(refused.value, StoreDamagedError)
+    assert (other / "data.mdb").read_bytes() == b"not lmdb" * 4096
 
 
 # -- the storage seam -------------------------------------------------------------------------
@@ -1367,17 +1378,18 @@ def test_a_new_store_created_by_another_process_at_the_same_moment_is_opened(tmp
         assert_same(store.get(frag.key()), frag)
 
 
-def test_budget_is_checked_and_recorded_as_64_bits(tmp_path):
-    """``max_bytes`` from 1 to 2**64 - 1 is recorded and read back by the next open; 0, 2**64 and
-    a non-integer are refused with ValueError before anything is created."""
-    for bad in (0, 2**64, 1.5):
-        with pytest.raises(ValueError, match=r"^max_bytes: must be a number of bytes from 1 to 2\*\*64 - 1"):
+def test_budget_is_checked_and_recorded(tmp_path):
+    """``max_bytes`` from 1 to 2**63 - 1 (the settings' largest size) is recorded and read back by
+    the next open; 0, 2**63 and a non-integer are refused with ValueError before anything is
+    created."""
+    for bad in (0, 2**63, 1.5):
+        with pytest.raises(ValueError, match=r"^max_bytes: must be a number of bytes from 1 to 2\*\*63 - 1"):
             FragmentStore(tmp_path / "refused", max_bytes=bad)
         assert not (tmp_path / "refused").exists()
-    with FragmentStore(tmp_path / "s", max_bytes=2**64 - 1) as store:
-        assert store.max_bytes == 2**64 - 1
+    with FragmentStore(tmp_path / "s", max_bytes=2**63 - 1) as store:
+        assert store.max_bytes == 2**63 - 1
     with FragmentStore(tmp_path / "s") as store:
-        assert store.recorded_max_bytes() == store.max_bytes == 2**64 - 1
+        assert store.recorded_max_bytes() == store.max_bytes == 2**63 - 1
 
 
 def test_a_store_back_replaces_twins_whose_stored_head_is_corrupt(tmp_path, sequence):

@@ -21,12 +21,15 @@ def parse_bytes(text: str) -> int:
     ``KiB``... are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000.
 
     Raises:
-        argparse.ArgumentTypeError: not a size, under 1 byte, or over :data:`LARGEST_SIZE`.
+        argparse.ArgumentTypeError: not a size, a fraction of a byte (``1.5``; ``1.5K`` is 1536),
+            under 1 byte, or over :data:`LARGEST_SIZE`.
     """
     m = _SIZE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1048576, 512M, 1G)")
     value = Fraction(m.group(1))  # exact: a float would round sizes near 2**63
+    if not m.group(2) and value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r} (e.g. 1048576, 1.5M)")
     if m.group(2):
         power = "kmgt".index(m.group(2).lower()) + 1
         value *= (1000 if (m.group(3) or "").lower() == "b" else 1024) ** power

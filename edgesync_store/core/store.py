@@ -120,7 +120,7 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
             created, or does not open as LMDB (read-only: holds no store).
         StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
         StoreIOError: LMDB failed while reading or migrating the store.
-        ValueError: ``max_bytes`` < 1 or >= 2**64, or an unknown ``compression``.
+        ValueError: ``max_bytes`` < 1 or >= 2**63 (the largest file offset), or an unknown ``compression``.
     """
 
     def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE,
@@ -137,8 +137,8 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         self.clock: Clock = clock or time.time
         self.policy = policy or TTLPolicy()
         self._closed = False
-        if max_bytes is not None and (not isinstance(max_bytes, int) or not 1 <= max_bytes < 1 << 64):
-            raise ValueError(f"max_bytes: must be a number of bytes from 1 to 2**64 - 1, got {max_bytes!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or not 1 <= max_bytes < 1 << 63):
+            raise ValueError(f"max_bytes: must be a number of bytes from 1 to 2**63 - 1, got {max_bytes!r}")
         if not str(path).strip():
             raise StoreOpenError("store path: is empty")
         prepare_dir(self.path, readonly)
