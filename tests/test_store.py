@@ -833,8 +833,9 @@ def _walked(store, tokens, per_position: bool) -> int:
 
 
 @pytest.mark.parametrize("per_position", [False, True], ids=["walk", "per-position"])
-def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence, per_position):
-    """The walk reads heads from the ``heads`` database: a corrupt head there drops the fragment."""
+def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence, per_position, caplog):
+    """The walk reads heads from the ``heads`` database: a corrupt head there drops the fragment,
+    with a warning that says what is wrong."""
     path = tmp_path / "s"
     frags = [make_fragment(sequence, 0, 128, seed=0), make_fragment(sequence, 128, 256, seed=1)]
     with FragmentStore(path) as store:
@@ -848,9 +849,12 @@ def test_corrupt_header_met_by_prefix_walk_is_dropped(tmp_path, sequence, per_po
         txn.put(frags[1].key(), bytes(data), db=heads)
 
     raw_db_edit(path, b"heads", flip)
-    with FragmentStore(path) as store:
+    with FragmentStore(path) as store, caplog.at_level(logging.WARNING):
         assert _walked(store, sequence[:256], per_position) == 128
         assert store.stats().dropped_corrupt == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            f"refusing corrupt fragment {frags[1].key().hex()[:16]}: its head does not parse: head checksum: xxh3 "
+            "mismatch (corrupt header or token IDs); removing it"]
         assert not store.contains(frags[1].key())
         # the dangling index entry is cleaned by the next walk
         assert _walked(store, sequence[:256], per_position) == 128

@@ -147,11 +147,11 @@ def stored_namespaces(store) -> list[Namespace]:
 
 
 def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: np.ndarray, pos: int, digest: bytes,
-              now: float, corrupt: list[tuple[bytes, bytes | None]]) -> list[SpanMatch]:
+              now: float, corrupt: list[tuple[bytes, bytes | None, str]]) -> list[SpanMatch]:
     """The complete-coverage span groups stored right after ``tokens[:pos]`` (prefix hash
     ``digest``) and live at ``now``, of the namespace ``want`` = (digest, ``to_dict()``, every
     (layer, head)); corrupt or dangling entries met are appended to ``corrupt`` as ``(key,
-    index key or None when the header does not parse)``."""
+    index key or None when the head does not parse, what is wrong)``."""
     ns_digest, ns_dict, full = want
     ikey = index_key(ns_digest, digest)
     keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(ikey) else []
@@ -159,12 +159,12 @@ def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: n
     for key in keys:
         head_bytes = store.env.head_in(txn, key)
         if head_bytes is None:
-            corrupt.append((key, ikey))
+            corrupt.append((key, ikey, "dangling index entry"))
             continue
         try:
             head = codec.peek(head_bytes)
-        except CodecError:
-            corrupt.append((key, None))
+        except CodecError as exc:
+            corrupt.append((key, None, str(exc)))
             continue
         life = Lifecycle.unpack(txn.get(key, db=store.env.lifecycle))
         if head.namespace.to_dict() != ns_dict or head.token_start != pos or life.expires_at <= now:
@@ -228,15 +228,15 @@ def _full_cells(namespace: Namespace) -> tuple[bytes, dict, frozenset]:
             frozenset((layer, head) for layer in range(namespace.n_layer) for head in range(namespace.n_head_kv)))
 
 
-def _remove_corrupt(store, corrupt: list[tuple[bytes, bytes | None]]) -> None:
+def _remove_corrupt(store, corrupt: list[tuple[bytes, bytes | None, str]]) -> None:
     """Remove what ``_spans_at`` met: a dangling index entry (unless read-only), a fragment
-    whose header does not parse (``drop_corrupt``). Outside the read transaction."""
-    for key, ikey in corrupt:
+    whose head does not parse (``drop_corrupt``, with the reason). Outside the read transaction."""
+    for key, ikey, reason in corrupt:
         if ikey is not None and not store.readonly:
             # transact runs the function before it returns: binding the pair is only for clarity
             store.transact(lambda txn, ikey=ikey, key=key: txn.delete(ikey, key, db=store.env.by_prefix), write=True)
         elif ikey is None:
-            store.drop_corrupt(key, "header does not parse")
+            store.drop_corrupt(key, f"its head does not parse: {reason}")
 
 
 def local_spans(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
@@ -263,7 +263,7 @@ def local_spans(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
     want = _full_cells(namespace)
 
     def spans_at(pos: int, digest: bytes) -> list[SpanMatch]:
-        corrupt: list[tuple[bytes, bytes | None]] = []
+        corrupt: list[tuple[bytes, bytes | None, str]] = []
         spans = store.transact(lambda txn: _spans_at(store, txn, txn.cursor(db=store.env.by_prefix), want, tokens,
                                                      pos, digest, now, corrupt))
         _remove_corrupt(store, corrupt)
@@ -295,7 +295,7 @@ def prefix_walk(
     tokens = np.asarray(tokens, dtype=np.int32)
     want = _full_cells(namespace)
     result = PrefixMatch()
-    corrupt: list[tuple[bytes, bytes | None]] = []
+    corrupt: list[tuple[bytes, bytes | None, str]] = []
 
     def read(txn) -> None:
         cursor = txn.cursor(db=store.env.by_prefix)
