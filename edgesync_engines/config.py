@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import platformdirs
 
-from edgesync_engines import settings_checks as checks
+import edgesync_engines.settings_checks as checks
 from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.request.ramtier import DEFAULT_RAM_TIER_BYTES
 from edgesync_store.commands.units import LARGEST_SIZE, format_binary
