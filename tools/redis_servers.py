@@ -15,6 +15,7 @@ Every process started is stopped by :meth:`stop` (SIGTERM, then SIGKILL after 5 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,6 +28,10 @@ __all__ = ["RedisClusterServers", "RedisServer", "RedisUnavailableError", "free_
 
 class RedisUnavailableError(RuntimeError):
     """redis-server or redis-cli is not installed, or a server did not come up."""
+
+
+class _PortTaken(Exception):
+    """redis-server exited because its port (or its cluster bus port) was in use."""
 
 
 def redis_binaries() -> tuple[str, str]:
@@ -42,22 +47,51 @@ def redis_binaries() -> tuple[str, str]:
     return server, cli
 
 
-def free_port(bus: bool = False) -> int:
-    """A TCP port free on 127.0.0.1 now (with ``bus``: port + 10000 too, Redis Cluster's bus)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not bus:
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out on its own (Linux: /proc/sys/net/ipv4/ip_local_port_range)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """True when nothing holds ``127.0.0.1:port`` (no SO_REUSEADDR, so a TIME_WAIT socket counts too)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(bus: bool = False, avoid: frozenset[int] | set[int] = frozenset()) -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range.
+
+    Ports from ``bind(('', 0))`` come from the ephemeral range, where the outgoing connections of
+    this very test run (clients, PINGs) take their local ports: such a port can be taken between
+    being chosen and the server binding it. So a random port below that range is tried instead.
+
+    Args:
+        bus: port + 10000 must be free too (Redis Cluster's bus port), and below the range.
+        avoid: ports already promised to other servers (their bus ports are avoided as well).
+
+    Raises:
+        RedisUnavailableError: no free port after 500 tries.
+    """
+    low = _ephemeral_range()[0]
+    top = (low - 10000 if bus else low) - 1
+    taken = set(avoid) | {p + 10000 for p in avoid}
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randint(10000, max(top, 10001))
+        wanted = (port, port + 10000) if bus else (port,)
+        if any(w in taken or w > 65535 for w in wanted):
+            continue
+        if all(_bindable(w) for w in wanted):
             return port
-        if port + 10000 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-    raise RedisUnavailableError("no free loopback port pair for a cluster node")
+    raise RedisUnavailableError("no free loopback port" + (" pair for a cluster node" if bus else ""))
 
 
 def ping(port: int, timeout_s: float = 0.5) -> bool:
@@ -76,15 +110,22 @@ class RedisServer:
 
     Args:
         workdir: directory for its files (``--dir``) and its log (``redis-<port>.log``).
-        port: the port (None: a free one).
+        port: the port (None: a free one, see :func:`free_port`; if the server still finds it
+            taken at its first start, it is started again on another free port, up to 5 times).
         args: extra ``redis-server`` arguments.
+        bus: with an automatic port, port + 10000 is kept free too (a cluster node's bus).
+        avoid: with an automatic port, ports promised to other servers of the same caller.
     """
 
-    def __init__(self, workdir: str | os.PathLike, port: int | None = None, args: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: str | os.PathLike, port: int | None = None, args: tuple[str, ...] = (),
+                 bus: bool = False, avoid: frozenset[int] | set[int] = frozenset()) -> None:
         self.server_bin, self.cli_bin = redis_binaries()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self._bus = bus
+        self.avoid = frozenset(avoid)
+        self._port_chosen_here = port is None
+        self.port = port or free_port(bus, self.avoid)
         self.args = tuple(args)
         self.proc: subprocess.Popen | None = None
 
@@ -92,22 +133,43 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
         """Start the process and wait until it answers PING.
 
+        A restart after :meth:`kill` keeps the port. Only the first start of a server whose port
+        was chosen here moves to another port when the chosen one was taken meanwhile.
+
         Raises:
-            RedisUnavailableError: it exited or did not answer within ``timeout_s``.
+            RedisUnavailableError: it exited (the message quotes its log) or did not answer within
+                ``timeout_s``.
         """
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")
-        cmd = [self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(self.workdir), "--daemonize", "no", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
+        first = self.proc is None
+        for _ in range(5):
+            try:
+                return self._start_once(timeout_s)
+            except _PortTaken:
+                if not (first and self._port_chosen_here):
+                    raise RedisUnavailableError(f"redis-server could not bind port {self.port}: it is in use") from None
+                self.port = free_port(self._bus, self.avoid | {self.port})
+        raise RedisUnavailableError("redis-server found each of 5 free ports taken when it started")
+
+    def _start_once(self, timeout_s: float) -> "RedisServer":
+        with open(self.log_path, "ab") as log:
+            cmd = [self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                   "no", "--dir", str(self.workdir), "--daemonize", "no", *self.args]
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-600:]
+                if "in use" in tail:
+                    raise _PortTaken
                 raise RedisUnavailableError(f"redis-server on port {self.port} exited ({self.proc.returncode}); "
-                                            f"see {self.workdir}/redis-{self.port}.log")
+                                            f"the end of {self.log_path}:\n{tail}")
             if ping(self.port):
                 return self
             time.sleep(0.02)
@@ -146,12 +208,13 @@ class RedisClusterServers:
     """
 
     def __init__(self, workdir: str | os.PathLike, masters: int = 3) -> None:
-        self.nodes = []
+        self.nodes: list[RedisServer] = []
         for i in range(masters):
-            port = free_port(bus=True)
-            self.nodes.append(RedisServer(Path(workdir) / f"node{i}", port,
-                                          ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                                           "--cluster-node-timeout", "2000")))
+            # Each node has its own directory, so the cluster config file can have a fixed name.
+            taken = frozenset(n.port for n in self.nodes)
+            self.nodes.append(RedisServer(Path(workdir) / f"node{i}", None,
+                                          ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                           "--cluster-node-timeout", "2000"), bus=True, avoid=taken))
 
     @property
     def url(self) -> str:
@@ -162,6 +225,7 @@ class RedisClusterServers:
         """Start the nodes, create the cluster, wait for ``cluster_state:ok`` on every node."""
         try:
             for node in self.nodes:
+                node.avoid = frozenset(n.port for n in self.nodes if n is not node)  # as they are now
                 node.start()
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run([self.nodes[0].cli_bin, "--cluster", "create", *addresses, "--cluster-replicas", "0",

@@ -1,0 +1,72 @@
+"""tools/redis_servers.py: the test servers come up on ports nothing else takes meanwhile.
+
+Real redis-server processes (Debian's package, as in the other remote-tier tests); a listening
+socket of the test's own stands in for another program that took the chosen port.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tools.redis_servers import RedisClusterServers, RedisServer, RedisUnavailableError, free_port, ping
+
+
+def _ephemeral_low() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        return int(f.read().split()[0])
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range_and_miss_the_avoided_ones():
+    low = _ephemeral_low()
+    avoid = {free_port(bus=True) for _ in range(5)}
+    for _ in range(200):
+        port = free_port(bus=True, avoid=avoid)
+        assert port + 10000 < low
+        assert not {port, port + 10000} & (avoid | {a + 10000 for a in avoid})
+        assert free_port() < low
+
+
+def _listen(port: int) -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_a_server_whose_chosen_port_was_taken_meanwhile_starts_on_another(tmp_path):
+    server = RedisServer(tmp_path)
+    chosen = server.port
+    squatter = _listen(chosen)
+    try:
+        server.start()
+        assert server.port != chosen
+        assert ping(server.port)
+    finally:
+        server.stop()
+        squatter.close()
+
+
+def test_a_server_given_a_taken_port_says_so(tmp_path):
+    squatter = _listen(free_port())
+    port = squatter.getsockname()[1]
+    try:
+        with pytest.raises(RedisUnavailableError, match=f"could not bind port {port}: it is in use"):
+            RedisServer(tmp_path, port).start()
+    finally:
+        squatter.close()
+
+
+def test_a_cluster_node_whose_bus_port_was_taken_meanwhile_moves(tmp_path):
+    cluster = RedisClusterServers(tmp_path)
+    squatter = _listen(cluster.nodes[1].port + 10000)
+    try:
+        cluster.start()
+        ports = [n.port for n in cluster.nodes]
+        assert squatter.getsockname()[1] - 10000 not in ports
+        assert len(set(ports) | {p + 10000 for p in ports}) == 6
+        assert all("cluster_state:ok" in n.cli("cluster", "info") for n in cluster.nodes)
+    finally:
+        cluster.stop()
+        squatter.close()
