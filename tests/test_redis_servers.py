@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from tools.redis_servers import RedisClusterServers, RedisServer, RedisUnavailableError, free_port, ping
+from tools.redis_servers import RedisClusterServers, RedisServer, RedisUnavailableError, free_port, ping, server_pid
 
 
 def _ephemeral_low() -> int:
@@ -70,3 +70,36 @@ def test_a_cluster_node_whose_bus_port_was_taken_meanwhile_moves(tmp_path):
     finally:
         cluster.stop()
         squatter.close()
+
+
+def test_a_port_held_by_another_redis_server_is_not_taken_for_this_ones(tmp_path):
+    """The other server answers on the port while this one exits for want of it: start() must
+    not return as if this one were up."""
+    other = RedisServer(tmp_path / "other").start()
+    try:
+        with pytest.raises(RedisUnavailableError, match=f"could not bind port {other.port}: it is in use"):
+            RedisServer(tmp_path / "given", other.port).start()
+        mover = RedisServer(tmp_path / "auto")
+        mover.port = other.port  # as if the other server had bound the chosen port first
+        mover.start()
+        try:
+            assert mover.port != other.port
+            assert server_pid(mover.port) == mover.proc.pid
+            assert server_pid(other.port) == other.proc.pid
+        finally:
+            mover.stop()
+    finally:
+        other.stop()
+
+
+def test_a_failed_start_quotes_what_this_start_logged_not_an_earlier_one(tmp_path):
+    squatter = _listen(free_port())
+    port = squatter.getsockname()[1]
+    try:
+        with pytest.raises(RedisUnavailableError, match="in use"):
+            RedisServer(tmp_path, port).start()  # its log now says the port was in use
+    finally:
+        squatter.close()
+    with pytest.raises(RedisUnavailableError, match="maxmemory") as caught:
+        RedisServer(tmp_path, port, args=("--maxmemory", "lots")).start()
+    assert "in use" not in str(caught.value)

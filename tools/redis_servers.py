@@ -8,7 +8,8 @@ signal and started again on the same port. :class:`RedisClusterServers` runs thr
 ``--cluster-enabled yes`` and joins them with ``redis-cli --cluster create`` into a 3-master
 cluster (no replicas), all 16384 slots covered.
 
-Readiness is checked with a raw ``PING`` over a socket (no client library needed here).
+Readiness is checked over a raw socket (no client library needed here): the server answering
+``INFO server`` on the port must report the child's own process ID.
 Every process started is stopped by :meth:`stop` (SIGTERM, then SIGKILL after 5 s).
 """
 
@@ -23,7 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["RedisClusterServers", "RedisServer", "RedisUnavailableError", "free_port", "redis_binaries"]
+__all__ = ["RedisClusterServers", "RedisServer", "RedisUnavailableError", "free_port", "ping", "redis_binaries",
+           "server_pid"]
 
 
 class RedisUnavailableError(RuntimeError):
@@ -105,6 +107,25 @@ def ping(port: int, timeout_s: float = 0.5) -> bool:
     return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
 
 
+def server_pid(port: int, timeout_s: float = 0.5) -> int | None:
+    """The process ID of the server answering on ``127.0.0.1:port`` (``INFO server``'s
+    ``process_id``), or None when none answers or it asks for a password."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(b"INFO server\r\n")
+            reply = b""
+            while True:
+                piece = s.recv(4096)
+                if not piece or (reply + piece).startswith(b"-"):  # closed, or an error such as NOAUTH
+                    return None
+                reply += piece
+                _, found, rest = reply.partition(b"process_id:")
+                if found and b"\r\n" in rest:
+                    return int(rest.split(b"\r\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+
+
 class RedisServer:
     """One ``redis-server`` child process on ``127.0.0.1:port``.
 
@@ -158,6 +179,9 @@ class RedisServer:
         raise RedisUnavailableError("redis-server found each of 5 free ports taken when it started")
 
     def _start_once(self, timeout_s: float) -> "RedisServer":
+        # The server answering on the port must be this process: another server that holds the
+        # port would answer PING while this one exits for want of it.
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             cmd = [self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                    "no", "--dir", str(self.workdir), "--daemonize", "no", *self.args]
@@ -165,12 +189,14 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-600:]
-                if "in use" in tail:
+                with open(self.log_path, "rb") as log:
+                    log.seek(log_start)
+                    said = log.read().decode(errors="replace")
+                if "in use" in said:
                     raise _PortTaken
                 raise RedisUnavailableError(f"redis-server on port {self.port} exited ({self.proc.returncode}); "
-                                            f"the end of {self.log_path}:\n{tail}")
-            if ping(self.port):
+                                            f"it wrote to {self.log_path}:\n{said[-600:]}")
+            if server_pid(self.port) == self.proc.pid:
                 return self
             time.sleep(0.02)
         self.stop()
