@@ -7,9 +7,12 @@ that holds the store open is a real subprocess; the command runs as a subprocess
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -139,25 +142,31 @@ def test_clear_refuses_paths_without_a_store(tmp_path):
         clear_store(foreign / "notes.txt")
 
 
-def test_clear_recreates_a_damaged_store_unless_another_process_has_it_open(full_store):
-    """A truncated data.mdb cannot be opened; clear removes the files and creates an empty
-    store (the recorded budget was in the lost pages: the default one) when no other process
-    holds the store's open lock, and refuses, removing nothing, while one does."""
+@pytest.mark.parametrize("damage", ["truncated", "meta pages"])
+def test_clear_recreates_a_damaged_store_unless_another_process_has_it_open(full_store, damage):
+    """A truncated data.mdb, or one whose LMDB meta pages are overwritten, cannot be opened;
+    clear removes the files and creates an empty store (the recorded budget was in the lost
+    pages: the default one) when no other process holds the store's open lock, and refuses,
+    removing nothing, while one does."""
     path = full_store
     data = (path / "data.mdb").read_bytes()
-    (path / "data.mdb").write_bytes(data[: len(data) // 3])
+    if damage == "truncated":
+        damaged = data[: len(data) // 3]
+    else:
+        damaged = b"\xff" * (2 * mmap.PAGESIZE) + data[2 * mmap.PAGESIZE:]
+    (path / "data.mdb").write_bytes(damaged)
     with pytest.raises(StoreDamagedError):
         FragmentStore(path)
     holder = OpenLock(path)  # another open file description: flock(2) locks conflict as between processes
     try:
-        with pytest.raises(StoreBusyError, match="truncated.*another process has it open"):
+        with pytest.raises(StoreBusyError, match=f"{damage}.*another process has it open"):
             clear_store(path)
-        assert (path / "data.mdb").stat().st_size == len(data) // 3 and (path / SIDECAR_HNSW).exists()
+        assert (path / "data.mdb").read_bytes() == damaged and (path / SIDECAR_HNSW).exists()
     finally:
         holder.close()
     result = clear_store(path)
     assert result.erased_files is True and "damaged" in result.reason
-    assert result.bytes_before == len(data) // 3 and result.fragments_removed == 0
+    assert result.bytes_before == len(damaged) and result.fragments_removed == 0
     assert result.files_removed == [SIDECAR_HNSW, SIDECAR_JSON, "data.mdb", "lock.mdb"]
     assert SECRET.encode() not in (path / "data.mdb").read_bytes()
     with FragmentStore(path) as store:
@@ -221,3 +230,38 @@ def test_clear_command_asks_on_a_terminal(full_store, answer, code, left):
         assert out.startswith(f"cleared {path}: {N} fragments removed;") and "files erased" in out
     else:
         assert out == "" and f"not cleared: {path} left as it was" in err
+
+
+_CLEAR_AS_ANOTHER_USER = """
+import os, sys
+from edgesync_store.commands.clear import clear_store
+from edgesync_store.errors import StoreOpenError
+if os.geteuid() == 0:  # root reads any directory: become nobody
+    os.setgid(65534)
+    os.setuid(65534)
+try:
+    clear_store(sys.argv[1])
+except StoreOpenError as exc:
+    print(exc)
+"""
+
+
+def test_clear_refuses_a_store_directory_it_cannot_read_by_name(tmp_path):
+    """A store directory without read permission (mode 000; the child process drops root):
+    refused as unreadable, not as 'no store', and nothing is removed."""
+    base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
+    path = base / "store"
+    try:
+        os.chmod(base, 0o755)
+        FragmentStore(path).close()
+        files = sorted(p.name for p in path.iterdir())
+        os.chmod(path, 0)
+        child = subprocess.run([sys.executable, "-c", _CLEAR_AS_ANOTHER_USER, str(path)], capture_output=True,
+                               text=True, cwd=ROOT, timeout=120)
+        os.chmod(path, 0o700)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.strip() == f"store path {path}: cannot be read (permission denied)"
+        assert sorted(p.name for p in path.iterdir()) == files
+    finally:
+        os.chmod(path, 0o700)
+        shutil.rmtree(base)

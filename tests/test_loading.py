@@ -11,7 +11,15 @@ question.
 
 from __future__ import annotations
 
+import json
 import logging
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from llama_counts import chat
@@ -96,15 +104,26 @@ def test_open_store_takes_the_configured_compression(tmp_path):
         assert plain.compression == "none" and plain.serves_in_place
 
 
-def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, tmp_path, caplog):
-    """A truncated data.mdb: EdgeSync opens no store (one warning naming the clear command),
-    answers exactly as uncached, and leaves the file as it was."""
+def _truncated(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _meta_pages_overwritten(data: bytes) -> bytes:
+    """Both LMDB meta pages (the file's first two pages, LMDB's page size being the OS's) overwritten."""
+    return bytes(range(256)) * (2 * mmap.PAGESIZE // 256) + data[2 * mmap.PAGESIZE:]
+
+
+@pytest.mark.parametrize("damage", [_truncated, _meta_pages_overwritten])
+def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, tmp_path, caplog, damage):
+    """A truncated data.mdb, or one whose meta pages are unreadable: EdgeSync opens no store
+    (one warning naming the clear command), answers exactly as uncached, and leaves the file as
+    it was."""
     m = chat(system_prompts[1], "How do I reset my password?")
     path = tmp_path / "store"
     with FragmentStore(path) as store:
         EdgeSync(adapter, store=store, config=config()).generate(m, max_tokens=MAX_TOKENS)
-    data = (path / "data.mdb").read_bytes()
-    (path / "data.mdb").write_bytes(data[: len(data) // 2])
+    damaged = damage((path / "data.mdb").read_bytes())
+    (path / "data.mdb").write_bytes(damaged)
     with caplog.at_level(logging.WARNING):
         es = EdgeSync(adapter, store=str(path), config=config())
     try:
@@ -117,4 +136,49 @@ def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_pro
         es.close()
     reference = EdgeSync(adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
     assert got.tokens == reference.tokens and got.tokens_reused == 0
-    assert (path / "data.mdb").read_bytes() == data[: len(data) // 2]
+    assert (path / "data.mdb").read_bytes() == damaged
+
+
+_OPEN_AS_ANOTHER_USER = """
+import json, logging, os, sys
+from pathlib import Path
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.loading import open_store
+warnings = []
+class Kept(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger().addHandler(Kept())
+cfg = EdgeSyncConfig.load({})
+if os.geteuid() == 0:  # root reads any directory: become nobody
+    os.setgid(65534)
+    os.setuid(65534)
+store = open_store(Path(sys.argv[1]), cfg)
+print(json.dumps({"store": store is not None, "warnings": warnings}))
+"""
+
+
+@pytest.mark.parametrize("closed", ["store", "parent"])
+def test_a_store_directory_we_cannot_read_is_served_uncached_with_one_warning(closed):
+    """A store directory without read permission, or inside a directory we may not enter (mode
+    000; the child process drops root, which reads anything): no store, one warning that says
+    so, no exception."""
+    base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
+    try:
+        os.chmod(base, 0o755)
+        path = base / "parent" / "store"
+        FragmentStore(path).close()
+        os.chmod(path.parent, 0o755)
+        os.chmod(path if closed == "store" else path.parent, 0)
+        child = subprocess.run([sys.executable, "-c", _OPEN_AS_ANOTHER_USER, str(path)], capture_output=True,
+                               text=True, timeout=120, env={**os.environ, "EDGESYNC_STORE": str(path)})
+    finally:
+        for opened in (path.parent, path):  # the parent first, so that the store can be reached
+            if os.path.lexists(opened):
+                os.chmod(opened, 0o700)
+        shutil.rmtree(base)
+    assert child.returncode == 0, child.stderr
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    assert got["store"] is False
+    assert len(got["warnings"]) == 1
+    assert f"cannot read the store directory {path}: permission denied" in got["warnings"][0]

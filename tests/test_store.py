@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import stat
 import subprocess
@@ -1305,10 +1306,15 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
         (good / "data.mdb").write_bytes(data[:size])
         with pytest.raises(StoreDamagedError, match=rf"data.mdb is truncated to {size} bytes, inside LMDB's meta"):
             FragmentStore(good)
+    overwritten = bytes(2 * mmap.PAGESIZE) + data[2 * mmap.PAGESIZE:]  # both meta pages zeroed
+    (good / "data.mdb").write_bytes(overwritten)
+    with pytest.raises(StoreDamagedError, match="data.mdb's LMDB meta pages are unreadable"):
+        FragmentStore(good)  # a store was opened here before (pins.lock): its header is damaged
+    assert (good / "data.mdb").read_bytes() == overwritten
     other = tmp_path / "other"
     other.mkdir()
     (other / "data.mdb").write_bytes(b"not lmdb" * 4096)  # someone else's file: refused, not called damaged
-    with pytest.raises(StoreOpenError, match="cannot open the store") as refused:
+    with pytest.raises(StoreOpenError, match="cannot open the store at .*: data.mdb is not an LMDB file") as refused:
         FragmentStore(other)
     assert not isinstance(refused.value, StoreDamagedError)
     assert (other / "data.mdb").read_bytes() == b"not lmdb" * 4096

@@ -88,7 +88,7 @@ def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
         log.warning("fragment store damaged, serving uncached: %s", exc)
         return None
     except StoreUnavailableError as exc:
-        if not (path / "data.mdb").exists():
+        if not _has_data_file(path):
             log.warning("fragment store unavailable, serving uncached: %s", exc)
             return None
         log.warning("fragment store %s cannot be written (%s); serving from it read-only", path, exc)
@@ -97,6 +97,13 @@ def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
     except (StoreOpenError, StoreIOError, OSError) as exc:
         log.warning("fragment store unavailable, serving uncached: %s", exc)
         return None
+
+
+def _has_data_file(path: Path) -> bool:
+    try:
+        return (path / "data.mdb").exists()
+    except OSError:  # a directory we may not read
+        return False
 
 
 def warm_up(adapter, store: "FragmentBackend | None") -> int:

@@ -22,7 +22,8 @@ bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
 A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
 ``data.mdb`` opens as a new, empty store.
 
-A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open safely)
+A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open safely, or
+one whose meta pages are unreadable)
 is never opened: with the exclusive lock taken the same way, its files are removed and an empty
 store (default budget) created; while another process has it open, nothing is done.
 
@@ -88,7 +89,8 @@ def check_store_path(path: str | os.PathLike) -> Path:
 
     Raises:
         StoreNotFoundError: nothing exists at ``path`` (a ``FileNotFoundError``).
-        StoreOpenError: ``path`` is empty, is not a directory, or holds no ``data.mdb``.
+        StoreOpenError: ``path`` is empty, is not a directory, cannot be read, or holds no
+            ``data.mdb``.
     """
     if not str(path).strip():
         raise StoreOpenError("store path: is empty")
@@ -97,6 +99,8 @@ def check_store_path(path: str | os.PathLike) -> Path:
         raise StoreNotFoundError(f"no store at {path}")
     if not path.is_dir():
         raise StoreOpenError(f"store path {path}: exists and is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise StoreOpenError(f"store path {path}: cannot be read (permission denied)")
     if not (path / "data.mdb").is_file():
         raise StoreOpenError(f"no EdgeSync store at {path} (no data.mdb)")
     return path

@@ -99,13 +99,20 @@ def prepare_dir(path: Path, readonly: bool) -> None:
     Raises:
         StoreOpenError: the path is not UTF-8, a file, a non-empty directory without a
             store, or (read-only) holds no store.
-        StoreUnavailableError: the directory cannot be created.
+        StoreUnavailableError: the directory cannot be created, or cannot be read (permission).
     """
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         raise StoreOpenError(f"store path {path!r}: is not valid UTF-8 (LMDB needs it)") from None
-    if path.exists() and not path.is_dir():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+        readable = not is_dir or os.access(path, os.R_OK | os.X_OK)
+    except PermissionError:  # a parent directory we may not enter
+        readable = False
+    if not readable:
+        raise StoreUnavailableError(f"cannot read the store directory {path}: permission denied")
+    if exists and not is_dir:
         raise StoreOpenError(f"store path {path}: exists and is not a directory")
     if path.is_dir() and not (path / "data.mdb").exists():
         others = [p.name for p in path.iterdir()
@@ -148,7 +155,9 @@ class LmdbEnv:
             (readers then take heads from the blobs: ``codec.peek`` reads either).
 
     Raises:
-        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages.
+        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages, or they are unreadable
+            in a directory where an EdgeSync store was opened before (it holds ``pins.lock``).
+        StoreOpenError: ``data.mdb`` is not an LMDB file (and no store was opened here before).
         StoreUnavailableError: LMDB refused to open the environment.
     """
 
@@ -175,7 +184,12 @@ class LmdbEnv:
                 # be read, so it is damaged, not foreign
                 raise StoreDamagedError(self.path, f"data.mdb is truncated to {size} bytes, inside LMDB's meta "
                                                    "pages") from None
-            raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
+            if (self.path / PINS_LOCK_NAME).exists():
+                # pins.lock is created only after a successful open (FragmentStore): this
+                # directory held an EdgeSync store, whose meta pages are now unreadable
+                raise StoreDamagedError(self.path, f"data.mdb's LMDB meta pages are unreadable ({exc})") from None
+            raise StoreOpenError(f"cannot open the store at {self.path}: data.mdb is not an LMDB file "
+                                 f"({exc})") from None
         except lmdb.Error as exc:
             raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
 
