@@ -246,22 +246,28 @@ except StoreOpenError as exc:
 """
 
 
-def test_clear_refuses_a_store_directory_it_cannot_read_by_name(tmp_path):
-    """A store directory without read permission (mode 000; the child process drops root):
-    refused as unreadable, not as 'no store', and nothing is removed."""
+@pytest.mark.parametrize("closed", ["store", "parent"])
+def test_clear_refuses_a_store_directory_it_cannot_read_by_name(closed):
+    """A store directory without read permission, or inside a directory we may not enter (mode
+    000; the child process drops root): refused as unreadable, not as 'no store', and nothing
+    is removed."""
     base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
-    path = base / "store"
+    path = base / "parent" / "store"
     try:
         os.chmod(base, 0o755)
         FragmentStore(path).close()
+        os.chmod(path.parent, 0o755)
         files = sorted(p.name for p in path.iterdir())
-        os.chmod(path, 0)
+        os.chmod(path if closed == "store" else path.parent, 0)
         child = subprocess.run([sys.executable, "-c", _CLEAR_AS_ANOTHER_USER, str(path)], capture_output=True,
                                text=True, cwd=ROOT, timeout=120)
+        os.chmod(path.parent, 0o700)
         os.chmod(path, 0o700)
         assert child.returncode == 0, child.stderr
         assert child.stdout.strip() == f"store path {path}: cannot be read (permission denied)"
         assert sorted(p.name for p in path.iterdir()) == files
     finally:
-        os.chmod(path, 0o700)
+        for opened in (path.parent, path):  # the parent first, so that the store can be reached
+            if os.path.lexists(opened):
+                os.chmod(opened, 0o700)
         shutil.rmtree(base)

@@ -1318,6 +1318,11 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
         FragmentStore(other)
     assert not isinstance(refused.value, StoreDamagedError)
     assert (other / "data.mdb").read_bytes() == b"not lmdb" * 4096
+    (other / "data.mdb").write_bytes(b"my notes\n")  # shorter than LMDB's meta pages, yet not a cut store
+    with pytest.raises(StoreOpenError, match="data.mdb is not an LMDB file") as refused:
+        FragmentStore(other)
+    assert not isinstance(refused.value, StoreDamagedError)
+    assert (other / "data.mdb").read_bytes() == b"my notes\n"
 
 
 # -- the storage seam -------------------------------------------------------------------------

@@ -95,12 +95,17 @@ def check_store_path(path: str | os.PathLike) -> Path:
     if not str(path).strip():
         raise StoreOpenError("store path: is empty")
     path = Path(path).expanduser()
-    if not path.exists():
-        raise StoreNotFoundError(f"no store at {path}")
-    if not path.is_dir():
-        raise StoreOpenError(f"store path {path}: exists and is not a directory")
-    if not os.access(path, os.R_OK | os.X_OK):
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+        readable = not is_dir or os.access(path, os.R_OK | os.X_OK)
+    except PermissionError:  # a parent directory we may not enter
+        readable = False
+    if not readable:
         raise StoreOpenError(f"store path {path}: cannot be read (permission denied)")
+    if not exists:
+        raise StoreNotFoundError(f"no store at {path}")
+    if not is_dir:
+        raise StoreOpenError(f"store path {path}: exists and is not a directory")
     if not (path / "data.mdb").is_file():
         raise StoreOpenError(f"no EdgeSync store at {path} (no data.mdb)")
     return path

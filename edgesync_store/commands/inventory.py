@@ -24,7 +24,7 @@ from typing import Any
 
 from edgesync_store.commands.units import format_bytes
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.errors import StoreNotFoundError
+from edgesync_store.errors import StoreNotFoundError, StoreOpenError
 from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, LIFETIME_SHORT
 
 __all__ = [
@@ -183,11 +183,16 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
 
     Raises:
         StoreNotFoundError: no directory at ``path`` (it is not created).
-        StoreOpenError: the directory holds no EdgeSync store.
+        StoreOpenError: the directory holds no EdgeSync store, or cannot be read.
+        StoreUnavailableError: the directory cannot be read (permission).
         lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
     """
     path = Path(path).expanduser()
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except PermissionError:  # a parent directory we may not enter
+        raise StoreOpenError(f"store path {path}: cannot be read (permission denied)") from None
+    if not is_dir:
         raise StoreNotFoundError(f"no store at {path}")
     return FragmentStore(path, readonly=True)
 

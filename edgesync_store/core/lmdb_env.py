@@ -155,7 +155,7 @@ class LmdbEnv:
             (readers then take heads from the blobs: ``codec.peek`` reads either).
 
     Raises:
-        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages, or they are unreadable
+        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages, or they are unreadable,
             in a directory where an EdgeSync store was opened before (it holds ``pins.lock``).
         StoreOpenError: ``data.mdb`` is not an LMDB file (and no store was opened here before).
         StoreUnavailableError: LMDB refused to open the environment.
@@ -179,14 +179,12 @@ class LmdbEnv:
                              max_readers=256)
         except lmdb.InvalidError as exc:
             size = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
-            if 0 < size < 2 * mmap.PAGESIZE:
-                # cut inside LMDB's two meta pages (mdb.c: mdb_env_read_header): nothing of it can
-                # be read, so it is damaged, not foreign
-                raise StoreDamagedError(self.path, f"data.mdb is truncated to {size} bytes, inside LMDB's meta "
-                                                   "pages") from None
+            # pins.lock is created only after a successful open (FragmentStore): only then did
+            # this directory hold an EdgeSync store, which is damaged; else the file is foreign
             if (self.path / PINS_LOCK_NAME).exists():
-                # pins.lock is created only after a successful open (FragmentStore): this
-                # directory held an EdgeSync store, whose meta pages are now unreadable
+                if 0 < size < 2 * mmap.PAGESIZE:  # cut inside LMDB's two meta pages (mdb.c: mdb_env_read_header)
+                    raise StoreDamagedError(self.path, f"data.mdb is truncated to {size} bytes, inside LMDB's "
+                                                       "meta pages") from None
                 raise StoreDamagedError(self.path, f"data.mdb's LMDB meta pages are unreadable ({exc})") from None
             raise StoreOpenError(f"cannot open the store at {self.path}: data.mdb is not an LMDB file "
                                  f"({exc})") from None
