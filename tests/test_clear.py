@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
+from unreadable_store import BECOME_NOBODY, run_on_unreadable_store
 
 from edgesync_store.commands.clear import clear_store
 from edgesync_store.commands.inventory import StoreNotFoundError
@@ -233,12 +232,10 @@ def test_clear_command_asks_on_a_terminal(full_store, answer, code, left):
 
 
 _CLEAR_AS_ANOTHER_USER = """
-import os, sys
+import sys
 from edgesync_store.commands.clear import clear_store
 from edgesync_store.errors import StoreOpenError
-if os.geteuid() == 0:  # root reads any directory: become nobody
-    os.setgid(65534)
-    os.setuid(65534)
+""" + BECOME_NOBODY + """
 try:
     clear_store(sys.argv[1])
 except StoreOpenError as exc:
@@ -248,26 +245,9 @@ except StoreOpenError as exc:
 
 @pytest.mark.parametrize("closed", ["store", "parent"])
 def test_clear_refuses_a_store_directory_it_cannot_read_by_name(closed):
-    """A store directory without read permission, or inside a directory we may not enter (mode
-    000; the child process drops root): refused as unreadable, not as 'no store', and nothing
-    is removed."""
-    base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
-    path = base / "parent" / "store"
-    try:
-        os.chmod(base, 0o755)
-        FragmentStore(path).close()
-        os.chmod(path.parent, 0o755)
-        files = sorted(p.name for p in path.iterdir())
-        os.chmod(path if closed == "store" else path.parent, 0)
-        child = subprocess.run([sys.executable, "-c", _CLEAR_AS_ANOTHER_USER, str(path)], capture_output=True,
-                               text=True, cwd=ROOT, timeout=120)
-        os.chmod(path.parent, 0o700)
-        os.chmod(path, 0o700)
-        assert child.returncode == 0, child.stderr
-        assert child.stdout.strip() == f"store path {path}: cannot be read (permission denied)"
-        assert sorted(p.name for p in path.iterdir()) == files
-    finally:
-        for opened in (path.parent, path):  # the parent first, so that the store can be reached
-            if os.path.lexists(opened):
-                os.chmod(opened, 0o700)
-        shutil.rmtree(base)
+    """A store directory without read permission, or inside a directory we may not enter:
+    refused as unreadable, not as 'no store', and nothing is removed (the store was not
+    cleared: clear_store raised)."""
+    path, child = run_on_unreadable_store(closed, _CLEAR_AS_ANOTHER_USER)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == f"store path {path}: cannot be read (permission denied)"

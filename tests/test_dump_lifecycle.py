@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
+from unreadable_store import BECOME_NOBODY, run_on_unreadable_store
 
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.inventory import fragment_rows, render_table, render_tier_table, tier_summary
@@ -228,11 +226,9 @@ def test_summary_of_missing_store_exits_2_and_creates_nothing(tmp_path):
 
 
 _DUMP_AS_ANOTHER_USER = """
-import io, os, sys
+import io, sys
 from edgesync_store.commands.dump import print_dump
-if os.geteuid() == 0:  # root reads any directory: become nobody
-    os.setgid(65534)
-    os.setuid(65534)
+""" + BECOME_NOBODY + """
 err = io.StringIO()
 status = print_dump(sys.argv[1], summary_only=True, as_json=True, err=err)
 print(status, err.getvalue().strip())
@@ -241,25 +237,11 @@ print(status, err.getvalue().strip())
 
 @pytest.mark.parametrize("closed", ["store", "parent"])
 def test_dump_of_a_store_it_cannot_read_exits_2_naming_it(closed):
-    """A store directory without read permission, or inside a directory we may not enter (mode
-    000; the child process drops root, which reads anything): status 2 and one line that says so."""
-    base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
-    path = base / "parent" / "store"
-    try:
-        os.chmod(base, 0o755)
-        FragmentStore(path).close()
-        os.chmod(path.parent, 0o755)
-        os.chmod(path if closed == "store" else path.parent, 0)
-        child = subprocess.run([sys.executable, "-c", _DUMP_AS_ANOTHER_USER, str(path)], capture_output=True,
-                               text=True, cwd=ROOT, timeout=120)
-    finally:
-        for opened in (path.parent, path):  # the parent first, so that the store can be reached
-            if os.path.lexists(opened):
-                os.chmod(opened, 0o700)
-        shutil.rmtree(base)
+    """A store directory without read permission, or inside a directory we may not enter:
+    status 2 and one line that says so."""
+    path, child = run_on_unreadable_store(closed, _DUMP_AS_ANOTHER_USER)
     assert child.returncode == 0, child.stderr
     status, message = child.stdout.strip().split(" ", 1)
     assert status == "2"
     assert message.startswith("error: ") and str(path) in message and "read" in message
-    assert "permission denied" in message
-    assert "Errno" not in message
+    assert "permission denied" in message and "Errno" not in message

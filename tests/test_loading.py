@@ -14,15 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 from llama_counts import chat
+from unreadable_store import BECOME_NOBODY, run_on_unreadable_store
 
 from edgesync_engines.adapters import state_buffer
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
@@ -140,7 +135,7 @@ def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_pro
 
 
 _OPEN_AS_ANOTHER_USER = """
-import json, logging, os, sys
+import json, logging, sys
 from pathlib import Path
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.loading import open_store
@@ -150,9 +145,7 @@ class Kept(logging.Handler):
         warnings.append(record.getMessage())
 logging.getLogger().addHandler(Kept())
 cfg = EdgeSyncConfig.load({})
-if os.geteuid() == 0:  # root reads any directory: become nobody
-    os.setgid(65534)
-    os.setuid(65534)
+""" + BECOME_NOBODY + """
 store = open_store(Path(sys.argv[1]), cfg)
 print(json.dumps({"store": store is not None, "warnings": warnings}))
 """
@@ -160,23 +153,9 @@ print(json.dumps({"store": store is not None, "warnings": warnings}))
 
 @pytest.mark.parametrize("closed", ["store", "parent"])
 def test_a_store_directory_we_cannot_read_is_served_uncached_with_one_warning(closed):
-    """A store directory without read permission, or inside a directory we may not enter (mode
-    000; the child process drops root, which reads anything): no store, one warning that says
-    so, no exception."""
-    base = Path(tempfile.mkdtemp())  # not under pytest's tmp_path: its parents are private to root
-    try:
-        os.chmod(base, 0o755)
-        path = base / "parent" / "store"
-        FragmentStore(path).close()
-        os.chmod(path.parent, 0o755)
-        os.chmod(path if closed == "store" else path.parent, 0)
-        child = subprocess.run([sys.executable, "-c", _OPEN_AS_ANOTHER_USER, str(path)], capture_output=True,
-                               text=True, timeout=120, env={**os.environ, "EDGESYNC_STORE": str(path)})
-    finally:
-        for opened in (path.parent, path):  # the parent first, so that the store can be reached
-            if os.path.lexists(opened):
-                os.chmod(opened, 0o700)
-        shutil.rmtree(base)
+    """A store directory without read permission, or inside a directory we may not enter: no
+    store, one warning that says so, no exception."""
+    path, child = run_on_unreadable_store(closed, _OPEN_AS_ANOTHER_USER)
     assert child.returncode == 0, child.stderr
     got = json.loads(child.stdout.strip().splitlines()[-1])
     assert got["store"] is False

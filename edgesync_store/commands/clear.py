@@ -37,7 +37,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgesync_store.core.lmdb_env import fsync_dir
+from edgesync_store.core.lmdb_env import fsync_dir, path_state
 from edgesync_store.core.locks import OpenLock
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreBusyError, StoreDamagedError, StoreNotFoundError, StoreOpenError
@@ -95,11 +95,7 @@ def check_store_path(path: str | os.PathLike) -> Path:
     if not str(path).strip():
         raise StoreOpenError("store path: is empty")
     path = Path(path).expanduser()
-    try:
-        exists, is_dir = path.exists(), path.is_dir()
-        readable = not is_dir or os.access(path, os.R_OK | os.X_OK)
-    except PermissionError:  # a parent directory we may not enter
-        readable = False
+    exists, is_dir, readable = path_state(path)
     if not readable:
         raise StoreOpenError(f"store path {path}: cannot be read (permission denied)")
     if not exists:

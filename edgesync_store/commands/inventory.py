@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgesync_store.commands.units import format_bytes
+from edgesync_store.core.lmdb_env import path_state
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreNotFoundError, StoreOpenError
 from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, LIFETIME_SHORT
@@ -188,10 +189,9 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
         lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
     """
     path = Path(path).expanduser()
-    try:
-        is_dir = path.is_dir()
-    except PermissionError:  # a parent directory we may not enter
-        raise StoreOpenError(f"store path {path}: cannot be read (permission denied)") from None
+    _, is_dir, readable = path_state(path)
+    if not readable:
+        raise StoreOpenError(f"store path {path}: cannot be read (permission denied)")
     if not is_dir:
         raise StoreNotFoundError(f"no store at {path}")
     return FragmentStore(path, readonly=True)

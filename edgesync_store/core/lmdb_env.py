@@ -93,6 +93,17 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def path_state(path: Path) -> tuple[bool, bool, bool]:
+    """``(exists, is_dir, readable)`` of a store path, without raising: ``readable`` is False
+    for a directory we may not list or enter, or a path inside a directory we may not enter
+    (then the other two are False)."""
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except PermissionError:  # a parent directory we may not enter
+        return False, False, False
+    return exists, is_dir, not is_dir or os.access(path, os.R_OK | os.X_OK)
+
+
 def prepare_dir(path: Path, readonly: bool) -> None:
     """Check that ``path`` can hold a store and create it (mode 0700) when missing and writable.
 
@@ -105,11 +116,7 @@ def prepare_dir(path: Path, readonly: bool) -> None:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         raise StoreOpenError(f"store path {path!r}: is not valid UTF-8 (LMDB needs it)") from None
-    try:
-        exists, is_dir = path.exists(), path.is_dir()
-        readable = not is_dir or os.access(path, os.R_OK | os.X_OK)
-    except PermissionError:  # a parent directory we may not enter
-        readable = False
+    exists, is_dir, readable = path_state(path)
     if not readable:
         raise StoreUnavailableError(f"cannot read the store directory {path}: permission denied")
     if exists and not is_dir:
