@@ -121,7 +121,7 @@ def prepare_dir(path: Path, readonly: bool) -> None:
         raise StoreUnavailableError(f"cannot read the store directory {path}: permission denied")
     if exists and not is_dir:
         raise StoreOpenError(f"store path {path}: exists and is not a directory")
-    if path.is_dir() and not (path / "data.mdb").exists():
+    if is_dir and not (path / "data.mdb").exists():
         others = [p.name for p in path.iterdir()
                   if p.name not in OWN_FILES and not p.name.startswith(("semantic.", ".reclaim"))]
         if others:
@@ -132,7 +132,7 @@ def prepare_dir(path: Path, readonly: bool) -> None:
             )
     if readonly and not (path / "data.mdb").exists():
         raise StoreOpenError(f"no EdgeSync store at {path}")
-    if not readonly and not path.exists():
+    if not readonly and not exists:
         try:
             path.mkdir(mode=0o700, parents=True)  # a new store is private: it holds prompts
             os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
