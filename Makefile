@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test lint bench setup wheel onnx clean-store clean redis-server
+.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server
 
 setup: $(INSTALL_STAMP)
 
@@ -111,6 +111,11 @@ redis-server:
 # ~/.cache/edgesync/tiny-gguf (under a minute; EDGESYNC_TINY_GGUF_DIR overrides).
 test: onnx $(LLAMA_SDIST) redis-server
 	$(PY) -m pytest -q tests
+
+# The fast layer: every test that needs no model, no server and no Redis (markers in
+# pyproject.toml), under a minute on 2 cores.
+test-fast: $(INSTALL_STAMP)
+	$(PY) -m pytest -q -m "not model and not server and not redis" tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
 # cycle, no underscore name used across modules, no lmdb in edgesync_engines, module and

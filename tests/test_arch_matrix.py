@@ -118,6 +118,7 @@ def observe_refusal(adapter: LlamaCppAdapter, config: EdgeSyncConfig, prompts, s
     return arch_matrix.REFUSED + adapter.cache_refusal
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("row", arch_matrix.ROWS, ids=[r.name for r in arch_matrix.ROWS])
 def test_architecture_outcome(row, ggufs, config, prompts, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger=ADAPTER_LOG)
@@ -141,6 +142,7 @@ def test_architecture_outcome(row, ggufs, config, prompts, tmp_path, caplog):
         assert warnings == []
 
 
+@pytest.mark.model
 def test_models_are_cached_and_keyed_by_config(ggufs):
     """A second build finds the same file; another config or seed is another file."""
     import dataclasses

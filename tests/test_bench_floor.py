@@ -125,6 +125,7 @@ def test_launcher_measures_the_childs_own_peak_rss(tmp_path):
     assert 120e6 < usage["maxrss_kib"] * 1024 < 300e6
 
 
+@pytest.mark.model
 def test_one_small_run_on_the_real_model(tmp_path, monkeypatch):
     """Two seed prompts (one a miss, one a partial hit of the first's system prompt), two
     interleaved rounds of exact hits with the floor after each, one new prompt asked four times

@@ -72,6 +72,7 @@ def test_bench_refuses_a_bad_model_or_kv_type_in_one_line(tmp_path, argv, messag
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.model
 def test_workers_run_gemma3_when_told(tmp_path, system_prompts):
     """--model reaches every kind of system: no cache and EdgeSync on Gemma 3 answer alike, the
     stats name the model and its KV size; EdgeSync either caches it (a second identical
@@ -94,6 +95,7 @@ def test_workers_run_gemma3_when_told(tmp_path, system_prompts):
         assert ram.answer(prompt, max_tokens=4).tokens == ref[0]["tokens"]
 
 
+@pytest.mark.model
 def test_kv_type_reaches_the_peers_and_edgesyncs_setting(tmp_path, prompt):
     """--kv-type q8_0: no cache runs a q8_0 context; EdgeSync gets EDGESYNC_KV_TYPE=q8_0 and
     runs it when it knows the setting (then its cold and hit answers equal no cache's q8_0

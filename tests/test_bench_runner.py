@@ -75,6 +75,7 @@ def seed_prompts():
     return out
 
 
+@pytest.mark.model
 def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
     monkeypatch.setenv("EDGESYNC_THREADS", "1")
     lane = Lane("no-cache", "no-cache", tmp_path / "nc")
@@ -97,6 +98,7 @@ def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
         assert direct.answer(seed_prompts[0], max_tokens=8).tokens == a["answer"]["tokens"]
 
 
+@pytest.mark.model
 def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, seed_prompts):
     """The report's identity column: no cache evaluates the prompt like EdgeSync (last token
     alone), so EdgeSync's cold, hit and uncached answers all equal it."""

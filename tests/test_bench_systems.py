@@ -36,6 +36,7 @@ def test_tier_and_identity_helpers():
     assert len(SYSTEM_NAMES) == 6
 
 
+@pytest.mark.model
 def test_no_cache_never_reuses(prompts, tmp_path, capfd):
     a, b, a2 = _run("no-cache", tmp_path, [prompts[0], prompts[1], prompts[0]])
     assert all(x.tokens_reused == 0 and x.hit is None and x.source is None for x in (a, b, a2))
@@ -45,6 +46,7 @@ def test_no_cache_never_reuses(prompts, tmp_path, capfd):
     assert out == "" and err == ""
 
 
+@pytest.mark.model
 def test_llama_ram_cache_hit_detected(prompts, tmp_path, capfd):
     a, b, a2 = _run("llama-ram", tmp_path, [prompts[0], prompts[1], prompts[0]])
     assert a.hit is None and a.tokens_reused == 0 and a.bytes_read == 0
@@ -58,6 +60,7 @@ def test_llama_ram_cache_hit_detected(prompts, tmp_path, capfd):
     assert out == "" and err == ""
 
 
+@pytest.mark.model
 def test_llama_disk_cache_keeps_one_entry(prompts, tmp_path, capfd):
     """LlamaDiskCache.__getitem__ pops the entry it finds, whether or not _create_completion
     then loads it, so in one process the cache holds only the last request and never loads;
@@ -71,12 +74,14 @@ def test_llama_disk_cache_keeps_one_entry(prompts, tmp_path, capfd):
     assert out == "" and err == ""  # LlamaDiskCache's prints are captured and logged
 
 
+@pytest.mark.model
 def test_naive_string_cache(prompts, tmp_path):
     a, a2 = _run("naive-string", tmp_path, [prompts[0], prompts[0]])
     assert a.hit is None and a2.hit == "exact" and a2.source == "answer"
     assert a2.tokens == a.tokens and a2.tokens_reused == a2.prompt_tokens and a2.ttft_ms < a.ttft_ms
 
 
+@pytest.mark.model
 def test_edgesync_exact_hit(prompts, tmp_path, capfd):
     a, a2 = _run("edgesync", tmp_path, [prompts[0], prompts[0]], config={"semantic": False})
     assert a.hit is None and a2.hit == "exact" and a2.source == "store" and a2.tokens == a.tokens

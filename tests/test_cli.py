@@ -65,6 +65,7 @@ def generated(tmp_path_factory, system_prompt):
     return store, first, second
 
 
+@pytest.mark.model
 def test_generate_json_miss_then_exact(generated):
     _store, first, second = generated
     assert first["prompt_tokens"] >= 300
@@ -81,6 +82,7 @@ def test_generate_json_miss_then_exact(generated):
         assert key in second
 
 
+@pytest.mark.model
 def test_generate_streams_text_and_summary(generated, system_prompt):
     store, first, _ = generated
     proc = _ok(edgesync("generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12"))
@@ -90,6 +92,7 @@ def test_generate_streams_text_and_summary(generated, system_prompt):
     assert f"prompt {first['prompt_tokens']} tokens" in summary and "TTFT" in summary
 
 
+@pytest.mark.model
 def test_generate_context_overflow_exits_2(tmp_path):
     store = tmp_path / "store"
     proc = edgesync("generate", "Hello there, how are you?", "--store", str(store), "--max-tokens", "5000")
@@ -103,6 +106,7 @@ def test_generate_context_overflow_exits_2(tmp_path):
     assert "5000" in line and "4096" in line
 
 
+@pytest.mark.model
 def test_run_seed_json(tmp_path):
     store = tmp_path / "store"
     out = tmp_path / "run.json"
@@ -137,6 +141,7 @@ def test_run_seed_json(tmp_path):
     assert "identical outputs vs uncached" in text and "100.0%" in text and "TTFT p95" in text
 
 
+@pytest.mark.model
 def test_dump_lists_written_fragments(generated):
     store, first, _ = generated
     doc = json.loads(_ok(dump_script(str(store), "--json")).stdout)
@@ -175,6 +180,7 @@ def test_missing_model_and_workload_data_exit_2(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.model
 def test_paths_and_models_that_do_not_work_exit_2_with_one_line(tmp_path):
     """A store path that is a file, and a model file that is not a GGUF: one error line, no
     traceback."""

@@ -63,6 +63,7 @@ def added(tmp_path_factory, rows):
     return store, jsonl, report
 
 
+@pytest.mark.model
 def test_add_stores_each_document_with_its_tokens(added, rows, adapter):
     store, _, report = added
     assert (report["added"], report["already_stored"], report["duplicates"]) == (ROWS, 0, 0)
@@ -88,6 +89,7 @@ def test_add_stores_each_document_with_its_tokens(added, rows, adapter):
         assert doc["id"][:13] not in line and f" {doc['tokens']} " in line and " yes " in line
 
 
+@pytest.mark.model
 def test_second_add_computes_nothing(added):
     store, jsonl, _ = added
     before = store_totals(store)
@@ -98,6 +100,7 @@ def test_second_add_computes_nothing(added):
     assert {d["status"] for d in report["documents"]} == {"stored"}
 
 
+@pytest.mark.model
 def test_bad_input_refuses_before_any_kv(added, rows, tmp_path, adapter):
     store, _, _ = added
     before = store_totals(store)
@@ -134,6 +137,7 @@ def test_bad_input_refuses_before_any_kv(added, rows, tmp_path, adapter):
     assert run_json("docs", "list", "--store", str(store))["count"] == ROWS
 
 
+@pytest.mark.model
 def test_directory_reads_text_files_and_skips_bad_ones(tmp_path):
     notes = tmp_path / "notes"
     (notes / "sub").mkdir(parents=True)
@@ -158,6 +162,7 @@ def test_directory_reads_text_files_and_skips_bad_ones(tmp_path):
     assert status == 2 and "no such file or directory" in err
 
 
+@pytest.mark.model
 def test_remove_by_prefix_then_all(added, adapter):
     store, _, _ = added
     listed = run_json("docs", "list", "--store", str(store))["documents"]

@@ -78,6 +78,7 @@ def test_quantized_kv_converts_to_nothing():
     assert compatible_with(q8, q8).verdict == COMPATIBLE
 
 
+@pytest.mark.model
 def test_gemma3_kv_never_crosses_engines():
     """The real Gemma 3 270M: the ONNX export refuses it (sliding window), so no onnxruntime
     namespace exists for it; whatever llama.cpp records for it converts to no other engine."""

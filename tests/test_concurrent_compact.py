@@ -28,11 +28,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import MIN_SPAN, prefix_hash
+
+pytestmark = [pytest.mark.model]
 
 TESTS = Path(__file__).parent
 COMPACT_FOR_S = 60.0

@@ -70,6 +70,8 @@ from edgesync_store.lifecycle.merge import split_heads, split_layers
 from edgesync_store.lifecycle.reclaim import TMP_NAME
 from edgesync_store.schema import KVFragment, chunk_spans
 
+pytestmark = [pytest.mark.model]
+
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "How do I revise for a chemistry test?"
 CHUNK = 64

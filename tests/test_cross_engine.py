@@ -20,6 +20,8 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 
+pytestmark = [pytest.mark.model]
+
 PREFIX, TOTAL = 128, 200
 
 

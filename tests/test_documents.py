@@ -20,6 +20,8 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from tests.llama_counts import chat, llama_prefilled
 
+pytestmark = [pytest.mark.model]
+
 SYSTEM = "Answer the question using the documents. Reply briefly."
 MAX_TOKENS = 12
 

@@ -150,6 +150,7 @@ def test_a_record_moved_by_compaction_without_a_vector_is_pending_again(store):
     assert pending_generation(store) == before + 1 and unindexed_keys(store) == [long_key]
 
 
+@pytest.mark.model
 def test_embed_unindexed_embeds_each_record_once_and_skips_a_fragment_deleted_meanwhile(store, questions, embedder):
     adapter, config = FakeAdapter(), cfg()
     keys = [store_back(store, adapter, chat(q), config)[0] for q in questions[:20]]
@@ -183,6 +184,7 @@ with FragmentStore(sys.argv[1]) as store:
 """
 
 
+@pytest.mark.model
 def test_two_processes_catch_up_the_same_store_at_once(store, questions):
     """Two processes embed the same 40 pending records at the same time: every record ends up
     with exactly one vector, labels never collide, nothing is left pending."""
@@ -202,6 +204,7 @@ def test_two_processes_catch_up_the_same_store_at_once(store, questions):
     assert set(live.values()) == keys and gone == [] and len(live) == len(keys)
 
 
+@pytest.mark.model
 def test_the_lookup_loads_nothing_until_asked_then_catches_up_and_follows_the_counter(store, questions):
     """A SemanticLookup is created empty; loading it starts the background catch-up; a record
     another process writes later is embedded once a lookup sees the counter move."""

@@ -86,6 +86,7 @@ def st_origins(mock_pairs, st_embedder):
     return st_embedder.encode([o for o, _ in mock_pairs])
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("backend", ["onnx", "sentence-transformers"])
 def test_shapes_dtype_and_unit_rows(backend, mock_pairs, onnx_embedder, st_embedder, onnx_pairs, st_origins):
     emb, out = {"onnx": (onnx_embedder, onnx_pairs[0]), "sentence-transformers": (st_embedder, st_origins)}[backend]
@@ -101,6 +102,7 @@ def test_shapes_dtype_and_unit_rows(backend, mock_pairs, onnx_embedder, st_embed
         emb.encode(["ok", 3])
 
 
+@pytest.mark.model
 def test_backends_agree_per_text(onnx_pairs, st_origins):
     """The int8 ONNX model and the float32 PyTorch model give the same vectors (DESIGN.md 2.1:
     0.9996) on the ``origin`` of rows 0-49 of gptcache_mock_pairs.jsonl."""
@@ -109,6 +111,7 @@ def test_backends_agree_per_text(onnx_pairs, st_origins):
     assert cos.mean() >= 0.9993
 
 
+@pytest.mark.model
 def test_paraphrase_scores_above_unrelated(onnx_pairs):
     """Row i's origin is nearer to its own paraphrase than to row (i + 25) % 50's, for every
     i in 0-49; medians 0.93 (paraphrases) and 0.11 (unrelated) when measured."""
@@ -122,6 +125,7 @@ def test_paraphrase_scores_above_unrelated(onnx_pairs):
     assert para[0] > 0.9 and unrelated[0] < 0.5
 
 
+@pytest.mark.model
 def test_input_is_cut_at_256_word_pieces(onnx_embedder, study_prompt):
     """What lies after 256 word pieces is not seen: the reason for embed_text_for."""
     long_a = study_prompt + " " + study_prompt + " How do I cook rice?"
@@ -130,6 +134,7 @@ def test_input_is_cut_at_256_word_pieces(onnx_embedder, study_prompt):
     assert float(a @ b) > 0.9999
 
 
+@pytest.mark.model
 def test_system_prompt_no_longer_dominates(onnx_embedder, study_prompt, qqp_questions):
     """Ten requests of one app (system_prompts.json row 0 + the first question of QQP clusters
     0-9): embedding the whole prompt makes them all the same vector; the last user turn tells

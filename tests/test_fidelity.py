@@ -69,6 +69,7 @@ def test_load_pairs_reads_the_labelled_file(pairs, tmp_path):
         fidelity.load_pairs(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.model
 def test_similarities_are_the_routers_cosines(pairs, embedder, subset_sims):
     assert subset_sims.shape == (N_SUBSET,) and subset_sims.dtype == np.float32
     # independently: each pair embedded on its own, as the router embeds one chat request
@@ -78,6 +79,7 @@ def test_similarities_are_the_routers_cosines(pairs, embedder, subset_sims):
         assert float(va @ vb) == pytest.approx(float(subset_sims[p.index]), abs=1e-5)
 
 
+@pytest.mark.model
 def test_threshold_shares_on_the_first_400_pairs(pairs, subset_sims):
     dup = [p.duplicate for p in pairs[:N_SUBSET]]
     rows = fidelity.threshold_shares(subset_sims, dup, fidelity.DEFAULT_THRESHOLDS)
@@ -94,6 +96,7 @@ def test_threshold_shares_on_the_first_400_pairs(pairs, subset_sims):
         fidelity.threshold_shares(subset_sims[:3], [True] * 3, [0.9])
 
 
+@pytest.mark.model
 def test_vector_cache_is_reused_and_survives_corruption(embedder, tmp_path):
     texts = ["How do I learn Python?", "How can I learn Python quickly?", "What is the capital of Peru?"]
     seen = []
@@ -110,6 +113,7 @@ def test_vector_cache_is_reused_and_survives_corruption(embedder, tmp_path):
     assert len(list(tmp_path.glob("*.npy"))) == 2
 
 
+@pytest.mark.model
 def test_draw_samples_are_seeded_uniform_and_shared(subset_sims):
     draws = fidelity.draw_samples(subset_sims, fidelity.DEFAULT_THRESHOLDS, 8, seed=0)
     assert draws == fidelity.draw_samples(subset_sims, fidelity.DEFAULT_THRESHOLDS, 8, seed=0)
@@ -130,6 +134,7 @@ def test_rouge_l_values():
     assert fidelity.rouge_l("", "") == 1.0
 
 
+@pytest.mark.model
 def test_run_pair_serves_the_donor_and_reports_it(adapter, pairs, subset_sims, system_prompt):
     """Above its threshold a paraphrase gets the donor's answer; below it, its own (token-exact
     prefix reuse only, so the uncached answer exactly)."""
@@ -162,6 +167,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
+@pytest.mark.model
 def test_command_json_and_table(pairs, tmp_path):
     small = tmp_path / "pairs60.jsonl"
     small.write_text("".join(json.dumps({"a": p.a, "b": p.b, "duplicate": p.duplicate}) + "\n" for p in pairs[:60]))

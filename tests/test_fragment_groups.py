@@ -79,12 +79,14 @@ def extract(adapter, prompt, spans, **ranges) -> list[KVFragment]:
     return adapter.extract_fragments(prompt, spans, **ranges)
 
 
+@pytest.mark.model
 def test_whole_chunks_give_the_uncached_logits(adapter, prompt, live):
     reference, spans, whole = live
     assert len(spans) >= 2 and spans[-1][1] == len(prompt) - 1
     assert np.array_equal(injected_logits(adapter, whole, prompt), reference)
 
 
+@pytest.mark.model
 def test_layer_halves_merged_on_axis_0_equal_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
     low = extract(adapter, prompt, spans, layer_start=0, layer_end=15)
@@ -107,6 +109,7 @@ def test_layer_halves_merged_on_axis_0_equal_the_whole_chunk(adapter, prompt, li
                for c, e in zip(cut, (low[0], high[0])))
 
 
+@pytest.mark.model
 def test_stride_sampled_layers_merge_to_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
     even = extract(adapter, prompt, spans, layer_start=0, layer_end=30, layer_stride=2)
@@ -120,6 +123,7 @@ def test_stride_sampled_layers_merge_to_the_whole_chunk(adapter, prompt, live):
     assert np.array_equal(injected_logits(adapter, merged, prompt), reference)
 
 
+@pytest.mark.model
 def test_head_groups_merged_on_axis_1_equal_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
     assert adapter.namespace.n_head_kv == 3
@@ -141,6 +145,7 @@ def test_head_groups_merged_on_axis_1_equal_the_whole_chunk(adapter, prompt, liv
     assert np.array_equal(merge_heads(ones).keys, whole[0].keys)
 
 
+@pytest.mark.model
 def test_layer_x_head_groups_merge_back_and_store_under_the_whole_key(adapter, prompt, live, tmp_path):
     reference, spans, whole = live
     parts = [p for lp in split_layers(whole[0], 15) for p in split_heads(lp, 1)]
@@ -330,6 +335,7 @@ def config(**settings) -> EdgeSyncConfig:
     return EdgeSyncConfig.load({"semantic": False, **settings})
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "settings, groups",
     [
@@ -367,6 +373,7 @@ def test_router_stores_groups_and_hits_them_exactly(adapter, system_prompts, tmp
             == (s, e, l0, l1, h0, h1)
 
 
+@pytest.mark.model
 def test_a_chunk_stored_in_another_grouping_is_not_written_again(adapter, system_prompts, tmp_path):
     """The "already stored?" check asks for coverage of the span, not for one key."""
     messages = chat(system_prompts[2], "What should I do first today?")

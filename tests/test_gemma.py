@@ -28,6 +28,8 @@ from edgesync_engines.request.router import EdgeSync
 from edgesync_store.schema import common_prefix_len
 from tests.llama_counts import chat, llama_prefilled
 
+pytestmark = [pytest.mark.model]
+
 ROOT = Path(__file__).resolve().parents[1]
 N_CTX = 2048
 MAX_TOKENS = 12

@@ -35,6 +35,8 @@ from edgesync_store.semantic.index import (
     drop_vectors,
 )
 
+pytestmark = [pytest.mark.model]
+
 N_PARENT = 300
 N_CHILD = 50
 ONNX_ID = "all-MiniLM-L6-v2/onnx-int8"

@@ -179,6 +179,7 @@ def _apscheduler_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "APScheduler"}
 
 
+@pytest.mark.model
 def test_edgesync_runs_the_jobs_when_configured_and_close_stops_them(adapter, tmp_path):
     path = tmp_path / "store"
     now = time.time()

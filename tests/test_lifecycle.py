@@ -55,6 +55,7 @@ def fresh(seed: int, clock: ManualClock, **kw):
 # acceptance 1: TTL, promotion, restart, sweep
 
 
+@pytest.mark.model
 def test_fragment_is_not_served_after_30_minutes(tmp_path, adapter, system_prompts, clock):
     """Served at 29 minutes, never at 30 (walk skips it, even with no sweep in between); the
     request then prefills and answers exactly like an uncached run."""
@@ -107,6 +108,7 @@ def test_fifth_hit_promotes_to_seven_days_and_survives_restart(tmp_path, clock):
         assert store.prefix_walk(frag.namespace, frag.token_ids).matched_tokens == 0
 
 
+@pytest.mark.model
 def test_promoted_chain_is_served_after_30_minutes(tmp_path, adapter, system_prompts, clock):
     """Five exact hits promote the prompt's fragments; 31 minutes on it is still an exact hit,
     and a restart (a new store object) keeps the promotion."""
@@ -254,6 +256,7 @@ def test_fragment_pinned_by_another_process_is_not_evicted(tmp_path, clock):
     store.close()
 
 
+@pytest.mark.model
 def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompts, clock):
     """While the router injects a chain (between its reads and llama.cpp taking the buffer),
     another store object on the same directory writes past the budget: the chain survives,
@@ -300,6 +303,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     store.close()
 
 
+@pytest.mark.model
 def test_full_disk_serves_uncached_with_a_warning(tmp_path, adapter, system_prompts):
     """A real fault: the process's file-size limit (RLIMIT_FSIZE) below what the store needs,
     so LMDB's writes fail with EFBIG like on a full disk. The request answers as uncached."""
@@ -333,6 +337,7 @@ def test_full_disk_serves_uncached_with_a_warning(tmp_path, adapter, system_prom
 # acceptance 7: forget
 
 
+@pytest.mark.model
 def test_forget_makes_the_prompt_a_miss(tmp_path, adapter, system_prompts):
     store = FragmentStore(tmp_path / "s")
     es = EdgeSync(adapter, store=store, config=config())
@@ -498,6 +503,7 @@ def test_compact_command_dry_run_and_json(tmp_path, clock):
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.model
 def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapter, system_prompts):
     """Another process's compaction merges the prompt's layer halves right after this
     request's walk (a test hook on the walk places it there): the halves the walk found are

@@ -13,6 +13,8 @@ from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.kv_layout import usable_prefix
 from edgesync_engines.adapters.protocol import ContextOverflowError
 
+pytestmark = [pytest.mark.model]
+
 
 @pytest.fixture
 def prompt(adapter, system_prompts):

@@ -16,6 +16,8 @@ from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.protocol import InjectionError
 from edgesync_store.schema import chunk_spans
 
+pytestmark = [pytest.mark.model]
+
 F16_TOL = 2.0 ** -7 * 1.01
 """One f16 step at |K| in [8, 16) (SmolLM2's layer-0 K reaches ~10): the rounding of K stored
 as f16 before and after the RoPE shift."""

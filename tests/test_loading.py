@@ -41,6 +41,7 @@ def fresh_adapter():
     a.close()
 
 
+@pytest.mark.model
 def test_a_hit_keeps_its_size_and_a_new_edgesync_warms_up_for_it(adapter, fresh_adapter, system_prompts, tmp_path):
     path = tmp_path / "store"
     m = chat(system_prompts[0], "How can I remember new words faster?")
@@ -77,6 +78,7 @@ def test_a_hit_keeps_its_size_and_a_new_edgesync_warms_up_for_it(adapter, fresh_
         second.close()
 
 
+@pytest.mark.model
 def test_warm_up_without_a_store_makes_no_room_and_changes_no_answer(adapter, fresh_adapter, system_prompts):
     """No store, no hint: the buffer is left as it was, the cache is empty, and an uncached
     answer after the warm-up equals the session adapter's."""
@@ -108,6 +110,7 @@ def _meta_pages_overwritten(data: bytes) -> bytes:
     return bytes(range(256)) * (2 * mmap.PAGESIZE // 256) + data[2 * mmap.PAGESIZE:]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("damage", [_truncated, _meta_pages_overwritten])
 def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, tmp_path, caplog, damage):
     """A truncated data.mdb, or one whose meta pages are unreadable: EdgeSync opens no store

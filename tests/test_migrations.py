@@ -45,6 +45,8 @@ from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LIFETIME_LONG, LIFETIME_SHORT, LONG_TTL_SECONDS, ManualClock
 from migrations import CURRENT_VERSION, StoreFormatError, m0002_lifecycle_v2, m0003_heads
 
+pytestmark = [pytest.mark.model]
+
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What should I pack for three days in Lisbon?"
 HITS = {0: 7, 1: 4, 2: 5, 3: 0, 4: 1}

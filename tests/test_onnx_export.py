@@ -53,6 +53,7 @@ def damaged_copy(onnx_export, root, meta=None, tokenizer=None, model_bytes=None)
     return out
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("damage, message", [
     ({"tokenizer": '{"version": "1.0", "model": '}, "tokenizer.json: cannot load it"),
     ({"meta": {"n_layer": 29}}, "inputs do not match edgesync.json (n_layer 29)"),
@@ -115,6 +116,7 @@ def test_a_truncated_gguf_is_refused_from_its_header(tmp_path, cut, message):
     assert not (tmp_path / "onnx").exists()
 
 
+@pytest.mark.model
 def test_a_sound_export_is_reused_and_an_unfinished_one_is_cleaned(onnx_export, tmp_path):
     assert export_gguf(default_model_path(), root=onnx_export.parent) == onnx_export  # no re-export
     old = tmp_path / f".{onnx_export.name}.abc123"

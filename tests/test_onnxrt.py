@@ -16,6 +16,8 @@ from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import chunk_spans
 
+pytestmark = [pytest.mark.model]
+
 
 def decode_steps(generated: list[int], max_tokens: int) -> int:
     """Tokens a generation evaluated after the prompt: every generated token, but the last

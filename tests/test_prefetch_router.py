@@ -20,6 +20,8 @@ from edgesync_engines.request.prefetch import NgramPredictor, request_key
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 
+pytestmark = [pytest.mark.model]
+
 MAX_TOKENS = 12
 
 

@@ -62,11 +62,13 @@ def test_the_protocol_declares_exactly_these_members():
     assert protocol_members() == set(DATA) | {"lock"} | PROPERTIES | set(METHODS)
 
 
+@pytest.mark.model
 def test_both_engines_are_engine_adapters(engine):
     assert isinstance(engine, EngineAdapter)
     assert not isinstance(object(), EngineAdapter)  # the check does look at the members
 
 
+@pytest.mark.model
 def test_data_attributes_and_properties_have_the_declared_types(engine):
     for name, kind in DATA.items():
         assert isinstance(getattr(engine, name), kind), name
@@ -80,6 +82,7 @@ def test_data_attributes_and_properties_have_the_declared_types(engine):
     assert ns.engine == {"LlamaCppAdapter": "llama.cpp", "OnnxRuntimeAdapter": "onnxruntime"}[type(engine).__name__]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("name", METHODS)
 def test_methods_have_the_protocols_signature_and_type_hints(engine, name):
     declared = inspect.signature(getattr(EngineAdapter, name))
@@ -92,6 +95,7 @@ def test_methods_have_the_protocols_signature_and_type_hints(engine, name):
     assert {k: got.get(k) for k in want} == want
 
 
+@pytest.mark.model
 def test_text_members_return_what_the_protocol_says(engine):
     text = engine.apply_chat_template(MESSAGES)
     assert isinstance(text, str) and text.startswith("<|im_start|>system\nYou answer")
@@ -110,6 +114,7 @@ def test_text_members_return_what_the_protocol_says(engine):
         engine.apply_chat_template([{"role": "user"}])
 
 
+@pytest.mark.model
 def test_kv_members_return_what_the_protocol_says(engine):
     tokens = engine.tokenize(engine.apply_chat_template(MESSAGES))
     n = len(tokens)
@@ -162,6 +167,7 @@ def test_kv_members_return_what_the_protocol_says(engine):
             next(engine.generate(tokens, 64, 4))  # the cleared cache does not hold them
 
 
+@pytest.mark.model
 def test_warm_up_leaves_the_engine_as_a_fresh_load(engine):
     """``warm_up`` evaluates and renders, then leaves an empty cache: an answer after it equals
     the one before, the cleared cache holds nothing (continuing at n_past raises), and on

@@ -21,6 +21,8 @@ from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import common_prefix_len
 
+pytestmark = [pytest.mark.model]
+
 N_CTX = 2048
 MAX_TOKENS = 12
 Q8_0_BLOCK = (32, 34)

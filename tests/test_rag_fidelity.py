@@ -17,6 +17,8 @@ from edgesync_engines.app.rag_workload import rag_workload
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 
+pytestmark = [pytest.mark.model]
+
 WORDS = 70
 """Words kept of each document: about 90 tokens, over the 64 a stored fragment needs."""
 

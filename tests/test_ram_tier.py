@@ -22,6 +22,8 @@ from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.ttl import ManualClock, TTLPolicy
 
+pytestmark = [pytest.mark.model]
+
 MAX_TOKENS = 8
 QUESTION = "How should I plan a week of revision?"
 

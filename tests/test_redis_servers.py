@@ -35,6 +35,7 @@ def _listen(port: int) -> socket.socket:
     return s
 
 
+@pytest.mark.redis
 def test_a_server_whose_chosen_port_was_taken_meanwhile_starts_on_another(tmp_path):
     server = RedisServer(tmp_path)
     chosen = server.port
@@ -48,6 +49,7 @@ def test_a_server_whose_chosen_port_was_taken_meanwhile_starts_on_another(tmp_pa
         squatter.close()
 
 
+@pytest.mark.redis
 def test_a_server_given_a_taken_port_says_so(tmp_path):
     squatter = _listen(free_port())
     port = squatter.getsockname()[1]
@@ -58,6 +60,7 @@ def test_a_server_given_a_taken_port_says_so(tmp_path):
         squatter.close()
 
 
+@pytest.mark.redis
 def test_a_cluster_node_whose_bus_port_was_taken_meanwhile_moves(tmp_path):
     cluster = RedisClusterServers(tmp_path)
     squatter = _listen(cluster.nodes[1].port + 10000)
@@ -72,6 +75,7 @@ def test_a_cluster_node_whose_bus_port_was_taken_meanwhile_moves(tmp_path):
         squatter.close()
 
 
+@pytest.mark.redis
 def test_a_port_held_by_another_redis_server_is_not_taken_for_this_ones(tmp_path):
     """The other server answers on the port while this one exits for want of it: start() must
     not return as if this one were up."""
@@ -92,6 +96,7 @@ def test_a_port_held_by_another_redis_server_is_not_taken_for_this_ones(tmp_path
         other.stop()
 
 
+@pytest.mark.redis
 def test_a_failed_start_quotes_what_this_start_logged_not_an_earlier_one(tmp_path):
     squatter = _listen(free_port())
     port = squatter.getsockname()[1]

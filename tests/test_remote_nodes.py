@@ -35,6 +35,8 @@ from tests.delay_proxy import DelayProxy
 from tests.remote_support import new_prefix
 from tools.redis_servers import RedisServer
 
+pytestmark = [pytest.mark.model, pytest.mark.redis]
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
 QUESTION = "How do I make a good first impression?"

@@ -45,6 +45,7 @@ def _share_one_prompt(tmp_path, url, prefix, cluster=False):
     return a, b, tokens, frags, match
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("topology", ["standalone", "cluster"])
 def test_a_second_node_reads_what_the_first_stored(tmp_path, request, topology):
     server = request.getfixturevalue("redis_server" if topology == "standalone" else "redis_cluster")
@@ -76,6 +77,7 @@ def test_a_second_node_reads_what_the_first_stored(tmp_path, request, topology):
         b.close()
 
 
+@pytest.mark.redis
 def test_records_of_remote_fragments_come_from_the_fetch_and_are_read_once(tmp_path, redis_server):
     """The RAM tier reads a chain's records before its fragments: a fragment only the remote
     holds has a record (the fetched one), and the read that follows costs no second fetch."""
@@ -137,6 +139,7 @@ def _run_table(store_stats: dict) -> dict[str, str]:
     return dict(zip(map(str, table.columns[0]._cells), map(str, table.columns[2]._cells)))
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("remote_has, local_has, lookups", [((1, 2), (0,), 2), ((0,), (1, 2), 4)],
                          ids=["local-head", "remote-head"])
 def test_a_chain_split_across_the_tiers_is_walked_whole(tmp_path, redis_server, remote_has, local_has, lookups):
@@ -170,6 +173,7 @@ def test_a_chain_split_across_the_tiers_is_walked_whole(tmp_path, redis_server, 
         b.close()
 
 
+@pytest.mark.redis
 def test_a_split_chain_with_the_remote_down_is_the_local_part(tmp_path):
     """The same split (local [0,64), remote the rest) joined while the remote is up; once it is
     killed (a closed port) the walk is the local part alone, without an error, through three
@@ -195,6 +199,7 @@ def test_a_split_chain_with_the_remote_down_is_the_local_part(tmp_path):
         server.stop()
 
 
+@pytest.mark.redis
 def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, redis_server):
     prefix = new_prefix("ttl")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -223,6 +228,7 @@ def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, r
         b.close()
 
 
+@pytest.mark.redis
 def test_namespaces_and_prefixes_keep_fragments_apart(tmp_path, redis_server):
     prefix = new_prefix("apart")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -237,6 +243,7 @@ def test_namespaces_and_prefixes_keep_fragments_apart(tmp_path, redis_server):
             s.close()
 
 
+@pytest.mark.redis
 def test_forget_and_clear_remove_from_both_tiers(tmp_path, redis_server):
     prefix = new_prefix("forget")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -259,6 +266,7 @@ def test_forget_and_clear_remove_from_both_tiers(tmp_path, redis_server):
     k.close()
 
 
+@pytest.mark.redis
 def test_a_prefix_owns_exactly_its_own_keys(tmp_path, redis_server):
     """No prefix holds ':' (so ``shop`` cannot own ``shop:17``'s keys), and clearing a prefix
     removes exactly its layout's names: not a neighbour's (``shop-17``), not names of another
@@ -300,6 +308,7 @@ def _index_fields(r, prefix: str) -> dict[bytes, str]:
     return {field: ikey for ikey in r.scan_iter(match=f"{prefix}:i:*") for field in r.hkeys(ikey)}
 
 
+@pytest.mark.redis
 def test_an_index_entry_only_for_a_stored_blob(tmp_path):
     """Redis at maxmemory with noeviction refuses some blobs: none of them is left in the index
     (the blob is written first, its index entry only once it is stored)."""
@@ -322,6 +331,7 @@ def test_an_index_entry_only_for_a_stored_blob(tmp_path):
         server.stop()
 
 
+@pytest.mark.redis
 def test_a_repeated_failure_warns_once_per_kind_and_counts(tmp_path, caplog):
     """A full server refuses several writes: one WARNING, the repeats at DEBUG, each line with
     the count so far; then the server dies: the first connection failure warns, the next is
@@ -351,6 +361,7 @@ def test_a_repeated_failure_warns_once_per_kind_and_counts(tmp_path, caplog):
         server.stop()
 
 
+@pytest.mark.redis
 def test_a_blob_without_its_index_entry_is_indexed_again_by_the_next_writer(tmp_path, redis_server):
     prefix = new_prefix("reindex")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -375,6 +386,7 @@ def test_a_blob_without_its_index_entry_is_indexed_again_by_the_next_writer(tmp_
         b.close()
 
 
+@pytest.mark.redis
 def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_server):
     prefix = new_prefix("flip")
     a, b, tokens, frags, match = _share_one_prompt(tmp_path, redis_server.url, prefix)
@@ -393,6 +405,7 @@ def test_a_flipped_byte_in_a_remote_blob_is_refused_and_deleted(tmp_path, redis_
         b.close()
 
 
+@pytest.mark.redis
 def test_a_foreign_blob_under_a_key_is_refused(tmp_path, redis_server):
     """A valid blob of another fragment stored under this key (a writer with another layout,
     or a tampered server): the key check refuses it."""
@@ -407,6 +420,7 @@ def test_a_foreign_blob_under_a_key_is_refused(tmp_path, redis_server):
         b.close()
 
 
+@pytest.mark.redis
 def test_unusable_remote_values_are_skipped_counted_and_deleted(tmp_path, redis_server, caplog):
     """Values of the wrong form or type under the tier's names (a hand-typed ``SET``, another
     program): the fragment is still served, the value is logged, counted and deleted, and no
@@ -447,6 +461,7 @@ def test_unusable_remote_values_are_skipped_counted_and_deleted(tmp_path, redis_
         b.close()
 
 
+@pytest.mark.redis
 def test_the_fetch_budget_bounds_a_whole_fetch_not_one_read(tmp_path, redis_server):
     """A link that trickles (32 KB per 12 ms: every socket read well inside the per-read timeout,
     a 280 KB blob at least 96 ms): with a 30 ms budget the fetch is abandoned after its first
@@ -517,6 +532,7 @@ def test_the_url_password_is_never_shown():
 PASSWORD_TAIL = "SECRETTAIL"
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("sep", ["/", "#", "?"])
 def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, caplog, sep):
     """A password holding ``/``, ``#`` or ``?`` typed as it is: refused at load with a message
@@ -565,6 +581,7 @@ def test_a_password_with_url_delimiters_never_shows(tmp_path, redis_server, capl
         redis_server.cli("-a", password, "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("query", ["?db=x", "?socket_timeout=abc", "?foo=1", "?ssl_ca_certs=/etc/ca.pem",
                                    "?retry_on_timeout=yes"])
 def test_bad_url_arguments_are_refused_at_load(tmp_path, redis_server, query):
@@ -596,6 +613,7 @@ def test_database_numbers_are_checked_at_load_and_on_the_server():
     assert EdgeSyncConfig.load(environ={"EDGESYNC_REMOTE_URL": "redis://h/3?db=2"}).remote_url.db == 2  # as redis-py
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("query", ["/99", "/0?socket_timeout=abc", "/0?foo=1"])
 def test_url_errors_met_at_run_time_leave_the_node_local_only(tmp_path, redis_server, caplog, query):
     """What only the server can refuse (database 99 of a 16-database server), or an option that
@@ -663,6 +681,7 @@ def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, request, t
         b.close()
 
 
+@pytest.mark.redis
 def test_the_clear_command_with_remote(tmp_path, redis_server):
     """``edgesync clear --remote`` (a subprocess): the local store and every key under the prefix,
     another prefix untouched; refused without a configured remote; the password never printed."""

@@ -24,6 +24,8 @@ from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import common_prefix_len
 
+pytestmark = [pytest.mark.model]
+
 TESTS = Path(__file__).parent
 ESSAY = "Write a long, detailed essay about how to study well for exams, with many examples."
 

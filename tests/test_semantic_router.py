@@ -67,6 +67,7 @@ def paraphrase_pair(data_dir):
     raise AssertionError("gptcache_mock_pairs.jsonl: no pair at cosine >= 0.92 in the first 50")
 
 
+@pytest.mark.model
 def test_default_mode_loads_nothing_semantic_and_records_the_donor(adapter, tmp_path, system_prompts, passage):
     """The default mode never looks up (lookup_ms and similarity None on the miss and on the
     hit), loads neither the embedder nor the index, and records the stored prompt as a donor
@@ -89,6 +90,7 @@ def test_default_mode_loads_nothing_semantic_and_records_the_donor(adapter, tmp_
     assert donors[0][0] == storeback.donor_key(adapter.namespace, list(donors[0][1].tokens), cfg(tmp_path))
 
 
+@pytest.mark.model
 def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path, system_prompts, passage):
     """The twin was stored in the default mode with 96-token chunks (a donor record, no
     vector); the prompt inserts an instruction (>= 64 tokens) before the twin's question. The
@@ -127,6 +129,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
     assert result.tokens == uncached.tokens
 
 
+@pytest.mark.model
 def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter, tmp_path, system_prompts,
                                                                           paraphrase_pair):
     """By default a paraphrase at cosine >= 0.92 is never served another prompt's
@@ -179,6 +182,7 @@ print(json.dumps({"tiers": [r.tier for r in runs], "tokens": runs[0].tokens, "lo
 """
 
 
+@pytest.mark.model
 def test_prompts_stored_in_the_default_mode_serve_the_approximate_mode_after_the_catch_up(
         adapter, tmp_path, system_prompts, paraphrase_pair):
     """Another process, in the default mode, stores a question (miss, then exact hit) without
@@ -206,6 +210,7 @@ def test_prompts_stored_in_the_default_mode_serve_the_approximate_mode_after_the
     assert served.tokens == child["tokens"]  # the donor's answer, from the donor's KV
 
 
+@pytest.mark.model
 def test_approximate_mode_below_threshold_stays_exact(adapter, tmp_path, system_prompts, data_dir):
     """reuse="semantic" with an unrelated question (cosine < 0.75): no donor, identical output."""
     rows = [json.loads(line) for line in (data_dir / "qqp_pairs_labelled.jsonl").read_text().splitlines()[:40]]
@@ -221,6 +226,7 @@ def test_approximate_mode_below_threshold_stays_exact(adapter, tmp_path, system_
     assert result.tokens == uncached.tokens
 
 
+@pytest.mark.model
 def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path, system_prompts, passage, caplog):
     """`edgesync reindex` embeds the donor records the default mode wrote (no vector, no
     sidecar: nothing stale), then rebuilds a deleted sidecar from LMDB (same vector count);
@@ -270,6 +276,7 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
     assert any("semantic lookup off" in r.message and "sentence-transformers" in r.message for r in caplog.records)
 
 
+@pytest.mark.model
 def test_semantic_off_records_no_donor(adapter, tmp_path, system_prompts):
     """``semantic=False``: no lookup object, no donor record; the answer is the same."""
     messages = chat(system_prompts[1], "What should I revise first for a chemistry exam?")
@@ -285,6 +292,7 @@ def test_reindex_refuses_a_missing_store(tmp_path):
     assert proc.returncode == 2 and "no EdgeSync store" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.model
 def test_malformed_donor_record_is_ignored(adapter, tmp_path, system_prompts, passage):
     """A donor record cut short (a fault we cannot provoke otherwise: written here by hand) is
     ignored with a warning: the twin is not nominated and the output is still identical."""

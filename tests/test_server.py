@@ -21,6 +21,8 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess
 
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
 MAX_TOKENS = 24
 BODY_LIMIT = 64 * 1024
 THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))

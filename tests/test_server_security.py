@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from edgesync_engines.app.cli_serve import default_workers
 from edgesync_engines.server.security import bind_warning, is_loopback, key_matches
 
@@ -38,6 +40,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.server
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     missing = _serve("--model", str(tmp_path / "none.gguf"), "--store", str(tmp_path / "s"))
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error: model not found")

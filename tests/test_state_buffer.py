@@ -66,6 +66,7 @@ def _state_of(a: LlamaCppAdapter, tokens: list[int]) -> bytes:
     return a._get_state()
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("engine", ["f16", "flash-f16", "q8_0", "gemma3"])
 def test_buffer_from_fragments_is_llama_cpps_own_state(engines, prompt_text, engine):
     a = engines(engine)
@@ -108,6 +109,7 @@ def test_buffer_from_fragments_is_llama_cpps_own_state(engines, prompt_text, eng
     a.clear_kv_cache()
 
 
+@pytest.mark.model
 def test_a_block_that_does_not_fit_the_layout_is_refused(adapter):
     ns, layout = adapter.namespace, adapter._layout
     tokens = list(range(100, 300))
@@ -178,6 +180,7 @@ def test_random_layouts_match_the_reference_writer(spec, data):
     assert len(buf) == state_buffer.state_bytes(layout, n)
 
 
+@pytest.mark.model
 def test_llama_cpp_reads_the_buffer_it_wrote(adapter, prompt_text):
     """The buffer's length is what llama.cpp asks for a state of that many cells."""
     tokens = adapter.tokenize(prompt_text)[:200]

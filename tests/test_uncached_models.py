@@ -68,6 +68,7 @@ def _assert_uncached(results, reference, reason, store_dir: Path, caplog) -> Non
     assert len(warnings) == 1 and reason in warnings[0].getMessage()
 
 
+@pytest.mark.model
 def test_user_gemma_llama_without_swa_full(study_prompt, tmp_path, caplog):
     import llama_cpp
 
@@ -84,6 +85,7 @@ def test_user_gemma_llama_without_swa_full(study_prompt, tmp_path, caplog):
     _assert_uncached(results, reference, reason, tmp_path / "s", caplog)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kv", ["q5_0", "q4_1"])
 def test_user_llama_with_unsupported_kv_type(kv, study_prompt, tmp_path, caplog):
     import llama_cpp
@@ -117,6 +119,7 @@ def _cli(model: Path, *args: str, timeout: float = 300) -> subprocess.CompletedP
                           text=True, cwd=ROOT, env=env, timeout=timeout)
 
 
+@pytest.mark.model
 def test_cli_generate_on_recurrent_model(mamba_path, study_prompt, tmp_path):
     proc = _cli(mamba_path, "generate", QUESTION, "--system", study_prompt, "--store", str(tmp_path / "s"),
                 "--max-tokens", "4")
@@ -135,6 +138,7 @@ def test_cli_generate_on_recurrent_model(mamba_path, study_prompt, tmp_path):
     assert len(doc["tokens"]) == 4
 
 
+@pytest.mark.model
 def test_cli_run_on_recurrent_model(mamba_path, tmp_path):
     out = tmp_path / "run.json"
     proc = _cli(mamba_path, "run", "seed", "--limit", "2", "--max-tokens", "4", "--store", str(tmp_path / "s"),
@@ -171,6 +175,7 @@ def test_cli_on_a_file_that_is_not_a_gguf(command, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.model
 def test_adapter_names_what_is_wrong_with_a_model_file(mamba_path, tmp_path):
     """llama.cpp's own message is only "Failed to load model": the header says what is wrong."""
     from edgesync_engines.adapters.model_files import ModelLoadError
@@ -186,6 +191,7 @@ def test_adapter_names_what_is_wrong_with_a_model_file(mamba_path, tmp_path):
             LlamaCppAdapter(path, n_ctx=256)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("command", ["generate", "run"])
 def test_cli_on_a_truncated_gguf(command, mamba_path, tmp_path):
     cut = tmp_path / "cut.gguf"
