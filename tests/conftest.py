@@ -1,11 +1,20 @@
 """Shared fixtures: the real SmolLM2 model through llama.cpp, real stores in temp dirs, and the
-real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missing data fails)."""
+real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missing data fails).
+
+Test layers (markers registered in pyproject.toml): ``model`` loads a real model, ``server``
+starts ``edgesync serve``, ``redis`` starts redis-server. The fast layer is
+``pytest -m "not model and not server and not redis"``. A test that loads a model in this process
+(a GGUF through llama.cpp, an ONNX model through ONNX Runtime, or the model fixtures below), or
+starts the Redis fixtures, without its marker fails at once naming the marker; a model loaded by a
+child process is not seen, so such tests carry the marker by hand."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +25,71 @@ from edgesync_engines.app import workloads
 _SANDBOX = tempfile.mkdtemp(prefix="edgesync-tests-")
 os.environ.setdefault("EDGESYNC_FINGERPRINT_CACHE", os.path.join(_SANDBOX, "fingerprints.json"))
 os.environ.setdefault("EDGESYNC_STORE", os.path.join(_SANDBOX, "default-store"))
+
+_RUNNING: list[pytest.Item | None] = [None]
+"""The test being set up, run or torn down (session fixtures are built inside the first test
+that asks for them, so that test's markers decide)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _RUNNING[0] = item
+    try:
+        yield
+    finally:
+        _RUNNING[0] = None
+
+
+def require_marker(name: str, what: str) -> None:
+    """Fail the running test unless it is marked ``name`` (pytest.fail is a BaseException, so no
+    ``except Exception`` in the code under test swallows it)."""
+    item = _RUNNING[0]
+    if item is not None and item.get_closest_marker(name) is None:
+        pytest.fail(f"{item.nodeid} {what} but is not marked @pytest.mark.{name} (markers: pyproject.toml)",
+                    pytrace=False)
+
+
+def _is_gguf(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except (OSError, TypeError):
+        return False
+
+
+def _is_onnx_model(path_or_bytes) -> bool:
+    return isinstance(path_or_bytes, bytes) or (path_or_bytes is not None and Path(path_or_bytes).is_file())
+
+
+def _guard_constructor(cls: type, argname: str, is_model) -> None:
+    """Wrap ``cls.__init__`` so that loading a real model (``is_model`` of its first argument,
+    positional or ``argname``) requires the ``model`` marker; a bad path still reaches the
+    library's own error."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def guarded(self, *args, **kwargs):
+        source = args[0] if args else kwargs.get(argname)
+        if is_model(source):
+            require_marker("model", f"loads the model {source!r:.120}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = guarded
+
+
+def pytest_configure(config):
+    try:
+        import llama_cpp
+    except ImportError:
+        pass
+    else:
+        _guard_constructor(llama_cpp.Llama, "model_path", _is_gguf)
+    try:
+        import onnxruntime
+    except ImportError:
+        pass
+    else:
+        _guard_constructor(onnxruntime.InferenceSession, "path_or_bytes", _is_onnx_model)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +119,7 @@ def seed_requests(data_dir):
 @pytest.fixture(scope="session")
 def adapter():
     """One real SmolLM2-135M-Instruct (Q4_1) llama.cpp context for the whole session."""
+    require_marker("model", "uses the adapter fixture")
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 
     a = LlamaCppAdapter()
@@ -59,6 +134,7 @@ def adapter():
 @pytest.fixture(scope="session")
 def onnx_export():
     """The export directory of the real SmolLM2 GGUF (built if missing)."""
+    require_marker("model", "uses the onnx_export fixture")
     from edgesync_engines.adapters.model_files import default_model_path
     from edgesync_engines.adapters.onnx_export import export_gguf
 
@@ -79,6 +155,7 @@ def onnx_adapter(onnx_export):
 def llama_all_logits():
     """A llama.cpp context of the real GGUF that keeps the logits of every evaluated position
     (``logits_all=True``; ``llm.scores``), for position-by-position comparisons."""
+    require_marker("model", "uses the llama_all_logits fixture")
     import llama_cpp
 
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
@@ -100,6 +177,7 @@ def llama_all_logits():
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     """One standalone redis-server on a free loopback port."""
+    require_marker("redis", "uses the redis_server fixture")
     from tools.redis_servers import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
@@ -110,6 +188,7 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
     """A 3-master Redis Cluster (no replicas) on free loopback ports."""
+    require_marker("redis", "uses the redis_cluster fixture")
     from tools.redis_servers import RedisClusterServers
 
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
