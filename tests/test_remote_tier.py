@@ -655,6 +655,7 @@ def test_the_write_queue_drops_its_oldest_when_full():
     queue.close(1)
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("topology", ["standalone", "cluster"])
 def test_an_acl_user_with_only_the_listed_commands_suffices(tmp_path, request, topology):
     """The README's ACL user: these commands on these keys, nothing else."""
