@@ -235,7 +235,7 @@ def quality_vs_ttft(rows: Sequence[Mapping], path: str | os.PathLike, title: str
 
     Args:
         rows: dicts ``{"system", "share", "label", "n", "ttft_mean_ms", "f1", "rouge_l"}`` (the
-            ``systems`` of :func:`edgesync_engines.app.rag_fidelity.summarize`); blend rows have
+            ``systems`` of :func:`edgesync_bench.rag_fidelity.summarize`); blend rows have
             ``system == "blend"`` and a share.
         path: the PNG to write.
         title: the figure's title (default: a generic one).

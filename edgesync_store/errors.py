@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["CodecError", "MissingExtraError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError", "StoreIOError",
-           "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "require_extra"]
+__all__ = ["CodecError", "MissingExtraError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError",
+           "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "require_extra"]
 
 
 class StoreError(RuntimeError):

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from edgesync_engines.app import workloads
+from edgesync_bench import workloads
 
 # Keep the suite out of the user's own cache directory: fingerprints and any default store go
 # to a temp dir (set before any test or subprocess starts, so subprocesses inherit it).

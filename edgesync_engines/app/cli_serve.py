@@ -17,12 +17,9 @@ import sys
 from pathlib import Path
 
 from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
-from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
 
-SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
-"""The modules of the ``server`` extra (pyproject.toml), checked before anything starts."""
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 
@@ -83,10 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Raises:
         MissingExtraError: a package of the ``server`` extra is not installed (one line).
     """
-    for module in SERVER_MODULES:
-        require_extra(module, "server", "edgesync serve")
     import uvicorn
 
+    import edgesync_engines.server  # noqa: F401 (one line naming the extra when it is missing)
     from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
     from edgesync_engines.server.app import ServeSettings, create_app
     from edgesync_engines.server.pool import PoolStartError, WorkerPool

@@ -20,12 +20,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgesync_store.errors import require_extra
-
-require_extra("fastapi", "server", "the HTTP server")
-require_extra("sse_starlette", "server", "the HTTP server")
-from fastapi import FastAPI, Response  # noqa: E402 (after the one-line refusal of a missing extra)
-from sse_starlette.sse import EventSourceResponse  # noqa: E402
+from fastapi import FastAPI, Response
+from sse_starlette.sse import EventSourceResponse
 
 from edgesync_engines.server import schemas
 from edgesync_engines.server.errors import APIError, install_handlers

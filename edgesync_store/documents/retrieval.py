@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from edgesync_store.errors import require_extra
 from edgesync_store.documents.records import DocumentRecord, documents_generation, iterate_documents
+from edgesync_store.errors import require_extra
 from edgesync_store.ttl import LIFETIME_DOCUMENT
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ question pairs, 1,507 duplicates and 1,493 non-duplicates) or any file of the sa
    runs once: what the mode injects does not depend on the threshold it passed.
 
 Library code: nothing is printed; progress goes to an optional callback. The question vectors
-are cached between runs by :mod:`edgesync_engines.app.fidelity_vectors`.
+are cached between runs by :mod:`edgesync_bench.fidelity_vectors`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
-from edgesync_engines.app.fidelity_vectors import Progress, embed_texts
-from edgesync_engines.app.workloads import WorkloadDataError, workloads_dir
+from edgesync_bench.fidelity_vectors import Progress, embed_texts
+from edgesync_bench.workloads import WorkloadDataError, workloads_dir
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.schema import common_prefix_len
