@@ -79,7 +79,7 @@ def test_mixin_rule_flags_host_dependent_bases_only(monkeypatch, tmp_path):
     monkeypatch.setattr(archcheck, "ROOT", tmp_path)
     assert sorted(archcheck.check().mixin_classes) == [
         "edgesync_store.store:12 Helped(HelperMixin from edgesync_store.parts)",
-        "edgesync_store.store:6 Store(Reads from edgesync_store.parts)"]
+        "edgesync_store.store:7 Store(Reads from edgesync_store.parts)"]
 
 
 def test_cycle_finder_finds_cycles_and_passes_chains(tmp_path):
