@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
+from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Raises:
         MissingExtraError: a package of the ``server`` extra is not installed (one line).
     """
-    import uvicorn
-
-    import edgesync_engines.server  # noqa: F401 (one line naming the extra when it is missing)
+    uvicorn = require_extra("uvicorn", "server", "edgesync serve")
     from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
     from edgesync_engines.server.app import ServeSettings, create_app
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
