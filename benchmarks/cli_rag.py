@@ -109,7 +109,7 @@ def plot(doc: dict, path: str | Path) -> Path:
                                title=f"rag: quality vs TTFT by recompute share ({doc['model']}, "
                                      f"{s['requests']} requests; curve on {s['curve_requests']})")
     except ImportError as exc:
-        raise CommandError(f"--plot needs matplotlib (pip install -e '.[bench]'): {exc}") from None
+        raise CommandError(f"--plot: {exc}") from None
 
 
 def emit(doc: dict, json_stdout: bool, json_out: str | None, plot_path: str | None) -> None:

@@ -41,6 +41,7 @@ from edgesync_bench.fidelity_vectors import Progress, embed_texts
 from edgesync_bench.workloads import WorkloadDataError, workloads_dir
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_store.errors import require_extra
 from edgesync_store.schema import common_prefix_len
 from edgesync_store.semantic.embedders import Embedder
 
@@ -52,8 +53,6 @@ DEFAULT_THRESHOLDS = (0.75, 0.80, 0.85, 0.90, 0.95)
 DEFAULT_SAMPLE = 8
 """Pairs per threshold run through the model (about 5 s per pair on 2 quiet cores)."""
 DEFAULT_MAX_TOKENS = 32
-ROUGE_PIN = "rouge-score==0.1.2"
-
 
 
 @dataclass(frozen=True)
@@ -235,10 +234,7 @@ _scorer = None
 def _rouge_scorer():
     global _scorer
     if _scorer is None:
-        try:
-            from rouge_score import rouge_scorer
-        except ImportError as exc:
-            raise RuntimeError(f"ROUGE-L needs the package rouge-score: pip install {ROUGE_PIN} ({exc})") from None
+        rouge_scorer = require_extra("rouge_score.rouge_scorer", "bench", "ROUGE-L")
         _scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return _scorer
 

@@ -20,6 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from edgesync_store.errors import require_extra
+
 log = logging.getLogger(__name__)
 
 TIERS = ("exact", "partial", "miss")
@@ -31,8 +33,7 @@ _DPI = 110
 
 def _pyplot():
     """matplotlib's pyplot on the Agg backend (imported here, not at module import)."""
-    import matplotlib
-
+    matplotlib = require_extra("matplotlib", "bench", "the benchmark's plots")
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
