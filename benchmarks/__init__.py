@@ -1,2 +1,6 @@
-"""EdgeSync benchmarks: scripts that print measured figures beside a baseline (not tests; never
-run in CI). Run one with ``.venv/bin/python -m benchmarks.<name>`` from the project root."""
+"""EdgeSync's measurement code, the ``edgesync-bench`` distribution (import name ``edgesync_bench``,
+folder ``benchmarks/``): benchmarks that print measured figures beside a baseline (not tests;
+never run in CI), the real workloads, fidelity and RAG evaluation, run reports, and the
+``edgesync run``/``bench``/``fidelity`` commands (:mod:`.commands`, entry points of the group
+``edgesync.commands``). Run a benchmark with ``python -m edgesync_bench.<name>``; README.md says
+why this is a distribution of its own."""

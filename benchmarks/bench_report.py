@@ -2,8 +2,8 @@
 
 :func:`build_report` turns the runner's records and per-system stats into one JSON-able dict
 and writes ``report.json``, ``report.md`` and the PNG plots into the run's directory.
-Figures are defined in :mod:`benchmarks.figures`; the simulated profile in
-:mod:`benchmarks.device_profile`; the plots in :mod:`benchmarks.plots`.
+Figures are defined in :mod:`edgesync_bench.figures`; the simulated profile in
+:mod:`edgesync_bench.device_profile`; the plots in :mod:`edgesync_bench.plots`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.figures import group_records, ratio, same_requests, storage_figures, summarize, targets
+from edgesync_bench.figures import group_records, ratio, same_requests, storage_figures, summarize, targets
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def sampled_lines(sampled: dict) -> list[str]:
 
 
 def main_table(workload: str, summaries: dict, storage: dict) -> str:
-    """Markdown table of one workload: one row per system (see :mod:`benchmarks.figures`)."""
+    """Markdown table of one workload: one row per system (see :mod:`edgesync_bench.figures`)."""
     head = ("| system | requests | TTFT p50 ms | TTFT p95 ms | TTFT mean ms | vs no cache (same requests) "
             "| first-seen mean ms "
             "| repeat mean ms | exact / partial / miss | not prefilled | bytes read / req MB "
@@ -165,7 +165,7 @@ def main_table(workload: str, summaries: dict, storage: dict) -> str:
 
 
 def targets_table(rows: Sequence[dict]) -> str:
-    """Markdown table of the benchmark's targets (:func:`benchmarks.figures.targets`)."""
+    """Markdown table of the benchmark's targets (:func:`edgesync_bench.figures.targets`)."""
     lines = ["| target (seed workload) | this run | limit | met | measured as |", "|---|---|---|---|---|"]
     for r in rows:
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
@@ -197,7 +197,7 @@ def prefetch_table(summaries: dict, stats: dict) -> tuple[str, dict]:
 
 def _plots(records: Sequence[dict], summaries: dict, storage: dict, out: Path) -> dict[str, str]:
     try:
-        from benchmarks import plots
+        from edgesync_bench import plots
     except ImportError as exc:  # matplotlib missing: the report still gets written
         log.warning("no plots: %s", exc)
         return {}
@@ -249,7 +249,7 @@ def build_report(records: Sequence[dict], stats: dict[str, dict], meta: dict, ou
     tgt = targets(summaries, storage, groups)
     pf_md, pf = prefetch_table(summaries, stats)
     try:
-        from benchmarks import device_profile
+        from edgesync_bench import device_profile
 
         sim = device_profile.simulate([r for r in records if r["workload"] == "seed"], device_profile.SeedConstants())
         sim_md = device_profile.render_markdown(sim)

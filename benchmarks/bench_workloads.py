@@ -1,15 +1,15 @@
 """How the benchmark runner deals its three workloads (``seed``, ``doc-qa``, ``chat``): which
 rows of the shared data each takes (a seeded selection), and the chat sessions whose prompts
 grow with the model's own answers. The data itself is read and checked by
-:mod:`edgesync_engines.app.workloads` (the workloads ``edgesync run`` serves); this module
+:mod:`edgesync_bench.workloads` (the workloads ``edgesync run`` serves); this module
 only selects and orders.
 
 Data: ``../shared/workloads/`` relative to the project root (``$EDGESYNC_WORKLOADS``
-overrides), read through :mod:`edgesync_engines.app.workloads`; nothing is copied. Every
+overrides), read through :mod:`edgesync_bench.workloads`; nothing is copied. Every
 choice below is a fixed seed, so every run and every process sees the same requests.
 
 ``seed``
-    :func:`seed_requests`: exactly ``edgesync_engines.app.workloads.seed_workload(1000)``
+    :func:`seed_requests`: exactly ``edgesync_bench.workloads.seed_workload(1000)``
     (README "The seed benchmark workload": ``qqp_clusters.jsonl`` all rows shuffled with
     ``random.Random(0)``, first 64 kept; ``system_prompts.json`` all 8 rows; 1,000 draws
     of a fresh ``random.Random(0)``). ``limit=SLOW_SYSTEM_LIMIT`` (300) gives its first 300
@@ -20,7 +20,7 @@ choice below is a fixed seed, so every run and every process sees the same reque
     the first ``n`` of that same draw, so a smaller sample is a subset of the 40; the runner's
     full run takes :data:`BENCH_DOC_QA_PASSAGES`); each
     passage's questions in file order as successive requests, with the messages of
-    ``edgesync_engines.app.workloads.doc_qa_workload`` (system ``DOC_QA_SYSTEM_PROMPT``, user
+    ``edgesync_bench.workloads.doc_qa_workload`` (system ``DOC_QA_SYSTEM_PROMPT``, user
     ``"Passage (title):\\n<context>\\n\\nQuestion: <q>"``). Why a sample and not the first
     40: the file is grouped by article, and its first 40 rows come from 19 SQuAD 1.1 /
     XQuAD articles only (245 questions); the seeded sample spans the whole file, the SQuAD
@@ -68,7 +68,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from edgesync_engines.app.workloads import (
+from edgesync_bench.workloads import (
     DOC_QA_FILE,
     Request,
     WorkloadDataError,
@@ -126,7 +126,7 @@ TokenCounter = Callable[[Sequence[dict]], int]
 def seed_requests(
     limit: int | None = None, data_dir: str | os.PathLike | None = None
 ) -> list[Request]:
-    """The seed workload: ``seed_workload(1000)`` of :mod:`edgesync_engines.app.workloads`.
+    """The seed workload: ``seed_workload(1000)`` of :mod:`edgesync_bench.workloads`.
 
     ``limit=None`` gives all 1,000 requests; ``limit=n`` (1..1000) the first ``n``, e.g.
     :data:`SLOW_SYSTEM_LIMIT` for the slower systems. Fields as in ``seed_workload``:

@@ -1,4 +1,4 @@
-"""How close converted KV is to the receiving engine's own: ``python -m benchmarks.cross_engine``.
+"""How close converted KV is to the receiving engine's own: ``python -m edgesync_bench.cross_engine``.
 
 For each real doc-QA context of at least ``--tokens`` tokens (SQuAD text, ../shared/workloads),
 the first ``--prefix`` tokens' KV is taken from one engine, converted
@@ -31,11 +31,11 @@ def measure(n_prompts: int, prefix: int, total: int, threads: int | None, progre
     """The comparison over ``n_prompts`` prompts; returns a JSON-able dict of figures."""
     import llama_cpp
 
+    from edgesync_bench.workloads import workloads_dir
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
     from edgesync_engines.adapters.model_files import default_model_path
     from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
     from edgesync_engines.adapters.reshape import convert_fragment
-    from edgesync_engines.app.workloads import workloads_dir
 
     path = default_model_path()
     ort = OnnxRuntimeAdapter(path, n_threads=threads)
@@ -84,7 +84,7 @@ def measure(n_prompts: int, prefix: int, total: int, threads: int | None, progre
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cross_engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m edgesync_bench.cross_engine", description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=20, help="doc-QA contexts to use (default 20)")
     parser.add_argument("--prefix", type=int, default=128, help="tokens injected (default 128)")
     parser.add_argument("--tokens", type=int, default=200, help="prompt length, tokens (default 200)")

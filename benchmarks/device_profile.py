@@ -4,7 +4,7 @@ router's decisions.
 The seed design (the published EdgeSync proposal this project implements) gives a table measured
 on a Snapdragon 685 together with the per-operation constants it says produced it
 (:class:`SeedConstants`). This module applies those constants to the *same request stream* we
-ran (the ``seed`` workload of :mod:`benchmarks.bench_workloads`) and to the *decisions our
+ran (the ``seed`` workload of :mod:`edgesync_bench.bench_workloads`) and to the *decisions our
 systems actually made* (``prompt_tokens``, ``tokens_reused``, ``hit``, ``source`` and
 ``lookup_ms`` of each record in ``results/<run>/requests.jsonl``; the record format is in
 ``benchmarks/runner.py``), and prints the result beside the seed design's published table

@@ -1,7 +1,7 @@
 """The figures of the benchmark report, computed from per-request records.
 
 Input: the records the runner writes (one dict per answered request; fields in
-:mod:`benchmarks.runner`), plus each system's end-of-run ``stats`` (``benchmarks.worker``).
+:mod:`edgesync_bench.runner`), plus each system's end-of-run ``stats`` (``edgesync_bench.worker``).
 Everything here is pure Python over those dicts; units: ms, bytes, seconds.
 
 Per system and workload (:func:`summarize`):

@@ -1,9 +1,9 @@
 """How close EdgeSync's hits are to the physical floor, in one process and one run.
 
-``python -m benchmarks.floor [--quick] [--seed-prompts N] [--doc-prompts N] [--repeats R]
+``python -m edgesync_bench.floor [--quick] [--seed-prompts N] [--doc-prompts N] [--repeats R]
 [--threads N] [--profile] [--json FILE]``
 
-Not a test: it prints a table of ratios (issue 17's acceptance, :mod:`benchmarks.floor_report`)
+Not a test: it prints a table of ratios (issue 17's acceptance, :mod:`edgesync_bench.floor_report`)
 and writes every figure with ``--json``. On the real model (EdgeSync's configured model,
 SmolLM2-135M-Instruct Q4_1) through llama.cpp, a real store in a temporary directory, EdgeSync
 with default settings (``--threads`` aside).
@@ -96,7 +96,7 @@ def seed_prompt_sets(n: int) -> tuple[list[list[dict]], list[list[dict]]]:
     Raises:
         WorkloadDataError: the workload's data is missing or malformed.
     """
-    from benchmarks.bench_workloads import seed_requests
+    from edgesync_bench.bench_workloads import seed_requests
 
     distinct: dict[str, Any] = {}
     for r in seed_requests():
@@ -111,7 +111,7 @@ def seed_prompt_sets(n: int) -> tuple[list[list[dict]], list[list[dict]]]:
 def doc_messages(rows: Sequence[dict], question: str) -> list[dict]:
     """The doc-QA chat messages over several passages: system ``DOC_QA_SYSTEM_PROMPT``, user
     ``Passage (title):\\n<context>`` blocks separated by a blank line, then ``Question: <q>``."""
-    from edgesync_engines.app.workloads import DOC_QA_SYSTEM_PROMPT
+    from edgesync_bench.workloads import DOC_QA_SYSTEM_PROMPT
 
     passages = "\n\n".join(f"Passage ({r['title']}):\n{r['context']}" for r in rows)
     return [{"role": "system", "content": DOC_QA_SYSTEM_PROMPT},
@@ -126,8 +126,8 @@ def doc_prompt_sets(n: int, count_tokens, target_tokens: int = DOC_TOKENS) -> tu
     Raises:
         ValueError: ``doc_qa.jsonl`` has too few passages for ``n`` prompts of that size.
     """
-    from benchmarks.bench_workloads import SELECTION_SEED
-    from edgesync_engines.app.workloads import DOC_QA_FILE, data_file, read_jsonl
+    from edgesync_bench.bench_workloads import SELECTION_SEED
+    from edgesync_bench.workloads import DOC_QA_FILE, data_file, read_jsonl
 
     rows = read_jsonl(data_file(DOC_QA_FILE))
     order = random.Random(SELECTION_SEED).sample(range(len(rows)), len(rows))
@@ -194,7 +194,7 @@ def _timed_prefill(adapter, tokens: list[int], n_past: int) -> float:
 def uncovered_prefill_ms(es, messages: list[dict], reused: int, repeats: int) -> tuple[float, float]:
     """(median floor ms, median prefill ms of the tokens ``reused..n-2``) of a prompt the live
     context holds (module docstring, step 5)."""
-    from benchmarks.floor_report import p50
+    from edgesync_bench.floor_report import p50
 
     adapter, floors, full, last = es.adapter, [], [], []
     with adapter.lock:
@@ -216,10 +216,10 @@ def stored_bytes(es) -> int:
 
 class Bench:
     """One run: an EdgeSync with default settings on a store in ``workdir``, its uncached twin on
-    the same adapter, and the figures (:mod:`benchmarks.floor_report`)."""
+    the same adapter, and the figures (:mod:`edgesync_bench.floor_report`)."""
 
     def __init__(self, workdir: Path, threads: int | None, max_tokens: int, repeats: int, progress=None) -> None:
-        from benchmarks.worker import wait_for_warm_up
+        from edgesync_bench.worker import wait_for_warm_up
         from edgesync_engines.config import EdgeSyncConfig
         from edgesync_engines.request.router import EdgeSync
 
@@ -266,7 +266,7 @@ class Bench:
 
     def workload(self, label: str, exact: Sequence[list[dict]], new: Sequence[list[dict]]) -> dict:
         """Every in-process figure of one workload (module docstring, steps 1-5)."""
-        from benchmarks.worker import dir_disk_bytes
+        from edgesync_bench.worker import dir_disk_bytes
 
         refs, new_refs = self.references(label, exact), self.references(label + " new", new)
         self.refs[label] = refs
@@ -354,8 +354,8 @@ class Bench:
 
     def profile(self, exact: Sequence[list[dict]], rounds: int = PROFILE_ROUNDS) -> dict:
         """cProfile of ``rounds`` interleaved exact rounds at ``max_tokens`` 1, grouped
-        (:func:`benchmarks.floor_report.group_profile`), with the top functions by cumulative time."""
-        from benchmarks.floor_report import group_profile
+        (:func:`edgesync_bench.floor_report.group_profile`), with the top functions by cumulative time."""
+        from edgesync_bench.floor_report import group_profile
 
         prof, total = cProfile.Profile(), 0.0
         for _ in range(rounds):
@@ -448,7 +448,7 @@ def new_process_runs(store: Path, prompts: Sequence[list[dict]], refs: Sequence[
 
 def run(args: argparse.Namespace, progress=None) -> dict:
     """Measure everything (module docstring); return the JSON-able report."""
-    from benchmarks.floor_report import p50, verdicts
+    from edgesync_bench.floor_report import p50, verdicts
 
     sizes = {k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else DEFAULTS)[k]
              for k in DEFAULTS}
@@ -509,7 +509,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.floor", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m edgesync_bench.floor", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help=f"a small run: {QUICK['seed_prompts']} seed and {QUICK['doc_prompts']} doc prompts, "
                         f"{QUICK['repeats']} repeats, {QUICK['process_prompts']} new process each")
@@ -531,13 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.floor``: print the tables; 0, or 2 for bad input."""
+    """``python -m edgesync_bench.floor``: print the tables; 0, or 2 for bad input."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
-    from benchmarks.floor_report import render
+    from edgesync_bench.floor_report import render
+    from edgesync_bench.workloads import WorkloadDataError
     from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError
     from edgesync_engines.app.cli_common import progress_bar
-    from edgesync_engines.app.workloads import WorkloadDataError
 
     if args.json is not None and (args.json.is_dir() or not args.json.resolve().parent.is_dir()):
         sys.stderr.write(f"error: --json {args.json}: not a file in an existing directory\n")

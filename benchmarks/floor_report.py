@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from benchmarks.figures import percentile
+from edgesync_bench.figures import percentile
 
 EXACT_OVER_FLOOR = 1.5
 """Issue 17, acceptance 1: exact-hit TTFT p50 at most 1.5x the floor's p50."""

@@ -20,6 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from edgesync_store.errors import require_extra
+
 log = logging.getLogger(__name__)
 
 TIERS = ("exact", "partial", "miss")
@@ -31,8 +33,7 @@ _DPI = 110
 
 def _pyplot():
     """matplotlib's pyplot on the Agg backend (imported here, not at module import)."""
-    import matplotlib
-
+    matplotlib = require_extra("matplotlib", "bench", "the benchmark's plots")
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -235,7 +236,7 @@ def quality_vs_ttft(rows: Sequence[Mapping], path: str | os.PathLike, title: str
 
     Args:
         rows: dicts ``{"system", "share", "label", "n", "ttft_mean_ms", "f1", "rouge_l"}`` (the
-            ``systems`` of :func:`edgesync_engines.app.rag_fidelity.summarize`); blend rows have
+            ``systems`` of :func:`edgesync_bench.rag_fidelity.summarize`); blend rows have
             ``system == "blend"`` and a share.
         path: the PNG to write.
         title: the figure's title (default: a generic one).

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.remote``: two nodes of a site with and without the shared remote tier,
+"""``python -m edgesync_bench.remote``: two nodes of a site with and without the shared remote tier,
 and the remote index at scale. Not a test (never run by CI); prints a table and writes JSON.
 
 Two node processes (this module with ``--node``: EdgeSync on a local store of its own, the
@@ -78,7 +78,7 @@ def run_mode(requests: list, workdir: Path, url: str | None, prefix: str) -> dic
     env.pop("EDGESYNC_REMOTE_URL", None)
     if url:
         env["EDGESYNC_REMOTE_URL"] = url
-    nodes = [subprocess.Popen([sys.executable, "-m", "benchmarks.remote", "--node", str(workdir / f"node{i}")],
+    nodes = [subprocess.Popen([sys.executable, "-m", "edgesync_bench.remote", "--node", str(workdir / f"node{i}")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for i in range(2)]
     rows = []
@@ -179,7 +179,7 @@ def scale(url: str, n: int, walks: int = 20) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.remote", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m edgesync_bench.remote", description=__doc__.split("\n\n")[0])
     parser.add_argument("--node", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, default=40, help="seed requests (default 40)")
     parser.add_argument("--scale-fragments", type=int, default=100_000, help="synthetic index entries (0: skip)")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         return node_main(args.node)
     import redis
 
-    from edgesync_engines.app.workloads import seed_workload
+    from edgesync_bench.workloads import seed_workload
     from tools.redis_servers import RedisServer
 
     requests = seed_workload(args.limit)

@@ -10,20 +10,20 @@ in its worker's environment. Each further KV type adds two lanes, ``no-cache@TYP
 identity reference) and ``edgesync@TYPE`` (cold, its own store), so that the report sets
 EdgeSync's bytes on disk per cached prompt of each type side by side, as ratios to the first.
 
-Workloads (:mod:`benchmarks.bench_workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
+Workloads (:mod:`edgesync_bench.bench_workloads`, fixed seeds): ``seed`` (1,000 requests), ``doc-qa``
 (10 passages, the first 10 of the 40 that ``random.Random(0)`` draws, each passage's questions
 in turn: 48 questions) and ``chat`` (10 sessions drawn the same way, 29 user turns; each turn's
 prompt is the conversation so far with the system's own earlier answers). ``max_tokens`` 16.
 :data:`FULL` holds the sizes; the report's "What was sampled" section lists them.
 
-Systems (:mod:`benchmarks.systems`): ``no-cache``, ``naive-string``, ``llama-ram``,
+Systems (:mod:`edgesync_bench.systems`): ``no-cache``, ``naive-string``, ``llama-ram``,
 ``llama-disk``, ``edgesync`` (cold: a new store), then ``edgesync-warm`` (a second process on
 the cold run's store, after the cold process has closed it). On ``doc-qa`` and ``chat``
 also ``edgesync-prefetch`` (cold, its own store, N-gram prefetch into the RAM tier on), so
 that prefetch on and off are measured side by side. EdgeSync (cold and warm) runs the full seed
 workload; no cache, naive string, LlamaRAMCache and LlamaDiskCache its first 300
-(:data:`~benchmarks.bench_workloads.SLOW_SYSTEM_LIMIT`), dealt in turn with EdgeSync's first
-300. Every comparison with no cache is over the requests both ran (:mod:`benchmarks.figures`).
+(:data:`~edgesync_bench.bench_workloads.SLOW_SYSTEM_LIMIT`), dealt in turn with EdgeSync's first
+300. Every comparison with no cache is over the requests both ran (:mod:`edgesync_bench.figures`).
 
 Why these sizes (the hour of ``make bench`` on 2 cores): the 1,000-request run took 99
 minutes, 62 of them seed, where no cache (about 2.0 s a request: a 340-token prefill and 16
@@ -33,7 +33,7 @@ about 36 minutes, EdgeSync's 2 x 1,000 requests (about 0.25 s each) about 9 of t
 all.
 EdgeSync's TTL is 1e9 s, so nothing expires during a run.
 
-Dealing: each system has its own worker process (:mod:`benchmarks.worker`); request ``i`` is
+Dealing: each system has its own worker process (:mod:`edgesync_bench.worker`); request ``i`` is
 sent to every system in turn, starting with a different system for each ``i`` (round robin),
 and only one request runs at a time, so that machine drift hits every system alike.
 ``edgesync-warm`` runs after the others, alone.
@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 WORKLOADS = ("seed", "doc-qa", "chat")
 RAG = "rag"
-"""Run alone, in this process (:mod:`edgesync_engines.app.cli_rag`), not by the worker lanes."""
+"""Run alone, in this process (:mod:`edgesync_bench.cli_rag`), not by the worker lanes."""
 BASE_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync")
 SLOW_SYSTEMS = ("no-cache", "naive-string", "llama-ram", "llama-disk")
 """The lanes that run only the first ``Sizes.seed_others`` seed requests (``no-cache@TYPE`` too)."""
@@ -132,7 +132,7 @@ class Lane:
         Raises:
             WorkerError: the worker failed to start (its log file says why).
         """
-        cmd = [sys.executable, "-m", "benchmarks.worker", "--system", self.kind, "--workdir", str(self.workdir)]
+        cmd = [sys.executable, "-m", "edgesync_bench.worker", "--system", self.kind, "--workdir", str(self.workdir)]
         if threads:
             cmd += ["--threads", str(threads)]
         if self.config:
@@ -143,7 +143,7 @@ class Lane:
         self.log_path = log_dir / f"{self.label}.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         if self.kv_type is not None:
-            from benchmarks.systems import KV_TYPE_ENV
+            from edgesync_bench.systems import KV_TYPE_ENV
 
             cmd += ["--kv-type", self.kv_type]
             env[KV_TYPE_ENV] = self.kv_type
@@ -196,7 +196,7 @@ class Lane:
 
 
 def _energy_probe():
-    from benchmarks.energy import EnergyProbe
+    from edgesync_bench.energy import EnergyProbe
 
     probe = EnergyProbe()
     return probe if probe.available() else None, probe.reason
@@ -290,7 +290,7 @@ class Runner:
             self.progress.advance(task)
 
     def _static_requests(self, workload: str) -> list:
-        from benchmarks.bench_workloads import doc_qa_requests, seed_requests
+        from edgesync_bench.bench_workloads import doc_qa_requests, seed_requests
 
         if workload == "seed":
             return seed_requests(self.sizes.seed)
@@ -321,7 +321,7 @@ class Runner:
                 self._advance(task)
 
     def _chat_sessions(self, lane: Lane) -> list:
-        from benchmarks.bench_workloads import chat_sessions
+        from edgesync_bench.bench_workloads import chat_sessions
 
         def count(messages) -> int:
             reply = lane.call({"op": "count", "messages": list(messages)})
@@ -353,7 +353,7 @@ class Runner:
             index += max(lane.sessions[s].n_turns for lane in lanes)
 
     def _chat_total(self) -> int:
-        from benchmarks.bench_workloads import chat_sessions
+        from edgesync_bench.bench_workloads import chat_sessions
 
         return sum(s.n_turns for s in chat_sessions(lambda m: 0, self.sizes.chat_sessions))
 
@@ -361,7 +361,7 @@ class Runner:
         """What ``workload`` takes of its data, for the report's "What was sampled" section:
         counts, the selection seed and the rows chosen (``requests``: the seed or doc-QA
         requests; None for chat)."""
-        from benchmarks.bench_workloads import N_CHAT_SESSIONS, N_DOC_QA_PASSAGES, SELECTION_SEED, chat_sessions
+        from edgesync_bench.bench_workloads import N_CHAT_SESSIONS, N_DOC_QA_PASSAGES, SELECTION_SEED, chat_sessions
 
         if workload == "seed":
             others = min(self.sizes.seed_others, len(requests))
@@ -438,7 +438,7 @@ class Runner:
             for workload in self.workloads:
                 self.run_workload(workload)
                 fh.flush()
-        from benchmarks.bench_report import build_report
+        from edgesync_bench.bench_report import build_report
 
         meta = {
             "started_utc": started, "wall_s": time.perf_counter() - t0, "workload_wall_s": self.timings,
@@ -468,7 +468,7 @@ def _positive(text: str) -> int:
 
 
 def _kv_types(text: str) -> list[str]:
-    from benchmarks.systems import KV_TYPES
+    from edgesync_bench.systems import KV_TYPES
 
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in KV_TYPES]
@@ -484,7 +484,7 @@ def env_kv_types() -> list[str | None]:
     Raises:
         ValueError: a value that is not a KV type name.
     """
-    from benchmarks.systems import KV_TYPE_ENV
+    from edgesync_bench.systems import KV_TYPE_ENV
 
     raw = os.environ.get(KV_TYPE_ENV, "").strip()
     if not raw:
@@ -520,7 +520,7 @@ def model_info(path: Path | None) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``edgesync bench`` (shared with ``python -m benchmarks.runner``)."""
+    """The options of ``edgesync bench`` (shared with ``python -m edgesync_bench.runner``)."""
     parser.add_argument("--quick", action="store_true",
                         help=f"a small run (seed {QUICK.seed}/{QUICK.seed_others}, {QUICK.doc_qa_passages} passages, "
                              f"{QUICK.chat_sessions} chat sessions; under 5 minutes)")
@@ -563,7 +563,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new directory")
     if args.json is not None and (args.json.is_dir() or not args.json.resolve().parent.is_dir()):
         raise ValueError(f"--json {args.json}: not a file in an existing directory")
-    from benchmarks.bench_workloads import chat_sessions, doc_qa_requests, seed_requests
+    from edgesync_bench.bench_workloads import chat_sessions, doc_qa_requests, seed_requests
     from edgesync_engines.config import EdgeSyncConfig
 
     EdgeSyncConfig.load()  # a bad EDGESYNC_* setting fails here, not in every worker
@@ -589,10 +589,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _run_rag(args: argparse.Namespace, workloads: list[str], out: Path) -> int:
-    """``--workloads rag``: :func:`edgesync_engines.app.cli_rag.run_bench` (one process, not
+    """``--workloads rag``: :func:`edgesync_bench.cli_rag.run_bench` (one process, not
     the worker lanes); ValueError for bad input."""
+    from edgesync_bench.cli_rag import run_bench
     from edgesync_engines.app.cli_common import CommandError
-    from edgesync_engines.app.cli_rag import run_bench
 
     if workloads != [RAG]:
         raise ValueError("--workloads rag runs alone (every system side by side in one process): "
@@ -605,12 +605,12 @@ def _run_rag(args: argparse.Namespace, workloads: list[str], out: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.runner`` (same as ``edgesync bench``)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.runner", description=__doc__.splitlines()[0])
+    """``python -m edgesync_bench.runner`` (same as ``edgesync bench``)."""
+    parser = argparse.ArgumentParser(prog="python -m edgesync_bench.runner", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    from edgesync_engines.app.workloads import WorkloadDataError
+    from edgesync_bench.workloads import WorkloadDataError
 
     try:
         return run_from_args(args)

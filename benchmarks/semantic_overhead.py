@@ -22,7 +22,7 @@ What is real and what is not (the run prints it too):
   paraphrase-like copies of those vectors (Gaussian noise, cosine 0.7-0.93 to their source,
   re-normalised; ``--fill noise``, default) or with random unit vectors (``--fill random``:
   no structure, HNSW's hardest case). HNSW search cost depends on the data distribution;
-* queries: real request prompts from ``edgesync_engines.app.workloads``: the seed workload (a
+* queries: real request prompts from ``edgesync_bench.workloads``: the seed workload (a
   ~330-token app system prompt + a QQP question; the embedded text is the short question) and
   the doc-QA workload (a passage + a question in one user message; the embedded text is its
   last 160 words, near MiniLM's 256-word-piece limit, the slow case for the encoder).
@@ -30,7 +30,7 @@ What is real and what is not (the run prints it too):
 Sizes are filled incrementally into one store (the 10,000 index is the first 10,000 vectors of
 the 100,000 one). Not a test; never run in CI. Run from the project root:
 
-    .venv/bin/python -m benchmarks.semantic_overhead [--quick] [--sizes 10000,100000]
+    .venv/bin/python -m edgesync_bench.semantic_overhead [--quick] [--sizes 10000,100000]
         [--queries 200] [--prefill-prompts 20] [--repeat 3] [--json FILE]
 """
 
@@ -121,7 +121,7 @@ def real_texts(data_dir: Path) -> tuple[list[str], dict[str, int]]:
     embed it (``embed_text_for`` of a user message): QQP cluster questions, QQP labelled pairs,
     GPTCache pairs, doc-QA questions, doc-QA request prompts (passage + question), chat turns.
     All rows, file order, first occurrence kept. Returns the texts and a count per source."""
-    from edgesync_engines.app.workloads import doc_qa_workload
+    from edgesync_bench.workloads import doc_qa_workload
     from edgesync_engines.request.prompt_text import embed_text_for
 
     n_docs = len(_jsonl(data_dir / "doc_qa.jsonl"))
@@ -383,7 +383,7 @@ def pick_queries(n: int, data_dir: Path) -> dict[str, list]:
     workload in order of first draw (``seed_workload(1000)``; at most ~250). doc-qa: ``n``
     requests drawn by ``random.Random(0).sample`` from every question of every passage of
     ``doc_qa.jsonl`` (``doc_qa_workload(n_docs=all)``)."""
-    from edgesync_engines.app.workloads import doc_qa_workload, seed_workload
+    from edgesync_bench.workloads import doc_qa_workload, seed_workload
 
     seen, seed = set(), []
     for r in seed_workload(1000, data_dir=data_dir):
@@ -531,7 +531,7 @@ def notes(result: dict) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.semantic_overhead",
+        prog="python -m edgesync_bench.semantic_overhead",
         description="Router semantic-lookup overhead (encode + HNSW search) at several index sizes, "
         "beside a full prefill of the same prompts with the real model.",
     )
@@ -596,9 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from rich.console import Console
 
+    from edgesync_bench.workloads import workloads_dir
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
     from edgesync_engines.app.cli_common import progress_bar
-    from edgesync_engines.app.workloads import workloads_dir
     from edgesync_engines.request.prompt_text import embed_text_for
     from edgesync_store.core.store import FragmentStore
     from edgesync_store.semantic.embedders import get_embedder

@@ -3,7 +3,7 @@ OpenAI server (``python -m llama_cpp.server``, same GGUF, ``cache: true`` with `
 disk``, and again with its RAM cache), each restarted halfway through, on the same chat-workload
 requests sent by the same ``openai`` client. Not a test: it prints ratios and writes JSON.
 
-Requests: the chat workload's sessions (:func:`benchmarks.bench_workloads.chat_sessions`, seeded
+Requests: the chat workload's sessions (:func:`edgesync_bench.bench_workloads.chat_sessions`, seeded
 selection, first ``--sessions``), each turn's prompt the conversation so far. The answers in
 those prompts are computed once here with ``EdgeSync(store=False)`` (greedy), so every server is
 sent exactly the same message lists. Order: turn 0 of every session, then turn 1 of every
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from the checkout
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_workloads import adapter_token_counter, chat_sessions  # noqa: E402
+from edgesync_bench.bench_workloads import adapter_token_counter, chat_sessions  # noqa: E402
 
 MAX_TOKENS = 16
 SYSTEMS = ("edgesync", "llama-disk", "llama-ram")

@@ -1,6 +1,6 @@
 """One benchmark worker process: one system, driven over stdin/stdout in JSON lines.
 
-``python -m benchmarks.worker --system NAME --workdir DIR [--threads N] [--config JSON]
+``python -m edgesync_bench.worker --system NAME --workdir DIR [--threads N] [--config JSON]
 [--model GGUF] [--kv-type TYPE]``
 
 ``--model``: the GGUF every system loads (default: EdgeSync's configured model, SmolLM2).
@@ -8,7 +8,7 @@
 it on their context; EdgeSync systems get it as ``EDGESYNC_KV_TYPE`` (the runner sets it in the
 worker's environment too).
 
-The runner (:mod:`benchmarks.runner`) starts one worker per system and workload, so that every
+The runner (:mod:`edgesync_bench.runner`) starts one worker per system and workload, so that every
 system has its own process (its own model, caches, peak RSS and CPU time), and deals requests
 to them in turn. Each line on stdin is one JSON command; each reply is one JSON line on the
 worker's original stdout. File descriptor 1 is pointed at stderr before the model loads, so
@@ -107,7 +107,7 @@ def system_stats(system, workdir: Path) -> dict:
     input ids of every entry), for the disk cache ``cache_disk_bytes``. Naive string
     cache: ``answers`` stored.
     """
-    from benchmarks.systems import engine_kv_type
+    from edgesync_bench.systems import engine_kv_type
 
     adapter = _adapter(system)
     out: dict = {"system": system.name, "kv_bytes_per_token": kv_bytes_per_token(adapter.llm),
@@ -124,7 +124,7 @@ def system_stats(system, workdir: Path) -> dict:
         out["prefetch"] = stats() if callable(stats) else None
     cache = getattr(system, "cache", None)
     if cache is not None:
-        from benchmarks.systems import llama_state_bytes
+        from edgesync_bench.systems import llama_state_bytes
 
         out["cache_bytes"] = int(cache.cache_size)
         entries = getattr(cache, "cache_state", None)
@@ -170,7 +170,7 @@ def _wait_prefetch(system) -> float | None:
 
 def serve(system, workdir: Path, inp, out) -> None:
     """Answer commands from ``inp`` (text lines) on ``out`` until ``close`` or end of input."""
-    from edgesync_engines.app.workloads import Request  # noqa: F401  (import cost outside timing)
+    from edgesync_bench.workloads import Request  # noqa: F401  (import cost outside timing)
 
     def reply(obj: dict) -> None:
         out.write(json.dumps(obj) + "\n")
@@ -208,7 +208,7 @@ def serve(system, workdir: Path, inp, out) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m edgesync_bench.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--system", required=True)
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--threads", type=int, default=None)
@@ -224,12 +224,12 @@ def main(argv=None) -> int:
     sys.stdout = sys.stderr
     out = os.fdopen(reply_fd, "w", buffering=1)
 
-    from benchmarks.systems import make_system
+    from edgesync_bench.systems import make_system
 
     kwargs: dict = {"n_threads": args.threads, "model_path": args.model}
     if args.kv_type is not None:
         if args.system.startswith("edgesync"):
-            from benchmarks.systems import KV_TYPE_ENV
+            from edgesync_bench.systems import KV_TYPE_ENV
 
             os.environ[KV_TYPE_ENV] = args.kv_type  # EdgeSync reads its KV type from its settings
         else:

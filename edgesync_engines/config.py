@@ -72,11 +72,13 @@ def _remote_url(value: Any) -> Any:
 
 def _remote_options(url: RemoteURL | None, cluster: bool) -> str | None:
     """``client.check_options`` (the URL read as redis-py reads it) at load; None without redis-py."""
+    if url is None:  # no remote: redis-py is not imported
+        return None
     try:
         from edgesync_store.remote.client import check_options
     except ImportError:
         return None
-    return None if url is None else check_options(url, cluster)
+    return check_options(url, cluster)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@ leaves ``edgesync_store``)."""
 
 from __future__ import annotations
 
-__all__ = ["CodecError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError", "StoreIOError",
-           "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError"]
+import importlib
+from types import ModuleType
+
+__all__ = ["CodecError", "MissingExtraError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError",
+           "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "require_extra"]
 
 
 class StoreError(RuntimeError):
@@ -58,3 +61,28 @@ class StoreIOError(StoreError):
 
 class CodecError(StoreError, ValueError):
     """A blob that is not a valid fragment: corrupt, truncated, crafted or of another version."""
+
+
+class MissingExtraError(ImportError):
+    """An optional stack is not installed. The message is one line naming the extra of the
+    ``edgesync`` distribution that brings it, e.g. ``semantic lookup needs the 'semantic' extra:
+    pip install 'edgesync[semantic]' (no module named 'hnswlib')``.
+
+    Attributes:
+        what: the feature that needs the stack (``"semantic lookup"``).
+        extra: the extra's name in pyproject.toml (``"semantic"``).
+    """
+
+    def __init__(self, what: str, extra: str, module: str) -> None:
+        super().__init__(f"{what} needs the {extra!r} extra: pip install 'edgesync[{extra}]' "
+                         f"(no module named {module!r})", name=module)
+        self.what, self.extra = what, extra
+
+
+def require_extra(module: str, extra: str, what: str) -> ModuleType:
+    """``importlib.import_module(module)``, or :class:`MissingExtraError` naming ``extra`` and
+    ``what`` needs it when ``module`` (or a module it imports) cannot be imported."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(what, extra, exc.name or module) from exc

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 
 from edgesync_store.errors import StoreFormatError, StoreOpenError
-from migrations import m0001_initial, m0002_lifecycle_v2, m0003_heads
-from migrations.versions import read_version, write_version
+from edgesync_store.migrations import m0001_initial, m0002_lifecycle_v2, m0003_heads
+from edgesync_store.migrations.versions import read_version, write_version
 
 log = logging.getLogger(__name__)
 

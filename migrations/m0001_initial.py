@@ -10,7 +10,7 @@ was killed meanwhile; it is completed here too.
 from __future__ import annotations
 
 from edgesync_store.core.lmdb_env import CORE_DATABASES, META_DB
-from migrations.versions import write_version
+from edgesync_store.migrations.versions import write_version
 
 VERSION = 1
 DESCRIPTION = "initial layout: fragments, by_prefix, lifecycle, meta"

@@ -21,9 +21,9 @@ from edgesync_store.core.codec import peek
 from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, LIFECYCLE_DB, META_DB, U64, USED_BYTES_KEY
 from edgesync_store.errors import CodecError
+from edgesync_store.migrations.batches import each_fragment
+from edgesync_store.migrations.versions import write_version
 from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy
-from migrations.batches import each_fragment
-from migrations.versions import write_version
 
 VERSION = 2
 DESCRIPTION = "lifecycle v2: created_at, tier, blob sizes; used_bytes"

@@ -22,8 +22,8 @@ from edgesync_store.core.codec import head_of
 from edgesync_store.core.crashpoints import crash_point
 from edgesync_store.core.lmdb_env import FRAGMENTS_DB, HEADS_DB, META_DB
 from edgesync_store.errors import CodecError
-from migrations.batches import each_fragment
-from migrations.versions import write_version
+from edgesync_store.migrations.batches import each_fragment
+from edgesync_store.migrations.versions import write_version
 
 VERSION = 3
 DESCRIPTION = "heads: each blob's head in its own database"

@@ -1,6 +1,6 @@
 """The store's format-version record: ``format_version`` in the ``meta`` database, ASCII digits.
 
-Read by :func:`migrations.migrate` and written by each migration's last transaction; kept in
+Read by :func:`edgesync_store.migrations.migrate` and written by each migration's last transaction; kept in
 its own module so that the migrations and their runner both import it (neither imports the
 other's package module).
 """

@@ -3,7 +3,7 @@ real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missi
 
 Test layers (markers registered in pyproject.toml): ``model`` loads a real model, ``server``
 starts ``edgesync serve``, ``redis`` starts redis-server. The fast layer is
-``pytest -m "not model and not server and not redis"``. A test that loads a model in this process
+``pytest -m "not model and not server and not redis and not slow"``. A test that loads a model in this process
 (a GGUF through llama.cpp, an ONNX model through ONNX Runtime, or the model fixtures below), or
 starts the Redis fixtures, without its marker fails at once naming the marker; a model loaded by a
 child process is not seen, so such tests carry the marker by hand."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.app import workloads
+from edgesync_bench import workloads
 
 # Keep the suite out of the user's own cache directory: fingerprints and any default store go
 # to a temp dir (set before any test or subprocess starts, so subprocesses inherit it).

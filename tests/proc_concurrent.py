@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from edgesync_engines.app import workloads
+from edgesync_bench import workloads
 from edgesync_engines.request.router import EdgeSync
 
 MIN_REQUESTS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgesync_engines.app.answer_metrics import exact_match, f1_score, normalize_answer, rouge_l
+from edgesync_bench.answer_metrics import exact_match, f1_score, normalize_answer, rouge_l
 
 
 def test_normalize_answer_follows_squad():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks import floor, floor_report
-from benchmarks.floor_report import group_profile, new_process_figures, partial_bound_ms, verdicts
+from edgesync_bench import floor, floor_report
+from edgesync_bench.floor_report import group_profile, new_process_figures, partial_bound_ms, verdicts
 
 
 def _fig(exact=(30.0, 32.0, 34.0), floor_ms=(20.0, 20.0, 20.0), identical=3, n=3, partial=None, new_process=None):

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from benchmarks.bench_report import build_report, kv_suffix
-from benchmarks.runner import FULL, QUICK, Lane, Sizes, env_kv_types, limited, model_info
-from benchmarks.systems import KV_TYPES, kv_settings, make_system
+from edgesync_bench.bench_report import build_report, kv_suffix
+from edgesync_bench.runner import FULL, QUICK, Lane, Sizes, env_kv_types, limited, model_info
+from edgesync_bench.systems import KV_TYPES, kv_settings, make_system
 from edgesync_engines.adapters.model_files import default_model_path, gemma3_model_path
 from edgesync_engines.config import BY_NAME
 
@@ -66,7 +66,7 @@ def test_kv_settings_limits_and_model_info(tmp_path):
     (["--kv-type", "q9"], "error: argument --kv-type: 'q9': distinct names from f16, f32, q8_0, q4_0"),
 ])
 def test_bench_refuses_a_bad_model_or_kv_type_in_one_line(tmp_path, argv, message):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.runner", "--out", str(tmp_path / "out"), *argv],
+    proc = subprocess.run([sys.executable, "-m", "edgesync_bench.runner", "--out", str(tmp_path / "out"), *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -11,10 +11,10 @@ import statistics
 
 import pytest
 
-from benchmarks.bench_workloads import seed_requests
-from benchmarks.figures import percentile, storage_figures, summarize, targets
-from benchmarks.runner import Lane
-from benchmarks.systems import make_system
+from edgesync_bench.bench_workloads import seed_requests
+from edgesync_bench.figures import percentile, storage_figures, summarize, targets
+from edgesync_bench.runner import Lane
+from edgesync_bench.systems import make_system
 
 
 def _rec(i, system="edgesync", key=None, ttft=100.0, hit=None, reused=0, n=300, tokens=(1, 2), first=True):
@@ -115,7 +115,7 @@ def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, see
 def test_report_compares_a_partial_system_with_no_cache_on_the_same_requests(tmp_path):
     """naive-string runs only the first 2 of 4 requests: its "vs no cache" divides by no cache's
     mean over those 2 (1,500 ms), not over all 4 (2,500 ms)."""
-    from benchmarks.bench_report import build_report
+    from edgesync_bench.bench_report import build_report
 
     nc = [_rec(i, "no-cache", ttft=1000.0 * (i + 1)) for i in range(4)]
     naive = [_rec(i, "naive-string", ttft=100.0) for i in range(2)]
@@ -141,7 +141,7 @@ def test_identity_falls_back_to_no_caches_answer_to_the_same_prompt():
 def test_targets_compare_edgesync_with_no_cache_on_the_requests_both_ran():
     """No cache ran the first 2 of EdgeSync's 4 requests: the mean-TTFT target divides
     EdgeSync's mean over those 2 (500 ms) by no cache's (1,000 ms), not its mean over 4."""
-    from benchmarks.figures import group_records
+    from edgesync_bench.figures import group_records
 
     nc = [_rec(i, "no-cache", ttft=1000.0) for i in range(2)]
     disk = [_rec(i, "llama-disk", ttft=300.0, hit="partial", reused=100) for i in range(2)]
@@ -159,7 +159,7 @@ def test_targets_compare_edgesync_with_no_cache_on_the_requests_both_ran():
 
 
 def test_report_divides_edgesyncs_mean_by_no_caches_on_the_same_requests_and_says_what_was_sampled(tmp_path):
-    from benchmarks.bench_report import build_report
+    from edgesync_bench.bench_report import build_report
 
     nc = [_rec(i, "no-cache", ttft=1000.0) for i in range(2)]
     es = [_rec(i, ttft=100.0 * (i + 1)) for i in range(4)]
@@ -175,8 +175,8 @@ def test_report_divides_edgesyncs_mean_by_no_caches_on_the_same_requests_and_say
 
 
 def test_full_run_sizes_and_which_lanes_stop_at_300(tmp_path):
-    from benchmarks import bench_workloads as bw
-    from benchmarks.runner import FULL, Runner
+    from edgesync_bench import bench_workloads as bw
+    from edgesync_bench.runner import FULL, Runner
 
     assert (FULL.seed, FULL.seed_others, FULL.doc_qa_passages, FULL.chat_sessions) == (
         1000, bw.SLOW_SYSTEM_LIMIT, bw.BENCH_DOC_QA_PASSAGES, bw.BENCH_CHAT_SESSIONS)
@@ -193,7 +193,7 @@ def test_worker_waits_for_a_running_warm_up_and_loads_nothing_otherwise():
     import threading
     import time
 
-    from benchmarks.worker import wait_for_warm_up
+    from edgesync_bench.worker import wait_for_warm_up
     from edgesync_engines.request.semantic_lookup import WARM_UP_THREAD
 
     assert wait_for_warm_up() is False  # no warm-up running: nothing waited for, nothing loaded

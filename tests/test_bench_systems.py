@@ -1,4 +1,4 @@
-"""benchmarks.systems on the real model: one interface, hit detection, nothing printed.
+"""edgesync_bench.systems on the real model: one interface, hit detection, nothing printed.
 
 Two short prompts (a ~100-token cut of a real system prompt plus two questions), n_threads=1,
 so that the module stays well under a minute on 2 cores.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.systems import SYSTEM_NAMES, Answer, identity, make_system, tier_of
+from edgesync_bench.systems import SYSTEM_NAMES, Answer, identity, make_system, tier_of
 
 
 @pytest.fixture(scope="module")

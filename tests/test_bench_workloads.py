@@ -1,7 +1,7 @@
-"""Tests for benchmarks.bench_workloads (no model; fast).
+"""Tests for edgesync_bench.bench_workloads (no model; fast).
 
 Data: ../shared/workloads/ (or $EDGESYNC_WORKLOADS): the seed workload as in
-edgesync_engines.app.workloads (qqp_clusters.jsonl all rows + system_prompts.json, Random(0));
+edgesync_bench.workloads (qqp_clusters.jsonl all rows + system_prompts.json, Random(0));
 doc_qa.jsonl (40 rows, sorted(random.Random(0).sample(range(181), 40))); chat_sessions.jsonl
 (40 rows, sorted(random.Random(0).sample(range(500), 40))).
 
@@ -17,8 +17,8 @@ import random
 
 import pytest
 
-from benchmarks import bench_workloads as bw
-from edgesync_engines.app.workloads import DOC_QA_SYSTEM_PROMPT, doc_qa_workload, seed_workload
+from edgesync_bench import bench_workloads as bw
+from edgesync_bench.workloads import DOC_QA_SYSTEM_PROMPT, doc_qa_workload, seed_workload
 
 
 def fake_count(messages) -> int:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.app import run_report as runreport
-from edgesync_engines.app.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
+from edgesync_bench.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tools" / "dump.py"
@@ -107,41 +106,6 @@ def test_generate_context_overflow_exits_2(tmp_path):
 
 
 @pytest.mark.model
-def test_run_seed_json(tmp_path):
-    store = tmp_path / "store"
-    out = tmp_path / "run.json"
-    proc = _ok(edgesync("run", "seed", "--limit", "6", "--max-tokens", "8", "--json",
-                        "--json-out", str(out), "--store", str(store)))
-    doc = json.loads(proc.stdout)
-    assert json.loads(out.read_text()) == doc
-    assert doc["workload"] == "seed" and doc["n_requests"] == 6
-    rows = doc["requests"]
-    assert len(rows) == 6
-    assert [r["request_id"] for r in rows] == [f"seed-{i:04d}" for i in range(6)]
-    assert all(r["identical"] for r in rows)
-    for r in rows:
-        assert r["ttft_ms_uncached"] > 0 and r["ttft_ms_edgesync"] > 0
-        assert r["tokens_reused"] + r["tokens_prefilled"] == r["prompt_tokens"]
-    summary = doc["summary"]
-    edge, base = summary["edgesync"], summary["uncached"]
-    assert edge["identical_share"] == 1.0 and base["identical_share"] is None
-    assert sum(edge["hits"].values()) == 6 and base["hits"]["miss"] == 6
-    assert base["tokens_reused"] == 0 and base["bytes_read"] == 0
-    assert edge["prompt_tokens"] == base["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
-    assert edge["fragments_written"] > 0
-    assert doc["store"]["fragments"] == edge["fragments_written"] and doc["store"]["disk_bytes"] > 0
-    assert summary["ttft_ratio"]["mean"] == pytest.approx(edge["ttft_ms"]["mean"] / base["ttft_ms"]["mean"])
-
-    # The table renders from the same document (pure function, real data).
-    from rich.console import Console
-
-    console = Console(record=True, width=160, file=open(os.devnull, "w"))
-    console.print(runreport.render_table(summary, doc["store"], "seed"))
-    text = console.export_text()
-    assert "identical outputs vs uncached" in text and "100.0%" in text and "TTFT p95" in text
-
-
-@pytest.mark.model
 def test_dump_lists_written_fragments(generated):
     store, first, _ = generated
     doc = json.loads(_ok(dump_script(str(store), "--json")).stdout)
@@ -170,14 +134,25 @@ def test_dump_missing_store_exits_2_and_creates_nothing(tmp_path):
         assert not missing.exists()
 
 
-def test_missing_model_and_workload_data_exit_2(tmp_path):
+def test_missing_model_exits_2(tmp_path):
     proc = edgesync("generate", "hi", "--store", str(tmp_path / "s"),
                     env=_env(EDGESYNC_MODEL=str(tmp_path / "absent.gguf")))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
-    proc = edgesync("run", "seed", "--limit", "2", "--store", str(tmp_path / "s"),
-                    env=_env(EDGESYNC_WORKLOADS=str(tmp_path / "nowhere")))
-    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "EDGESYNC_WORKLOADS" in proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_a_command_that_is_not_installed_is_listed_and_refused_in_one_line(monkeypatch, capsys):
+    """The measurement commands come from the ``edgesync.commands`` entry points; one no entry
+    point adds is still listed, and running it (with any arguments) prints one line saying how to
+    get it and exits 2."""
+    from edgesync_engines.app import cli
+
+    monkeypatch.setitem(cli.MEASUREMENT_COMMANDS, "not-installed", "a command no distribution adds")
+    assert "not-installed" in cli.build_parser().format_help()
+    assert cli.main(["not-installed", "seed", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: `edgesync not-installed`")
+    assert "pip install -e ./benchmarks" in err
 
 
 @pytest.mark.model

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from benchmarks import device_profile as dp
-from benchmarks.device_profile import SEED, SEED_TABLE, SeedConstants
+from edgesync_bench import device_profile as dp
+from edgesync_bench.device_profile import SEED, SEED_TABLE, SeedConstants
 
 
 def record(system, index, prompt_tokens, tokens_reused=0, hit=None, source=None, lookup_ms=None,

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from benchmarks import energy
-from benchmarks.energy import EnergyProbe, read_power_supplies, read_rapl
+from edgesync_bench import energy
+from edgesync_bench.energy import EnergyProbe, read_power_supplies, read_rapl
 
 
 def write_tree(root: pathlib.Path, files: dict[str, str | int]) -> None:

@@ -1,4 +1,4 @@
-"""``edgesync fidelity`` and ``edgesync_engines.app.fidelity`` on real data, the real embedder and the
+"""``edgesync fidelity`` and ``edgesync_bench.fidelity`` on real data, the real embedder and the
 real model. No mocks.
 
 Data: ``qqp_pairs_labelled.jsonl`` of the shared workloads, its first 400 rows (file order) for
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgesync_engines.app import fidelity, fidelity_vectors
-from edgesync_engines.app.workloads import WorkloadDataError
+from edgesync_bench import fidelity, fidelity_vectors
+from edgesync_bench.workloads import WorkloadDataError
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_engines.request.router import EdgeSync

@@ -41,9 +41,9 @@ from edgesync_store.core import codec
 from edgesync_store.core.crashpoints import ENV_VAR
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.lifecycle.merge import split_heads, split_layers
+from edgesync_store.migrations import CURRENT_VERSION, StoreFormatError, m0002_lifecycle_v2, m0003_heads
 from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LIFETIME_LONG, LIFETIME_SHORT, LONG_TTL_SECONDS, ManualClock
-from migrations import CURRENT_VERSION, StoreFormatError, m0002_lifecycle_v2, m0003_heads
 
 pytestmark = [pytest.mark.model]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib  # noqa: F401  (the bench extra; a missing install should fail, not skip)
 
-from benchmarks import plots
+from edgesync_bench import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

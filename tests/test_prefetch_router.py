@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgesync_bench import workloads
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
-from edgesync_engines.app import workloads
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import plan as planning
 from edgesync_engines.request.prefetch import NgramPredictor, request_key

@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from edgesync_engines.app import rag_fidelity
-from edgesync_engines.app.rag_workload import rag_workload
+from edgesync_bench import rag_fidelity
+from edgesync_bench.rag_workload import rag_workload
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 

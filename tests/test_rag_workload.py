@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from edgesync_engines.app.rag_workload import RAG_SYSTEM_PROMPT, rag_corpus, rag_workload
+from edgesync_bench.rag_workload import RAG_SYSTEM_PROMPT, rag_corpus, rag_workload
 
 
 @pytest.fixture(scope="module")

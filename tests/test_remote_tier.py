@@ -130,7 +130,7 @@ def _lookups(store) -> list[str]:
 
 def _run_table(store_stats: dict) -> dict[str, str]:
     """``edgesync run``'s table over one request and ``store_stats``: the edgesync column by row."""
-    from edgesync_engines.app import run_report
+    from edgesync_bench import run_report
 
     result = {"tokens": [1], "tier": "miss", "ttft_ms": 1.0, "total_ms": 2.0, "prompt_tokens": 200,
               "tokens_reused": 0, "tokens_prefilled": 200, "bytes_read": 0, "lookup_ms": None}

@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from edgesync_engines.app.workloads import seed_workload
+from edgesync_bench.workloads import seed_workload
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess

@@ -14,8 +14,8 @@ import time
 import openai
 import pytest
 
-from benchmarks.bench_workloads import adapter_token_counter, chat_sessions
-from edgesync_engines.app.workloads import seed_workload
+from edgesync_bench.bench_workloads import adapter_token_counter, chat_sessions
+from edgesync_bench.workloads import seed_workload
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess

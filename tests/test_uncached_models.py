@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from edgesync_bench import run_report
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.model_files import default_model_path, gemma3_model_path
-from edgesync_engines.app import run_report
 from edgesync_engines.request.router import EdgeSync
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Tests for edgesync_engines.app.workloads against the real shared data.
+"""Tests for edgesync_bench.workloads against the real shared data.
 
 Data: ../shared/workloads/ (or $EDGESYNC_WORKLOADS): qqp_clusters.jsonl (all 1,000 rows,
 shuffled with random.Random(0), first 64 kept), system_prompts.json (all 8 rows), and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.app.workloads import (
+from edgesync_bench.workloads import (
     DOC_QA_SYSTEM_PROMPT,
     WORKLOAD_NAMES,
     Request,
@@ -193,9 +193,25 @@ def test_unknown_name_raises():
 def test_default_directory_is_found_beside_the_project_from_any_working_directory(monkeypatch, tmp_path):
     """With no explicit directory and no EDGESYNC_WORKLOADS, the data beside the checkout
     (``<project root>/../shared/workloads``) is found whatever the working directory is."""
-    from edgesync_engines.app.workloads import workloads_dir
+    from edgesync_bench.workloads import workloads_dir
 
     beside = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
     monkeypatch.delenv("EDGESYNC_WORKLOADS", raising=False)
     monkeypatch.chdir(tmp_path)
     assert workloads_dir() == beside.resolve()
+
+
+def test_outside_a_checkout_only_the_setting_finds_the_data(monkeypatch, tmp_path):
+    """Installed (no ``pyproject.toml`` and ``edgesync_store/`` beside the package's folder), there
+    is no default directory: one line names EDGESYNC_WORKLOADS; the setting still works."""
+    from edgesync_bench import workloads
+
+    monkeypatch.delenv("EDGESYNC_WORKLOADS", raising=False)
+    monkeypatch.setattr(workloads, "__file__", str(tmp_path / "site-packages" / "edgesync_bench" / "workloads.py"))
+    assert workloads.checkout_workloads_dir() is None
+    with pytest.raises(WorkloadDataError) as exc:
+        workloads_dir()
+    message = str(exc.value)
+    assert "\n" not in message and "EDGESYNC_WORKLOADS is not set and this is not a checkout" in message
+    monkeypatch.setenv("EDGESYNC_WORKLOADS", str(tmp_path))
+    assert workloads_dir() == tmp_path

@@ -12,19 +12,27 @@ raw bytes and hits by tier (short, long, expired, total), the budget use (used_b
 max_bytes) and the size of data.mdb; with ``--json`` as one JSON object.
 
 A plain script: it runs from a checkout without installing anything beyond the dependencies
-(the project root is put on ``sys.path`` when ``edgesync_store`` is not importable).
+(the project root is put on ``sys.path``, and ``migrations/`` loaded as
+``edgesync_store.migrations``, when ``edgesync_store`` is not importable).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 try:
     import edgesync_store  # noqa: F401
 except ImportError:  # running from a checkout that is not installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    ROOT = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(ROOT))
+    # migrations/ installs as edgesync_store.migrations (pyproject.toml, package-dir): load it so
+    spec = importlib.util.spec_from_file_location("edgesync_store.migrations", ROOT / "migrations" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "migrations")])
+    sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[spec.name])
 
 from edgesync_store.commands.dump import print_dump  # noqa: E402
 

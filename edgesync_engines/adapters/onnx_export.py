@@ -45,6 +45,7 @@ import platformdirs
 
 from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.onnx_support import onnx_refusal
+from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,8 @@ def open_export(directory: str | os.PathLike, n_threads: int | None = None):
     Raises:
         ExportError: any of these fails (the message names the file and says to export again).
     """
-    import onnxruntime as ort
-    from tokenizers import Tokenizer
+    ort = require_extra("onnxruntime", "onnx", "the ONNX Runtime engine")
+    Tokenizer = require_extra("tokenizers", "onnx", "the ONNX Runtime engine").Tokenizer
 
     directory = Path(directory)
     meta = read_meta(directory)

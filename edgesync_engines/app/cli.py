@@ -1,27 +1,68 @@
-"""The ``edgesync`` command: ``generate``, ``run``, ``export-onnx`` (:mod:`.cli_model`), ``dump``,
-``clear``, ``reindex`` (:mod:`.cli_store`), ``docs add|list|remove`` (:mod:`.cli_docs`), ``compact``
-(:mod:`.compact`), ``fidelity`` (:mod:`.cli_fidelity`), ``serve`` (:mod:`.cli_serve`) and ``bench``
-(:mod:`benchmarks.runner`).
+"""The ``edgesync`` command: ``generate``, ``export-onnx`` (:mod:`.cli_model`), ``dump``, ``clear``,
+``reindex`` (:mod:`.cli_store`), ``docs add|list|remove`` (:mod:`.cli_docs`), ``compact``
+(:mod:`.compact`) and ``serve`` (:mod:`.cli_serve`), plus the commands other distributions add
+through the entry-point group ``edgesync.commands``: ``run``, ``bench`` and ``fidelity`` come from
+``edgesync-bench`` (the repository's ``benchmarks/``). This module never imports them by name;
+when they are not installed they are still listed, and running one says in one line how to get
+them.
 
 Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
 precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
 progress, summaries, logs and ``error: ...`` lines go to stderr. Bad input (a prompt that does
-not fit the context, a bad setting, a missing model, workload data or store) exits 2 without a
-traceback.
+not fit the context, a bad setting, a missing model, extra, workload data or store) exits 2
+without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
+from importlib.metadata import entry_points
 from typing import Sequence
 
-from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_serve, cli_store, compact
+from edgesync_engines.app import cli_docs, cli_model, cli_serve, cli_store, compact
 from edgesync_engines.app.cli_common import EXIT_USAGE, LOG_LEVELS, CommandError, print_error
-from edgesync_engines.app.workloads import WorkloadDataError
+from edgesync_store.errors import MissingExtraError
 
 EXIT_INTERRUPTED = 130
+COMMANDS_GROUP = "edgesync.commands"
+"""Entry-point group of added commands: each entry point is a function ``(subparsers, common)``
+that adds its subparser (``common``: the parent parser holding ``--log-level``)."""
+MEASUREMENT_COMMANDS = {
+    "run": "run a workload uncached and through EdgeSync, request by request, and compare",
+    "bench": "benchmark every system on the seed, doc-QA and chat workloads (make bench)",
+    "fidelity": "measure the approximate mode on labelled question pairs: shares served, answer agreement",
+}
+"""The commands of ``edgesync-bench``, listed (with their help) even when it is not installed."""
+BENCH_INSTALL = "pip install -e ./benchmarks from a checkout of EdgeSync"
+
+
+def add_command_plugins(sub, common: argparse.ArgumentParser) -> None:
+    """Add every command of the ``edgesync.commands`` entry points, then a stand-in for each
+    measurement command none of them added (it prints how to install it and exits 2)."""
+    added: dict[str, str] = {}
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        if ep.name in added or ep.name in sub.choices:
+            continue
+        try:
+            ep.load()(sub, common)
+        except ImportError as exc:  # installed, but a module it needs is not
+            added[ep.name] = f"`edgesync {ep.name}` cannot be loaded ({exc})"
+            continue
+        added[ep.name] = ""
+    for name, text in MEASUREMENT_COMMANDS.items():
+        reason = added.get(name, f"`edgesync {name}` is a benchmark command of the edgesync-bench "
+                                 f"distribution, which is not installed: {BENCH_INSTALL}")
+        if name not in sub.choices:
+            p = sub.add_parser(name, parents=[common], help=f"{text} (needs edgesync-bench)")
+            p.set_defaults(func=functools.partial(missing_command, reason), accepts_any_arguments=True)
+
+
+def missing_command(reason: str, args: argparse.Namespace) -> int:
+    """The stand-in of a command that is not installed: CommandError(``reason``)."""
+    raise CommandError(reason)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,38 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     cli_store.add_parsers(sub, common)
     cli_docs.add_parsers(sub, common)
     compact.add_parser(sub, common)
-    cli_fidelity.add_parser(sub, common)
     cli_model.add_export_parser(sub, common)
     cli_serve.add_parser(sub, common)
-    bench = sub.add_parser("bench", parents=[common],
-                           help="benchmark every system on the seed, doc-QA and chat workloads (make bench)")
-    from benchmarks.runner import add_arguments as add_bench_arguments
-
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    add_command_plugins(sub, common)
     return parser
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``edgesync bench``: :func:`benchmarks.runner.run_from_args` (report tables on stdout)."""
-    from benchmarks.runner import WorkerError, run_from_args
-
-    try:
-        return run_from_args(args)
-    except (WorkerError, WorkloadDataError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``edgesync`` command; return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = getattr(args, "log_level", "WARNING")
     logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except CommandError as exc:
+    except (CommandError, MissingExtraError) as exc:
         print_error(str(exc))
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
+from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,12 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C."""
-    import uvicorn
+    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C.
 
+    Raises:
+        MissingExtraError: a package of the ``server`` extra is not installed (one line).
+    """
+    uvicorn = require_extra("uvicorn", "server", "edgesync serve")
     from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
     from edgesync_engines.server.app import ServeSettings, create_app
     from edgesync_engines.server.pool import PoolStartError, WorkerPool

@@ -31,8 +31,7 @@ def with_remote_tier(local: "FragmentBackend | None", config: "EdgeSyncConfig") 
     try:
         from edgesync_store.remote.tiered import TieredStore
     except ImportError as exc:
-        log.warning("EDGESYNC_REMOTE_URL is set but the remote client is missing (%s; install the `remote` extra): "
-                    "serving from the local store only", exc)
+        log.warning("EDGESYNC_REMOTE_URL is set but %s: serving from the local store only", exc)
         return local
     return TieredStore.connect(local, config.remote_url, prefix=config.remote_prefix, cluster=config.remote_cluster,
                                timeout_ms=config.remote_timeout_ms, write_timeout_ms=config.remote_write_timeout_ms,

@@ -5,3 +5,13 @@ response models), :mod:`.pool` (the worker processes, seen from the server), :mo
 (one engine in one process), :mod:`.stops` (stop sequences), :mod:`.metrics` (Prometheus),
 :mod:`.errors` (the OpenAI error shape) and :mod:`.security` (API key, body size, bind address).
 """
+
+from edgesync_store.errors import require_extra
+
+SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+"""The modules of the ``server`` extra (pyproject.toml): importing this package without one of
+them raises :class:`~edgesync_store.errors.MissingExtraError`, one line naming the extra."""
+
+for module in SERVER_MODULES:
+    require_extra(module, "server", "edgesync serve")
+del module

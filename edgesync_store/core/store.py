@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-import migrations
+from edgesync_store import migrations
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import FragmentBackend, PinTableLike
 from edgesync_store.core.lmdb_env import (

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from edgesync_store.documents.records import DocumentRecord, documents_generation, iterate_documents
+from edgesync_store.errors import require_extra
 from edgesync_store.ttl import LIFETIME_DOCUMENT
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class DocumentIndex:
         self._owners: list[bytes] = []
 
     def _rebuild(self) -> None:
-        import hnswlib
+        hnswlib = require_extra("hnswlib", "semantic", "document retrieval")
 
         records: list[DocumentRecord] = [r for r in iterate_documents(self.store, self.namespace_digest)
                                          if len(r.vectors)]

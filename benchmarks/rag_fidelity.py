@@ -4,7 +4,7 @@ One run (:func:`run_rag`), used by ``edgesync fidelity --workload rag`` and ``ed
 --workloads rag``:
 
 1. the corpus is added to the store (:func:`add_corpus`; timed on its own);
-2. each request (:func:`~edgesync_engines.app.rag_workload.rag_workload`) is answered, greedy,
+2. each request (:func:`~edgesync_bench.rag_workload.rag_workload`) is answered, greedy,
    ``max_tokens`` tokens, by every system in turn, the order rotated by the request's index so
    that machine drift hits every system alike:
 
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from edgesync_engines.app.answer_metrics import exact_match, f1_score, rouge_l
+from edgesync_bench.answer_metrics import exact_match, f1_score, rouge_l
 
 log = logging.getLogger(__name__)
 

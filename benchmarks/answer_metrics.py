@@ -13,6 +13,8 @@ import string
 from collections import Counter
 from typing import Sequence
 
+from edgesync_store.errors import require_extra
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
@@ -54,7 +56,6 @@ def rouge_l(candidate: str, reference: str) -> float:
     if not candidate.strip() and not reference.strip():
         return 1.0
     if _SCORER is None:
-        from rouge_score import rouge_scorer
-
+        rouge_scorer = require_extra("rouge_score.rouge_scorer", "bench", "ROUGE-L")
         _SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return float(_SCORER.score(reference, candidate)["rougeL"].fmeasure)

@@ -1,5 +1,5 @@
 """``edgesync fidelity --workload rag`` and ``edgesync bench --workloads rag``: the rag
-measurement of :mod:`edgesync_engines.app.rag_fidelity` run once, in this process, on a fresh
+measurement of :mod:`edgesync_bench.rag_fidelity` run once, in this process, on a fresh
 store in a temporary directory; a rich table on stdout (or JSON), a PNG plot of quality against
 TTFT, progress bars on stderr.
 """
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.app import rag_fidelity
+from edgesync_bench import rag_fidelity
 from edgesync_engines.app.cli_common import CommandError, open_edgesync, progress_bar, write_json_out
 
 
@@ -36,8 +36,8 @@ def measure(cfg, limit: int | None, shares, curve_limit: int | None, max_tokens:
     Raises:
         CommandError: missing workload data or model, or a failure of the store or a request.
     """
-    from edgesync_engines.app.rag_workload import RAG_REQUESTS, rag_corpus, rag_workload
-    from edgesync_engines.app.workloads import WorkloadDataError
+    from edgesync_bench.rag_workload import RAG_REQUESTS, rag_corpus, rag_workload
+    from edgesync_bench.workloads import WorkloadDataError
 
     try:
         requests = rag_workload(limit or RAG_REQUESTS)
@@ -96,20 +96,20 @@ def render_table(doc: dict):
 
 
 def plot(doc: dict, path: str | Path) -> Path:
-    """The quality-against-TTFT PNG of a report (``benchmarks.plots.quality_vs_ttft``).
+    """The quality-against-TTFT PNG of a report (``edgesync_bench.plots.quality_vs_ttft``).
 
     Raises:
         CommandError: matplotlib is not installed (the ``bench`` extra).
     """
     try:
-        from benchmarks.plots import quality_vs_ttft
+        from edgesync_bench.plots import quality_vs_ttft
 
         s = doc["settings"]
         return quality_vs_ttft(doc["systems"], path,
                                title=f"rag: quality vs TTFT by recompute share ({doc['model']}, "
                                      f"{s['requests']} requests; curve on {s['curve_requests']})")
     except ImportError as exc:
-        raise CommandError(f"--plot needs matplotlib (pip install -e '.[bench]'): {exc}") from None
+        raise CommandError(f"--plot: {exc}") from None
 
 
 def emit(doc: dict, json_stdout: bool, json_out: str | None, plot_path: str | None) -> None:

@@ -1,6 +1,6 @@
 """``edgesync fidelity``: how often the approximate mode serves a paraphrase's KV, and how the
-answers compare (computation in :mod:`edgesync_engines.app.fidelity`); with ``--workload rag``,
-documents reuse by recompute share against full prefill (:mod:`edgesync_engines.app.cli_rag`).
+answers compare (computation in :mod:`edgesync_bench.fidelity`); with ``--workload rag``,
+documents reuse by recompute share against full prefill (:mod:`edgesync_bench.cli_rag`).
 
 Prints a table (or, with ``--json``, one JSON object) to stdout; progress bars and errors go to
 stderr. Bad input (missing data, a bad option, a missing package or model) exits 2.
@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.app import cli_rag, fidelity, fidelity_vectors, rag_fidelity
+from edgesync_bench import cli_rag, fidelity, fidelity_vectors, rag_fidelity
 from edgesync_engines.app.cli_common import (
     CommandError,
     check_writable,
@@ -137,7 +137,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     Raises:
         CommandError: missing data, a bad option, a missing package or model.
     """
-    from edgesync_engines.app.workloads import WorkloadDataError
+    from edgesync_bench.workloads import WorkloadDataError
     from edgesync_store.semantic.embedders import EmbeddingUnavailableError, get_embedder
 
     cfg = load_config({"engine": args.engine})

@@ -3,8 +3,8 @@ shared data, and the data access (directory lookup, JSON Lines reader) they shar
 benchmark's own dealing of them in ``benchmarks/bench_workloads.py``.
 
 The data is the read-only, shared set described in ``README.md`` of the workloads
-directory (``../shared/workloads/`` relative to the project root; override with the
-``EDGESYNC_WORKLOADS`` environment variable). Nothing is copied into the project.
+directory: ``EDGESYNC_WORKLOADS``, or, only when run from a checkout, ``../shared/workloads/``
+beside it. Nothing is copied into the project.
 
 Two workloads are built here, both deterministic (no wall-clock or global randomness):
 
@@ -42,6 +42,7 @@ __all__ = [
     "read_jsonl",
     "seed_workload",
     "workloads_dir",
+    "checkout_workloads_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,31 +123,39 @@ def _given_dir(value: str | os.PathLike, source: str) -> Path:
     return path
 
 
+def checkout_workloads_dir() -> Path | None:
+    """``../shared/workloads`` beside the checkout this package runs from, or None when it does
+    not run from a checkout (installed as a wheel: no ``pyproject.toml`` and ``edgesync_store/``
+    beside the ``benchmarks/`` folder)."""
+    root = Path(__file__).resolve().parent.parent
+    if not ((root / "pyproject.toml").is_file() and (root / "edgesync_store").is_dir()):
+        return None
+    return root.parent / "shared" / "workloads"
+
+
 def workloads_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Return the workloads directory.
 
-    Lookup order: ``explicit`` if given; else ``$EDGESYNC_WORKLOADS`` if set and
-    non-empty; else ``<project root>/../shared/workloads`` (project root is the parent
-    of the ``edgesync_engines`` package); else ``<cwd>/../shared/workloads``.
+    Lookup order: ``explicit`` if given; else ``$EDGESYNC_WORKLOADS`` if set and non-empty;
+    else, when run from a checkout, ``<checkout>/../shared/workloads``
+    (:func:`checkout_workloads_dir`).
 
-    An explicit argument or the environment variable is used as given: if it does not
-    exist, :class:`WorkloadDataError` is raised (no fallback). If neither is given and
-    no default location exists, :class:`WorkloadDataError` names the paths tried.
+    Raises:
+        WorkloadDataError: the directory given explicitly or by the environment variable is not
+            a directory (no fallback), or neither is given and there is no checkout default;
+            one line that says what is missing and how to set :data:`ENV_VAR`.
     """
     if explicit is not None:
         return _given_dir(explicit, "passed explicitly")
     env = os.environ.get(ENV_VAR)
     if env:
         return _given_dir(env, f"from {ENV_VAR}")
-    candidates = [
-        Path(__file__).resolve().parents[2] / ".." / "shared" / "workloads",
-        Path.cwd() / ".." / "shared" / "workloads",
-    ]
-    for cand in candidates:
-        if cand.is_dir():
-            return cand.resolve()
-    tried = ", ".join(repr(str(c)) for c in candidates)
-    raise WorkloadDataError(f"workloads directory not found (tried {tried}); {_hint()}")
+    default = checkout_workloads_dir()
+    if default is None:
+        raise WorkloadDataError(f"no workloads directory: {ENV_VAR} is not set and this is not a checkout; {_hint()}")
+    if not default.is_dir():
+        raise WorkloadDataError(f"workloads directory not found (tried {str(default)!r}); {_hint()}")
+    return default.resolve()
 
 
 def data_file(name: str, data_dir: str | os.PathLike | None = None) -> Path:

@@ -38,7 +38,7 @@ def _embedder_identity(embedder: Embedder) -> str:
 
 
 def default_vector_cache_dir() -> Path:
-    """Where :func:`~edgesync_engines.app.fidelity.pair_similarities` keeps vectors between runs
+    """Where :func:`~edgesync_bench.fidelity.pair_similarities` keeps vectors between runs
     (the per-user cache dir's ``fidelity`` folder)."""
     return Path(platformdirs.user_cache_dir("edgesync")) / "fidelity"
 

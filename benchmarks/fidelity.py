@@ -19,7 +19,7 @@ question pairs, 1,507 duplicates and 1,493 non-duplicates) or any file of the sa
    runs once: what the mode injects does not depend on the threshold it passed.
 
 Library code: nothing is printed; progress goes to an optional callback. The question vectors
-are cached between runs by :mod:`edgesync_engines.app.fidelity_vectors`.
+are cached between runs by :mod:`edgesync_bench.fidelity_vectors`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from typing import Sequence
 
 import numpy as np
 
-from edgesync_engines.app.fidelity_vectors import Progress, embed_texts
-from edgesync_engines.app.workloads import WorkloadDataError, workloads_dir
+from edgesync_bench.fidelity_vectors import Progress, embed_texts
+from edgesync_bench.workloads import WorkloadDataError, workloads_dir
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_store.errors import require_extra
 from edgesync_store.schema import common_prefix_len
 from edgesync_store.semantic.embedders import Embedder
 
@@ -52,8 +53,6 @@ DEFAULT_THRESHOLDS = (0.75, 0.80, 0.85, 0.90, 0.95)
 DEFAULT_SAMPLE = 8
 """Pairs per threshold run through the model (about 5 s per pair on 2 quiet cores)."""
 DEFAULT_MAX_TOKENS = 32
-ROUGE_PIN = "rouge-score==0.1.2"
-
 
 
 @dataclass(frozen=True)
@@ -235,10 +234,7 @@ _scorer = None
 def _rouge_scorer():
     global _scorer
     if _scorer is None:
-        try:
-            from rouge_score import rouge_scorer
-        except ImportError as exc:
-            raise RuntimeError(f"ROUGE-L needs the package rouge-score: pip install {ROUGE_PIN} ({exc})") from None
+        rouge_scorer = require_extra("rouge_score.rouge_scorer", "bench", "ROUGE-L")
         _scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return _scorer
 

@@ -21,7 +21,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from edgesync_engines.app.workloads import WorkloadDataError, data_file, read_jsonl
+from edgesync_bench.workloads import WorkloadDataError, data_file, read_jsonl
 
 RAG_SYSTEM_PROMPT = "Answer the question using the documents. Reply briefly."
 RAG_REQUESTS = 200
