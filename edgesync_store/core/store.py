@@ -99,7 +99,6 @@ class FragmentStore(MaintenanceBackend):
     Args:
         path: store directory; created (mode 0700) when missing.
         map_size: initial LMDB map size in bytes (grows on demand).
-        max_raw_bytes: decompressed-size cap passed to ``codec.decode``.
         readonly: open without writing (no growth, no migration, no removal of corrupt
             entries).
         clock: the time source, Unix seconds (default ``time.time``); tests inject
@@ -129,15 +128,13 @@ class FragmentStore(MaintenanceBackend):
         ValueError: ``max_bytes`` < 1 or >= 2**63 (the largest file offset), or an unknown ``compression``.
     """
 
-    def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE,
-                 max_raw_bytes: int = codec.DEFAULT_MAX_RAW_BYTES, readonly: bool = False, *,
+    def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, *,
                  clock: Clock | None = None, policy: TTLPolicy | None = None, max_bytes: int | None = None,
                  open_timeout_s: float = 120.0, compression: str = codec.DEFAULT_COMPRESSION) -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression: {compression!r} is not one of {', '.join(codec.COMPRESSIONS)}")
         self.compression = compression
         self.path = Path(path).expanduser()
-        self.max_raw_bytes = max_raw_bytes
         self.readonly = readonly
         self.dropped_corrupt = 0
         self.clock: Clock = clock or time.time
@@ -295,7 +292,7 @@ class FragmentStore(MaintenanceBackend):
         ``views`` and the payload is uncompressed. None when corrupt (then ``(key, reason)`` is
         appended to ``corrupt``)."""
         try:
-            frag = codec.decode(blob, max_raw_bytes=self.max_raw_bytes, copy=not views, check_payload=check_payload)
+            frag = codec.decode(blob, copy=not views, check_payload=check_payload)
         except CodecError as exc:
             corrupt.append((key, str(exc)))
             return None
@@ -409,7 +406,7 @@ class FragmentStore(MaintenanceBackend):
                             f"fragment [{head.token_start}, {head.token_end})"))
         return self._write_encoded(encoded, now)
 
-    def put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
+    def _put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
         """Write ``blob`` under ``key``, its head (``codec.head_of``) in ``heads`` and its
         ``by_prefix`` entry ``ikey``, in ``txn`` (the lifecycle record and ``used_bytes`` are
         the caller's).
@@ -423,7 +420,7 @@ class FragmentStore(MaintenanceBackend):
         txn.put(key, head, db=env.heads)
         txn.put(ikey, key, db=env.by_prefix, dupdata=True)
 
-    def sound_head_in(self, txn, key: bytes) -> bool:
+    def _sound_head_in(self, txn, key: bytes) -> bool:
         """True when the stored head of fragment ``key`` parses (``codec.peek``, memoized);
         else False, logged and counted in ``dropped_corrupt``: a walk stops at the first
         corrupt head it meets, so a store-back that left the twins after it alone would leave
@@ -449,7 +446,7 @@ class FragmentStore(MaintenanceBackend):
                 seen.add(key)
                 if env.has_blob(txn, key):
                     live = not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now)
-                    if live and self.sound_head_in(txn, key):
+                    if live and self._sound_head_in(txn, key):
                         continue
                     self.delete_in(txn, key)
                 todo.append(item)
@@ -464,7 +461,7 @@ class FragmentStore(MaintenanceBackend):
                     log.warning("%s (%d bytes) does not fit the size budget of %d bytes; not stored", what,
                                 len(blob), self.max_bytes)
                     continue
-                self.put_blob_in(txn, key, ikey, blob)
+                self._put_blob_in(txn, key, ikey, blob)
                 txn.put(key, life.pack(), db=env.lifecycle)
                 used += len(blob)
                 added += 1
@@ -517,7 +514,7 @@ class FragmentStore(MaintenanceBackend):
             if not all(env.has_blob(txn, k) for k in remove):
                 return False
             if not env.has_blob(txn, key):
-                self.put_blob_in(txn, key, index_key(fragment.namespace.digest(), fragment.prefix_hash), blob)
+                self._put_blob_in(txn, key, index_key(fragment.namespace.digest(), fragment.prefix_hash), blob)
                 self._add_used(txn, len(blob))
             life.nbytes, life.raw_nbytes = len(blob), fragment.raw_nbytes
             txn.put(key, life.pack(), db=env.lifecycle)

@@ -61,7 +61,10 @@ from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT, Lifecycle
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["TieredStats", "TieredStore"]
+__all__ = ["DRAIN_S", "TieredStats", "TieredStore"]
+
+DRAIN_S = 10.0
+"""Seconds :meth:`TieredStore.close` waits for the queued remote writes."""
 
 
 @dataclass
@@ -81,20 +84,18 @@ class TieredStore(MaintenanceBackend):
         prefix: the deployment's key prefix (``url.check_prefix``).
         queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
         grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
-        drain_s: seconds :meth:`close` waits for queued writes.
         fetch_budget_ms: milliseconds one fragment's fetch may take in all (its reads, each also
             bounded by the client's per-read timeout); then it is abandoned and the request
             prefills those tokens.
     """
 
     def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
-                 grid: int = 128, drain_s: float = 10.0, fetch_budget_ms: float = 250.0) -> None:
+                 grid: int = 128, fetch_budget_ms: float = 250.0) -> None:
         self.local = local
         self.client = client
         self.fetch_budget_s = fetch_budget_ms / 1000.0
         self.keys = KeyLayout(prefix, on_bad=self._bad_value)
         self.grid = grid
-        self.drain_s = drain_s
         self.queue = WriteBehind(queue_size, on_drop=lambda: client.count(queue_drops=1))
         self._fetched: dict[bytes, tuple[bytes, Lifecycle, KVFragment | None]] = {}
         self._refused: set[bytes] = set()
@@ -300,7 +301,7 @@ class TieredStore(MaintenanceBackend):
                     self._fetched[key] = (blob, life, None)
             return frag
         try:
-            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
+            frag = codec.decode(blob)
         except CodecError:
             return None
         frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
@@ -319,7 +320,7 @@ class TieredStore(MaintenanceBackend):
             return None
         blob, hits, pttl = got.blob, got.hits, got.pttl_ms
         try:
-            frag = codec.decode(blob, max_raw_bytes=self.local.max_raw_bytes)
+            frag = codec.decode(blob)
             if frag.key() != key:
                 raise CodecError("stored under a key that its content does not hash to")
         except CodecError as exc:
@@ -544,13 +545,13 @@ class TieredStore(MaintenanceBackend):
         return self._closed
 
     def close(self) -> None:
-        """Run the queued remote writes (up to ``drain_s`` seconds), then close the remote
+        """Run the queued remote writes (up to :data:`DRAIN_S` seconds), then close the remote
         client and the local store (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._flush_fetched()
-        left = self.queue.close(self.drain_s)
+        left = self.queue.close(DRAIN_S)
         if left:
             self.client.count(queue_drops=left)
         self.client.close()
