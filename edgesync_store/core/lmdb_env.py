@@ -311,13 +311,13 @@ class LmdbEnv:
         return head if head is not None else txn.get(key, db=self.fragments)
 
     @contextmanager
-    def reader(self, whole_values: bool = False) -> Iterator[lmdb.Transaction]:
+    def reader(self) -> Iterator[lmdb.Transaction]:
         """A read transaction (buffers: values are memoryviews into the map) held, with
         :attr:`lock`, for the ``with`` block: for reads whose results are used in place (views
         of a value are valid only until the block ends). Keep the block short: this process's
         other threads wait on the lock meanwhile, and a long reader keeps writers from reusing
-        freed pages. ``whole_values``: the block reads whole blobs, with the map's read-ahead
-        on (``map_advice.MapAdvice``).
+        freed pages. The block reads whole blobs, with the map's read-ahead on
+        (``map_advice.MapAdvice``).
 
         Raises:
             StoreIOError: LMDB failed to begin the transaction.
@@ -334,10 +334,7 @@ class LmdbEnv:
             else:
                 raise StoreIOError(f"store {self.path}: the map keeps growing")
             try:
-                if whole_values:
-                    with self.advice.whole_values(self._env.info()["map_size"]):
-                        yield txn
-                else:
+                with self.advice.whole_values(self._env.info()["map_size"]):
                     yield txn
             except lmdb.Error as exc:
                 raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc

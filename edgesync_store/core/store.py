@@ -362,7 +362,7 @@ class FragmentStore(MaintenanceBackend):
         corrupt: list = []
         deferred: list | None = [] if defer_checks else None
         try:
-            with self.env.reader(whole_values=True) as txn:
+            with self.env.reader() as txn:
                 got = CheckedChainRead(self._read_in(txn, bytes(key), True, corrupt, deferred) for key in keys)
                 if deferred:
                     got.start(deferred, corrupt)
