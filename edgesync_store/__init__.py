@@ -2,10 +2,10 @@
 
 Sub-packages, from the bottom up:
 
-* :mod:`edgesync_store.core`: the storage seam (``backend.FragmentBackend``) and its local
-  implementation on LMDB (``store.FragmentStore``, ``lmdb_env``, ``store_lifecycle``,
-  ``companions``), the blob format (``codec``), the prefix walk (``walk``) and the
-  cross-process locks (``locks``);
+* :mod:`edgesync_store.core`: the storage seams (``backend.FragmentBackend`` for requests,
+  ``backend.MaintenanceBackend`` for maintenance) and their local implementation on LMDB
+  (``store.FragmentStore``, ``lmdb_env``, ``companions``), the blob format (``codec``), the
+  prefix walk (``walk``) and the cross-process locks (``locks``);
 * :mod:`edgesync_store.lifecycle`: maintenance under the lifetime policy (``edgesync_store.ttl``):
   eviction under the size budget, merging layer/head groups, disk reclaim, scheduled jobs;
 * :mod:`edgesync_store.semantic`: finding stored prompts by meaning: embedders, the vectors kept
@@ -34,6 +34,7 @@ from edgesync_store.lazy import lazy_exports
 
 _PUBLIC = {
     "FragmentBackend": "edgesync_store.core.backend",
+    "MaintenanceBackend": "edgesync_store.core.backend",
     "FragmentStore": "edgesync_store.core.store",
     "StoreStats": "edgesync_store.core.store",
     "DEFAULT_MAX_BYTES": "edgesync_store.core.store",
@@ -71,6 +72,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_TTL_SECONDS",
     "FragmentBackend",
+    "MaintenanceBackend",
     "FragmentStore",
     "KVFragment",
     "LIFETIME_LONG",
@@ -99,7 +101,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from edgesync_store.compactor import Compactor
-    from edgesync_store.core.backend import FragmentBackend
+    from edgesync_store.core.backend import FragmentBackend, MaintenanceBackend
     from edgesync_store.core.store import DEFAULT_MAX_BYTES, STORE_FORMAT_VERSION, FragmentStore, StoreStats
     from edgesync_store.core.walk import PrefixMatch, SpanMatch
     from edgesync_store.errors import (

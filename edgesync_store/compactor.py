@@ -106,7 +106,7 @@ class Compactor:
     """Runs the compaction steps (module docstring) over one open store.
 
     Args:
-        store: an open, writable ``FragmentStore``.
+        store: an open, writable ``MaintenanceBackend`` (``FragmentStore`` or ``TieredStore``).
         index: the application's open ``SemanticIndex`` (its sidecar is updated in place), or
             None (other indexes catch up from the vectors' change log when they next open or
             query).

@@ -1328,19 +1328,22 @@ def test_foreign_or_truncated_lmdb_is_refused_untouched(tmp_path):
 # -- the storage seam -------------------------------------------------------------------------
 
 
-def test_fragment_store_implements_the_backend_interface():
-    """Every abstract method of the seam is implemented, and the seam names the methods the
-    layers above call."""
-    from edgesync_store.core.backend import FragmentBackend
+def test_fragment_store_implements_the_backend_interfaces():
+    """Every abstract method of both seams is implemented; the request seam names the methods
+    the request path calls, the maintenance seam adds what maintenance calls."""
+    from edgesync_store.core.backend import FragmentBackend, MaintenanceBackend
 
-    assert issubclass(FragmentStore, FragmentBackend)
+    assert issubclass(FragmentStore, MaintenanceBackend) and issubclass(MaintenanceBackend, FragmentBackend)
     assert not FragmentStore.__abstractmethods__
-    seam = {"get", "get_blob", "put_many", "delete_many", "contains", "is_live", "prefix_walk", "covers_span",
-            "keys_along", "namespaces", "lifecycle", "set_lifecycle", "record_hits", "iterate", "iterate_lifecycle",
-            "delete_expired", "put_replacing", "absorb", "used_bytes", "recount_used", "stats", "transact",
-            "contains_in", "delete_in", "used_in", "lifecycle_rows_in", "close", "closed"}
-    assert seam == set(FragmentBackend.__abstractmethods__)
-    assert {"put", "delete", "forget_tokens"} <= set(vars(FragmentBackend))
+    request = {"get", "reading", "serves_in_place", "put_many", "is_live", "prefix_walk", "covers_span",
+               "keys_along", "namespaces", "forget_tokens", "lifecycle", "lifecycles", "record_hits", "reuse_hint",
+               "release_mapped", "used_bytes", "stats", "close"}
+    assert request == set(FragmentBackend.__abstractmethods__)
+    maintenance = {"contains", "delete_many", "set_lifecycle", "iterate", "iterate_lifecycle", "delete_expired",
+                   "put_replacing", "absorb", "recount_used", "transact", "named_db", "contains_in", "delete_in",
+                   "used_in", "lifecycle_rows_in", "closed"}
+    assert (request - {"forget_tokens"}) | maintenance == set(MaintenanceBackend.__abstractmethods__)
+    assert {"put", "delete", "forget_tokens"} <= set(vars(MaintenanceBackend))
 
 
 def test_lmdb_errors_leave_the_store_as_store_io_errors(tmp_path):

@@ -49,8 +49,8 @@ IMPORT_FUNCTIONS = ("import_module", "__import__")
 """Calls whose literal first argument is an import (``importlib.import_module("x")``)."""
 EXCEPTION_BASES = {"BaseException", "Exception"}
 """Builtin roots of exception classes; any builtin name ending in Error, Exception or Warning counts."""
-PRIVATE_OK_DIRS = ("edgesync_store/core/",)
-"""Modules that may use each other's underscore names: the store's core implements one thing."""
+PRIVATE_OK_DIRS: tuple[str, ...] = ()
+"""Folders whose modules may use each other's underscore names (none: every class is whole)."""
 STORAGE_LIBRARIES = ("lmdb", "redis", "valkey")
 """Client libraries only ``edgesync_store`` imports (``Report.lmdb_in_engines`` lists offenders)."""
 MAX_FUNCTION_LINES = 80

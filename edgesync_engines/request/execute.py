@@ -25,7 +25,7 @@ from edgesync_store.schema import MIN_SPAN
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
     from edgesync_engines.request.fragment_cache import FragmentCache
-    from edgesync_store.core.store import FragmentStore
+    from edgesync_store.core.backend import FragmentBackend
     from edgesync_store.schema import KVFragment
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Injector:
         cache: the RAM tier to read through (None: off, every fragment is read from the store).
     """
 
-    def __init__(self, store: "FragmentStore", adapter: "EngineAdapter",
+    def __init__(self, store: "FragmentBackend", adapter: "EngineAdapter",
                  cache: "FragmentCache | None" = None) -> None:
         self.store = store
         self.adapter = adapter

@@ -70,7 +70,7 @@ def load_adapter(model, config: "EdgeSyncConfig"):
     )
 
 
-def open_store(path: Path, config: "EdgeSyncConfig") -> FragmentStore | None:
+def open_store(path: Path, config: "EdgeSyncConfig") -> "FragmentBackend | None":
     """Open the configured store with this config's TTL, budget and compression. A store the
     system will not let us write (read-only disk or directory, no space or permission) is
     opened read-only, or not at all, with a warning: requests are served from it, or uncached,

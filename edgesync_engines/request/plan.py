@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.semantic_lookup import Donor, Lookup, SemanticLookup
-    from edgesync_store.core.store import FragmentStore
+    from edgesync_store.core.backend import FragmentBackend
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class ReusePlan:
     stale_donors: tuple[bytes, ...] = ()
 
 
-def walk(store: "FragmentStore", namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch:
+def walk(store: "FragmentBackend", namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch:
     """The store's longest token-identical prefix of ``tokens`` in ``namespace`` (empty, with a
     warning, when the store cannot be read)."""
     try:
@@ -165,7 +165,7 @@ def walk(store: "FragmentStore", namespace: Namespace, tokens: Sequence[int]) ->
         return PrefixMatch()
 
 
-def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "FragmentStore | None",
+def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "FragmentBackend | None",
                adapter: "EngineAdapter", config: "EdgeSyncConfig",
                semantic: "SemanticLookup | None" = None) -> ReusePlan:
     """Decide what the request ``prompt`` (a string or chat messages, tokenized as ``tokens``)
@@ -258,7 +258,7 @@ def _verified_prefix(tokens: tuple[int, ...], donors: "Sequence[Donor]", match: 
     return match, limit, donor_key
 
 
-def convertible_namespaces(store: "FragmentStore", namespace: Namespace) -> list[Namespace]:
+def convertible_namespaces(store: "FragmentBackend", namespace: Namespace) -> list[Namespace]:
     """The store's namespaces whose KV ``compatible_with`` calls convertible for an engine of
     ``namespace`` (same model and geometry, another engine or settings); the others are
     skipped with their reason logged. Empty when the store cannot be read."""

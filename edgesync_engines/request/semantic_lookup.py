@@ -78,7 +78,7 @@ class SemanticLookup:
     """The embedder and the HNSW index of one store, opened on first use.
 
     Args:
-        store: the router's open ``FragmentStore``.
+        store: the router's open store (``FragmentBackend``).
         config: supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
 
     Creating one loads nothing (no embedder, no hnswlib). Thread-safe (the index has its own

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.fragment_cache import FragmentCache
     from edgesync_engines.request.semantic_lookup import SemanticLookup
-    from edgesync_store.core.store import FragmentStore
+    from edgesync_store.core.backend import FragmentBackend
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def donor_key(namespace: Namespace, tokens: Sequence[int], config: "EdgeSyncConf
                      layers_per_fragment=config.layers_per_fragment, heads_per_fragment=config.heads_per_fragment)
 
 
-def store_new(store: "FragmentStore", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
+def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
               donor_prompt=None, ram: "FragmentCache | None" = None) -> int:
     """Extract and store the prompt's chunks that the store lacks (or holds expired); return
     how many fragments were written (0, with a warning, when the store or the engine failed).
@@ -129,7 +129,7 @@ def _donor_record(namespace: Namespace, tokens: list[int], config: "EdgeSyncConf
     return key, donor_value(namespace.digest(), tokens, text)
 
 
-def index_prompt(semantic: "SemanticLookup", store: "FragmentStore", namespace: Namespace, prompt,
+def index_prompt(semantic: "SemanticLookup", store: "FragmentBackend", namespace: Namespace, prompt,
                  tokens: list[int], embedded, config: "EdgeSyncConfig") -> None:
     """Give the prompt's donor its vector now (after its answer, off the TTFT path) when the
     semantic lookup ran for this request (``embedded``: its (text, float32 ``[384]``
@@ -148,7 +148,7 @@ def index_prompt(semantic: "SemanticLookup", store: "FragmentStore", namespace: 
     semantic.remember(key, namespace, tokens, prompt, embedded)
 
 
-def record_hits(store: "FragmentStore", keys: Sequence[bytes],
+def record_hits(store: "FragmentBackend", keys: Sequence[bytes],
                 reused: tuple[bytes, Sequence[int]] | None = None) -> None:
     """Count a hit on each injected fragment (for eviction and merging) and keep ``reused``
     (namespace digest, the token IDs injected) as the store's reuse hint; a failure is logged."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgesync_store.commands.units import format_bytes
+from edgesync_store.core.backend import MaintenanceBackend
 from edgesync_store.core.lmdb_env import path_state
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreNotFoundError, StoreOpenError
@@ -56,7 +57,7 @@ def iso_time(t: float | None) -> str | None:
         return None
     return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
 
-def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[str, Any]]:
+def fragment_rows(store: MaintenanceBackend, now: float | None = None) -> list[dict[str, Any]]:
     """One JSON-able row per stored fragment, oldest first (corrupt rows last).
 
     Row fields: ``key`` (first 12 hex chars of the store key), ``corrupt`` (the header does not
@@ -120,7 +121,7 @@ def fragment_rows(store: FragmentStore, now: float | None = None) -> list[dict[s
     rows.sort(key=lambda r: (r["corrupt"], r["created_at"] or 0.0, r["span"] is None, r["tokens"] or ""))
     return rows
 
-def summary(store: FragmentStore) -> dict[str, Any]:
+def summary(store: MaintenanceBackend) -> dict[str, Any]:
     """``store.stats()`` as a dict plus the store path and the compression ratio (raw/compressed)."""
     stats = store.stats().to_dict()
     stats["path"] = str(store.path)
@@ -133,7 +134,7 @@ def _empty_counts() -> dict[str, int]:
     return {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
 
 
-def tier_summary(store: FragmentStore, now: float | None = None) -> dict[str, Any]:
+def tier_summary(store: MaintenanceBackend, now: float | None = None) -> dict[str, Any]:
     """Counts and sizes by tier, the size budget and the file size of ``store``.
 
     Returns a JSON-able dict:

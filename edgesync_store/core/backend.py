@@ -1,29 +1,37 @@
-"""The storage seam: what the layers above the store need from a fragment store.
+"""The storage seams: what the layers above the store need from a fragment store.
 
-:class:`FragmentBackend` is one abstract class, in the manner of LMCache v1's
-``StorageBackendInterface``: every method with its parameters, results and errors. The local
-store, ``FragmentStore`` (LMDB, ``core/store.py``), implements it; a shared remote tier
-implements the same methods. The request path, the lifecycle jobs and the commands use only
-these methods (and ``ttl``/``schema`` types), so they work over either.
+Two abstract classes, in the manner of LMCache v1's ``StorageBackendInterface``, every method
+with its parameters, results and errors:
+
+* :class:`FragmentBackend`, the request seam: what the request path (``edgesync_engines``:
+  the reuse plan, injection, store-back, prefetch, documents, the commands that run requests)
+  calls. Engines name only this one.
+* :class:`MaintenanceBackend`, which extends it with what the compactor, the lifecycle jobs
+  (expiry sweep, eviction, reclaim), the store's commands (dump, clear, inventory, reindex), the
+  semantic layer's records and the migrations need: whole-store iteration, merges, deletes and
+  transactions.
+
+The local store, ``FragmentStore`` (LMDB, ``core/store.py``), and the local store with a shared
+remote tier behind it, ``TieredStore`` (``remote/tiered.py``), implement both.
 
 Conventions for every method:
 
 * keys are store keys, 32 ``bytes`` (``schema.store_key``, ``KVFragment.key()``);
-* times are Unix seconds (float); ``now=None`` means the backend's :attr:`clock`;
+* times are Unix seconds (float); ``now=None`` means the backend's ``clock``;
 * sizes are bytes; a fragment's size is its compressed blob (``codec``);
 * a failure of the storage itself raises :class:`~edgesync_store.errors.StoreIOError` (a
   :class:`~edgesync_store.errors.StoreError`); no backend library's own exception crosses
   the seam. A write on a backend opened read-only raises ``PermissionError``.
 
-Maintenance (merge, reclaim, the semantic layer's companion records) runs inside a
-transaction, :meth:`transact`, whose ``txn`` object is opaque here: only the ``*_in`` methods
-of the same backend (and backend-specific modules) use it.
+Maintenance (merge, reclaim, the semantic layer's companion records) runs inside a transaction,
+:meth:`MaintenanceBackend.transact`, whose ``txn`` object is opaque here: only the ``*_in``
+methods and :meth:`~MaintenanceBackend.named_db` of the same backend (and backend-specific
+modules) use it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -36,7 +44,7 @@ from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
 T = TypeVar("T")
 
-__all__ = ["ChainRead", "FragmentBackend", "PinTableLike"]
+__all__ = ["ChainRead", "FragmentBackend", "MaintenanceBackend", "PinTableLike"]
 
 
 class PinTableLike(ABC):
@@ -52,28 +60,18 @@ class PinTableLike(ABC):
 
 
 class FragmentBackend(ABC):
-    """A store of KV fragments with a prefix index, lifecycle records, pins and a size budget.
+    """The request seam: KV fragments behind a prefix index, with lifecycle records and pins.
 
     Attributes:
         path: where the store lives (a directory for the local store).
         readonly: True when opened without writing.
         clock: the time source (``() -> float`` Unix seconds).
-        policy: the lifetime tiers and promotion (``ttl.TTLPolicy``).
-        max_bytes: the size budget, bytes of stored blobs.
-        max_raw_bytes: the decompressed-size cap applied when decoding.
-        format_version: the store format version on disk.
-        dropped_corrupt: corrupt fragments refused (and removed) since opening.
         pins: the pin table (:class:`PinTableLike`).
     """
 
     path: object
     readonly: bool
     clock: Clock
-    policy: TTLPolicy
-    max_bytes: int
-    max_raw_bytes: int
-    format_version: int
-    dropped_corrupt: int
     pins: PinTableLike
 
     # -- fragments ------------------------------------------------------------------------
@@ -99,35 +97,32 @@ class FragmentBackend(ABC):
         """
 
     @abstractmethod
-    def get_blob(self, key: bytes) -> bytes | None:
-        """The raw blob under ``key`` (``codec`` layout, a copy), or None when absent.
+    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> ContextManager[ChainRead]:
+        """The fragments under ``keys`` for one injection, for a ``with`` block.
+
+        Args:
+            keys: store keys, in chain order.
+            defer_checks: the payload checksums of fragments read in place may still be
+                running (in another thread) when the block starts; call ``confirm()`` on what
+                it yields before using anything computed from them.
+
+        Returns:
+            A context manager yielding a :class:`ChainRead`: ``(fragment or None, in_place)``
+            per key, in order, decoded and verified as by :meth:`get`. ``in_place`` True means
+            K and V are read-only views of the backend's own memory (no copy), valid only
+            inside the block: copy what must outlive it; after the block a view shows whatever
+            the store later writes there, and once the store is closed touching one crashes
+            the process.
 
         Raises:
             StoreIOError: the storage failed.
         """
-
-    @contextmanager
-    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator["ChainRead"]:
-        """The fragments under ``keys`` for one injection, decoded and verified as by
-        :meth:`get`, for the ``with`` block: a :class:`ChainRead` of ``(fragment or None,
-        in_place)`` per key, in order. ``in_place`` True means K and V are read-only views of
-        the backend's own memory (no copy; valid only inside the block: copy what must outlive
-        it; after the block a view shows whatever the store later writes there, and once the
-        store is closed, touching one crashes the process). With ``defer_checks`` the payload
-        checksums of fragments read in place may still be running (in another thread) when the
-        block starts: call ``confirm()`` before using anything computed from them. This default
-        reads each with :meth:`get` (arrays of their own, ``in_place`` False, nothing deferred).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
-        yield ChainRead((self.get(bytes(key)), False) for key in keys)
 
     @property
+    @abstractmethod
     def serves_in_place(self) -> bool:
         """True when :meth:`reading` returns the fragments this backend writes in place, as
         cheaply as a RAM copy would serve them (a RAM tier then need not keep them)."""
-        return False
 
     @abstractmethod
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
@@ -135,12 +130,16 @@ class FragmentBackend(ABC):
         """Store ``fragments`` together (all written or none).
 
         A fragment whose key is stored and live is left alone; an expired twin, or one whose
-        stored head is corrupt, is replaced.
-        When the blobs would pass ``max_bytes``, fragments are evicted first (expired, then
-        short-lived least recently used, then long-lived; never a pinned one); one that still
-        does not fit is skipped (logged). ``also(txn)``, when given, runs in the same write
-        transaction after the fragments are written (a companion record keyed by one of them,
-        e.g. the prompt's donor record); what it raises aborts the whole write.
+        stored head is corrupt, is replaced. When the blobs would pass the size budget,
+        fragments are evicted first (expired, then short-lived least recently used, then
+        long-lived; never a pinned one); one that still does not fit is skipped (logged).
+
+        Args:
+            fragments: the fragments to store.
+            now: the write's time (eviction's "expired").
+            also: run as ``also(txn)`` in the same write transaction after the fragments are
+                written (a companion record keyed by one of them, e.g. the prompt's donor
+                record); what it raises aborts the whole write.
 
         Returns:
             How many fragments were written.
@@ -148,34 +147,6 @@ class FragmentBackend(ABC):
         Raises:
             PermissionError: the backend is read-only.
             StoreIOError: the storage failed (nothing written).
-        """
-
-    def put(self, fragment: KVFragment) -> bool:
-        """:meth:`put_many` of one fragment; True when it was written."""
-        return self.put_many([fragment]) == 1
-
-    @abstractmethod
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete fragments with their index entries, lifecycle records, donor records and
-        vectors, together.
-
-        Returns:
-            How many of ``keys`` were stored.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed (nothing deleted).
-        """
-
-    def delete(self, key: bytes) -> bool:
-        """:meth:`delete_many` of one key; False when it was not stored."""
-        return self.delete_many([key]) == 1
-
-    @abstractmethod
-    def contains(self, key: bytes) -> bool:
-        """True when a fragment is stored under ``key`` (expired or not).
-
-        Raises:
-            StoreIOError: the storage failed.
         """
 
     @abstractmethod
@@ -228,9 +199,16 @@ class FragmentBackend(ABC):
             StoreIOError: the storage failed.
         """
 
+    @abstractmethod
     def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
-        """Delete every fragment :meth:`keys_along` finds for ``tokens``; return how many."""
-        return self.delete_many(self.keys_along(namespace, tokens))
+        """Delete every fragment :meth:`keys_along` finds for ``tokens``, with its records.
+
+        Returns:
+            How many fragments were removed.
+
+        Raises:
+            PermissionError: read-only. StoreIOError: the storage failed.
+        """
 
     # -- lifecycle records -----------------------------------------------------------------
 
@@ -242,6 +220,7 @@ class FragmentBackend(ABC):
             StoreIOError: the storage failed.
         """
 
+    @abstractmethod
     def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
         """The records of several fragments, in order (None: absent), read at one point in
         time where the backend can (the local store: one read transaction).
@@ -249,41 +228,128 @@ class FragmentBackend(ABC):
         Raises:
             StoreIOError: the storage failed.
         """
-        return [self.lifecycle(key) for key in keys]
-
-    @abstractmethod
-    def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
-        """Overwrite a stored fragment's record (its sizes kept); False when absent.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
 
     @abstractmethod
     def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
                     reused: tuple[bytes, Sequence[int]] | None = None) -> None:
         """Count one hit on each stored fragment of ``keys`` at ``now`` (``policy.on_hit``:
-        hit count + 1, last hit, promotion to the long-lived tier). ``reused`` is (namespace
-        digest, the token IDs the hit injected), kept for :meth:`reuse_hint`, in the same write.
+        hit count + 1, last hit, promotion to the long-lived lifetime).
+
+        Args:
+            keys: the fragments the hit injected (absent ones are skipped).
+            now: the hit's time.
+            reused: (namespace digest, the token IDs the hit injected), kept for
+                :meth:`reuse_hint` in the same write.
 
         Raises:
             PermissionError: read-only. StoreIOError: the storage failed.
         """
 
+    @abstractmethod
     def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
         """The token IDs (int32 ``[n]``) the latest hit in the namespace ``namespace_digest``
         injected, as :meth:`record_hits` kept them (empty: none known): a new process rehearses
-        that hit before its first request. This default knows none.
+        that hit before its first request.
 
         Raises:
             StoreIOError: the storage failed.
         """
-        return np.zeros(0, dtype=np.int32)
 
+    @abstractmethod
     def release_mapped(self) -> None:
         """Give back the memory this process maps the store's data with (a store read in place
-        maps what it reads), keeping the data cached by the OS; a no-op by default."""
-        return None
+        maps what it reads), keeping the data cached by the OS."""
+
+    # -- size and closing -------------------------------------------------------------------
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of the stored blobs: what the size budget bounds.
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+
+    @abstractmethod
+    def stats(self):
+        """Counts and sizes (``StoreStats``: fragments, compressed, raw and disk bytes, ...).
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the backend's resources and locks (idempotent)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MaintenanceBackend(FragmentBackend):
+    """The maintenance seam: the request seam with what the compactor, the lifecycle jobs, the
+    store's commands, the semantic layer's records and the migrations need.
+
+    Attributes:
+        policy: the lifetimes and promotion (``ttl.TTLPolicy``).
+        max_bytes: the size budget, bytes of stored blobs.
+        dropped_corrupt: corrupt fragments refused (and removed) since opening.
+    """
+
+    policy: TTLPolicy
+    max_bytes: int
+    dropped_corrupt: int
+
+    # -- fragments ------------------------------------------------------------------------
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """True when a fragment is stored under ``key`` (expired or not).
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+
+    def put(self, fragment: KVFragment) -> bool:
+        """:meth:`put_many` of one fragment; True when it was written."""
+        return self.put_many([fragment]) == 1
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete fragments with their index entries, lifecycle records, donor records and
+        vectors, together.
+
+        Returns:
+            How many of ``keys`` were stored.
+
+        Raises:
+            PermissionError: read-only. StoreIOError: the storage failed (nothing deleted).
+        """
+
+    def delete(self, key: bytes) -> bool:
+        """:meth:`delete_many` of one key; False when it was not stored."""
+        return self.delete_many([key]) == 1
+
+    def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
+        """:meth:`delete_many` of what :meth:`keys_along` finds (see
+        :meth:`FragmentBackend.forget_tokens`)."""
+        return self.delete_many(self.keys_along(namespace, tokens))
+
+    # -- lifecycle records and whole-store reads ------------------------------------------
+
+    @abstractmethod
+    def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
+        """Overwrite a stored fragment's record (its sizes kept).
+
+        Returns:
+            False when the fragment is absent.
+
+        Raises:
+            PermissionError: read-only. StoreIOError: the storage failed.
+        """
 
     @abstractmethod
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
@@ -304,7 +370,8 @@ class FragmentBackend(ABC):
 
     @abstractmethod
     def delete_expired(self, keys: Sequence[bytes], now: float | None = None) -> list[tuple[bytes, int]]:
-        """Delete those of ``keys`` that are still expired at ``now`` and not pinned, together.
+        """Delete those of ``keys`` that are still expired at ``now`` and not pinned, together
+        (a hit in another process may have promoted one meanwhile).
 
         Returns:
             The ``(key, blob bytes)`` deleted.
@@ -315,8 +382,9 @@ class FragmentBackend(ABC):
 
     @abstractmethod
     def put_replacing(self, fragment: KVFragment, life: Lifecycle, remove: Sequence[bytes]) -> bool:
-        """Store ``fragment`` with the record ``life`` and delete ``remove`` (their donor records
-        and vectors moved to it), together: a merge happens whole or not at all.
+        """Store ``fragment`` with the record ``life`` (its sizes set here) and delete ``remove``
+        (their donor records and vectors moved to it), together: a merge happens whole or not
+        at all. When the new key is stored already, only the removals happen.
 
         Returns:
             False, writing nothing, when one of ``remove`` is gone meanwhile.
@@ -337,30 +405,15 @@ class FragmentBackend(ABC):
             PermissionError: read-only. StoreIOError: the storage failed.
         """
 
-    # -- size -------------------------------------------------------------------------------
-
-    @abstractmethod
-    def used_bytes(self) -> int:
-        """Bytes of the stored blobs: what ``max_bytes`` bounds.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
-
     @abstractmethod
     def recount_used(self) -> int:
-        """Recompute :meth:`used_bytes` from the blobs and record it; return it.
+        """Recompute :meth:`used_bytes` from the blobs and record it.
+
+        Returns:
+            The recomputed bytes.
 
         Raises:
             PermissionError: read-only. StoreIOError: the storage failed.
-        """
-
-    @abstractmethod
-    def stats(self):
-        """Counts and sizes (``StoreStats``: fragments, compressed, raw and disk bytes, ...).
-
-        Raises:
-            StoreIOError: the storage failed.
         """
 
     # -- maintenance transactions -------------------------------------------------------
@@ -381,13 +434,37 @@ class FragmentBackend(ABC):
         """
 
     @abstractmethod
+    def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
+        """The handle of the backend's database ``name`` (companion records: donors, vectors,
+        documents, the index's metadata), for use inside :meth:`transact`.
+
+        Args:
+            name: the database's name.
+            create: create it when missing (ignored read-only).
+            dupsort: several values per key (only when creating).
+            txn: the transaction the caller is inside, if any (opening without one starts a
+                write transaction of its own).
+
+        Returns:
+            The handle, or None when the database does not exist and is not created. Handles
+            may be invalidated by maintenance (ask again rather than keep one).
+
+        Raises:
+            StoreIOError: the storage failed.
+        """
+
+    @abstractmethod
     def contains_in(self, txn, key: bytes) -> bool:
         """:meth:`contains` inside ``txn``."""
 
     @abstractmethod
     def delete_in(self, txn, key: bytes) -> int:
         """Delete one fragment (index entry, lifecycle, donor record, vector) inside the write
-        transaction ``txn``; return its blob bytes (0: it was not stored)."""
+        transaction ``txn``.
+
+        Returns:
+            Its blob bytes (0: it was not stored).
+        """
 
     @abstractmethod
     def used_in(self, txn) -> int:
@@ -403,13 +480,3 @@ class FragmentBackend(ABC):
     @abstractmethod
     def closed(self) -> bool:
         """True after :meth:`close`."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release the backend's resources and locks (idempotent)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -27,14 +27,12 @@ The payload by ``compression``:
   read is a checksum and then one copy into the engine's buffer). The payload's offset, a
   multiple of 64, keeps those views aligned wherever the blob starts aligned (an LMDB value
   on its own pages starts 16 bytes into a page).
-* ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): 0.86x the
-  raw f16 KV on the seed workload, at 10-20 ms per 1,000-token SmolLM2 chain to decompress
-  and unshuffle.
+* ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): smaller than
+  the raw KV, decompressed on every read (figures: ``docs/store-measurements.md``).
 
-xxh3_64 (the ``xxhash`` package) checks the bytes: about 0.9 ms per 25 MB where zlib's crc32
-took 4.4 ms (measured on this machine kind). Nothing read is unpickled: the header is JSON and
-the arrays raw little-endian. Format-1 blobs (zstd, crc32, no alignment) are still read
-(``codec_v1``); :func:`encode` writes format 2 only.
+xxh3_64 (the ``xxhash`` package) checks the bytes (several times faster than zlib's crc32).
+Nothing read is unpickled: the header is JSON and the arrays raw little-endian. Format-1 blobs
+(zstd, crc32, no alignment) are read too (``codec_v1``); :func:`encode` writes format 2 only.
 
 Decoding refuses, with :class:`CodecError` (a ``ValueError``), a wrong magic or version, a bad
 checksum, a header whose shapes disagree with its declared sizes, and a blob whose declared

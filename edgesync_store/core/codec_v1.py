@@ -1,4 +1,4 @@
-"""The checksums of format-1 blobs, which ``codec.decode`` still reads (stores written before
+"""The checksums of format-1 blobs, which ``codec.decode`` reads (stores written before
 ``migrations/m0003_heads``, and a remote tier shared with older nodes).
 
 Format 1 differs from format 2 (``codec``'s docstring) only after the embedding::

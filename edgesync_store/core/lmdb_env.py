@@ -10,7 +10,7 @@ named databases, created by ``migrations/m0001_initial.py``, and ``heads``, crea
   written and deleted with the blob in the same transaction: what the prefix walk, the
   expiry sweep and ``dump`` read, so that they never map a blob's pages (a blob's first page
   can bring the whole blob into the process's resident set: the kernel maps large page-cache
-  folios whole, measured as +72 MB for one 1,086-token walk before this database existed);
+  folios whole; ``docs/store-measurements.md``);
 * ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes, :func:`index_key`) ->
   store keys of the fragments that start right after that prefix; the prefix walk's index;
 * ``lifecycle``: store key -> the fragment's lifetime tier, hits, creation, last hit, expiry
@@ -297,8 +297,8 @@ class LmdbEnv:
     def has_blob(self, txn, key: bytes) -> bool:
         """True when ``fragments`` holds ``key``, without reading the blob: asking py-lmdb for
         a large value maps it (LMDB reads its first overflow page, and the kernel maps the
-        page-cache folio around it whole: about 0.5 ms and 3 MB of resident pages per 128-token
-        SmolLM2 blob, measured); a cursor positioned on the key reads only the B-tree."""
+        page-cache folio around it whole: megabytes of resident pages per blob); a cursor
+        positioned on the key reads only the B-tree."""
         return txn.cursor(db=self.fragments).set_key(key)
 
     def head_in(self, txn, key: bytes) -> memoryview | None:
@@ -311,13 +311,13 @@ class LmdbEnv:
         return head if head is not None else txn.get(key, db=self.fragments)
 
     @contextmanager
-    def reader(self, whole_values: bool = False) -> Iterator[lmdb.Transaction]:
+    def reader(self) -> Iterator[lmdb.Transaction]:
         """A read transaction (buffers: values are memoryviews into the map) held, with
         :attr:`lock`, for the ``with`` block: for reads whose results are used in place (views
         of a value are valid only until the block ends). Keep the block short: this process's
         other threads wait on the lock meanwhile, and a long reader keeps writers from reusing
-        freed pages. ``whole_values``: the block reads whole blobs, with the map's read-ahead
-        on (``map_advice.MapAdvice``).
+        freed pages. The block reads whole blobs, with the map's read-ahead on
+        (``map_advice.MapAdvice``).
 
         Raises:
             StoreIOError: LMDB failed to begin the transaction.
@@ -334,10 +334,7 @@ class LmdbEnv:
             else:
                 raise StoreIOError(f"store {self.path}: the map keeps growing")
             try:
-                if whole_values:
-                    with self.advice.whole_values(self._env.info()["map_size"]):
-                        yield txn
-                else:
+                with self.advice.whole_values(self._env.info()["map_size"]):
                     yield txn
             except lmdb.Error as exc:
                 raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc

@@ -3,14 +3,12 @@ time.
 
 The store opens LMDB with ``readahead=False`` (``MDB_NORDAHEAD``: LMDB marks its map
 ``MADV_RANDOM``), which suits the B-tree: a walk touches scattered small pages, and read-around
-would read megabytes for each of them (measured: a cold walk of a 1,086-token prompt 5 ms
-without, 114 ms with). But a hit reads whole blobs of megabytes, and py-lmdb touches every page
+would read megabytes for each of them. But a hit reads whole blobs of megabytes, and py-lmdb touches every page
 of a value as it returns it (it faults them in with the GIL released); under ``MADV_RANDOM``
 each 4 KiB page is then one fault, one disk read when the page is not cached, and no
 fault-around when it is. :meth:`MapAdvice.whole_values` turns the map back to ``MADV_NORMAL``
-for the reads of a block and to ``MADV_RANDOM`` after it (measured on this machine kind, 9
-blobs of a 1,086-token chain, 26.6 MB, page cache dropped: 470-490 ms page by page, 66-78 ms
-with read-around).
+for the reads of a block and to ``MADV_RANDOM`` after it (figures for both choices:
+``docs/store-measurements.md``).
 
 The map's address is not exposed by py-lmdb (``Environment.info()["map_addr"]`` is 0 unless
 ``MDB_FIXEDMAP``), so it is read from ``/proc/self/maps`` (the mappings of the store's

@@ -1,16 +1,19 @@
 """FragmentStore: KV fragments in LMDB, shared by the processes of one device.
 
-The local implementation of the storage seam (:class:`~edgesync_store.core.backend.FragmentBackend`);
-the environment, its databases and key layout are in :mod:`edgesync_store.core.lmdb_env`, the
-prefix index's queries in :mod:`edgesync_store.core.walk`, the records that the semantic layer
-keys by fragment in :mod:`edgesync_store.core.companions`.
+The local implementation of both storage seams (:class:`~edgesync_store.core.backend.MaintenanceBackend`,
+which extends the request path's :class:`~edgesync_store.core.backend.FragmentBackend`); the
+environment, its databases and key layout are in :mod:`edgesync_store.core.lmdb_env`, the prefix
+index's queries in :mod:`edgesync_store.core.walk`, the records that the semantic layer keys by
+fragment in :mod:`edgesync_store.core.companions`.
 
-Lifetimes follow ``ttl.TTLPolicy`` on the store's clock (injectable); the size budget
-(``max_bytes``) is enforced when writing (``lifecycle/eviction.py``: expired first, then the
-short-lived tier least recently used, then the long-lived tier least recently used, never a
-fragment a request has pinned). Cross-process coordination beyond LMDB's own is in
-``locks.py``. Several processes may read and write one store at once; only committed
-transactions survive a kill, and a commit is durable (LMDB's default sync).
+Every read verifies what it returns (``codec.decode``: both checksums, the header, the content
+hash) and that the fragment hashes to the key it was stored under; a corrupt one is refused,
+logged and removed after the read transaction. Every blob is written with its head (``heads``)
+and its ``by_prefix`` entry in the same transaction. Lifetimes follow ``ttl.TTLPolicy`` on the
+store's clock (injectable); the size budget (``max_bytes``) is enforced when writing
+(``lifecycle/eviction.py``). Cross-process coordination beyond LMDB's own is in ``locks.py``.
+Several processes may read and write one store at once; only committed transactions survive a
+kill, and a commit is durable (LMDB's default sync).
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import numpy as np
 
 from edgesync_store import migrations
 from edgesync_store.core import codec, companions, walk
-from edgesync_store.core.backend import FragmentBackend, PinTableLike
+from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
+from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
+from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.core.lmdb_env import (
     DEFAULT_MAP_SIZE,
     MAX_BYTES_KEY,
+    REUSE_TOKENS_PREFIX,
     U64,
     USED_BYTES_KEY,
     LmdbEnv,
@@ -40,9 +46,6 @@ from edgesync_store.core.lmdb_env import (
     read_u64,
 )
 from edgesync_store.core.locks import OpenLock, PinTable
-from edgesync_store.core.store_lifecycle import LifecycleOps
-from edgesync_store.core.store_reads import ReadOps
-from edgesync_store.core.store_writes import WriteOps
 from edgesync_store.core.walk import PrefixMatch, SpanMatch
 from edgesync_store.errors import (
     CodecError,
@@ -52,7 +55,8 @@ from edgesync_store.errors import (
     StoreOpenError,
     StoreUnavailableError,
 )
-from edgesync_store.schema import Namespace
+from edgesync_store.lifecycle import eviction
+from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
 log = logging.getLogger(__name__)
@@ -60,9 +64,11 @@ log = logging.getLogger(__name__)
 STORE_FORMAT_VERSION = migrations.CURRENT_VERSION
 """On-disk layout version recorded in the ``meta`` database (``migrations/``)."""
 DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
-"""Default size budget: 1 GiB of stored fragments (compressed blobs), about 500 cached
-350-token SmolLM2-135M prompts at the 2 MB each that the benchmark measured."""
+"""Default size budget: 1 GiB of stored fragments (compressed blobs)."""
 T = TypeVar("T")
+
+Encoded = tuple[bytes, bytes, bytes, Lifecycle, str]
+"""(store key, by_prefix index key, blob, lifecycle record, what to call it in a log line)."""
 
 __all__ = ["DEFAULT_MAP_SIZE", "DEFAULT_MAX_BYTES", "FragmentStore", "Lifecycle", "PrefixMatch", "STORE_FORMAT_VERSION",
            "SpanMatch", "StoreBusyError", "StoreFormatError", "StoreIOError", "StoreOpenError", "StoreStats",
@@ -86,14 +92,13 @@ class StoreStats:
         return dict(self.__dict__)
 
 
-class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
-    """KV fragments in LMDB, keyed by ``schema.store_key`` (the seam's methods are documented
-    on :class:`FragmentBackend`).
+class FragmentStore(MaintenanceBackend):
+    """KV fragments in LMDB, keyed by ``schema.store_key`` (the seams' methods are documented
+    on :class:`~edgesync_store.core.backend.FragmentBackend` and ``MaintenanceBackend``).
 
     Args:
         path: store directory; created (mode 0700) when missing.
         map_size: initial LMDB map size in bytes (grows on demand).
-        max_raw_bytes: decompressed-size cap passed to ``codec.decode``.
         readonly: open without writing (no growth, no migration, no removal of corrupt
             entries).
         clock: the time source, Unix seconds (default ``time.time``); tests inject
@@ -101,11 +106,11 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         policy: lifetimes and promotion (default ``TTLPolicy()``: 30 minutes, 5 hits, 7 days).
         max_bytes: size budget in bytes of stored blobs; None keeps the budget recorded in the
             store (the last one an application set) or :data:`DEFAULT_MAX_BYTES`. A value given
-            here is recorded for ``python -m edgesync_engines.app.compact`` to follow.
+            here is recorded for the compaction command to follow.
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
         compression: how new blobs hold their tensors, one of ``codec.COMPRESSIONS``:
             ``"none"`` (default; a hit reads them in place, :meth:`reading`) or ``"zstd"``
-            (about 0.86x the bytes of f16 KV, decompressed on every read).
+            (decompressed on every read).
 
     Attributes:
         env: the :class:`~edgesync_store.core.lmdb_env.LmdbEnv` (for the core's modules; the
@@ -123,15 +128,13 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         ValueError: ``max_bytes`` < 1 or >= 2**63 (the largest file offset), or an unknown ``compression``.
     """
 
-    def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE,
-                 max_raw_bytes: int = codec.DEFAULT_MAX_RAW_BYTES, readonly: bool = False, *,
+    def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, *,
                  clock: Clock | None = None, policy: TTLPolicy | None = None, max_bytes: int | None = None,
                  open_timeout_s: float = 120.0, compression: str = codec.DEFAULT_COMPRESSION) -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression: {compression!r} is not one of {', '.join(codec.COMPRESSIONS)}")
         self.compression = compression
         self.path = Path(path).expanduser()
-        self.max_raw_bytes = max_raw_bytes
         self.readonly = readonly
         self.dropped_corrupt = 0
         self.clock: Clock = clock or time.time
@@ -182,13 +185,10 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
     # -- the environment, for maintenance ---------------------------------------------------
 
     def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
-        """The handle of the named database ``name`` in this store's environment, or None when
-        it does not exist and ``create`` is False or the store is read-only. Handles are cached
-        until :meth:`reopen` (ask again rather than keep one); inside a transaction pass it as
-        ``txn`` (opening without one starts a write transaction, which would deadlock).
-
-        Raises:
-            StoreIOError: LMDB failed."""
+        """See :meth:`MaintenanceBackend.named_db`: a named database of this store's LMDB
+        environment (None also when read-only and missing). Handles are cached until
+        :meth:`reopen`; inside a transaction pass it as ``txn`` (opening without one starts a
+        write transaction, which would deadlock)."""
         return self.env.named_db(name, create=create, dupsort=dupsort, txn=txn)
 
     def forget_handles(self) -> None:
@@ -196,7 +196,7 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         self.env.forget_handles()
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
-        """See :meth:`FragmentBackend.transact`; ``txn`` is an ``lmdb.Transaction`` (buffers:
+        """See :meth:`MaintenanceBackend.transact`; ``txn`` is an ``lmdb.Transaction`` (buffers:
         values are memoryviews valid inside ``fn`` only)."""
         return self.env.transact(fn, write=write)
 
@@ -257,7 +257,220 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         """Bytes of the LMDB pages the databases ``names`` use (None: every page in use)."""
         return self.env.page_bytes(names)
 
+    # -- reads ----------------------------------------------------------------------------
+
+    @property
+    def serves_in_place(self) -> bool:
+        """True when fragments this store writes are read in place (:meth:`reading`, no copy
+        of the tensors): its blobs are uncompressed (``compression="none"``)."""
+        return self.compression == "none"
+
+    def contains(self, key: bytes) -> bool:
+        return self.transact(lambda txn: self.contains_in(txn, key))
+
+    def is_live(self, key: bytes, now: float | None = None) -> bool:
+        now = self.clock() if now is None else now
+
+        def read(txn) -> bool:
+            if not self.env.has_blob(txn, key):
+                return False
+            return Lifecycle.unpack(txn.get(key, db=self.env.lifecycle)).expires_at > now
+
+        return self.transact(read)
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        def read(txn) -> bytes | None:
+            value = txn.get(key, db=self.env.fragments)
+            return bytes(value) if value is not None else None
+
+        return self.transact(read)
+
+    def _verified(self, key: bytes, blob, life: Lifecycle, views: bool,
+                  corrupt: list, check_payload: bool = True) -> KVFragment | None:
+        """``blob`` decoded and checked against ``key`` (its payload checksum too unless not
+        ``check_payload``), with the counters of ``life``; K and V are views of ``blob`` when
+        ``views`` and the payload is uncompressed. None when corrupt (then ``(key, reason)`` is
+        appended to ``corrupt``)."""
+        try:
+            frag = codec.decode(blob, copy=not views, check_payload=check_payload)
+        except CodecError as exc:
+            corrupt.append((key, str(exc)))
+            return None
+        if frag.key() != key:
+            corrupt.append((key, "stored under a key that its content does not hash to"))
+            return None
+        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+        return frag
+
+    def _read_in(self, txn, key: bytes, in_place: bool, corrupt: list,
+                 deferred: list | None = None) -> tuple[KVFragment | None, bool]:
+        """The verified fragment ``key`` read in ``txn``, and whether its K and V are views of
+        the map (``in_place`` and an uncompressed blob); (None, False) when absent or corrupt.
+        With ``deferred`` (a list) the payload checksum of a fragment read in place is left to
+        the caller: ``(key, payload view, expected xxh3)`` is appended to it."""
+        value = txn.get(key, db=self.env.fragments)
+        if value is None:
+            return None, False
+        life = Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+        try:
+            head = codec.peek(value)
+            views = in_place and head.compression == "none"
+            later = views and deferred is not None and head.version >= 2
+            if later:
+                deferred.append((key, *codec.payload_check(value)))
+        except CodecError as exc:
+            corrupt.append((key, str(exc)))
+            return None, False
+        frag = self._verified(key, value, life, views, corrupt, check_payload=not later)
+        if frag is None and later:
+            deferred.pop()
+        return frag, views and frag is not None
+
+    def _drop_all_corrupt(self, corrupt: list) -> None:
+        for key, reason in corrupt:
+            self.drop_corrupt(key, reason)
+
+    def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
+        """See :meth:`FragmentBackend.get`: decoded into arrays of its own inside one read
+        transaction (blob and lifecycle record together); with ``copy`` the blob is copied out
+        and decoded after the transaction. A blob that fails ``codec.decode`` or whose
+        recomputed key differs from ``key`` is corrupt."""
+        corrupt: list = []
+        if copy:
+            def read(txn):
+                value = txn.get(key, db=self.env.fragments)
+                if value is None:
+                    return None, None
+                return bytes(value), Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+
+            blob, life = self.transact(read)
+            frag = None if blob is None else self._verified(key, blob, life, False, corrupt)
+        else:
+            frag = self.transact(lambda txn: self._read_in(txn, key, False, corrupt)[0])
+        self._drop_all_corrupt(corrupt)
+        return frag
+
+    @contextmanager
+    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator[ChainRead]:
+        """See :meth:`FragmentBackend.reading`: one read transaction held for the ``with`` block
+        (this process's other threads wait on the environment's lock meanwhile, so inject and
+        leave); an uncompressed blob's K and V are read-only views of LMDB's map, not copied.
+        With ``defer_checks`` their payload checksums (xxh3) run in a thread of their own while
+        the block uses the views (an injection's copies overlap them on a second core):
+        ``confirm()`` waits for them; the block's end waits for them too, so no check ever reads
+        a view after the transaction."""
+        corrupt: list = []
+        deferred: list | None = [] if defer_checks else None
+        try:
+            with self.env.reader() as txn:
+                got = CheckedChainRead(self._read_in(txn, bytes(key), True, corrupt, deferred) for key in keys)
+                if deferred:
+                    got.start(deferred, corrupt)
+                try:
+                    yield got
+                finally:
+                    got.confirm()
+        finally:
+            self._drop_all_corrupt(corrupt)
+
     # -- writes ---------------------------------------------------------------------------
+
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
+        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``): eviction
+        frees down to ``eviction.LOW_WATER`` (90%) of the budget. Encoding (compression) happens
+        before the transaction so the writer lock is held only for the copy into LMDB."""
+        encoded = []
+        for f in fragments:
+            blob = codec.encode(f, self.compression)
+            life = Lifecycle(f.hit_count, f.last_hit_at, f.expires_at, f.created_at, nbytes=len(blob),
+                             raw_nbytes=f.raw_nbytes)
+            encoded.append((f.key(), index_key(f.namespace.digest(), f.prefix_hash), blob, life,
+                            f"fragment [{f.token_start}, {f.token_end})"))
+        return self._write_encoded(encoded, now, also)
+
+    def put_blobs(self, items: Sequence[tuple[bytes, bytes, Lifecycle]], now: float | None = None) -> int:
+        """Store blobs as they are: ``(store key, codec blob, lifecycle record)`` each, the blob
+        already decoded and verified by the caller (``codec.decode`` and its key); the record's
+        sizes are set here. The rules of :meth:`put_many`; returns how many were written.
+
+        Raises:
+            CodecError: a blob whose head does not parse (nothing written).
+            PermissionError: read-only. StoreIOError: LMDB failed (nothing written).
+        """
+        encoded = []
+        for key, blob, life in items:
+            head = codec.peek(blob)
+            life = Lifecycle(life.hit_count, life.last_hit_at, life.expires_at, life.created_at, life.lifetime,
+                             nbytes=len(blob), raw_nbytes=head.raw_nbytes)
+            encoded.append((bytes(key), index_key(head.namespace.digest(), head.prefix_hash), bytes(blob), life,
+                            f"fragment [{head.token_start}, {head.token_end})"))
+        return self._write_encoded(encoded, now)
+
+    def _put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
+        """Write ``blob`` under ``key``, its head (``codec.head_of``) in ``heads`` and its
+        ``by_prefix`` entry ``ikey``, in ``txn`` (the lifecycle record and ``used_bytes`` are
+        the caller's).
+
+        Raises:
+            CodecError: the blob's head does not parse (nothing written).
+        """
+        head = codec.head_of(blob)
+        env = self.env
+        txn.put(key, blob, db=env.fragments)
+        txn.put(key, head, db=env.heads)
+        txn.put(ikey, key, db=env.by_prefix, dupdata=True)
+
+    def _sound_head_in(self, txn, key: bytes) -> bool:
+        """True when the stored head of fragment ``key`` parses (``codec.peek``, memoized);
+        else False, logged and counted in ``dropped_corrupt``: a walk stops at the first
+        corrupt head it meets, so a store-back that left the twins after it alone would leave
+        them for one request each to find."""
+        try:
+            codec.peek(self.env.head_in(txn, key))
+            return True
+        except CodecError as exc:
+            self.dropped_corrupt += 1
+            log.warning("replacing fragment %s: its stored head is corrupt (%s)", key.hex()[:16], exc)
+            return False
+
+    def _write_encoded(self, encoded: Sequence[Encoded], now: float | None, also=None) -> int:
+        now = self.clock() if now is None else now
+        env = self.env
+
+        def write(txn) -> int:
+            todo, seen = [], set()
+            for item in encoded:
+                key = item[0]
+                if key in seen:
+                    continue
+                seen.add(key)
+                if env.has_blob(txn, key):
+                    live = not Lifecycle.unpack(txn.get(key, db=env.lifecycle)).expired(now)
+                    if live and self._sound_head_in(txn, key):
+                        continue
+                    self.delete_in(txn, key)
+                todo.append(item)
+            used, incoming = self.used_in(txn), sum(len(t[2]) for t in todo)
+            if used + incoming > self.max_bytes:
+                target = int(self.max_bytes * eviction.LOW_WATER)
+                evicted = eviction.evict_in(self, txn, used + incoming - target, now, protect={t[0] for t in todo})
+                used -= sum(nbytes for _, nbytes in evicted)
+            added = 0
+            for key, ikey, blob, life, what in todo:
+                if used + len(blob) > self.max_bytes:
+                    log.warning("%s (%d bytes) does not fit the size budget of %d bytes; not stored", what,
+                                len(blob), self.max_bytes)
+                    continue
+                self._put_blob_in(txn, key, ikey, blob)
+                txn.put(key, life.pack(), db=env.lifecycle)
+                used += len(blob)
+                added += 1
+            txn.put(USED_BYTES_KEY, U64.pack(used), db=env.meta)
+            if also is not None:
+                also(txn)
+            return added
+
+        return self.transact(write, write=True)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self.transact(lambda txn: sum(self.delete_in(txn, bytes(k)) > 0 for k in keys), write=True)
@@ -290,8 +503,174 @@ class FragmentStore(ReadOps, LifecycleOps, WriteOps, FragmentBackend):
         if not self.readonly:
             self.transact(lambda txn: self.delete_in(txn, key), write=True)
 
+    # -- lifecycle records and maintenance ------------------------------------------------
+
+    def put_replacing(self, fragment: KVFragment, life: Lifecycle, remove: Sequence[bytes]) -> bool:
+        key = fragment.key()
+        blob = codec.encode(fragment, self.compression)
+        env = self.env
+
+        def write(txn) -> bool:
+            if not all(env.has_blob(txn, k) for k in remove):
+                return False
+            if not env.has_blob(txn, key):
+                self._put_blob_in(txn, key, index_key(fragment.namespace.digest(), fragment.prefix_hash), blob)
+                self._add_used(txn, len(blob))
+            life.nbytes, life.raw_nbytes = len(blob), fragment.raw_nbytes
+            txn.put(key, life.pack(), db=env.lifecycle)
+            for k in remove:
+                if k != key:
+                    companions.move_in(self, txn, k, key)
+                    self.delete_in(txn, k)
+            return True
+
+        return self.transact(write, write=True)
+
+    def absorb(self, keep: bytes, remove: Sequence[bytes], life: Lifecycle) -> bool:
+        env = self.env
+
+        def write(txn) -> bool:
+            if not all(env.has_blob(txn, k) for k in [keep, *remove]):
+                return False
+            old = Lifecycle.unpack(txn.get(keep, db=env.lifecycle))
+            life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
+            txn.put(keep, life.pack(), db=env.lifecycle)
+            for k in remove:
+                companions.move_in(self, txn, k, keep)
+                self.delete_in(txn, k)
+            return True
+
+        return self.transact(write, write=True)
+
+    def delete_expired(self, keys: Sequence[bytes], now: float | None = None) -> list[tuple[bytes, int]]:
+        now = self.clock() if now is None else now
+        env = self.env
+
+        def write(txn) -> list[tuple[bytes, int]]:
+            gone = []
+            for key in keys:
+                raw = txn.get(key, db=env.lifecycle)
+                if raw is None and not env.has_blob(txn, key):
+                    continue
+                if not Lifecycle.unpack(raw).expired(now) or self.pins.is_pinned(key):
+                    continue
+                nbytes = self.delete_in(txn, key)
+                if nbytes:
+                    gone.append((key, nbytes))
+                else:
+                    txn.delete(key, db=env.lifecycle)  # a record without its fragment
+            return gone
+
+        return self.transact(write, write=True)
+
+    def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
+        env = self.env
+
+        def write(txn) -> bool:
+            if not env.has_blob(txn, key):
+                return False
+            old = Lifecycle.unpack(txn.get(key, db=env.lifecycle))
+            life.nbytes, life.raw_nbytes = old.nbytes, old.raw_nbytes
+            txn.put(key, life.pack(), db=env.lifecycle)
+            return True
+
+        return self.transact(write, write=True)
+
+    def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
+                    reused: tuple[bytes, Sequence[int]] | None = None) -> None:
+        now = self.clock() if now is None else now
+        env = self.env
+        hint = None if reused is None else np.asarray(reused[1], dtype="<i4").tobytes()
+
+        def write(txn) -> None:
+            if hint is not None:
+                name = REUSE_TOKENS_PREFIX + reused[0]
+                if txn.get(name, db=env.meta) != hint:
+                    txn.put(name, hint, db=env.meta)
+            for key in keys:
+                if not env.has_blob(txn, key):
+                    continue
+                life = self.policy.on_hit(Lifecycle.unpack(txn.get(key, db=env.lifecycle)), now)
+                txn.put(key, life.pack(), db=env.lifecycle)
+
+        self.transact(write, write=True)
+
+    def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
+        """See :meth:`FragmentBackend.reuse_hint`: the ``reuse_tokens:`` record in ``meta``."""
+        raw = self.transact(lambda txn: bytes(v) if (v := txn.get(REUSE_TOKENS_PREFIX + namespace_digest,
+                                                                  db=self.env.meta)) is not None else b"")
+        return np.frombuffer(raw[:len(raw) - len(raw) % 4], dtype="<i4").astype(np.int32)
+
+    def release_mapped(self) -> None:
+        with self.env.lock:
+            self.env.advice.release(self.env.map_size())
+
+    def lifecycle(self, key: bytes) -> Lifecycle | None:
+        def read(txn):
+            if not self.env.has_blob(txn, key):
+                return None
+            return Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+
+        return self.transact(read)
+
+    def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
+        """See :meth:`FragmentBackend.lifecycles`: one read transaction."""
+        def read(txn):
+            env = self.env
+            return [Lifecycle.unpack(txn.get(key, db=env.lifecycle)) if env.has_blob(txn, key) else None
+                    for key in keys]
+
+        return self.transact(read)
+
+    def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
+        def read(txn):
+            rows = []
+            for key in txn.cursor(db=self.env.fragments).iternext(keys=True, values=False):
+                key = bytes(key)
+                life = Lifecycle.unpack(txn.get(key, db=self.env.lifecycle))
+                try:
+                    head = codec.peek(self.env.head_in(txn, key))
+                except CodecError:
+                    head = None
+                rows.append((key, head, life, life.nbytes or len(txn.get(key, db=self.env.fragments))))
+            return rows
+
+        yield from self.transact(read)
+
+    def iterate_lifecycle(self) -> list[tuple[bytes, Lifecycle]]:
+        return self.transact(self.lifecycle_rows_in)
+
+    def drop_all(self) -> int:
+        """Empty the store in one write transaction: fragments, prefix index, lifecycle,
+        donors and vectors (the format version and budget stay); return the fragment count.
+        The pages are freed for reuse but keep their bytes until overwritten; ``clear.py``
+        rewrites the file when it can."""
+        env = self.env
+
+        def write(txn) -> int:
+            n = txn.stat(env.fragments)["entries"]
+            for db in (env.fragments, env.heads, env.by_prefix, env.lifecycle):
+                txn.drop(db, delete=False)
+            companions.drop_in(self, txn)
+            txn.put(USED_BYTES_KEY, U64.pack(0), db=env.meta)
+            return n
+
+        return self.transact(write, write=True)
+
+    def recount_used(self) -> int:
+        def write(txn) -> int:
+            total = sum(len(v) for _, v in txn.cursor(db=self.env.fragments))
+            txn.put(USED_BYTES_KEY, U64.pack(total), db=self.env.meta)
+            return total
+
+        return self.transact(write, write=True)
+
+    # -- size and closing ---------------------------------------------------------------------
+
     def used_bytes(self) -> int:
         return self.transact(self.used_in)
+
+    # -- the prefix index ---------------------------------------------------------------------
 
     def covers_span(self, namespace: Namespace, prefix: bytes, token_ids: Sequence[int] | np.ndarray,
                     token_start: int, now: float | None = None) -> bool:

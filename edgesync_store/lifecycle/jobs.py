@@ -38,7 +38,7 @@ class StoreJobs:
     """The sweep and compaction jobs of one open store (module docstring).
 
     Args:
-        store: the application's open, writable ``FragmentStore``.
+        store: the application's open, writable ``MaintenanceBackend``.
         index_source: returns the application's open ``SemanticIndex`` or None (called at each
             run: the index may load after the jobs start).
         sweep_interval_s, compact_interval_s: seconds between runs (> 0).

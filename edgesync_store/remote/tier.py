@@ -56,10 +56,8 @@ __all__ = ["CLUSTER_COMMANDS", "COMMANDS", "FETCH_CHUNK", "FetchBudgetSpent", "F
 
 FETCH_CHUNK = 128 * 1024
 """Bytes of a blob read per round trip (``GETRANGE``): the fetch's deadline is checked between
-chunks, so it is overrun by at most one chunk's transfer (1.3 ms at 100 MB/s; about 60 ms
-through the tests' proxy trickling 32 KB per 12 ms). A 2.3 MB fragment is 18 round trips; on
-loopback the chunked read measured no slower than one ``GET`` (both about 8 to 10 ms on this
-loaded machine)."""
+chunks, so it is overrun by at most one chunk's transfer; on loopback the chunked read is no
+slower than one ``GET`` (``docs/store-measurements.md``)."""
 
 
 class FetchBudgetSpent(TimeoutError):

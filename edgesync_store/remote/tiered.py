@@ -1,4 +1,4 @@
-"""``TieredStore``: the storage seam over the local LMDB store and a shared remote tier.
+"""``TieredStore``: the storage seams over the local LMDB store and a shared remote tier.
 
 The local store (``FragmentStore``) stays the first tier; the remote one (Redis 7 / Valkey,
 standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
@@ -20,46 +20,51 @@ standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
   fetched from the remote arrives with that summed count (promoted when it reaches
   ``promote_hits``).
 * **faults** never fail a request: every remote call has a timeout (``RemoteClient``) and goes
-  through its circuit breaker; a failed or skipped call leaves the request local-only. Counts
-  are in :meth:`stats` (``remote``) and :meth:`remote_stats`.
+  through its circuit breaker; a failed or skipped call leaves the request local-only. A value
+  of the wrong type or form (``KeyLayout.on_bad``) is skipped, counted (``bad_values``), logged
+  and deleted in the background. Counts are in :meth:`stats` (``remote``) and
+  :meth:`remote_stats`.
 
 ``forget_tokens`` and ``delete_many`` remove from both tiers. Maintenance (expiry sweep,
 compaction, reclaim, the semantic layer's companion records, ``transact`` and the ``*_in``
 methods) runs on the local store only: the remote tier expires its own keys and Redis's
-``maxmemory`` policy bounds it. Attributes this class does not define (``named_db``,
-``exclusive``, ...) are the local store's.
+``maxmemory`` policy bounds it. Attributes this class does not define (the LMDB file's own
+operations that reclaim and clear use: ``exclusive``, ``copy_compact``, ...) are the local
+store's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from edgesync_store.core import codec
-from edgesync_store.core.backend import FragmentBackend
+from edgesync_store.core.backend import MaintenanceBackend
 from edgesync_store.core.chain_read import ChainRead
 from edgesync_store.core.store import FragmentStore, StoreStats
 from edgesync_store.core.walk import PrefixMatch, local_spans
 from edgesync_store.errors import CodecError, StoreError
 from edgesync_store.remote import walk as remote_walk
 from edgesync_store.remote.client import RemoteClient, RemoteUnavailable, checked_target
-from edgesync_store.remote.local_ops import LocalTierOps
 from edgesync_store.remote.queue import WriteBehind
-from edgesync_store.remote.reads import RemoteReads
-from edgesync_store.remote.tier import KeyLayout, head_of
+from edgesync_store.remote.tier import Fetched, KeyLayout, head_of, parse_head
 from edgesync_store.remote.url import RemoteURL
 from edgesync_store.schema import MIN_SPAN, KVFragment, Namespace
-from edgesync_store.ttl import LIFETIME_SHORT, Lifecycle
+from edgesync_store.ttl import LIFETIME_LONG, LIFETIME_SHORT, Lifecycle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["TieredStats", "TieredStore"]
+__all__ = ["DRAIN_S", "TieredStats", "TieredStore"]
+
+DRAIN_S = 10.0
+"""Seconds :meth:`TieredStore.close` waits for the queued remote writes."""
 
 
 @dataclass
@@ -70,7 +75,7 @@ class TieredStats(StoreStats):
     remote: dict = field(default_factory=dict)
 
 
-class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
+class TieredStore(MaintenanceBackend):
     """The local store with a shared remote tier behind it (module docstring).
 
     Args:
@@ -79,20 +84,18 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         prefix: the deployment's key prefix (``url.check_prefix``).
         queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
         grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
-        drain_s: seconds :meth:`close` waits for queued writes.
         fetch_budget_ms: milliseconds one fragment's fetch may take in all (its reads, each also
             bounded by the client's per-read timeout); then it is abandoned and the request
             prefills those tokens.
     """
 
     def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
-                 grid: int = 128, drain_s: float = 10.0, fetch_budget_ms: float = 250.0) -> None:
+                 grid: int = 128, fetch_budget_ms: float = 250.0) -> None:
         self.local = local
         self.client = client
         self.fetch_budget_s = fetch_budget_ms / 1000.0
         self.keys = KeyLayout(prefix, on_bad=self._bad_value)
         self.grid = grid
-        self.drain_s = drain_s
         self.queue = WriteBehind(queue_size, on_drop=lambda: client.count(queue_drops=1))
         self._fetched: dict[bytes, tuple[bytes, Lifecycle, KVFragment | None]] = {}
         self._refused: set[bytes] = set()
@@ -132,8 +135,6 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
     clock = property(lambda self: self.local.clock)
     policy = property(lambda self: self.local.policy)
     max_bytes = property(lambda self: self.local.max_bytes)
-    max_raw_bytes = property(lambda self: self.local.max_raw_bytes)
-    format_version = property(lambda self: self.local.format_version)
     pins = property(lambda self: self.local.pins)
     dropped_corrupt = property(lambda self: self.local.dropped_corrupt + self.client.counters.corrupt,
                                doc="Corrupt fragments refused by either tier.")
@@ -242,6 +243,184 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         for ns in self._remote("fast", self.keys.namespaces, "namespaces", []):
             found.setdefault(ns.digest(), ns)
         return list(found.values())
+
+    # -- talking to the remote tier ------------------------------------------------------------
+
+    def _remote(self, which: str, op: Callable[[object], T], what: str, default: T) -> T:
+        """``op(client)`` on the remote, or ``default`` when it is unavailable (counted, logged)."""
+        try:
+            return self.client.call(which, op, what)
+        except RemoteUnavailable:
+            return default
+
+    def _bad_value(self, name: str, why: str) -> None:
+        """``KeyLayout.on_bad``: count and log an unusable remote value, delete its key behind."""
+        self.client.count(bad_values=1)
+        self.client.note("bad value", "remote tier %s: key %s %s; deleting it", self.client.url.redacted, name, why)
+        self.queue.submit(lambda: self._remote("slow", lambda c: c.unlink(name), "bad value removal", None))
+
+    def _lookup(self, which: str, namespace: Namespace, live_only: bool = True) -> remote_walk.Lookup:
+        """The remote walk's lookup in ``namespace``: index hashes, heads parsed (a field that
+        does not parse, or whose blob is gone, is dropped from the index in the background)."""
+        digest = namespace.digest()
+
+        def lookup(prefixes: Sequence[bytes]) -> list[list[remote_walk.Candidate]]:
+            ikeys = [self.keys.index_key(digest, p) for p in prefixes]
+            entries = self.client.call(which, lambda c: self.keys.index_entries(c, ikeys), "index lookup")
+            found, stale = [], []
+            for ikey, fields in zip(ikeys, entries):
+                row = []
+                for key, value in fields.items():
+                    key, head = bytes(key), parse_head(value)
+                    if head is None or len(key) != 32:
+                        self.client.count(corrupt=1)
+                        stale.append((ikey, key))
+                    elif key not in self._refused:
+                        row.append((key, head, head.blob_nbytes))
+                found.append(row)
+            if live_only and any(found):  # no entry at all: no existence round trip
+                flat = [(i, c) for i, row in enumerate(found) for c in row]
+                alive = self.client.call(which, lambda c: self.keys.alive(c, [k for _, (k, _h, _n) in flat]),
+                                         "index lookup")
+                stale += [(ikeys[i], cand[0]) for (i, cand), ok in zip(flat, alive) if not ok]
+                dead = {cand[0] for (_, cand), ok in zip(flat, alive) if not ok}
+                found = [[c for c in row if c[0] not in dead] for row in found]
+            if stale:
+                self.queue.submit(lambda: self._remote("slow", lambda c: self.keys.drop_index_fields(c, stale),
+                                                       "index cleanup", None))
+            return found
+
+        return lookup
+
+    def _decoded(self, key: bytes, blob: bytes, life: Lifecycle, frag: KVFragment | None) -> KVFragment | None:
+        """A fetched fragment not yet written locally: its decoded copy the first time it is
+        asked for (held since the fetch), a new decode after that."""
+        if frag is not None:
+            with self._lock:
+                if key in self._fetched:
+                    self._fetched[key] = (blob, life, None)
+            return frag
+        try:
+            frag = codec.decode(blob)
+        except CodecError:
+            return None
+        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+        return frag
+
+    def _fetch(self, key: bytes) -> KVFragment | None:
+        """Fetch, verify and return one remote fragment (None: absent, unavailable, refused, or
+        not read whole within ``fetch_budget_s`` seconds, so the request prefills its tokens);
+        it is kept to be written locally after the first token."""
+        deadline = time.monotonic() + self.fetch_budget_s  # the whole fetch's, not one read's
+        got: Fetched | None = self._remote("fast", lambda c: self.keys.fetch(c, key, deadline), "fetch", None)
+        if got is None:  # unavailable, or too slow for the budget: counted by the client
+            return None
+        if got.blob is None:
+            self.client.count(misses=1)
+            return None
+        blob, hits, pttl = got.blob, got.hits, got.pttl_ms
+        try:
+            frag = codec.decode(blob)
+            if frag.key() != key:
+                raise CodecError("stored under a key that its content does not hash to")
+        except CodecError as exc:
+            self._refuse(key, str(exc))
+            return None
+        now, policy = self.clock(), self.policy
+        promoted = hits >= policy.promote_hits or pttl == -1 or pttl > policy.ttl_seconds * 1000
+        # -2: gone between GET and PTTL, or a reply that did not parse: the short lifetime
+        left = policy.long_ttl_seconds if pttl == -1 else pttl / 1000.0 if pttl >= 0 else policy.ttl_seconds
+        life = Lifecycle(hits, now if hits else 0.0, now + left, frag.created_at,
+                         LIFETIME_LONG if promoted else LIFETIME_SHORT, len(blob), frag.raw_nbytes)
+        frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
+        self.client.count(hits=1, bytes_fetched=len(blob))
+        with self._lock:  # a read-only local store drops it at the flush instead of writing it
+            self._fetched[key] = (bytes(blob), life, frag)
+        return frag
+
+    def _remote_lifecycle(self, key: bytes) -> Lifecycle | None:
+        """The record of the remote fragment under ``key`` as fetched (already, or now: the
+        request reads it next, so fetching it here costs nothing more), None when the remote
+        has no usable one (absent, unavailable, refused, over the fetch budget)."""
+        with self._lock:
+            pending = self._fetched.get(key)
+        if pending is None:
+            if key in self._refused or self._fetch(key) is None:
+                return None
+            with self._lock:
+                pending = self._fetched.get(key)
+        return None if pending is None else pending[1]
+
+    def _refuse(self, key: bytes, reason: str) -> None:
+        """Count, log and delete a corrupt remote blob; this process never asks for it again."""
+        self.client.count(corrupt=1)
+        self._refused.add(key)
+        log.warning("refusing remote fragment %s: %s; deleting it from the remote tier", key.hex()[:16], reason)
+        if self._remote("fast", lambda c: self.keys.delete(c, [key]), "delete", 0):
+            self.client.count(deletes=1)
+
+    # -- served by the local tier (presence and records also see fetched fragments) --------------
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._fetched:
+                return True
+        return self.local.contains(key)
+
+    def is_live(self, key: bytes, now: float | None = None) -> bool:
+        self._flush_fetched()
+        return self.local.is_live(key, now)
+
+    def lifecycle(self, key: bytes) -> Lifecycle | None:
+        life = self.local.lifecycle(key)
+        if life is None:
+            with self._lock:
+                pending = self._fetched.get(key)
+            life = pending[1] if pending is not None else None
+        return life
+
+    def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
+        self._flush_fetched()
+        return self.local.set_lifecycle(key, life)
+
+    def iterate(self) -> Iterator:
+        return self.local.iterate()
+
+    def iterate_lifecycle(self) -> list[tuple[bytes, Lifecycle]]:
+        return self.local.iterate_lifecycle()
+
+    def delete_expired(self, keys: Sequence[bytes], now: float | None = None) -> list[tuple[bytes, int]]:
+        return self.local.delete_expired(keys, now)
+
+    def put_replacing(self, fragment: KVFragment, life: Lifecycle, remove: Sequence[bytes]) -> bool:
+        return self.local.put_replacing(fragment, life, remove)
+
+    def absorb(self, keep: bytes, remove: Sequence[bytes], life: Lifecycle) -> bool:
+        return self.local.absorb(keep, remove, life)
+
+    def used_bytes(self) -> int:
+        return self.local.used_bytes()
+
+    def recount_used(self) -> int:
+        return self.local.recount_used()
+
+    def transact(self, fn, write: bool = False):
+        return self.local.transact(fn, write=write)
+
+    def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
+        return self.local.named_db(name, create=create, dupsort=dupsort, txn=txn)
+
+    def contains_in(self, txn, key: bytes) -> bool:
+        return self.local.contains_in(txn, key)
+
+    def delete_in(self, txn, key: bytes) -> int:
+        return self.local.delete_in(txn, key)
+
+    def used_in(self, txn) -> int:
+        return self.local.used_in(txn)
+
+    def lifecycle_rows_in(self, txn) -> list[tuple[bytes, Lifecycle]]:
+        return self.local.lifecycle_rows_in(txn)
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -366,13 +545,13 @@ class TieredStore(RemoteReads, LocalTierOps, FragmentBackend):
         return self._closed
 
     def close(self) -> None:
-        """Run the queued remote writes (up to ``drain_s`` seconds), then close the remote
+        """Run the queued remote writes (up to :data:`DRAIN_S` seconds), then close the remote
         client and the local store (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._flush_fetched()
-        left = self.queue.close(self.drain_s)
+        left = self.queue.close(DRAIN_S)
         if left:
             self.client.count(queue_drops=left)
         self.client.close()
