@@ -17,9 +17,10 @@ import logging
 import sys
 from typing import Sequence
 
-from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_serve, cli_store, compact
+from edgesync_engines.app import cli_docs, cli_fidelity, cli_model, cli_serve, cli_store
 from edgesync_engines.app.cli_common import EXIT_USAGE, LOG_LEVELS, CommandError, print_error
 from edgesync_engines.app.workloads import WorkloadDataError
+from edgesync_store import compact
 
 EXIT_INTERRUPTED = 130
 
