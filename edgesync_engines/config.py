@@ -231,10 +231,6 @@ class EdgeSyncConfig:
         """JSON-able view: every setting by field name, paths as strings, the remote URL redacted."""
         return as_dict(self)
 
-    def store_settings(self) -> StoreSettings:
-        """The store's part of these settings."""
-        return StoreSettings(**{s.name: getattr(self, s.name) for s in table(StoreSettings)})
-
 
 SETTINGS: tuple[Setting, ...] = table(EdgeSyncConfig)
 """Every setting, in :class:`EdgeSyncConfig`'s field order."""

@@ -295,20 +295,14 @@ def default_store_path() -> Path:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The settings the store and its maintenance read (frozen; every field is a :func:`setting`).
+    """The settings the store and its maintenance read (frozen; every field is a :func:`setting`,
+    its help beside it): the directory, a new fragment's lifetime, the size budget (None: the one
+    recorded in the store), how new and merged fragments hold K and V, and the app process's
+    sweep and compaction schedule.
 
     ``python -m edgesync_store.compact`` reads these alone; the engines' ``EdgeSyncConfig``
-    declares the same fields with :func:`setting_of`. Construct with :meth:`load`, or directly with
-    keyword arguments (checked the same way: ValueError ``"field: reason"``).
-
-    Attributes:
-        store_path: the store directory [EDGESYNC_STORE].
-        ttl_seconds: a new fragment's lifetime, seconds [EDGESYNC_TTL_SECONDS].
-        max_bytes: the size budget, bytes; None: the one recorded in the store [EDGESYNC_MAX_BYTES].
-        compression: how new and merged fragments hold K and V [EDGESYNC_COMPRESSION].
-        jobs: run the sweep and compaction on a schedule in the app process [EDGESYNC_JOBS].
-        sweep_interval_s, compact_interval_s: the schedule, seconds [EDGESYNC_SWEEP_INTERVAL_S,
-            EDGESYNC_COMPACT_INTERVAL_S].
+    declares the same fields with :func:`setting_of`. Construct with :meth:`load`, or directly
+    with keyword arguments (checked the same way: ValueError ``"field: reason"``).
     """
 
     store_path: Path = setting(

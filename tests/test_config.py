@@ -141,7 +141,7 @@ def test_kv_type_is_checked_and_named():
 def test_config_is_declared_and_reuses_the_store_settings(tmp_path):
     """EdgeSyncConfig's fields are declared (type checkers and ``typing.get_type_hints`` see them);
     the store's settings are StoreSettings' own declarations (same type, default, variable, check
-    and help), and ``store_settings()`` hands them over."""
+    and help), loaded the same way."""
     import dataclasses
     import typing
 
@@ -158,6 +158,8 @@ def test_config_is_declared_and_reuses_the_store_settings(tmp_path):
     assert [s.name for s in table(StoreSettings)] == ["store_path", "ttl_seconds", "max_bytes", "compression",
                                                       "jobs", "sweep_interval_s", "compact_interval_s"]
     cfg = EdgeSyncConfig.load({"store_path": str(tmp_path), "max_bytes": 1 << 20}, environ={"EDGESYNC_JOBS": "off"})
-    assert cfg.store_settings() == StoreSettings(store_path=tmp_path, max_bytes=1 << 20, jobs=False)
+    store = StoreSettings.load({"store_path": str(tmp_path), "max_bytes": 1 << 20}, environ={"EDGESYNC_JOBS": "off"})
+    assert store == StoreSettings(store_path=tmp_path, max_bytes=1 << 20, jobs=False)
+    assert {name: value for name, value in cfg.to_dict().items() if name in store.to_dict()} == store.to_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.reuse = "blend"  # type: ignore[misc]
