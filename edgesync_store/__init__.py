@@ -13,7 +13,9 @@ Sub-packages, from the bottom up:
 * :mod:`edgesync_store.commands`: store commands for people (dump, clear, byte units).
 
 Beside them: ``schema`` (fragments, namespaces, keys and hashes), ``ttl`` (lifetime tiers and
-the clock), ``compactor`` (one compaction run), ``errors`` (every error the store raises; the
+the clock), ``compactor`` (one compaction run), ``compact`` (the command that runs one:
+``python -m edgesync_store.compact``), ``settings`` (the store's settings, ``StoreSettings``, and
+the declaration of settings as dataclass fields), ``errors`` (every error the store raises; the
 storage library's own errors never leave the store).
 
 The public API, importable from here::
@@ -63,6 +65,7 @@ _PUBLIC = {
     "StoreNotFoundError": "edgesync_store.errors",
     "StoreOpenError": "edgesync_store.errors",
     "StoreUnavailableError": "edgesync_store.errors",
+    "StoreSettings": "edgesync_store.settings",
 }
 """Public name -> the module that defines it."""
 
@@ -90,6 +93,7 @@ __all__ = [
     "StoreIOError",
     "StoreNotFoundError",
     "StoreOpenError",
+    "StoreSettings",
     "StoreStats",
     "StoreUnavailableError",
     "TTLPolicy",
@@ -117,6 +121,7 @@ if TYPE_CHECKING:
     from edgesync_store.schema import KVFragment, Namespace, chunk_spans, prefix_hash, store_key
     from edgesync_store.semantic.embedders import get_embedder
     from edgesync_store.semantic.index import SemanticIndex
+    from edgesync_store.settings import StoreSettings
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS, LIFETIME_LONG, LIFETIME_SHORT, Lifecycle, ManualClock, TTLPolicy
 
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

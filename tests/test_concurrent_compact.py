@@ -1,4 +1,4 @@
-"""Acceptance: one process serves requests while another runs ``python -m edgesync_engines.app.compact``
+"""Acceptance: one process serves requests while another runs ``python -m edgesync_store.compact``
 over the same store, again and again for a minute: no errors; every fragment that no rule
 removed serves byte-identical KV; outputs identical to uncached runs.
 
@@ -108,7 +108,7 @@ def test_serving_while_compacting_every_minute_stays_exact(adapter, seed_request
         t0 = time.monotonic()
         while time.monotonic() - t0 < COMPACT_FOR_S:
             assert server.poll() is None, f"server exited during the minute: {err_path.read_text()[-3000:]}"
-            proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.compact", str(store_dir), "--json"],
+            proc = subprocess.run([sys.executable, "-m", "edgesync_store.compact", str(store_dir), "--json"],
                                   capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs.append(json.loads(proc.stdout))

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.config import EdgeSyncConfig, default_store_path
+from edgesync_engines.config import EdgeSyncConfig
 from edgesync_store.core import codec
+from edgesync_store.settings import default_store_path
 
 
 def test_precedence_defaults_environment_overrides(tmp_path):
@@ -135,3 +136,30 @@ def test_kv_type_is_checked_and_named():
     bad = r"^kv_type: 'q5_k' is not one of f16, f32, q8_0, q4_0 \(from EDGESYNC_KV_TYPE"
     with pytest.raises(ValueError, match=bad):
         EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q5_k"})
+
+
+def test_config_is_declared_and_reuses_the_store_settings(tmp_path):
+    """EdgeSyncConfig's fields are declared (type checkers and ``typing.get_type_hints`` see them);
+    the store's settings are StoreSettings' own declarations (same type, default, variable, check
+    and help), loaded the same way."""
+    import dataclasses
+    import typing
+
+    from edgesync_engines.config import BY_NAME
+    from edgesync_store.remote.url import RemoteURL
+    from edgesync_store.settings import StoreSettings, table
+
+    hints = typing.get_type_hints(EdgeSyncConfig)
+    assert hints["reuse"] is str and hints["n_threads"] == int | None and hints["remote_url"] == RemoteURL | None
+    assert list(hints) == [f.name for f in dataclasses.fields(EdgeSyncConfig)]
+    store_hints = typing.get_type_hints(StoreSettings)
+    for row in table(StoreSettings):
+        assert BY_NAME[row.name] == row and hints[row.name] == store_hints[row.name]
+    assert [s.name for s in table(StoreSettings)] == ["store_path", "ttl_seconds", "max_bytes", "compression",
+                                                      "jobs", "sweep_interval_s", "compact_interval_s"]
+    cfg = EdgeSyncConfig.load({"store_path": str(tmp_path), "max_bytes": 1 << 20}, environ={"EDGESYNC_JOBS": "off"})
+    store = StoreSettings.load({"store_path": str(tmp_path), "max_bytes": 1 << 20}, environ={"EDGESYNC_JOBS": "off"})
+    assert store == StoreSettings(store_path=tmp_path, max_bytes=1 << 20, jobs=False)
+    assert {name: value for name, value in cfg.to_dict().items() if name in store.to_dict()} == store.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.reuse = "blend"  # type: ignore[misc]

@@ -30,7 +30,7 @@ decode (checksums) into exactly the bytes of the original chunk it claims. After
 the store holds exactly the ten whole chunks of A and C.
 
 Kills, each on a fresh copy of a pristine store (``shutil.copytree``), of ``python -m
-edgesync_engines.app.compact STORE --force-reclaim --json`` (never loads the model):
+edgesync_store.compact STORE --force-reclaim --json`` (never loads the model):
 
 * the five reclaim crash points (format-2 store);
 * ``migrate.batch@1``, ``migrate.batch@2``, ``migrate.before_version`` (format-1 store: the
@@ -271,7 +271,7 @@ def run_compactor(path: Path, *args: str, crash: str | None = None) -> subproces
     if crash:
         env[ENV_VAR] = crash
     return subprocess.Popen(
-        [sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--force-reclaim", "--json", *args],
+        [sys.executable, "-m", "edgesync_store.compact", str(path), "--force-reclaim", "--json", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

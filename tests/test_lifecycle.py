@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -484,25 +483,6 @@ def test_reclaim_is_deferred_while_another_process_has_the_store_open(tmp_path, 
         assert Compactor(store).run(force_reclaim=True).reclaim["reclaimed"] is True
 
 
-def test_compact_command_dry_run_and_json(tmp_path, clock):
-    path = tmp_path / "s"
-    now = time.time()
-    with FragmentStore(path) as store:
-        store.put_many([make_fragment(seed=70, created_at=now - 3600, expires_at=now - 1800),
-                        make_fragment(seed=71, created_at=now, expires_at=now + 1800)])
-    cmd = [sys.executable, "-m", "edgesync_engines.app.compact", str(path), "--json"]
-    dry = json.loads(subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, check=True).stdout)
-    assert dry["dry_run"] and dry["expired"] == 1 and dry["fragments_after"] == 2
-    done = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    assert done["expired"] == 1 and done["fragments_before"] == 2 and done["fragments_after"] == 1
-    for bad in ([str(tmp_path / "missing")], [str(path), "--max-bytes", "lots"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "edgesync_engines.app.compact", *bad], capture_output=True, text=True
-        )
-        assert proc.returncode == 2 and proc.stderr.strip()
-    assert not (tmp_path / "missing").exists()
-
-
 @pytest.mark.model
 def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapter, system_prompts):
     """Another process's compaction merges the prompt's layer halves right after this
@@ -535,39 +515,3 @@ def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapte
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     other.close()
     store.close()
-
-
-def test_compact_command_stops_cleanly_on_sigterm(tmp_path, clock, monkeypatch, capsys):
-    """SIGTERM (or Ctrl-C) stops the command between merge groups: it prints the report so far
-    and exits 130; every merge it finished is whole and the next run finishes the rest. Each
-    merge is slowed by a test hook so the signal lands mid-run."""
-    import os
-    import signal
-    import threading
-
-    from edgesync_engines.app import compact
-    from edgesync_store.lifecycle import merge
-
-    path = tmp_path / "s"
-    now = time.time()
-    wholes = [make_fragment(seed=300 + i, created_at=now, expires_at=now + 3600) for i in range(12)]
-    with FragmentStore(path) as store:
-        store.put_many([half for w in wholes for half in split_layers(w, 15)])
-    real = merge.merge_layers
-    monkeypatch.setattr(merge, "merge_layers", lambda frags: (time.sleep(0.2), real(frags))[1])
-    timer = threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code = compact.main([str(path), "--json", "--no-reclaim"])
-    finally:
-        timer.cancel()
-    doc = json.loads(capsys.readouterr().out)
-    assert code == 130 and doc["stopped"] is True
-    assert 1 <= doc["merged_layers"] < 12
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
-    monkeypatch.setattr(merge, "merge_layers", real)
-    with FragmentStore(path) as store:
-        assert store.stats().fragments == 24 - doc["merged_layers"]
-        assert Compactor(store).run(do_reclaim=False).merged_layers == 12 - doc["merged_layers"]
-        for w in wholes:
-            assert np.array_equal(store.get(w.key()).keys, w.keys)

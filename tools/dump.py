@@ -45,10 +45,10 @@ def _positive_int(text: str) -> int:
 
 
 def default_store() -> Path:
-    """The configured store directory (defaults < environment)."""
-    from edgesync_engines.config import EdgeSyncConfig
+    """The configured store directory (defaults < environment; the store's settings alone)."""
+    from edgesync_store.settings import StoreSettings
 
-    return EdgeSyncConfig.load().store_path
+    return StoreSettings.load().store_path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The ``edgesync`` subcommands that work on a store without the model: ``dump`` (list its
 fragments, read-only), ``clear`` (erase everything it holds) and ``reindex`` (rebuild its
-semantic index). ``compact`` is :mod:`edgesync_engines.app.compact`.
+semantic index). ``compact`` is :mod:`edgesync_store.compact`.
 
 Results go to stdout; bad input raises
 :class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).

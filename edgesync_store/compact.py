@@ -1,24 +1,23 @@
-"""``edgesync compact [STORE] [--dry-run] [--json] [--max-bytes 512M] [--no-reclaim]
-[--force-reclaim] [--reclaim-fraction 0.25]``: compact a store once (also
-``python -m edgesync_engines.app.compact ...``, the same flags and output).
+"""``python -m edgesync_store.compact [STORE] [--dry-run] [--json] [--max-bytes 512M] [--no-reclaim]
+[--force-reclaim] [--reclaim-fraction 0.25]``: compact a store once (also ``edgesync compact ...``:
+the engines' command line registers this parser, the same flags and output).
 
 Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``compactor.py``)
 and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
 and the store's fragments, stored bytes and bytes on disk before and after. ``--json`` prints
 one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr follows long
-steps. STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir);
-the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the store,
-else 1 GiB. Sizes: ``K``/``M``/``G`` (or ``KiB``...) are powers of 1024, ``KB``/``MB``/``GB`` of
-1000; the summary prints binary units. ``--dry-run`` opens the store read-only.
+steps. It reads the store's settings alone (:class:`~edgesync_store.settings.StoreSettings`; no
+engine is imported): STORE defaults to ``store_path`` (``EDGESYNC_STORE`` or the per-user cache
+dir); the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the
+store, else 1 GiB; merged fragments are written with ``EDGESYNC_COMPRESSION``. Sizes:
+``K``/``M``/``G`` (or ``KiB``...) are powers of 1024, ``KB``/``MB``/``GB`` of 1000; the summary
+prints binary units. ``--dry-run`` opens the store read-only.
 
 Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
 so the store is consistent at any stop): the report so far is printed and the exit status is
 130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
 the report says so), 2 bad input (no store at the path, not a store, a newer format, a bad
-option or setting).
-
-It lives in the app layer, not in ``edgesync_store``, because it reads the engines' settings
-(:class:`~edgesync_engines.config.EdgeSyncConfig`) and the store never imports the engines.
+option or setting), each reported as one ``error: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -31,14 +30,20 @@ import sys
 import threading
 from pathlib import Path
 
-from edgesync_engines.app.cli_common import EXIT_USAGE, STORE_ARG_HELP, CommandError, load_config, print_error
-from edgesync_store.commands.units import format_binary as _fmt
+from edgesync_store.commands.units import format_binary as fmt
 from edgesync_store.commands.units import parse_bytes
 from edgesync_store.errors import StoreError
+from edgesync_store.settings import StoreSettings
 
 DESCRIPTION = "Expire, deduplicate, merge, evict and reclaim an EdgeSync store once."
 EXIT_STOPPED = 130
 """Exit status when Ctrl-C or SIGTERM stopped the run between steps."""
+EXIT_USAGE = 2
+"""Exit status for bad input: no store at the path, not a store, a bad option or setting."""
+
+
+class BadInput(Exception):
+    """Bad input, reported as one ``error: <message>`` line on stderr and :data:`EXIT_USAGE`."""
 
 
 def _fraction(text: str) -> float:
@@ -53,7 +58,7 @@ def _fraction(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments, on ``parser``."""
-    parser.add_argument("store", nargs="?", help=STORE_ARG_HELP)
+    parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
     parser.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-bytes", type=parse_bytes, default=None,
@@ -65,19 +70,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m edgesync_engines.app.compact``."""
-    parser = argparse.ArgumentParser(prog="python -m edgesync_engines.app.compact", description=DESCRIPTION)
+    """The parser of ``python -m edgesync_store.compact``."""
+    parser = argparse.ArgumentParser(prog="python -m edgesync_store.compact", description=DESCRIPTION)
     add_arguments(parser)
     return parser
 
 
 def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Register ``edgesync compact`` on ``sub`` (the subparsers of ``cli.build_parser``); ``common``
-    is the parent parser holding ``--log-level``. Returns the new parser."""
+    """Register ``compact`` on ``sub`` (the subparsers of the ``edgesync`` command line); ``common``
+    is the parent parser holding its shared options. ``args.func`` is :func:`run_command`, which
+    reports bad input itself. Returns the new parser."""
     p = sub.add_parser("compact", parents=[common], description=DESCRIPTION,
                        help="expire, deduplicate, merge, evict and reclaim a store once")
     add_arguments(p)
-    p.set_defaults(func=cmd_compact)
+    p.set_defaults(func=run_command)
     return p
 
 
@@ -88,27 +94,27 @@ def render(report: dict, path: Path) -> str:
     rec = report["reclaim"] or {}
     lines = [
         f"store {path}" + (" (dry run: nothing changed)" if report["dry_run"] else ""),
-        f"  expired        {report['expired']:>8} fragments  {_fmt(report['expired_bytes'])}",
-        f"  deduplicated   {report['deduplicated']:>8} fragments  {_fmt(report['deduplicated_bytes'])}",
+        f"  expired        {report['expired']:>8} fragments  {fmt(report['expired_bytes'])}",
+        f"  deduplicated   {report['deduplicated']:>8} fragments  {fmt(report['deduplicated_bytes'])}",
         f"  merged         {report['fragments_merged']:>8} fragments into "
         f"{report['merged_layers'] + report['merged_heads']}"
         f" ({report['merged_layers']} along layers, {report['merged_heads']} along heads)",
-        f"  evicted        {report['evicted']:>8} fragments  {_fmt(report['evicted_bytes'])}"
-        f"  (budget {_fmt(report['max_bytes'])})",
-        f"  reclaimed      {_fmt(report['bytes_reclaimed'])}"
+        f"  evicted        {report['evicted']:>8} fragments  {fmt(report['evicted_bytes'])}"
+        f"  (budget {fmt(report['max_bytes'])})",
+        f"  reclaimed      {fmt(report['bytes_reclaimed'])}"
         + (f"  ({rec.get('reason')})" if rec.get("reason") and not rec.get("reclaimed") else ""),
     ]
     if report["dry_run"]:
         lines += [
             f"  fragments      {report['fragments_before']} (unchanged: dry run)",
-            f"  stored bytes   {_fmt(report['used_bytes_before'])} (unchanged: dry run)",
-            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} (unchanged: dry run)",
+            f"  stored bytes   {fmt(report['used_bytes_before'])} (unchanged: dry run)",
+            f"  bytes on disk  {fmt(report['disk_bytes_before'])} (unchanged: dry run)",
         ]
     else:
         lines += [
             f"  fragments      {report['fragments_before']} -> {report['fragments_after']}",
-            f"  stored bytes   {_fmt(report['used_bytes_before'])} -> {_fmt(report['used_bytes_after'])}",
-            f"  bytes on disk  {_fmt(report['disk_bytes_before'])} -> {_fmt(report['disk_bytes_after'])}",
+            f"  stored bytes   {fmt(report['used_bytes_before'])} -> {fmt(report['used_bytes_after'])}",
+            f"  bytes on disk  {fmt(report['disk_bytes_before'])} -> {fmt(report['disk_bytes_after'])}",
         ]
     lines.append(f"  took           {report['elapsed_s']:.2f} s"
                  + (" (stopped early: the store is consistent; run again to finish)" if report["stopped"] else ""))
@@ -116,18 +122,21 @@ def render(report: dict, path: Path) -> str:
 
 
 def _open_store(args: argparse.Namespace):
-    """``(store, path, budget from EDGESYNC_MAX_BYTES or None)``; CommandError for bad input."""
+    """``(store, path, budget from EDGESYNC_MAX_BYTES or None)``; BadInput for bad input."""
     from edgesync_store.core.store import FragmentStore
 
-    cfg = load_config({})
-    path = Path(args.store).expanduser() if args.store else cfg.store_path
-    if not (path / "data.mdb").is_file():
-        raise CommandError(f"no EdgeSync store at {path}")
     try:
-        store = FragmentStore(path, readonly=args.dry_run)
+        settings = StoreSettings.load()
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    path = Path(args.store).expanduser() if args.store else settings.store_path
+    if not (path / "data.mdb").is_file():
+        raise BadInput(f"no EdgeSync store at {path}")
+    try:
+        store = FragmentStore(path, readonly=args.dry_run, compression=settings.compression)
     except (StoreError, OSError) as exc:
-        raise CommandError(str(exc)) from None
-    return store, path, cfg.max_bytes
+        raise BadInput(str(exc)) from None
+    return store, path, settings.max_bytes
 
 
 def _run(store, args: argparse.Namespace, env_budget: int | None, stop: threading.Event):
@@ -161,7 +170,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     """Run the command on parsed ``args``; returns the exit status (0, or 130 when stopped).
 
     Raises:
-        CommandError: no store at the path, not a store, a newer format, a bad setting.
+        BadInput: no store at the path, not a store, a newer format, a bad setting.
     """
     store, path, env_budget = _open_store(args)
     stop = threading.Event()
@@ -192,15 +201,21 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return EXIT_STOPPED if signalled else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m edgesync_engines.app.compact``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def run_command(args: argparse.Namespace) -> int:
+    """:func:`cmd_compact`, with bad input reported as one ``error: ...`` line on stderr and
+    :data:`EXIT_USAGE`; returns the exit status."""
     try:
         return cmd_compact(args)
-    except CommandError as exc:
-        print_error(str(exc))
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m edgesync_store.compact``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_command(args)
 
 
 if __name__ == "__main__":
