@@ -31,7 +31,6 @@ NOT_IN_CORE = ("onnxruntime", "hnswlib", "fastapi", "redis", "torch", "uvicorn",
 SYSTEM = ("You are a careful study coach for secondary-school students. Answer in plain words, give "
           "concrete steps with times and amounts, and say when a question needs a teacher instead. " * 4)
 QUESTION = "How should I plan a week of revision before my chemistry exam?"
-COMPACT_PRESENT = (ROOT / "edgesync_store" / "compact.py").is_file() or (ROOT / "edgesync_store" / "compact").is_dir()
 
 
 def wheelhouse() -> Path:
@@ -190,8 +189,9 @@ def test_dump_script_from_the_checkout_reads_the_store(installed, filled_store):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(not COMPACT_PRESENT, reason="edgesync_store.compact lands from the config branch", strict=False)
 def test_compact_module_reads_the_store(installed, filled_store):
     py, _, work, _ = installed
     doc = json.loads(run(py, "-m", "edgesync_store.compact", filled_store, "--dry-run", "--json", cwd=work).stdout)
-    assert isinstance(doc, dict) and doc
+    listed = json.loads(run(py, ROOT / "tools" / "dump.py", filled_store, "--json", cwd=ROOT).stdout)
+    assert doc["dry_run"] is True
+    assert doc["fragments_before"] == doc["fragments_after"] == len(listed["fragments"]) > 0
