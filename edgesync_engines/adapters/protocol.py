@@ -255,3 +255,16 @@ class EngineAdapter(Protocol):
         """Free what the adapter loaded; it is unusable afterwards (:attr:`closed` is True).
         Idempotent."""
         ...
+
+
+def protocol_members() -> list[str]:
+    """The names :class:`EngineAdapter` declares (data attributes, properties, methods), sorted."""
+    names = set(EngineAdapter.__annotations__)
+    names |= {n for n, v in vars(EngineAdapter).items()
+              if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return sorted(names)
+
+
+def missing_members(obj) -> list[str]:
+    """The :class:`EngineAdapter` members ``obj`` lacks (sorted; empty: it has them all)."""
+    return [name for name in protocol_members() if not hasattr(obj, name)]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.request import plan as planning
 from edgesync_engines.request.execute import Injector
 from edgesync_engines.request.plan import ReuseSource, SourceKind
@@ -37,8 +38,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = (LlamaCppAdapter, OnnxRuntimeAdapter)
-"""The engine adapters ``EdgeSync`` takes as its ``model``."""
+def adapter_for(model, config: "EdgeSyncConfig") -> tuple[EngineAdapter, bool]:
+    """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (then the
+    caller closes it): None, a GGUF path (str or ``os.PathLike``) or a ``llama_cpp.Llama`` is
+    loaded (:func:`load_adapter`); any other object is used as is, and must have every member
+    of :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
+
+    Raises:
+        TypeError: an object that is neither a path nor a ``llama_cpp.Llama`` and lacks protocol
+            members (they are named).
+    """
+    if model is None or isinstance(model, (str, os.PathLike)) or is_llama(model):
+        return load_adapter(model, config), True
+    missing = missing_members(model)
+    if missing:
+        raise TypeError(f"model: expected a GGUF path, a llama_cpp.Llama or an engine adapter (EngineAdapter); "
+                        f"{type(model).__name__} lacks {', '.join(missing)}")
+    return model, False
+
+
+def is_llama(model) -> bool:
+    """Whether ``model`` is a ``llama_cpp.Llama`` (checked without importing llama_cpp)."""
+    return any(cls.__name__ == "Llama" and cls.__module__.split(".")[0] == "llama_cpp" for cls in type(model).__mro__)
 
 
 def load_adapter(model, config: "EdgeSyncConfig"):
