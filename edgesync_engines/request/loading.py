@@ -7,10 +7,9 @@ warning when the system will not let us write it); :func:`warm_up` asks the adap
 first-time work of a request at load rather than during the first request, and rehearses the
 latest hit: the store's reuse hint (``FragmentBackend.reuse_hint``, the token IDs the latest hit
 in this namespace injected, from any process) is walked, read, injected and its last token
-evaluated, answering nothing (:func:`rehearse`). Measured on this machine kind (SmolLM2, one
-thread): without them a new process's first exact hit paid the template's compilation, the
-engine's first decode, the kernel providing its seq-state buffer (10-70 ms for 25 MB), and its
-first faults on the store's pages.
+evaluated, answering nothing (:func:`rehearse`), so that a new process's first hit does not
+pay for the template's compilation, the engine's first decode, the kernel providing its
+seq-state buffer, or its first faults on the store's pages.
 """
 
 from __future__ import annotations
@@ -130,8 +129,8 @@ def _has_data_file(path: Path) -> bool:
 def warm_up(adapter, store: "FragmentBackend | None") -> int:
     """Before the first request: ``adapter.warm_up`` for an injection the size of the store's
     reuse hint (none without a store), then a rehearsal of that hit (:func:`rehearse`), under
-    the adapter's lock. A store failure only skips the rehearsal (logged). Costs tens of ms at
-    load (timed at DEBUG). Returns the tokens the rehearsal injected (0: none)."""
+    the adapter's lock. A store failure only skips the rehearsal (logged); its time is logged at
+    DEBUG. Returns the tokens the rehearsal injected (0: none)."""
     tokens: list[int] = []
     if store is not None and adapter.cache_refusal is None:
         try:
