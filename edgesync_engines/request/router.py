@@ -14,13 +14,11 @@ are rendered with the GGUF's own template) in four steps:
    injects all but its last token) with its donor record, and records the hits; the prefetcher
    (``prefetch=True``) predicts the next requests.
 
-Hit tiers (``GenerationResult.tier``, :class:`~edgesync_engines.request.plan.HitTier`):
-``exact`` = all but at most one prompt token injected, ``partial`` = at least 64 tokens,
-``miss`` = nothing. Prompts under 64 tokens (``MIN_SPAN``, the smallest fragment) are never
-cached. In the default mode only token-identical KV is injected, so the output equals an
-uncached run's. A donor served whole (``approximate: true``) or converted KV (``convertible:
-true``) gives an answer close to, not always equal to, an uncached run's, and such a request
-stores nothing, since its context holds KV that is not its own.
+``GenerationResult.tier`` is a :class:`~edgesync_engines.request.plan.HitTier`. In the default
+mode only token-identical KV is injected, so the output equals an uncached run's. A donor
+served whole (``approximate: true``) or converted KV (``convertible: true``) gives an answer
+close to, not always equal to, an uncached run's, and such a request stores nothing, since its
+context holds KV that is not its own.
 """
 
 from __future__ import annotations
