@@ -39,7 +39,7 @@ import numpy as np
 from edgesync_store.schema import EMBEDDING_DIM
 from edgesync_store.semantic import sidecar
 from edgesync_store.semantic.graph import LabelGraph
-from edgesync_store.semantic.sidecar import EF_CONSTRUCTION, HNSW_M, SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
+from edgesync_store.semantic.sidecar import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
 from edgesync_store.semantic.vectors import (
     LOG_KEEP,
     BackendMismatchError,
@@ -54,10 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BackendMismatchError",
     "DEFAULT_EF_SEARCH",
-    "EF_CONSTRUCTION",
-    "HNSW_M",
     "IndexUnavailableError",
-    "LOG_KEEP",
     "SemanticIndex",
     "SIDECAR_JSON",
     "SIDECAR_HNSW",
