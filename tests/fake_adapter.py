@@ -1,7 +1,8 @@
-"""A FAKE engine adapter, for fast unit tests of the request path's pure plan logic (what a
-request reuses, what gets stored back) without loading a model. It proves nothing about
-identity with an uncached run: the real-model tests (test_router.py, test_semantic_router.py,
-test_cross_engine.py) do that.
+"""A FAKE engine adapter: for fast tests of the request path's pure logic (what a request
+reuses, what gets stored back), run beside the real-model tests and needing no model.
+``EdgeSync(FakeAdapter(), store, config)`` drives it like a real engine. It proves nothing
+about identity with an uncached run: the real-model tests (test_router.py,
+test_semantic_router.py, test_cross_engine.py) do that.
 
 :class:`FakeAdapter` implements the members of ``adapters.protocol.EngineAdapter``:
 

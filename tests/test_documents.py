@@ -1,4 +1,4 @@
-"""Documents on the request path (``request/documents.py``, ``documents_api.py``, ``blend.py``)
+"""Documents on the request path (``request/documents.py``, ``router.py``, ``blend.py``)
 with the real SmolLM2 model, real LMDB stores in temp dirs and the real MiniLM embedder.
 
 Data: passages (``context``) and questions of rows 0-5 of ``doc_qa.jsonl``, as named in each

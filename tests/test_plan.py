@@ -1,5 +1,6 @@
-"""The reuse plan and its execution, without a model: a real FragmentStore (LMDB in a tmp dir),
-the fake adapter of tests/fake_adapter.py (one token per character), the real store-back.
+"""The reuse plan and its execution, without a model: requests through the real ``EdgeSync``
+driving the fake adapter of tests/fake_adapter.py (one token per character), on a real
+FragmentStore (LMDB in a tmp dir), with the real store-back.
 
 What the plan decides (exact, partial, miss; the last-token rule; convertible KV only when
 allowed; the approximate mode's thresholds) and how the executor falls back are checked here
@@ -10,15 +11,19 @@ tests check.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 from fake_adapter import FakeAdapter, fake_namespace
 
+from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request import storeback
+from edgesync_engines.request import router, storeback
 from edgesync_engines.request.execute import Injector
 from edgesync_engines.request.plan import HitTier, ReuseMode, SourceKind, hit_tier, plan_reuse
+from edgesync_engines.request.router import EdgeSync
 from edgesync_engines.request.semantic_lookup import Donor, Lookup
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.schema import MIN_SPAN
@@ -35,7 +40,8 @@ def other(n: int) -> str:
 
 
 def cfg(**overrides) -> EdgeSyncConfig:
-    return EdgeSyncConfig.load({"jobs": False, **overrides}, environ={})  # the plan gets its lookup passed in
+    """Settings without the store jobs and the RAM tier (every injection reads the store)."""
+    return EdgeSyncConfig.load({"jobs": False, "ram_tier_bytes": 0, **overrides}, environ={})
 
 
 @pytest.fixture
@@ -50,16 +56,39 @@ def adapter():
 
 
 def serve(store, adapter, config, prompt, *, semantic=None, max_tokens=4):
-    """One request as the router runs it: plan, inject, generate, store back. Returns
-    (plan, injection, fragments written)."""
-    tokens = adapter.tokenize(prompt if isinstance(prompt, str) else adapter.apply_chat_template(prompt))
-    plan = plan_reuse(prompt, tokens, max_tokens, store=store, adapter=adapter, config=config, semantic=semantic)
-    injected = Injector(store, adapter).carry_out(plan)
-    list(adapter.generate(list(injected.tokens), injected.reused, max_tokens))
-    written = 0
-    if not (injected.approximate or injected.convertible):
-        written = storeback.store_new(store, adapter, tokens, config)
-    return plan, injected, written
+    """One request through the real ``EdgeSync`` on ``adapter`` and ``store`` in ``config``,
+    with ``semantic`` (a :class:`FakeLookup`, or None) as its semantic lookup. Returns (the
+    plan, the injection, fragments written); the plan and the injection are recorded on their
+    way through ``plan_reuse`` and ``Injector.carry_out``."""
+    seen = {}
+
+    def plan_spy(*args, **kwargs):
+        seen["plan"] = plan_reuse(*args, **kwargs)
+        return seen["plan"]
+
+    carry_out = Injector.carry_out
+
+    def carry_out_spy(injector, plan):
+        seen["injection"] = carry_out(injector, plan)
+        return seen["injection"]
+
+    # built in the exact mode (the semantic one would load MiniLM at start); its semantic lookup,
+    # which has loaded nothing, gives way to the given one, and the request runs in config.reuse
+    es = EdgeSync(adapter, store, dataclasses.replace(config, reuse=ReuseMode.EXACT))
+    if es.semantic is not None:
+        es.semantic.close()
+    es.semantic = semantic
+    try:
+        with mock.patch.object(router, "plan_reuse", plan_spy), mock.patch.object(Injector, "carry_out",
+                                                                                   carry_out_spy):
+            result = es.generate(prompt, max_tokens=max_tokens, reuse=config.reuse)
+    finally:
+        es.semantic = None
+        es.close()
+    injected = seen["injection"]
+    assert result.tokens_reused == injected.reused and result.approximate == injected.approximate
+    assert result.tokens == adapter.answer[:max_tokens] and not adapter.closed
+    return seen["plan"], injected, result.fragments_written
 
 
 # -- hit tiers --------------------------------------------------------------------------
@@ -184,8 +213,8 @@ def test_another_model_is_never_a_source(store, adapter):
 
 
 class FakeLookup:
-    """Stands in for SemanticLookup: nominates the given donors (most similar first) and
-    records the calls."""
+    """Stands in for SemanticLookup: nominates the given donors (most similar first), records
+    the calls, and indexes nothing."""
 
     def __init__(self, donors=(), similarity=None):
         self.donors = list(donors)
@@ -199,6 +228,9 @@ class FakeLookup:
 
     def forget(self, key):
         self.forgotten.append(key)
+
+    def ready_now(self):
+        return False  # no index: the router does not index the prompt after its answer
 
 
 SYSTEM = "You are a helpful assistant who answers briefly and precisely. " * 3
@@ -318,8 +350,13 @@ def test_plan_is_immutable(store, adapter):
 
 
 def test_fake_adapter_has_the_protocol_members(adapter):
-    protocol = pytest.importorskip("edgesync_engines.adapters.protocol")
-    engine_adapter = getattr(protocol, "EngineAdapter", None)
-    if engine_adapter is None:
-        pytest.skip("no EngineAdapter protocol in this tree")
-    assert isinstance(adapter, engine_adapter)
+    assert isinstance(adapter, EngineAdapter) and missing_members(adapter) == []
+
+
+def test_edgesync_refuses_a_model_that_is_no_adapter_naming_what_it_lacks(store):
+    half = SimpleNamespace(tokenize=lambda text: [ord(c) for c in text], n_ctx=4096)
+    with pytest.raises(TypeError, match=r"SimpleNamespace lacks .*generate.*namespace") as err:
+        EdgeSync(half, store, cfg())
+    assert "tokenize" not in str(err.value) and "n_ctx" not in str(err.value)
+    with pytest.raises(TypeError, match="store: expected a FragmentBackend"):
+        EdgeSync(FakeAdapter(), 42, cfg())

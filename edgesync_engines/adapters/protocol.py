@@ -5,8 +5,9 @@ An engine adapter owns one model and one KV cache holding one sequence (llama.cp
 0, or ONNX Runtime's ``past_key_values``). The request path (``edgesync_engines.request``) and
 the app surface (``edgesync_engines.app``) use nothing else of an engine than the members
 declared here; the two real adapters (``LlamaCppAdapter``, ``OnnxRuntimeAdapter``) share their
-common code in ``base.EngineAdapterBase``, and a test can drive the request path with any object
-that has these members (``isinstance(obj, EngineAdapter)`` checks their presence).
+common code in ``base.EngineAdapterBase``, and ``EdgeSync`` takes any object that has these
+members (``isinstance(obj, EngineAdapter)`` checks their presence, :func:`missing_members`
+names the absent ones), such as the tests' fake adapter.
 
 Adapters are not re-entrant: the caller holds ``adapter.lock`` for a whole request (inject,
 generate, extract) so that two threads never drive one engine at once.
@@ -255,3 +256,16 @@ class EngineAdapter(Protocol):
         """Free what the adapter loaded; it is unusable afterwards (:attr:`closed` is True).
         Idempotent."""
         ...
+
+
+def protocol_members() -> list[str]:
+    """The names :class:`EngineAdapter` declares (data attributes, properties, methods), sorted."""
+    names = set(EngineAdapter.__annotations__)
+    names |= {n for n, v in vars(EngineAdapter).items()
+              if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return sorted(names)
+
+
+def missing_members(obj) -> list[str]:
+    """The :class:`EngineAdapter` members ``obj`` lacks (sorted; empty: it has them all)."""
+    return [name for name in protocol_members() if not hasattr(obj, name)]

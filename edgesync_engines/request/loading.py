@@ -7,10 +7,9 @@ warning when the system will not let us write it); :func:`warm_up` asks the adap
 first-time work of a request at load rather than during the first request, and rehearses the
 latest hit: the store's reuse hint (``FragmentBackend.reuse_hint``, the token IDs the latest hit
 in this namespace injected, from any process) is walked, read, injected and its last token
-evaluated, answering nothing (:func:`rehearse`). Measured on this machine kind (SmolLM2, one
-thread): without them a new process's first exact hit paid the template's compilation, the
-engine's first decode, the kernel providing its seq-state buffer (10-70 ms for 25 MB), and its
-first faults on the store's pages.
+evaluated, answering nothing (:func:`rehearse`), so that a new process's first hit does not
+pay for the template's compilation, the engine's first decode, the kernel providing its
+seq-state buffer, or its first faults on the store's pages.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.request import plan as planning
 from edgesync_engines.request.execute import Injector
 from edgesync_engines.request.plan import ReuseSource, SourceKind
@@ -37,8 +37,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = (LlamaCppAdapter, OnnxRuntimeAdapter)
-"""The engine adapters ``EdgeSync`` takes as its ``model``."""
+def adapter_for(model, config: "EdgeSyncConfig") -> tuple[EngineAdapter, bool]:
+    """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (then the
+    caller closes it): None, a GGUF path (str or ``os.PathLike``) or a ``llama_cpp.Llama`` is
+    loaded (:func:`load_adapter`); any other object is used as is, and must have every member
+    of :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
+
+    Raises:
+        TypeError: an object that is neither a path nor a ``llama_cpp.Llama`` and lacks protocol
+            members (they are named).
+    """
+    if model is None or isinstance(model, (str, os.PathLike)) or is_llama(model):
+        return load_adapter(model, config), True
+    missing = missing_members(model)
+    if missing:
+        raise TypeError(f"model: expected a GGUF path, a llama_cpp.Llama or an engine adapter (EngineAdapter); "
+                        f"{type(model).__name__} lacks {', '.join(missing)}")
+    return model, False
+
+
+def is_llama(model) -> bool:
+    """Whether ``model`` is a ``llama_cpp.Llama`` (checked without importing llama_cpp)."""
+    return any(cls.__name__ == "Llama" and cls.__module__.split(".")[0] == "llama_cpp" for cls in type(model).__mro__)
 
 
 def load_adapter(model, config: "EdgeSyncConfig"):
@@ -109,8 +129,8 @@ def _has_data_file(path: Path) -> bool:
 def warm_up(adapter, store: "FragmentBackend | None") -> int:
     """Before the first request: ``adapter.warm_up`` for an injection the size of the store's
     reuse hint (none without a store), then a rehearsal of that hit (:func:`rehearse`), under
-    the adapter's lock. A store failure only skips the rehearsal (logged). Costs tens of ms at
-    load (timed at DEBUG). Returns the tokens the rehearsal injected (0: none)."""
+    the adapter's lock. A store failure only skips the rehearsal (logged); its time is logged at
+    DEBUG. Returns the tokens the rehearsal injected (0: none)."""
     tokens: list[int] = []
     if store is not None and adapter.cache_refusal is None:
         try:

@@ -26,7 +26,7 @@ The decision, in order (``n`` prompt tokens):
    The default (exact) mode never asks: the walk already follows fragments of any chunk size
    and takes the matching start of the fragment where the prompt parts from the stored one,
    so a verified donor only ever confirmed the walk's prefix, at the price of loading MiniLM
-   and the HNSW index (about 250 MB) and of an encode per request.
+   and the HNSW index and of an encode per request.
 
 4. ``allow_convertible``: when the own namespace does not serve all it could, the longest chain
    of a convertible namespace (``compat.compatible_with``: the other engine, same model) that

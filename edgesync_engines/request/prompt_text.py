@@ -9,9 +9,8 @@ from typing import Any, Mapping, Sequence
 
 TAIL_WORDS = 160
 """Words kept by :func:`embed_text_for` from the end of a long text. English runs 1.3-1.5 word
-pieces per whitespace-separated word (measured with the model's tokenizer: median 1.30, p90 1.51
-on the passages of ``doc_qa.jsonl``; 1.28-1.34 on ``system_prompts.json``), so 160 words make
-about 210-240 pieces and fit in MiniLM's 256 word pieces
+pieces per whitespace-separated word (the model's tokenizer on the workloads' passages), so
+160 words make about 210-240 pieces and fit in MiniLM's 256 word pieces
 (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``); 200 words would not (about 260)."""
 TAIL_CHARS = 1000
 """Characters kept at most by :func:`embed_text_for` (about 4 characters per word piece in

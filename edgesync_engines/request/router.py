@@ -14,13 +14,11 @@ are rendered with the GGUF's own template) in four steps:
    injects all but its last token) with its donor record, and records the hits; the prefetcher
    (``prefetch=True``) predicts the next requests.
 
-Hit tiers (``GenerationResult.tier``, :class:`~edgesync_engines.request.plan.HitTier`):
-``exact`` = all but at most one prompt token injected, ``partial`` = at least 64 tokens,
-``miss`` = nothing. Prompts under 64 tokens (``MIN_SPAN``, the smallest fragment) are never
-cached. In the default mode only token-identical KV is injected, so the output equals an
-uncached run's. A donor served whole (``approximate: true``) or converted KV (``convertible:
-true``) gives an answer close to, not always equal to, an uncached run's, and such a request
-stores nothing, since its context holds KV that is not its own.
+``GenerationResult.tier`` is a :class:`~edgesync_engines.request.plan.HitTier`. In the default
+mode only token-identical KV is injected, so the output equals an uncached run's. A donor
+served whole (``approximate: true``) or converted KV (``convertible: true``) gives an answer
+close to, not always equal to, an uncached run's, and such a request stores nothing, since its
+context holds KV that is not its own.
 """
 
 from __future__ import annotations
@@ -30,35 +28,42 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from edgesync_engines.adapters.compat import compatible_with
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
-from edgesync_engines.request.documents_api import DocumentsMixin, annotate
+from edgesync_engines.request.blend import Blended, blend
+from edgesync_engines.request.documents import DocumentLibrary, DocumentPrompt, as_inputs, build_prompt
 from edgesync_engines.request.execute import Injection, Injector
-from edgesync_engines.request.loading import ADAPTERS, load_adapter, open_store, warm_up
+from edgesync_engines.request.loading import adapter_for, open_store, warm_up
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
 from edgesync_engines.request.prefetch import ram_tiers, request_key
 from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream
 from edgesync_engines.request.semantic_lookup import SemanticLookup
 from edgesync_store.core.backend import FragmentBackend
+from edgesync_store.documents.records import DocumentRecord
+from edgesync_store.errors import StoreError
 from edgesync_store.lifecycle.jobs import StoreJobs
 
 log = logging.getLogger(__name__)
 
 
-class EdgeSync(DocumentsMixin):
+class EdgeSync:
     """A llama.cpp or ONNX Runtime model with a persistent KV fragment cache in front of its
     prefill.
 
     Args:
-        model: a GGUF path, a ``llama_cpp.Llama``, a :class:`LlamaCppAdapter` or
-            :class:`OnnxRuntimeAdapter`, or None for the configured model
-            (SmolLM2-135M-Instruct by default). With ``config.engine == "onnx"`` a GGUF path
-            means its ONNX export (``edgesync export-onnx``).
+        model: a GGUF path, a ``llama_cpp.Llama``, None for the configured model
+            (SmolLM2-135M-Instruct by default), or any object implementing
+            :class:`~edgesync_engines.adapters.protocol.EngineAdapter` (such as
+            :class:`LlamaCppAdapter`, :class:`OnnxRuntimeAdapter`, or a test's fake), which
+            ``close`` leaves open. With ``config.engine == "onnx"`` a GGUF path means its ONNX
+            export (``edgesync export-onnx``).
         store: a storage backend (:class:`FragmentBackend`; the local one is
             :class:`FragmentStore`), a store directory, None for the configured store, or False
             for no cache at all (every request prefills from scratch). An engine whose KV cannot
@@ -68,7 +73,13 @@ class EdgeSync(DocumentsMixin):
 
     Thread safety: one request at a time drives the engine (the adapter's lock).
 
+    Documents (strings or dicts placed before a question, their KV computed once): see
+    :meth:`add_documents` and ``generate(documents=..., retrieve=...)``.
+
     Raises:
+        TypeError: ``model`` is not a path, a ``llama_cpp.Llama`` or an engine adapter (the
+            missing protocol members are named), or ``store`` is not a backend, path, None or
+            False.
         onnx_export.ExportError: ``config.engine == "onnx"`` and the GGUF has no sound ONNX
             export.
     """
@@ -76,10 +87,12 @@ class EdgeSync(DocumentsMixin):
     def __init__(self, model=None, store: "FragmentBackend | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
-        self._owns_adapter = not isinstance(model, ADAPTERS)
-        self.adapter = model if isinstance(model, ADAPTERS) else load_adapter(model, self.config)
+        self.adapter, self._owns_adapter = adapter_for(model, self.config)
         self._owns_store = False
         self.uncached_reason = None
+        self._library: DocumentLibrary | None = None  # made at first use
+        self._doc_embedder = None  # MiniLM loaded for documents when the semantic lookup has none
+        self._blend_refusal_logged = False
         if store is False or not self.config.cache_enabled:
             self.store = None
         elif self.adapter.cache_refusal is not None:
@@ -133,7 +146,7 @@ class EdgeSync(DocumentsMixin):
         if self.store is None:
             return 0
         if documents is not None:
-            self.forget_documents(documents)
+            self._forget_documents(documents)
         # every engine's copy: KV another engine wrote for this model would still serve it
         # with allow_convertible
         namespaces = {self.namespace}
@@ -143,6 +156,169 @@ class EdgeSync(DocumentsMixin):
             self.fragment_cache.clear()  # decoded KV of this prompt may sit there
         log.info("forgot %d fragments of a %d-token prompt", removed, len(tokens))
         return removed
+
+    # -- documents ------------------------------------------------------------------------------
+
+    @property
+    def documents(self) -> DocumentLibrary:
+        """This engine's documents in the store (a :class:`DocumentLibrary`)."""
+        if self._library is None:
+            self._library = DocumentLibrary(self.store, self.adapter, self._encode, self.config.chunk_tokens,
+                                            self.config.document_header)
+        return self._library
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """MiniLM embeddings: the semantic lookup's embedder when it runs, else one loaded here."""
+        if self.semantic is not None:
+            vectors = self.semantic.encode(texts)
+            if vectors is not None:
+                return vectors
+        if self._doc_embedder is None:
+            from edgesync_store.semantic.embedders import get_embedder
+
+            self._doc_embedder = get_embedder(self.config.embedding_backend).load()
+        return self._doc_embedder.encode(texts)
+
+    def add_documents(self, documents: Iterable["str | Mapping"],
+                      progress: Callable[[int], None] | None = None) -> list[DocumentRecord]:
+        """Store documents: each one's KV computed once (standalone, only when its chain is not
+        stored yet), its record, and its text embedded for retrieval. ``documents`` are strings
+        or dicts with ``text`` (or ``context``) and optional ``title``, ``source``;
+        ``progress(i)`` is called after each. Returns the records, in order.
+
+        Raises:
+            ValueError: a document that is empty, malformed or longer than the context (nothing
+                is stored for it or after it), or no store (``store=False``).
+            PermissionError: the store is read-only.
+            StoreError: the store could not be written.
+        """
+        if self.store is None or self.adapter.namespace is None:
+            raise ValueError("add_documents: needs a store and an engine whose KV can be cached "
+                             f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
+        inputs = as_inputs(documents)
+        out = []
+        with self.adapter.lock:
+            for i, doc in enumerate(inputs):
+                out.append(self.documents.add(self.documents.record_for(doc, i)))
+                if progress is not None:
+                    progress(i + 1)
+        return out
+
+    def list_documents(self) -> list[DocumentRecord]:
+        """The stored documents of this engine's namespace."""
+        return self.documents.list()
+
+    def remove_documents(self, ids: Iterable["str | DocumentRecord"]) -> int:
+        """Remove documents (their IDs, unique ID prefixes of 8+ hex digits, or records) with
+        their fragments; the next request with them recomputes them. Returns the documents
+        removed.
+
+        Raises:
+            KeyError: an ID that names no stored document (or several).
+            StoreError: the store could not be written.
+        """
+        if isinstance(ids, (str, DocumentRecord)):
+            ids = [ids]  # one ID, not its characters
+        found = []
+        for doc_id in ids:
+            rec = doc_id if isinstance(doc_id, DocumentRecord) else self.documents.resolve(str(doc_id))
+            if rec is None:
+                raise KeyError(f"no stored document matches {doc_id!r}: unknown, under 8 hex digits, or a prefix "
+                               f"of several (give more digits)")
+            found.append(rec)
+        for rec in found:
+            self.documents.remove(rec)
+        self._drop_ram_tier(found)
+        return len(found)
+
+    def _forget_documents(self, documents: Iterable["str | Mapping"]) -> int:
+        """Remove the given documents (as passed to ``generate``) if stored; returns how many."""
+        recs = [self.documents.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
+        gone = [r for r in recs if self.documents.get(r.key) is not None]
+        for rec in gone:
+            self.documents.remove(rec)
+        self._drop_ram_tier(gone)
+        return len(gone)
+
+    def _drop_ram_tier(self, removed: list) -> None:
+        """Empty the RAM tier after documents were removed: their decoded KV may sit there
+        (it would not be served, the store no longer holding it, but no copy is kept)."""
+        if removed and self.fragment_cache is not None:
+            self.fragment_cache.clear()
+
+    def document_prompt(self, messages: Sequence[Mapping[str, str]], documents=None,
+                        retrieve: int | None = None) -> tuple[DocumentPrompt, list[float] | None]:
+        """The prompt of ``messages`` with ``documents`` (given) or the ``retrieve`` nearest
+        stored ones (:func:`~edgesync_engines.request.documents.build_prompt`), and the
+        retrieval scores (None when given).
+
+        Raises:
+            ValueError: both or neither given, a bad document, messages not ending with a user
+                turn, or ``retrieve`` with no stored documents.
+        """
+        if (documents is None) == (retrieve is None):
+            raise ValueError("documents: pass either documents= or retrieve=, not both")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        scores = None
+        if retrieve is not None:
+            if not isinstance(retrieve, int) or isinstance(retrieve, bool) or retrieve < 1:
+                raise ValueError(f"retrieve: expected an integer >= 1, got {retrieve!r}")
+            question = messages[-1].get("content", "") if messages and isinstance(messages[-1], Mapping) else ""
+            if not str(question).strip():
+                raise ValueError("retrieve: the last message has no text to retrieve by")
+            hits = self.documents.retrieve(str(question), retrieve)
+            records, scores = [r for r, _ in hits], [round(s, 4) for _, s in hits]
+        else:
+            if isinstance(documents, (str, Mapping)):
+                documents = [documents]
+            records = [self.documents.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
+        return build_prompt(self.adapter, messages, records), scores
+
+    def _store_missing_documents(self, prompt: DocumentPrompt) -> int:
+        """Add the prompt's documents whose KV or record the store lacks (their KV computed now:
+        the engine's sequence is cleared). Returns how many were added; a store failure is
+        logged and the request goes on."""
+        if self.store is None or self.store.readonly or self.adapter.namespace is None:
+            return 0
+        added = 0
+        for rec, _ in prompt.pieces:
+            try:
+                if self.documents.get(rec.key) is None or not self.documents.kv_stored(rec):
+                    self.documents.add(rec)
+                    added += 1
+            except (StoreError, OSError, ValueError, RuntimeError) as exc:
+                log.warning("could not store document %s: %s", rec.doc_id[:16], exc)
+        return added
+
+    def _blend_documents(self, doc_prompt: DocumentPrompt, injector) -> "tuple[Blended | None, str | None, int]":
+        """Store the prompt's missing documents and blend it (``request/blend.py``) with
+        ``injector`` (None: no store); returns (what the engine holds, None, documents
+        computed), or (None, why not, 0) when the engine cannot blend (logged once)."""
+        refusal = self.adapter.blend_refusal if injector is not None else "no store"
+        if refusal is not None:
+            if not self._blend_refusal_logged:
+                log.warning("reuse=blend refused, answering exactly: %s", refusal)
+                self._blend_refusal_logged = True
+            return None, refusal, 0
+        computed = self._store_missing_documents(doc_prompt)
+        return blend(doc_prompt, injector, self.config), None, computed
+
+    @staticmethod
+    def _annotate_documents(result: GenerationResult, prompt: DocumentPrompt, scores: list[float] | None,
+                            blended: "Blended | None", refusal: str | None, computed: int) -> None:
+        """Fill a documents request's fields of its ``GenerationResult`` (in place): the document
+        IDs and retrieval scores, why a blend was refused, the documents computed, and for a blend
+        the approximate flag, the blended and recomputed counts and what they make of
+        ``tokens_reused`` (exact head + blended tokens), ``tokens_prefilled`` and the tier."""
+        result.documents, result.retrieval_scores = prompt.document_ids, scores
+        result.blend_refusal, result.documents_computed = refusal, computed
+        if blended is not None:
+            result.approximate = True
+            result.blended_tokens, result.recomputed_tokens = blended.blended_tokens, blended.recomputed_tokens
+            result.tokens_reused = blended.head_reused + blended.blended_tokens
+            result.tokens_prefilled = result.prompt_tokens - result.tokens_reused
+            result.tier = hit_tier(result.tokens_reused, result.prompt_tokens)
 
     namespace = property(lambda self: self.adapter.namespace, doc="The engine's KV namespace.")
 
@@ -236,7 +412,7 @@ class EdgeSync(DocumentsMixin):
         with self.adapter.lock:
             blended, refusal, computed = None, None, 0
             if doc_prompt is not None and mode == ReuseMode.BLEND and doc_prompt.pieces:
-                blended, refusal, computed = self.blend_documents(doc_prompt, self._injector)
+                blended, refusal, computed = self._blend_documents(doc_prompt, self._injector)
             if blended is not None:
                 plan = ReusePlan(prompt=tuple(tokens))
                 injected = Injection(None, tuple(tokens), blended.n_past, blended.keys, blended.bytes_read)
@@ -260,10 +436,10 @@ class EdgeSync(DocumentsMixin):
                     storeback.record_hits(self.store, injected.keys, self._reused(injected))
             written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
             if doc_prompt is not None and blended is None:
-                computed = self.store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
+                computed = self._store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
         result = self._result(tokens, out, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
         if doc_prompt is not None:
-            annotate(result, doc_prompt, docs[1], blended, refusal, computed)
+            self._annotate_documents(result, doc_prompt, docs[1], blended, refusal, computed)
         yield result
 
     def _reused(self, injected: Injection) -> tuple[bytes, tuple[int, ...]] | None:

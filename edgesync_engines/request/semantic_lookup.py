@@ -44,8 +44,8 @@ QUERY_K = 8
 """Nearest neighbours asked of the index per lookup (candidates of other namespaces and below
 ``similarity_partial`` are dropped afterwards)."""
 CATCH_UP_BATCH = 16
-"""Donor texts embedded per batch by the catch-up (about 0.2-1 s of one core for MiniLM: the
-catch-up checks for :meth:`SemanticLookup.close` between batches)."""
+"""Donor texts embedded per batch by the catch-up (it checks for :meth:`SemanticLookup.close`
+between batches)."""
 
 
 @dataclass
@@ -138,7 +138,7 @@ class SemanticLookup:
 
     def warm_up(self) -> None:
         """Load the embedder and open the index in a daemon thread, so that the first lookup
-        does not pay for it (about 0.5 s); a lookup meanwhile waits for it."""
+        does not pay for it; a lookup meanwhile waits for it."""
         threading.Thread(target=self._ready, name=WARM_UP_THREAD, daemon=True).start()
 
     # -- the catch-up: embedding donor records stored without a vector ---------------------

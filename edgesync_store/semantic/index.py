@@ -22,14 +22,14 @@ another ``backend_id`` raises :class:`BackendMismatchError` naming both (unless 
 no vector yet); :func:`drop_vectors` clears them so that the store can be re-embedded.
 
 Graph parameters (DESIGN.md 2.1): inner-product space on L2-normalised vectors (so distance =
-1 - cosine), M = 16, ef_construction = 200, ef_search = 100 by default (at 50 hnswlib misses
-near-duplicates about 20% of the time at 100k vectors). Deleted elements are marked and their
-slots reused by later adds (``allow_replace_deleted``); the graph grows with ``resize_index``.
+1 - cosine), M = 16, ef_construction = 200, ef_search = 100 by default. The graph and its
+labels' keys are a :class:`~edgesync_store.semantic.graph.LabelGraph`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -39,8 +39,8 @@ import numpy as np
 from edgesync_store.errors import MissingExtraError, require_extra
 from edgesync_store.schema import EMBEDDING_DIM
 from edgesync_store.semantic import sidecar
-from edgesync_store.semantic.graph_sync import GraphSync
-from edgesync_store.semantic.sidecar import EF_CONSTRUCTION, HNSW_M, SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
+from edgesync_store.semantic.graph import LabelGraph
+from edgesync_store.semantic.sidecar import SIDECAR_HNSW, SIDECAR_JSON, SIDECAR_LOCK
 from edgesync_store.semantic.vectors import (
     LOG_KEEP,
     BackendMismatchError,
@@ -55,10 +55,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BackendMismatchError",
     "DEFAULT_EF_SEARCH",
-    "EF_CONSTRUCTION",
-    "HNSW_M",
     "IndexUnavailableError",
-    "LOG_KEEP",
     "SemanticIndex",
     "SIDECAR_JSON",
     "SIDECAR_HNSW",
@@ -97,7 +94,7 @@ def drop_vectors(store) -> int:
     return n
 
 
-class SemanticIndex(GraphSync):
+class SemanticIndex:
     """Nearest-neighbour search over the embeddings of a FragmentStore's fragments.
 
     Args:
@@ -153,25 +150,19 @@ class SemanticIndex(GraphSync):
         self.lock_path = self.path / SIDECAR_LOCK  # sidecar.file_lock's file
         self._lock = threading.RLock()
         self._closed = False
-        self._index = None
-        self._keys: dict[int, bytes] = {}  # live label -> store key
-        self._labels: dict[bytes, int] = {}  # store key -> live label
-        self._maybe_dead: set[int] = set()  # labels marked deleted in the graph (superset)
-        self._n_dead = 0  # graph slots holding a deleted element (reusable)
-        self._seen_gen = 0
+        self._graph: LabelGraph | None = None
+        self._seen_gen = 0  # the LMDB generation the graph reflects
         self._index_id = ""
-        self._dirty = False
         self._vectors = VectorTable(store, self.dim, self.log_keep)
         with self._lock:
             self._open()
 
-    # -- opening ------------------------------------------------------------------------------
+    # -- keeping the graph equal to LMDB (every method runs with the lock held) ------------------
 
     def _open(self) -> None:
         """Check the recorded backend, load or rebuild the graph, catch up with LMDB."""
         self._index_id = self._vectors.claim(self.backend_id)  # raises BackendMismatchError
-        loaded = self._load_sidecar()
-        if loaded is None:
+        if not self._load_sidecar():
             n = self._vectors.count()
             if n:
                 log.warning("semantic index of %s: rebuilding %d vectors from LMDB", self.path, n)
@@ -179,9 +170,106 @@ class SemanticIndex(GraphSync):
             if (n or self.hnsw_path.exists() or self.json_path.exists()) and not self.store.readonly:
                 self._save_quietly()  # replaces a damaged sidecar too
         else:
-            self._reconcile(loaded)
+            self._reconcile(self._graph.graph_labels())
 
-    # -- LMDB writes (vectors.py) ----------------------------------------------------------------
+    def _load_sidecar(self) -> bool:
+        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
+        store and backend; False when the graph is to be rebuilt."""
+        if not self.json_path.exists() and not self.hnsw_path.exists():
+            return False
+        try:
+            graph, generation, deleted = sidecar.load_graph(
+                self._hnswlib, self.path, sidecar.header(self.backend_id, self.dim, self._index_id),
+                self._vectors.generation())
+        except FileNotFoundError as exc:
+            log.warning("semantic index sidecar of %s incomplete (%s): rebuilding from LMDB", self.path, exc.filename)
+            return False
+        except (ValueError, OSError, RuntimeError) as exc:
+            log.warning("semantic index sidecar of %s unusable (%s): rebuilding from LMDB", self.path, exc)
+            return False
+        if graph.dim != self.dim:
+            log.warning("semantic index sidecar of %s has dim %d: rebuilding from LMDB", self.path, graph.dim)
+            return False
+        self._graph = LabelGraph(graph, self.num_threads, self.ef_search, set(deleted))
+        self._seen_gen = generation
+        log.debug("loaded %s: %d deleted, generation %d", self.hnsw_path, self._graph.n_dead, generation)
+        return True
+
+    def _reconcile(self, graph_live: set[int]) -> tuple[int, int]:
+        """Make the graph hold exactly LMDB's live vectors. ``graph_live``: labels live in the
+        graph (their keys may not be known yet). Returns (added, removed)."""
+        graph = self._graph
+        live, vectors, gone, generation = self._vectors.scan(lambda label: label not in graph_live)
+        removed = 0  # graph removals (vectors of gone fragments included)
+        for label in graph_live - live.keys():
+            if label in graph.keys:
+                graph.remove(label)
+            else:
+                graph.mark_dead(label)
+            removed += 1
+        for label in graph_live & live.keys():
+            graph.bind(label, live[label])
+        missing = sorted(vectors)
+        if missing:
+            graph.add(missing, np.stack([vectors[label] for label in missing]), [live[label] for label in missing])
+        self._seen_gen = generation
+        if gone:
+            self._purge(gone)
+        return len(missing), removed
+
+    def _catch_up(self) -> None:
+        """Replay the LMDB change log from the generation the graph reflects (reconcile fully
+        when the log no longer reaches back that far)."""
+        if not self._vectors.exists:
+            return
+        graph = self._graph
+        generation, ops = self._vectors.changes_since(self._seen_gen)
+        if ops is None:
+            log.debug("semantic index: change log of %s does not reach generation %d; reconciling", self.path,
+                      self._seen_gen)
+            self._reconcile(set(graph.keys))
+            return
+        for op, label, store_key, vector in ops:
+            if op == b"+" and vector is not None and label not in graph.keys:
+                old = graph.labels.get(store_key)
+                if old is not None:
+                    graph.remove(old)
+                graph.add([label], vector[None, :], [store_key])
+            elif op == b"-" and label in graph.keys:
+                graph.remove(label)
+        self._seen_gen = generation
+
+    def _refresh(self) -> None:
+        """Catch up when another process (or thread) wrote since the graph's generation;
+        reload when the vectors were dropped (or the backend changed) meanwhile."""
+        index_id, generation = self._vectors.state()
+        if index_id != self._index_id or self._graph is None:
+            log.info("semantic index of %s was reset by another process; reloading", self.path)
+            self._graph = None
+            self._open()
+        elif generation != self._seen_gen:
+            self._catch_up()
+
+    def _rebuild_locked(self, progress: Callable[[int, int], None] | None) -> int:
+        live, vectors, gone, generation = self._vectors.scan(lambda label: True)
+        labels = sorted(live)
+        self._graph = LabelGraph.new(self._hnswlib, self.dim, math.ceil(len(labels) * 1.25), self.num_threads,
+                                     self.ef_search)
+        if labels:
+            advance = None
+            if progress is not None:
+                done = [0]
+
+                def advance(n: int) -> None:
+                    done[0] += n
+                    progress(done[0], len(labels))
+
+            self._graph.add(labels, np.stack([vectors[label] for label in labels]),
+                            [live[label] for label in labels], progress=advance)
+        self._seen_gen = generation
+        if gone:
+            self._purge(gone)
+        return len(self._graph)
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -192,8 +280,7 @@ class SemanticIndex(GraphSync):
     def _purge(self, gone: list[tuple[bytes, int]]) -> None:
         """Remove vectors whose fragment the store no longer holds (and malformed entries)."""
         for _key, label in gone:
-            if label in self._keys:
-                self._graph_remove(label)
+            self._graph.remove(label)
         if self.store.readonly:
             return
         n = self._vectors.purge(gone)
@@ -274,44 +361,16 @@ class SemanticIndex(GraphSync):
         for _ in range(4):
             with self._lock:
                 self._refresh()
-                results = self._search(q, k, filter)
+                results = self._graph.search(q, k, filter)
             if not results:
                 return results
             gone = self._vectors.unstored([key for key, _ in results])
             if not gone:
                 return results
             with self._lock:
-                self._purge([(key, self._labels.get(key, -1)) for key in gone])
+                self._purge([(key, self._graph.labels.get(key, -1)) for key in gone])
         gone_set = set(self._vectors.unstored([key for key, _ in results]))
         return [r for r in results if r[0] not in gone_set]
-
-    def _search(self, q: np.ndarray, k: int, filter) -> list[tuple[bytes, float]]:
-        keys = self._keys
-        n = len(keys)
-        if n == 0:
-            return []
-        kk = min(k, n)
-        graph = self._index
-        graph.set_ef(max(self.ef_search, kk))
-        label_filter = None
-        if filter is not None:
-            def label_filter(label) -> bool:
-                return (key := keys.get(int(label))) is not None and bool(filter(key))
-
-        while kk >= 1:
-            try:
-                labels, dists = graph.knn_query(q, k=kk, num_threads=1, filter=label_filter)
-                break
-            except RuntimeError:  # fewer than kk reachable (filter, deletions): ask for fewer
-                kk //= 2
-        else:
-            return []
-        out = []
-        for label, dist in zip(labels[0], dists[0]):
-            key = keys.get(int(label))
-            if key is not None:
-                out.append((key, float(min(1.0, max(-1.0, 1.0 - float(dist))))))
-        return out
 
     def sync(self) -> tuple[int, int]:
         """Catch up with LMDB completely: index the vectors missing from the graph, mark
@@ -319,10 +378,10 @@ class SemanticIndex(GraphSync):
         longer holds. Returns ``(added, removed)`` counts of graph changes."""
         with self._lock:
             index_id, _ = self._vectors.state()
-            if index_id != self._index_id:
+            if index_id != self._index_id or self._graph is None:
                 self._refresh()
-                return len(self._keys), 0
-            return self._reconcile(set(self._keys))
+                return len(self._graph), 0
+            return self._reconcile(set(self._graph.keys))
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
@@ -341,18 +400,15 @@ class SemanticIndex(GraphSync):
         with self._lock:
             if self._closed:
                 raise RuntimeError("semantic index is closed")
-            graph = self._index
+            graph = self._graph
             if graph is None:  # a reload after another process reset the vectors failed
                 log.warning("semantic index of %s: no graph to save", self.path)
                 return
-            ids = set(int(x) for x in graph.get_ids_list())
-            dead = ids - self._keys.keys()
-            self._maybe_dead &= dead
             info = {**sidecar.header(self.backend_id, self.dim, self._index_id), "generation": self._seen_gen,
-                    "count": len(self._keys), "max_elements": int(graph.get_max_elements()),
-                    "deleted_labels": sorted(dead)}
-            sidecar.save_graph(self.path, graph, info)
-            self._dirty = False
+                    "count": len(graph), "max_elements": int(graph.graph.get_max_elements()),
+                    "deleted_labels": graph.deleted_labels()}
+            sidecar.save_graph(self.path, graph.graph, info)
+            graph.dirty = False
 
     def _save_quietly(self) -> None:
         try:
@@ -366,20 +422,19 @@ class SemanticIndex(GraphSync):
         with self._lock:
             if self._closed:
                 return
-            if self.autosave and self._dirty and not self.store.readonly:
+            if self.autosave and self._graph is not None and self._graph.dirty and not self.store.readonly:
                 self._save_quietly()
             self._closed = True
-            self._index = None
-            self._keys, self._labels = {}, {}
+            self._graph = None
 
     # -- introspection ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Vectors in the graph (as of the last catch-up)."""
-        return len(self._keys)
+        return 0 if self._graph is None else len(self._graph)
 
     def __contains__(self, key: bytes) -> bool:
-        return bytes(key) in self._labels
+        return self._graph is not None and bytes(key) in self._graph.labels
 
     @property
     def generation(self) -> int:
@@ -400,4 +455,4 @@ class SemanticIndex(GraphSync):
 
     def __repr__(self) -> str:
         return (f"SemanticIndex({str(self.path)!r}, backend_id={self.backend_id!r}, "
-                f"count={len(self._keys)}, generation={self._seen_gen})")
+                f"count={len(self)}, generation={self._seen_gen})")
