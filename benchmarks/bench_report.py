@@ -18,7 +18,7 @@ from edgesync_bench.figures import group_records, ratio, same_requests, storage_
 log = logging.getLogger(__name__)
 
 SYSTEM_ORDER = ("no-cache", "naive-string", "llama-ram", "llama-disk", "edgesync", "edgesync-warm", "edgesync-prefetch")
-PLOTS = {"ttft": "ttft_distribution.png", "hits": "hits_by_tier.png", "bytes": "bytes_per_cached_prompt.png"}
+PLOTS = {"ttft": "ttft_distribution.png", "hits": "hits_by_kind.png", "bytes": "bytes_per_cached_prompt.png"}
 
 
 def _f(v, fmt="{:.0f}", none="-") -> str:
@@ -207,7 +207,7 @@ def _plots(records: Sequence[dict], summaries: dict, storage: dict, out: Path) -
              "raw_f16_kv_per_prompt": st.get("raw_f16_kv_per_prompt")}
             for (w, s), st in storage.items() if (st.get("disk_bytes_per_prompt") or st.get("ram_bytes_per_prompt"))]
     jobs = [("ttft", lambda p: plots.ttft_distribution(records, p)),
-            ("hits", lambda p: plots.hits_by_tier(records, p)),
+            ("hits", lambda p: plots.hits_by_kind(records, p)),
             ("bytes", lambda p: plots.bytes_per_cached_prompt(rows, p))]
     for key, fn in jobs:
         try:

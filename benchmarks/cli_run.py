@@ -66,7 +66,7 @@ def run_workload(es, requests, max_tokens: int, progress=None, task=None) -> lis
         cached = es.generate(messages, max_tokens=max_tokens)
         records.append(run_report.request_record(req, uncached, cached))
         if progress is not None:
-            progress.update(task, advance=1, description=f"{req.request_id} {cached.tier:>7}")
+            progress.update(task, advance=1, description=f"{req.request_id} {cached.hit:>7}")
     return records
 
 

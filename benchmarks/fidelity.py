@@ -84,7 +84,7 @@ class ShareRow:
 class SampleRecord:
     """One sampled pair through the model. ``similarity`` is this module's cosine of the pair;
     ``router_similarity`` and ``approximate`` are what the router reported for request ``b``;
-    ``served`` = tier "exact" (the donor's KV was injected whole). ``identical`` compares the
+    ``served`` = hit "exact" (the donor's KV was injected whole). ``identical`` compares the
     greedy token IDs, ``equals_donor_answer`` compares them with the answer the donor ``a``
     got when it was stored; ``common_prefix`` is how many leading tokens agree; ``rouge_l`` is the
     ROUGE-L F-measure of the two texts (see :func:`rouge_l`). Times are milliseconds."""
@@ -92,7 +92,7 @@ class SampleRecord:
     pair_index: int
     duplicate: bool
     similarity: float
-    tier: str
+    hit: str
     approximate: bool
     router_similarity: float | None
     served: bool
@@ -280,10 +280,10 @@ def run_pair(baseline, pair: Pair, similarity: float, system_prompt: str, config
         pair_index=pair.index,
         duplicate=pair.duplicate,
         similarity=float(similarity),
-        tier=approx.tier,
+        hit=approx.hit,
         approximate=bool(approx.approximate),
         router_similarity=None if approx.similarity is None else float(approx.similarity),
-        served=approx.tier == "exact",
+        served=approx.hit == "exact",
         identical=identical,
         equals_donor_answer=approx.tokens == donor.tokens,
         common_prefix=common_prefix_len(approx.tokens, uncached.tokens),
@@ -360,7 +360,7 @@ def sample_fidelity(pairs: Sequence[Pair], similarities: np.ndarray, thresholds:
         with EdgeSync(model, store=False, config=cfg) as baseline:
             for done, i in enumerate(todo, start=1):
                 records[i] = run_pair(baseline, pairs[i], float(similarities[i]), system_prompt, cfg, max_tokens)
-                log.info("pair %d: sim %.3f tier %s identical %s", i, similarities[i], records[i].tier,
+                log.info("pair %d: sim %.3f hit %s identical %s", i, similarities[i], records[i].hit,
                          records[i].identical)
                 if progress:
                     progress("sample", done, len(todo))

@@ -8,9 +8,9 @@ Per system and workload (:func:`summarize`):
 
 * ``n``; TTFT ``p50`` / ``p95`` / ``mean`` (ms), and the same for ``first_seen`` prompts (the
   first time this system's process saw the prompt) and for ``repeats``;
-* ``hits``: requests by tier (``exact``, ``partial``, ``miss``) and ``hit_rate`` (exact +
+* ``hits``: requests by hit kind (``exact``, ``partial``, ``miss``) and ``hit_rate`` (exact +
   partial over all), ``by_source`` (store, cache, context, answer);
-* ``exact_hit_ttft_ms`` / ``hit_ttft_ms``: mean TTFT of exact-tier / any-tier hits;
+* ``exact_hit_ttft_ms`` / ``hit_ttft_ms``: mean TTFT of exact hits / of any hit;
 * ``not_prefilled_share``: prompt tokens not prefilled over all prompt tokens;
 * ``bytes_read`` total and per request (what reuse read from the store or cache);
 * ``cpu_s_per_request`` (user + sys of the worker) and ``peak_rss_bytes``;
@@ -32,7 +32,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
-TIERS = ("exact", "partial", "miss")
+HIT_KINDS = ("exact", "partial", "miss")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -101,7 +101,7 @@ def summarize(records: Sequence[dict], reference: Sequence[dict] | None = None,
     :func:`identity_against`)."""
     first = [r for r in records if r["first_seen"]]
     repeats = [r for r in records if not r["first_seen"]]
-    hits = {t: sum((r["hit"] or "miss") == t for r in records) for t in TIERS}
+    hits = {t: sum((r["hit"] or "miss") == t for r in records) for t in HIT_KINDS}
     sources: dict[str, int] = defaultdict(int)
     for r in records:
         if r.get("source"):

@@ -165,7 +165,7 @@ def timed_request(es, messages: list[dict], max_tokens: int) -> dict:
     r = stream.result
     return {"ttft_ms": r.ttft_ms, "wall_ttft_ms": ((first or end) - t0) * 1000,
             "after_ms": (end - last) * 1000 if last is not None else r.total_ms - r.ttft_ms,
-            "tier": r.tier, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
+            "hit": r.hit, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
             "tokens_reused": r.tokens_reused, "bytes_read": r.bytes_read, "fragments_written": r.fragments_written,
             "ram_tier_hits": getattr(r, "ram_tier_hits", 0) or 0}
 
@@ -278,7 +278,7 @@ class Bench:
             first.append(self.store_new(m, sb))
             sb["kind"].append("first")
             self._tick(task)
-        ex: dict[str, Any] = {"ttft_ms": [], "wall_ttft_ms": [], "first_round_ttft_ms": [], "tiers": {},
+        ex: dict[str, Any] = {"ttft_ms": [], "wall_ttft_ms": [], "first_round_ttft_ms": [], "hits": {},
                               "identical": 0, "n": 0, "ram_tier_hits": 0, "bytes_read": [],
                               "per_prompt_ttft_ms": [[] for _ in exact]}
         fl: dict[str, list] = {"ms": []}
@@ -286,11 +286,11 @@ class Bench:
         for k in range(self.repeats):
             for i, m in enumerate(exact):  # interleaved: the live context holds the previous prompt
                 r = timed_request(self.es, m, self.max_tokens)
-                ex["tiers"][r["tier"]] = ex["tiers"].get(r["tier"], 0) + 1
+                ex["hits"][r["hit"]] = ex["hits"].get(r["hit"], 0) + 1
                 ex["n"] += 1
                 ex["identical"] += r["tokens"] == refs[i]
                 ex["ram_tier_hits"] += r["ram_tier_hits"]
-                if r["tier"] == "exact":
+                if r["hit"] == "exact":
                     ex["ttft_ms"].append(r["ttft_ms"])
                     ex["wall_ttft_ms"].append(r["wall_ttft_ms"])
                     ex["bytes_read"].append(r["bytes_read"])
@@ -302,7 +302,7 @@ class Bench:
         pa = self.partials(label, new, new_refs, sb)
         sb["disk_bytes_delta"] = dir_disk_bytes(self.store_path) - disk0
         return {"prompts": len(exact), "prompt_tokens": [r["prompt_tokens"] for r in first],
-                "first_tiers": [r["tier"] for r in first], "exact": ex, "floor": fl, "partial": pa, "store_back": sb}
+                "first_hits": [r["hit"] for r in first], "exact": ex, "floor": fl, "partial": pa, "store_back": sb}
 
     def partials(self, label: str, new: Sequence[list[dict]], refs: Sequence[list[int]], sb: dict) -> dict:
         """Partial hits of new prompts (module docstring, step 5); their store-back goes into ``sb``.
@@ -313,7 +313,7 @@ class Bench:
         their bounds see the same machine (this machine kind's speed drifts by tens of percent
         over minutes)."""
         pa: dict[str, Any] = {"ttft_ms": [], "floor_ms": [], "uncovered_prefill_ms": [], "uncovered_tokens": [],
-                              "tokens_reused": [], "prompt_tokens": [], "tiers": {}, "identical": 0, "n": 0,
+                              "tokens_reused": [], "prompt_tokens": [], "hits": {}, "identical": 0, "n": 0,
                               "asks_per_prompt": 1 + max(3, self.repeats // 2)}
         task = self._bar(f"{label}: partial hits", len(new) * (pa["asks_per_prompt"] - 1))
         ns = self.es.namespace
@@ -332,17 +332,17 @@ class Bench:
                 self.es.store.delete_many(keys)
                 r = timed_request(self.es, m, self.max_tokens)
                 row.append(r)
-                if r["tier"] == "partial":  # the bound, measured right after (the live context holds m)
+                if r["hit"] == "partial":  # the bound, measured right after (the live context holds m)
                     bounds[i].append(uncovered_prefill_ms(self.es, m, r["tokens_reused"], 1))
                 self._tick(task)
             rounds.append(row)
         for i, ref in enumerate(refs):
             asks = [row[i] for row in rounds]
             for r in asks:
-                pa["tiers"][r["tier"]] = pa["tiers"].get(r["tier"], 0) + 1
+                pa["hits"][r["hit"]] = pa["hits"].get(r["hit"], 0) + 1
                 pa["n"] += 1
                 pa["identical"] += r["tokens"] == ref
-            partial = [r for r in asks[1:] if r["tier"] == "partial"]
+            partial = [r for r in asks[1:] if r["hit"] == "partial"]
             pa["ttft_ms"].extend(r["ttft_ms"] for r in partial)
             pa["floor_ms"].extend(floor for floor, _ in bounds[i])
             pa["uncovered_prefill_ms"].extend(prefill for _, prefill in bounds[i])
@@ -434,7 +434,7 @@ def new_process_runs(store: Path, prompts: Sequence[list[dict]], refs: Sequence[
             run = run_child([*base, *extra, user], env)
             res = run.pop("result")
             if res is not None:
-                run.update(ttft_ms=res["ttft_ms"], tier=res["tier"], identical=res["tokens"] == ref,
+                run.update(ttft_ms=res["ttft_ms"], hit=res["hit"], identical=res["tokens"] == ref,
                            prompt_tokens=res["prompt_tokens"])
             else:
                 log.warning("edgesync generate (%s) failed: %s", kind, run["error"])

@@ -7,7 +7,7 @@ cProfile of exact hits into the steps of the hit path; :func:`render` prints bot
 Figures (``fig[workload]``, workload ``"seed"`` or ``"doc"``), every time in ms, sizes in bytes:
 
 * ``exact``: ``ttft_ms`` (the engine's TTFT of every timed exact repeat), ``wall_ttft_ms`` (call to
-  first streamed piece), ``tiers`` (count by tier), ``identical`` / ``n`` (hits whose greedy
+  first streamed piece), ``hits`` (count by hit kind), ``identical`` / ``n`` (hits whose greedy
   tokens equal the uncached run's);
 * ``floor``: ``ms`` (tokenize + evaluate the last prompt token with the other n - 1 in the live
   context + sample one token, one per exact repeat);
@@ -15,12 +15,12 @@ Figures (``fig[workload]``, workload ``"seed"`` or ``"doc"``), every time in ms,
   first ask stores its chunk) ``ttft_ms``, and its bound measured right after it:
   ``floor_ms``, ``uncovered_prefill_ms`` (evaluating the tokens between the injected prefix and
   the last prompt token, in the request's own batches, on top of the prefix in the live
-  context); per new prompt ``uncovered_tokens``, ``tokens_reused``; ``tiers``, ``identical`` /
+  context); per new prompt ``uncovered_tokens``, ``tokens_reused``; ``hits``, ``identical`` /
   ``n`` over every ask;
 * ``store_back``: per new prompt ``ms`` (answer's last piece to the end of the request),
   ``bytes`` (stored fragment bytes added), ``fragments``;
 * ``new_process``: ``warm`` and ``uncached`` runs of a new ``edgesync generate`` process
-  (``ttft_ms``, ``wall_s``, ``peak_rss_bytes``, ``tier``, ``identical``) and ``warm_hit_ttft_ms``
+  (``ttft_ms``, ``wall_s``, ``peak_rss_bytes``, ``hit``, ``identical``) and ``warm_hit_ttft_ms``
   (this process's exact-hit TTFT p50 of the same prompts).
 """
 

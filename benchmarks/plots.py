@@ -24,10 +24,10 @@ from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
 
-TIERS = ("exact", "partial", "miss")
-"""Stacked in this order by :func:`hits_by_tier` (``miss`` is a record's ``hit`` of None)."""
+HIT_KINDS = ("exact", "partial", "miss")
+"""Stacked in this order by :func:`hits_by_kind` (``miss`` is a record's ``hit`` of None)."""
 
-_TIER_COLOURS = {"exact": "#2c7a3f", "partial": "#8fcf7e", "miss": "#c9c9c9"}
+_HIT_COLOURS = {"exact": "#2c7a3f", "partial": "#8fcf7e", "miss": "#c9c9c9"}
 _DPI = 110
 
 
@@ -106,16 +106,16 @@ def ttft_distribution(records: Iterable[Mapping], path: str | os.PathLike) -> Pa
     return _save(fig, plt, path)
 
 
-def _tier_counts(summary_or_records) -> dict[str, dict[str, dict[str, int]]]:
+def _hit_counts(summary_or_records) -> dict[str, dict[str, dict[str, int]]]:
     """``{workload: {system: {"exact", "partial", "miss"}}}`` from any accepted input shape."""
     if isinstance(summary_or_records, Mapping):
-        return {w: {s: {t: int(c.get(t, 0)) for t in TIERS} for s, c in systems.items()}
+        return {w: {s: {t: int(c.get(t, 0)) for t in HIT_KINDS} for s, c in systems.items()}
                 for w, systems in summary_or_records.items()}
     counts: dict[str, dict[str, dict[str, int]]] = {}
     for row in summary_or_records:
-        cell = counts.setdefault(row["workload"], {}).setdefault(row["system"], dict.fromkeys(TIERS, 0))
-        if any(t in row for t in TIERS):  # a summary row
-            for t in TIERS:
+        cell = counts.setdefault(row["workload"], {}).setdefault(row["system"], dict.fromkeys(HIT_KINDS, 0))
+        if any(t in row for t in HIT_KINDS):  # a summary row
+            for t in HIT_KINDS:
                 cell[t] += int(row.get(t, 0))
         else:  # a record
             hit = row.get("hit")
@@ -123,7 +123,7 @@ def _tier_counts(summary_or_records) -> dict[str, dict[str, dict[str, int]]]:
     return counts
 
 
-def hits_by_tier(summary_or_records, path: str | os.PathLike) -> Path:
+def hits_by_kind(summary_or_records, path: str | os.PathLike) -> Path:
     """Stacked bars of exact / partial / miss shares (% of requests) per system, one panel per workload.
 
     Args:
@@ -139,7 +139,7 @@ def hits_by_tier(summary_or_records, path: str | os.PathLike) -> Path:
         requests compare; each bar's label carries its request count.
     """
     plt = _pyplot()
-    counts = _tier_counts(summary_or_records)
+    counts = _hit_counts(summary_or_records)
     workloads = list(counts) or ["no records"]
     most = max((len(counts.get(w, {})) for w in workloads), default=1)
     fig, axes = plt.subplots(1, len(workloads), figsize=(max(4.5, 1.1 * most + 1.5) * len(workloads), 4.4),
@@ -148,12 +148,12 @@ def hits_by_tier(summary_or_records, path: str | os.PathLike) -> Path:
         systems = counts.get(workload, {})
         names = list(systems)
         bottoms = [0.0] * len(names)
-        for tier in TIERS:
+        for kind in HIT_KINDS:
             shares = []
             for name in names:
                 total = sum(systems[name].values())
-                shares.append(100.0 * systems[name][tier] / total if total else 0.0)
-            ax.bar(range(len(names)), shares, bottom=bottoms, color=_TIER_COLOURS[tier], label=tier,
+                shares.append(100.0 * systems[name][kind] / total if total else 0.0)
+            ax.bar(range(len(names)), shares, bottom=bottoms, color=_HIT_COLOURS[kind], label=kind,
                    edgecolor="white", linewidth=0.5)
             bottoms = [b + s for b, s in zip(bottoms, shares)]
         ax.set_xticks(range(len(names)))
@@ -163,7 +163,7 @@ def hits_by_tier(summary_or_records, path: str | os.PathLike) -> Path:
         ax.set_ylabel("% of requests")
         ax.set_title(workload)
         _legend_or_empty(ax, bool(names), "upper left")
-    fig.suptitle("Reuse tier per request")
+    fig.suptitle("Hit kind per request")
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -56,7 +56,7 @@ def node_main(store: str) -> int:
             r = es.generate(messages, max_tokens=MAX_TOKENS)
             after = remote() if remote else {}
             delta = {k: after[k] - before[k] for k in ("hits", "bytes_fetched", "errors")} if remote else {}
-            print(json.dumps({"tier": r.tier, "tokens": r.tokens, "ttft_ms": r.ttft_ms,
+            print(json.dumps({"hit": r.hit, "tokens": r.tokens, "ttft_ms": r.ttft_ms,
                               "prompt_tokens": r.prompt_tokens, "tokens_reused": r.tokens_reused,
                               "bytes_read": r.bytes_read, "remote": delta}), flush=True)
         if remote:

@@ -17,7 +17,7 @@ import numpy as np
 from edgesync_store.commands.units import format_bytes
 
 PASSES = ("uncached", "edgesync")
-TIERS = ("exact", "partial", "miss")
+HIT_KINDS = ("exact", "partial", "miss")
 
 
 def request_record(request, uncached, edgesync) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def _pass_summary(records: Sequence[dict], name: str, repeats: list[bool]) -> di
         identical = sum(rec[name]["tokens"] == rec["uncached"]["tokens"] for rec in records) / len(records)
     return {
         "requests": len(results),
-        "hits": {tier: sum(r["tier"] == tier for r in results) for tier in TIERS},
+        "hits": {kind: sum(r["hit"] == kind for r in results) for kind in HIT_KINDS},
         "ttft_ms": {
             "p50": float(np.percentile(ttft, 50)) if ttft else None,
             "p95": float(np.percentile(ttft, 95)) if ttft else None,
@@ -147,7 +147,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def request_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
-    """One JSON-able row per request (the EdgeSync pass's tier and reuse, both passes' TTFT)."""
+    """One JSON-able row per request (the EdgeSync pass's hit kind and reuse, both passes' TTFT)."""
     rows = []
     for rec, repeat in zip(records, _repeat_flags(records)):
         e, u = rec["edgesync"], rec["uncached"]
@@ -155,7 +155,7 @@ def request_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
             "request_id": rec["request_id"],
             "prompt_key": rec["prompt_key"],
             "repeat": repeat,
-            "tier": e["tier"],
+            "hit": e["hit"],
             "prompt_tokens": e["prompt_tokens"],
             "tokens_reused": e["tokens_reused"],
             "tokens_prefilled": e["tokens_prefilled"],
@@ -201,7 +201,7 @@ def render_table(summary: dict[str, Any], store_stats: dict[str, Any] | None = N
     table.add_column("ratio", justify="right")
 
     def hits(p: dict) -> str:
-        return " / ".join(str(p["hits"][t]) for t in TIERS)
+        return " / ".join(str(p["hits"][t]) for t in HIT_KINDS)
 
     table.add_row("requests", str(u["requests"]), str(e["requests"]), "")
     table.add_row("hits exact / partial / miss", hits(u), hits(e), "")

@@ -39,7 +39,7 @@ with ``verbose=True``. This module subclasses ``Llama`` (:class:`_TracedLlama`) 
 (1) each ``load_state`` call (a cache hit; its bytes) and (2) ``n_tokens`` at the first
 ``eval`` of the request, which is exactly how many prompt tokens ``Llama.generate`` kept
 (restored from the cache or left in the live context) and did not prefill. ``hit`` is then the
-tier of that reuse with EdgeSync's definitions (``exact``: all but at most one prompt token;
+kind of that reuse with EdgeSync's definitions (``exact``: all but at most one prompt token;
 ``partial``: at least 64 tokens; None otherwise) and ``source`` says where it came from.
 
 Token identity: every system tokenizes with EdgeSync's adapter (the GGUF's chat template via
@@ -102,7 +102,7 @@ KV_TYPE_ENV = "EDGESYNC_KV_TYPE"
 """The environment setting EdgeSync takes its KV type from (ignored by an EdgeSync that does
 not know it: the worker's stats then report the type the engine really ran)."""
 
-TIER_EXACT, TIER_PARTIAL = "exact", "partial"
+HIT_EXACT, HIT_PARTIAL = "exact", "partial"
 
 # LlamaCppAdapter.generate at temperature 0 (edgesync_engines/adapters/llamacpp.py)
 GREEDY = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.0, repeat_penalty=1.0,
@@ -114,7 +114,7 @@ class Answer:
     """One request's answer and cost.
 
     Times are milliseconds (``time.perf_counter``), counts are tokens, sizes bytes.
-    ``hit`` is the reuse tier (``"exact"``, ``"partial"``) or None for a miss; ``source`` where
+    ``hit`` is the hit kind (``"exact"``, ``"partial"``) or None for a miss; ``source`` where
     reused work came from: ``"store"`` (EdgeSync fragments), ``"cache"`` (a llama-cpp-python
     cache entry loaded), ``"context"`` (llama-cpp-python kept the previous request's prefix in
     the live context), ``"answer"`` (the naive cache returned a stored answer), None.
@@ -138,13 +138,13 @@ class Answer:
         return asdict(self)
 
 
-def tier_of(reused: int, n_prompt: int) -> str | None:
-    """EdgeSync's tier for ``reused`` of ``n_prompt`` prompt tokens: ``exact`` when at most one
+def hit_kind_of(reused: int, n_prompt: int) -> str | None:
+    """EdgeSync's hit kind for ``reused`` of ``n_prompt`` prompt tokens: ``exact`` when at most one
     token was evaluated, ``partial`` from 64 (``MIN_SPAN``) tokens, else None."""
     if reused > 0 and reused >= n_prompt - 1:
-        return TIER_EXACT
+        return HIT_EXACT
     if reused >= MIN_SPAN:
-        return TIER_PARTIAL
+        return HIT_PARTIAL
     return None
 
 
@@ -327,7 +327,7 @@ class _CompletionSystem(System):
             text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
             prompt_tokens=len(tokens),
             tokens_reused=reused,
-            hit=tier_of(reused, len(tokens)),
+            hit=hit_kind_of(reused, len(tokens)),
             bytes_read=llama_state_bytes(loaded) if loaded is not None else 0,
             total_ms=(end - t0) * 1000,
             source=source,
@@ -456,7 +456,7 @@ class NaiveStringCache(System):
             ttft = (time.perf_counter() - t0) * 1000
             return Answer(ttft_ms=ttft, tokens=list(stored.tokens), text=stored.text,
                           prompt_tokens=stored.prompt_tokens, tokens_reused=stored.prompt_tokens,
-                          hit=TIER_EXACT, bytes_read=0, total_ms=(time.perf_counter() - t0) * 1000,
+                          hit=HIT_EXACT, bytes_read=0, total_ms=(time.perf_counter() - t0) * 1000,
                           source="answer")
         answer = self.inner._complete(self.inner.adapter.tokenize(text), max_tokens, t0)[0]
         self.answers[key] = answer
@@ -479,7 +479,7 @@ class EdgeSyncSystem(System):
             leaves it to the configuration (``EDGESYNC_KV_TYPE``, f16). An EdgeSync without that
             setting runs its default (logged; :func:`engine_kv_type` says what ran).
 
-    ``hit`` is ``result.tier`` (None for ``miss``); ``ttft_ms`` is measured here, the router's own
+    ``hit`` is ``result.hit`` (None for ``miss``); ``ttft_ms`` is measured here, the router's own
     figure is ``detail["engine_ttft_ms"]``.
 
     Raises:
@@ -522,7 +522,7 @@ class EdgeSyncSystem(System):
             text=r.text,
             prompt_tokens=r.prompt_tokens,
             tokens_reused=r.tokens_reused,
-            hit=None if r.tier == "miss" else r.tier,
+            hit=None if r.hit == "miss" else r.hit,
             bytes_read=r.bytes_read,
             total_ms=(end - t0) * 1000,
             source="store" if r.tokens_reused else None,

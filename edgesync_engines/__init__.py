@@ -23,7 +23,7 @@ _PUBLIC = {
     "EdgeSyncConfig": "edgesync_engines.config",
     "ContextOverflowError": "edgesync_engines.adapters.protocol",
     "InjectionError": "edgesync_engines.adapters.protocol",
-    "HitTier": "edgesync_engines.request.plan",
+    "HitKind": "edgesync_engines.request.plan",
     "ReuseMode": "edgesync_engines.request.plan",
 }
 """Public name -> the module that defines it."""
@@ -34,7 +34,7 @@ __all__ = [
     "EdgeSyncConfig",
     "GenerationResult",
     "GenerationStream",
-    "HitTier",
+    "HitKind",
     "InjectionError",
     "ReuseMode",
 ]
@@ -42,7 +42,7 @@ __all__ = [
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
     from edgesync_engines.config import EdgeSyncConfig
-    from edgesync_engines.request.plan import HitTier, ReuseMode
+    from edgesync_engines.request.plan import HitKind, ReuseMode
     from edgesync_engines.request.result import GenerationResult, GenerationStream
     from edgesync_engines.request.router import EdgeSync
 

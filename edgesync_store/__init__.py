@@ -12,7 +12,7 @@ Sub-packages, from the bottom up:
   in the store, the HNSW sidecar index, donor records, re-embedding a store;
 * :mod:`edgesync_store.commands`: store commands for people (dump, clear, byte units).
 
-Beside them: ``schema`` (fragments, namespaces, keys and hashes), ``ttl`` (lifetime tiers and
+Beside them: ``schema`` (fragments, namespaces, keys and hashes), ``ttl`` (lifetimes and
 the clock), ``compactor`` (one compaction run), ``compact`` (the command that runs one:
 ``python -m edgesync_store.compact``), ``settings`` (the store's settings, ``StoreSettings``, and
 the declaration of settings as dataclass fields), ``errors`` (every error the store raises; the

@@ -36,7 +36,7 @@ MAX_SPAN = 2048
 EMBEDDING_DIM = 384
 """MiniLM-L6-v2 sentence-embedding width."""
 DEFAULT_TTL_SECONDS = 30 * 60
-"""Short-lived tier lifetime: 30 minutes from creation (``ttl.TTLPolicy.ttl_seconds``)."""
+"""The short lifetime: 30 minutes from creation (``ttl.TTLPolicy.ttl_seconds``)."""
 
 _CONTENT_TAG = b"edgesync/content/v1\0"
 _PREFIX_TAG = b"edgesync/prefix/v1\0"

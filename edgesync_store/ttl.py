@@ -1,10 +1,10 @@
-"""Fragment lifetimes: the short-lived and long-lived lifetime tiers, hits, promotion and the clock.
+"""Fragment lifetimes: the short and long lifetimes, hits, promotion and the clock.
 
 A fragment lives ``ttl_seconds`` (30 minutes by default) from creation in the **short**
-lifetime tier. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that
-brings ``hit_count`` to ``promote_hits`` (5) moves the fragment to the **long** lifetime tier
+lifetime. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that
+brings ``hit_count`` to ``promote_hits`` (5) moves the fragment to the **long** lifetime
 with ``expires_at = now + long_ttl_seconds`` (7 days): a prompt asked again and again is worth
-keeping across days; later hits in the long tier extend it again to ``now + long_ttl_seconds``.
+keeping across days; later hits in the long lifetime extend it again to ``now + long_ttl_seconds``.
 An expired fragment
 (``expires_at <= now``) is never served (``FragmentStore.prefix_walk`` skips it) and is deleted
 by :func:`sweep`.
@@ -19,7 +19,7 @@ that hits, expiry and eviction never read or rewrite a blob. Layout (little-endi
     hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8 (0 short, 1 long)
     | nbytes u64 (the stored blob) | raw_nbytes u64 (K + V before compression)
 
-A third tier, **document** (code 2), holds the fragments of documents an application added
+A third lifetime, **document** (code 2), holds the fragments of documents an application added
 (``edgesync_store.documents``): ``expires_at`` is +inf, so the TTL never expires them; hits
 keep them there; eviction takes them last; they leave when their document is removed.
 
@@ -42,16 +42,16 @@ __all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFE
            "merged_counters", "sweep"]
 
 LIFETIME_SHORT = "short"
-"""The lifetime tier of a new fragment (``ttl_seconds``); the value is what JSON reports show."""
+"""The lifetime of a new fragment (``ttl_seconds``); the value is what JSON reports show."""
 LIFETIME_LONG = "long"
-"""The lifetime tier of a promoted fragment (``long_ttl_seconds`` after each hit)."""
+"""The lifetime of a promoted fragment (``long_ttl_seconds`` after each hit)."""
 LIFETIME_DOCUMENT = "document"
-"""The lifetime tier of a document's fragments: never expired, evicted last."""
+"""The lifetime of a document's fragments: never expired, evicted last."""
 LIFETIMES = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT)
 PROMOTE_HITS = 5
-"""Hits that move a fragment to the long-lived tier."""
+"""Hits that move a fragment to the long lifetime."""
 LONG_TTL_SECONDS = 7 * 24 * 3600
-"""Long-lived tier lifetime after promotion and after each later hit: 7 days."""
+"""Seconds the long lifetime lasts after promotion and after each later hit: 7 days."""
 
 Clock = Callable[[], float]
 """A function returning the current time in Unix seconds (``time.time`` by default)."""
@@ -97,7 +97,7 @@ class Lifecycle:
         last_hit_at: Unix seconds of the last hit (0.0: never hit).
         expires_at: Unix seconds after which the fragment is never served.
         created_at: Unix seconds the fragment was written (0.0: unknown, format-1 record).
-        lifetime: the lifetime tier, ``"short"``, ``"long"`` or ``"document"``.
+        lifetime: ``"short"``, ``"long"`` or ``"document"``.
         nbytes: bytes of the stored blob (compressed; what the size budget counts).
         raw_nbytes: bytes of K + V before compression.
     """
@@ -141,7 +141,7 @@ class Lifecycle:
 
 @dataclass(frozen=True)
 class TTLPolicy:
-    """Lifetimes of the two lifetime tiers (seconds) and the promotion threshold (hits).
+    """Lengths of the short and long lifetimes (seconds) and the promotion threshold (hits).
 
     Raises:
         ValueError: a lifetime that is not a positive finite number, or ``promote_hits`` < 1.
@@ -173,7 +173,7 @@ class TTLPolicy:
 
     def merged(self, parts: list[Lifecycle], nbytes: int, raw_nbytes: int, sum_hits: bool) -> Lifecycle:
         """The record of a fragment that replaces ``parts`` (:func:`merged_counters`), in the
-        long-lived tier when any part was long-lived or the hits reach ``promote_hits``."""
+        long lifetime when any part was long-lived or the hits reach ``promote_hits``."""
         hits, last_hit, expires, created = merged_counters(parts, sum_hits)
         if any(p.lifetime == LIFETIME_DOCUMENT for p in parts):
             return Lifecycle(hit_count=hits, last_hit_at=last_hit, expires_at=float("inf"), created_at=created,

@@ -6,7 +6,7 @@
 * ``versions``: reading and writing the version record; ``batches``: the loop over every
   fragment in batches of write transactions that migrations 2 and 3 share.
 * ``m0002_lifecycle_v2``: 1 -> 2: lifecycle records that expiry and eviction read without
-  touching tensors (creation time, tier, blob sizes) and the ``used_bytes`` counter of the
+  touching tensors (creation time, lifetime, blob sizes) and the ``used_bytes`` counter of the
   size budget.
 * ``m0003_heads``: 2 -> 3: each blob's head in its own database (``heads``), so that the prefix
   walk never maps a blob.

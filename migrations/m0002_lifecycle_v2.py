@@ -1,13 +1,13 @@
 """Migration 2, version 1 -> 2: lifecycle records for expiry and eviction without tensors.
 
 Format 1 kept ``hit_count, last_hit_at, expires_at`` (``<Idd``, 20 bytes) per fragment. Format 2
-(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds the creation time, the tier and the blob's
+(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds the creation time, the lifetime and the blob's
 stored and raw sizes, so that the sweep and the size budget scan only the ``lifecycle``
 database, and keeps the budget's running total ``used_bytes`` in ``meta``.
 
 Each fragment's new record is built from its old one and its blob's header (``codec.peek``: no
 decompression). A fragment with ``promote_hits`` or more hits (format 1 never promoted) joins
-the long-term tier, its expiry extended to seven days after its last hit. A missing lifecycle
+the long lifetime, its expiry extended to seven days after its last hit. A missing lifecycle
 record becomes an expired one. The records are rewritten in batches of :data:`BATCH`
 fragments, one transaction each; a record already in format 2 is skipped, so a migration killed
 between batches (crash point ``migrate.batch``) is finished by the next open. The last
@@ -26,7 +26,7 @@ from edgesync_store.migrations.versions import write_version
 from edgesync_store.ttl import LIFECYCLE_V2, LIFETIME_LONG, Lifecycle, TTLPolicy
 
 VERSION = 2
-DESCRIPTION = "lifecycle v2: created_at, tier, blob sizes; used_bytes"
+DESCRIPTION = "lifecycle v2: created_at, lifetime, blob sizes; used_bytes"
 BATCH = 256
 
 

@@ -22,7 +22,7 @@ MIN_REQUESTS = 4
 def main() -> int:
     store, worker, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     requests = workloads.seed_workload(1000)[worker::2]
-    report = {"worker": worker, "requests": 0, "mismatches": [], "tiers": {}}
+    report = {"worker": worker, "requests": 0, "mismatches": [], "hits": {}}
     with EdgeSync(store=store) as es:
         uncached = EdgeSync(es.adapter, store=False)
         deadline = time.monotonic() + duration
@@ -32,7 +32,7 @@ def main() -> int:
             cached = es.generate(req.as_messages(), max_tokens=8)
             plain = uncached.generate(req.as_messages(), max_tokens=8)
             report["requests"] += 1
-            report["tiers"][cached.tier] = report["tiers"].get(cached.tier, 0) + 1
+            report["hits"][cached.hit] = report["hits"].get(cached.hit, 0) + 1
             if cached.tokens != plain.tokens:
                 report["mismatches"].append(req.request_id)
         report["store_fragments"] = es.store.stats().fragments

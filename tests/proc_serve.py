@@ -13,7 +13,7 @@ well), so a compactor running beside this process always has merges to do. Store
 the other process compacts.
 
 Lines printed: {"ready": true} once the engine is loaded; then per request {"i", "prompt",
-"grouping", "tier", "tokens", "tokens_reused", "prompt_tokens", "fragments_written"}; at the end
+"grouping", "hit", "tokens", "tokens_reused", "prompt_tokens", "fragments_written"}; at the end
 {"done": true, "requests", "evictions", "evicted_fragments", "dropped_corrupt", "fragments"}.
 Evictions are counted from the store's own log record of each eviction made while writing.
 Log records of WARNING and above go to stderr with their level name.
@@ -77,7 +77,7 @@ def main() -> int:
                 idx = order[(n - len(schedule)) % len(order)]
                 es, grouping = (halves, "layers") if n % 2 == 0 else (grid, "layers x heads")
             result = es.generate(prompts[idx], max_tokens=max_tokens)
-            print(json.dumps({"i": n, "prompt": idx, "grouping": grouping, "tier": result.tier,
+            print(json.dumps({"i": n, "prompt": idx, "grouping": grouping, "hit": result.hit,
                               "tokens": result.tokens, "tokens_reused": result.tokens_reused,
                               "prompt_tokens": result.prompt_tokens,
                               "fragments_written": result.fragments_written}), flush=True)

@@ -92,11 +92,11 @@ def observe_reuse(path: Path, config: EdgeSyncConfig, prompts, store_dir: Path, 
         second.close()
     assert miss.prompt_tokens > 300 and len(reference[0]) >= 1
     assert [miss.tokens, exact.tokens, partial.tokens] == [reference[0], reference[0], reference[1]]
-    assert miss.tier == "miss" and miss.fragments_written >= 2
+    assert miss.hit == "miss" and miss.fragments_written >= 2
     assert miss_evaluated == miss.prompt_tokens
-    tiers = f"{miss.tier}/{exact.tier}/{partial.tier}"
-    if tiers != "miss/exact/partial":
-        return f"no reuse: tiers {tiers}"
+    kinds = f"{miss.hit}/{exact.hit}/{partial.hit}"
+    if kinds != "miss/exact/partial":
+        return f"no reuse: hits {kinds}"
     assert exact.tokens_reused == exact.prompt_tokens - 1 and exact.bytes_read > 0
     assert exact_evaluated <= 1
     assert partial.tokens_reused >= 128  # the first chunk of the shared system prompt at least
@@ -111,7 +111,7 @@ def observe_refusal(adapter: LlamaCppAdapter, config: EdgeSyncConfig, prompts, s
         results = [answer(es, p) for p in (prompts[0], prompts[0], prompts[1])]
     assert [r.tokens for r, _ in results] == [reference[0], reference[0], reference[1]]
     for r, evaluated in results:
-        assert r.tier == "miss" and r.tokens_reused == 0 and r.fragments_written == 0 and r.bytes_read == 0
+        assert r.hit == "miss" and r.tokens_reused == 0 and r.fragments_written == 0 and r.bytes_read == 0
         assert r.uncached_reason == adapter.cache_refusal
         assert evaluated == r.prompt_tokens
     assert not store_dir.exists()

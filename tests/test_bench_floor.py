@@ -144,11 +144,11 @@ def test_one_small_run_on_the_real_model(tmp_path, monkeypatch):
     finally:
         bench.close()
     ex, pa, sb = fig["exact"], fig["partial"], fig["store_back"]
-    assert fig["first_tiers"] == ["miss", "partial"]
-    assert ex["tiers"] == {"exact": 4} and ex["identical"] == ex["n"] == 4
+    assert fig["first_hits"] == ["miss", "partial"]
+    assert ex["hits"] == {"exact": 4} and ex["identical"] == ex["n"] == 4
     assert len(fig["floor"]["ms"]) == 4 and all(ms > 0 for ms in fig["floor"]["ms"])
     # asked once, then three more times with what its store-back added deleted: partial each time
-    assert pa["asks_per_prompt"] == 4 and pa["tiers"] == {"partial": 4} and pa["identical"] == 4
+    assert pa["asks_per_prompt"] == 4 and pa["hits"] == {"partial": 4} and pa["identical"] == 4
     # the three repeats are timed, each with its bound measured right after it
     assert len(pa["ttft_ms"]) == len(pa["floor_ms"]) == len(pa["uncovered_prefill_ms"]) == 3
     assert pa["uncovered_tokens"] == [pa["prompt_tokens"][0] - 1 - pa["tokens_reused"][0]]

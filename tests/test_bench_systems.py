@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgesync_bench.systems import SYSTEM_NAMES, Answer, identity, make_system, tier_of
+from edgesync_bench.systems import SYSTEM_NAMES, Answer, hit_kind_of, identity, make_system
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,8 @@ def _run(name, tmp_path, stream, **kw):
         return [system.answer(m, max_tokens=8) for m in stream]
 
 
-def test_tier_and_identity_helpers():
-    assert tier_of(99, 100) == "exact" and tier_of(64, 100) == "partial" and tier_of(63, 100) is None
+def test_hit_kind_and_identity_helpers():
+    assert hit_kind_of(99, 100) == "exact" and hit_kind_of(64, 100) == "partial" and hit_kind_of(63, 100) is None
     a = Answer(1.0, [1, 2], "", 5, 0, None, 0)
     assert identity([a, a], [a, Answer(1.0, [1], "", 5, 0, None, 0)]) == 0.5
     with pytest.raises(ValueError):

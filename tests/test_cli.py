@@ -68,16 +68,16 @@ def generated(tmp_path_factory, system_prompt):
 def test_generate_json_miss_then_exact(generated):
     _store, first, second = generated
     assert first["prompt_tokens"] >= 300
-    assert first["tier"] == "miss" and first["tokens_reused"] == 0 and first["bytes_read"] == 0
+    assert first["hit"] == "miss" and first["tokens_reused"] == 0 and first["bytes_read"] == 0
     assert first["fragments_written"] >= 2
-    assert second["tier"] == "exact"
+    assert second["hit"] == "exact"
     assert second["prompt_tokens"] == first["prompt_tokens"]
     assert second["tokens_reused"] >= second["prompt_tokens"] - 1
     assert second["tokens_prefilled"] == second["prompt_tokens"] - second["tokens_reused"]
     assert second["bytes_read"] > 0
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) > 0
     assert second["text"] == first["text"]
-    for key in ("text", "tokens", "tier", "similarity", "ttft_ms", "total_ms"):
+    for key in ("text", "tokens", "hit", "similarity", "ttft_ms", "total_ms"):
         assert key in second
 
 

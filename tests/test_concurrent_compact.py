@@ -129,14 +129,14 @@ def test_serving_while_compacting_every_minute_stays_exact(adapter, seed_request
     served = [row for row in lines if "i" in row]
     (done,) = [row for row in lines if row.get("done")]
     assert done["requests"] == len(served) >= 12
-    assert served[0]["prompt"] == once and served[0]["tier"] == "miss" and served[0]["fragments_written"] == 6
+    assert served[0]["prompt"] == once and served[0]["hit"] == "miss" and served[0]["fragments_written"] == 6
 
     # Outputs: every served answer equals the uncached answer of its prompt.
     mismatched = [row["i"] for row in served if row["tokens"] != reference[row["prompt"]]]
     assert mismatched == []
-    tiers = [row["tier"] for row in served]
+    kinds = [row["hit"] for row in served]
     hits = [row for row in served if row["tokens_reused"] > 0]
-    assert len(hits) >= len(served) // 3 and "exact" in tiers and "miss" in tiers
+    assert len(hits) >= len(served) // 3 and "exact" in kinds and "miss" in kinds
     assert all(row["tokens_reused"] <= row["prompt_tokens"] - 1 for row in served)
 
     # The compactor: every run reported (none failed above), and they did real work.
@@ -192,7 +192,7 @@ def test_serving_while_compacting_every_minute_stays_exact(adapter, seed_request
         assert store.stats().dropped_corrupt == 0
     assert checked == len(rows)
     assert served_now >= 1
-    print(f"\nrequests {len(served)} (hits {len(hits)}, tiers {dict((t, tiers.count(t)) for t in set(tiers))}); "
+    print(f"\nrequests {len(served)} (hits {len(hits)}, kinds {dict((k, kinds.count(k)) for k in set(kinds))}); "
           f"compactions {len(runs)} (skipped {len(runs) - len(done_runs)}): merged {merged}, expired {expired}, "
           f"evicted {evicted}; server evictions {done['evictions']} ({done['evicted_fragments']} fragments); "
           f"fragments checked {checked}; prompts served now {served_now} (whole {full_now}); "

@@ -135,7 +135,7 @@ def test_another_models_fragments_are_refused_and_the_router_prefills(engine, ti
     with EdgeSync(receiver, store=store_dir, config=cfg) as es:
         assert set(foreign) <= set(es.store.namespaces())
         got = es.generate(messages, max_tokens=12)
-    assert got.tier == "miss" and got.tokens_reused == 0 and not got.convertible
+    assert got.hit == "miss" and got.tokens_reused == 0 and not got.convertible
     assert got.tokens == want.tokens
     assert got.fragments_written >= 1  # its own KV, stored as usual
 
@@ -157,13 +157,13 @@ def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapte
             converted = [es.generate(m, max_tokens=12) for m in msgs]
         for got, want in zip(converted, uncached):
             assert got.convertible and got.source_engine == writer.namespace.engine
-            assert got.tier == "exact" and got.tokens_prefilled == 1 and got.fragments_written == 0
+            assert got.hit == "exact" and got.tokens_prefilled == 1 and got.fragments_written == 0
             assert got.tokens[:1] == want.tokens[:1]
         with FragmentStore(store_dir) as store:
             assert [ns.engine for ns in store.namespaces()] == [writer.namespace.engine]
         with EdgeSync(reader, store=store_dir, config=EdgeSyncConfig.load(base)) as es:
             plain = [es.generate(m, max_tokens=12) for m in msgs]
-        assert all(p.tier == "miss" and not p.convertible and p.fragments_written >= 1 for p in plain)
+        assert all(p.hit == "miss" and not p.convertible and p.fragments_written >= 1 for p in plain)
         assert [p.tokens for p in plain] == [u.tokens for u in uncached]
         # forget removes every engine's copy: with convertible reuse allowed it is a miss too
         with EdgeSync(reader, store=store_dir, config=EdgeSyncConfig.load({**base, "allow_convertible": True})) as es:
@@ -171,7 +171,7 @@ def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapte
             removed = es.forget(msgs[0])
             assert removed >= 2 and es.store.stats().fragments == before - removed
             again = es.generate(msgs[0], max_tokens=4)
-            assert again.tier == "miss" and not again.convertible
+            assert again.hit == "miss" and not again.convertible
 
 
 def test_run_command_reports_cross_engine_hits(tmp_path):

@@ -1,4 +1,4 @@
-"""Document records (``edgesync_store/documents/records.py``), the document lifetime tier
+"""Document records (``edgesync_store/documents/records.py``), the document lifetime
 (``ttl.LIFETIME_DOCUMENT``) and the retrieval index (``documents/retrieval.py``), on a real
 LMDB store in a temp dir. Fragments are random KV in SmolLM2's geometry (no model needed);
 the embeddings are random unit vectors (retrieval by meaning is tested with the real embedder

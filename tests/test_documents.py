@@ -52,8 +52,8 @@ def test_exact_mode_with_documents_is_token_identical_and_stores_them(adapter, c
         second = es.generate(messages, documents=docs, max_tokens=MAX_TOKENS)
         prompt, _ = es.document_prompt(messages, docs)
     assert first.tokens == second.tokens == reference.tokens
-    assert not first.approximate and first.tier == "miss"
-    assert second.tier == "exact" and second.tokens_reused == second.prompt_tokens - 1
+    assert not first.approximate and first.hit == "miss"
+    assert second.hit == "exact" and second.tokens_reused == second.prompt_tokens - 1
     assert second.documents_computed == 0 and second.documents == prompt.document_ids
     assert reference.prompt_tokens == len(prompt.tokens) == first.prompt_tokens
 
@@ -115,10 +115,10 @@ def test_forget_with_documents_makes_the_next_request_a_miss(adapter, config, ro
     messages = chat(SYSTEM, rows[2]["questions"][0])
     with EdgeSync(model=adapter, store=tmp_path / "s", config=config) as es:
         es.generate(messages, documents=docs, max_tokens=MAX_TOKENS)
-        assert es.generate(messages, documents=docs, max_tokens=MAX_TOKENS).tier == "exact"
+        assert es.generate(messages, documents=docs, max_tokens=MAX_TOKENS).hit == "exact"
         assert es.forget(messages, documents=docs) > 0
         after = es.generate(messages, documents=docs, max_tokens=MAX_TOKENS)
-    assert (after.tier, after.tokens_reused, after.documents_computed) == ("miss", 0, 2)
+    assert (after.hit, after.tokens_reused, after.documents_computed) == ("miss", 0, 2)
 
 
 def test_retrieve_finds_the_gold_passage_by_meaning(adapter, config, rows, tmp_path):

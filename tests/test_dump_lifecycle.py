@@ -1,4 +1,4 @@
-"""The dump's lifecycle columns (tier, hits, last use, expiry) and ``--summary``, on a real LMDB
+"""The dump's lifecycle columns (lifetime, hits, last use, expiry) and ``--summary``, on a real LMDB
 store in a temp dir with synthetic fragments and an injected clock (``ttl.ManualClock``).
 
 No mocks. The clock starts an hour before the real time so that the fragment left to expire
@@ -21,7 +21,7 @@ from test_store import make_fragment  # noqa: E402  (tests/test_store.py)
 from unreadable_store import BECOME_NOBODY, run_on_unreadable_store
 
 from edgesync_store.commands.dump import print_dump
-from edgesync_store.commands.inventory import fragment_rows, render_table, render_tier_table, tier_summary
+from edgesync_store.commands.inventory import fragment_rows, lifetime_summary, render_lifetime_table, render_table
 from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.documents.retrieval import keep_as_document
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tools" / "dump.py"
 MiB = 1 << 20
 BUDGET = 64 * MiB
-TTL = 1800.0  # the short tier's 30 minutes (TTLPolicy default)
+TTL = 1800.0  # the short lifetime's 30 minutes (TTLPolicy default)
 
 
 def _iso(t: float) -> str:
@@ -74,7 +74,7 @@ def _by_key(rows, info):
     return out
 
 
-def test_rows_show_tier_hits_and_expiry(lifecycle_store):
+def test_rows_show_lifetime_hits_and_expiry(lifecycle_store):
     path, clock, info = lifecycle_store
     t0, t1, now = info["t0"], info["t1"], clock()
     assert now == t1 + 50
@@ -83,16 +83,16 @@ def test_rows_show_tier_hits_and_expiry(lifecycle_store):
     assert len(rows) == 3
 
     exp, short, long_ = rows["expired"], rows["short"], rows["long"]
-    assert (exp["tier"], exp["hits"], exp["expired"]) == ("short", 0, True)
+    assert (exp["lifetime"], exp["hits"], exp["expired"]) == ("short", 0, True)
     assert exp["expires_at"] == t0 + TTL and exp["expires"] == _iso(t0 + TTL)
     assert exp["expires_in_s"] == t0 + TTL - now == -1850.0
     assert exp["last_used_at"] == t0 and exp["last_hit_at"] is None and exp["last_hit"] is None
 
-    assert (short["tier"], short["hits"], short["expired"]) == ("short", 0, False)
+    assert (short["lifetime"], short["hits"], short["expired"]) == ("short", 0, False)
     assert short["expires_at"] == t1 + TTL and short["expires_in_s"] == 1750.0
     assert short["last_used_at"] == t1 and short["last_used"] == _iso(t1) and short["created_at"] == t1
 
-    assert (long_["tier"], long_["hits"], long_["expired"]) == ("long", 5, False)
+    assert (long_["lifetime"], long_["hits"], long_["expired"]) == ("long", 5, False)
     assert long_["last_hit_at"] == t1 + 50 and long_["last_hit"] == _iso(t1 + 50)
     assert long_["last_used_at"] == t1 + 50 and long_["last_used"] == _iso(t1 + 50)
     assert long_["expires_at"] == t1 + 50 + LONG_TTL_SECONDS
@@ -100,7 +100,7 @@ def test_rows_show_tier_hits_and_expiry(lifecycle_store):
     for name, row in rows.items():
         assert row["compressed_bytes"] == info[name]["stored"] and row["raw_bytes"] == info[name]["raw"]
 
-    # the table: the tier column, and "expired" in place of the seconds left
+    # the table: the lifetime column, and "expired" in place of the seconds left
     from rich.console import Console
 
     console = Console(record=True, width=240, file=io.StringIO())
@@ -115,19 +115,19 @@ def test_rows_show_tier_hits_and_expiry(lifecycle_store):
     assert " short " in lines["expired"] and "expired" in lines["expired"]
 
 
-def test_summary_counts_and_bytes_by_tier(lifecycle_store):
+def test_summary_counts_and_bytes_by_lifetime(lifecycle_store):
     path, clock, info = lifecycle_store
     with FragmentStore(path, readonly=True, clock=clock) as store:
-        summ = tier_summary(store)
-    tiers = summ["tiers"]
-    assert list(tiers) == ["short", "long", "document", "expired", "total"]
-    assert tiers["document"] == {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
+        summ = lifetime_summary(store)
+    lifetimes = summ["lifetimes"]
+    assert list(lifetimes) == ["short", "long", "document", "expired", "total"]
+    assert lifetimes["document"] == {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
     for name, hits in (("short", 0), ("long", 5), ("expired", 0)):
-        assert tiers[name] == {"fragments": 1, "stored_bytes": info[name]["stored"],
+        assert lifetimes[name] == {"fragments": 1, "stored_bytes": info[name]["stored"],
                                "raw_bytes": info[name]["raw"], "hits": hits}, name
     stored = sum(info[n]["stored"] for n in ("short", "long", "expired"))
     raw = sum(info[n]["raw"] for n in ("short", "long", "expired"))
-    assert tiers["total"] == {"fragments": 3, "stored_bytes": stored, "raw_bytes": raw, "hits": 5}
+    assert lifetimes["total"] == {"fragments": 3, "stored_bytes": stored, "raw_bytes": raw, "hits": 5}
     assert summ["used_bytes"] == stored
     assert summ["max_bytes"] == BUDGET
     assert summ["used_percent"] == round(100 * stored / BUDGET, 2) > 0
@@ -137,14 +137,14 @@ def test_summary_counts_and_bytes_by_tier(lifecycle_store):
     # later, the short one has expired too: it moves from "short" to "expired"
     clock.advance(TTL)
     with FragmentStore(path, readonly=True, clock=clock) as store:
-        later = tier_summary(store)["tiers"]
+        later = lifetime_summary(store)["lifetimes"]
     assert later["short"]["fragments"] == 0 and later["expired"]["fragments"] == 2
     assert later["expired"]["stored_bytes"] == info["short"]["stored"] + info["expired"]["stored"]
 
     from rich.console import Console
 
     console = Console(record=True, width=120, file=io.StringIO())
-    console.print(render_tier_table(summ))
+    console.print(render_lifetime_table(summ))
     text = console.export_text()
     assert [
         line.split()[1]
@@ -162,11 +162,11 @@ def test_dump_script_summary_json(lifecycle_store):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     # judged at the real time: the first fragment expired an hour ago, the others are live
-    assert {name: row["fragments"] for name, row in doc["tiers"].items()} == \
+    assert {name: row["fragments"] for name, row in doc["lifetimes"].items()} == \
         {"short": 1, "long": 1, "document": 0, "expired": 1, "total": 3}
-    assert doc["tiers"]["long"]["hits"] == 5
-    assert doc["tiers"]["expired"]["stored_bytes"] == info["expired"]["stored"]
-    assert doc["max_bytes"] == BUDGET and doc["used_bytes"] == doc["tiers"]["total"]["stored_bytes"]
+    assert doc["lifetimes"]["long"]["hits"] == 5
+    assert doc["lifetimes"]["expired"]["stored_bytes"] == info["expired"]["stored"]
+    assert doc["max_bytes"] == BUDGET and doc["used_bytes"] == doc["lifetimes"]["total"]["stored_bytes"]
     after = (path / "data.mdb").stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)  # read-only
 
@@ -179,16 +179,16 @@ def test_dump_rows_and_cli_summary_flag(lifecycle_store, capsys):
     assert print_dump(path, as_json=True, limit=2, out=Console(file=out)) == 0
     doc = json.loads(out.getvalue())
     assert len(doc["fragments"]) == 2 and doc["summary"]["fragments"] == 3
-    assert all(r["tier"] in ("short", "long") and "last_used" in r for r in doc["fragments"])
+    assert all(r["lifetime"] in ("short", "long") and "last_used" in r for r in doc["fragments"])
 
     from edgesync_engines.app import cli
 
     assert cli.main(["dump", str(path), "--summary", "--json"]) == 0
     summ = json.loads(capsys.readouterr().out)
-    assert summ["tiers"]["total"]["fragments"] == 3 and summ["tiers"]["long"]["fragments"] == 1
+    assert summ["lifetimes"]["total"]["fragments"] == 3 and summ["lifetimes"]["long"]["fragments"] == 1
 
 
-def test_document_tier_fragment_never_expires_in_dump(lifecycle_store, capsys):
+def test_document_lifetime_fragment_never_expires_in_dump(lifecycle_store, capsys):
     path, clock, info = lifecycle_store
     key = info["short"]["key"]
     with FragmentStore(path, clock=clock, max_bytes=BUDGET) as store:
@@ -200,20 +200,20 @@ def test_document_tier_fragment_never_expires_in_dump(lifecycle_store, capsys):
     assert cli.main(["dump", str(path), "--json"]) == 0
     rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["fragments"]}
     doc_row = rows[key.hex()[:12]]
-    assert (doc_row["tier"], doc_row["expired"]) == ("document", False)
+    assert (doc_row["lifetime"], doc_row["expired"]) == ("document", False)
     assert doc_row["expires"] is None and doc_row["expires_at"] is None and doc_row["expires_in_s"] is None
-    assert rows[info["long"]["key"].hex()[:12]]["tier"] == "long"
+    assert rows[info["long"]["key"].hex()[:12]]["lifetime"] == "long"
 
     assert cli.main(["dump", str(path), "--summary", "--json"]) == 0
-    tiers = json.loads(capsys.readouterr().out)["tiers"]
-    assert {name: row["fragments"] for name, row in tiers.items()} == \
+    lifetimes = json.loads(capsys.readouterr().out)["lifetimes"]
+    assert {name: row["fragments"] for name, row in lifetimes.items()} == \
         {"short": 0, "long": 1, "document": 1, "expired": 1, "total": 3}
-    assert tiers["document"]["stored_bytes"] == info["short"]["stored"]
+    assert lifetimes["document"]["stored_bytes"] == info["short"]["stored"]
 
     # a week and a day later the long one has expired; the document's fragment has not
     clock.advance(LONG_TTL_SECONDS + 86400.0)
     with FragmentStore(path, readonly=True, clock=clock) as store:
-        later = tier_summary(store)["tiers"]
+        later = lifetime_summary(store)["lifetimes"]
     assert (later["document"]["fragments"], later["expired"]["fragments"]) == (1, 2)
 
 

@@ -143,7 +143,7 @@ def test_run_pair_serves_the_donor_and_reports_it(adapter, pairs, subset_sims, s
     for i in (DUP_PAIR, NONDUP_PAIR):
         rec = fidelity.run_pair(baseline, pairs[i], subset_sims[i], system_prompt, cfg, max_tokens=8)
         assert (rec.pair_index, rec.duplicate) == (i, i == DUP_PAIR)
-        assert rec.served and rec.approximate and rec.tier == "exact"
+        assert rec.served and rec.approximate and rec.hit == "exact"
         assert rec.router_similarity == pytest.approx(float(subset_sims[i]), abs=1e-4)
         assert rec.prompt_tokens > 300 and rec.approx_ttft_ms < rec.uncached_ttft_ms
         assert rec.equals_donor_answer  # the mode answers the donor's prompt
@@ -156,7 +156,7 @@ def test_run_pair_serves_the_donor_and_reports_it(adapter, pairs, subset_sims, s
     assert not rec.identical and rec.common_prefix == 0
     strict = fidelity.approximate_config(0.99, EdgeSyncConfig.load({}))
     rec = fidelity.run_pair(baseline, pairs[NONDUP_PAIR], subset_sims[NONDUP_PAIR], system_prompt, strict, max_tokens=8)
-    assert not rec.served and not rec.approximate and rec.tier == "partial"
+    assert not rec.served and not rec.approximate and rec.hit == "partial"
     assert rec.identical and rec.rouge_l == 1.0
 
 

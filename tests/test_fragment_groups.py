@@ -353,13 +353,13 @@ def test_router_stores_groups_and_hits_them_exactly(adapter, system_prompts, tmp
         expected = sorted((s, l0, l1, h0, h1) for s, _ in spans for (l0, l1), (h0, h1) in groups)
 
         first = es.generate(messages, max_tokens=16)
-        assert first.tier == "miss" and first.fragments_written == len(spans) * len(groups) == len(expected)
+        assert first.hit == "miss" and first.fragments_written == len(spans) * len(groups) == len(expected)
         stored = sorted((h.token_start, h.layer_start, h.layer_end, h.head_start, h.head_end)
                         for _, h, _, _ in store.iterate())
         assert stored == expected
 
         second = es.generate(messages, max_tokens=16)
-        assert second.tier == "exact" and second.tokens_reused == len(tokens) - 1
+        assert second.hit == "exact" and second.tokens_reused == len(tokens) - 1
         assert second.tokens == first.tokens == reference.tokens and len(reference.tokens) == 16
         assert second.fragments_written == 0
         assert store.stats().fragments == len(expected)
@@ -383,7 +383,7 @@ def test_a_chunk_stored_in_another_grouping_is_not_written_again(adapter, system
         assert n_chunks >= 2 and store.stats().fragments == n_chunks
         grouped = EdgeSync(adapter, store=store, config=config(layers_per_fragment=10, heads_per_fragment=2))
         again = grouped.generate(messages, max_tokens=4)
-        assert again.tier == "exact" and again.fragments_written == 0
+        assert again.hit == "exact" and again.fragments_written == 0
         assert again.tokens == whole.tokens
         assert store.stats().fragments == n_chunks
     with FragmentStore(tmp_path / "store2") as store:
@@ -391,7 +391,7 @@ def test_a_chunk_stored_in_another_grouping_is_not_written_again(adapter, system
         first = grouped.generate(messages, max_tokens=4)
         assert first.fragments_written == n_chunks * 3 * 2
         again = EdgeSync(adapter, store=store, config=config()).generate(messages, max_tokens=4)
-        assert again.tier == "exact" and again.fragments_written == 0 and again.tokens == first.tokens
+        assert again.hit == "exact" and again.fragments_written == 0 and again.tokens == first.tokens
 
 
 def test_grouping_settings_parse_and_validate():

@@ -129,7 +129,7 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
         miss_perf = gemma.perf_counts()
         k = common_prefix_len(es.prompt_tokens(first), es.prompt_tokens(second))
     assert miss.prompt_tokens >= CONTEXT_TOKENS and k >= CONTEXT_TOKENS - 100
-    assert miss.tier == "miss" and miss.tokens_reused == 0 and miss.fragments_written >= 2
+    assert miss.hit == "miss" and miss.tokens_reused == 0 and miss.fragments_written >= 2
     assert llama_prefilled(miss_perf, miss.tokens, MAX_TOKENS) == miss.prompt_tokens
     assert miss.tokens == reference[0].tokens
 
@@ -142,14 +142,14 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     exact, partial = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
-    assert exact["tier"] == "exact" and exact["tokens_reused"] == exact["prompt_tokens"] - 1
+    assert exact["hit"] == "exact" and exact["tokens_reused"] == exact["prompt_tokens"] - 1
     assert llama_prefilled(exact["perf"], exact["tokens"], MAX_TOKENS) <= 1
     assert exact["bytes_read"] > 0
     assert exact["tokens"] == reference[0].tokens
 
     # the new question reuses the shared ~1,500 tokens: positions far beyond the 512 window,
     # whose sliding-layer KV was captured block by block during the miss's prefill
-    assert partial["tier"] == "partial"
+    assert partial["hit"] == "partial"
     assert k >= partial["tokens_reused"] >= k - 128
     assert partial["tokens_reused"] > 1024
     prefilled = llama_prefilled(partial["perf"], partial["tokens"], MAX_TOKENS)
@@ -177,7 +177,7 @@ def test_user_llama_with_swa_full_is_cached(gemma, gemma_path, system_prompts, t
         gemma.reset_perf()
         exact = es.generate(prompt, max_tokens=MAX_TOKENS)
         perf = gemma.perf_counts()
-    assert miss.tier == "miss" and miss.fragments_written >= 2 and exact.tier == "exact"
+    assert miss.hit == "miss" and miss.fragments_written >= 2 and exact.hit == "exact"
     assert llama_prefilled(perf, exact.tokens, MAX_TOKENS) <= 1
     assert miss.tokens == exact.tokens == reference.tokens
 
@@ -197,7 +197,7 @@ def test_layer_groups_and_chat_continuation(gemma, system_prompts, tmp_path):
         follow = first + [{"role": "assistant", "content": miss.text}, {"role": "user", "content": "And what else?"}]
         continued, again = (es.generate(follow, max_tokens=MAX_TOKENS) for _ in range(2))
     assert miss.fragments_written >= 10 and miss.fragments_written % 5 == 0  # 18 layers: groups 4,4,4,4,2
-    assert (miss.tier, exact.tier, partial.tier, continued.tier, again.tier) == (
+    assert (miss.hit, exact.hit, partial.hit, continued.hit, again.hit) == (
         "miss", "exact", "partial", "partial", "exact")
     assert continued.tokens_reused >= miss.prompt_tokens - 128
     assert miss.tokens == exact.tokens == uncached.generate(first, max_tokens=MAX_TOKENS).tokens

@@ -63,16 +63,16 @@ def test_fragment_is_not_served_after_30_minutes(tmp_path, adapter, system_promp
     uncached = EdgeSync(adapter, store=False, config=config())
     prompt = chat(system_prompts[3], "What is a good way to learn to cook?")
     first = es.generate(prompt, max_tokens=8)
-    assert first.tier == "miss" and first.fragments_written >= 2
+    assert first.hit == "miss" and first.fragments_written >= 2
     clock.advance(29 * MIN)
-    assert es.generate(prompt, max_tokens=8).tier == "exact"  # one hit: still short-term
+    assert es.generate(prompt, max_tokens=8).hit == "exact"  # one hit: still short-term
     clock.advance(1 * MIN)  # 30 minutes after creation: expires_at <= now
     late = es.generate(prompt, max_tokens=8)
-    assert late.tier == "miss" and late.tokens_reused == 0
+    assert late.hit == "miss" and late.tokens_reused == 0
     assert late.tokens == uncached.generate(prompt, max_tokens=8).tokens
     # the expired chain was replaced by fresh fragments, served again
     assert late.fragments_written == first.fragments_written
-    assert es.generate(prompt, max_tokens=8).tier == "exact"
+    assert es.generate(prompt, max_tokens=8).hit == "exact"
     store.close()
 
 
@@ -87,7 +87,7 @@ def test_fifth_hit_promotes_to_seven_days_and_survives_restart(tmp_path, clock):
             store.record_hits([key])
         life = store.lifecycle(key)
         assert (life.hit_count, life.lifetime) == (4, LIFETIME_SHORT)
-        assert life.expires_at == T0 + 30 * MIN  # hits do not extend the short tier
+        assert life.expires_at == T0 + 30 * MIN  # hits do not extend the short lifetime
         clock.advance(MIN)
         store.record_hits([key])  # the fifth
         life = store.lifecycle(key)
@@ -100,7 +100,7 @@ def test_fifth_hit_promotes_to_seven_days_and_survives_restart(tmp_path, clock):
         clock.advance(6 * 24 * 3600)  # six days later: long past the short TTL
         assert store.is_live(key)
         assert store.prefix_walk(frag.namespace, frag.token_ids).matched_tokens == 64
-        store.record_hits([key])  # a hit in the long tier extends it by another 7 days
+        store.record_hits([key])  # a hit in the long lifetime extends it by another 7 days
         assert store.lifecycle(key).expires_at == clock() + LONG_TTL_SECONDS
         clock.advance(LONG_TTL_SECONDS)
         assert not store.is_live(key)
@@ -117,14 +117,14 @@ def test_promoted_chain_is_served_after_30_minutes(tmp_path, adapter, system_pro
     es = EdgeSync(adapter, store=store, config=config())
     es.generate(prompt, max_tokens=4)
     for _ in range(5):
-        assert es.generate(prompt, max_tokens=4).tier == "exact"
+        assert es.generate(prompt, max_tokens=4).hit == "exact"
     store.close()
     clock.advance(31 * MIN)
     with FragmentStore(path, clock=clock) as store:
-        tiers = {life.lifetime for _, life in store.iterate_lifecycle()}
-        assert tiers == {LIFETIME_LONG}
+        lifetimes = {life.lifetime for _, life in store.iterate_lifecycle()}
+        assert lifetimes == {LIFETIME_LONG}
         es = EdgeSync(adapter, store=store, config=config())
-        assert es.generate(prompt, max_tokens=4).tier == "exact"
+        assert es.generate(prompt, max_tokens=4).hit == "exact"
 
 
 def test_sweep_removes_expired_fragments_from_lmdb_and_sidecar(tmp_path, clock):
@@ -289,7 +289,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
         result = es.generate(prompt, max_tokens=8)
     finally:
         es.adapter.inject_fragment = real_inject
-    assert result.tier == "exact"
+    assert result.hit == "exact"
     assert set(evicted_during) == chain - prompt_keys  # everything but the injected chain
     assert all(store.contains(k) for k in prompt_keys)
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
@@ -319,12 +319,12 @@ def test_full_disk_serves_uncached_with_a_warning(tmp_path, adapter, system_prom
         cfg = EdgeSyncConfig.load({{"jobs": False, "semantic": False, "store_path": {str(path)!r}}})
         with EdgeSync(config=cfg) as es:
             r = es.generate({json.dumps(prompt)}, max_tokens=8)
-            print(json.dumps({{"tier": r.tier, "tokens": r.tokens, "written": r.fragments_written}}))
+            print(json.dumps({{"hit": r.hit, "tokens": r.tokens, "written": r.fragments_written}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert row["tier"] == "miss" and row["written"] == 0
+    assert row["hit"] == "miss" and row["written"] == 0
     assert "could not store fragments, serving uncached" in proc.stderr
     assert row["tokens"] == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     with FragmentStore(path) as store:  # still opens, empty, and takes writes again
@@ -345,13 +345,13 @@ def test_forget_makes_the_prompt_a_miss(tmp_path, adapter, system_prompts):
     unrelated = chat(system_prompts[1], "Plan a cheap weekend in Lisbon.")
     for p in (prompt, sibling, unrelated):
         es.generate(p, max_tokens=4)
-    assert es.generate(prompt, max_tokens=4).tier == "exact"
+    assert es.generate(prompt, max_tokens=4).hit == "exact"
     unrelated_keys = set(store.keys_along(es.namespace, es.prompt_tokens(unrelated)))
     removed = es.forget(prompt)
     assert removed >= 3  # its own chain and the sibling's chunk of the shared system prompt
     assert store.keys_along(es.namespace, es.prompt_tokens(prompt)) == []
     again = es.generate(prompt, max_tokens=4)
-    assert again.tier == "miss" and again.tokens_reused == 0
+    assert again.hit == "miss" and again.tokens_reused == 0
     # the unrelated prompt's fragments are untouched
     assert all(store.contains(k) for k in unrelated_keys)
     assert es.forget(chat(system_prompts[2], "Never asked.")) == 0
@@ -510,7 +510,7 @@ def test_fragments_merged_between_walk_and_read_are_found_again(tmp_path, adapte
         result = es.generate(prompt, max_tokens=8)
     finally:
         del store.prefix_walk
-    assert len(walks) == 2 and result.tier == "exact"
+    assert len(walks) == 2 and result.hit == "exact"
     assert store.stats().fragments == n_halves // 2
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     other.close()

@@ -49,9 +49,9 @@ def test_a_hit_keeps_its_size_and_a_new_edgesync_warms_up_for_it(adapter, fresh_
     try:
         assert len(first.store.reuse_hint(first.namespace.digest())) == 0
         miss = first.generate(m, max_tokens=MAX_TOKENS)
-        assert miss.tier == "miss" and len(first.store.reuse_hint(first.namespace.digest())) == 0  # no hit yet
+        assert miss.hit == "miss" and len(first.store.reuse_hint(first.namespace.digest())) == 0  # no hit yet
         hit = first.generate(m, max_tokens=MAX_TOKENS)
-        assert hit.tier == "exact" and hit.tokens == miss.tokens
+        assert hit.hit == "exact" and hit.tokens == miss.tokens
         hint = first.store.reuse_hint(first.namespace.digest()).tolist()
         assert hint == first.prompt_tokens(m)[:hit.tokens_reused] and len(hint) == hit.prompt_tokens - 1
     finally:
@@ -72,7 +72,7 @@ def test_a_hit_keeps_its_size_and_a_new_edgesync_warms_up_for_it(adapter, fresh_
             fresh_adapter._layout, state_buffer.ROOM_STEP)
         assert fresh_adapter.n_tokens == 0  # the warm-up left an empty cache
         again = second.generate(m, max_tokens=MAX_TOKENS)
-        assert again.tier == "exact" and again.tokens == miss.tokens
+        assert again.hit == "exact" and again.tokens == miss.tokens
         assert fresh_adapter._state_buf is buf  # the first hit wrote into the warmed-up buffer
     finally:
         second.close()

@@ -12,13 +12,13 @@ as 90 one-layer x one-KV-head fragments each: 275 fragments, more than
 ``m0002_lifecycle_v2.BATCH`` and ``m0003_heads.BATCH`` (256), so each migration runs two batches.
 
 Format-1 lifecycle records (hits, last hit, expiry; T = the chunks' creation time):
-chunk 0 hit 7 times (format 1 never promoted: it must join the long tier, expiry >= last hit +
+chunk 0 hit 7 times (format 1 never promoted: it must take the long lifetime, expiry >= last hit +
 7 days), chunk 1 hit 4 times (stays short), chunk 2 hit 5 times (the threshold: long), chunks 3
 and 4 0 and 1 hits; the singles none, and one single has no record at all (it must become an
 expired record, never served).
 
 The format-2 store holds the same fragments with format-2 lifecycle records (the same hits,
-last hits and expiries; created_at, tier and sizes filled in) and ``used_bytes``, and no
+last hits and expiries; created_at, lifetime and sizes filled in) and ``used_bytes``, and no
 ``heads`` database: migration 3 must give every blob its head (``codec.head_of``) and nothing
 else. A crash point's count (``migrate.batch@N``) runs over every migration of one open: from
 format 1, migration 2 passes ``migrate.batch`` twice before migration 3 does.
@@ -158,8 +158,8 @@ def test_format1_store_opens_migrated_with_every_fragment_intact(material, prist
                 assert life.lifetime == LIFETIME_SHORT and life.expires_at == expires
             assert store.is_live(key)
         # the promotions the records call for, by chunk
-        tiers = [store.lifecycle(c.key()).lifetime for c in material.chunks]
-        assert tiers == [LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_SHORT]
+        lifetimes = [store.lifecycle(c.key()).lifetime for c in material.chunks]
+        assert lifetimes == [LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_SHORT, LIFETIME_SHORT]
         assert store.used_bytes() == sum(len(b) for b in blobs.values())
         assert store.stats().dropped_corrupt == 0
         match = store.prefix_walk(material.chunks[0].namespace, material.tokens)

@@ -138,10 +138,10 @@ def test_router_on_onnx_runtime_reuses_its_own_kv_token_identically(onnx_adapter
             assert got.tokens == want.tokens
             results.append((got, evaluated))
         (miss, n0), (exact, n1), (partial, n2) = results
-        assert miss.tier == "miss" and miss.fragments_written >= 1
-        assert exact.tier == "exact" and exact.tokens_prefilled == 1
+        assert miss.hit == "miss" and miss.fragments_written >= 1
+        assert exact.hit == "exact" and exact.tokens_prefilled == 1
         assert n1 == 1 + decode_steps(exact.tokens, 8)  # the last prompt token, then decode steps
-        assert partial.tier == "partial" and partial.tokens_reused >= 128
+        assert partial.hit == "partial" and partial.tokens_reused >= 128
         assert n2 == partial.tokens_prefilled + decode_steps(partial.tokens, 8)
         assert {ns.engine for ns in es.store.namespaces()} == {"onnxruntime"}
         assert not miss.convertible and exact.source_engine == "onnxruntime"

@@ -125,8 +125,8 @@ def test_generate_answers_then_hits_exactly_outside_the_checkout(installed, tmp_
     args = (edgesync, "generate", QUESTION, "--system", SYSTEM, "--json", "--max-tokens", "8", "--store", store)
     first = json.loads(run(*args, cwd=work).stdout)
     second = json.loads(run(*args, cwd=work).stdout)
-    assert first["tier"] == "miss" and first["text"]
-    assert second["tier"] == "exact" and second["tokens"] == first["tokens"]
+    assert first["hit"] == "miss" and first["text"]
+    assert second["hit"] == "exact" and second["tokens"] == first["tokens"]
     assert second["tokens_reused"] > 0
 
 

@@ -22,7 +22,7 @@ from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import router, storeback
 from edgesync_engines.request.execute import Injector
-from edgesync_engines.request.plan import HitTier, ReuseMode, SourceKind, hit_tier, plan_reuse
+from edgesync_engines.request.plan import HitKind, ReuseMode, SourceKind, hit_kind, plan_reuse
 from edgesync_engines.request.router import EdgeSync
 from edgesync_engines.request.semantic_lookup import Donor, Lookup
 from edgesync_store.core.store import FragmentStore
@@ -91,16 +91,16 @@ def serve(store, adapter, config, prompt, *, semantic=None, max_tokens=4):
     return seen["plan"], injected, result.fragments_written
 
 
-# -- hit tiers --------------------------------------------------------------------------
+# -- hit kinds --------------------------------------------------------------------------
 
 
-def test_hit_tier_names_what_was_injected():
-    assert hit_tier(0, 300) == HitTier.MISS == "miss"
-    assert hit_tier(MIN_SPAN - 1, 300) == HitTier.MISS
-    assert hit_tier(MIN_SPAN, 300) == HitTier.PARTIAL == "partial"
-    assert hit_tier(298, 300) == HitTier.PARTIAL
-    assert hit_tier(299, 300) == HitTier.EXACT == "exact"
-    assert hit_tier(0, 300, approximate=True) == HitTier.EXACT
+def test_hit_kind_names_what_was_injected():
+    assert hit_kind(0, 300) == HitKind.MISS == "miss"
+    assert hit_kind(MIN_SPAN - 1, 300) == HitKind.MISS
+    assert hit_kind(MIN_SPAN, 300) == HitKind.PARTIAL == "partial"
+    assert hit_kind(298, 300) == HitKind.PARTIAL
+    assert hit_kind(299, 300) == HitKind.EXACT == "exact"
+    assert hit_kind(0, 300, approximate=True) == HitKind.EXACT
     assert ReuseMode.EXACT == "exact" and ReuseMode.SEMANTIC == "semantic"
 
 
@@ -112,7 +112,7 @@ def test_exact_repeat_injects_all_but_the_last_token(store, adapter):
     plan, again, written = serve(store, adapter, config, text(300))
     assert [s.kind for s in plan.sources] == [SourceKind.PREFIX]
     assert plan.sources[0].match.matched_tokens == 299 and plan.sources[0].donor is None
-    assert again.reused == 299 and hit_tier(again.reused, 300) == HitTier.EXACT
+    assert again.reused == 299 and hit_kind(again.reused, 300) == HitKind.EXACT
     assert len(again.keys) == 2 and again.bytes_read == sum(s.compressed_nbytes for s in plan.sources[0].match.spans)
     assert again.source_engine == "llama.cpp" and not again.approximate and not again.convertible
     assert adapter.prefilled[-1] == 1 and written == 0
@@ -124,7 +124,7 @@ def test_partial_prefix_injects_the_common_tokens(store, adapter):
     serve(store, adapter, config, text(300))
     plan, injected, written = serve(store, adapter, config, text(300)[:200] + other(100))
     assert plan.sources[-1].match.matched_tokens == 200
-    assert injected.reused == 200 and hit_tier(injected.reused, 300) == HitTier.PARTIAL
+    assert injected.reused == 200 and hit_kind(injected.reused, 300) == HitKind.PARTIAL
     assert adapter.prefilled[-1] == 100
     assert written == 1  # [128, 299) of the new prompt; [0, 128) was stored
 
@@ -134,7 +134,7 @@ def test_unrelated_prompt_misses(store, adapter):
     serve(store, adapter, config, text(300))
     plan, injected, _ = serve(store, adapter, config, other(300))
     assert injected.reused == 0 and injected.keys == () and injected.bytes_read == 0
-    assert hit_tier(injected.reused, 300) == HitTier.MISS and injected.source_engine is None
+    assert hit_kind(injected.reused, 300) == HitKind.MISS and injected.source_engine is None
     assert adapter.prefilled[-1] == 300
 
 
@@ -149,7 +149,7 @@ def test_prompts_under_64_tokens_are_never_cached(store, adapter):
     plan, injected, _ = serve(store, adapter, config, text(MIN_SPAN))
     assert injected.reused == 0  # 63 usable tokens are less than one fragment
     plan, injected, written = serve(store, adapter, config, text(MIN_SPAN + 1))
-    assert injected.reused == MIN_SPAN and hit_tier(injected.reused, MIN_SPAN + 1) == HitTier.EXACT
+    assert injected.reused == MIN_SPAN and hit_kind(injected.reused, MIN_SPAN + 1) == HitKind.EXACT
     assert written == 1  # its own 64-token chunk
 
 
@@ -162,7 +162,7 @@ def test_last_token_rule_n_minus_2_stored_injects_n_minus_3(store, adapter):
     _, n2, _ = serve(store, adapter, config, base[:298] + "QR")
     assert n2.reused == 297 and adapter.prefilled[-1] == 3
     _, n1, _ = serve(store, adapter, config, base[:299] + "Q")
-    assert n1.reused == 299 and hit_tier(n1.reused, 300) == HitTier.EXACT
+    assert n1.reused == 299 and hit_kind(n1.reused, 300) == HitKind.EXACT
 
     onnx_like = FakeAdapter(one_token_rule=False)
     _, ort, _ = serve(store, onnx_like, config, base[:298] + "WX")

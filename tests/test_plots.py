@@ -34,13 +34,13 @@ def test_ttft_distribution(tmp_path):
     assert_png(out)
 
 
-def test_hits_by_tier_from_records_and_summaries(tmp_path):
-    assert_png(plots.hits_by_tier(records(), tmp_path / "hits.png"))
+def test_hits_by_kind_from_records_and_summaries(tmp_path):
+    assert_png(plots.hits_by_kind(records(), tmp_path / "hits.png"))
     summary = {"seed": {"no-cache": {"exact": 0, "partial": 0, "miss": 300},
                         "edgesync": {"exact": 400, "partial": 550, "miss": 50}}}
-    assert_png(plots.hits_by_tier(summary, tmp_path / "hits-summary.png"))
+    assert_png(plots.hits_by_kind(summary, tmp_path / "hits-summary.png"))
     rows = [{"workload": "chat", "system": "edgesync", "exact": 3, "partial": 90, "miss": 52}]
-    assert_png(plots.hits_by_tier(rows, tmp_path / "sub" / "hits-rows.png"))
+    assert_png(plots.hits_by_kind(rows, tmp_path / "sub" / "hits-rows.png"))
 
 
 def test_bytes_per_cached_prompt(tmp_path):
@@ -63,7 +63,7 @@ def test_figures_are_closed(tmp_path):
     import matplotlib.pyplot as plt
 
     plots.ttft_distribution(records(), tmp_path / "a.png")
-    plots.hits_by_tier(records(), tmp_path / "b.png")
+    plots.hits_by_kind(records(), tmp_path / "b.png")
     plots.bytes_per_cached_prompt([], tmp_path / "c.png")
     assert plt.get_fignums() == []
     assert matplotlib.get_backend().lower() == "agg"

@@ -86,7 +86,7 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
     off = router(model, tmp_path / "off", prefetch=False)
     try:
         first = on.generate(qs[0], max_tokens=MAX_TOKENS)
-        assert first.tier == "miss" and first.ram_tier_hits == 0 and first.fragments_written >= 2
+        assert first.hit == "miss" and first.ram_tier_hits == 0 and first.fragments_written >= 2
         assert on.prefetcher.wait_idle(120)
         held = on.prefetcher.ram.keys()
         assert len(held) == first.fragments_written  # the whole stored chain of question 1
@@ -102,7 +102,7 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
             assert r.tokens == r_off.tokens == reference[(0, q)]
             assert r.tokens_reused == r_off.tokens_reused
         for r in results[1:]:
-            assert r.tier == "partial" and r.tokens_reused >= 128
+            assert r.hit == "partial" and r.tokens_reused >= 128
             assert r.ram_tier_hits > 0
             assert r.to_dict()["ram_tier_hits"] == r.ram_tier_hits
         stats = on.prefetch_stats()
@@ -119,7 +119,7 @@ def test_doc_qa_is_served_from_ram_and_identical(model, passages, reference, tmp
         # prefetch and RAM tier off: no tier, no hits
         assert off.prefetcher is None and off.prefetch_stats() is None and off.fragment_cache is None
         assert all(r.ram_tier_hits == 0 for r in off_results)
-        assert off_results[1].tier == "partial"
+        assert off_results[1].hit == "partial"
     finally:
         close(on)
         close(off)

@@ -83,7 +83,7 @@ def test_q8_0_hits_match_uncached_q8_0(model, q8, system_prompts, tmp_path):
         tokens = [es.prompt_tokens(p) for p in prompts]
     first = tokens[0]
     assert len(first) > 900
-    assert [r.tier for r in results] == ["miss", "exact", "partial", "partial", "partial"]
+    assert [r.hit for r in results] == ["miss", "exact", "partial", "partial", "partial"]
     assert results[0].fragments_written >= 2
     assert results[1].tokens_reused == results[1].prompt_tokens - 1
     cuts = []
@@ -96,7 +96,7 @@ def test_q8_0_hits_match_uncached_q8_0(model, q8, system_prompts, tmp_path):
         assert max(cuts) > 512 and min(cuts) < 512  # beyond the window and within it
     print(f"{model} q8_0: prompt tokens {[r.prompt_tokens for r in results]}, "
           f"injected {[r.tokens_reused for r in results]}")
-    differ = [(i, r.tier, r.tokens_reused) for i, (r, ref) in enumerate(zip(results, reference))
+    differ = [(i, r.hit, r.tokens_reused) for i, (r, ref) in enumerate(zip(results, reference))
               if r.tokens != ref.tokens]
     assert not differ, f"greedy tokens differ from the uncached q8_0 run at {differ}"
     assert all(len(ref.tokens) >= 4 for ref in reference)
@@ -128,11 +128,11 @@ def test_q8_0_fragments_are_q8_0_rows(model, q8, system_prompts, tmp_path):
         prompt = chat(system_prompts[0], QUESTIONS[0])
         for adapter, name in ((f16_adapter, "f16"), (q8_adapter, "q8_0")):
             with EdgeSync(adapter, store=tmp_path / name) as es:
-                assert es.generate(prompt, max_tokens=4).tier == "miss"
+                assert es.generate(prompt, max_tokens=4).hit == "miss"
         # no cross-serving: each adapter misses on the other's store, and writes its own namespace
         for adapter, other in ((f16_adapter, "q8_0"), (q8_adapter, "f16")):
             with EdgeSync(adapter, store=tmp_path / other) as es:
-                assert es.generate(prompt, max_tokens=4).tier == "miss"
+                assert es.generate(prompt, max_tokens=4).hit == "miss"
     finally:
         f16_adapter.close()
     f16, f16_blobs = _fragments(tmp_path / "f16", "f16")
@@ -178,7 +178,7 @@ def test_other_kv_types_match_uncached(kv, model, system_prompts, tmp_path):
             results = [es.generate(p, max_tokens=MAX_TOKENS) for p in prompts]
     finally:
         adapter.close()
-    assert [r.tier for r in results] == ["miss", "exact", "partial"]
+    assert [r.hit for r in results] == ["miss", "exact", "partial"]
     assert results[2].tokens_reused >= 256
     assert [r.tokens for r in results] == reference
     fragments, _ = _fragments(tmp_path / "store", kv)
@@ -222,11 +222,11 @@ def test_gemma3_q8_0_cut_point_sweep(q8, system_prompts, tmp_path):
     uncached = EdgeSync(adapter, store=False)
     reference = [uncached.generate(p, max_tokens=MAX_TOKENS).tokens for p in prompts]
     with EdgeSync(adapter, store=tmp_path / "store") as es:
-        assert es.generate(stored, max_tokens=MAX_TOKENS).tier == "miss"
+        assert es.generate(stored, max_tokens=MAX_TOKENS).hit == "miss"
         results = [es.generate(p, max_tokens=MAX_TOKENS) for p in prompts]
     cuts = [r.tokens_reused for r in results]
     print(f"gemma3 q8_0 sweep: injected {cuts}")
-    assert all(r.tier == "partial" for r in results)
+    assert all(r.hit == "partial" for r in results)
     assert len(set(cuts)) >= len(SWEEP_CUTS) - 2 and min(cuts) < 512 < max(cuts)
     differ = [c for c, r, ref in zip(cuts, results, reference) if r.tokens != ref]
     assert not differ, f"greedy tokens differ from the uncached q8_0 run after injecting {differ} tokens"

@@ -78,7 +78,7 @@ def walk_then_delete(es: EdgeSync, victim: bytes):
 
 def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, system_prompts, uncached, tmp_path):
     """Miss (its store-back keeps the chain in RAM too), then hits from RAM alone: every
-    fragment, 0 bytes read, across the promotion to the long-lived tier (5 hits: the expiry
+    fragment, 0 bytes read, across the promotion to the long lifetime (5 hits: the expiry
     moves, the version stays). A second router on the same store starts with an empty tier:
     its first hit reads the chain from the store and keeps it, its next ones read nothing."""
     m = chat(system_prompts[0])
@@ -87,12 +87,12 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
     other = None
     try:
         first = es.generate(m, max_tokens=MAX_TOKENS)
-        assert first.tier == "miss" and first.fragments_written == 3 and first.bytes_read == 0
+        assert first.hit == "miss" and first.fragments_written == 3 and first.bytes_read == 0
         keys = es.store.keys_along(es.namespace, es.prompt_tokens(m))
         assert len(keys) == 3 and all(k in es.fragment_cache.ram for k in keys)  # kept at the store-back
         repeats = [es.generate(m, max_tokens=MAX_TOKENS) for _ in range(6)]
         for r in repeats:
-            assert r.tier == "exact" and r.tokens_reused == first.prompt_tokens - 1
+            assert r.hit == "exact" and r.tokens_reused == first.prompt_tokens - 1
             assert r.ram_tier_hits == 3 and r.bytes_read == 0
         assert es.store.lifecycle(keys[0]).lifetime == "long"
         for r in (first, *repeats):
@@ -103,7 +103,7 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
 
         other = open_router(adapter, store)
         read = other.generate(m, max_tokens=MAX_TOKENS)
-        assert read.tier == "exact" and read.ram_tier_hits == 0 and read.tokens == uncached(m)
+        assert read.hit == "exact" and read.ram_tier_hits == 0 and read.tokens == uncached(m)
         assert read.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
         again = other.generate(m, max_tokens=MAX_TOKENS)
         assert again.ram_tier_hits == 3 and again.bytes_read == 0 and again.tokens == uncached(m)
@@ -118,7 +118,7 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
         assert es.forget(m) == 3
         assert len(es.fragment_cache.ram) == 0  # forget empties the tier
         after = es.generate(m, max_tokens=MAX_TOKENS)
-        assert after.tier == "miss" and after.ram_tier_hits == 0 and after.tokens == uncached(m)
+        assert after.hit == "miss" and after.ram_tier_hits == 0 and after.tokens == uncached(m)
     finally:
         if other is not None:
             other.close()
@@ -143,7 +143,7 @@ def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, syste
         monkeypatch.setattr(planning, "walk", walk_then_delete(es, victim))
         r = es.generate(m, max_tokens=MAX_TOKENS)
         monkeypatch.undo()
-        assert r.tier == "partial" and r.tokens_reused == 128 and r.ram_tier_hits == 1 and r.bytes_read == 0
+        assert r.hit == "partial" and r.tokens_reused == 128 and r.ram_tier_hits == 1 and r.bytes_read == 0
         assert r.tokens == uncached(m)
         assert es.fragment_cache.stale == 1
         # the request stored the lost chunk again, and kept that new version in RAM
@@ -175,7 +175,7 @@ def test_a_fragment_expired_after_the_walk_is_not_served(adapter, system_prompts
         monkeypatch.setattr(planning, "walk", walk_then_expire)
         r = es.generate(m, max_tokens=MAX_TOKENS)
         monkeypatch.undo()
-        assert r.tier == "miss" and r.tokens_reused == 0 and r.ram_tier_hits == 0
+        assert r.hit == "miss" and r.tokens_reused == 0 and r.ram_tier_hits == 0
         assert r.tokens == uncached(m)
         assert es.fragment_cache.stale >= 1
     finally:
@@ -224,10 +224,10 @@ def test_an_uncompressed_store_is_read_in_place_and_not_kept_in_ram(adapter, sys
         assert store.serves_in_place
         first = es.generate(m, max_tokens=MAX_TOKENS)
         keys = es.store.keys_along(es.namespace, es.prompt_tokens(m))
-        assert first.tier == "miss" and len(keys) == 3 and len(es.fragment_cache.ram) == 0
+        assert first.hit == "miss" and len(keys) == 3 and len(es.fragment_cache.ram) == 0
         for _ in range(2):
             r = es.generate(m, max_tokens=MAX_TOKENS)
-            assert r.tier == "exact" and r.tokens_reused == first.prompt_tokens - 1 and r.ram_tier_hits == 0
+            assert r.hit == "exact" and r.tokens_reused == first.prompt_tokens - 1 and r.ram_tier_hits == 0
             assert r.bytes_read == sum(es.store.lifecycle(k).nbytes for k in keys) > 0
             assert r.tokens == uncached(m)
         assert len(es.fragment_cache.ram) == 0
@@ -235,7 +235,7 @@ def test_an_uncompressed_store_is_read_in_place_and_not_kept_in_ram(adapter, sys
         monkeypatch.setattr(planning, "walk", walk_then_delete(es, victim))
         r = es.generate(m, max_tokens=MAX_TOKENS)
         monkeypatch.undo()
-        assert r.tier == "partial" and r.tokens_reused == 128 and r.tokens == uncached(m)
+        assert r.hit == "partial" and r.tokens_reused == 128 and r.tokens == uncached(m)
     finally:
         es.close()
         store.close()

@@ -91,8 +91,8 @@ def test_node_b_is_served_what_node_a_prefilled(tmp_path, request, system_prompt
     prefix, messages = new_prefix(f"nodes-{topology}"), _messages(system_prompts, 0)
     (a,) = _run_node(tmp_path, "a", server.url, prefix, [messages], topology == "cluster")
     (b,) = _run_node(tmp_path, "b", server.url, prefix, [messages], topology == "cluster")
-    assert a["tier"] == "miss" and a["tokens"] == a["uncached_tokens"] and a["fragments_written"] == 3
-    assert b["tier"] == "exact" and b["tokens_prefilled"] <= 1 and b["tokens"] == b["uncached_tokens"]
+    assert a["hit"] == "miss" and a["tokens"] == a["uncached_tokens"] and a["fragments_written"] == 3
+    assert b["hit"] == "exact" and b["tokens_prefilled"] <= 1 and b["tokens"] == b["uncached_tokens"]
     assert b["tokens_reused"] == b["prompt_tokens"] - b["tokens_prefilled"]
     assert b["remote"]["hits"] == 3 and b["remote"]["bytes_fetched"] == b["bytes_read"] > 1_000_000
     assert b["remote"]["errors"] == 0 and b["fragments_written"] == 0
@@ -107,18 +107,18 @@ def test_the_remote_killed_mid_run_and_restarted(adapter, tmp_path, system_promp
     try:
         first = _answer(es, _messages(system_prompts, 0))
         server.kill(signal.SIGKILL)  # while the first answer's writes may still be queued
-        assert _answer(es, _messages(system_prompts, 0)).tier == "exact"  # the local tier serves on
+        assert _answer(es, _messages(system_prompts, 0)).hit == "exact"  # the local tier serves on
         assert es.store.flush(30)  # the queued writes fail (counted), none is left waiting
-        assert first.tier == "miss" and es.store.remote_stats()["connection"] >= 1
+        assert first.hit == "miss" and es.store.remote_stats()["connection"] >= 1
         server.start()  # same port, empty (no persistence)
         time.sleep(max(b.wait_s for b in es.store.client.breakers.values()) + 0.05)  # open circuits' wait
-        assert _answer(es, _messages(system_prompts, 2)).tier == "miss"
+        assert _answer(es, _messages(system_prompts, 2)).hit == "miss"
         assert es.store.flush(30)
         stats = es.store.remote_stats()
         assert stats["puts"] >= 3 and not stats["circuit_open"]
         other = _node(adapter, tmp_path, "other", server.url, prefix)
         again = _answer(other, _messages(system_prompts, 2))  # written after the restart, served remotely
-        assert again.tier == "exact" and other.store.remote_stats()["hits"] == 3
+        assert again.hit == "exact" and other.store.remote_stats()["hits"] == 3
         other.close()
         assert _intact(es.store) == 6  # two prompts of three chunks
     finally:
@@ -135,8 +135,8 @@ def test_a_remote_200_ms_late_is_left_behind(adapter, tmp_path, system_prompts, 
     proxy = DelayProxy(redis_server.port, 0.2)
     b = _node(adapter, tmp_path, "b", proxy.url, prefix, timeout_ms=20, retry_s=60)
     try:
-        assert _answer(b, messages).tier == "miss"  # the remote holds it, too late: prefilled
-        assert _answer(b, messages).tier == "exact"  # local from now on
+        assert _answer(b, messages).hit == "miss"  # the remote holds it, too late: prefilled
+        assert _answer(b, messages).hit == "exact"  # local from now on
         stats = b.store.remote_stats()
         assert stats["timeout"] >= 1 and stats["hits"] == 0 and stats["walks"] == 0
         assert _intact(b.store) == 3
@@ -159,12 +159,12 @@ def test_a_remote_that_trickles_is_left_behind(adapter, tmp_path, system_prompts
     proxy = DelayProxy(redis_server.port, 0.012, piece=32 * 1024)
     b = _node(adapter, tmp_path, "b", proxy.url, prefix, timeout_ms=500, fetch_budget_ms=50, retry_s=60)
     try:
-        assert _answer(b, messages).tier == "miss"  # the remote holds it, too slowly: prefilled
+        assert _answer(b, messages).hit == "miss"  # the remote holds it, too slowly: prefilled
         stats = b.store.remote_stats()
         assert stats["walks"] == 1 and stats["timeout"] == 1 and stats["hits"] == 0
         assert stats["breaker_opens"] == 1 and stats["skipped"] >= 1  # the request's walk again stays local
         assert proxy.bytes_down < smallest / 4  # the fetch stopped long before its blob's end
-        assert _answer(b, messages).tier == "exact" and b.store.remote_stats()["walks"] == 1  # local now
+        assert _answer(b, messages).hit == "exact" and b.store.remote_stats()["walks"] == 1  # local now
         assert _intact(b.store) == 3
     finally:
         proxy.stop()
@@ -185,11 +185,11 @@ def test_a_flipped_byte_in_a_remote_blob(adapter, tmp_path, system_prompts, redi
     b = _node(adapter, tmp_path, "b", redis_server.url, prefix)
     try:
         got = _answer(b, messages)
-        assert got.tier == "partial" and got.tokens_reused == 128  # up to the refused chunk
+        assert got.hit == "partial" and got.tokens_reused == 128  # up to the refused chunk
         assert b.store.remote_stats()["corrupt"] == 1 and b.store.dropped_corrupt == 1
         assert b.store.flush(30) and _intact(b.store) == 3
         c = _node(adapter, tmp_path, "c", redis_server.url, prefix)  # node B stored the chunk again
-        assert _answer(c, messages).tier == "exact" and c.store.remote_stats()["corrupt"] == 0
+        assert _answer(c, messages).hit == "exact" and c.store.remote_stats()["corrupt"] == 0
         c.close()
     finally:
         b.close()
@@ -200,9 +200,9 @@ def test_a_full_remote_with_noeviction(adapter, tmp_path, system_prompts):
     prefix, messages = new_prefix("full"), _messages(system_prompts, 0)
     a = _node(adapter, tmp_path, "a", server.url, prefix)
     try:
-        assert _answer(a, messages).tier == "miss"
+        assert _answer(a, messages).hit == "miss"
         assert a.store.flush(30)
-        assert _answer(a, messages).tier == "exact"
+        assert _answer(a, messages).hit == "exact"
         assert a.store.flush(30)
         stats = a.store.remote_stats()
         assert stats["oom"] >= 1 and stats["errors"] == stats["oom"] and stats["breaker_opens"] == 0

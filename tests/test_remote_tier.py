@@ -132,7 +132,7 @@ def _run_table(store_stats: dict) -> dict[str, str]:
     """``edgesync run``'s table over one request and ``store_stats``: the edgesync column by row."""
     from edgesync_bench import run_report
 
-    result = {"tokens": [1], "tier": "miss", "ttft_ms": 1.0, "total_ms": 2.0, "prompt_tokens": 200,
+    result = {"tokens": [1], "hit": "miss", "ttft_ms": 1.0, "total_ms": 2.0, "prompt_tokens": 200,
               "tokens_reused": 0, "tokens_prefilled": 200, "bytes_read": 0, "lookup_ms": None}
     table = run_report.render_table(run_report.summarize([{"prompt_key": "k", "uncached": result,
                                                            "edgesync": result}]), store_stats, "t")
@@ -207,7 +207,7 @@ def test_remote_expiry_follows_the_lifetime_tier_and_hits_are_summed(tmp_path, r
     blob_key = f"{prefix}:{{{frags[0].key().hex()}}}:b"
     try:
         policy = TTLPolicy()
-        assert 0 < r.pttl(blob_key) <= policy.ttl_seconds * 1000  # short tier: what is left of 30 minutes
+        assert 0 < r.pttl(blob_key) <= policy.ttl_seconds * 1000  # short lifetime: what is left of 30 minutes
         keys = [frags[0].key()]
         for node in (a, b, a, b):  # four hits from two nodes
             node.record_hits(keys)

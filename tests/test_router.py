@@ -1,4 +1,4 @@
-"""The request path end to end on the real model: tiers, prefill counted by llama.cpp itself,
+"""The request path end to end on the real model: hit kinds, prefill counted by llama.cpp itself,
 token-identical output, corrupt and foreign fragments refused, two processes on one store.
 
 Prompts are built from ../shared/workloads: system_prompts.json (the 8 app prompts, 315-339
@@ -81,10 +81,10 @@ def test_exact_hit_in_a_new_process_skips_prefill(tmp_path, system_prompts):
     (a,) = run_proc("proc_request.py", str(store_dir), str(requests), "32")
     (b,) = run_proc("proc_request.py", str(store_dir), str(requests), "32")
     assert a["prompt_tokens"] >= 300
-    assert a["tier"] == "miss" and a["tokens_reused"] == 0
+    assert a["hit"] == "miss" and a["tokens_reused"] == 0
     assert llama_prefilled(a) == a["prompt_tokens"]
     assert a["fragments_written"] >= 2
-    assert b["tier"] == "exact"
+    assert b["hit"] == "exact"
     assert b["tokens_reused"] == b["prompt_tokens"] - 1
     assert llama_prefilled(b) <= 1
     assert len(a["tokens"]) == 32
@@ -97,12 +97,12 @@ def test_shared_prefix_is_partial_and_identical(cached, uncached, system_prompts
     first = chat(system_prompts[1], "How do I get from the airport to the city centre cheaply?")
     second = chat(system_prompts[1], "What should I pack for a week of hiking in the rain?")
     stored = cached.generate(first, max_tokens=16)
-    assert stored.tier == "miss" and stored.fragments_written >= 2
+    assert stored.hit == "miss" and stored.fragments_written >= 2
     k = common_prefix_len(cached.prompt_tokens(first), cached.prompt_tokens(second))
     assert k >= 200
     result = cached.generate(second, max_tokens=24)
     reference = uncached.generate(second, max_tokens=24)
-    assert result.tier == "partial"
+    assert result.hit == "partial"
     # the adapter's injection point: a prefill after it computes every token as an uncached one
     assert result.tokens_reused == cached.adapter.usable_prefix(k, result.prompt_tokens) > k - 24
     assert result.tokens_prefilled == result.prompt_tokens - result.tokens_reused
@@ -115,7 +115,7 @@ def test_unrelated_prompt_misses_and_matches_uncached(cached, uncached, system_p
     cached.generate(chat(system_prompts[2], "How do I save money on groceries?"), max_tokens=8)
     other = chat(system_prompts[5], "How do I prepare for a job interview at a bank?")
     result = cached.generate(other, max_tokens=24)
-    assert result.tier == "miss" and result.tokens_reused == 0 and result.bytes_read == 0
+    assert result.hit == "miss" and result.tokens_reused == 0 and result.bytes_read == 0
     assert result.tokens == uncached.generate(other, max_tokens=24).tokens
 
 
@@ -173,7 +173,7 @@ def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, sto
     back to prefill with the right answer, and the bad entry is removed."""
     messages = chat(system_prompts[3], "How many push-ups should a beginner do each day?")
     first = cached.generate(messages, max_tokens=16)
-    assert first.tier == "miss"
+    assert first.hit == "miss"
     bad = _chunk_key(store, 128)
     with pytest.raises(codec.CodecError):
         codec.decode(_raw_blob_after(store, bad, mutate))
@@ -182,11 +182,11 @@ def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, sto
     again = cached.generate(messages, max_tokens=16)
     assert again.tokens == uncached.generate(messages, max_tokens=16).tokens
     assert again.tokens_reused == 128  # the intact first chunk still serves
-    assert again.tier == "partial"
+    assert again.hit == "partial"
     assert store.stats().dropped_corrupt == 1
     # the bad entry was removed, then the request stored its chunk anew from live KV
     fresh = cached.generate(messages, max_tokens=16)
-    assert fresh.tier == "exact" and fresh.tokens == first.tokens
+    assert fresh.hit == "exact" and fresh.tokens == first.tokens
 
 
 def _raw_blob_after(store: FragmentStore, key: bytes, mutate) -> bytes:
@@ -222,11 +222,11 @@ def test_fragment_of_another_flash_attention_setting_is_never_injected(tmp_path,
         writer = EdgeSync(flash, store=cached.store)
         written = writer.generate(messages, max_tokens=8)
         assert written.fragments_written >= 2
-        assert writer.generate(messages, max_tokens=8).tier == "exact"
+        assert writer.generate(messages, max_tokens=8).hit == "exact"
     finally:
         flash.close()
     result = cached.generate(messages, max_tokens=16)
-    assert result.tier == "miss" and result.tokens_reused == 0
+    assert result.hit == "miss" and result.tokens_reused == 0
     assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
 
 
@@ -247,7 +247,7 @@ def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adap
     with pytest.raises(ValueError, match="namespace"):
         adapter.inject_fragment(foreign, len(tokens) - 1, tokens)
     result = cached.generate(messages, max_tokens=16)
-    assert result.tier == "miss"
+    assert result.hit == "miss"
     assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
 
 
@@ -275,7 +275,7 @@ def test_two_processes_share_one_store_concurrently(tmp_path):
         assert r["requests"] >= 4
         assert r["mismatches"] == []
         assert r["dropped_corrupt"] == 0
-    assert sum(r["tiers"].get("partial", 0) + r["tiers"].get("exact", 0) for r in reports) > 0
+    assert sum(r["hits"].get("partial", 0) + r["hits"].get("exact", 0) for r in reports) > 0
     with FragmentStore(store_dir) as store:
         keys = [key for key, head, _l, _n in store.iterate()]
         assert len(keys) > 0

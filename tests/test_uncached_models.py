@@ -59,7 +59,7 @@ def _assert_uncached(results, reference, reason, store_dir: Path, caplog) -> Non
     for r in results:
         assert r.prompt_tokens > 64
         assert r.tokens == reference.tokens
-        assert r.tier == "miss" and r.tokens_reused == 0 and r.tokens_prefilled == r.prompt_tokens
+        assert r.hit == "miss" and r.tokens_reused == 0 and r.tokens_prefilled == r.prompt_tokens
         assert r.bytes_read == 0 and r.fragments_written == 0
         assert r.uncached_reason == reason and r.to_dict()["uncached_reason"] == reason
         assert r.ttft_ms > 0
@@ -134,7 +134,7 @@ def test_cli_generate_on_recurrent_model(mamba_path, study_prompt, tmp_path):
                    "--max-tokens", "4", "--json")
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
-    assert doc["uncached_reason"] == MAMBA_REASON and doc["tier"] == "miss" and doc["fragments_written"] == 0
+    assert doc["uncached_reason"] == MAMBA_REASON and doc["hit"] == "miss" and doc["fragments_written"] == 0
     assert len(doc["tokens"]) == 4
 
 
@@ -150,7 +150,7 @@ def test_cli_run_on_recurrent_model(mamba_path, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["uncached_reason"] == MAMBA_REASON and doc["store"] is None and doc["store_path"] is None
     assert doc["n_requests"] == 2
-    assert all(row["identical"] and row["tier"] == "miss" and row["tokens_reused"] == 0 for row in doc["requests"])
+    assert all(row["identical"] and row["hit"] == "miss" and row["tokens_reused"] == 0 for row in doc["requests"])
     assert not (tmp_path / "s").exists()
 
 
@@ -214,7 +214,7 @@ def test_run_table_names_the_reason():
 
 
 def _result_dict() -> dict:
-    return {"tokens": [1, 2], "tier": "miss", "ttft_ms": 10.0, "total_ms": 20.0, "prompt_tokens": 80,
+    return {"tokens": [1, 2], "hit": "miss", "ttft_ms": 10.0, "total_ms": 20.0, "prompt_tokens": 80,
             "tokens_reused": 0, "tokens_prefilled": 80, "bytes_read": 0, "lookup_ms": None}
 
 

@@ -5,10 +5,10 @@ Usage: ``python tools/dump.py [STORE] [--json] [--limit N] [--summary]``
 
 STORE defaults to the configured store (``EDGESYNC_STORE`` or the per-user cache dir). The store
 is opened read-only; a missing directory prints ``error: no store at PATH``, exits 2 and is not
-created. Each fragment line shows its lifetime tier (short / long), hits, last use and expiry (ISO time
+created. Each fragment line shows its lifetime (short / long / document), hits, last use and expiry (ISO time
 and seconds left, or "expired"). ``--json`` prints ``{"fragments": [...], "summary": {...}}``.
 ``--summary`` prints, instead of the fragment lines, the fragments, stored (compressed) bytes,
-raw bytes and hits by tier (short, long, expired, total), the budget use (used_bytes of
+raw bytes and hits by lifetime (short, long, document, expired, total), the budget use (used_bytes of
 max_bytes) and the size of data.mdb; with ``--json`` as one JSON object.
 
 A plain script: it runs from a checkout without installing anything beyond the dependencies
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--limit", type=_positive_int, default=None, help="show at most N fragments")
     parser.add_argument("--summary", action="store_true",
-                        help="counts and bytes by tier (short, long, expired, total) and the budget use, "
+                        help="counts and bytes by lifetime (short, long, document, expired, total) and the budget use, "
                              "instead of one line per fragment")
     args = parser.parse_args(argv)
     if args.store is None:

@@ -71,8 +71,8 @@ def add_export_parser(sub, common: argparse.ArgumentParser) -> None:
 # -- generate ---------------------------------------------------------------------------------
 
 def _summary_line(r) -> str:
-    """The stderr line after a streamed answer: tier, token counts, timings, bytes, flags."""
-    return (f"[{r.tier}] prompt {r.prompt_tokens} tokens, reused {r.tokens_reused}, "
+    """The stderr line after a streamed answer: hit kind, token counts, timings, bytes, flags."""
+    return (f"[{r.hit}] prompt {r.prompt_tokens} tokens, reused {r.tokens_reused}, "
             f"prefilled {r.tokens_prefilled}, generated {len(r.tokens)}; "
             f"TTFT {r.ttft_ms:.1f} ms, total {r.total_ms:.1f} ms; read {format_bytes(r.bytes_read)}"
             + (f", wrote {r.fragments_written} fragments" if r.fragments_written else "")

@@ -42,7 +42,7 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     dump.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     dump.add_argument("--limit", type=positive_int, help="show at most N fragments")
     dump.add_argument("--summary", action="store_true",
-                      help="counts and bytes by tier (short, long, expired, total) and the budget use, "
+                      help="counts and bytes by lifetime (short, long, document, expired, total) and the budget use, "
                            "instead of one line per fragment")
     dump.set_defaults(func=cmd_dump)
 

@@ -17,7 +17,7 @@ A document's KV is computed once, after a fixed header (``document_header``: by 
 chat template's rendering up to an empty user turn, i.e. the model's default system part; or
 none), and stored as the chain ``header + document tokens`` from position 0
 (``schema.chunk_spans`` of its length, the last chunk absorbing a remainder under 64 tokens) in
-the document lifetime tier; a blend places only the document's own cells (the header gives
+the document lifetime; a blend places only the document's own cells (the header gives
 them the context a full prefill would). A document under 64 tokens (``MIN_SPAN``) has no
 fragment: a blend recomputes it whole. Its text is embedded for retrieval in windows of
 :data:`WINDOW_WORDS` words (MiniLM-L6-v2 reads 256 word pieces), overlapping by

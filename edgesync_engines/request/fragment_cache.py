@@ -12,7 +12,7 @@ content hash, key) and keeps it. The prefetcher (``request/prefetch.py``) fills 
 An entry's version is the ``created_at`` of the lifecycle record read with it: a fragment
 deleted (forget, eviction, expiry, another process's compaction or clear) has no record, and
 one deleted and written again has a new one, so neither is served from RAM; a hit that only
-extends the expiry (long-lived tier) keeps the entry. ``forget`` in this process clears the
+extends the expiry (long lifetime) keeps the entry. ``forget`` in this process clears the
 tier; entries another process deleted are dropped when next asked for, or by the LRU.
 """
 

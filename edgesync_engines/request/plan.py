@@ -63,8 +63,8 @@ served donor saves every uncovered token, so any request that is not an exact hi
 short question behind a shared system prompt is the common case there)."""
 
 
-class HitTier:
-    """What a request's injection amounted to (``GenerationResult.tier``)."""
+class HitKind:
+    """What a request's injection amounted to (``GenerationResult.hit``)."""
 
     EXACT = "exact"
     """All prompt tokens but at most the last one injected, or a donor served whole."""
@@ -97,12 +97,12 @@ class SourceKind:
     """Another engine's namespace for the same model, converted before injection."""
 
 
-def hit_tier(reused: int, n_prompt: int, approximate: bool = False) -> str:
-    """The :class:`HitTier` of a request that injected ``reused`` of its ``n_prompt`` tokens
+def hit_kind(reused: int, n_prompt: int, approximate: bool = False) -> str:
+    """The :class:`HitKind` of a request that injected ``reused`` of its ``n_prompt`` tokens
     (``approximate``: a donor was served whole, which counts as exact)."""
     if approximate or (reused and reused >= n_prompt - 1):
-        return HitTier.EXACT
-    return HitTier.PARTIAL if reused >= MIN_SPAN else HitTier.MISS
+        return HitKind.EXACT
+    return HitKind.PARTIAL if reused >= MIN_SPAN else HitKind.MISS
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Iterator
 class GenerationResult:
     """What one request produced and what it cost.
 
-    Token counts are tokens; times are milliseconds; sizes are bytes. ``tier`` is the hit tier
-    (:class:`~edgesync_engines.request.plan.HitTier`: ``exact``, ``partial`` or ``miss``).
+    Token counts are tokens; times are milliseconds; sizes are bytes. ``hit`` is the hit kind
+    (:class:`~edgesync_engines.request.plan.HitKind`: ``exact``, ``partial`` or ``miss``).
     ``similarity`` is the cosine of the best donor the semantic lookup found (None when the
     lookup did not run or found none); ``lookup_ms`` the lookup's cost (encode + search + donor
     checks, None when it did not run); ``donor`` the hex key (the last fragment of its chain)
@@ -43,7 +43,7 @@ class GenerationResult:
 
     text: str
     tokens: list[int]
-    tier: str
+    hit: str
     similarity: float | None
     prompt_tokens: int
     tokens_reused: int

@@ -14,7 +14,7 @@ are rendered with the GGUF's own template) in four steps:
    injects all but its last token) with its donor record, and records the hits; the prefetcher
    (``prefetch=True``) predicts the next requests.
 
-``GenerationResult.tier`` is a :class:`~edgesync_engines.request.plan.HitTier`. In the default
+``GenerationResult.hit`` is a :class:`~edgesync_engines.request.plan.HitKind`. In the default
 mode only token-identical KV is injected, so the output equals an uncached run's. A donor
 served whole (``approximate: true``) or converted KV (``convertible: true``) gives an answer
 close to, not always equal to, an uncached run's, and such a request stores nothing, since its
@@ -40,7 +40,7 @@ from edgesync_engines.request.blend import Blended, blend
 from edgesync_engines.request.documents import DocumentLibrary, DocumentPrompt, as_inputs, build_prompt
 from edgesync_engines.request.execute import Injection, Injector
 from edgesync_engines.request.loading import adapter_for, open_store, warm_up
-from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_tier, plan_reuse
+from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_kind, plan_reuse
 from edgesync_engines.request.prefetch import ram_tiers, request_key
 from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream
@@ -310,7 +310,7 @@ class EdgeSync:
         """Fill a documents request's fields of its ``GenerationResult`` (in place): the document
         IDs and retrieval scores, why a blend was refused, the documents computed, and for a blend
         the approximate flag, the blended and recomputed counts and what they make of
-        ``tokens_reused`` (exact head + blended tokens), ``tokens_prefilled`` and the tier."""
+        ``tokens_reused`` (exact head + blended tokens), ``tokens_prefilled`` and the hit kind."""
         result.documents, result.retrieval_scores = prompt.document_ids, scores
         result.blend_refusal, result.documents_computed = refusal, computed
         if blended is not None:
@@ -318,7 +318,7 @@ class EdgeSync:
             result.blended_tokens, result.recomputed_tokens = blended.blended_tokens, blended.recomputed_tokens
             result.tokens_reused = blended.head_reused + blended.blended_tokens
             result.tokens_prefilled = result.prompt_tokens - result.tokens_reused
-            result.tier = hit_tier(result.tokens_reused, result.prompt_tokens)
+            result.hit = hit_kind(result.tokens_reused, result.prompt_tokens)
 
     namespace = property(lambda self: self.adapter.namespace, doc="The engine's KV namespace.")
 
@@ -500,12 +500,12 @@ class EdgeSync:
                 ttft_ms: float, total_ms: float) -> GenerationResult:
         """The request's :class:`GenerationResult` (and its log line)."""
         n, reused = len(tokens), injected.reused
-        tier = hit_tier(reused, n, injected.approximate)
+        hit = hit_kind(reused, n, injected.approximate)
         lookup_ms = None if plan.lookup_ms is None else plan.lookup_ms + injected.donor_ms
         result = GenerationResult(
             text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
             tokens=out,
-            tier=tier,
+            hit=hit,
             similarity=plan.similarity,
             prompt_tokens=n,
             tokens_reused=reused,
@@ -522,7 +522,7 @@ class EdgeSync:
             source_engine=injected.source_engine,
             uncached_reason=self.uncached_reason,
         )
-        log.info("request: %d prompt tokens, tier %s%s, reused %d, similarity %s, ttft %.1f ms", n, tier,
+        log.info("request: %d prompt tokens, hit %s%s, reused %d, similarity %s, ttft %.1f ms", n, hit,
                  " (approximate)" if injected.approximate else " (convertible)" if injected.convertible else "",
                  reused, "-" if plan.similarity is None else f"{plan.similarity:.3f}", ttft_ms)
         return result

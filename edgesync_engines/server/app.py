@@ -185,7 +185,7 @@ class _Shaper:
     def info(self, final: dict) -> schemas.EdgeSyncInfo:
         r = final["result"]
         waited_ms = (final["first_token_at"] - self.job["submitted_at"]) * 1000 - r["ttft_ms"]
-        return schemas.EdgeSyncInfo(tier=r["tier"], tokens_reused=r["tokens_reused"],
+        return schemas.EdgeSyncInfo(hit=r["hit"], tokens_reused=r["tokens_reused"],
                                     tokens_prefilled=r["tokens_prefilled"], ttft_ms=round(r["ttft_ms"], 3),
                                     queue_ms=round(max(0.0, waited_ms), 3), approximate=r["approximate"],
                                     convertible=r["convertible"], similarity=r["similarity"],

@@ -3,7 +3,7 @@
 Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}``,
 ``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens injected from the store),
 ``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
-queueing included), ``hits_total{tier}`` (exact, partial, miss), ``store_bytes`` (the store's
+queueing included), ``hits_total{kind}`` (exact, partial, miss), ``store_bytes`` (the store's
 files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
 early: the client went away) and ``queued_requests``.
 """
@@ -52,7 +52,7 @@ class ServerMetrics:
         self.completion_tokens = Counter("edgesync_completion_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("edgesync_ttft_seconds", "request received to first token, seconds",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.hits = Counter("edgesync_hits", "answered requests by hit tier", ["tier"], registry=r)
+        self.hits = Counter("edgesync_hits", "answered requests by hit kind", ["kind"], registry=r)
         Gauge("edgesync_store_bytes", "bytes of the fragment store on disk", registry=r).set_function(
             lambda: store_disk_bytes(store))
         Gauge("edgesync_workers", "engine worker processes", registry=r).set_function(workers)
@@ -69,7 +69,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(result["prompt_tokens"])
         self.cached_tokens.inc(result["tokens_reused"])
         self.completion_tokens.inc(result["completion_tokens"])
-        self.hits.labels(result["tier"]).inc()
+        self.hits.labels(result["hit"]).inc()
         self.ttft.observe(max(0.0, ttft_s))
 
     def failed(self, endpoint: str, status: int) -> None:

@@ -137,13 +137,13 @@ class Usage(BaseModel):
 
 
 class EdgeSyncInfo(BaseModel):
-    """The ``edgesync`` extension object of a response: the hit ``tier`` (exact, partial,
+    """The ``edgesync`` extension object of a response: the ``hit`` kind (exact, partial,
     miss), ``tokens_reused`` (= cached_tokens) and ``tokens_prefilled`` (tokens), the engine's
     ``ttft_ms`` (ms, from the engine taking the request to its first token), ``queue_ms`` (ms
     spent waiting for a worker), ``approximate`` (a similar prompt's KV served it) and
     ``convertible`` (another engine's KV, converted)."""
 
-    tier: str
+    hit: str
     tokens_reused: int
     tokens_prefilled: int
     ttft_ms: float

@@ -26,7 +26,7 @@ from edgesync_engines.server.stops import StopScanner
 
 log = logging.getLogger(__name__)
 
-RESULT_FIELDS = ("tier", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
+RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
                  "approximate", "convertible", "similarity", "uncached_reason")
 """The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` too)."""
 

@@ -8,10 +8,10 @@ import os
 import sys
 
 from edgesync_store.commands.inventory import (
+    load_lifetime_summary,
     load_report,
-    load_tier_summary,
+    render_lifetime_table,
     render_table,
-    render_tier_table,
     wide_console,
 )
 from edgesync_store.errors import StoreBusyError, StoreError, StoreNotFoundError, StoreOpenError
@@ -24,15 +24,15 @@ def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | N
     Writes a table (or with ``as_json`` one JSON object ``{"fragments": [...], "summary":
     {...}}``) to the rich console ``out`` (default: :func:`wide_console` on stdout), or one
     ``error: ...`` line to the text stream ``err`` (default: stderr). With ``summary_only``,
-    instead of one line per fragment: the counts and bytes by tier (short, long, expired,
-    total), the budget use and the size of ``data.mdb`` (``report.tier_summary``; its document
+    instead of one line per fragment: the counts and bytes by lifetime (short, long, document, expired,
+    total), the budget use and the size of ``data.mdb`` (``report.lifetime_summary``; its document
     as JSON with ``as_json``; ``limit`` is then ignored). Returns the exit status: 0, or 2 when
     there is no readable store at ``path`` (a missing directory is not created). The store is
     opened read-only.
     """
     err = err or sys.stderr
     try:
-        doc = load_tier_summary(path) if summary_only else load_report(path, limit)
+        doc = load_lifetime_summary(path) if summary_only else load_report(path, limit)
     except (StoreNotFoundError, StoreOpenError, StoreBusyError) as exc:
         print(f"error: {exc}", file=err, flush=True)
         return 2
@@ -44,5 +44,5 @@ def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | N
         out.file.write(json.dumps(doc, indent=2) + "\n")
         out.file.flush()
     else:
-        out.print(render_tier_table(doc) if summary_only else render_table(doc))
+        out.print(render_lifetime_table(doc) if summary_only else render_table(doc))
     return 0

@@ -1,13 +1,13 @@
 """What a fragment store holds, as rows and a summary, for ``edgesync dump`` and ``tools/dump.py``.
 
 Everything here reads headers only (``FragmentStore.iterate``: no decompression). The row and
-summary functions are pure; :func:`render_table` and :func:`render_tier_table` build rich
+summary functions are pure; :func:`render_table` and :func:`render_lifetime_table` build rich
 Tables; the command that prints them is :mod:`edgesync_store.commands.dump`.
 
-Each fragment is in the **short** or the **long** lifetime tier (``ttl.py``) and is **expired** once
+Each fragment is in the **short** or the **long** lifetime (``ttl.py``) and is **expired** once
 ``expires_at <= now``: the store never serves it again and the next sweep deletes it. The
-per-fragment rows show the stored tier and an ``expired`` flag; :func:`tier_summary` counts an
-expired fragment in the ``expired`` row only (not in its tier's).
+per-fragment rows show the stored lifetime and an ``expired`` flag; :func:`lifetime_summary` counts an
+expired fragment in the ``expired`` row only (not in its lifetime's).
 
 Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
 ``expires_in_s`` is seconds from now (negative once expired).
@@ -33,13 +33,13 @@ __all__ = [
     "StoreNotFoundError",
     "fragment_rows",
     "iso_time",
+    "lifetime_summary",
+    "load_lifetime_summary",
     "load_report",
-    "load_tier_summary",
     "open_store_readonly",
+    "render_lifetime_table",
     "render_table",
-    "render_tier_table",
     "summary",
-    "tier_summary",
     "wide_console",
 ]
 
@@ -48,8 +48,8 @@ FINGERPRINT_PREFIX_CHARS = 12
 EXPIRED = "expired"
 TOTAL = "total"
 SUMMARY_ROWS = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT, EXPIRED, TOTAL)
-"""Rows of :func:`tier_summary`, in order: live short-tier fragments, live long-tier ones,
-documents' fragments, expired ones (whatever their tier) and all of them."""
+"""Rows of :func:`lifetime_summary`, in order: live short-lived fragments, live long-lived ones,
+documents' fragments, expired ones (whatever their lifetime) and all of them."""
 
 def iso_time(t: float | None) -> str | None:
     """ISO-8601 local time with offset, to the second; None for 0/None (never happened)."""
@@ -63,8 +63,8 @@ def fragment_rows(store: MaintenanceBackend, now: float | None = None) -> list[d
     Row fields: ``key`` (first 12 hex chars of the store key), ``corrupt`` (the header does not
     parse; the other header fields are then None), ``tokens`` ``"start-end"``, ``span`` (tokens),
     ``layers`` ``"start:end:stride"``, ``heads`` ``"start:end"``, ``raw_bytes`` (K+V before
-    compression), ``compressed_bytes`` (the stored blob), ``tier`` (``"short"`` or ``"long"``,
-    as stored: an expired fragment keeps its tier and has ``expired`` True), ``hits``,
+    compression), ``compressed_bytes`` (the stored blob), ``lifetime`` (``"short"``, ``"long"`` or ``"document"``,
+    as stored: an expired fragment keeps its lifetime and has ``expired`` True), ``hits``,
     ``last_hit`` (ISO or None), ``last_hit_at``, ``last_used`` (ISO of the later of the last
     hit and creation: the recency eviction orders by), ``last_used_at``, ``expires`` (ISO),
     ``expires_at``, ``expires_in_s`` (seconds from ``now``, negative once past), ``expired``
@@ -91,7 +91,7 @@ def fragment_rows(store: MaintenanceBackend, now: float | None = None) -> list[d
             "heads": None,
             "raw_bytes": None,
             "compressed_bytes": nbytes,
-            "tier": life.lifetime,
+            "lifetime": life.lifetime,
             "hits": life.hit_count,
             "last_hit": iso_time(life.last_hit_at),
             "last_hit_at": life.last_hit_at or None,
@@ -134,17 +134,17 @@ def _empty_counts() -> dict[str, int]:
     return {"fragments": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0}
 
 
-def tier_summary(store: MaintenanceBackend, now: float | None = None) -> dict[str, Any]:
-    """Counts and sizes by tier, the size budget and the file size of ``store``.
+def lifetime_summary(store: MaintenanceBackend, now: float | None = None) -> dict[str, Any]:
+    """Counts and sizes by lifetime, the size budget and the file size of ``store``.
 
     Returns a JSON-able dict:
 
     * ``path``; ``now`` (the Unix seconds expiry was judged at);
-    * ``tiers``: ``{"short", "long", "expired", "total"}`` -> ``{"fragments", "stored_bytes"
+    * ``lifetimes``: ``{"short", "long", "document", "expired", "total"}`` -> ``{"fragments", "stored_bytes"
       (compressed blobs), "raw_bytes" (K + V before compression), "hits" (sum of hit
-      counts)}``; an expired fragment counts in ``expired`` only, so ``short + long + expired
-      == total``;
-    * ``corrupt``: fragments whose header does not parse (counted in their tier, with the
+      counts)}``; an expired fragment counts in ``expired`` only, so ``short + long + document
+      + expired == total``;
+    * ``corrupt``: fragments whose header does not parse (counted in their lifetime, with the
       lifecycle record's raw size);
     * ``used_bytes`` (the store's running sum of stored blobs, what the budget bounds),
       ``max_bytes`` (the budget), ``used_percent`` (``100 * used / max``, 2 decimals);
@@ -155,13 +155,13 @@ def tier_summary(store: MaintenanceBackend, now: float | None = None) -> dict[st
         now: Unix seconds the expiry is judged at (default: the store's clock).
     """
     now = store.clock() if now is None else now
-    tiers = {name: _empty_counts() for name in SUMMARY_ROWS}
+    lifetimes = {name: _empty_counts() for name in SUMMARY_ROWS}
     corrupt = 0
     for _key, head, life, nbytes in store.iterate():
         raw = head.raw_nbytes if head is not None else life.raw_nbytes
         corrupt += head is None
         for name in (EXPIRED if life.expired(now) else life.lifetime, TOTAL):
-            row = tiers[name]
+            row = lifetimes[name]
             row["fragments"] += 1
             row["stored_bytes"] += nbytes
             row["raw_bytes"] += raw
@@ -171,7 +171,7 @@ def tier_summary(store: MaintenanceBackend, now: float | None = None) -> dict[st
     return {
         "path": str(store.path),
         "now": now,
-        "tiers": tiers,
+        "lifetimes": lifetimes,
         "corrupt": corrupt,
         "used_bytes": used,
         "max_bytes": budget,
@@ -209,12 +209,12 @@ def load_report(path: str | os.PathLike, limit: int | None = None, now: float | 
     return {"fragments": rows if limit is None else rows[:limit], "summary": summ}
 
 
-def load_tier_summary(path: str | os.PathLike, now: float | None = None) -> dict[str, Any]:
-    """:func:`tier_summary` of the store at ``path``, opened read-only (never created; see
+def load_lifetime_summary(path: str | os.PathLike, now: float | None = None) -> dict[str, Any]:
+    """:func:`lifetime_summary` of the store at ``path``, opened read-only (never created; see
     :func:`open_store_readonly` for the errors). ``now``: Unix seconds (default ``time.time()``)."""
     now = time.time() if now is None else now
     with open_store_readonly(path) as store:
-        return tier_summary(store, now)
+        return lifetime_summary(store, now)
 
 def wide_console(stderr: bool = False, width: int = 200):
     """A rich Console; when the stream is not a terminal (a pipe, a file) and ``COLUMNS`` is not
@@ -245,7 +245,7 @@ def render_table(report: dict[str, Any]):
     )
     for name, justify in (
         ("key", "left"), ("tokens", "right"), ("layers", "right"), ("heads", "right"),
-        ("raw", "right"), ("stored", "right"), ("tier", "left"), ("hits", "right"), ("last hit", "left"),
+        ("raw", "right"), ("stored", "right"), ("lifetime", "left"), ("hits", "right"), ("last hit", "left"),
         ("expires", "left"), ("left (s)", "right"), ("namespace", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=name in ("key", "tokens", "layers", "last hit", "expires"))
@@ -254,7 +254,8 @@ def render_table(report: dict[str, Any]):
         left_text = "[red]expired[/red]" if row["expired"] else ("-" if left is None else f"{left:.0f}")
         if row["corrupt"]:
             table.add_row(row["key"], "[red]corrupt[/red]", "-", "-", "-", format_bytes(row["compressed_bytes"]),
-                          row["tier"], str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", left_text, "-")
+                          row["lifetime"], str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", left_text,
+                          "-")
             continue
         table.add_row(
             row["key"],
@@ -263,7 +264,7 @@ def render_table(report: dict[str, Any]):
             row["heads"],
             format_bytes(row["raw_bytes"]),
             format_bytes(row["compressed_bytes"]),
-            row["tier"],
+            row["lifetime"],
             str(row["hits"]),
             row["last_hit"] or "-",
             row["expires"] or "-",
@@ -273,9 +274,9 @@ def render_table(report: dict[str, Any]):
     return table
 
 
-def render_tier_table(summ: dict[str, Any]):
-    """A rich Table of a :func:`tier_summary` document: one row per tier (short, long,
-    expired, total), the budget and the file size in the caption."""
+def render_lifetime_table(summ: dict[str, Any]):
+    """A rich Table of a :func:`lifetime_summary` document: one row per lifetime (short, long,
+    document), one for expired fragments and the total, the budget and the file size in the caption."""
     from rich.table import Table
 
     percent = summ["used_percent"]
@@ -288,10 +289,10 @@ def render_tier_table(summ: dict[str, Any]):
             + (f"; {summ['corrupt']} corrupt" if summ["corrupt"] else "")
         ),
     )
-    for name in ("tier", "fragments", "stored", "raw", "hits"):
-        table.add_column(name, justify="left" if name == "tier" else "right")
+    for name in ("lifetime", "fragments", "stored", "raw", "hits"):
+        table.add_column(name, justify="left" if name == "lifetime" else "right")
     for name in SUMMARY_ROWS:
-        row = summ["tiers"][name]
+        row = summ["lifetimes"][name]
         table.add_row(
             f"[bold]{name}[/bold]" if name == TOTAL else name,
             str(row["fragments"]),

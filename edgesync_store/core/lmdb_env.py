@@ -13,7 +13,7 @@ named databases, created by ``migrations/m0001_initial.py``, and ``heads``, crea
   folios whole; ``docs/store-measurements.md``);
 * ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes, :func:`index_key`) ->
   store keys of the fragments that start right after that prefix; the prefix walk's index;
-* ``lifecycle``: store key -> the fragment's lifetime tier, hits, creation, last hit, expiry
+* ``lifecycle``: store key -> the fragment's lifetime, hits, creation, last hit, expiry
   and sizes (``ttl.Lifecycle``, 45 bytes); kept apart from the blob so that a hit, the expiry
   sweep and eviction never read or rewrite tensors;
 * ``meta``: store-wide facts: ``format_version`` (ASCII digits, see ``migrations/``),

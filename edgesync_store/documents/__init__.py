@@ -1,2 +1,2 @@
 """Documents an application adds on purpose: their records (``records``), their fragments'
-lifetime tier and the HNSW index that retrieves them by meaning (``retrieval``)."""
+lifetime and the HNSW index that retrieves them by meaning (``retrieval``)."""

@@ -3,7 +3,7 @@
 A document is text an application adds on purpose (a note, a manual page, a retrieved passage)
 so that its KV is computed once and reused wherever it appears in later prompts. Its KV lives
 in ordinary fragments: the chain of its own token IDs from position 0 (after an optional fixed
-header), in the model's namespace, in the ``document`` lifetime tier (``ttl.LIFETIME_DOCUMENT``:
+header), in the model's namespace, in the ``document`` lifetime (``ttl.LIFETIME_DOCUMENT``:
 never expired by the TTL, evicted last). This module keeps the record that lets the request
 path find that chain again, list documents and retrieve them by meaning, in a named LMDB
 database ``documents`` of the store's own environment (the eighth of ``max_dbs=8``)::

@@ -1,6 +1,6 @@
 """Keeping a document's fragments and finding documents by meaning.
 
-:func:`keep_as_document` moves fragments into the ``document`` lifetime tier
+:func:`keep_as_document` moves fragments into the ``document`` lifetime
 (``ttl.LIFETIME_DOCUMENT``). :class:`DocumentIndex` is an in-memory hnswlib graph (cosine, M
 16, ef_construction 200) over the window embeddings that the document records carry
 (``records.DocumentRecord.vectors``). The records in LMDB are the truth: the graph is rebuilt
@@ -27,7 +27,7 @@ __all__ = ["DocumentIndex", "keep_as_document"]
 
 
 def keep_as_document(store, keys: Sequence[bytes]) -> int:
-    """Put the fragments ``keys`` in the document tier (``expires_at`` +inf, hits kept);
+    """Put the fragments ``keys`` in the document lifetime (``expires_at`` +inf, hits kept);
     returns how many were changed. Keys no longer stored are skipped.
 
     Raises:

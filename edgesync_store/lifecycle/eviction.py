@@ -5,10 +5,10 @@ order until the store is at or under ``LOW_WATER`` (90%) of the budget (the marg
 next writes from scanning again at once):
 
 1. expired fragments (soonest expired first): they can never be served again;
-2. the short-lived lifetime tier, least recently used first (the later of last hit and
+2. the short lifetime, least recently used first (the later of last hit and
    creation);
-3. the long-lived lifetime tier, least recently used first;
-4. the document tier (fragments of documents an application added), least recently used first.
+3. the long lifetime, least recently used first;
+4. the document lifetime (fragments of documents an application added), least recently used first.
 
 Ties break by key, so the order is deterministic. A fragment that a request is injecting
 (``FragmentStore.pins``, in any process) and the fragments being written are never evicted.
@@ -35,8 +35,8 @@ def eviction_order(rows: Iterable[tuple[bytes, Lifecycle]], now: float) -> list[
         key, life = row
         if life.expired(now):
             return (0, life.expires_at, key)
-        tier = 3 if life.lifetime == LIFETIME_DOCUMENT else 2 if life.lifetime == LIFETIME_LONG else 1
-        return (tier, life.last_used_at, key)
+        order = 3 if life.lifetime == LIFETIME_DOCUMENT else 2 if life.lifetime == LIFETIME_LONG else 1
+        return (order, life.last_used_at, key)
 
     return sorted(rows, key=rank)
 

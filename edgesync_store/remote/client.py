@@ -199,9 +199,9 @@ TLS_OPTIONS = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca
                          "ssl_check_hostname", "ssl_min_version", "ssl_ciphers", "ssl_include_verify_flags",
                          "ssl_exclude_verify_flags"})
 """Query arguments passed on for ``rediss://`` only (redis-py's ``SSLConnection``)."""
-TIER_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
-                          "health_check_interval", "decode_responses", "encoding", "protocol"})
-"""Query arguments the tier sets itself and a URL must not override (redis-py lets a URL's win):
+FIXED_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
+                           "health_check_interval", "decode_responses", "encoding", "protocol"})
+"""Query arguments the remote tier sets itself and a URL must not override (redis-py lets a URL's win):
 its timeouts, no retries, binary RESP2 replies."""
 
 
@@ -209,7 +209,7 @@ def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
     """None when redis-py can use ``url``'s query arguments as the tier passes them, else what
     is wrong (the URL redacted, never a value): an argument the tier does not pass on
     (:data:`URL_OPTIONS`, :data:`TLS_OPTIONS` with ``rediss://``) or sets itself
-    (:data:`TIER_OPTIONS`), a value redis-py's own URL parser refuses, a database other than 0
+    (:data:`FIXED_OPTIONS`), a value redis-py's own URL parser refuses, a database other than 0
     on a Redis Cluster."""
     from urllib.parse import parse_qsl, urlsplit
 
@@ -218,9 +218,9 @@ def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
     shown = url.redacted
     visible = {name for name, _ in parse_qsl(urlsplit(shown).query, keep_blank_values=True)}
     for name, _value in parse_qsl(urlsplit(url.secret).query, keep_blank_values=True):
-        if name in TIER_OPTIONS:
+        if name in FIXED_OPTIONS:
             how = ("EDGESYNC_REMOTE_TIMEOUT_MS and EDGESYNC_REMOTE_WRITE_TIMEOUT_MS set the timeouts"
-                   if "timeout" in name else "the tier sets it")
+                   if "timeout" in name else "the remote tier sets it")
             return f"{shown}: {name}= is not taken from the URL ({how})"
         if name in TLS_OPTIONS and not url.tls:
             return f"{shown}: {name}= needs rediss:// (TLS)"

@@ -6,7 +6,7 @@ of a store key, ``schema.store_key``; a Redis Cluster hash tag ``{K}`` keeps a f
 keys on one node)::
 
     P:{K}:b              string  the fragment's blob, exactly core/codec.py's bytes
-                                 EXPIRE: the fragment's lifetime tier (short: what is left of
+                                 EXPIRE: the fragment's lifetime (short: what is left of
                                  it; long or document: the long lifetime, renewed on hits)
     P:{K}:n              string  hits counted by every node (INCRBY), same EXPIRE as the blob
     P:i:<ns><prefix>     hash    the prefix index: field = store key (32 raw bytes), value =

@@ -15,7 +15,7 @@ standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
   is local and the disk write is off the TTFT path.
 * **writes** go to the local store at once and to the remote in the background
   (``remote/queue.py``: a bounded queue that drops its oldest job when full, never blocking a
-  request). The remote blob's expiry follows the fragment's lifetime tier (``ttl.py``); hits
+  request). The remote blob's expiry follows the fragment's lifetime (``ttl.py``); hits
   are counted on the remote too (``KeyLayout.add_hits``), summed over the nodes, and a fragment
   fetched from the remote arrives with that summed count (promoted when it reaches
   ``promote_hits``).
