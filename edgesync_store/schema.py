@@ -373,16 +373,6 @@ class KVFragment:
             self.head_end,
         )
 
-    def covers_all(self) -> bool:
-        """True when the fragment holds every layer and every KV head of its model."""
-        return (
-            self.layer_start == 0
-            and self.layer_stride == 1
-            and self.layer_end == self.namespace.n_layer
-            and self.head_start == 0
-            and self.head_end == self.namespace.n_head_kv
-        )
-
 
 def chunk_spans(n_tokens: int, chunk_tokens: int = 128, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
     """Split ``[0, n_tokens)`` into fragment spans of ``chunk_tokens`` tokens.
