@@ -70,7 +70,7 @@ PREFIX = struct.Struct("<4sHI")
 _SUM = struct.Struct("<Q")
 MAX_HEADER_BYTES = 64 * 1024
 HEAD_MEMO = 4096
-"""Heads kept parsed, by their bytes (about 3 KB each for a 128-token fragment)."""
+"""Heads kept parsed, by their bytes."""
 
 
 def checksum(data) -> int:
@@ -220,9 +220,9 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
 @functools.lru_cache(maxsize=HEAD_MEMO)
 def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
     """The header and embedding of a head's exact bytes, its checksum verified: memoized by
-    those bytes (a walk peeks the same heads request after request, and a parse cost about 20
-    us; bytes that differ, a corrupt head among them, are parsed and checked anew). Arrays are
-    read-only: they are shared by every caller.
+    those bytes, since a walk peeks the same heads request after request (bytes that differ, a
+    corrupt head among them, are parsed and checked anew). Arrays are read-only: they are
+    shared by every caller.
 
     Raises:
         CodecError: a checksum mismatch or bad header fields.
