@@ -255,16 +255,14 @@ class Compactor:
     # -- the whole run -------------------------------------------------------------------------
 
     def run(self, dry_run: bool = False, do_reclaim: bool = True, max_bytes: int | None = None,
-            reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION,
-            reclaim_min_bytes: int = reclaim.DEFAULT_MIN_FREE_BYTES, force_reclaim: bool = False) -> CompactionReport:
+            reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION, force_reclaim: bool = False) -> CompactionReport:
         """Every step once (module docstring); see :class:`CompactionReport`.
 
         Args:
             dry_run: report what would be done, change nothing.
             do_reclaim: run step 6.
             max_bytes: budget for step 5 (default: the store's).
-            reclaim_fraction, reclaim_min_bytes, force_reclaim: step 6's threshold
-                (``reclaim.reclaim``).
+            reclaim_fraction, force_reclaim: step 6's threshold (``reclaim.reclaim``).
         """
         t0 = time.monotonic()
         store = self.store
@@ -299,8 +297,8 @@ class Compactor:
             if not dry_run:
                 reclaim.remove_stale_copy(store)  # a whole copy of the store left by a killed reclaim
             if do_reclaim and not self.stop.is_set():
-                report.reclaim = reclaim.reclaim(store, reclaim_fraction, reclaim_min_bytes, force_reclaim,
-                                                 dry_run).to_dict()
+                report.reclaim = reclaim.reclaim(store, reclaim_fraction, force=force_reclaim,
+                                                 dry_run=dry_run).to_dict()
             report.stopped = report.stopped or self.stop.is_set()
             report.fragments_after = len(store.iterate_lifecycle())
             report.used_bytes_after = store.used_bytes()
