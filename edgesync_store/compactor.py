@@ -16,9 +16,9 @@ Steps of :meth:`Compactor.run`, in order:
    disjoint and together all heads become one (``merge.merge_heads``);
 4. **merge along axis 0**: fragments of one span and head range whose layer sets are
    disjoint and together all layers (contiguous ranges or interleaved strides) become one
-   (``merge.merge_layers``). Merged fragments keep the earliest creation, latest expiry and
-   hit, the largest hit count (their parts were hit together) and the donor record and vector
-   of any part. Each merge or dedup is one LMDB transaction: it happens whole or not at all.
+   (``merge.merge_layers``). A merged fragment's counters are ``ttl.merged_counters``; it
+   keeps the donor record and vector of any part. Each merge or dedup is one LMDB
+   transaction: it happens whole or not at all.
 5. **evict** down to the size budget (``eviction.py``);
 6. **reclaim** the file's free pages when they pass the threshold (``reclaim.py``).
 
