@@ -255,7 +255,8 @@ class Compactor:
     # -- the whole run -------------------------------------------------------------------------
 
     def run(self, dry_run: bool = False, do_reclaim: bool = True, max_bytes: int | None = None,
-            reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION, force_reclaim: bool = False) -> CompactionReport:
+            reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION,
+            force_reclaim: bool = False) -> CompactionReport:
         """Every step once (module docstring); see :class:`CompactionReport`.
 
         Args:

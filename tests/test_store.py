@@ -1340,8 +1340,8 @@ def test_fragment_store_implements_the_backend_interfaces():
                "release_mapped", "stats", "close"}
     assert request == set(FragmentBackend.__abstractmethods__)
     maintenance = {"contains", "delete_many", "set_lifecycle", "iterate", "iterate_lifecycle", "delete_expired",
-                   "put_replacing", "absorb", "used_bytes", "recount_used", "transact", "named_db", "contains_in", "delete_in",
-                   "used_in", "lifecycle_rows_in", "closed"}
+                   "put_replacing", "absorb", "used_bytes", "recount_used", "transact", "named_db", "contains_in",
+                   "delete_in", "used_in", "lifecycle_rows_in", "closed"}
     assert (request - {"forget_tokens"}) | maintenance == set(MaintenanceBackend.__abstractmethods__)
     assert {"put", "delete", "forget_tokens"} <= set(vars(MaintenanceBackend))
 
