@@ -374,8 +374,7 @@ class SemanticIndex:
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
         dropped), save the sidecar (unless the store is read-only) and return the number of
-        vectors indexed. ``progress(done, total)`` is called as vectors are added (the command
-        draws the bar; this module never prints)."""
+        vectors indexed. ``progress(done, total)`` is called as vectors are added."""
         with self._lock:
             n = self._rebuild_locked(progress)
             if not self.store.readonly:
