@@ -3,9 +3,10 @@ walk over both tiers at once.
 
 The rules of the local walk (``core/walk.prefix_walk``, the search ``core/walk.longest_chain``).
 Headers come from the index hash (``tier.KeyLayout``), never from blobs; a blob that no longer
-exists (Redis expired or evicted it) does not count, and its field is reported for removal. :func:`combined_walk` takes at each position the groups of either tier (a group is
-complete within one tier: coverage is never summed across tiers), so a chain whose head
-Redis evicted while the local store kept it, or the reverse, is joined.
+exists (Redis expired or evicted it) does not count, and its field is reported for removal.
+:func:`combined_walk` takes at each position the groups of either tier (a group is complete
+within one tier: coverage is never summed across tiers), so a chain whose head Redis evicted
+while the local store kept it, or the reverse, is joined.
 
 Round trips: the positions of the chunk grid (``grid`` tokens apart, the configured
 ``chunk_tokens``), the prompt's last position and, in a combined walk, the ends of the local
