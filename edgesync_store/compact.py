@@ -9,9 +9,8 @@ one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr
 steps. It reads the store's settings alone (:class:`~edgesync_store.settings.StoreSettings`; no
 engine is imported): STORE defaults to ``store_path`` (``EDGESYNC_STORE`` or the per-user cache
 dir); the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the
-store, else 1 GiB; merged fragments are written with ``EDGESYNC_COMPRESSION``. Sizes:
-``K``/``M``/``G`` (or ``KiB``...) are powers of 1024, ``KB``/``MB``/``GB`` of 1000; the summary
-prints binary units. ``--dry-run`` opens the store read-only.
+store, else 1 GiB; merged fragments are written with ``EDGESYNC_COMPRESSION``. Sizes are read
+by ``units.parse_bytes``. ``--dry-run`` opens the store read-only.
 
 Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
 so the store is consistent at any stop): the report so far is printed and the exit status is

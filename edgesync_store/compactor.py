@@ -16,9 +16,9 @@ Steps of :meth:`Compactor.run`, in order:
    disjoint and together all heads become one (``merge.merge_heads``);
 4. **merge along axis 0**: fragments of one span and head range whose layer sets are
    disjoint and together all layers (contiguous ranges or interleaved strides) become one
-   (``merge.merge_layers``). Merged fragments keep the earliest creation, latest expiry and
-   hit, the largest hit count (their parts were hit together) and the donor record and vector
-   of any part. Each merge or dedup is one LMDB transaction: it happens whole or not at all.
+   (``merge.merge_layers``). A merged fragment's counters are ``ttl.merged_counters``; it
+   keeps the donor record and vector of any part. Each merge or dedup is one LMDB
+   transaction: it happens whole or not at all.
 5. **evict** down to the size budget (``eviction.py``);
 6. **reclaim** the file's free pages when they pass the threshold (``reclaim.py``).
 
@@ -256,15 +256,14 @@ class Compactor:
 
     def run(self, dry_run: bool = False, do_reclaim: bool = True, max_bytes: int | None = None,
             reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION,
-            reclaim_min_bytes: int = reclaim.DEFAULT_MIN_FREE_BYTES, force_reclaim: bool = False) -> CompactionReport:
+            force_reclaim: bool = False) -> CompactionReport:
         """Every step once (module docstring); see :class:`CompactionReport`.
 
         Args:
             dry_run: report what would be done, change nothing.
             do_reclaim: run step 6.
             max_bytes: budget for step 5 (default: the store's).
-            reclaim_fraction, reclaim_min_bytes, force_reclaim: step 6's threshold
-                (``reclaim.reclaim``).
+            reclaim_fraction, force_reclaim: step 6's threshold (``reclaim.reclaim``).
         """
         t0 = time.monotonic()
         store = self.store
@@ -299,8 +298,8 @@ class Compactor:
             if not dry_run:
                 reclaim.remove_stale_copy(store)  # a whole copy of the store left by a killed reclaim
             if do_reclaim and not self.stop.is_set():
-                report.reclaim = reclaim.reclaim(store, reclaim_fraction, reclaim_min_bytes, force_reclaim,
-                                                 dry_run).to_dict()
+                report.reclaim = reclaim.reclaim(store, reclaim_fraction, force=force_reclaim,
+                                                 dry_run=dry_run).to_dict()
             report.stopped = report.stopped or self.stop.is_set()
             report.fragments_after = len(store.iterate_lifecycle())
             report.used_bytes_after = store.used_bytes()

@@ -373,35 +373,25 @@ class KVFragment:
             self.head_end,
         )
 
-    def covers_all(self) -> bool:
-        """True when the fragment holds every layer and every KV head of its model."""
-        return (
-            self.layer_start == 0
-            and self.layer_stride == 1
-            and self.layer_end == self.namespace.n_layer
-            and self.head_start == 0
-            and self.head_end == self.namespace.n_head_kv
-        )
 
-
-def chunk_spans(n_tokens: int, chunk_tokens: int = 128, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
+def chunk_spans(n_tokens: int, chunk_tokens: int = 128) -> list[tuple[int, int]]:
     """Split ``[0, n_tokens)`` into fragment spans of ``chunk_tokens`` tokens.
 
-    The last span absorbs a remainder shorter than ``min_span``; a sequence shorter than
-    ``min_span`` gives no span (it is never cached). Spans never exceed :data:`MAX_SPAN`.
+    The last span absorbs a remainder shorter than :data:`MIN_SPAN`; a sequence shorter
+    than :data:`MIN_SPAN` gives no span (it is never cached). Spans never exceed :data:`MAX_SPAN`.
 
     >>> chunk_spans(300)
     [(0, 128), (128, 300)]
     >>> chunk_spans(200)
     [(0, 128), (128, 200)]
     """
-    if chunk_tokens < min_span or chunk_tokens + min_span - 1 > MAX_SPAN:
-        raise ValueError(f"chunk_tokens: {chunk_tokens} must be in [{min_span}, {MAX_SPAN - min_span + 1}]")
+    if chunk_tokens < MIN_SPAN or chunk_tokens + MIN_SPAN - 1 > MAX_SPAN:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} must be in [{MIN_SPAN}, {MAX_SPAN - MIN_SPAN + 1}]")
     spans: list[tuple[int, int]] = []
     start = 0
-    while n_tokens - start >= min_span:
+    while n_tokens - start >= MIN_SPAN:
         end = start + chunk_tokens
-        if n_tokens - end < min_span:
+        if n_tokens - end < MIN_SPAN:
             end = n_tokens
         spans.append((start, end))
         start = end

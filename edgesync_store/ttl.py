@@ -5,9 +5,8 @@ lifetime. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit 
 brings ``hit_count`` to ``promote_hits`` (5) moves the fragment to the **long** lifetime
 with ``expires_at = now + long_ttl_seconds`` (7 days): a prompt asked again and again is worth
 keeping across days; later hits in the long lifetime extend it again to ``now + long_ttl_seconds``.
-An expired fragment
-(``expires_at <= now``) is never served (``FragmentStore.prefix_walk`` skips it) and is deleted
-by :func:`sweep`.
+An expired fragment (``expires_at <= now``) is never served (``FragmentStore.prefix_walk``
+skips it) and is deleted by :func:`sweep`.
 
 Times are Unix seconds (float). The clock is injectable (``FragmentStore(clock=...)``): tests pass
 a :class:`ManualClock` and never sleep.

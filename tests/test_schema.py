@@ -132,6 +132,12 @@ def test_invariant_violation_raises_value_error_naming_field(field_name, build):
     assert str(info.value).startswith(field_name), str(info.value)
 
 
+def covers_all(frag: KVFragment) -> bool:
+    """True when the fragment holds every layer and every KV head of its model."""
+    return (frag.layer_start == 0 and frag.layer_stride == 1 and frag.layer_end == frag.namespace.n_layer
+            and frag.head_start == 0 and frag.head_end == frag.namespace.n_head_kv)
+
+
 def test_valid_fragments_construct_with_documented_defaults():
     frag = KVFragment(**_make_kwargs(layers=(0, 30, 3), heads=(1, 3), span=100, token_start=64))
     assert frag.n_layers == 10
@@ -139,14 +145,14 @@ def test_valid_fragments_construct_with_documented_defaults():
     assert frag.keys.shape == (10, 100, 128)
     assert frag.span == 100
     assert frag.token_ids.dtype == np.int32
-    assert not frag.covers_all()
+    assert not covers_all(frag)
     assert frag.content_hash == content_hash(frag.token_ids)
     assert frag.expires_at == pytest.approx(frag.created_at + DEFAULT_TTL_SECONDS)
     assert frag.embedding.shape == (0,)
     assert frag.raw_nbytes == 2 * 10 * 100 * 128 * 2
 
     whole = KVFragment(**_make_kwargs())
-    assert whole.head_end == 3 and whole.covers_all()
+    assert whole.head_end == 3 and covers_all(whole)
     # span limits are inclusive
     for span in (MIN_SPAN, MAX_SPAN):
         kw = _make_kwargs(span=span, layers=(0, 1, 1))

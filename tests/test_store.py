@@ -1337,11 +1337,11 @@ def test_fragment_store_implements_the_backend_interfaces():
     assert not FragmentStore.__abstractmethods__
     request = {"get", "reading", "serves_in_place", "put_many", "is_live", "prefix_walk", "covers_span",
                "keys_along", "namespaces", "forget_tokens", "lifecycle", "lifecycles", "record_hits", "reuse_hint",
-               "release_mapped", "used_bytes", "stats", "close"}
+               "release_mapped", "stats", "close"}
     assert request == set(FragmentBackend.__abstractmethods__)
     maintenance = {"contains", "delete_many", "set_lifecycle", "iterate", "iterate_lifecycle", "delete_expired",
-                   "put_replacing", "absorb", "recount_used", "transact", "named_db", "contains_in", "delete_in",
-                   "used_in", "lifecycle_rows_in", "closed"}
+                   "put_replacing", "absorb", "used_bytes", "recount_used", "transact", "named_db", "contains_in",
+                   "delete_in", "used_in", "lifecycle_rows_in", "closed"}
     assert (request - {"forget_tokens"}) | maintenance == set(MaintenanceBackend.__abstractmethods__)
     assert {"put", "delete", "forget_tokens"} <= set(vars(MaintenanceBackend))
 

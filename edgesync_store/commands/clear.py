@@ -22,12 +22,10 @@ bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
 A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
 ``data.mdb`` opens as a new, empty store.
 
-A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open safely, or
-one whose meta pages are unreadable)
-is never opened: with the exclusive lock taken the same way, its files are removed and an empty
-store (default budget) created; while another process has it open, nothing is done.
-
-Library code: logs (this module's logger), never prints.
+A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open
+safely, or one whose meta pages are unreadable) is never opened: with the exclusive lock taken
+the same way, its files are removed and an empty store (default budget) created; while another
+process has it open, nothing is done.
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ Everything here reads headers only (``FragmentStore.iterate``: no decompression)
 summary functions are pure; :func:`render_table` and :func:`render_lifetime_table` build rich
 Tables; the command that prints them is :mod:`edgesync_store.commands.dump`.
 
-Each fragment is in the **short** or the **long** lifetime (``ttl.py``) and is **expired** once
-``expires_at <= now``: the store never serves it again and the next sweep deletes it. The
-per-fragment rows show the stored lifetime and an ``expired`` flag; :func:`lifetime_summary` counts an
-expired fragment in the ``expired`` row only (not in its lifetime's).
+The per-fragment rows show the stored lifetime (``ttl.py``) and an ``expired`` flag;
+:func:`lifetime_summary` counts an expired fragment in the ``expired`` row only (not in its
+lifetime's).
 
 Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
 ``expires_in_s`` is seconds from now (negative once expired).

@@ -263,14 +263,6 @@ class FragmentBackend(ABC):
     # -- size and closing -------------------------------------------------------------------
 
     @abstractmethod
-    def used_bytes(self) -> int:
-        """Bytes of the stored blobs: what the size budget bounds.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
-
-    @abstractmethod
     def stats(self):
         """Counts and sizes (``StoreStats``: fragments, compressed, raw and disk bytes, ...).
 
@@ -403,6 +395,14 @@ class MaintenanceBackend(FragmentBackend):
 
         Raises:
             PermissionError: read-only. StoreIOError: the storage failed.
+        """
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of the stored blobs: what the size budget bounds.
+
+        Raises:
+            StoreIOError: the storage failed.
         """
 
     @abstractmethod

@@ -30,7 +30,7 @@ The payload by ``compression``:
 * ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): smaller than
   the raw KV, decompressed on every read (figures: ``docs/store-measurements.md``).
 
-xxh3_64 (the ``xxhash`` package) checks the bytes (several times faster than zlib's crc32).
+xxh3_64 (the ``xxhash`` package) checks the bytes (against crc32: ``docs/store-measurements.md``).
 Nothing read is unpickled: the header is JSON and the arrays raw little-endian. Format-1 blobs
 (zstd, crc32, no alignment) are read too (``codec_v1``); :func:`encode` writes format 2 only.
 
@@ -70,7 +70,7 @@ PREFIX = struct.Struct("<4sHI")
 _SUM = struct.Struct("<Q")
 MAX_HEADER_BYTES = 64 * 1024
 HEAD_MEMO = 4096
-"""Heads kept parsed, by their bytes (about 3 KB each for a 128-token fragment)."""
+"""Heads kept parsed, by their bytes."""
 
 
 def checksum(data) -> int:
@@ -220,9 +220,9 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
 @functools.lru_cache(maxsize=HEAD_MEMO)
 def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
     """The header and embedding of a head's exact bytes, its checksum verified: memoized by
-    those bytes (a walk peeks the same heads request after request, and a parse cost about 20
-    us; bytes that differ, a corrupt head among them, are parsed and checked anew). Arrays are
-    read-only: they are shared by every caller.
+    those bytes, since a walk peeks the same heads request after request (bytes that differ, a
+    corrupt head among them, are parsed and checked anew). Arrays are read-only: they are
+    shared by every caller.
 
     Raises:
         CodecError: a checksum mismatch or bad header fields.

@@ -1,4 +1,4 @@
-"""Cross-process coordination of one store through two lock files in its directory.
+"""Cross-process coordination of one store through three lock files in its directory.
 
 * ``edgesync.lock`` (``flock``): every process that has the store open holds a **shared**
   lock on it; the disk reclaim (``reclaim.py``) and ``clear`` need it **exclusive**, i.e. no

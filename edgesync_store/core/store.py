@@ -261,8 +261,7 @@ class FragmentStore(MaintenanceBackend):
 
     @property
     def serves_in_place(self) -> bool:
-        """True when fragments this store writes are read in place (:meth:`reading`, no copy
-        of the tensors): its blobs are uncompressed (``compression="none"``)."""
+        """True when its blobs are uncompressed (``compression="none"``)."""
         return self.compression == "none"
 
     def contains(self, key: bytes) -> bool:
@@ -333,8 +332,7 @@ class FragmentStore(MaintenanceBackend):
     def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
         """See :meth:`FragmentBackend.get`: decoded into arrays of its own inside one read
         transaction (blob and lifecycle record together); with ``copy`` the blob is copied out
-        and decoded after the transaction. A blob that fails ``codec.decode`` or whose
-        recomputed key differs from ``key`` is corrupt."""
+        and decoded after the transaction."""
         corrupt: list = []
         if copy:
             def read(txn):
@@ -376,9 +374,9 @@ class FragmentStore(MaintenanceBackend):
     # -- writes ---------------------------------------------------------------------------
 
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
-        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``): eviction
-        frees down to ``eviction.LOW_WATER`` (90%) of the budget. Encoding (compression) happens
-        before the transaction so the writer lock is held only for the copy into LMDB."""
+        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``; eviction:
+        ``lifecycle/eviction.py``). Encoding (compression) happens before the transaction so the
+        writer lock is held only for the copy into LMDB."""
         encoded = []
         for f in fragments:
             blob = codec.encode(f, self.compression)

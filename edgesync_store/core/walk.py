@@ -194,10 +194,9 @@ def longest_chain(tokens: np.ndarray, spans_at: Callable[[int, bytes], list[Span
     """The chain of spans reaching furthest into ``tokens`` (int32, shape ``(n,)``) from 0.
 
     ``spans_at(pos, digest)`` gives the span groups stored at ``pos`` after the prefix whose
-    hash is ``digest`` (``schema.prefix_hasher`` over ``tokens[:pos]``). A complete span leads
-    on to its end position; a partial one ends its path. Depth first with one lookup per
-    position: spans of other chunk sizes branch, so a greedy choice of the longest complete
-    span can end short of another branch. Shared by the local walk and the remote tier's.
+    hash is ``digest`` (``schema.prefix_hasher`` over ``tokens[:pos]``); the search is the one
+    :func:`prefix_walk` describes (a greedy choice of the longest complete span can end short
+    of another branch). Shared by the local walk and the remote tier's.
     """
     memo: dict[int, tuple[int, list[SpanMatch]]] = {}
 

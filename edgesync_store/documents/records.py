@@ -6,7 +6,7 @@ in ordinary fragments: the chain of its own token IDs from position 0 (after an 
 header), in the model's namespace, in the ``document`` lifetime (``ttl.LIFETIME_DOCUMENT``:
 never expired by the TTL, evicted last). This module keeps the record that lets the request
 path find that chain again, list documents and retrieve them by meaning, in a named LMDB
-database ``documents`` of the store's own environment (the eighth of ``max_dbs=8``)::
+database ``documents`` of the store's own environment::
 
     key: document key (32 bytes) = SHA-256(tag + namespace digest + the document's token IDs
         as <i4), :func:`document_key`

@@ -63,11 +63,11 @@ def free_bytes(store) -> tuple[int, int]:
     return size, max(0, size - store.page_bytes())
 
 
-def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
-            min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, force: bool = False,
+def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION, force: bool = False,
             dry_run: bool = False) -> ReclaimResult:
-    """Rewrite ``data.mdb`` compactly when its free space passes both thresholds (or with
-    ``force``, whenever any is free); see the module docstring for the swap.
+    """Rewrite ``data.mdb`` compactly when its free space passes ``min_free_fraction`` and
+    :data:`DEFAULT_MIN_FREE_BYTES` (with ``force``, whenever any is free); see the module
+    docstring for the swap.
 
     Returns a :class:`ReclaimResult`; ``reclaimed`` False with the ``reason`` when below the
     threshold, ``dry_run``, the store is read-only, or another process has it open.
@@ -82,9 +82,9 @@ def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION,
         remove_stale_copy(store)
     before, free = free_bytes(store)
     result = ReclaimResult(before, free, before, False, "")
-    if free <= 0 or (not force and (free < min_free_bytes or free < min_free_fraction * before)):
+    if free <= 0 or (not force and (free < DEFAULT_MIN_FREE_BYTES or free < min_free_fraction * before)):
         result.reason = (f"{free} free bytes of {before}: below the threshold "
-                         f"({min_free_fraction:.0%} and {min_free_bytes} bytes)")
+                         f"({min_free_fraction:.0%} and {DEFAULT_MIN_FREE_BYTES} bytes)")
         return result
     if dry_run:
         result.reason = "dry run: would rewrite the file"

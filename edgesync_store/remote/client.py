@@ -268,9 +268,8 @@ class RemoteClient:
     Args:
         url: the server (any node of a cluster).
         cluster: True for Redis Cluster (``RedisCluster``), False for one server.
-        timeout_ms: timeout of each socket read (and connect) of the fast client (request path),
-            milliseconds; redis-py's ``socket_timeout``, so not a bound on a whole call (the
-            fetch's is ``tier.KeyLayout.fetch``'s deadline).
+        timeout_ms: timeout of each socket read (and connect) of the fast client, milliseconds
+            (redis-py's ``socket_timeout``: one read, not a whole call; module docstring).
         write_timeout_ms: the same for the slow client (background and commands).
         retry_s: seconds the open breaker waits before probing again.
 

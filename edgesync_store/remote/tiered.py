@@ -4,25 +4,23 @@ The local store (``FragmentStore``) stays the first tier; the remote one (Redis 
 standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
 
 * **reads** fall through: :meth:`TieredStore.prefix_walk` walks the local index and, only when
-  that falls short of the prompt, both indexes at once (``remote/walk.py``: at each position
-  the span groups of either tier, so a chain whose head or tail only the remote holds is
-  joined), keeping it when it reaches further; :meth:`TieredStore.get` reads the local store,
-  then the remote. A remote blob is verified as a local one is (``codec.decode``: checksums and
-  content hash; then its key): a corrupt or foreign one is refused, counted, deleted from the
-  remote and never asked for again by this process, and the request injects fewer tokens or
-  prefills. A fetched fragment is written to the local store as the same bytes, after the
-  first token (at the next ``record_hits``, ``put_many`` or ``covers_span``), so the next hit
-  is local and the disk write is off the TTFT path.
+  that falls short of the prompt, both indexes at once (``remote/walk.py``), keeping that walk
+  when it reaches further; :meth:`TieredStore.get` reads the local store, then the remote. A
+  remote blob is verified as a local one is (``codec.decode``, then its key): a corrupt or
+  foreign one is refused, counted, deleted from the remote and never asked for again by this
+  process, and the request injects fewer tokens or prefills. A fetched fragment is written to
+  the local store as the same bytes after the first token (at the next ``record_hits``,
+  ``put_many`` or ``covers_span``), so the next hit is local and the disk write is off the
+  TTFT path.
 * **writes** go to the local store at once and to the remote in the background
-  (``remote/queue.py``: a bounded queue that drops its oldest job when full, never blocking a
-  request). The remote blob's expiry follows the fragment's lifetime (``ttl.py``); hits
-  are counted on the remote too (``KeyLayout.add_hits``), summed over the nodes, and a fragment
-  fetched from the remote arrives with that summed count (promoted when it reaches
-  ``promote_hits``).
-* **faults** never fail a request: every remote call has a timeout (``RemoteClient``) and goes
-  through its circuit breaker; a failed or skipped call leaves the request local-only. A value
-  of the wrong type or form (``KeyLayout.on_bad``) is skipped, counted (``bad_values``), logged
-  and deleted in the background. Counts are in :meth:`stats` (``remote``) and
+  (``remote/queue.py``, never blocking a request). The remote blob's expiry follows the
+  fragment's lifetime (``ttl.py``); hits are counted on the remote too, summed over the nodes,
+  and a fragment fetched from the remote arrives with that summed count (promoted when it
+  reaches ``promote_hits``).
+* **faults** never fail a request: every remote call has a timeout and goes through the circuit
+  breaker (``remote/client.py``); a failed or skipped call leaves the request local-only. A
+  value of the wrong type or form (``KeyLayout.on_bad``) is skipped, counted (``bad_values``),
+  logged and deleted in the background. Counts are in :meth:`stats` (``remote``) and
   :meth:`remote_stats`.
 
 ``forget_tokens`` and ``delete_many`` remove from both tiers. Maintenance (expiry sweep,
@@ -144,11 +142,9 @@ class TieredStore(MaintenanceBackend):
     def prefix_walk(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
                     now: float | None = None) -> PrefixMatch:
         """The local walk, or, when it leaves more than the prompt's last token uncovered, the
-        walk over both tiers (``remote_walk.combined_walk``: at each position the span groups of
-        either, so a chain split between them is joined) when that reaches further. The remote
-        tier's expiry is Redis's own: ``now`` applies to the local groups. A remote failure
-        leaves the local walk (counted by the client); the local store's ``StoreError``
-        propagates as from ``FragmentStore.prefix_walk``."""
+        walk over both tiers (``remote_walk.combined_walk``) when that reaches further. ``now``
+        applies to the local groups only (the remote tier's expiry is Redis's own). A remote
+        failure leaves the local walk; the local store's ``StoreError`` propagates."""
         local = self.local.prefix_walk(namespace, tokens, now)
         n = len(tokens)
         if n < MIN_SPAN or local.matched_tokens >= n - 1:

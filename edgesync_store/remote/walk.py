@@ -1,15 +1,12 @@
 """The prefix walk and the fragments-along-a-prompt query over the remote tier's index, and the
 walk over both tiers at once.
 
-The same rules as the local walk (``core/walk.py``): at each position the fragments stored
-after exactly this prefix (namespace digest + prefix hash) are grouped by span, a group counts
-when it holds every layer and KV head of the namespace and its token IDs match the prompt's,
-and the walk returns the path that reaches furthest (depth first, spans of other chunk sizes
-branch). Headers come from the index hash (``tier.KeyLayout``), never from blobs; a blob that
-no longer exists (Redis expired or evicted it) does not count, and its field is reported for
-removal. :func:`combined_walk` takes at each position the groups of either tier (a group is
-complete within one tier: coverage is never summed across tiers), so a chain whose head
-Redis evicted while the local store kept it, or the reverse, is joined.
+The rules of the local walk (``core/walk.prefix_walk``, the search ``core/walk.longest_chain``).
+Headers come from the index hash (``tier.KeyLayout``), never from blobs; a blob that no longer
+exists (Redis expired or evicted it) does not count, and its field is reported for removal.
+:func:`combined_walk` takes at each position the groups of either tier (a group is complete
+within one tier: coverage is never summed across tiers), so a chain whose head Redis evicted
+while the local store kept it, or the reverse, is joined.
 
 Round trips: the positions of the chunk grid (``grid`` tokens apart, the configured
 ``chunk_tokens``), the prompt's last position and, in a combined walk, the ends of the local

@@ -4,9 +4,8 @@ The semantic index (:mod:`edgesync_store.semantic.index`) maps a prompt's embedd
 key of the last fragment of the prompt's chain (the chunk that ends where the prompt's stored KV
 ends). A fragment holds only its own span's token IDs, and a prefix hash cannot be inverted, so
 verifying a nominated donor token by token needs the donor's tokens from position 0. This
-module keeps them, in a named LMDB database ``donors`` of the store's own environment (the
-store opens it with ``max_dbs=8``: ``fragments``, ``by_prefix``, ``lifecycle``, ``meta``,
-``emb_vectors``, ``emb_meta``, ``documents`` and this one):
+module keeps them, in a named LMDB database ``donors`` of the store's own environment
+(``core/companions.py``):
 
     key: the last fragment's store key (32 bytes)
     value: the namespace digest (32 bytes, ``schema.Namespace.digest``), ``<I`` token count n,

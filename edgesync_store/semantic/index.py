@@ -1,25 +1,13 @@
 """SemanticIndex: an HNSW (hnswlib) sidecar beside a FragmentStore, rebuildable from LMDB.
 
-The embeddings of stored fragments live in the store's own LMDB environment (databases
-``emb_vectors`` and ``emb_meta``; byte layouts, labels, generation counter and change log in
-``vectors.py``), so they share its transactions, its cross-process locking and its
-durability; the hnswlib graph is only a cache of them, saved beside the LMDB files and rebuilt
-from LMDB whenever it is missing, corrupt or of another store.
-
-Every add or remove is one LMDB write transaction. An in-memory index remembers the generation
-it reflects; before a query it reads the current one (one read transaction) and, if another
-process wrote since, replays the change log from there (or reconciles fully when the log no
-longer reaches back that far). Fragments that the store deleted on its own (expiry, compaction)
-are noticed by :meth:`SemanticIndex.sync` and by :meth:`SemanticIndex.query` (every result is
-checked against the store's ``fragments`` database) and their vectors removed.
-
-The sidecar files (``semantic.hnsw``, ``semantic.json``) and how they are written and
-checked are in :mod:`edgesync_store.semantic.sidecar`; a damaged one is rebuilt from LMDB
-(warning).
-
-A store records which embedder wrote its vectors and never mixes two: opening an index with
-another ``backend_id`` raises :class:`BackendMismatchError` naming both (unless the store holds
-no vector yet); :func:`drop_vectors` clears them so that the store can be re-embedded.
+The vectors, their labels, generation counter and change log live in the store's LMDB
+environment (:mod:`edgesync_store.semantic.vectors`, which also says how a reader catches up
+and why a store never mixes two embedders); the hnswlib graph is only a cache of them, saved
+beside the LMDB files (:mod:`edgesync_store.semantic.sidecar`) and rebuilt from LMDB whenever
+it is missing, damaged (warning) or of another store. Fragments that the store deleted on its
+own (expiry, compaction) are noticed by :meth:`SemanticIndex.sync` and by
+:meth:`SemanticIndex.query` (every result is checked against the store's ``fragments``
+database) and their vectors removed.
 
 Graph parameters (DESIGN.md 2.1): inner-product space on L2-normalised vectors (so distance =
 1 - cosine), M = 16, ef_construction = 200, ef_search = 100 by default. The graph and its
@@ -386,8 +374,7 @@ class SemanticIndex:
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
         dropped), save the sidecar (unless the store is read-only) and return the number of
-        vectors indexed. ``progress(done, total)`` is called as vectors are added (the command
-        draws the bar; this module never prints)."""
+        vectors indexed. ``progress(done, total)`` is called as vectors are added."""
         with self._lock:
             n = self._rebuild_locked(progress)
             if not self.store.readonly:

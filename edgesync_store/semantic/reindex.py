@@ -6,8 +6,6 @@ stored in the default mode, which never embeds) are embedded. With another backe
 recorded one: every vector is dropped and every donor re-embedded from the text kept in its
 record (``edgesync_store.semantic.donors``), since a store never mixes vectors of two embedders.
 Donor records whose fragment is gone are removed either way.
-
-No printing here: progress goes to an optional callback, the command prints.
 """
 
 from __future__ import annotations

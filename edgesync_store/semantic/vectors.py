@@ -5,9 +5,8 @@ The vectors live in the store's environment so that they share its transactions,
 cross-process locking and its durability; the hnswlib graph (``index.py``) is only a cache of
 them, rebuilt from here whenever it is missing, corrupt or of another store.
 
-Two named databases (``core/lmdb_env.py`` opens the environment with ``max_dbs=8``; the
-store's core uses 4, ``donors.py`` a seventh; their key layout is in ``core/companions.py``,
-which also deletes and re-keys a fragment's vector with the fragment):
+Two named databases (their key layout is in ``core/companions.py``, which also deletes and
+re-keys a fragment's vector with the fragment):
 
 * ``emb_vectors``: store key -> ``<Q`` label + ``dim`` ``<f4`` (the unit vector; 1,544 bytes
   for 384 dims): the source of truth of every rebuild. Labels are hnswlib's ids, allocated
