@@ -10,9 +10,8 @@ string value, which the README's matrix shows):
 * :data:`CONVERTIBLE` (``"convertible"``): the same model file (SHA-256 of the GGUF; an ONNX
   export records the GGUF it came from) and KV geometry, in a layout
   ``reshape.convert_fragment`` knows. The converted KV is close to, not equal to, the
-  receiving engine's own (../shared/DESIGN.md 2.3: argmax agreement 72/72, mean logit
-  difference 0.17-0.27, the same size as the two engines' own gap), so it is used only when
-  asked (``allow_convertible``).
+  receiving engine's own (../shared/DESIGN.md 2.3), so it is used only when asked
+  (``allow_convertible``).
 * :data:`INCOMPATIBLE` (``"incompatible"``): another model (fingerprint; the tokenizer is part
   of the GGUF, so another tokenizer is another fingerprint), another number of layers, KV
   heads or head size, or a layout or element type without a conversion: a layout option
@@ -35,7 +34,7 @@ window, another architecture) has no onnxruntime namespace at all, and its llama
 whose layout records the cache parts, are incompatible with any other namespace.
 
 llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
-compatible, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
+compatible, because the numbers differ (DESIGN.md 2.2).
 """
 
 from __future__ import annotations

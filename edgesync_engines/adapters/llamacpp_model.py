@@ -10,6 +10,7 @@ import re
 from typing import Mapping, Sequence
 
 from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.base import check_messages
 from edgesync_engines.adapters.gguf_header import GGUFHeaderError, not_a_model, read_header
 
 log = logging.getLogger(__name__)
@@ -96,11 +97,3 @@ def gguf_problem(path) -> str | None:
         return text[len(f"{path}: "):] if text.startswith(f"{path}: ") else text
     except OSError as exc:
         return f"cannot read it ({exc.strerror or exc})"
-
-
-def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
-    """Raise ValueError naming the first chat message that is not a dict of 'role' and
-    'content' strings."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")

@@ -3,11 +3,10 @@ log lines go.
 
 Models come from registry packages, never from a hub at run time (../shared/DESIGN.md 2.1).
 
-The fingerprint (``file_fingerprint``) names a model in every KV namespace. Hashing a 98 MB
-GGUF takes a fraction of a second but every start would pay it, so the digest is cached in a
-small JSON file (``fingerprints.json`` in the per-user cache directory, or
-``EDGESYNC_FINGERPRINT_CACHE``) keyed by the resolved path, size in bytes and mtime in ns; a
-changed size or mtime re-hashes.
+The fingerprint (``file_fingerprint``) names a model in every KV namespace. Every start would
+pay for hashing the GGUF, so the digest is cached in a small JSON file (``fingerprints.json``
+in the per-user cache directory, or ``EDGESYNC_FINGERPRINT_CACHE``) keyed by the resolved
+path, size in bytes and mtime in ns; a changed size or mtime re-hashes.
 """
 
 from __future__ import annotations

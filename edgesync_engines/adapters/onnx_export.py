@@ -4,8 +4,8 @@ No registry package ships a decoder LLM as ONNX, so the export is made here, onc
 (../shared/DESIGN.md 2.3): transformers loads the GGUF (``from_pretrained(dir,
 gguf_file=...)``, dequantized to float32 by the ``gguf`` package), its ``quantization_config``
 is dropped, and ``torch.onnx.export(dynamo=True)`` traces ``forward(input_ids,
-attention_mask, position_ids, *past)``. About 3 minutes and 543 MB for SmolLM2-135M; fp32,
-because quantized exports change the greedy output.
+attention_mask, position_ids, *past)``; fp32, because quantized exports change the greedy
+output (time and size: docs/store-measurements.md).
 
 The export directory (:func:`export_dir`) holds:
 
