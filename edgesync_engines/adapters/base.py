@@ -1,11 +1,6 @@
 """What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
 the argument checks and decoding loop of ``generate``, fragment extraction and injection
 glue); the fragments' validation and layout behind it are ``adapters/kv_blocks.py``.
-
-A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
-load validated KV (``_load_blocks``, or assembled arrays: ``_load_kv``), how to evaluate a
-batch (``_eval_batch``) and sample (``_sampled_tokens``), where its chat template lives
-(``_chat_template``), and the live tokens (``n_tokens``, ``_live_tokens``, ``_truncate``).
 """
 
 from __future__ import annotations
@@ -37,7 +32,8 @@ class EngineAdapterBase(abc.ABC):
     """The shared half of an :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
 
     Subclasses set ``namespace``, ``n_ctx``, ``lock`` and ``model_path`` in ``__init__`` and
-    implement the abstract methods. Beyond the protocol, every adapter offers
+    implement the abstract methods (the engine: reading and loading KV, evaluating, sampling,
+    its chat template, the live tokens). Beyond the protocol, every adapter offers
     :meth:`extract_fragment`, :meth:`assemble`, :meth:`detokenize`, :meth:`is_eog` and
     :meth:`prefill_plan` (tests and benchmarks use them).
     """
@@ -110,12 +106,8 @@ class EngineAdapterBase(abc.ABC):
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """Make the live sequence hold the validated ``blocks`` (:func:`fragment_blocks`) as
-        positions 0..n_tokens-1 of ``tokens``; here assembled into arrays for :meth:`_load_kv`
-        (an engine that can write blocks in place overrides this instead).
-
-        Raises:
-            InjectionError: the engine refused it (the sequence is cleared).
-        """
+        positions 0..n_tokens-1 of ``tokens``; here assembled for :meth:`_load_kv` (an engine
+        that writes blocks in place overrides this). Raises InjectionError as :meth:`_load_kv`."""
         self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
@@ -237,13 +229,8 @@ class EngineAdapterBase(abc.ABC):
     # -- generation ---------------------------------------------------------------------
 
     def _resume(self, tokens: Sequence[int], n_past: int) -> None:
-        """Make the live sequence hold exactly ``tokens[:n_past]``: cleared for 0, else cut
-        back to ``n_past`` tokens after checking that it holds them.
-
-        Raises:
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]``, or the live sequence does
-                not hold ``tokens[:n_past]``.
-        """
+        """Make the live sequence hold exactly ``tokens[:n_past]`` (0: cleared); the
+        ValueErrors of the protocol's ``prefill``."""
         if not 0 <= n_past < len(tokens):
             raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
         if n_past == 0:

@@ -29,8 +29,8 @@ from edgesync_engines.adapters.kv_blocks import KVBlock, fragment_blocks
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
-    default_model_path,
     file_fingerprint,
+    model_file,
     route_native_logs,
 )
 from edgesync_engines.adapters.protocol import InjectionError
@@ -71,10 +71,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         ModelLoadError: llama.cpp cannot load the file or create the context.
         ValueError: a ``kv_type`` not in :data:`KV_TYPES`.
 
-    A sliding-window model gets a full-size window cache (``swa_full``: n_ctx cells in its
-    sliding layers too) so that any prefix can be injected exactly (see ``kv_layout``).
-    A model whose KV cannot be cut (see :meth:`_probe`) is still served, uncached:
-    ``cache_refusal`` then holds the reason and ``namespace`` is None.
+    A sliding-window model gets a full-size window cache (``swa_full``; see ``kv_layout``).
+    A model whose KV cannot be cut (:meth:`_probe`) is still served, uncached.
     """
 
     def __init__(
@@ -100,11 +98,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         self._llama_cpp = llama_cpp
         self.lock = threading.RLock()
         if model is None or isinstance(model, (str, os.PathLike)):
-            path = Path(model) if model is not None else default_model_path()
-            if path.is_dir():
-                raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
-            if not path.is_file():
-                raise ModelNotFoundError(f"{path}: no such model file")
+            path = model_file(model)
             try:
                 with llamacpp_blend.two_sequence_params(llama_cpp):
                     self.llm = llama_cpp.Llama(
@@ -133,7 +127,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         # llama.cpp rounds the context up (to 256 cells), but llama-cpp-python sizes its token
         # buffer (input_ids) to the n_ctx asked for: a prompt fits only the smaller of the two
         self.n_ctx = min(int(self.llm.n_ctx()), len(self.llm.input_ids))
-        self.flash_attn = bool(flash_attn) if model is None or isinstance(model, (str, os.PathLike)) else (
+        self.flash_attn = bool(flash_attn) if self._owns_llm else (
             self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         )
         self._ctx = self.llm.ctx

