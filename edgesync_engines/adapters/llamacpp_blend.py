@@ -76,7 +76,7 @@ class ScratchSequence:
             :class:`InjectionError` with it.
     """
 
-    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None = None) -> None:
+    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None) -> None:
         self._c = llama_cpp_module
         self._ctx = ctx
         self._mem = mem

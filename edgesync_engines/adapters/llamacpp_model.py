@@ -60,8 +60,7 @@ def builtin_template_for(llama_cpp, arch: str | None) -> str | None:
 _LOGGED_BUILTIN: set[tuple[str, str]] = set()
 
 
-def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]],
-                        model_name: str = "the model") -> str:
+def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str) -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
     ending with the assistant prompt; logs once per model that the built-in one is used.
 
