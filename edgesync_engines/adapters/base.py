@@ -1,11 +1,6 @@
 """What both engine adapters share: :class:`EngineAdapterBase` (chat template, text stream,
 the argument checks and decoding loop of ``generate``, fragment extraction and injection
 glue); the fragments' validation and layout behind it are ``adapters/kv_blocks.py``.
-
-A subclass supplies the engine: how to read the live KV of token spans (``_span_kv``), how to
-load validated KV (``_load_blocks``, or assembled arrays: ``_load_kv``), how to evaluate a
-batch (``_eval_batch``) and sample (``_sampled_tokens``), where its chat template lives
-(``_chat_template``), and the live tokens (``n_tokens``, ``_live_tokens``, ``_truncate``).
 """
 
 from __future__ import annotations
@@ -25,11 +20,20 @@ from edgesync_store.schema import KVFragment, common_prefix_len, prefix_hash
 log = logging.getLogger(__name__)
 
 
+def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    """Raise ValueError naming the first chat message that is not a dict of 'role' and
+    'content' strings."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
+
+
 class EngineAdapterBase(abc.ABC):
     """The shared half of an :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
 
     Subclasses set ``namespace``, ``n_ctx``, ``lock`` and ``model_path`` in ``__init__`` and
-    implement the abstract methods. Beyond the protocol, every adapter offers
+    implement the abstract methods (the engine: reading and loading KV, evaluating, sampling,
+    its chat template, the live tokens). Beyond the protocol, every adapter offers
     :meth:`extract_fragment`, :meth:`assemble`, :meth:`detokenize`, :meth:`is_eog` and
     :meth:`prefill_plan` (tests and benchmarks use them).
     """
@@ -43,31 +47,15 @@ class EngineAdapterBase(abc.ABC):
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int],
                  at: int, tokens: Sequence[int]) -> None:
-        """Add stored KV at another position (only where :attr:`blend_refusal` is None).
-
-        Raises:
-            InjectionError: always here (the engine cannot).
-        """
+        """Raises InjectionError: this engine cannot move stored KV (see the protocol)."""
         raise InjectionError(self.blend_refusal or "place_kv: not supported")
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Re-evaluate live positions against the cells before them (see :meth:`place_kv`).
-
-        Raises:
-            InjectionError: always here (the engine cannot).
-        """
+        """Raises InjectionError: this engine cannot move stored KV (see the protocol)."""
         raise InjectionError(self.blend_refusal or "recompute: not supported")
 
     def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
-        """Evaluate ``tokens[n_past:]`` on top of the live ``tokens[:n_past]`` in
-        :meth:`prefill_plan`'s batches, sampling nothing (the live sequence then holds all of
-        ``tokens``).
-
-        Raises:
-            ContextOverflowError: more tokens than the context holds.
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence that does
-                not hold ``tokens[:n_past]``.
-        """
+        """The protocol's ``prefill``, in :meth:`prefill_plan`'s batches."""
         if len(tokens) > self.n_ctx:
             raise ContextOverflowError(len(tokens), 0, self.n_ctx)
         self._resume(tokens, n_past)
@@ -75,12 +63,9 @@ class EngineAdapterBase(abc.ABC):
             self._eval_batch(tokens[start:end])
 
     def warm_up(self, n_tokens: int = 0) -> None:
-        """Do a request's first-time work now, at load, so that the first request does not: render
-        the chat template (its compilation) and tokenize, evaluate one token (the engine's first
-        decode: graph and buffer set-up) and clear the cache; an engine that injects through a
-        buffer of its own also makes room for ``n_tokens`` injected tokens. The engine's state
-        afterwards is that of a fresh load (empty cache, no live tokens). A failure is logged
-        at DEBUG and leaves it to the first request. The caller holds :attr:`lock`."""
+        """The protocol's ``warm_up``: render the chat template (its compilation), evaluate one
+        token (the first decode's graph and buffer set-up), then clear the cache. A failure is
+        logged at DEBUG and leaves that work to the first request."""
         try:
             if not getattr(self, "_warmed", False):  # once per engine; the cache is emptied each time
                 self._warmed = True
@@ -121,12 +106,8 @@ class EngineAdapterBase(abc.ABC):
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """Make the live sequence hold the validated ``blocks`` (:func:`fragment_blocks`) as
-        positions 0..n_tokens-1 of ``tokens``; here assembled into arrays for :meth:`_load_kv`
-        (an engine that can write blocks in place overrides this instead).
-
-        Raises:
-            InjectionError: the engine refused it (the sequence is cleared).
-        """
+        positions 0..n_tokens-1 of ``tokens``; here assembled for :meth:`_load_kv` (an engine
+        that writes blocks in place overrides this). Raises InjectionError as :meth:`_load_kv`."""
         self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
@@ -170,23 +151,14 @@ class EngineAdapterBase(abc.ABC):
     # -- text ---------------------------------------------------------------------------
 
     def text_stream(self) -> codecs.IncrementalDecoder:
-        """An incremental UTF-8 decoder for streaming token text (multi-byte safe, errors
-        replaced)."""
         return codecs.getincrementaldecoder("utf-8")("replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """Render chat messages with the model's own template (the GGUF's
-        ``tokenizer.chat_template``, through llama-cpp-python's ``Jinja2ChatFormatter``),
-        ending with the assistant prompt.
-
-        Raises:
-            ValueError: the model has no chat template, or a message lacks role/content.
-        """
+        """The protocol's ``apply_chat_template``, through llama-cpp-python's
+        ``Jinja2ChatFormatter``."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content'")
+        check_messages(messages)
         if self._chat_formatter is None:
             template, eos_token, bos_token = self._chat_template()
             self._chat_formatter = Jinja2ChatFormatter(
@@ -214,15 +186,8 @@ class EngineAdapterBase(abc.ABC):
         head_start: int = 0,
         head_end: int | None = None,
     ) -> list[KVFragment]:
-        """Copy the live KV of several token spans into fragments (one engine read for all);
-        see :meth:`EngineAdapter.extract_fragments
-        <edgesync_engines.adapters.protocol.EngineAdapter.extract_fragments>` for the shapes
-        and arguments.
-
-        Raises:
-            ValueError: a span beyond the live sequence, tokens that differ from it, a head
-                range outside ``[0, n_head_kv]`` or empty, or an invariant of KVFragment.
-        """
+        """The protocol's ``extract_fragments`` (shapes, arguments, errors), with one engine
+        read for all spans."""
         if not spans:
             return []
         layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
@@ -248,43 +213,24 @@ class EngineAdapterBase(abc.ABC):
 
     def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
                  tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Validate fragments and build K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` of
-        the namespace's dtype for positions 0..n-1 (:func:`assemble_kv`).
-
-        Raises:
-            ValueError: another namespace, a gap, missing layers or heads, or fragment tokens
-                that differ from ``tokens``.
-        """
+        """:func:`assemble_kv` in this adapter's namespace."""
         return assemble_kv(self.namespace, fragments, n_tokens, tokens)
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions 0..n_tokens-1 built from ``fragments`` (of
-        this adapter's namespace; convert others first with ``reshape.convert_fragment``);
-        everything is validated (:func:`fragment_blocks`) before the engine is touched, then
-        loaded (:meth:`_load_blocks`). Returns ``n_tokens``.
-
-        Raises:
-            ValueError: see :meth:`assemble` (nothing changed).
-            InjectionError: the engine refused the state; the sequence has been cleared.
-        """
+        """The protocol's ``inject_fragment``: validated (:func:`fragment_blocks`) before the
+        engine is touched, then loaded (:meth:`_load_blocks`)."""
         self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
         return n_tokens
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
-        """The copy of a decoded fragment a RAM tier keeps: the same values, laid out for the
-        fastest :meth:`inject_fragment` of this engine (here the fragment itself)."""
+        """The protocol's ``stage_fragment``: here the fragment itself."""
         return fragment
 
     # -- generation ---------------------------------------------------------------------
 
     def _resume(self, tokens: Sequence[int], n_past: int) -> None:
-        """Make the live sequence hold exactly ``tokens[:n_past]``: cleared for 0, else cut
-        back to ``n_past`` tokens after checking that it holds them.
-
-        Raises:
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]``, or the live sequence does
-                not hold ``tokens[:n_past]``.
-        """
+        """Make the live sequence hold exactly ``tokens[:n_past]`` (0: cleared); the
+        ValueErrors of the protocol's ``prefill``."""
         if not 0 <= n_past < len(tokens):
             raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
         if n_past == 0:
@@ -307,17 +253,11 @@ class EngineAdapterBase(abc.ABC):
         top_p: float = 0.95,
         seed: int | None = None,
     ) -> Iterator[int]:
-        """Prefill ``tokens[n_past:]`` (:meth:`prefill_plan`) on top of the first ``n_past``
-        tokens already in the KV cache (injected, or left by the previous call; 0 clears it)
-        and yield up to ``max_tokens`` sampled tokens: greedy when ``temperature`` is 0,
-        otherwise top-p sampling seeded by ``seed``. Stops at end-of-generation tokens (not
-        yielded).
+        """The protocol's ``generate``, prefilling in :meth:`prefill_plan`'s batches.
 
         Raises:
             RuntimeError: the adapter is closed.
-            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
-            ValueError: empty prompt, ``n_past >= len(tokens)``, max_tokens < 1, or a live
-                sequence that does not hold ``tokens[:n_past]``.
+            ContextOverflowError, ValueError: as the protocol says.
         """
         if self.closed:
             raise RuntimeError(f"{type(self).__name__}: closed")

@@ -10,17 +10,14 @@ string value, which the README's matrix shows):
 * :data:`CONVERTIBLE` (``"convertible"``): the same model file (SHA-256 of the GGUF; an ONNX
   export records the GGUF it came from) and KV geometry, in a layout
   ``reshape.convert_fragment`` knows. The converted KV is close to, not equal to, the
-  receiving engine's own (../shared/DESIGN.md 2.3: argmax agreement 72/72, mean logit
-  difference 0.17-0.27, the same size as the two engines' own gap), so it is used only when
-  asked (``allow_convertible``).
+  receiving engine's own (../shared/DESIGN.md 2.3), so it is used only when asked
+  (``allow_convertible``).
 * :data:`INCOMPATIBLE` (``"incompatible"``): another model (fingerprint; the tokenizer is part
   of the GGUF, so another tokenizer is another fingerprint), another number of layers, KV
-  heads or head size, or a layout or element type without a conversion: a layout option
-  other than :data:`CONVERTIBLE_LAYOUT_OPTIONS` (a multi-part, e.g. sliding-window, cache
-  records its parts there; ``reshape`` converts one full-attention KV per layer only) or a
-  quantized element type (not in :data:`CONVERTIBLE_KV_DTYPES`). Such KV is never injected.
+  heads or head size, or a layout or element type without a conversion
+  (:func:`layout_refusal`). Such KV is never injected.
 
-The matrix for the two engines (also in the README):
+The matrix for the two engines:
 
 ================  ===========================  ================================
 fragment from     llama.cpp (same settings)    onnxruntime (export of the GGUF)
@@ -30,12 +27,9 @@ onnxruntime       convertible                  exact
 other model       incompatible                 incompatible
 ================  ===========================  ================================
 
-A model the ONNX export does not handle (``onnx_support.onnx_refusal``: Gemma 3's sliding
-window, another architecture) has no onnxruntime namespace at all, and its llama.cpp fragments,
-whose layout records the cache parts, are incompatible with any other namespace.
-
-llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
-compatible, because the numbers differ (DESIGN.md 2.2: flash attention moves V by up to 0.53).
+A model the ONNX export does not handle (``onnx_support.onnx_refusal``) has no onnxruntime
+namespace at all. llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
+compatible, because the numbers differ (DESIGN.md 2.2).
 """
 
 from __future__ import annotations
@@ -45,11 +39,8 @@ from dataclasses import dataclass
 from edgesync_store.schema import KVFragment, Namespace
 
 COMPATIBLE = "exact"
-"""Verdict: the same namespace; the KV is used as is (by the ordinary prefix walk)."""
 CONVERTIBLE = "convertible"
-"""Verdict: the same model and geometry; usable after ``reshape.convert_fragment``."""
 INCOMPATIBLE = "incompatible"
-"""Verdict: never injected."""
 
 LAYOUT_FAMILIES = {
     "llama.cpp-seq-state/tokens-major-v1": "interleaved",

@@ -8,9 +8,9 @@ start of the data section, which begins at the next multiple of ``general.alignm
 default). Files written big-endian are recognised as ggml's reader does (the version's low
 16 bits are zero when read the wrong way round).
 
-Why not ``gguf.GGUFReader``: it builds a numpy view per array element, about 10 s for Gemma 3's
-262,144-token vocabulary here; this reader skips arrays it does not keep (0.1-0.3 s) and uses
-the ``gguf`` package only for its constants (value types, ggml block sizes).
+Why not ``gguf.GGUFReader``: it builds a numpy view per array element, slow for a vocabulary
+of 262,144 tokens (Gemma 3; docs/store-measurements.md); this reader skips arrays it does not
+keep and uses the ``gguf`` package only for its constants (value types, ggml block sizes).
 """
 
 from __future__ import annotations

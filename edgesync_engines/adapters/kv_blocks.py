@@ -87,13 +87,7 @@ def fragment_blocks(
 def assemble_kv(
     ns: Namespace, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Validate fragments of namespace ``ns`` (:func:`fragment_blocks`) and build K, V
-    ``[n_layer, n_tokens, n_head_kv * head_dim]`` of ``ns.np_dtype`` for positions 0..n-1, each
-    cell from the fragment that holds its layer, KV head and position.
-
-    Raises:
-        ValueError: see :func:`fragment_blocks`.
-    """
+    """:func:`blocks_kv` of :func:`fragment_blocks` (its ValueErrors)."""
     return blocks_kv(ns, fragment_blocks(ns, fragments, n_tokens, tokens), n_tokens)
 
 

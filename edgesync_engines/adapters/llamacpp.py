@@ -4,8 +4,8 @@ Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
 ``seqstate.parse_parts``; injection writes fragments straight into one ``llama_state_seq_set_data``
 buffer (``state_buffer.build``); ``kv_layout`` maps the state's cache parts (one, or two
 for sliding-window models) to the store's arrays and keeps the sliding-window rows a prefill
-leaves behind. Facts this relies on (../shared/DESIGN.md 2.2, measured on llama-cpp-python
-0.3.36): set_data replaces the destination sequence and must cover positions 0..N-1; after
+leaves behind. Facts this relies on (../shared/DESIGN.md 2.2, llama-cpp-python 0.3.36):
+set_data replaces the destination sequence and must cover positions 0..N-1; after
 injecting N tokens, ``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops
 the injected cells or writes the suffix at position 0; ``Llama.reset()`` does not clear KV
 memory, ``llama_memory_clear`` does; set_data returns 0 for a buffer it refuses.
@@ -29,8 +29,8 @@ from edgesync_engines.adapters.kv_blocks import KVBlock, fragment_blocks
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
     ModelNotFoundError,
-    default_model_path,
     file_fingerprint,
+    model_file,
     route_native_logs,
 )
 from edgesync_engines.adapters.protocol import InjectionError
@@ -45,8 +45,7 @@ DEFAULT_N_CTX = 4096
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
 """``type_k``/``type_v`` an adapter can be asked for by name; a quantized V needs flash
 attention in llama.cpp (``llama_init_from_model`` refuses it otherwise), so it is turned on."""
-_SEQ = 0
-"""The one llama.cpp sequence an adapter uses."""
+_SEQ = llamacpp_blend.MAIN_SEQ
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
 
@@ -72,10 +71,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         ModelLoadError: llama.cpp cannot load the file or create the context.
         ValueError: a ``kv_type`` not in :data:`KV_TYPES`.
 
-    A sliding-window model gets a full-size window cache (``swa_full``: n_ctx cells in its
-    sliding layers too) so that any prefix can be injected exactly (see ``kv_layout``).
-    A model whose KV cannot be cut (see :meth:`_probe`) is still served, uncached:
-    ``cache_refusal`` then holds the reason and ``namespace`` is None.
+    A sliding-window model gets a full-size window cache (``swa_full``; see ``kv_layout``).
+    A model whose KV cannot be cut (:meth:`_probe`) is still served, uncached.
     """
 
     def __init__(
@@ -101,11 +98,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         self._llama_cpp = llama_cpp
         self.lock = threading.RLock()
         if model is None or isinstance(model, (str, os.PathLike)):
-            path = Path(model) if model is not None else default_model_path()
-            if path.is_dir():
-                raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
-            if not path.is_file():
-                raise ModelNotFoundError(f"{path}: no such model file")
+            path = model_file(model)
             try:
                 with llamacpp_blend.two_sequence_params(llama_cpp):
                     self.llm = llama_cpp.Llama(
@@ -134,7 +127,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         # llama.cpp rounds the context up (to 256 cells), but llama-cpp-python sizes its token
         # buffer (input_ids) to the n_ctx asked for: a prompt fits only the smaller of the two
         self.n_ctx = min(int(self.llm.n_ctx()), len(self.llm.input_ids))
-        self.flash_attn = bool(flash_attn) if model is None or isinstance(model, (str, os.PathLike)) else (
+        self.flash_attn = bool(flash_attn) if self._owns_llm else (
             self.llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         )
         self._ctx = self.llm.ctx
@@ -149,18 +142,13 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` ran."""
         return self.llm is None
 
     # -- set-up ---------------------------------------------------------------------------
 
     def _probe(self) -> None:
-        """Learn the KV layout and geometry from a one-token seq state, or refuse the cache.
-
-        A model or context whose KV this code cannot cut (recurrent or hybrid memory, a
-        sliding-window cache, quantized K/V, a seq state it does not parse) sets
-        :attr:`cache_refusal` to the reason, logs it once as a warning, and leaves
-        :attr:`namespace` None: the engine still answers, uncached."""
+        """Learn the KV layout and geometry from a two-cell seq state, or set
+        :attr:`cache_refusal` (logged once as a warning) and leave :attr:`namespace` None."""
         self.namespace = None
         self._layout: kv_layout.StateLayout | None = None
         self.cache_refusal = llamacpp_model.memory_refusal(self._llama_cpp, self.llm, KV_TYPES)
@@ -214,9 +202,6 @@ class LlamaCppAdapter(EngineAdapterBase):
         return seqstate.parse_parts(self._get_state(_PARTIAL_ONLY), ext)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
-        """Token IDs of ``text``; chat markers such as ``<|im_start|>`` are parsed as special
-        tokens unless ``special`` is False; a BOS is added only when ``add_bos`` and the model
-        asks for one (SmolLM2 does not)."""
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -224,9 +209,8 @@ class LlamaCppAdapter(EngineAdapterBase):
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """Render chat messages with the GGUF's ``tokenizer.chat_template`` (see the base
-        class) or, for a GGUF that has none, with llama.cpp's built-in template of the model's
-        architecture (``llamacpp_model.builtin_template_for``), ending with the assistant prompt.
+        """The base class's, or for a GGUF without ``tokenizer.chat_template``, llama.cpp's
+        built-in template of the model's architecture (``llamacpp_model.builtin_template_for``).
 
         Raises:
             ValueError: no template at all, or a message lacks role/content.
@@ -249,7 +233,6 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     @property
     def n_tokens(self) -> int:
-        """Tokens in the live sequence (``Llama.n_tokens``)."""
         return self.llm.n_tokens
 
     def _live_tokens(self, end: int) -> np.ndarray:
@@ -262,23 +245,15 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
                  head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Rows ``layers`` and the columns of KV heads ``[head_start, head_end)`` of one
-        seq-state read (``seqstate.parse_parts``), per span (``StateLayout.span_kv``: a
-        sliding-window part's rows come from the prefill's capture where the window no longer
-        holds them).
-
-        Raises:
-            ValueError: KV of a span that neither the state nor the capture holds, or cells
-                that are not plain text tokens.
-        """
+        """One seq-state read cut per span by ``StateLayout.span_kv`` (errors there)."""
         layout = self._layout
         parts = seqstate.parse_parts(self._get_state(), seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
         cols = slice(head_start * self.namespace.head_width, head_end * self.namespace.head_width)
         return layout.span_kv(parts, self._swa, spans, self._live_tokens(self.n_tokens), layers, cols)
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
-        """The RAM tier's copy of a fragment of this namespace with V laid out as the seq state
-        holds it (``state_buffer.stage``), so that injecting it is plain row copies."""
+        """A fragment of this namespace with V laid out as the seq state holds it
+        (``state_buffer.stage``)."""
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
     def warm_up(self, n_tokens: int = 0) -> None:
@@ -293,8 +268,7 @@ class LlamaCppAdapter(EngineAdapterBase):
             self._state_buf = state_buffer.room(self._layout, min(n_tokens, self.n_ctx), self._state_buf)
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer holding positions
-        0..n-1 in every cache part, each byte copied once from the validated ``blocks``, then
+        """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer, then
         ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
 
         Raises:
@@ -316,14 +290,7 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
                  tokens: Sequence[int]) -> None:
-        """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
-        ``chain_tokens`` from 0) to the live sequence at ``at..`` (``ScratchSequence.place``;
-        needs ``blend_refusal`` None); ``tokens[at:]`` must start with the kept chain tokens.
-
-        Raises:
-            ValueError: see :meth:`assemble`, or kept tokens that differ from ``tokens``.
-            InjectionError: llama.cpp refused the state (the live sequence is unchanged).
-        """
+        """The protocol's ``place_kv``, through ``ScratchSequence.place``."""
         start, end = keep
         if list(chain_tokens[start:end]) != list(tokens[at:at + end - start]):
             raise ValueError(f"place_kv: the kept chain tokens differ from the prompt's at {at}")
@@ -334,12 +301,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         self._mark_live(tokens, at, at + end - start)
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Evaluate ``tokens[start:end]`` again against the live cells before ``start`` and make
-        them the live KV there (``llamacpp_blend.ScratchSequence.recompute``).
-
-        Raises:
-            InjectionError: llama.cpp failed the decode (the old cells stay).
-        """
+        """The protocol's ``recompute``, through ``ScratchSequence.recompute``."""
         self._scratch.recompute(tokens, start, end)
         self._mark_live(tokens, start, end)
 
@@ -348,15 +310,11 @@ class LlamaCppAdapter(EngineAdapterBase):
         self.llm.n_tokens = max(self.llm.n_tokens, end)
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
-        """How many of ``available`` stored prompt tokens to inject for a prompt of
-        ``n_prompt`` tokens so the result is bit-identical to an uncached run
-        (:func:`~edgesync_engines.adapters.kv_layout.usable_prefix`)."""
+        """:func:`kv_layout.usable_prefix` on this adapter's block grid."""
         return kv_layout.usable_prefix(available, n_prompt, self._block_tokens())
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
-        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
-        batches of 2..n_batch tokens up to the last prompt token, then that token alone
-        (see :meth:`usable_prefix`; :func:`~edgesync_engines.adapters.kv_layout.prefill_blocks`)."""
+        """:func:`kv_layout.prefill_blocks` on this adapter's block grid."""
         return kv_layout.prefill_blocks(n_past, n_prompt, self._block_tokens())
 
     def _block_tokens(self) -> int:
@@ -367,7 +325,6 @@ class LlamaCppAdapter(EngineAdapterBase):
         return n_batch
 
     def is_eog(self, token: int) -> bool:
-        """True for end-of-generation tokens (EOS, <|im_end|>, ...)."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def _eval_batch(self, batch: Sequence[int]) -> None:
@@ -391,7 +348,6 @@ class LlamaCppAdapter(EngineAdapterBase):
         )
 
     def token_bytes(self, token: int) -> bytes:
-        """Raw bytes of one token."""
         return self.llm.detokenize([token])
 
     def perf_counts(self) -> dict:

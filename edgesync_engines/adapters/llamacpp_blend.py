@@ -18,7 +18,7 @@ Facts this relies on (../shared/DESIGN.md 2.6, read in the vendored ``src/llama-
 position; a token attends only to cells of its own sequence at positions not after its own;
 ``state_read`` finds free cells anywhere (``find_slot(ubatch, false)``). Opening the context
 with ``n_seq_max=2, kv_unified=True`` changes neither the seq-state bytes nor a prefill's
-logits (measured on SmolLM2: max |d| 0.0).
+logits (docs/store-measurements.md).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class ScratchSequence:
             :class:`InjectionError` with it.
     """
 
-    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None = None) -> None:
+    def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None) -> None:
         self._c = llama_cpp_module
         self._ctx = ctx
         self._mem = mem
@@ -84,9 +84,8 @@ class ScratchSequence:
         self.refusal = refusal
 
     def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
-        """Restore ``state`` (a seq-state buffer of ``n_cells`` cells at positions
-        0..n_cells-1, from ``state_buffer.build``) and add its cells ``[keep_start,
-        keep_end)`` to the main sequence at positions ``at..at + keep_end - keep_start - 1``.
+        """Place cells ``[keep_start, keep_end)`` of ``state`` (a ``state_buffer.build`` buffer
+        of ``n_cells`` cells) at ``at`` in the main sequence (module docstring).
 
         Raises:
             InjectionError: llama.cpp refused the buffer (the scratch sequence is cleared; the
@@ -107,9 +106,8 @@ class ScratchSequence:
         c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
 
     def recompute(self, tokens, a: int, b: int) -> None:
-        """Evaluate ``tokens[a:b]`` at positions a..b-1 against the main sequence's cells
-        before ``a`` (which must hold position ``a - 1`` when ``a > 0``), and make the result
-        the main sequence's cells ``[a, b)``.
+        """Recompute ``tokens[a:b]`` (module docstring); the main sequence must hold position
+        ``a - 1`` when ``a > 0``.
 
         Raises:
             InjectionError: ``llama_decode`` failed (the scratch sequence is cleared; the main

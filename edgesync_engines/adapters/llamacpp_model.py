@@ -10,6 +10,7 @@ import re
 from typing import Mapping, Sequence
 
 from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.base import check_messages
 from edgesync_engines.adapters.gguf_header import GGUFHeaderError, not_a_model, read_header
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ def builtin_template_for(llama_cpp, arch: str | None) -> str | None:
 _LOGGED_BUILTIN: set[tuple[str, str]] = set()
 
 
-def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]],
-                        model_name: str = "the model") -> str:
+def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str) -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
     ending with the assistant prompt; logs once per model that the built-in one is used.
 
@@ -96,11 +96,3 @@ def gguf_problem(path) -> str | None:
         return text[len(f"{path}: "):] if text.startswith(f"{path}: ") else text
     except OSError as exc:
         return f"cannot read it ({exc.strerror or exc})"
-
-
-def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
-    """Raise ValueError naming the first chat message that is not a dict of 'role' and
-    'content' strings."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")

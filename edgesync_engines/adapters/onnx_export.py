@@ -4,8 +4,8 @@ No registry package ships a decoder LLM as ONNX, so the export is made here, onc
 (../shared/DESIGN.md 2.3): transformers loads the GGUF (``from_pretrained(dir,
 gguf_file=...)``, dequantized to float32 by the ``gguf`` package), its ``quantization_config``
 is dropped, and ``torch.onnx.export(dynamo=True)`` traces ``forward(input_ids,
-attention_mask, position_ids, *past)``. About 3 minutes and 543 MB for SmolLM2-135M; fp32,
-because quantized exports change the greedy output.
+attention_mask, position_ids, *past)``; fp32, because quantized exports change the greedy
+output (time and size: docs/store-measurements.md).
 
 The export directory (:func:`export_dir`) holds:
 
@@ -20,9 +20,7 @@ The export directory (:func:`export_dir`) holds:
   among them ``source_fingerprint``, the SHA-256 of the GGUF, which lets
   ``compat.compatible_with`` prove that both engines run one model.
 
-Which GGUFs it exports: :func:`check_exportable` (``onnx_support.SUPPORTED_ARCHITECTURES``:
-llama with full attention, no rope scaling, byte-level BPE), decided from the GGUF header
-before anything is loaded; any other model is refused with one line naming the reason.
+Which GGUFs it exports: :func:`check_exportable` (``onnx_support``), before anything is loaded.
 
 The heavy packages (torch, transformers, gguf, accelerate, onnxscript, onnx) are the ``onnx``
 extra of pyproject.toml and are imported only here (``gguf`` also by ``gguf_header`` for its
@@ -167,8 +165,7 @@ def is_gguf(path: Path) -> bool:
 
 def check_exportable(gguf_path: str | os.PathLike) -> None:
     """Refuse, from its header alone, a GGUF the ONNX export does not handle
-    (``onnx_support.onnx_refusal``: another architecture, a sliding window, rope scaling,
-    experts, another vocabulary type, or a file that is not a whole model).
+    (``onnx_support.onnx_refusal``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -177,7 +174,7 @@ def check_exportable(gguf_path: str | os.PathLike) -> None:
     try:
         reason = onnx_refusal(gguf_path)
     except ImportError as exc:  # gguf_header takes its constants from the gguf package
-        raise ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}") from None
+        raise _missing_extra(exc) from None
     if reason is not None:
         raise ExportError(f"cannot export to ONNX: {reason}")
 
@@ -199,6 +196,10 @@ def clean_leftovers(root: Path, max_age_s: float = 3600.0) -> int:
     return removed
 
 
+def _missing_extra(exc: ImportError) -> ExportError:
+    return ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}")
+
+
 def _import_heavy():
     try:
         import onnx  # noqa: F401
@@ -206,7 +207,7 @@ def _import_heavy():
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}") from None
+        raise _missing_extra(exc) from None
 
 
 def load_gguf_as_torch(gguf_path: Path):
@@ -342,8 +343,7 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
     """Export a float32 llama-architecture causal LM to ``out_dir`` (model, tokenizer.json,
     edgesync.json); the directory appears whole (written beside it, then renamed).
 
-    ``meta`` gives ``source_fingerprint``, ``source_name`` and ``chat_template``; the geometry
-    is read from ``model.config`` (:func:`export_meta`).
+    ``meta``: as :func:`export_meta` takes it.
 
     Raises:
         ExportError: the exporter failed.

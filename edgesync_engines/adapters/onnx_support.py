@@ -1,8 +1,8 @@
 """Which GGUFs the ONNX Runtime engine can export and serve, decided from the GGUF header alone.
 
 ``edgesync export-onnx`` asks :func:`onnx_refusal` before it loads anything into torch (the
-header reads in well under a second; the load takes about 30 s), so a model the export does
-not handle is refused with one line naming the reason.
+header is read in a fraction of the load's time), so a model the export does not handle is
+refused with one line naming the reason.
 
 What the export handles (:data:`SUPPORTED_ARCHITECTURES`, :data:`SUPPORTED_TOKENIZERS`): a
 ``llama`` GGUF with full attention in every layer, rotary embedding over the whole head with
@@ -69,12 +69,6 @@ def _unsupported(h: GGUFHeader) -> str | None:
     return None
 
 
-def onnx_refusal_of(header: GGUFHeader) -> str | None:
-    """Why the ONNX engine cannot export or serve the model of ``header`` (one line, without
-    the file name), or None when it can."""
-    return not_a_model(header) or _unsupported(header)
-
-
 def onnx_refusal(gguf_path: str | os.PathLike) -> str | None:
     """Why the ONNX engine cannot export or serve the GGUF at ``gguf_path`` (one line naming
     the file and the reason), or None when it can. Reads only the header (:mod:`gguf_header`).
@@ -87,5 +81,5 @@ def onnx_refusal(gguf_path: str | os.PathLike) -> str | None:
         header = read_header(path)
     except GGUFHeaderError as exc:
         return str(exc)
-    reason = onnx_refusal_of(header)
+    reason = not_a_model(header) or _unsupported(header)
     return None if reason is None else f"{path}: {reason}"

@@ -11,7 +11,7 @@ llama.cpp's.
 Prompts are evaluated in batches that end at multiples of ``n_batch`` positions (128, the
 router's default chunk) and the last prompt token alone, with or without a cache: an injected
 prefix that ends on a chunk boundary is then followed by exactly the calls an uncached run
-makes, so the logits are the same (measured in tests/test_onnxrt.py).
+makes, so the logits are the same (tests/test_onnxrt.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from edgesync_engines.adapters.base import EngineAdapterBase
-from edgesync_engines.adapters.model_files import (
-    ModelLoadError,
-    ModelNotFoundError,
-    default_model_path,
-    file_fingerprint,
-)
+from edgesync_engines.adapters.model_files import ModelLoadError, file_fingerprint, model_file
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 from edgesync_engines.adapters.onnx_support import onnx_refusal
 from edgesync_store.schema import Namespace
@@ -79,7 +74,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
     Raises:
         ValueError: ``n_batch`` < 2.
         ModelNotFoundError: the GGUF is missing.
-        ModelLoadError: the file is not a GGUF.
+        ModelLoadError: a directory, or a file that is not a GGUF.
         ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
             file (its recorded fingerprint differs from the GGUF's SHA-256).
     """
@@ -91,9 +86,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
         if n_batch < 2:
             raise ValueError(f"n_batch: must be >= 2, got {n_batch}")
         if export is None:
-            path = Path(model) if model is not None else default_model_path()
-            if not path.is_file():
-                raise ModelNotFoundError(f"{path}: no such model file")
+            path = model_file(model)
             if not is_gguf(path):
                 raise ModelLoadError(f"{path}: not a GGUF file (the onnx engine runs the export of a GGUF)")
             refusal = onnx_refusal(path)
@@ -141,16 +134,13 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` ran."""
         return self._closed
 
     @property
     def n_tokens(self) -> int:
-        """Tokens in the live KV cache."""
         return len(self._tokens)
 
     def clear_kv_cache(self) -> None:
-        """Empty the KV cache."""
         empty = np.zeros((1, self.n_head_kv, 0, self.head_dim), dtype=np.float32)
         self._past = [empty] * (2 * self.n_layer)
         self._tokens: list[int] = []
@@ -215,7 +205,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
                 self.detokenize([bos]) if bos is not None else "")
 
     def is_eog(self, token: int) -> bool:
-        """True for end-of-generation tokens (the export's EOS IDs and the chat end markers)."""
+        """The export's EOS IDs and the chat end markers (:data:`_EOG_NAMES`)."""
         return int(token) in self._eog
 
     # -- fragments ------------------------------------------------------------------------
@@ -255,14 +245,11 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
     # -- generation -----------------------------------------------------------------------
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
-        """How many of ``available`` stored prompt tokens to inject for a prompt of
-        ``n_prompt`` tokens: all but the last prompt token at most (its logits are needed)."""
+        """All but the last prompt token at most (see :meth:`prefill_plan`)."""
         return max(min(available, n_prompt - 1), 0)
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
-        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
-        batches that end at multiples of ``n_batch`` (or at the last prompt token), then the
-        last prompt token alone."""
+        """Batches ending at multiples of ``n_batch``, then the last prompt token alone."""
         plan, pos, end = [], n_past, n_prompt - 1
         while pos < end:
             stop = min((pos // self.n_batch + 1) * self.n_batch, end)

@@ -67,7 +67,6 @@ class EngineAdapter(Protocol):
         lock: held by the caller around a whole request.
         model_path: the GGUF file the engine runs (or that its ONNX export was made from);
             the CLI prints its name.
-        closed: True once :meth:`close` ran; a closed adapter must not be called.
     """
 
     namespace: Namespace | None
@@ -79,7 +78,7 @@ class EngineAdapter(Protocol):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` ran."""
+        """True once :meth:`close` ran; a closed adapter must not be called."""
         ...
 
     # -- text and tokens ------------------------------------------------------------------

@@ -12,8 +12,7 @@ heads of ``head_dim``):
 
 K also differs inside each head: llama.cpp applies rotary embeddings to interleaved pairs
 (dimensions ``2i, 2i+1``), Hugging Face to halves (``i, i + head_dim/2``), and the GGUF loader
-permutes the Q/K weights accordingly. So, per head (../shared/DESIGN.md 2.3, measured on
-SmolLM2)::
+permutes the Q/K weights accordingly. So, per head (../shared/DESIGN.md 2.3)::
 
     k_llamacpp = k_hf.reshape(T, 2, head_dim // 2).transpose(0, 2, 1).reshape(T, head_dim)
 
@@ -33,10 +32,16 @@ __all__ = ["can_inject_with_reshape", "convert_fragment", "halves_to_interleaved
            "llamacpp_to_onnx", "onnx_to_llamacpp"]
 
 
-def _check_head_dim(head_dim: int) -> int:
+def _swap_rotary(k: np.ndarray, head_dim: int, to_pairs: bool) -> np.ndarray:
+    """Reorder the last axis of ``k`` (``[..., head_dim]``) between rotate-half and
+    interleaved rotary pairs; see :func:`halves_to_interleaved`."""
     if not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: must be an even integer >= 2 (rotary pairs), got {head_dim!r}")
-    return int(head_dim)
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k: last axis is {k.shape[-1]}, not head_dim {head_dim}")
+    lead, half = k.shape[:-1], int(head_dim) // 2
+    split = (2, half) if to_pairs else (half, 2)
+    return np.ascontiguousarray(np.swapaxes(k.reshape(*lead, *split), -1, -2).reshape(*lead, head_dim))
 
 
 def halves_to_interleaved(k: np.ndarray, head_dim: int) -> np.ndarray:
@@ -46,20 +51,12 @@ def halves_to_interleaved(k: np.ndarray, head_dim: int) -> np.ndarray:
     Raises:
         ValueError: ``head_dim`` odd or not the size of the last axis.
     """
-    head_dim = _check_head_dim(head_dim)
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k: last axis is {k.shape[-1]}, not head_dim {head_dim}")
-    lead = k.shape[:-1]
-    return np.ascontiguousarray(np.swapaxes(k.reshape(*lead, 2, head_dim // 2), -1, -2).reshape(*lead, head_dim))
+    return _swap_rotary(k, head_dim, to_pairs=True)
 
 
 def interleaved_to_halves(k: np.ndarray, head_dim: int) -> np.ndarray:
     """The inverse of :func:`halves_to_interleaved` (llama.cpp pairs -> Hugging Face halves)."""
-    head_dim = _check_head_dim(head_dim)
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k: last axis is {k.shape[-1]}, not head_dim {head_dim}")
-    lead = k.shape[:-1]
-    return np.ascontiguousarray(np.swapaxes(k.reshape(*lead, head_dim // 2, 2), -1, -2).reshape(*lead, head_dim))
+    return _swap_rotary(k, head_dim, to_pairs=False)
 
 
 def llamacpp_to_onnx(keys: np.ndarray, values: np.ndarray, n_head: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -58,16 +58,6 @@ class GgmlType:
         """True for block-quantized types (rows are raw bytes)."""
         return self.block > 1
 
-    def row_items(self, n_elements: int) -> int:
-        """Items (elements, or bytes when quantized) in a row of ``n_elements`` values.
-
-        Raises:
-            SeqStateError: ``n_elements`` is not a whole number of blocks.
-        """
-        if n_elements % self.block:
-            raise SeqStateError(f"{self.name}: {n_elements} elements are not whole blocks of {self.block}")
-        return n_elements // self.block * self.block_bytes // np.dtype(self.dtype).itemsize
-
 
 GGML_TYPES = {t.code: t for t in (
     GgmlType(0, "f32", 1, 4, "<f4"),

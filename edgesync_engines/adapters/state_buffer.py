@@ -9,10 +9,9 @@ numpy views of the buffer: a part's K rows of every layer are one 3-D view ``[la
 width]`` (layers are a constant stride apart, their 12-byte headers in between), its V one
 ``[layers, width, cells]`` view when V is transposed (``v_trans`` 1, flash attention off) or
 ``[layers, cells, width]`` when not. So a fragment costs two array copies per part, K and V,
-and nothing is assembled first: the old path (``assemble_kv`` into ``[n_layer, n, width]``
-arrays, then ``seqstate.serialize_parts``) copied every byte twice. ``seqstate.serialize_parts``
-stays the reference writer; the tests check that both give the same bytes. :func:`stage` lays
-a RAM tier's copy of a fragment out the way the state holds it, so that those copies are rows.
+and nothing is assembled first. ``seqstate.serialize_parts`` is the reference writer; the tests
+check that both give the same bytes. :func:`stage` lays a RAM tier's copy of a fragment out the
+way the state holds it, so that those copies are rows.
 """
 
 from __future__ import annotations
@@ -44,15 +43,14 @@ def state_bytes(layout: StateLayout, n_tokens: int) -> int:
 
 ROOM_STEP = 256
 """Cells a buffer from :func:`room` is rounded up to: prompts of similar length share one buffer
-(SmolLM2: 5.9 MB per 256 cells), rather than each longer one faulting in a new one."""
+rather than each longer one faulting in a new one."""
 
 
 def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
     """A buffer for :func:`build`'s ``out`` that holds the state of ``n_tokens`` cells: ``out``
     when large enough, else a new one for ``n_tokens`` rounded up to :data:`ROOM_STEP` cells,
     whose pages are all touched now (one write per page), so that the injection that fills it
-    does not wait for the kernel to provide them page by page (a first touch of 25 MB cost
-    10-70 ms on this machine kind, against under 2 ms to copy into it)."""
+    does not wait for the kernel to provide them page by page."""
     if out is not None and len(out) >= state_bytes(layout, n_tokens):
         return out
     buf = np.empty(state_bytes(layout, -(-n_tokens // ROOM_STEP) * ROOM_STEP), np.uint8)
@@ -70,9 +68,7 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
     Returns the buffer (a writable uint8 array, handed to ctypes without another copy) and,
     per part, K and V views of it ``[part layers, n_tokens, width]`` (the views keep the
     buffer alive). The state is its first :func:`state_bytes` bytes: ``out``, when given and
-    large enough, is written over and returned instead of a new buffer (every byte of the state
-    is written, so nothing of what it held before is left in it), which spares allocating and
-    faulting in a fresh one per injection.
+    large enough (:func:`room`), is written over and returned instead of a new buffer.
 
     Raises:
         SeqStateError: ``n_tokens`` < 1, or a block whose arrays do not fit the layout.
@@ -84,8 +80,7 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
     itemsize, row = dtype.itemsize, layout.width * dtype.itemsize
     size = state_bytes(layout, n_tokens)
     # not zero-filled: every byte of the state is written below, so a new buffer's pages are
-    # touched once, by the copies (a zeroed bytearray cost an extra pass over 25 MB per
-    # 1,000-token SmolLM2 state)
+    # touched once, by the copies
     buf = out if out is not None and len(out) >= size else np.empty(size, np.uint8)
     _HEAD.pack_into(buf, 0, seqstate.SEQ_STATE_MAGIC, seq_id)
     cells = _cells(layout, n_tokens, tokens, seq_id)
@@ -167,8 +162,7 @@ def stage(layout: StateLayout, fragment: KVFragment) -> KVFragment:
     re-laid out that way: ``values`` becomes a ``[layers, span, width]`` view of a C-contiguous
     ``[layers, width, span]`` array (the same values, so no longer a C-contiguous array), and
     :func:`build` then copies whole rows of V as it does K. One transposing copy when a RAM tier
-    keeps the fragment, instead of one per injection (SmolLM2, 341 tokens: 0.25 ms to copy V
-    laid out so against 1.0 ms transposing, measured on this machine)."""
+    keeps the fragment, instead of one per injection."""
     if layout.v_trans and fragment.values.flags.c_contiguous:
         fragment.values = np.ascontiguousarray(fragment.values.transpose(0, 2, 1)).transpose(0, 2, 1)
     return fragment
