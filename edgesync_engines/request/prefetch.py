@@ -9,13 +9,10 @@ overall. Ties are broken by recency (the most recently seen continuation first),
 is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
 rates of the predictions it would have made before each observed key.
 
-:class:`Prefetcher` wires it to the router's RAM tier (``EdgeSync`` with ``prefetch=True``;
-:class:`~edgesync_engines.request.fragment_cache.FragmentCache`, the read-through tier the
-injector reads first): after each request it observes the request's key (:func:`request_key`),
-asks the predictor for the likely next keys, and one background thread walks the store with
-the tokens last seen under each predicted key and decodes the matched fragments into the tier,
-so that the next request's injection skips the decompression. :func:`ram_tiers` builds both
-from the settings.
+:class:`Prefetcher` decodes the predicted requests' fragments into the router's RAM tier
+(:class:`~edgesync_engines.request.fragment_cache.FragmentCache`) in a background thread, so
+that the next request's injection skips the decompression. :func:`ram_tiers` builds both from
+the settings.
 """
 
 from __future__ import annotations
@@ -205,13 +202,10 @@ class Prefetcher:
     int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for out-of-range numbers.
 
     The request thread calls :meth:`after_request` once an answer is complete; one daemon
-    thread (started by the first :meth:`after_request`) does the prefetching: for each
-    predicted key, most likely first, it walks the store with the tokens last seen under that
-    key and decodes every matched fragment that the tier does not hold yet (or holds in a
-    version the store has since replaced). A new prediction replaces the work not yet started.
-    Fragments are read with ``store.get``, which verifies and decodes them (and removes a
-    corrupt one), so the tier holds exactly what the request path would read. Store errors in
-    the thread are logged and skipped, never raised.
+    thread then, for each predicted key, most likely first, walks the store with the tokens
+    last seen under that key and decodes (``store.get``: verified) every matched fragment the
+    tier does not hold in the version the store holds. A new prediction replaces the work not
+    yet started. Store errors in the thread are logged and skipped, never raised.
     """
 
     def __init__(self, cache: FragmentCache, namespace: Namespace, *, n: int = 3, top_k: int = 3,

@@ -304,11 +304,6 @@ class SemanticLookup:
             log.warning("could not drop donor %s: %s", key.hex()[:16], exc)
 
     @property
-    def backend_id(self) -> str | None:
-        """The loaded embedder's id, or None before first use."""
-        return None if self._embedder is None else self._embedder.backend_id
-
-    @property
     def embedder(self):
         """The loaded ``Embedder``, or None: nothing semantic was needed yet (or it failed)."""
         return self._embedder
