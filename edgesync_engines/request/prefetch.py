@@ -166,15 +166,12 @@ class NgramPredictor:
 
 
 def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
-    """The predictor's key of a request: the hex store key of the first fragment of the prompt's
-    own chunk grid (``chunk_spans(len(tokens) - 1, chunk_tokens)[0]``, all layers and heads).
+    """The predictor's key of a request: the hex ``storeback.chunk_key`` of its first chunk
+    (None and ValueError as there).
 
-    It depends only on the namespace and the prompt's first ``chunk_tokens`` token IDs (fewer
-    when the prompt is shorter than ``chunk_tokens + 64``), so it is the same in every process
-    and known before the prefix walk: the questions over one doc-QA passage, the turns of one
-    chat session and the requests of one app's system prompt share it. None for a prompt too
-    short to be cached (under 65 tokens). Raises ValueError for a ``chunk_tokens`` outside
-    ``chunk_spans``' range.
+    It depends only on the namespace and the prompt's first tokens, so it is the same in every
+    process and known before the prefix walk: the questions over one doc-QA passage, the turns
+    of one chat session and the requests of one app's system prompt share it.
     """
     key = chunk_key(namespace, tokens, chunk_tokens)
     return None if key is None else key.hex()
@@ -265,13 +262,11 @@ class Prefetcher:
             return self._cond.wait_for(lambda: self._stop or (not self._pending and not self._busy), timeout)
 
     def stats(self) -> dict:
-        """JSON-able counters: ``observed`` requests with a key, ``predictions`` scored (every
-        observation but the first), ``top1`` / ``topk`` hit rates in [0, 1] (None before any
-        prediction) with ``top_k``; the RAM tier's ``hits``, ``misses``, ``bytes`` (held now),
-        ``max_bytes``, ``entries``, ``evictions``; ``prefetched`` fragments decoded and their
-        ``prefetched_bytes`` (raw), ``stale`` tier entries refused because the store no longer
-        held them live, ``errors`` store or codec errors in the prefetch thread. The tier's
-        counters include the request path's own reads through it."""
+        """JSON-able counters: the predictor's (:class:`PredictionAccuracy`: ``observed``,
+        ``predictions``, ``top1``, ``topk``, ``top_k``), the RAM tier's (:class:`RamTierStats`,
+        including the request path's own reads), ``prefetched`` fragments decoded and their
+        ``prefetched_bytes`` (raw), ``stale`` (``FragmentCache.stale``) and ``errors`` in the
+        prefetch thread."""
         acc = self.predictor.accuracy
         ram = self.ram.stats()
         with self._cond:

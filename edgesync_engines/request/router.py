@@ -3,22 +3,17 @@
 ``EdgeSync(model, store, config).generate(prompt_or_messages)`` answers a prompt (chat messages
 are rendered with the GGUF's own template) in four steps:
 
-1. :func:`~edgesync_engines.request.plan.plan_reuse` decides what the request reuses: the
-   store's longest token-identical prefix, with ``reuse="semantic"`` a longer one verified
-   through a semantic donor or a donor served whole, or another engine's convertible KV
-   (``allow_convertible``); see that module for the rules.
-2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (from the RAM tier when it
-   holds the version the store holds live, else from the store), converts and injects that KV.
+1. :func:`~edgesync_engines.request.plan.plan_reuse` decides what the request reuses (that
+   module holds the rules).
+2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (through the RAM tier),
+   converts and injects that KV.
 3. The adapter prefills the rest and generates.
-4. :mod:`~edgesync_engines.request.storeback` stores the prompt's missing chunks (an exact repeat
-   injects all but its last token) with its donor record, and records the hits; the prefetcher
-   (``prefetch=True``) predicts the next requests.
+4. :mod:`~edgesync_engines.request.storeback` stores the prompt's missing chunks with its donor
+   record, and records the hits; the prefetcher (``prefetch=True``) predicts the next requests.
 
-``GenerationResult.hit`` is a :class:`~edgesync_engines.request.plan.HitKind`. In the default
-mode only token-identical KV is injected, so the output equals an uncached run's. A donor
-served whole (``approximate: true``) or converted KV (``convertible: true``) gives an answer
-close to, not always equal to, an uncached run's, and such a request stores nothing, since its
-context holds KV that is not its own.
+In the default mode only token-identical KV is injected, so the output equals an uncached
+run's. A request whose context holds KV that is not its own (a donor served whole, converted
+KV) stores nothing.
 """
 
 from __future__ import annotations
