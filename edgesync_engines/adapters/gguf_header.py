@@ -9,7 +9,7 @@ default). Files written big-endian are recognised as ggml's reader does (the ver
 16 bits are zero when read the wrong way round).
 
 Why not ``gguf.GGUFReader``: it builds a numpy view per array element, slow for a vocabulary
-of 262,144 tokens (Gemma 3; docs/store-measurements.md); this reader skips arrays it does not
+of 262,144 tokens (Gemma 3; docs/measurements.md); this reader skips arrays it does not
 keep and uses the ``gguf`` package only for its constants (value types, ggml block sizes).
 """
 

@@ -246,10 +246,10 @@ ROW_GROUP = 8
 CPU matrix kernels for repacked quantized weights (``ggml-cpu/repack.cpp``: activations
 quantized 4 rows at a time) give a token's row other last bits when it falls in another group
 of a batch, so an injection point keeps every later token in the group an uncached prefill puts
-it in; 8 covers the 4- and 8-row kernels (measurements: docs/store-measurements.md)."""
+it in; 8 covers the 4- and 8-row kernels (measurements: docs/measurements.md)."""
 MIN_FIRST_BATCH = 16
 """Fewest tokens of a cached prefill's first batch when it does not start on the block grid:
-smaller batches take other kernels (docs/store-measurements.md)."""
+smaller batches take other kernels (docs/measurements.md)."""
 
 
 def usable_prefix(available: int, n_prompt: int, block: int) -> int:

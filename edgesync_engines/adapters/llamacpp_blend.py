@@ -18,7 +18,7 @@ Facts this relies on (../shared/DESIGN.md 2.6, read in the vendored ``src/llama-
 position; a token attends only to cells of its own sequence at positions not after its own;
 ``state_read`` finds free cells anywhere (``find_slot(ubatch, false)``). Opening the context
 with ``n_seq_max=2, kv_unified=True`` changes neither the seq-state bytes nor a prefill's
-logits (docs/store-measurements.md).
+logits (docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ No registry package ships a decoder LLM as ONNX, so the export is made here, onc
 gguf_file=...)``, dequantized to float32 by the ``gguf`` package), its ``quantization_config``
 is dropped, and ``torch.onnx.export(dynamo=True)`` traces ``forward(input_ids,
 attention_mask, position_ids, *past)``; fp32, because quantized exports change the greedy
-output (time and size: docs/store-measurements.md).
+output (time and size: docs/measurements.md).
 
 The export directory (:func:`export_dir`) holds:
 

@@ -17,11 +17,9 @@ import sys
 import time
 from typing import Any
 
-from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.app.cli_common import CommandError, load_config, open_edgesync, progress_bar
-from edgesync_engines.app.cli_model import ENGINE_HELP, STORE_HELP
+from edgesync_engines.app.cli_model import STORE_HELP, add_model_options
 from edgesync_engines.app.doc_files import DocumentFileError, read_documents
-from edgesync_engines.config import ENGINES
 from edgesync_engines.request.documents import DocumentInput
 from edgesync_store.commands.inventory import iso_time, wide_console
 from edgesync_store.commands.units import format_bytes
@@ -37,10 +35,7 @@ _DOC_INDEX = re.compile(r"^documents\[\d+\]: ")
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help=STORE_HELP)
-    p.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-type", type=str.lower, choices=KV_TYPES,
-                   help="llama.cpp K/V cache type (default: EDGESYNC_KV_TYPE or f16)")
-    p.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
+    add_model_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary or table")
 
 

@@ -21,22 +21,22 @@ from edgesync_engines.config import BY_NAME, ENGINES, REUSE_MODES
 from edgesync_store.commands.units import format_bytes
 
 STORE_HELP = "store directory (default: EDGESYNC_STORE or the per-user cache dir)"
-ENGINE_HELP = "llamacpp (default) or onnx (ONNX Runtime on `edgesync export-onnx`'s export of the same GGUF)"
-CONVERTIBLE_HELP = ("also inject KV another engine wrote for the same model, converted: close to, not always "
-                    "equal to, this engine's own output")
-REUSE_HELP = ("exact (default): inject only token-identical KV, answers equal uncached runs; semantic: also serve "
-              f"a donor prompt at similarity >= {BY_NAME['similarity_exact'].default} whole (approximate answers)")
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The options that choose the model and engine: ``--model``, ``--kv-type``, ``--reuse``,
-    ``--engine``, ``--allow-convertible`` (each None when not given: the setting decides)."""
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--kv-type`` and ``--engine`` (each None when not given: the setting decides)."""
     p.add_argument("--model", help="GGUF file (default: EDGESYNC_MODEL or SmolLM2-135M-Instruct)")
     p.add_argument("--kv-type", type=str.lower, choices=KV_TYPES,
                    help="llama.cpp K/V cache type (default: EDGESYNC_KV_TYPE or f16)")
-    p.add_argument("--reuse", choices=REUSE_MODES, help=REUSE_HELP)
-    p.add_argument("--engine", type=str.lower, choices=ENGINES, help=ENGINE_HELP)
-    p.add_argument("--allow-convertible", action="store_true", default=None, help=CONVERTIBLE_HELP)
+    p.add_argument("--engine", type=str.lower, choices=ENGINES, help=BY_NAME["engine"].help)
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options that choose the model and engine: :func:`add_model_options`, ``--reuse`` and
+    ``--allow-convertible``."""
+    add_model_options(p)
+    p.add_argument("--reuse", choices=REUSE_MODES, help=BY_NAME["reuse"].help)
+    p.add_argument("--allow-convertible", action="store_true", default=None, help=BY_NAME["allow_convertible"].help)
 
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:

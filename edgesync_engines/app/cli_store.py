@@ -149,9 +149,7 @@ def _clear_remote(cfg, doc: dict) -> str | None:
 
         doc["remote_keys_removed"] = clear_remote(cfg.remote_url, cfg.remote_prefix, cfg.remote_cluster,
                                                   cfg.remote_write_timeout_ms)
-    except ImportError as exc:
-        doc["remote_error"] = str(exc)
-    except (ValueError, StoreError, OSError) as exc:  # their messages show the URL redacted
+    except (ImportError, ValueError, StoreError, OSError) as exc:  # their messages show the URL redacted
         doc["remote_error"] = str(exc)
     return doc["remote_error"]
 

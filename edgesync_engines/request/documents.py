@@ -177,10 +177,8 @@ class DocumentLibrary:
         self._header_tokens: list[int] | None = None
 
     def header_tokens(self) -> list[int]:
-        """The tokens a new document's KV is computed after: none (``header="none"``), or
-        the chat template's rendering up to an empty user turn's content (``"chat"``: the
-        model's default system part, so the document's first tokens are not the attention
-        sink of its own sequence)."""
+        """The tokens a new document's KV is computed after (``header``: ``"none"`` or
+        ``"chat"``, module docstring)."""
         if self._header_tokens is None:
             self._header_tokens = []
             if self.header == "chat":
@@ -224,9 +222,8 @@ class DocumentLibrary:
             return None
 
     def kv_stored(self, rec: DocumentRecord) -> bool:
-        """True when live fragments hold the document's whole chain: the prefix walk of the
-        chain reaches its end, whatever fragments do it (compaction may have replaced the
-        document's own chunks by a longer prompt's that start with them)."""
+        """True when the prefix walk of the document's chain reaches its end, whatever fragments
+        do it (compaction may have replaced its own chunks by a longer prompt's)."""
         chain = rec.chain
         if not chunk_spans(len(chain), self.chunk_tokens):
             return False

@@ -20,7 +20,7 @@ from edgesync_engines.request import plan as planning
 from edgesync_engines.request.plan import ReusePlan, ReuseSource, SourceKind
 from edgesync_store.core.walk import PrefixMatch
 from edgesync_store.errors import StoreError
-from edgesync_store.schema import MIN_SPAN
+from edgesync_store.schema import MIN_SPAN, Namespace
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
@@ -170,15 +170,9 @@ class Injector:
         then wait for their payload checksums (run meanwhile on another thread: the copies and
         the engine's load overlap them); on a refusal or a failed checksum the engine's sequence
         is cleared (before anything was computed from it) and nothing counts as injected."""
-        fragments = got.fragments
-        try:
-            if namespace != self.adapter.namespace:
-                fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]
-            self.adapter.inject_fragment(fragments, target, tokens)
-        except (ValueError, InjectionError) as exc:
+        fragments = self._inject_or_clear(got.fragments, target, tokens, namespace)
+        if fragments is None:
             got.confirm()
-            log.warning("injection refused, prefilling from scratch: %s", exc)
-            self.adapter.clear_kv_cache()
             return 0, [], nbytes
         failed = set(got.confirm())
         if not failed:
@@ -190,15 +184,24 @@ class Injector:
         target = self.adapter.usable_prefix(min(target, cut), len(tokens))
         log.warning("%d injected fragment(s) failed their checksum (refused and removed); injecting %d tokens",
                     len(failed), target if target >= MIN_SPAN else 0)
-        if target < MIN_SPAN:
+        if target < MIN_SPAN or self._inject_or_clear([f for f, _ in kept], target, tokens) is None:
             return 0, [], nbytes
+        return target, [key for _, key in kept], nbytes
+
+    def _inject_or_clear(self, fragments: list, target: int, tokens: list[int],
+                         namespace: Namespace | None = None) -> list | None:
+        """Inject ``fragments`` (converted first when ``namespace`` is not the engine's) up to
+        ``target`` tokens; returns the fragments injected, or None (logged, the engine's
+        sequence cleared) when they cannot be converted or the engine refuses them."""
         try:
-            self.adapter.inject_fragment([f for f, _ in kept], target, tokens)
+            if namespace is not None and namespace != self.adapter.namespace:
+                fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]
+            self.adapter.inject_fragment(fragments, target, tokens)
         except (ValueError, InjectionError) as exc:
             log.warning("injection refused, prefilling from scratch: %s", exc)
             self.adapter.clear_kv_cache()
-            return 0, [], nbytes
-        return target, [key for _, key in kept], nbytes
+            return None
+        return fragments
 
     @contextmanager
     def fetched(self, match: PrefixMatch, target: int, defer_checks: bool = False) -> Iterator["Fetched"]:

@@ -1,13 +1,11 @@
 """The read-through RAM tier: decoded fragments kept for repeats within a process, never
 served once the store no longer holds them live.
 
-:class:`FragmentCache` sits in front of one store's ``get``. The injector reads a chain's
-fragments through it: it reads the lifecycle records of the whole chain in one read
-transaction (:meth:`FragmentCache.records`, after the keys are pinned, so that no eviction or
-expiry sweep in any process takes them afterwards), then takes each fragment from the
+The injector reads a chain's lifecycle records in one read transaction
+(:meth:`FragmentCache.records`, after the keys are pinned), then takes each fragment from the
 :class:`~edgesync_engines.request.ramtier.RamTier` when the entry is the version the store
-holds and is not expired, else reads and decodes it from the store (verified: checksums,
-content hash, key) and keeps it. The prefetcher (``request/prefetch.py``) fills the same tier.
+holds live, else from the store, keeping what it decoded. The prefetcher
+(``request/prefetch.py``) fills the same tier.
 
 An entry's version is the ``created_at`` of the lifecycle record read with it: a fragment
 deleted (forget, eviction, expiry, another process's compaction or clear) has no record, and
@@ -83,26 +81,6 @@ class FragmentCache:
             log.debug("RAM tier: %s is no longer live in the store; not served", key.hex()[:16])
         self.ram.get(key)  # counts the miss
         return None
-
-    def get(self, key: bytes, life: "Lifecycle | None", now: float) -> "tuple[KVFragment | None, bool]":
-        """The decoded fragment under ``key`` and whether it came from RAM: the entry when
-        :meth:`cached` serves it, else ``store.get`` (None: absent or corrupt), kept in the
-        tier as the version ``life`` names. ``life`` is the record read after the key was
-        pinned (:meth:`records`); None, or a record expired at ``now``, means the fragment is
-        gone (it expired after the walk), so the store is not read.
-
-        Raises:
-            StoreError: the store failed.
-        """
-        frag = self.cached(key, life, now)
-        if frag is not None:
-            return frag, True
-        if life is None or life.expires_at <= now:
-            return None, False
-        frag = self.store.get(key)
-        if frag is None:
-            return None, False
-        return self.put(key, frag, life), False
 
     def put(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> "KVFragment":
         """Keep ``frag`` (decoded from the store under ``key``), staged, as the version of

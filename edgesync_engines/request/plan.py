@@ -169,10 +169,8 @@ def plan_reuse(prompt, tokens: Sequence[int], max_tokens: int, *, store: "Fragme
                adapter: "EngineAdapter", config: "EdgeSyncConfig",
                semantic: "SemanticLookup | None" = None) -> ReusePlan:
     """Decide what the request ``prompt`` (a string or chat messages, tokenized as ``tokens``)
-    reuses, for an answer of up to ``max_tokens`` tokens: the steps in the module docstring.
-
-    Reads the store and, in the approximate mode, runs the semantic lookup (``semantic``, None:
-    off; never touched in the default mode); never raises for a store problem (a failed walk
+    reuses, for an answer of up to ``max_tokens`` tokens: the steps in the module docstring
+    (``semantic``: the lookup, None: off). Never raises for a store problem (a failed walk
     finds nothing)."""
     tokens = tuple(int(t) for t in tokens)
     n = len(tokens)
@@ -213,11 +211,9 @@ class _Found:
 
 def _donor_sources(prompt, tokens: tuple[int, ...], max_tokens: int, lookup: "Lookup", store, adapter,
                    config, found: _Found) -> None:
-    """Approximate mode: the donors that may be served whole, most similar first (step 3a).
-
-    Only a donor that shares everything before the embedded text (system prompt, earlier
-    turns) may stand in for this prompt: the embedding sees the last user turn alone, so the
-    same question in another app or conversation scores 1.0."""
+    """Step 3a: the donors that may be served whole, most similar first. The shared context
+    is required because the embedding sees the last user turn alone: the same question in
+    another app or conversation scores 1.0."""
     context = context_len(prompt, tokens, lookup.embedded[0], adapter)
     for donor in lookup.donors:
         if donor.similarity < config.similarity_exact:
@@ -241,9 +237,7 @@ def _donor_sources(prompt, tokens: tuple[int, ...], max_tokens: int, lookup: "Lo
 
 def _verified_prefix(tokens: tuple[int, ...], donors: "Sequence[Donor]", match: PrefixMatch, limit: int,
                      store, namespace: Namespace) -> tuple[PrefixMatch, int, bytes | None]:
-    """Token by token (step 3b): a donor's stored chain counts up to where its tokens stop
-    matching the prompt's. A longer verified prefix than the walk's replaces it; one as long
-    confirms it (its key reported as the donor). Returns (match, verified tokens, donor key)."""
+    """Step 3b; returns (match, verified tokens, donor key)."""
     donor_key = None
     for donor in donors:
         common = common_prefix_len(tokens, donor.tokens)
@@ -280,8 +274,7 @@ def convertible_namespaces(store: "FragmentBackend", namespace: Namespace) -> li
 
 
 def _convertible_source(tokens: tuple[int, ...], own: int, store, adapter) -> ReuseSource | None:
-    """Step 4: the longest chain of a convertible namespace when it yields more than the
-    ``own`` tokens the engine's own namespace would (the first such namespace on a tie)."""
+    """Step 4 (the first such namespace on a tie; ``own``: tokens the own namespace yields)."""
     best = None
     for ns in convertible_namespaces(store, adapter.namespace):
         match = walk(store, ns, tokens)

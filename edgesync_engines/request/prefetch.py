@@ -9,13 +9,10 @@ overall. Ties are broken by recency (the most recently seen continuation first),
 is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
 rates of the predictions it would have made before each observed key.
 
-:class:`Prefetcher` wires it to the router's RAM tier (``EdgeSync`` with ``prefetch=True``;
-:class:`~edgesync_engines.request.fragment_cache.FragmentCache`, the read-through tier the
-injector reads first): after each request it observes the request's key (:func:`request_key`),
-asks the predictor for the likely next keys, and one background thread walks the store with
-the tokens last seen under each predicted key and decodes the matched fragments into the tier,
-so that the next request's injection skips the decompression. :func:`ram_tiers` builds both
-from the settings.
+:class:`Prefetcher` decodes the predicted requests' fragments into the router's RAM tier
+(:class:`~edgesync_engines.request.fragment_cache.FragmentCache`) in a background thread, so
+that the next request's injection skips the decompression. :func:`ram_tiers` builds both from
+the settings.
 """
 
 from __future__ import annotations
@@ -169,15 +166,12 @@ class NgramPredictor:
 
 
 def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
-    """The predictor's key of a request: the hex store key of the first fragment of the prompt's
-    own chunk grid (``chunk_spans(len(tokens) - 1, chunk_tokens)[0]``, all layers and heads).
+    """The predictor's key of a request: the hex ``storeback.chunk_key`` of its first chunk
+    (None and ValueError as there).
 
-    It depends only on the namespace and the prompt's first ``chunk_tokens`` token IDs (fewer
-    when the prompt is shorter than ``chunk_tokens + 64``), so it is the same in every process
-    and known before the prefix walk: the questions over one doc-QA passage, the turns of one
-    chat session and the requests of one app's system prompt share it. None for a prompt too
-    short to be cached (under 65 tokens). Raises ValueError for a ``chunk_tokens`` outside
-    ``chunk_spans``' range.
+    It depends only on the namespace and the prompt's first tokens, so it is the same in every
+    process and known before the prefix walk: the questions over one doc-QA passage, the turns
+    of one chat session and the requests of one app's system prompt share it.
     """
     key = chunk_key(namespace, tokens, chunk_tokens)
     return None if key is None else key.hex()
@@ -205,13 +199,10 @@ class Prefetcher:
     int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for out-of-range numbers.
 
     The request thread calls :meth:`after_request` once an answer is complete; one daemon
-    thread (started by the first :meth:`after_request`) does the prefetching: for each
-    predicted key, most likely first, it walks the store with the tokens last seen under that
-    key and decodes every matched fragment that the tier does not hold yet (or holds in a
-    version the store has since replaced). A new prediction replaces the work not yet started.
-    Fragments are read with ``store.get``, which verifies and decodes them (and removes a
-    corrupt one), so the tier holds exactly what the request path would read. Store errors in
-    the thread are logged and skipped, never raised.
+    thread then, for each predicted key, most likely first, walks the store with the tokens
+    last seen under that key and decodes (``store.get``: verified) every matched fragment the
+    tier does not hold in the version the store holds. A new prediction replaces the work not
+    yet started. Store errors in the thread are logged and skipped, never raised.
     """
 
     def __init__(self, cache: FragmentCache, namespace: Namespace, *, n: int = 3, top_k: int = 3,
@@ -271,13 +262,11 @@ class Prefetcher:
             return self._cond.wait_for(lambda: self._stop or (not self._pending and not self._busy), timeout)
 
     def stats(self) -> dict:
-        """JSON-able counters: ``observed`` requests with a key, ``predictions`` scored (every
-        observation but the first), ``top1`` / ``topk`` hit rates in [0, 1] (None before any
-        prediction) with ``top_k``; the RAM tier's ``hits``, ``misses``, ``bytes`` (held now),
-        ``max_bytes``, ``entries``, ``evictions``; ``prefetched`` fragments decoded and their
-        ``prefetched_bytes`` (raw), ``stale`` tier entries refused because the store no longer
-        held them live, ``errors`` store or codec errors in the prefetch thread. The tier's
-        counters include the request path's own reads through it."""
+        """JSON-able counters: the predictor's (:class:`PredictionAccuracy`: ``observed``,
+        ``predictions``, ``top1``, ``topk``, ``top_k``), the RAM tier's (:class:`RamTierStats`,
+        including the request path's own reads), ``prefetched`` fragments decoded and their
+        ``prefetched_bytes`` (raw), ``stale`` (``FragmentCache.stale``) and ``errors`` in the
+        prefetch thread."""
         acc = self.predictor.accuracy
         ram = self.ram.stats()
         with self._cond:

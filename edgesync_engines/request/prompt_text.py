@@ -80,10 +80,9 @@ def embed_text_for(
     """The text to embed for a request: what tells this request apart from others.
 
     MiniLM reads at most 256 word pieces (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``)
-    from the START of a text and drops the rest. Embedding a whole prompt would therefore embed,
-    for an app whose prompts open with a 300-token system prompt (``system_prompts.json``:
-    315-339 SmolLM2 tokens), that system prompt alone: every request of the app would get the
-    same vector and look like a hit. So:
+    from the START of a text and drops the rest, so a whole prompt opening with a long system
+    prompt would embed as that system prompt alone, and every request of the app would look
+    like a hit. So:
 
     * chat messages (a sequence of mappings with ``"role"`` and ``"content"``; content a string
       or a list of ``{"type": "text", "text": ...}`` parts): the LAST USER TURN. The system prompt
@@ -94,15 +93,11 @@ def embed_text_for(
       uses, Llama 3, Gemma, Phi-3/Zephyr ``<|user|>``, ``[INST]``): its last user turn;
     * any other raw string: its TAIL, where the question of a templated prompt is. A raw prompt
       made of a long shared preamble and a short question still embeds mostly as the preamble
-      (measured on ``system_prompts.json`` row 0 + the first question of the first 10 clusters
-      of ``qqp_clusters.jsonl``: mean pairwise cosine 0.96 with the tail, against 0.11 for the
-      questions alone): pass chat messages when you have them.
+      (docs/measurements.md): pass chat messages when you have them.
 
-    Either way the text is then cut to its last ``max_words`` whitespace-separated words
-    (default :data:`TAIL_WORDS` = 160, which fits in 256 word pieces for English, see there) and
-    its last ``max_chars`` characters (default :data:`TAIL_CHARS`), starting at a word boundary;
-    words of a cut text are joined by single spaces (MiniLM's tokenizer ignores whitespace
-    anyway). A short text is returned stripped and otherwise unchanged.
+    Either way the text is then cut to its last ``max_words`` words (:data:`TAIL_WORDS`) and
+    its last ``max_chars`` characters (:data:`TAIL_CHARS`), starting at a word boundary; words
+    of a cut text are joined by single spaces. A short text is returned stripped.
 
     Args:
         prompt_or_messages: a prompt string, one message mapping, or a sequence of messages.

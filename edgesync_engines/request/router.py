@@ -3,22 +3,17 @@
 ``EdgeSync(model, store, config).generate(prompt_or_messages)`` answers a prompt (chat messages
 are rendered with the GGUF's own template) in four steps:
 
-1. :func:`~edgesync_engines.request.plan.plan_reuse` decides what the request reuses: the
-   store's longest token-identical prefix, with ``reuse="semantic"`` a longer one verified
-   through a semantic donor or a donor served whole, or another engine's convertible KV
-   (``allow_convertible``); see that module for the rules.
-2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (from the RAM tier when it
-   holds the version the store holds live, else from the store), converts and injects that KV.
+1. :func:`~edgesync_engines.request.plan.plan_reuse` decides what the request reuses (that
+   module holds the rules).
+2. :class:`~edgesync_engines.request.execute.Injector` pins, fetches (through the RAM tier),
+   converts and injects that KV.
 3. The adapter prefills the rest and generates.
-4. :mod:`~edgesync_engines.request.storeback` stores the prompt's missing chunks (an exact repeat
-   injects all but its last token) with its donor record, and records the hits; the prefetcher
-   (``prefetch=True``) predicts the next requests.
+4. :mod:`~edgesync_engines.request.storeback` stores the prompt's missing chunks with its donor
+   record, and records the hits; the prefetcher (``prefetch=True``) predicts the next requests.
 
-``GenerationResult.hit`` is a :class:`~edgesync_engines.request.plan.HitKind`. In the default
-mode only token-identical KV is injected, so the output equals an uncached run's. A donor
-served whole (``approximate: true``) or converted KV (``convertible: true``) gives an answer
-close to, not always equal to, an uncached run's, and such a request stores nothing, since its
-context holds KV that is not its own.
+In the default mode only token-identical KV is injected, so the output equals an uncached
+run's. A request whose context holds KV that is not its own (a donor served whole, converted
+KV) stores nothing.
 """
 
 from __future__ import annotations
@@ -132,8 +127,7 @@ class EdgeSync:
         tokens, the stored fragments (any chunk size, layer or head group, live or expired)
         that follow its prefix and start with its next token, written by this engine or by
         another engine for the same model, with their donor records and vectors; the RAM tier
-        is emptied (it would serve nothing the store no longer holds, but keeps no copy).
-        With ``documents`` the prompt is the documents prompt, and those documents are removed
+        is emptied. With ``documents`` the prompt is the documents prompt, and those documents are removed
         too. Afterwards the same request is a miss. Returns the fragments removed.
 
         Raises:
@@ -226,25 +220,21 @@ class EdgeSync:
                 raise KeyError(f"no stored document matches {doc_id!r}: unknown, under 8 hex digits, or a prefix "
                                f"of several (give more digits)")
             found.append(rec)
-        for rec in found:
-            self.documents.remove(rec)
-        self._drop_ram_tier(found)
-        return len(found)
+        return self._remove_records(found)
 
     def _forget_documents(self, documents: Iterable["str | Mapping"]) -> int:
         """Remove the given documents (as passed to ``generate``) if stored; returns how many."""
         recs = [self.documents.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
-        gone = [r for r in recs if self.documents.get(r.key) is not None]
-        for rec in gone:
-            self.documents.remove(rec)
-        self._drop_ram_tier(gone)
-        return len(gone)
+        return self._remove_records([r for r in recs if self.documents.get(r.key) is not None])
 
-    def _drop_ram_tier(self, removed: list) -> None:
-        """Empty the RAM tier after documents were removed: their decoded KV may sit there
-        (it would not be served, the store no longer holding it, but no copy is kept)."""
-        if removed and self.fragment_cache is not None:
+    def _remove_records(self, recs: list[DocumentRecord]) -> int:
+        """Remove stored documents and empty the RAM tier, which may hold a copy of their KV
+        (never served once the store lacks it); returns how many."""
+        for rec in recs:
+            self.documents.remove(rec)
+        if recs and self.fragment_cache is not None:
             self.fragment_cache.clear()
+        return len(recs)
 
     def document_prompt(self, messages: Sequence[Mapping[str, str]], documents=None,
                         retrieve: int | None = None) -> tuple[DocumentPrompt, list[float] | None]:

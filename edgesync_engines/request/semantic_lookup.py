@@ -81,8 +81,8 @@ class SemanticLookup:
         store: the router's open store (``FragmentBackend``).
         config: supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
 
-    Creating one loads nothing (no embedder, no hnswlib). Thread-safe (the index has its own
-    lock; loading and the catch-up are guarded here).
+    Creating one loads nothing (module docstring). Thread-safe (the index has its own lock;
+    loading and the catch-up are guarded here).
     """
 
     def __init__(self, store, config: EdgeSyncConfig) -> None:
@@ -144,11 +144,9 @@ class SemanticLookup:
     # -- the catch-up: embedding donor records stored without a vector ---------------------
 
     def catch_up(self) -> int:
-        """Embed, in batches of :data:`CATCH_UP_BATCH`, the donor records whose fragment is
-        stored and that have no vector (prompts stored in the default mode, here or in another
-        process), and add them to the index; returns how many were added (0 when the lookup is
-        off, the store read-only, or on a failure, logged). Loads the lookup if needed; runs one
-        at a time (the background catch-up calls it too)."""
+        """Embed the stored donor records that have no vector, in batches of
+        :data:`CATCH_UP_BATCH`, and index them; returns how many were added (0 when the lookup
+        is off, the store read-only, or on a failure, logged). One runs at a time."""
         if self.store.readonly or not self._ready():
             return 0
         from edgesync_store.semantic.index import BackendMismatchError
@@ -302,11 +300,6 @@ class SemanticLookup:
             delete_donor(self.store, key)
         except (StoreError, OSError, ValueError, RuntimeError) as exc:
             log.warning("could not drop donor %s: %s", key.hex()[:16], exc)
-
-    @property
-    def backend_id(self) -> str | None:
-        """The loaded embedder's id, or None before first use."""
-        return None if self._embedder is None else self._embedder.backend_id
 
     @property
     def embedder(self):

@@ -71,22 +71,16 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     how many fragments were written (0, with a warning, when the store or the engine failed).
 
     With ``donor_prompt`` (the request's prompt: a string or chat messages) the prompt's donor
-    record (key :func:`donor_key`, its tokens and ``prompt_text.embed_text_for(donor_prompt)``,
-    no vector) goes in the same transaction, when its last chunk is stored and has none; a
-    prompt whose chunks were all stored already gets its missing record in a write of its own.
+    record (module docstring) goes in the same transaction; a prompt whose chunks were all
+    stored already gets its missing record in a write of its own.
 
     Every chunk of the prompt's own grid is kept, even where fragments of another chunk size
-    hold the same tokens, so that the prompt's chain from position 0 is complete and an exact
-    repeat injects all of it.
-
-    A chunk counts as stored when live fragments of exactly its span together hold every layer
-    and KV head, whatever their grouping (``covers_span``). Missing chunks are extracted whole
-    (one seq-state read for all) and cut into the configured ``layers_per_fragment`` x
-    ``heads_per_fragment`` groups; all fragments of all chunks go in one ``put_many`` (one write
-    transaction, so no reader sees half a chunk), laid out as the engine injects them
-    (``stage_fragment``). With ``ram`` (the router's RAM tier) the fragments written are kept
-    there too (``FragmentCache.keep_stored``), unless the store reads them in place as cheaply
-    (``serves_in_place``).
+    hold the same tokens, so that an exact repeat injects the whole chain from position 0. A
+    chunk counts as stored when live fragments of exactly its span hold every layer and KV head
+    (``covers_span``). Missing chunks are extracted in one seq-state read, cut into the
+    configured layer x head groups, staged as the engine injects them, and written in one
+    ``put_many`` (no reader sees half a chunk). With ``ram`` (the router's RAM tier) they are
+    kept there too, unless the store reads them in place as cheaply (``serves_in_place``).
     """
     ns = adapter.namespace
     try:
@@ -131,11 +125,9 @@ def _donor_record(namespace: Namespace, tokens: list[int], config: "EdgeSyncConf
 
 def index_prompt(semantic: "SemanticLookup", store: "FragmentBackend", namespace: Namespace, prompt,
                  tokens: list[int], embedded, config: "EdgeSyncConfig") -> None:
-    """Give the prompt's donor its vector now (after its answer, off the TTFT path) when the
-    semantic lookup ran for this request (``embedded``: its (text, float32 ``[384]``
-    embedding); None, as in the default mode, does nothing: the record written with the
-    fragments is embedded in the background later), its chain is stored and it is not indexed
-    yet."""
+    """Give the prompt's donor its vector now (after its answer) when the semantic lookup ran
+    for this request (``embedded``: its (text, float32 ``[384]`` embedding); None does nothing:
+    the catch-up embeds it later), its chain is stored and it is not indexed yet."""
     if embedded is None or not semantic.ready_now():
         return
     key = donor_key(namespace, tokens, config)

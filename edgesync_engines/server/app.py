@@ -128,6 +128,11 @@ def _api_error(msg: dict) -> APIError:
                     err_type=msg.get("err_type"))
 
 
+def _shutting_down() -> APIError:
+    """The error of a job cancelled because the server is shutting down."""
+    return APIError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
+
+
 def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str) -> dict:
     """The non-streamed response body of a job's final message."""
     if final["type"] == "error":
@@ -135,7 +140,7 @@ def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str
         raise _api_error(final)
     if final["type"] != "done":
         metrics.failed(endpoint, 503)
-        raise APIError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
+        raise _shutting_down()
     metrics.answered(endpoint, final["result"], final["first_token_at"] - shaper.job["submitted_at"])
     return shaper.whole(final).model_dump()
 
@@ -158,8 +163,7 @@ async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetri
         else:
             status = msg.get("status", 503)
             metrics.failed(endpoint, status)
-            error = _api_error(msg) if msg["type"] == "error" else APIError(
-                503, "the request was cancelled: the server is shutting down", code="shutting_down")
+            error = _api_error(msg) if msg["type"] == "error" else _shutting_down()
             yield {"data": json.dumps(error.body())}
             break
         msg = await anext(messages)
@@ -175,6 +179,10 @@ class _Shaper:
         self.job = job
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    def _common(self, **fields) -> dict:
+        """The fields every object of this job shares, with ``fields``."""
+        return {"id": self.id, "created": self.created, "model": self.model, **fields}
 
     def usage(self, final: dict) -> schemas.Usage:
         r = final["result"]
@@ -193,8 +201,7 @@ class _Shaper:
 
     def whole(self, final: dict):
         """The non-streamed ChatCompletion or Completion."""
-        common = {"id": self.id, "created": self.created, "model": self.model, "usage": self.usage(final),
-                  "edgesync": self.info(final)}
+        common = self._common(usage=self.usage(final), edgesync=self.info(final))
         if self.kind == "chat":
             choice = schemas.ChatChoice(message=schemas.ChatMessageOut(content=final["text"]),
                                         finish_reason=final["finish_reason"])
@@ -207,7 +214,7 @@ class _Shaper:
         """A streamed chunk: the opening role (chat), a text piece, or the finish (with ``edgesync``)."""
         finish = final["finish_reason"] if final is not None else None
         info = self.info(final) if final is not None else None
-        common = {"id": self.id, "created": self.created, "model": self.model, "edgesync": info}
+        common = self._common(edgesync=info)
         if self.kind == "chat":
             delta = schemas.ChatDelta(role="assistant" if role else None, content="" if role else text)
             return schemas.ChatCompletionChunk(choices=[schemas.ChatChunkChoice(delta=delta, finish_reason=finish)],
@@ -216,7 +223,7 @@ class _Shaper:
 
     def usage_chunk(self, final: dict):
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
-        common = {"id": self.id, "created": self.created, "model": self.model, "usage": self.usage(final)}
+        common = self._common(usage=self.usage(final))
         if self.kind == "chat":
             return schemas.ChatCompletionChunk(choices=[], **common)
         return schemas.Completion(choices=[], **common)

@@ -246,18 +246,3 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    """The ``error`` object of an OpenAI error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorDetail

@@ -14,7 +14,6 @@ finish and then stops them (a None in the queue); a worker whose server is gone 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -77,12 +76,9 @@ def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
     returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
     through ``emit`` (default: the worker's response queue, see :func:`worker_main`)."""
     job_id = job["id"]
-    reuse = job.get("reuse")
-    if reuse is not None and reuse != config.reuse:
-        if reuse == "semantic" and not config.semantic:
-            return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
-                          "on this server (EDGESYNC_SEMANTIC)", param="edgesync.reuse")
-        engine.config = dataclasses.replace(config, reuse=reuse)
+    if job.get("reuse") == "semantic" and not config.semantic:
+        return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
+                      "on this server (EDGESYNC_SEMANTIC)", param="edgesync.reuse")
     try:
         return _generate(engine, job, cancel, emit)
     except ContextOverflowError as exc:
@@ -92,15 +88,14 @@ def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
     except Exception as exc:  # the request fails, the worker goes on
         log.exception("request %s failed", job_id)
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
-    finally:
-        engine.config = config
 
 
 def _generate(engine, job: dict, cancel, emit) -> dict:
     """The generation loop of :func:`serve_one`."""
     job_id = job["id"]
     stream = engine.generate(job["prompt"], max_tokens=job["max_tokens"], stream=True,
-                             temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"])
+                             temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
+                             reuse=job.get("reuse"))
     scanner = StopScanner(job.get("stop") or [])
     text: list[str] = []
     first_token_at = None

@@ -28,9 +28,9 @@ The payload by ``compression``:
   multiple of 64, keeps those views aligned wherever the blob starts aligned (an LMDB value
   on its own pages starts 16 bytes into a page).
 * ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): smaller than
-  the raw KV, decompressed on every read (figures: ``docs/store-measurements.md``).
+  the raw KV, decompressed on every read (figures: ``docs/measurements.md``).
 
-xxh3_64 (the ``xxhash`` package) checks the bytes (against crc32: ``docs/store-measurements.md``).
+xxh3_64 (the ``xxhash`` package) checks the bytes (against crc32: ``docs/measurements.md``).
 Nothing read is unpickled: the header is JSON and the arrays raw little-endian. Format-1 blobs
 (zstd, crc32, no alignment) are read too (``codec_v1``); :func:`encode` writes format 2 only.
 

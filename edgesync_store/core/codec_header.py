@@ -22,7 +22,7 @@ V_ORDERS = ("token", "channel")
 _HEADER_MEMO = 2048
 """Parsed JSON headers kept, by their bytes (:func:`parsed_json`, :func:`header_fields`): a
 prefix walk peeks the same fragments request after request, and parsing the JSON and its
-namespace is most of a peek (``docs/store-measurements.md``)."""
+namespace is most of a peek (``docs/measurements.md``)."""
 
 
 @functools.lru_cache(maxsize=_HEADER_MEMO)

@@ -10,7 +10,7 @@ named databases, created by ``migrations/m0001_initial.py``, and ``heads``, crea
   written and deleted with the blob in the same transaction: what the prefix walk, the
   expiry sweep and ``dump`` read, so that they never map a blob's pages (a blob's first page
   can bring the whole blob into the process's resident set: the kernel maps large page-cache
-  folios whole; ``docs/store-measurements.md``);
+  folios whole; ``docs/measurements.md``);
 * ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes, :func:`index_key`) ->
   store keys of the fragments that start right after that prefix; the prefix walk's index;
 * ``lifecycle``: store key -> the fragment's lifetime, hits, creation, last hit, expiry

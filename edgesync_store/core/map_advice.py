@@ -8,7 +8,7 @@ of a value as it returns it (it faults them in with the GIL released); under ``M
 each 4 KiB page is then one fault, one disk read when the page is not cached, and no
 fault-around when it is. :meth:`MapAdvice.whole_values` turns the map back to ``MADV_NORMAL``
 for the reads of a block and to ``MADV_RANDOM`` after it (figures for both choices:
-``docs/store-measurements.md``).
+``docs/measurements.md``).
 
 The map's address is not exposed by py-lmdb (``Environment.info()["map_addr"]`` is 0 unless
 ``MDB_FIXEDMAP``), so it is read from ``/proc/self/maps`` (the mappings of the store's

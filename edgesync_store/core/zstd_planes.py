@@ -34,7 +34,7 @@ def unshuffle(data, dtype: np.dtype, shape: tuple) -> np.ndarray:
 
     Each element is built in an unsigned integer of its size, the highest plane first, shifted
     left a byte per lower plane: whole-array passes with contiguous reads and writes (faster
-    than strided byte writes; ``docs/store-measurements.md``)."""
+    than strided byte writes; ``docs/measurements.md``)."""
     item = dtype.itemsize
     planes = np.frombuffer(data, dtype=np.uint8).reshape(item, -1)
     if item == 1:

@@ -57,7 +57,7 @@ __all__ = ["CLUSTER_COMMANDS", "COMMANDS", "FETCH_CHUNK", "FetchBudgetSpent", "F
 FETCH_CHUNK = 128 * 1024
 """Bytes of a blob read per round trip (``GETRANGE``): the fetch's deadline is checked between
 chunks, so it is overrun by at most one chunk's transfer; on loopback the chunked read is no
-slower than one ``GET`` (``docs/store-measurements.md``)."""
+slower than one ``GET`` (``docs/measurements.md``)."""
 
 
 class FetchBudgetSpent(TimeoutError):
