@@ -10,7 +10,8 @@ default). Files written big-endian are recognised as ggml's reader does (the ver
 
 Why not ``gguf.GGUFReader``: it builds a numpy view per array element, slow for a vocabulary
 of 262,144 tokens (Gemma 3; docs/measurements.md); this reader skips arrays it does not
-keep and uses the ``gguf`` package only for its constants (value types, ggml block sizes).
+keep. Its constants (:data:`VALUE_FORMATS`, :data:`GGML_BLOCKS`) are written here so that the
+core install, which has no ``gguf`` package, can read a header.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ MAX_ARRAY_ITEMS = 256
 vocabulary, merges, scores) only by length in :attr:`GGUFHeader.array_lengths`."""
 DEFAULT_ALIGNMENT = 32
 """``general.alignment`` when the file does not say (ggml's ``GGUF_DEFAULT_ALIGNMENT``)."""
+VALUE_STRING, VALUE_ARRAY = 8, 9
+"""GGUF value types of a string and an array (``enum gguf_type`` in ggml's ``gguf.h``)."""
+VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+"""GGUF scalar value type -> ``struct`` format: UINT8, INT8, UINT16, INT16, UINT32, INT32,
+FLOAT32, BOOL, UINT64, INT64, FLOAT64 (``enum gguf_type``, ggml's ``gguf.h``)."""
+GGML_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
+    22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
+"""ggml type number -> (elements per block, bytes per block), as gguf-py 0.19.0's
+``GGML_QUANT_SIZES`` gives them (``gguf/constants.py``; ggml's ``type_traits`` in ``ggml.c``);
+``tests/test_gguf_header.py`` checks it against the ``gguf`` package where that is installed."""
 
 
 class GGUFHeaderError(ValueError):
@@ -106,27 +122,18 @@ class _Cursor:
                               f"({end} bytes)")
 
 
-def _scalar_formats() -> dict[int, str]:
-    from gguf import GGUFValueType as T
-
-    return {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I", T.INT32: "i",
-            T.FLOAT32: "f", T.BOOL: "?", T.UINT64: "Q", T.INT64: "q", T.FLOAT64: "d"}
-
-
 def _value(cur: _Cursor, vtype: int, formats: dict[int, str], key: str, lengths: dict[str, int]) -> Any:
-    from gguf import GGUFValueType as T
-
     if vtype in formats:
         return cur.unpack(formats[vtype])
-    if vtype == T.STRING:
+    if vtype == VALUE_STRING:
         return cur.string()
-    if vtype != T.ARRAY:
+    if vtype != VALUE_ARRAY:
         raise GGUFHeaderError(f"{cur.path}: not a readable GGUF: {key!r} has unknown value type {vtype}")
     etype, count = cur.unpack("I"), cur.unpack("Q")
     lengths[key] = count
     if count <= MAX_ARRAY_ITEMS:
         return [_value(cur, etype, formats, key, {}) for _ in range(count)]
-    if etype == T.STRING:
+    if etype == VALUE_STRING:
         cur.skip_strings(count)
     elif etype in formats:
         cur.pos += count * struct.calcsize(formats[etype])
@@ -136,13 +143,9 @@ def _value(cur: _Cursor, vtype: int, formats: dict[int, str], key: str, lengths:
 
 
 def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], gtype: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
-    except (ValueError, KeyError):
-        raise GGUFHeaderError(f"{path}: tensor {name!r} has ggml type {gtype}, which this gguf package "
-                              "does not know") from None
+    if gtype not in GGML_BLOCKS:
+        raise GGUFHeaderError(f"{path}: tensor {name!r} has ggml type {gtype}, which this reader does not know")
+    block, size = GGML_BLOCKS[gtype]
     n = 1
     for d in shape:
         n *= int(d)
@@ -180,7 +183,7 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
     n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
     if n_tensors > size or n_kv > size:
         raise GGUFHeaderError(f"{path}: not a readable GGUF: {n_tensors} tensors and {n_kv} keys in {size} bytes")
-    formats, metadata, lengths = _scalar_formats(), {}, {}
+    formats, metadata, lengths = VALUE_FORMATS, {}, {}
     for _ in range(n_kv):
         key = cur.string()
         metadata[key] = _value(cur, cur.unpack("I"), formats, key, lengths)
