@@ -16,36 +16,17 @@ from pathlib import Path
 import pytest
 
 from edgesync_bench.workloads import SYSTEM_PROMPTS_FILE, workloads_dir
+from tests.cli_support import cli_env, edgesync, ok
 
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tools" / "dump.py"
 QUESTION = "How should I plan a week of revision before my chemistry exam?"
-KEEP_ENV = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS"}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment without EDGESYNC_* settings that would change what is tested."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in KEEP_ENV}
-    env.update(extra)
-    return env
-
-
-def edgesync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "edgesync_engines.app.cli", *args],
-        capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=600,
-    )
 
 
 def dump_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(DUMP), *args], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120,
+        [sys.executable, str(DUMP), *args], capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=120,
     )
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +40,8 @@ def generated(tmp_path_factory, system_prompt):
     """The same long chat prompt generated twice (--json) in a fresh store."""
     store = tmp_path_factory.mktemp("gen") / "store"
     args = ["generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12", "--json"]
-    first = json.loads(_ok(edgesync(*args)).stdout)
-    second = json.loads(_ok(edgesync(*args)).stdout)
+    first = json.loads(ok(edgesync(*args)).stdout)
+    second = json.loads(ok(edgesync(*args)).stdout)
     return store, first, second
 
 
@@ -84,7 +65,7 @@ def test_generate_json_miss_then_exact(generated):
 @pytest.mark.model
 def test_generate_streams_text_and_summary(generated, system_prompt):
     store, first, _ = generated
-    proc = _ok(edgesync("generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12"))
+    proc = ok(edgesync("generate", QUESTION, "--system", system_prompt, "--store", str(store), "--max-tokens", "12"))
     assert proc.stdout.rstrip("\n") == first["text"].rstrip("\n")
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("[exact]")
@@ -108,7 +89,7 @@ def test_generate_context_overflow_exits_2(tmp_path):
 @pytest.mark.model
 def test_dump_lists_written_fragments(generated):
     store, first, _ = generated
-    doc = json.loads(_ok(dump_script(str(store), "--json")).stdout)
+    doc = json.loads(ok(dump_script(str(store), "--json")).stdout)
     frags = doc["fragments"]
     assert len(frags) == first["fragments_written"] == doc["summary"]["fragments"]
     assert all(not f["corrupt"] and f["compressed_bytes"] > 0 and f["raw_bytes"] > 0 for f in frags)
@@ -119,9 +100,9 @@ def test_dump_lists_written_fragments(generated):
     assert all(f["hits"] >= 1 and f["expires_in_s"] > 0 and f["engine"] == "llama.cpp" for f in frags)
     assert doc["summary"]["compressed_bytes"] == sum(f["compressed_bytes"] for f in frags)
 
-    limited = json.loads(_ok(edgesync("dump", str(store), "--json", "--limit", "1")).stdout)
+    limited = json.loads(ok(edgesync("dump", str(store), "--json", "--limit", "1")).stdout)
     assert len(limited["fragments"]) == 1 and limited["summary"]["fragments"] == len(frags)
-    table = _ok(dump_script(str(store))).stdout
+    table = ok(dump_script(str(store))).stdout
     assert frags[0]["key"] in table
 
 
@@ -136,7 +117,7 @@ def test_dump_missing_store_exits_2_and_creates_nothing(tmp_path):
 
 def test_missing_model_exits_2(tmp_path):
     proc = edgesync("generate", "hi", "--store", str(tmp_path / "s"),
-                    env=_env(EDGESYNC_MODEL=str(tmp_path / "absent.gguf")))
+                    env=cli_env(EDGESYNC_MODEL=str(tmp_path / "absent.gguf")))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
     assert not (tmp_path / "s").exists()
 

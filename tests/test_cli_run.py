@@ -5,42 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from edgesync_bench import run_report as runreport
-
-ROOT = Path(__file__).resolve().parents[1]
-KEEP_ENV = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS"}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment without EDGESYNC_* settings that would change what is tested."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in KEEP_ENV}
-    env.update(extra)
-    return env
-
-
-def edgesync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "edgesync_engines.app.cli", *args],
-        capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=600,
-    )
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
+from tests.cli_support import cli_env, edgesync, ok
 
 
 @pytest.mark.model
 def test_run_seed_json(tmp_path):
     store = tmp_path / "store"
     out = tmp_path / "run.json"
-    proc = _ok(edgesync("run", "seed", "--limit", "6", "--max-tokens", "8", "--json",
+    proc = ok(edgesync("run", "seed", "--limit", "6", "--max-tokens", "8", "--json",
                         "--json-out", str(out), "--store", str(store)))
     doc = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == doc
@@ -73,6 +49,6 @@ def test_run_seed_json(tmp_path):
 
 def test_missing_workload_data_exits_2(tmp_path):
     proc = edgesync("run", "seed", "--limit", "2", "--store", str(tmp_path / "s"),
-                    env=_env(EDGESYNC_WORKLOADS=str(tmp_path / "nowhere")))
+                    env=cli_env(EDGESYNC_WORKLOADS=str(tmp_path / "nowhere")))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "EDGESYNC_WORKLOADS" in proc.stderr
     assert not (tmp_path / "s").exists()
