@@ -115,9 +115,10 @@ test: onnx $(LLAMA_SDIST) redis-server
 	$(PY) -m pytest -q tests
 
 # The fast layer: every test that needs no model, no server and no Redis (markers in
-# pyproject.toml), under a minute on 2 cores.
+# pyproject.toml), on both cores (pytest-xdist), with pytest's rewritten test modules cached
+# even where PYTHONDONTWRITEBYTECODE is set: 34 s on 2 quiet cores (2026-12-03).
 test-fast: $(INSTALL_STAMP)
-	$(PY) -m pytest -q -m "not model and not server and not redis and not slow" tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not model and not server and not redis and not slow" tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
 # cycle, no underscore name used across modules, no lmdb in edgesync_engines, no library import
