@@ -62,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-bytes", type=parse_bytes, default=None,
                         help="size budget for eviction (default: the store's recorded budget, else 1 GiB)")
-    parser.add_argument("--no-reclaim", action="store_true", help="do not rewrite the file to return free pages")
-    parser.add_argument("--force-reclaim", action="store_true", help="rewrite the file whenever any page is free")
+    reclaim = parser.add_mutually_exclusive_group()
+    reclaim.add_argument("--no-reclaim", action="store_true", help="do not rewrite the file to return free pages")
+    reclaim.add_argument("--force-reclaim", action="store_true", help="rewrite the file whenever any page is free")
     parser.add_argument("--reclaim-fraction", type=_fraction, default=None,
                         help="free fraction of data.mdb that triggers the rewrite (default 0.25)")
 

@@ -251,3 +251,18 @@ def test_clear_refuses_a_store_directory_it_cannot_read_by_name(closed):
     path, child = run_on_unreadable_store(closed, _CLEAR_AS_ANOTHER_USER)
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == f"store path {path}: cannot be read (permission denied)"
+
+
+def test_clear_remote_without_redis_is_refused_before_anything_is_erased(full_store):
+    """A core install has no redis-py: ``clear --remote`` names the ``remote`` extra and erases
+    nothing. (The missing package is simulated in the child: ``sys.modules["redis"] = None``.)"""
+    code = ("import sys; sys.modules['redis'] = None\n"
+            "from edgesync_engines.app.cli import main\n"
+            f"raise SystemExit(main(['clear', {str(full_store)!r}, '--yes', '--remote']))")
+    env = {**_env(), "EDGESYNC_REMOTE_URL": "redis://127.0.0.1:9/0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "'remote' extra" in proc.stderr and "Traceback" not in proc.stderr
+    with FragmentStore(full_store, readonly=True) as store:
+        assert store.stats().fragments == N

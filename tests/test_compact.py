@@ -144,3 +144,11 @@ def test_compact_command_stops_cleanly_on_sigterm(tmp_path, monkeypatch, capsys)
         assert Compactor(store).run(do_reclaim=False).merged_layers == 12 - doc["merged_layers"]
         for w in wholes:
             assert np.array_equal(store.get(w.key()).keys, w.keys)
+
+
+def test_no_reclaim_and_force_reclaim_are_refused_together(tmp_path):
+    path = tmp_path / "s"
+    with FragmentStore(path) as store:
+        store.put_many([make_fragment(seed=90)])
+    proc = run([sys.executable, "-m", "edgesync_store.compact", str(path), "--no-reclaim", "--force-reclaim"])
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr

@@ -25,7 +25,14 @@ from edgesync_engines.app.cli_common import (
 from edgesync_engines.config import EMBEDDING_BACKENDS
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.units import format_bytes
-from edgesync_store.errors import StoreBusyError, StoreError, StoreFormatError, StoreNotFoundError, StoreOpenError
+from edgesync_store.errors import (
+    MissingExtraError,
+    StoreBusyError,
+    StoreError,
+    StoreFormatError,
+    StoreNotFoundError,
+    StoreOpenError,
+)
 
 EXIT_DECLINED = 1
 """``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
@@ -108,6 +115,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
     cfg = load_config({})
     if args.remote and cfg.remote_url is None:
         raise CommandError("--remote: no remote tier is configured (set EDGESYNC_REMOTE_URL)")
+    if args.remote:  # without redis-py, refused before anything is erased
+        try:
+            from edgesync_store.remote import commands  # noqa: F401
+        except MissingExtraError as exc:
+            raise CommandError(str(exc)) from None
     try:
         path = check_store_path(store)
     except (StoreNotFoundError, StoreOpenError) as exc:
