@@ -8,7 +8,8 @@ import importlib
 from types import ModuleType
 
 __all__ = ["CodecError", "MissingExtraError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError",
-           "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "require_extra"]
+           "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "install_hint",
+           "require_extra"]
 
 
 class StoreError(RuntimeError):
@@ -63,10 +64,17 @@ class CodecError(StoreError, ValueError):
     """A blob that is not a valid fragment: corrupt, truncated, crafted or of another version."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install the ``edgesync`` distribution with ``extra``, from a checkout."""
+    return f"from EdgeSync's checkout, pip install --find-links build/wheelhouse '.[{extra}]'"
+
+
 class MissingExtraError(ImportError):
     """An optional stack is not installed. The message is one line naming the extra of the
     ``edgesync`` distribution that brings it, e.g. ``semantic lookup needs the 'semantic' extra:
-    pip install 'edgesync[semantic]' (no module named 'hnswlib')``.
+    from EdgeSync's checkout, pip install --find-links build/wheelhouse '.[semantic]' (no module
+    named 'hnswlib')``. The hint names the checkout because an unrelated project holds the name
+    ``edgesync`` on the package registry.
 
     Attributes:
         what: the feature that needs the stack (``"semantic lookup"``).
@@ -74,7 +82,7 @@ class MissingExtraError(ImportError):
     """
 
     def __init__(self, what: str, extra: str, module: str) -> None:
-        super().__init__(f"{what} needs the {extra!r} extra: pip install 'edgesync[{extra}]' "
+        super().__init__(f"{what} needs the {extra!r} extra: {install_hint(extra)} "
                          f"(no module named {module!r})", name=module)
         self.what, self.extra = what, extra
 

@@ -43,7 +43,7 @@ import platformdirs
 
 from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.onnx_support import onnx_refusal
-from edgesync_store.errors import require_extra
+from edgesync_store.errors import install_hint, require_extra
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def clean_leftovers(root: Path, max_age_s: float = 3600.0) -> int:
 
 
 def _missing_extra(exc: ImportError) -> ExportError:
-    return ExportError(f"the ONNX export needs the `onnx` extra (pip install 'edgesync[onnx]'): {exc}")
+    return ExportError(f"the ONNX export needs the `onnx` extra ({install_hint('onnx')}): {exc}")
 
 
 def _import_heavy():

