@@ -4,7 +4,7 @@ The public API, importable from here::
 
     from edgesync_engines import EdgeSync, EdgeSyncConfig
     with EdgeSync(config=EdgeSyncConfig.load()) as es:
-        print(es.generate("...").to_dict())
+        result = es.generate("...")  # a GenerationResult: text, hit, tokens reused, TTFT
 
 The names load on first use (PEP 562 ``__getattr__``), so that ``import edgesync_engines.config``
 does not load an engine (llama_cpp, onnxruntime).
