@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server
+.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server
 
 setup: $(INSTALL_STAMP)
 
@@ -101,6 +101,25 @@ demo-onnx: onnx
 BENCH_ARGS ?=
 bench: $(INSTALL_STAMP)
 	$(VENV)/bin/edgesync bench $(BENCH_ARGS)
+
+# llama.cpp's own server, the chat benchmark's peer (benchmarks/chat.py), built once into
+# build/llama-server from the llama.cpp vendored in $(LLAMA_SDIST): no network, no web UI, no
+# OpenSSL. About 25 minutes on 2 busy cores (../shared/DESIGN.md 2.8). Not a test: CI never
+# builds it.
+LLAMA_SERVER := build/llama-server
+LLAMA_SERVER_SRC := build/llama-server-src
+LLAMA_SERVER_CMAKE_ARGS := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): | $(LLAMA_SDIST)
+	rm -rf $(LLAMA_SERVER_SRC) && mkdir -p $(LLAMA_SERVER_SRC)
+	tar xzf $(LLAMA_SDIST) -C $(LLAMA_SERVER_SRC) --strip-components=1
+	cmake -S $(LLAMA_SERVER_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_SRC)/cmake-build $(LLAMA_SERVER_CMAKE_ARGS)
+	cmake --build $(LLAMA_SERVER_SRC)/cmake-build --target llama-server --parallel 2
+	cp $(LLAMA_SERVER_SRC)/cmake-build/bin/llama-server $@
 
 # The remote tier's tests start their own Redis servers (tools/redis_servers.py): Debian's
 # redis-server package (7.0.15, with redis-cli), installed here when missing (sudo when not root).
