@@ -165,6 +165,15 @@ class EdgeSyncConfig:
     prefetch: bool = flag(
         False, "EDGESYNC_PREFETCH",
         "predict the next requests and decode their fragments ahead, in a background thread, into the RAM tier")
+    idle_store: bool = flag(
+        False, "EDGESYNC_IDLE_STORE",
+        "after each chat answer, prefill the conversation with that answer in small exact batches on a background "
+        "thread and store its KV, so that the next turn prefills only its new message; a request pauses it after "
+        "one batch (`edgesync serve` turns it on; `--no-idle-store`)")
+    idle_batch_tokens: int = setting(
+        64, env="EDGESYNC_IDLE_BATCH", parse=int,
+        help="tokens per batch of idle-time prefill: the most a request waits for (16 to 512)",
+        check=lambda v: None if 16 <= v <= 512 else f"must be in [16, 512], got {v}")
     max_bytes: int | None = setting_of(StoreSettings, "max_bytes")
     compression: str = setting_of(StoreSettings, "compression")
     jobs: bool = setting_of(StoreSettings, "jobs")

@@ -106,13 +106,13 @@ class FakeAdapter:
     def recompute(self, tokens, start: int, end: int) -> None:
         raise InjectionError(self.blend_refusal)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         parts = []
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise ValueError("a chat message lacks role or content")
             parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-        return "".join(parts) + "<|im_start|>assistant\n"
+        return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def token_bytes(self, token: int) -> bytes:
         return chr(token).encode()
@@ -201,6 +201,20 @@ class FakeAdapter:
         out = self.answer[:max_tokens]
         self.live = tokens + out[:-1]
         yield from out
+
+    def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
+        step = max(batch_tokens, 1)
+        return [(pos, min(pos + step, end)) for pos in range(max(n_past, 0), end, step)]
+
+    def extend(self, tokens, start: int, end: int) -> None:
+        tokens = [int(t) for t in tokens]
+        if not 0 <= start < end <= len(tokens) or self.live[:start] != tokens[:start]:
+            raise ValueError(f"extend: bad span [{start}, {end}) or live sequence")
+        self.live = tokens[:end]
+        self.prefilled.append(end - start)
+
+    def live_tokens(self) -> list[int]:
+        return list(self.live)
 
     def clear_kv_cache(self) -> None:
         self.live = []

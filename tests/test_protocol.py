@@ -29,7 +29,7 @@ DATA = {"namespace": Namespace, "cache_refusal": type(None), "blend_refusal": (t
 ``lock`` is checked apart: an RLock)."""
 PROPERTIES = {"closed"}
 METHODS = ["tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix",
-           "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill", "place_kv", "recompute",
+           "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill", "prefill_batches", "extend", "live_tokens", "place_kv", "recompute",
            "clear_kv_cache", "warm_up", "close"]
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "Why do caches make repeated prompts faster? " * 12}]

@@ -54,6 +54,28 @@ class EngineAdapterBase(abc.ABC):
         """Raises InjectionError: this engine cannot move stored KV (see the protocol)."""
         raise InjectionError(self.blend_refusal or "recompute: not supported")
 
+    def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
+        """The protocol's ``prefill_batches`` for an engine whose prefill may be cut anywhere
+        (:meth:`usable_prefix` is any point): ``batch_tokens`` at a time up to ``end``."""
+        step = max(batch_tokens, 1)
+        return [(pos, min(pos + step, end)) for pos in range(max(n_past, 0), end, step)]
+
+    def extend(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """The protocol's ``extend``."""
+        if end > self.n_ctx:
+            raise ContextOverflowError(end, 0, self.n_ctx)
+        if not 0 <= start < end <= len(tokens):
+            raise ValueError(f"extend: [{start}, {end}) is not a non-empty span of the {len(tokens)} tokens")
+        if start == 0:
+            self.clear_kv_cache()
+        else:
+            self._resume(tokens[:end], start)
+        self._eval_batch(tokens[start:end])
+
+    def live_tokens(self) -> list[int]:
+        """The protocol's ``live_tokens``."""
+        return [int(t) for t in self._live_tokens(self.n_tokens)]
+
     def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
         """The protocol's ``prefill``, in :meth:`prefill_plan`'s batches."""
         if len(tokens) > self.n_ctx:
@@ -153,18 +175,22 @@ class EngineAdapterBase(abc.ABC):
     def text_stream(self) -> codecs.IncrementalDecoder:
         return codecs.getincrementaldecoder("utf-8")("replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """The protocol's ``apply_chat_template``, through llama-cpp-python's
-        ``Jinja2ChatFormatter``."""
+        ``Jinja2ChatFormatter`` (one per value of ``add_generation_prompt``)."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         check_messages(messages)
         if self._chat_formatter is None:
+            self._chat_formatter = {}
+        formatter = self._chat_formatter.get(add_generation_prompt)
+        if formatter is None:
             template, eos_token, bos_token = self._chat_template()
-            self._chat_formatter = Jinja2ChatFormatter(
-                template=template, eos_token=eos_token, bos_token=bos_token, add_generation_prompt=True,
+            formatter = self._chat_formatter[add_generation_prompt] = Jinja2ChatFormatter(
+                template=template, eos_token=eos_token, bos_token=bos_token,
+                add_generation_prompt=add_generation_prompt,
             )
-        return self._chat_formatter(messages=list(messages)).prompt
+        return formatter(messages=list(messages)).prompt
 
     # -- fragments ----------------------------------------------------------------------
 

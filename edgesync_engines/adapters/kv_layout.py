@@ -301,6 +301,40 @@ def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, in
     return plan
 
 
+def exact_batches(n_past: int, end: int, block: int, batch_tokens: int) -> list[tuple[int, int]]:
+    """Small evaluation batches that extend a live ``[0, n_past)`` of a prompt towards
+    ``end`` with KV bit-identical to an uncached prefill of any longer prompt that starts
+    with the same tokens (the idle-time store, ``request/idle.py``).
+
+    Every batch starts and ends on a multiple of :data:`ROW_GROUP` (so each token keeps the
+    row group an uncached prefill puts it in), holds at least :data:`MIN_FIRST_BATCH` tokens,
+    never crosses the ``block`` grid, and holds about ``batch_tokens`` tokens (rounded to the
+    row group; at most ``block``). The first batch may start before ``n_past`` (the live
+    sequence is cut back to it); the last ends at ``end`` rounded down to the row group, whose
+    remaining tokens are left to the request. [] when nothing can be added.
+    """
+    block = max(block - block % ROW_GROUP, MIN_FIRST_BATCH)
+    size = min(max(batch_tokens - batch_tokens % ROW_GROUP, MIN_FIRST_BATCH), block)
+    stop_at = end - end % ROW_GROUP
+    pos = max(n_past - n_past % ROW_GROUP, 0)
+    batches: list[tuple[int, int]] = []
+    while pos < stop_at:
+        base, grid = pos - pos % block, pos - pos % block + block
+        stop = min(pos + size, grid, stop_at)
+        if stop < min(grid, stop_at) and min(grid, stop_at) - stop < MIN_FIRST_BATCH:
+            stop = min(grid, stop_at)  # no batch too small to be exact after this one
+        if stop - pos < MIN_FIRST_BATCH:
+            if batches and batches[-1][1] == pos and batches[-1][0] >= base:
+                pos = batches.pop()[0]  # one batch with the previous one, inside the block
+            else:
+                pos = max(stop - MIN_FIRST_BATCH, base)  # reach back into the live part
+            if stop - pos < MIN_FIRST_BATCH:
+                break  # too few tokens left in this block to be evaluated exactly
+        batches.append((pos, stop))
+        pos = stop
+    return batches
+
+
 def probe_layout(raw: bytes, n_layer: int, n_swa: int, window_part: Callable[[int], CachePart]) -> StateLayout:
     """The :class:`StateLayout` of a probe's seq state (two cells) for a model of ``n_layer``
     layers and window ``n_swa``: parsed without, then with cell extensions; for a window model

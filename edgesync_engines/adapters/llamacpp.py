@@ -208,7 +208,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         """Text of ``tokens`` (invalid UTF-8 replaced)."""
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """The base class's, or for a GGUF without ``tokenizer.chat_template``, llama.cpp's
         built-in template of the model's architecture (``llamacpp_model.builtin_template_for``).
 
@@ -219,8 +219,10 @@ class LlamaCppAdapter(EngineAdapterBase):
         if not self.llm.metadata.get("tokenizer.chat_template"):
             name = llamacpp_model.builtin_template_for(self._llama_cpp, self.llm.metadata.get("general.architecture"))
         if name is None:
-            return super().apply_chat_template(messages)  # raises when there is no template at all
-        return llamacpp_model.builtin_chat_prompt(self._llama_cpp, name, messages, self.model_path.name)
+            # raises when there is no template at all
+            return super().apply_chat_template(messages, add_generation_prompt)
+        return llamacpp_model.builtin_chat_prompt(self._llama_cpp, name, messages, self.model_path.name,
+                                                  add_generation_prompt)
 
     def _chat_template(self) -> tuple[str, str, str]:
         template = self.llm.metadata.get("tokenizer.chat_template")
@@ -312,6 +314,10 @@ class LlamaCppAdapter(EngineAdapterBase):
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """:func:`kv_layout.usable_prefix` on this adapter's block grid."""
         return kv_layout.usable_prefix(available, n_prompt, self._block_tokens())
+
+    def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
+        """:func:`kv_layout.exact_batches` on this adapter's block grid."""
+        return kv_layout.exact_batches(n_past, end, self._block_tokens(), batch_tokens)
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
         """:func:`kv_layout.prefill_blocks` on this adapter's block grid."""

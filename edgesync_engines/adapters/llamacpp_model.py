@@ -60,9 +60,11 @@ def builtin_template_for(llama_cpp, arch: str | None) -> str | None:
 _LOGGED_BUILTIN: set[tuple[str, str]] = set()
 
 
-def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str) -> str:
+def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str,
+                        add_generation_prompt: bool = True) -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
-    ending with the assistant prompt; logs once per model that the built-in one is used.
+    ending with the assistant prompt unless ``add_generation_prompt`` is False; logs once per
+    model that the built-in one is used.
 
     Raises:
         ValueError: llama.cpp does not know the template, or a message lacks role/content.
@@ -76,7 +78,8 @@ def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str
     size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
     for _ in range(2):
         buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(keep), True, buf, size)
+        n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(keep), add_generation_prompt, buf,
+                                                 size)
         if n < 0:
             raise ValueError(f"chat template {template!r}: llama.cpp does not know it")
         if n <= size:

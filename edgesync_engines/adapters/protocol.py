@@ -89,9 +89,11 @@ class EngineAdapter(Protocol):
         one. Both engines give the same IDs for the same model."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages (dicts with ``role`` and ``content``) with the model's own chat
-        template (the GGUF's ``tokenizer.chat_template``), ending with the assistant prompt.
+        template (the GGUF's ``tokenizer.chat_template``), ending with the assistant prompt
+        unless ``add_generation_prompt`` is False (the conversation as the next turn's prompt
+        begins: messages that end with an answer).
 
         Raises:
             ValueError: the model has no chat template, or a message lacks role/content.
@@ -202,6 +204,27 @@ class EngineAdapter(Protocol):
                 ``[0, len(tokens) - 1]``, or a live sequence that does not hold
                 ``tokens[:n_past]``.
         """
+        ...
+
+    def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
+        """Evaluation batches of at most about ``batch_tokens`` tokens that extend a live
+        ``[0, n_past)`` to ``[0, end')`` (``end' <= end``) with KV bit-identical to an uncached
+        prefill of any longer prompt (``kv_layout.exact_batches``); [] when none can."""
+        ...
+
+    def extend(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Evaluate ``tokens[start:end]`` as one batch on top of a live sequence holding
+        ``tokens[:start]`` (cut back to it when it holds more), sampling nothing.
+
+        Raises:
+            ContextOverflowError: ``end`` exceeds the context.
+            ValueError: ``start`` outside ``[0, end)`` or a live sequence that does not hold
+                ``tokens[:start]``.
+        """
+        ...
+
+    def live_tokens(self) -> list[int]:
+        """The token IDs the live sequence holds, in order."""
         ...
 
     def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:

@@ -44,6 +44,8 @@ class Injection:
             served from the RAM tier read none).
         ram_tier_hits: fragments taken from the RAM tier while carrying out the plan.
         donor_ms: milliseconds spent on donors tried whole (part of the lookup's cost).
+        live: nothing was injected: the engine's live sequence already held the ``reused``
+            tokens with exact KV (a previous request's prompt, or idle-time work).
     """
 
     source: ReuseSource | None
@@ -53,6 +55,7 @@ class Injection:
     bytes_read: int = 0
     ram_tier_hits: int = 0
     donor_ms: float = 0.0
+    live: bool = False
 
     @property
     def approximate(self) -> bool:

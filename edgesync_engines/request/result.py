@@ -39,6 +39,14 @@ class GenerationResult:
     ``blend_refusal`` says why a blend was asked for but the request ran exact (None otherwise).
     ``documents_computed`` counts the prompt's documents whose KV this request computed and
     stored (in blend mode before the blend, otherwise after the answer).
+
+    ``live_tokens`` counts the tokens of ``tokens_reused`` that the engine's live sequence
+    already held (a previous request's prompt or idle-time work: nothing was injected).
+    ``finish_reason`` is ``stop`` (an end-of-generation token or a stop string), ``length``
+    (``max_tokens``) or ``cancelled`` (the caller stopped the stream); ``tokens`` are the
+    tokens decoded either way. ``idle_wait_ms`` is how long the request waited for idle-time
+    work to finish its batch (None when none was running), ``idle_wait_tokens`` the tokens
+    that batch evaluated meanwhile (at most one batch).
     """
 
     text: str
@@ -65,10 +73,18 @@ class GenerationResult:
     retrieval_scores: list[float] | None = None
     blend_refusal: str | None = None
     documents_computed: int = 0
+    live_tokens: int = 0
+    finish_reason: str = "stop"
+    idle_wait_ms: float | None = None
+    idle_wait_tokens: int = 0
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (what the CLI prints)."""
         return asdict(self)
+
+
+class StopDecoding(Exception):
+    """Thrown into a request's generator (:meth:`GenerationStream.stop`): decode no more."""
 
 
 class GenerationStream:
@@ -115,8 +131,28 @@ class GenerationStream:
     def __next__(self) -> str:
         return next(self._events)
 
+    def stop(self) -> GenerationResult | None:
+        """End decoding now: the prompt is still stored, and :attr:`result` is set, its
+        ``tokens`` those decoded so far and ``finish_reason`` ``cancelled`` (unless the
+        generation had ended already). Returns the result (None if the request never reached
+        the engine). Idempotent; releases the engine."""
+        if self.result is None:
+            try:
+                last = self._source.throw(StopDecoding())
+                while not isinstance(last, GenerationResult):  # pieces already decoded
+                    last = next(self._source)
+                self.result = last
+            except (StopDecoding, StopIteration, ValueError):
+                pass  # the request ended before it reached the engine (or is running: ValueError)
+        self._close_generators()
+        return self.result
+
     def close(self) -> None:
-        """Stop generating and release the engine (idempotent)."""
+        """Stop generating and release the engine (idempotent): :meth:`stop`, whose result is
+        kept in :attr:`result`."""
+        self.stop()
+
+    def _close_generators(self) -> None:
         for gen in (self._events, self._source):
             close = getattr(gen, "close", None)
             if close is not None:

@@ -34,16 +34,19 @@ from edgesync_engines.request import storeback
 from edgesync_engines.request.blend import Blended, blend
 from edgesync_engines.request.documents import DocumentLibrary, DocumentPrompt, as_inputs, build_prompt
 from edgesync_engines.request.execute import Injection, Injector
+from edgesync_engines.request.idle import IdleRunner, PrefillJob, PrepareResult
 from edgesync_engines.request.loading import adapter_for, open_store, warm_up
 from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_kind, plan_reuse
 from edgesync_engines.request.prefetch import ram_tiers, request_key
 from edgesync_engines.request.remote_open import with_remote_tier
-from edgesync_engines.request.result import GenerationResult, GenerationStream
+from edgesync_engines.request.result import GenerationResult, GenerationStream, StopDecoding
 from edgesync_engines.request.semantic_lookup import SemanticLookup
+from edgesync_engines.request.stops import StopScanner
 from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.errors import StoreError
 from edgesync_store.lifecycle.jobs import StoreJobs
+from edgesync_store.schema import MIN_SPAN, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,13 @@ class EdgeSync:
         config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
 
     Thread safety: one request at a time drives the engine (the adapter's lock).
+
+    Chat turns (``config.idle_store``, off by default in the Python API, on in ``edgesync
+    serve``): after each answer to chat messages, a background thread prefills the conversation
+    with that answer, as the next turn's prompt begins, and stores its KV (``request/idle.py``).
+    It holds the adapter's lock one batch (``idle_batch_tokens``) at a time: a ``generate`` call
+    pauses it and waits for one batch at most; code that drives ``adapter`` directly must take
+    ``adapter.lock`` too. :meth:`prepare` does the same work at once, for any prompt.
 
     Documents (strings or dicts placed before a question, their KV computed once): see
     :meth:`add_documents` and ``generate(documents=..., retrieve=...)``.
@@ -113,6 +123,9 @@ class EdgeSync:
             self.store, self.adapter, self.config)
         self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
         warm_up(self.adapter, self.store)  # the first request's one-time work and a rehearsal, at load
+        self.idle = IdleRunner(self.adapter.lock)
+        self._live_exact = 0  # leading live tokens whose KV equals an uncached prefill's
+        self._prepared: list[int] | None = None  # the last idle-time job's tokens, until a request
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
             self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
@@ -191,7 +204,9 @@ class EdgeSync:
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
         inputs = as_inputs(documents)
         out = []
+        self.idle.pause()
         with self.adapter.lock:
+            self._live_exact = 0  # documents are computed in the engine's sequence
             for i, doc in enumerate(inputs):
                 out.append(self.documents.add(self.documents.record_for(doc, i)))
                 if progress is not None:
@@ -316,8 +331,9 @@ class EdgeSync:
         """Prefetch counters (:meth:`Prefetcher.stats`), or None when prefetch is off."""
         return None if self.prefetcher is None else self.prefetcher.stats()
 
-    def prompt_tokens(self, prompt: "str | Sequence[dict]") -> list[int]:
-        """Token IDs of a raw prompt string, or of chat messages rendered with the chat template.
+    def prompt_tokens(self, prompt: "str | Sequence[dict]", add_generation_prompt: bool = True) -> list[int]:
+        """Token IDs of a raw prompt string, or of chat messages rendered with the chat template
+        (ending with the assistant prompt unless ``add_generation_prompt`` is False).
 
         Raises:
             ValueError: a blank prompt, no messages, or messages whose contents are all blank.
@@ -338,7 +354,7 @@ class EdgeSync:
                     raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
             if all(not str(m.get("content", "")).strip() for m in prompt if isinstance(m, dict)):
                 raise ValueError("prompt: every chat message is empty")
-            text = self.adapter.apply_chat_template(prompt)
+            text = self.adapter.apply_chat_template(prompt, add_generation_prompt)
         return self.adapter.tokenize(text)
 
     def generate(
@@ -352,13 +368,17 @@ class EdgeSync:
         documents: "Sequence[str | dict] | None" = None,
         retrieve: int | None = None,
         reuse: str | None = None,
+        stop: "Sequence[str] | str | None" = None,
     ) -> "GenerationResult | GenerationStream":
         """Answer a prompt (a string used as is, or chat messages), reusing stored KV.
 
         ``documents`` (strings or dicts with ``text``) or ``retrieve=k`` (the k stored documents
         nearest to the last user turn) go before the question (``request/documents.py``);
         ``reuse`` overrides ``config.reuse``: ``"blend"`` places their stored KV (approximate,
-        ``request/blend.py``); otherwise only token-identical KV is injected.
+        ``request/blend.py``); otherwise only token-identical KV is injected. Decoding ends at
+        the first of the ``stop`` strings (not part of the text), at an end-of-generation token,
+        at ``max_tokens``, or when the caller stops the stream (:meth:`GenerationStream.stop`,
+        or closing it); the prompt is stored in every case.
 
         Returns a :class:`GenerationResult`, or with ``stream=True`` a
         :class:`GenerationStream` of text pieces whose ``result`` is set once exhausted.
@@ -382,7 +402,7 @@ class EdgeSync:
             cfg.temperature if temperature is None else temperature,
             cfg.top_p if top_p is None else top_p,
             cfg.seed if seed is None else seed,
-            docs, mode,
+            docs, mode, [stop] if isinstance(stop, str) else list(stop or ()),
         )
         stream_obj = GenerationStream.start(events)
         if stream:
@@ -391,15 +411,22 @@ class EdgeSync:
             pass
         return stream_obj.result
 
-    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int, docs=None, mode="exact"):
+    def _run(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: int, docs=None, mode="exact",
+             stop: Sequence[str] = ()):
         """The request as a generator: "" once the input is checked, then the text pieces,
-        then the :class:`GenerationResult`."""
+        then the :class:`GenerationResult`; :class:`StopDecoding` thrown at a piece ends
+        decoding there."""
         t0 = time.perf_counter()
         doc_prompt = docs[0] if docs is not None else None
         tokens = self._checked_tokens(prompt, max_tokens, temperature, top_p,
                                       None if doc_prompt is None else list(doc_prompt.tokens))
         yield ""  # input checked: errors above raise from generate() itself
+        idle_busy = self.idle.pause()  # idle-time work stops after its current batch
+        t_wait, progress = time.perf_counter(), self.idle.progress()
         with self.adapter.lock:
+            idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
+            idle_wait_tokens = self.idle.progress() - progress if idle_busy else 0
+            live_exact = self._take_live(tokens)
             blended, refusal, computed = None, None, 0
             if doc_prompt is not None and mode == ReuseMode.BLEND and doc_prompt.pieces:
                 blended, refusal, computed = self._blend_documents(doc_prompt, self._injector)
@@ -407,30 +434,139 @@ class EdgeSync:
                 plan = ReusePlan(prompt=tuple(tokens))
                 injected = Injection(None, tuple(tokens), blended.n_past, blended.keys, blended.bytes_read)
             else:
-                plan, injected = self._reuse(prompt, tokens, max_tokens, mode)
+                plan, injected = self._reuse(prompt, tokens, max_tokens, mode, live_exact)
             out: list[int] = []
-            decoder = self.adapter.text_stream()
-            ttft_ms = None
-            for token in self.adapter.generate(list(injected.tokens), injected.reused, max_tokens, temperature,
-                                               top_p, seed):
+            decoded = yield from self._decode(tokens, injected, max_tokens, temperature, top_p, seed, stop, out, t0)
+            text, ttft_ms, finish = decoded
+            exact_context = blended is None and not (injected.approximate or injected.convertible)
+            written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
+            self._live_exact = len(tokens) - 1 if exact_context else 0
+            if doc_prompt is not None and blended is None:
+                computed = self._store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
+                self._live_exact = 0  # documents computed in the engine's sequence
+        result = self._result(tokens, out, text, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
+        result.finish_reason, result.idle_wait_ms, result.idle_wait_tokens = finish, idle_wait_ms, idle_wait_tokens
+        if doc_prompt is not None:
+            self._annotate_documents(result, doc_prompt, docs[1], blended, refusal, computed)
+        elif exact_context and self.config.idle_store and not isinstance(prompt, str) and finish != "cancelled":
+            self._prepare_next(list(prompt) + [{"role": "assistant", "content": result.text}])
+        yield result
+
+    def _decode(self, tokens: list[int], injected: Injection, max_tokens: int, temperature: float, top_p: float,
+                seed: int, stop: Sequence[str], out: list[int], t0: float):
+        """Prefill the rest of the prompt and decode into ``out``, yielding the text pieces
+        (stop strings cut, ``request/stops.py``); returns (text, TTFT in ms, finish reason:
+        ``stop``, ``length`` or ``cancelled``)."""
+        decoder, scanner = self.adapter.text_stream(), StopScanner(stop)
+        pieces: list[str] = []
+        ttft_ms, cancelled = None, False
+        steps = self.adapter.generate(list(injected.tokens), injected.reused, max_tokens, temperature, top_p, seed)
+        try:
+            for token in steps:
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1000
                 out.append(token)
-                yield decoder.decode(self.adapter.token_bytes(token))
+                # bytes of a character cut by max_tokens stay out of the text (no trailing U+FFFD)
+                piece = scanner.feed(decoder.decode(self.adapter.token_bytes(token)))
                 if len(out) == 1 and injected.keys:
                     storeback.record_hits(self.store, injected.keys, self._reused(injected))
-            # bytes of a character cut by max_tokens stay out of the text (no trailing U+FFFD)
-            if ttft_ms is None:
-                ttft_ms = (time.perf_counter() - t0) * 1000
-                if injected.keys:
-                    storeback.record_hits(self.store, injected.keys, self._reused(injected))
-            written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
-            if doc_prompt is not None and blended is None:
-                computed = self._store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
-        result = self._result(tokens, out, plan, injected, written, ttft_ms, (time.perf_counter() - t0) * 1000)
-        if doc_prompt is not None:
-            self._annotate_documents(result, doc_prompt, docs[1], blended, refusal, computed)
-        yield result
+                if piece:
+                    pieces.append(piece)
+                    try:
+                        yield piece
+                    except StopDecoding:
+                        cancelled = True
+                if cancelled or scanner.stopped:
+                    break
+        finally:
+            steps.close()
+        tail = "" if cancelled else scanner.flush()
+        if tail:
+            pieces.append(tail)
+            try:
+                yield tail
+            except StopDecoding:
+                cancelled = True
+        if ttft_ms is None:
+            ttft_ms = (time.perf_counter() - t0) * 1000
+            if injected.keys:
+                storeback.record_hits(self.store, injected.keys, self._reused(injected))
+        finish = "cancelled" if cancelled else "length" if len(out) >= max_tokens and not scanner.stopped else "stop"
+        return "".join(pieces), ttft_ms, finish
+
+    # -- the live sequence and idle-time work ------------------------------------------------
+
+    def _take_live(self, tokens: list[int]) -> int:
+        """For a request of ``tokens`` (lock held): the count of exact live tokens, which the
+        request then owns, and the idle-time tokens it makes wasted (counted)."""
+        live_exact, self._live_exact = self._live_exact, 0
+        if self._prepared is not None:
+            (prepared, start), self._prepared = self._prepared, None
+            common = common_prefix_len(prepared, tokens)
+            if common >= start:  # the same conversation, departing inside the prepared tokens
+                self.idle.stats.tokens_wasted += len(prepared) - common
+        return live_exact
+
+    def _live_prefix(self, tokens: list[int], live_exact: int, least: int = MIN_SPAN) -> int:
+        """Tokens of ``tokens`` the live sequence holds with exact KV, cut to an injection
+        point (``usable_prefix``); 0 under ``least``."""
+        if live_exact < max(least, 1):
+            return 0
+        common = common_prefix_len(self.adapter.live_tokens()[:live_exact], tokens)
+        usable = self.adapter.usable_prefix(common, len(tokens))
+        return usable if usable >= max(least, 1) else 0
+
+    def prepare(self, prompt: "str | Sequence[dict]") -> PrepareResult:
+        """Store a prompt's KV without answering it, so that a later request that begins with
+        it prefills only the rest. Chat messages are rendered as the next turn begins: the
+        chat template without a generation prompt (e.g. a system prompt alone, or a
+        conversation ending with an answer); a string is used as is. What the store or the
+        engine's live sequence already holds is reused; the rest is prefilled in small exact
+        batches (``idle_batch_tokens``) and stored chunk by chunk. Useful to warm a system
+        prompt or a document when an app installs. Waits for the engine's lock.
+
+        Raises:
+            ValueError: an empty prompt, malformed messages, or no store (``store=False``, or
+                an engine whose KV cannot be cached).
+            PermissionError: the store is read-only.
+            ContextOverflowError: the prompt is longer than the context.
+        """
+        if self.store is None or self.adapter.namespace is None:
+            raise ValueError("prepare: needs a store and an engine whose KV can be cached "
+                             f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
+        if self.store.readonly:
+            raise PermissionError("prepare: the store is open read-only")
+        tokens = self.prompt_tokens(prompt, add_generation_prompt=False)
+        if len(tokens) > self.adapter.n_ctx:
+            raise ContextOverflowError(len(tokens), 0, self.adapter.n_ctx)
+        self.idle.pause()
+        with self.adapter.lock:
+            return self._prefill_job(prompt, tokens).run()
+
+    def _prepare_next(self, history: list[dict]) -> None:
+        """Queue the idle-time job of a conversation that ends with an answer."""
+        if self.store is None or self.store.readonly or self.adapter.namespace is None:
+            return
+
+        def start() -> PrefillJob | None:
+            tokens = self.prompt_tokens(history, add_generation_prompt=False)
+            return self._prefill_job(history, tokens) if len(tokens) < self.adapter.n_ctx else None
+
+        self.idle.submit(start)
+
+    def _prefill_job(self, prompt, tokens: list[int]) -> PrefillJob:
+        """The :class:`PrefillJob` of ``tokens`` (lock held), starting from what the live
+        sequence or the store holds exactly."""
+        live_exact, self._live_exact = self._live_exact, 0
+        _, injected = self._reuse(prompt, tokens, 1, ReuseMode.EXACT, live_exact, least_live=1)
+        start = 0 if injected.approximate or injected.convertible else injected.reused
+        self._live_exact = start
+
+        def ready(end: int) -> None:
+            self._live_exact = end
+            self._prepared = (tokens[:end], start)
+
+        return PrefillJob(self.adapter, self.store, self.config, tokens, start, self.fragment_cache, ready)
 
     def _reused(self, injected: Injection) -> tuple[bytes, tuple[int, ...]] | None:
         """The reuse hint a hit leaves (namespace digest, tokens injected), or None: a donor's or
@@ -458,8 +594,11 @@ class EdgeSync:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         return tokens
 
-    def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str) -> tuple[ReusePlan, Injection]:
-        """Plan what the request reuses in ``mode`` and inject it (the caller holds the adapter's lock)."""
+    def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str, live_exact: int = 0,
+               least_live: int = MIN_SPAN) -> tuple[ReusePlan, Injection]:
+        """Plan what the request reuses in ``mode`` and inject it (the caller holds the adapter's
+        lock); in the exact mode, when the live sequence's first ``live_exact`` tokens (exact
+        KV) give at least what the store would, inject nothing and continue them."""
         mode = ReuseMode.EXACT if mode == ReuseMode.BLEND else mode  # blend concerns documents only
         config = self.config if mode == self.config.reuse else replace(self.config, reuse=mode)
         plan = plan_reuse(prompt, tokens, max_tokens, store=self.store, adapter=self.adapter,
@@ -468,6 +607,12 @@ class EdgeSync:
             self.semantic.forget(key)
         if self._injector is None:
             return plan, Injection(None, plan.prompt)
+        live = self._live_prefix(tokens, live_exact, least_live) if mode == ReuseMode.EXACT else 0
+        n = len(tokens)
+        stored = max((self.adapter.usable_prefix(min(source.match.matched_tokens, source.limit), n)
+                      for source in plan.sources if source.tokens == plan.prompt), default=0)
+        if live and live >= stored:
+            return plan, Injection(None, tuple(tokens), live, live=True)
         return plan, self._injector.carry_out(plan)
 
     def _after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan,
@@ -486,14 +631,14 @@ class EdgeSync:
             self.prefetcher.after_request(key, tokens + out)
         return written
 
-    def _result(self, tokens: list[int], out: list[int], plan: ReusePlan, injected: Injection, written: int,
-                ttft_ms: float, total_ms: float) -> GenerationResult:
+    def _result(self, tokens: list[int], out: list[int], text: str, plan: ReusePlan, injected: Injection,
+                written: int, ttft_ms: float, total_ms: float) -> GenerationResult:
         """The request's :class:`GenerationResult` (and its log line)."""
         n, reused = len(tokens), injected.reused
         hit = hit_kind(reused, n, injected.approximate)
         lookup_ms = None if plan.lookup_ms is None else plan.lookup_ms + injected.donor_ms
         result = GenerationResult(
-            text=self.adapter.text_stream().decode(b"".join(self.adapter.token_bytes(t) for t in out)),
+            text=text,
             tokens=out,
             hit=hit,
             similarity=plan.similarity,
@@ -511,6 +656,7 @@ class EdgeSync:
             convertible=injected.convertible,
             source_engine=injected.source_engine,
             uncached_reason=self.uncached_reason,
+            live_tokens=injected.reused if injected.live else 0,
         )
         log.info("request: %d prompt tokens, hit %s%s, reused %d, similarity %s, ttft %.1f ms", n, hit,
                  " (approximate)" if injected.approximate else " (convertible)" if injected.convertible else "",
@@ -520,6 +666,7 @@ class EdgeSync:
     def close(self) -> None:
         """Stop the store jobs, empty the RAM tier, free the engine if this object loaded it (not
         an adapter passed in), save and close the semantic index, close the store if it opened it."""
+        self.idle.close()
         if self.jobs is not None:
             self.jobs.shutdown()
             self.jobs = None

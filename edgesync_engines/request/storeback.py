@@ -66,7 +66,8 @@ def donor_key(namespace: Namespace, tokens: Sequence[int], config: "EdgeSyncConf
 
 
 def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
-              donor_prompt=None, ram: "FragmentCache | None" = None) -> int:
+              donor_prompt=None, ram: "FragmentCache | None" = None,
+              spans: "Sequence[tuple[int, int]] | None" = None) -> int:
     """Extract and store the prompt's chunks that the store lacks (or holds expired); return
     how many fragments were written (0, with a warning, when the store or the engine failed).
 
@@ -81,13 +82,15 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     configured layer x head groups, staged as the engine injects them, and written in one
     ``put_many`` (no reader sees half a chunk). With ``ram`` (the router's RAM tier) they are
     kept there too, unless the store reads them in place as cheaply (``serves_in_place``).
+    ``spans`` replaces the prompt's grid (the idle-time store gives the chunks a prefill has
+    completed so far; each must lie inside the live sequence).
     """
     ns = adapter.namespace
     try:
         donor = None if donor_prompt is None or store.readonly else _donor_record(ns, tokens, config, donor_prompt)
         spans = [
             (s, e)
-            for s, e in chunk_spans(len(tokens) - 1, config.chunk_tokens)
+            for s, e in (chunk_spans(len(tokens) - 1, config.chunk_tokens) if spans is None else spans)
             if not store.covers_span(ns, prefix_hash(tokens[:s]), tokens[s:e], s)
         ]
         if not spans:

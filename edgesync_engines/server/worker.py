@@ -21,12 +21,11 @@ import signal
 import time
 
 from edgesync_engines.adapters.protocol import ContextOverflowError
-from edgesync_engines.server.stops import StopScanner
 
 log = logging.getLogger(__name__)
 
 RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
-                 "approximate", "convertible", "similarity", "uncached_reason")
+                 "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms")
 """The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` too)."""
 
 
@@ -91,12 +90,13 @@ def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
 
 
 def _generate(engine, job: dict, cancel, emit) -> dict:
-    """The generation loop of :func:`serve_one`."""
+    """The generation loop of :func:`serve_one`: decoding ends at a stop string, an
+    end-of-generation token, ``max_tokens``, or at once when the server cancels the job (the
+    client went away); the prompt is stored in every case."""
     job_id = job["id"]
     stream = engine.generate(job["prompt"], max_tokens=job["max_tokens"], stream=True,
                              temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
-                             reuse=job.get("reuse"))
-    scanner = StopScanner(job.get("stop") or [])
+                             reuse=job.get("reuse"), stop=job.get("stop") or None)
     text: list[str] = []
     first_token_at = None
     with stream:
@@ -104,22 +104,13 @@ def _generate(engine, job: dict, cancel, emit) -> dict:
             if first_token_at is None:
                 first_token_at = time.time()
             if cancel.value == job_id:
+                stream.stop()
                 return {"id": job_id, "type": "cancelled"}
-            out = scanner.feed(piece)
-            # after a stop sequence the engine still finishes the answer (up to max_tokens), so
-            # that the prompt is stored and the usage is the engine's own count
-            if out:
-                text.append(out)
-                if job.get("stream") and emit is not None:
-                    emit({"id": job_id, "type": "piece", "text": out})
-    tail = scanner.flush()
-    if tail:
-        text.append(tail)
-        if job.get("stream") and emit is not None:
-            emit({"id": job_id, "type": "piece", "text": tail})
+            text.append(piece)
+            if job.get("stream") and emit is not None:
+                emit({"id": job_id, "type": "piece", "text": piece})
     result = stream.result
     fields = {name: getattr(result, name) for name in RESULT_FIELDS}
     fields["completion_tokens"] = len(result.tokens)
-    finish = "stop" if scanner.stopped or len(result.tokens) < job["max_tokens"] else "length"
-    return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": finish,
+    return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": result.finish_reason,
             "first_token_at": first_token_at or time.time(), "result": fields}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgesync_engines.server.stops import StopScanner
+from edgesync_engines.request.stops import StopScanner
 
 
 def _run(pieces, stops):

@@ -1,0 +1,275 @@
+"""Idle-time storing: a prompt's KV prefilled in small exact batches and stored as its chunks
+fill, between requests.
+
+In a chat, the prompt of turn k+1 is the prompt of turn k, the model's answer and a new
+message. The answer's KV in the live sequence came from decoding, which is not bit-identical
+to a prefill's, so the exact mode never stores it. After an answer, :class:`IdleRunner` (one
+background thread per :class:`~edgesync_engines.request.router.EdgeSync`) runs a
+:class:`PrefillJob` over the conversation rendered as the next turn begins (the chat template
+over the messages and the answer, without a generation prompt): it cuts the live sequence back
+to its exact part and evaluates the rest in batches of about ``idle_batch_tokens`` tokens
+(``EngineAdapter.prefill_batches``: batches whose KV equals an uncached prefill's), storing each
+chunk of the prompt's grid once its tokens are evaluated.
+
+A request pauses the runner (:meth:`IdleRunner.pause`) before it takes the engine's lock: the
+runner holds that lock for one batch at a time and checks between batches, so the request waits
+for one batch at most. What was stored before the pause is kept, and the live sequence keeps
+what was evaluated, so a request that extends it injects nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from edgesync_engines.request import storeback
+from edgesync_store.schema import chunk_spans
+
+if TYPE_CHECKING:
+    from edgesync_engines.adapters.protocol import EngineAdapter
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.fragment_cache import FragmentCache
+    from edgesync_store.core.backend import FragmentBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareResult:
+    """What :meth:`EdgeSync.prepare` (or one idle-time job) did.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt prepared.
+        tokens_reused: tokens whose KV was already there (live, or injected from the store).
+        tokens_prefilled: tokens evaluated (a batch may reach back a few live tokens, which
+            count here too).
+        tokens_ready: leading tokens whose exact KV the engine's live sequence then holds: a
+            request that extends them prefills only what follows (up to 7 tokens before the
+            prompt's end are left to the request: batches end on the row group).
+        fragments_written: fragments stored.
+        interrupted: a request paused the job before its end.
+        elapsed_ms: wall time of the job, milliseconds (for an idle-time job, with the pauses
+            between batches).
+    """
+
+    prompt_tokens: int
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_ready: int = 0
+    fragments_written: int = 0
+    interrupted: bool = False
+    elapsed_ms: float = 0.0
+
+
+class PrefillJob:
+    """One prompt's KV prefilled batch by batch on one engine, its chunks stored as they fill.
+
+    The caller holds the adapter's lock around each :meth:`step` and :meth:`finish`, and the
+    engine's live sequence must hold the prompt's exact first ``start`` tokens.
+
+    Args:
+        adapter: the engine.
+        store: the store the chunks go to (None: only the live sequence is filled).
+        config: ``idle_batch_tokens``, ``chunk_tokens``, ``ttl_seconds`` and the fragment
+            grouping.
+        tokens: the prompt's token IDs.
+        start: leading tokens whose exact KV the live sequence holds (reused).
+        ram: the RAM tier that keeps what is stored (``storeback.store_new``).
+        on_ready: called with the new count of exact live tokens after each batch.
+    """
+
+    def __init__(self, adapter: "EngineAdapter", store: "FragmentBackend | None", config: "EdgeSyncConfig",
+                 tokens: Sequence[int], start: int, ram: "FragmentCache | None" = None,
+                 on_ready: Callable[[int], None] | None = None) -> None:
+        self.adapter, self.store, self.config, self.ram = adapter, store, config, ram
+        self.tokens = [int(t) for t in tokens]
+        self.on_ready = on_ready
+        self.batches = deque(adapter.prefill_batches(start, len(self.tokens), config.idle_batch_tokens))
+        end = self.batches[-1][1] if self.batches else start
+        # the chunk grid of what will be evaluated: stored span by span as the batches reach it
+        self.spans = deque(chunk_spans(end, config.chunk_tokens)) if store is not None and not store.readonly \
+            else deque()
+        self.result = PrepareResult(len(self.tokens), tokens_reused=start, tokens_ready=start)
+        self._t0 = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        """No batch is left."""
+        return not self.batches
+
+    def step(self) -> int:
+        """Evaluate the next batch and store the chunks it completes; returns the tokens
+        evaluated (0: nothing was left).
+
+        Raises:
+            ValueError, ContextOverflowError: the adapter's ``extend`` refused the batch (the
+                live sequence no longer holds the prompt's start).
+        """
+        if not self.batches:
+            return 0
+        start, end = self.batches.popleft()
+        self.adapter.extend(self.tokens, start, end)
+        self.result.tokens_prefilled += end - start
+        self.result.tokens_ready = end
+        if self.on_ready is not None:
+            self.on_ready(end)
+        self._store_upto(end)
+        self.result.elapsed_ms = (time.perf_counter() - self._t0) * 1000
+        return end - start
+
+    def _store_upto(self, end: int) -> None:
+        """Store the spans of the grid that end at or before ``end``."""
+        ready = []
+        while self.spans and self.spans[0][1] <= end:
+            ready.append(self.spans.popleft())
+        if ready:
+            self.result.fragments_written += storeback.store_new(
+                self.store, self.adapter, self.tokens[:end], self.config, ram=self.ram, spans=ready)
+
+    def run(self) -> PrepareResult:
+        """Every batch at once (the caller holds the lock); returns :attr:`result`."""
+        while self.step():
+            pass
+        return self.result
+
+
+@dataclass
+class IdleStats:
+    """Counters of one engine's idle-time work (all since start).
+
+    Attributes:
+        jobs: jobs started.
+        interrupted: jobs a request paused before their end.
+        tokens_prefilled: tokens evaluated in idle time.
+        tokens_wasted: tokens prepared that the next request did not begin with (its rendered
+            history was not a prefix of that request, or another conversation came next).
+        fragments_written: fragments stored in idle time.
+        failed: jobs that failed (logged; the next request prefills as usual).
+    """
+
+    jobs: int = 0
+    interrupted: int = 0
+    tokens_prefilled: int = 0
+    tokens_wasted: int = 0
+    fragments_written: int = 0
+    failed: int = 0
+
+
+class IdleRunner:
+    """The background thread that runs one idle-time job at a time for one engine.
+
+    Args:
+        lock: the engine's lock (``EngineAdapter.lock``), held for one batch at a time.
+        name: the thread's name.
+    """
+
+    def __init__(self, lock, name: str = "edgesync-idle") -> None:
+        self._lock = lock
+        self._name = name
+        self._cond = threading.Condition()
+        self._pending: tuple[int, Callable[[], PrefillJob | None]] | None = None
+        self._epoch = 0
+        self._running = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._job: PrefillJob | None = None
+        self.stats = IdleStats()
+
+    def submit(self, start: Callable[[], "PrefillJob | None"]) -> None:
+        """Run ``start()`` (called with the lock held; it returns the job, or None for nothing
+        to do) and then the job's batches, on the runner's thread; replaces a job not started
+        yet."""
+        with self._cond:
+            if self._closed:
+                return
+            self._epoch += 1
+            self._pending = (self._epoch, start)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def pause(self) -> bool:
+        """Stop the job in progress after its current batch and drop the one not started;
+        returns True when a job was running (the caller may then wait one batch for the lock)."""
+        with self._cond:
+            self._epoch += 1
+            self._pending = None
+            return self._running
+
+    def progress(self) -> int:
+        """Tokens the current (or last) job has evaluated so far."""
+        job = self._job
+        return 0 if job is None else job.result.tokens_prefilled
+
+    def busy(self) -> bool:
+        """A job is running or waiting to start."""
+        with self._cond:
+            return self._running or self._pending is not None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                (epoch, start), self._pending = self._pending, None
+                self._running = True
+            try:
+                self._run_job(epoch, start)
+            except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
+                self.stats.failed += 1
+                log.warning("idle-time prefill failed", exc_info=True)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> None:
+        """Start the job and run its batches while no request paused it."""
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            job = start()
+        if job is None:
+            return
+        self._job = job
+        self.stats.jobs += 1
+        interrupted = False
+        while not job.done:
+            with self._lock:
+                if epoch != self._epoch:
+                    interrupted = True
+                    break
+                job.step()
+        job.result.interrupted = interrupted
+        self.stats.interrupted += interrupted
+        self.stats.tokens_prefilled += job.result.tokens_prefilled
+        self.stats.fragments_written += job.result.fragments_written
+        log.debug("idle-time prefill: %s", job.result)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._running or self._pending is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self) -> None:
+        """Pause the job in progress and stop the thread (it ends after its current batch)."""
+        with self._cond:
+            self._closed = True
+            self._epoch += 1
+            self._pending = None
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(30)
