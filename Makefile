@@ -104,7 +104,7 @@ bench: $(INSTALL_STAMP)
 
 # llama.cpp's own server, the chat benchmark's peer (benchmarks/chat.py), built once into
 # build/llama-server from the llama.cpp vendored in $(LLAMA_SDIST): no network, no web UI, no
-# OpenSSL. About 25 minutes on 2 busy cores (../shared/DESIGN.md 2.8). Not a test: CI never
+# OpenSSL. 18 minutes on 2 busy cores (2026-12-03; DESIGN.md 2.8 says about 25). Not a test: CI never
 # builds it.
 LLAMA_SERVER := build/llama-server
 LLAMA_SERVER_SRC := build/llama-server-src

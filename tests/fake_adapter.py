@@ -87,6 +87,7 @@ class FakeAdapter:
         self.injected: list[int] = []
         self.prefilled: list[int] = []
         self.refuse_injection = False
+        self.kv_epoch = 0
         self._closed = False
 
     @property
@@ -97,6 +98,7 @@ class FakeAdapter:
         return [ord(c) for c in text]
 
     def prefill(self, tokens, n_past: int = 0) -> None:
+        self.kv_epoch += 1
         self.live = list(tokens)
         self.prefilled.append(len(tokens) - n_past)
 
@@ -183,6 +185,7 @@ class FakeAdapter:
             self.clear_kv_cache()
             raise InjectionError("fake refusal")
         self.live = tokens[:n_tokens]
+        self.kv_epoch += 1
         self.injected.append(n_tokens)
         return n_tokens
 
@@ -198,6 +201,7 @@ class FakeAdapter:
         elif self.live[:n_past] != tokens[:n_past]:
             raise ValueError("the live sequence does not hold tokens[:n_past]")
         self.prefilled.append(len(tokens) - n_past)
+        self.kv_epoch += 1
         out = self.answer[:max_tokens]
         self.live = tokens + out[:-1]
         yield from out
@@ -211,12 +215,14 @@ class FakeAdapter:
         if not 0 <= start < end <= len(tokens) or self.live[:start] != tokens[:start]:
             raise ValueError(f"extend: bad span [{start}, {end}) or live sequence")
         self.live = tokens[:end]
+        self.kv_epoch += 1
         self.prefilled.append(end - start)
 
     def live_tokens(self) -> list[int]:
         return list(self.live)
 
     def clear_kv_cache(self) -> None:
+        self.kv_epoch += 1
         self.live = []
 
     def warm_up(self, n_tokens: int = 0) -> None:

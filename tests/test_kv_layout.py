@@ -15,6 +15,7 @@ from edgesync_engines.adapters.kv_layout import (
     ROW_GROUP,
     StateLayout,
     SwaCapture,
+    exact_batches,
     prefill_blocks,
     usable_prefix,
 )
@@ -197,3 +198,27 @@ def test_layout_from_probe_and_to_parts():
     for p, rows in zip(out, (range(0, 3), range(3, 18))):
         np.testing.assert_array_equal(p.pos, np.arange(5))  # every part holds 0..N-1
         np.testing.assert_array_equal(np.stack(p.k), k[rows.start:rows.stop])
+
+
+@given(st.integers(0, 3000), st.integers(0, 3000), st.sampled_from([64, 128, 256, 512, 2048]),
+       st.integers(1, 600))
+def test_exact_batches_keep_every_token_in_its_row_group(n_past, end, block, batch_tokens):
+    """Idle-time batches: contiguous, on the row group, at least MIN_FIRST_BATCH tokens, never
+    across the block grid, starting at or before the live end and never past ``end``."""
+    batches = exact_batches(n_past, end, block, batch_tokens)
+    if not batches:  # only when too few tokens are left to add
+        assert end - end % ROW_GROUP < n_past + MIN_FIRST_BATCH
+        return
+    assert batches[0][0] <= max(n_past, 0) and batches[-1][1] <= end
+    for (a, b), nxt in zip(batches, batches[1:] + [None]):
+        assert a % ROW_GROUP == 0 and b % ROW_GROUP == 0 and b - a >= MIN_FIRST_BATCH
+        assert a // block == (b - 1) // block  # inside one block
+        assert nxt is None or nxt[0] == b
+    assert batches[-1][1] > n_past  # they add something
+
+
+def test_exact_batches_reach_the_end_on_the_row_group():
+    assert exact_batches(39, 138, 512, 64) == [(32, 96), (96, 136)]
+    assert exact_batches(508, 530, 512, 64) == [(496, 512), (512, 528)]
+    assert exact_batches(152, 166, 512, 64) == [(144, 160)]
+    assert exact_batches(0, 10, 512, 64) == []

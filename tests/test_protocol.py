@@ -23,13 +23,14 @@ from edgesync_store.schema import KVFragment, Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = {"namespace": Namespace, "cache_refusal": type(None), "blend_refusal": (type(None), str), "n_ctx": int,
-        "model_path": Path}
+        "model_path": Path, "kv_epoch": int}
 """The protocol's data attributes and their types on SmolLM2, whose KV both engines cut
 (``cache_refusal`` None; ``blend_refusal`` None for llama.cpp, a reason for ONNX Runtime;
 ``lock`` is checked apart: an RLock)."""
 PROPERTIES = {"closed"}
 METHODS = ["tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix",
-           "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill", "prefill_batches", "extend", "live_tokens", "place_kv", "recompute",
+           "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill",
+           "prefill_batches", "extend", "live_tokens", "place_kv", "recompute",
            "clear_kv_cache", "warm_up", "close"]
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "Why do caches make repeated prompts faster? " * 12}]

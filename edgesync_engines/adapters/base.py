@@ -39,6 +39,8 @@ class EngineAdapterBase(abc.ABC):
     """
 
     _chat_formatter = None  # built on first use: the Jinja2 template compiles once
+    kv_epoch: int = 0
+    """See the protocol: bumped by every method that may change the live sequence's KV."""
     cache_refusal: str | None = None
     """Why this engine's KV cannot be cached (None: it can); see the protocol."""
     blend_refusal: str | None = "this engine cannot move stored KV to another position"
@@ -66,6 +68,7 @@ class EngineAdapterBase(abc.ABC):
             raise ContextOverflowError(end, 0, self.n_ctx)
         if not 0 <= start < end <= len(tokens):
             raise ValueError(f"extend: [{start}, {end}) is not a non-empty span of the {len(tokens)} tokens")
+        self.kv_epoch += 1
         if start == 0:
             self.clear_kv_cache()
         else:
@@ -80,6 +83,7 @@ class EngineAdapterBase(abc.ABC):
         """The protocol's ``prefill``, in :meth:`prefill_plan`'s batches."""
         if len(tokens) > self.n_ctx:
             raise ContextOverflowError(len(tokens), 0, self.n_ctx)
+        self.kv_epoch += 1
         self._resume(tokens, n_past)
         for start, end in self.prefill_plan(n_past, len(tokens)):
             self._eval_batch(tokens[start:end])
@@ -245,6 +249,7 @@ class EngineAdapterBase(abc.ABC):
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
         """The protocol's ``inject_fragment``: validated (:func:`fragment_blocks`) before the
         engine is touched, then loaded (:meth:`_load_blocks`)."""
+        self.kv_epoch += 1
         self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
         return n_tokens
 
@@ -293,6 +298,7 @@ class EngineAdapterBase(abc.ABC):
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         if len(tokens) + max_tokens > self.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        self.kv_epoch += 1
         self._resume(tokens, n_past)
         for start, end in self.prefill_plan(n_past, len(tokens)):
             self._eval_batch(tokens[start:end])

@@ -294,6 +294,7 @@ class LlamaCppAdapter(EngineAdapterBase):
                  tokens: Sequence[int]) -> None:
         """The protocol's ``place_kv``, through ``ScratchSequence.place``."""
         start, end = keep
+        self.kv_epoch += 1
         if list(chain_tokens[start:end]) != list(tokens[at:at + end - start]):
             raise ValueError(f"place_kv: the kept chain tokens differ from the prompt's at {at}")
         blocks = fragment_blocks(self.namespace, fragments, end, chain_tokens)
@@ -304,6 +305,7 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
         """The protocol's ``recompute``, through ``ScratchSequence.recompute``."""
+        self.kv_epoch += 1
         self._scratch.recompute(tokens, start, end)
         self._mark_live(tokens, start, end)
 
@@ -368,6 +370,7 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def clear_kv_cache(self) -> None:
         """Empty the KV memory (``llama_memory_clear(mem, True)``) and forget the tokens."""
+        self.kv_epoch += 1
         self._llama_cpp.llama_memory_clear(self._mem, True)
         self.llm.n_tokens = 0
         self._swa.clear()

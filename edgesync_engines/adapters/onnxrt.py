@@ -141,6 +141,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
         return len(self._tokens)
 
     def clear_kv_cache(self) -> None:
+        self.kv_epoch += 1
         empty = np.zeros((1, self.n_head_kv, 0, self.head_dim), dtype=np.float32)
         self._past = [empty] * (2 * self.n_layer)
         self._tokens: list[int] = []

@@ -67,6 +67,9 @@ class EngineAdapter(Protocol):
         lock: held by the caller around a whole request.
         model_path: the GGUF file the engine runs (or that its ONNX export was made from);
             the CLI prints its name.
+        kv_epoch: a count that changes whenever the live sequence's KV may have changed
+            (generate, prefill, extend, inject, place, recompute, clear): a caller that
+            remembers what the sequence held knows it still does while the count is the same.
     """
 
     namespace: Namespace | None
@@ -75,6 +78,7 @@ class EngineAdapter(Protocol):
     n_ctx: int
     lock: threading.RLock
     model_path: Path
+    kv_epoch: int
 
     @property
     def closed(self) -> bool:

@@ -124,7 +124,8 @@ class EdgeSync:
         self._injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
         warm_up(self.adapter, self.store)  # the first request's one-time work and a rehearsal, at load
         self.idle = IdleRunner(self.adapter.lock)
-        self._live_exact = 0  # leading live tokens whose KV equals an uncached prefill's
+        self._live_exact = 0  # leading live tokens whose KV equals an uncached prefill's ...
+        self._live_epoch = -1  # ... while the adapter's kv_epoch is this one
         self._prepared: list[int] | None = None  # the last idle-time job's tokens, until a request
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
@@ -441,6 +442,7 @@ class EdgeSync:
             exact_context = blended is None and not (injected.approximate or injected.convertible)
             written = 0 if blended is not None else self._after_answer(prompt, tokens, out, plan, injected)
             self._live_exact = len(tokens) - 1 if exact_context else 0
+            self._live_epoch = self.adapter.kv_epoch
             if doc_prompt is not None and blended is None:
                 computed = self._store_missing_documents(doc_prompt)  # after the answer: off the TTFT path
                 self._live_exact = 0  # documents computed in the engine's sequence
@@ -499,7 +501,8 @@ class EdgeSync:
     def _take_live(self, tokens: list[int]) -> int:
         """For a request of ``tokens`` (lock held): the count of exact live tokens, which the
         request then owns, and the idle-time tokens it makes wasted (counted)."""
-        live_exact, self._live_exact = self._live_exact, 0
+        live_exact = self._live_exact if self._live_epoch == self.adapter.kv_epoch else 0
+        self._live_exact = 0
         if self._prepared is not None:
             (prepared, start), self._prepared = self._prepared, None
             common = common_prefix_len(prepared, tokens)
@@ -557,13 +560,14 @@ class EdgeSync:
     def _prefill_job(self, prompt, tokens: list[int]) -> PrefillJob:
         """The :class:`PrefillJob` of ``tokens`` (lock held), starting from what the live
         sequence or the store holds exactly."""
-        live_exact, self._live_exact = self._live_exact, 0
+        live_exact = self._live_exact if self._live_epoch == self.adapter.kv_epoch else 0
+        self._live_exact = 0
         _, injected = self._reuse(prompt, tokens, 1, ReuseMode.EXACT, live_exact, least_live=1)
         start = 0 if injected.approximate or injected.convertible else injected.reused
-        self._live_exact = start
+        self._live_exact, self._live_epoch = start, self.adapter.kv_epoch
 
         def ready(end: int) -> None:
-            self._live_exact = end
+            self._live_exact, self._live_epoch = end, self.adapter.kv_epoch
             self._prepared = (tokens[:end], start)
 
         return PrefillJob(self.adapter, self.store, self.config, tokens, start, self.fragment_cache, ready)

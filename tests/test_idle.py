@@ -1,0 +1,208 @@
+"""Idle-time storing and stops on the real model (``request/idle.py``, ``EdgeSync.prepare``,
+``generate(stop=...)``, ``GenerationStream.stop``): the next chat turn prefills only its new
+message, answers equal an uncached run's, a request waits for one idle batch at most, and a
+stopped answer still stores its prompt. Tokens evaluated are llama.cpp's own counts.
+
+Sessions come from ../shared/workloads/chat_sessions.jsonl (real user turns).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from edgesync_engines.adapters.kv_layout import MIN_FIRST_BATCH, ROW_GROUP
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.router import EdgeSync
+
+pytestmark = [pytest.mark.model]
+
+IDLE = EdgeSyncConfig.load({"idle_store": True})
+
+
+@pytest.fixture(scope="module")
+def sessions(data_dir):
+    rows = [json.loads(line) for line in (data_dir / "chat_sessions.jsonl").read_text().splitlines()]
+    return [r["turns"] for r in rows if len(r["turns"]) >= 3 and all(len(t) < 600 for t in r["turns"][:3])]
+
+
+def prefilled(adapter, n_generated: int) -> int:
+    """Prompt tokens llama.cpp evaluated since ``reset_perf`` (``n_p_eval`` counts multi-token
+    batches and reports 0 as 1; ``n_eval`` counts one-token evaluations, which include every
+    generated token but the last)."""
+    perf = adapter.perf_counts()
+    return (perf["n_p_eval"] if perf["n_p_eval"] > 1 else 0) + perf["n_eval"] - (n_generated - 1)
+
+
+def expected_prefill(es: EdgeSync, history: list[dict], messages: list[dict]) -> int:
+    """The most a turn may prefill once ``history`` is stored: its new tokens, plus what the
+    injection rule recomputes before them (the history's last tokens up to the row group)."""
+    held = len(es.prompt_tokens(history, add_generation_prompt=False))
+    n = len(es.prompt_tokens(messages))
+    return n - es.adapter.usable_prefix(held - held % ROW_GROUP, n)
+
+
+def idle_until_done(es: EdgeSync) -> None:
+    assert es.idle.wait_idle(120), "idle-time work did not finish"
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_next_turn_prefills_only_its_new_message(adapter, tmp_path, sessions, which):
+    turns, asked = sessions[which], []
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        messages: list[dict] = []
+        for k, user in enumerate(turns[:3]):
+            messages.append({"role": "user", "content": user})
+            result = es.generate(messages, max_tokens=96)
+            if k:
+                assert result.tokens_prefilled <= expected_prefill(es, messages[:-1], messages)
+                assert result.live_tokens == result.tokens_reused > 0  # continued, nothing injected
+            asked.append((list(messages), result.tokens))
+            messages.append({"role": "assistant", "content": result.text})
+            idle_until_done(es)
+        assert es.idle.stats.jobs == 3 and es.idle.stats.tokens_wasted == 0
+    uncached = EdgeSync(adapter, store=False)
+    for prompt, tokens in asked:
+        assert uncached.generate(prompt, max_tokens=96).tokens == tokens
+
+
+def test_prepared_history_counted_by_llama_cpp(adapter, tmp_path, sessions):
+    """The same with ``prepare`` in the foreground, so that llama.cpp's own counters hold the
+    next turn's evaluations alone."""
+    turns = sessions[1]
+    messages = [{"role": "user", "content": turns[0]}]
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        messages.append({"role": "assistant", "content": es.generate(messages, max_tokens=96).text})
+        done = es.prepare(messages)
+        assert done.tokens_reused > 0 and done.tokens_prefilled > 0
+        history = list(messages)
+        messages.append({"role": "user", "content": turns[1]})
+        adapter.reset_perf()
+        result = es.generate(messages, max_tokens=32)
+        assert prefilled(adapter, len(result.tokens)) <= expected_prefill(es, history, messages)
+    assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=32).tokens
+
+
+def test_next_turn_after_a_restart_comes_from_the_store(adapter, tmp_path, sessions):
+    turns = sessions[2]
+    messages = [{"role": "user", "content": turns[0]}]
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        answer = es.generate(messages, max_tokens=96)
+        messages.append({"role": "assistant", "content": answer.text})
+        idle_until_done(es)
+        assert es.idle.stats.fragments_written >= 1
+    adapter.clear_kv_cache()  # nothing live: a new process
+    history = list(messages)
+    messages.append({"role": "user", "content": turns[1]})
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        adapter.reset_perf()
+        result = es.generate(messages, max_tokens=48)
+        assert result.live_tokens == 0 and result.tokens_reused > 0
+        assert prefilled(adapter, len(result.tokens)) <= expected_prefill(es, history, messages)
+    assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=48).tokens
+
+
+def test_a_reference_run_on_the_same_engine_is_never_taken_for_live_kv(adapter, tmp_path, sessions):
+    """Another EdgeSync that decodes on the same adapter leaves decoded KV under the same
+    token IDs: the adapter's kv_epoch tells, and the next turn injects from the store."""
+    turns = sessions[3]
+    messages = [{"role": "user", "content": turns[0]}]
+    uncached = EdgeSync(adapter, store=False)
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        answer = es.generate(messages, max_tokens=64)
+        messages.append({"role": "assistant", "content": answer.text})
+        idle_until_done(es)
+        messages.append({"role": "user", "content": turns[1]})
+        reference = uncached.generate(messages, max_tokens=32)
+        result = es.generate(messages, max_tokens=32)
+        assert result.live_tokens == 0 and result.tokens == reference.tokens
+
+
+def test_idle_kv_is_bit_identical_to_an_uncached_prefill(adapter, tmp_path, sessions):
+    """The fragments idle work stored equal those cut from a clean prefill of the next turn."""
+    turns = sessions[4]
+    messages = [{"role": "user", "content": turns[0]}]
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        answer = es.generate(messages, max_tokens=128)
+        messages.append({"role": "assistant", "content": answer.text})
+        idle_until_done(es)
+        job_written = es.idle.stats.fragments_written
+        tokens = es.prompt_tokens(messages + [{"role": "user", "content": turns[1]}])
+        walked = es.store.prefix_walk(es.namespace, tokens)
+        complete = [s for s in walked.spans if s.complete and len(s.keys) == 1]
+        spans = [(s.token_start, s.token_end) for s in complete]
+        fragments = [es.store.get(s.keys[0], copy=True) for s in complete]
+    assert job_written >= 1 and spans and walked.matched_tokens >= len(tokens) - 64
+    adapter.clear_kv_cache()
+    adapter.prefill(tokens)
+    fresh = adapter.extract_fragments(tokens, spans)
+    got = {(f.token_start, f.token_end): f for f in fragments}
+    for ref in fresh:
+        frag = got[(ref.token_start, ref.token_end)]
+        assert np.array_equal(np.asarray(frag.keys), np.asarray(ref.keys))
+        assert np.array_equal(np.asarray(frag.values), np.asarray(ref.values))
+
+
+def test_a_request_during_idle_work_waits_one_batch_at_most(adapter, tmp_path, system_prompts):
+    config = EdgeSyncConfig.load({"idle_store": True, "idle_batch_tokens": MIN_FIRST_BATCH})
+    messages = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and a storm."}]
+    with EdgeSync(adapter, store=tmp_path / "s", config=config) as es:
+        answer = es.generate(messages, max_tokens=300)
+        assert len(answer.tokens) > 8 * MIN_FIRST_BATCH
+        deadline = time.monotonic() + 60
+        while es.idle.progress() < MIN_FIRST_BATCH and time.monotonic() < deadline:
+            time.sleep(0.001)
+        other = es.generate([{"role": "system", "content": system_prompts[1]},
+                             {"role": "user", "content": "Hi"}], max_tokens=2)
+        assert other.idle_wait_ms is not None  # it did arrive during idle work
+        # the batch in flight when the request came is all that ran before it was served
+        assert 0 <= other.idle_wait_tokens < MIN_FIRST_BATCH + MIN_FIRST_BATCH
+        assert es.idle.stats.interrupted == 1
+
+
+def test_a_stop_string_ends_decoding(adapter, tmp_path):
+    messages = [{"role": "user", "content": "Tell me about the history of the bicycle."}]
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        whole = es.generate(messages, max_tokens=120)
+        words = whole.text.split()
+        assert len(words) > 8 and len(whole.tokens) == 120
+        stop = " " + words[6]  # a word early in the answer
+        needed = next(n for n in range(1, len(whole.tokens) + 1)
+                      if stop in adapter.detokenize(whole.tokens[:n]))
+        cut = es.generate(messages, max_tokens=120, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == whole.text[:whole.text.index(stop)]
+    assert len(cut.tokens) == needed < len(whole.tokens)
+
+
+def test_a_stopped_stream_frees_the_engine_and_stores_the_prompt(adapter, tmp_path, system_prompts):
+    messages = [{"role": "system", "content": system_prompts[2]},
+                {"role": "user", "content": "Explain how tides work, in great detail."}]
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        stream = es.generate(messages, max_tokens=200, stream=True)
+        next(stream), next(stream)
+        result = stream.stop()
+        assert result.finish_reason == "cancelled" and 2 <= len(result.tokens) < 200
+        assert result.fragments_written >= 1
+        again = es.generate(messages, max_tokens=4)
+        assert again.hit == "exact" and again.tokens_prefilled == 1
+
+
+def test_prepare_stores_a_system_prompt_before_any_request(adapter, tmp_path, system_prompts):
+    system = [{"role": "system", "content": system_prompts[5]}]
+    with EdgeSync(adapter, store=tmp_path / "s") as es:
+        done = es.prepare(system)
+        assert done.fragments_written >= 1 and done.tokens_prefilled == done.tokens_ready
+        adapter.clear_kv_cache()  # as after a restart: only the store holds it
+        messages = system + [{"role": "user", "content": "Where should I start?"}]
+        result = es.generate(messages, max_tokens=16)
+        assert result.tokens_reused >= done.tokens_ready - 2 * ROW_GROUP
+    assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
+
+
+def test_prepare_refuses_what_it_cannot_store(adapter):
+    es = EdgeSync(adapter, store=False)
+    with pytest.raises(ValueError, match="prepare: needs a store"):
+        es.prepare("hello there")
