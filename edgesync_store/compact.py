@@ -1,4 +1,4 @@
-"""``python -m edgesync_store.compact [STORE] [--dry-run] [--json] [--max-bytes 512M] [--no-reclaim]
+"""``python -m edgesync_store.compact [STORE] [--dry-run] [--check] [--json] [--max-bytes 512M] [--no-reclaim]
 [--force-reclaim] [--reclaim-fraction 0.25]``: compact a store once (also ``edgesync compact ...``:
 the engines' command line registers this parser, the same flags and output).
 
@@ -15,8 +15,9 @@ by ``units.parse_bytes``. ``--dry-run`` opens the store read-only.
 Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
 so the store is consistent at any stop): the report so far is printed and the exit status is
 130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
-the report says so), 2 bad input (no store at the path, not a store, a newer format, a bad
-option or setting), each reported as one ``error: ...`` line on stderr.
+the report says so), 1 a damaged store (``--check``, or a compaction refused: nothing is
+written into a damaged store; ``edgesync clear`` recreates it), 2 bad input (no store at the
+path, not a store, a newer format, a bad option or setting), each reported as one ``error: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from edgesync_store.commands.units import format_binary as fmt
 from edgesync_store.commands.units import parse_bytes
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import StoreDamagedError, StoreError
 from edgesync_store.settings import StoreSettings
 
 DESCRIPTION = "Expire, deduplicate, merge, evict and reclaim an EdgeSync store once."
@@ -39,6 +40,8 @@ EXIT_STOPPED = 130
 """Exit status when Ctrl-C or SIGTERM stopped the run between steps."""
 EXIT_USAGE = 2
 """Exit status for bad input: no store at the path, not a store, a bad option or setting."""
+EXIT_DAMAGED = 1
+"""Exit status when the store is damaged (``--check``, or a compaction refused)."""
 
 
 class BadInput(Exception):
@@ -59,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments, on ``parser``."""
     parser.add_argument("store", nargs="?", help="store directory (default: the configured store)")
     parser.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the store's LMDB pages (exit 0 healthy, 1 damaged); change nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-bytes", type=parse_bytes, default=None,
                         help="size budget for eviction (default: the store's recorded budget, else 1 GiB)")
@@ -134,6 +139,8 @@ def _open_store(args: argparse.Namespace):
         raise BadInput(f"no EdgeSync store at {path}")
     try:
         store = FragmentStore(path, readonly=args.dry_run, compression=settings.compression)
+    except StoreDamagedError:
+        raise  # never written into: run_command reports it with EXIT_DAMAGED
     except (StoreError, OSError) as exc:
         raise BadInput(str(exc)) from None
     return store, path, settings.max_bytes
@@ -172,6 +179,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
     Raises:
         BadInput: no store at the path, not a store, a newer format, a bad setting.
     """
+    if args.check:
+        return _check(args)
     store, path, env_budget = _open_store(args)
     stop = threading.Event()
     signalled: list[int] = []
@@ -201,14 +210,39 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return EXIT_STOPPED if signalled else 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """``--check``: the page check of the store (``edgesync_store.check``, in a child process),
+    printed like ``edgesync check``; :data:`EXIT_DAMAGED` when damaged."""
+    from edgesync_store import check
+
+    try:
+        path = Path(args.store).expanduser() if args.store else StoreSettings.load().store_path
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if not (path / "data.mdb").is_file():
+        raise BadInput(f"no EdgeSync store at {path}")
+    report = check.verify(path)
+    doc = {"store": str(path), **report.to_dict()}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"{path}: healthy" if report.healthy else f"{path}: damaged: {report.damage}; "
+              f"`edgesync clear {path} --yes` erases and recreates it (it is a cache)")
+    return 0 if report.healthy else EXIT_DAMAGED
+
+
 def run_command(args: argparse.Namespace) -> int:
     """:func:`cmd_compact`, with bad input reported as one ``error: ...`` line on stderr and
-    :data:`EXIT_USAGE`; returns the exit status."""
+    :data:`EXIT_USAGE`, a damaged store (never compacted) likewise with :data:`EXIT_DAMAGED`;
+    returns the exit status."""
     try:
         return cmd_compact(args)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except StoreDamagedError as exc:
+        print(f"error: not compacting a damaged store: {exc}", file=sys.stderr, flush=True)
+        return EXIT_DAMAGED
 
 
 def main(argv: list[str] | None = None) -> int:

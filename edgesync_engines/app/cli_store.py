@@ -1,6 +1,6 @@
 """The ``edgesync`` subcommands that work on a store without the model: ``dump`` (list its
-fragments, read-only), ``clear`` (erase everything it holds) and ``reindex`` (rebuild its
-semantic index). ``compact`` is :mod:`edgesync_store.compact`.
+fragments, read-only), ``check`` (its LMDB pages, in a child process), ``clear`` (erase
+everything it holds) and ``reindex`` (rebuild its semantic index). ``compact`` is :mod:`edgesync_store.compact`.
 
 Results go to stdout; bad input raises
 :class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
@@ -34,6 +34,8 @@ from edgesync_store.errors import (
     StoreOpenError,
 )
 
+EXIT_DAMAGED = 1
+"""``edgesync check``'s exit status for a damaged store."""
 EXIT_DECLINED = 1
 """``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
 EXIT_REMOTE_FAILED = 3
@@ -42,7 +44,7 @@ could not be (down, refusing): both outcomes are printed."""
 
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
-    """Register ``dump``, ``clear`` and ``reindex`` on ``sub`` (the subparsers of
+    """Register ``dump``, ``check``, ``clear`` and ``reindex`` on ``sub`` (the subparsers of
     ``cli.build_parser``); ``common`` is the parent parser holding ``--log-level``."""
     dump = sub.add_parser("dump", parents=[common], help="list the fragments of a store (read-only)")
     dump.add_argument("store", nargs="?", help=STORE_ARG_HELP)
@@ -52,6 +54,12 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
                       help="counts and bytes by lifetime (short, long, document, expired, total) and the budget use, "
                            "instead of one line per fragment")
     dump.set_defaults(func=cmd_dump)
+
+    chk = sub.add_parser("check", parents=[common],
+                         help="check a store's LMDB pages (exit 0 healthy, 1 damaged; read-only)")
+    chk.add_argument("store", nargs="?", help=STORE_ARG_HELP)
+    chk.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    chk.set_defaults(func=cmd_check)
 
     clear = sub.add_parser("clear", parents=[common],
                            help="erase everything a store holds (fragments, index, donors, vectors, sidecar)")
@@ -100,6 +108,29 @@ def _confirm(question: str) -> bool:
         return Confirm.ask(question, console=Console(stderr=True), default=False)
     except EOFError:
         return False
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """``edgesync check``: the page check of ``edgesync_store.check`` (in a child process, which
+    a corrupt page cannot take this one down with): one line, or one JSON object with ``--json``
+    (``healthy``, ``damage``, ``header``, ``databases``, ``pages``, ``txnid``). Exit 0 healthy,
+    :data:`EXIT_DAMAGED` damaged (the message names the database, page and fault), 2 no store."""
+    from pathlib import Path
+
+    from edgesync_store import check
+
+    path = Path(configured_store(args.store)).expanduser()
+    if not (path / "data.mdb").is_file():
+        raise CommandError(f"no EdgeSync store at {path}")
+    report = check.verify(path)
+    if args.json:
+        print(json.dumps({"store": str(path), **report.to_dict()}))
+    elif report.healthy:
+        print(f"{path}: healthy ({len(report.databases)} databases, {report.pages} pages)")
+    else:
+        print(f"{path}: damaged: {report.damage}; `edgesync clear {path} --yes` erases and recreates it "
+              "(it is a cache)")
+    return 0 if report.healthy else EXIT_DAMAGED
 
 
 def cmd_clear(args: argparse.Namespace) -> int:

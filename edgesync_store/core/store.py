@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
+import edgesync_store.check as check
 import edgesync_store.migrations as migrations
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
@@ -50,6 +51,7 @@ from edgesync_store.core.walk import PrefixMatch, SpanMatch
 from edgesync_store.errors import (
     CodecError,
     StoreBusyError,
+    StoreDamagedError,
     StoreFormatError,
     StoreIOError,
     StoreOpenError,
@@ -153,6 +155,11 @@ class FragmentStore(MaintenanceBackend):
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot lock the store at {self.path}: {exc}") from None
         try:
+            # before LMDB reads a page: a corrupt one can kill this process (core/check.py);
+            # unreadable meta pages LMDB refuses by itself (LmdbEnv tells foreign from damaged)
+            report = check.verify(self.path)
+            if not report.healthy and not report.header:
+                raise StoreDamagedError(self.path, report.damage)
             # a read-only look at a store we cannot write (another user's, read-only media)
             # cannot take LMDB's lock file
             self.env = LmdbEnv(self.path, map_size, readonly, lock=not readonly or writable_dir)

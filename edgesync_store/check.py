@@ -1,0 +1,149 @@
+"""``python -m edgesync_store.check STORE [--json]``: check a store's LMDB pages
+(``core.check``) in a child process, so that whatever the file holds, the caller survives.
+
+Exit status: 0 healthy, 1 damaged (the message names the database, page and fault), 2 bad input
+(no store at the path). ``--json`` prints one object: ``healthy``, ``damage``, ``databases``,
+``pages``, ``txnid``.
+
+:class:`PendingCheck` runs the command as a child (``sys.executable``) and waits for it later,
+so that a process can load its model meanwhile; :func:`verify` is what ``FragmentStore`` calls
+before LMDB reads a page: it uses a check begun for the same file by :func:`begin`, else runs
+one. A child killed by a signal, or one that does not answer within its timeout, means damaged:
+LMDB would follow the same pages. A file whose check passed in this process is not checked
+again while its device, inode, size and modification time stay the same (a store reopened by
+the same process, e.g. after a reclaim, costs nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from edgesync_store.core.check import Report, check_file
+
+CHECK_TIMEOUT_S = 120.0
+"""Seconds a check child may take before the store is judged damaged (a healthy 1 GiB store
+takes well under one: docs/measurements.md)."""
+EXIT_HEALTHY, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
+
+_ROOT = str(Path(__file__).resolve().parent.parent)  # the child imports this copy of edgesync_store
+_passed: set[tuple] = set()
+_pending: dict[tuple, PendingCheck] = {}
+_lock = threading.Lock()
+
+
+def _state(data_file: Path) -> tuple | None:
+    try:
+        st = data_file.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class PendingCheck:
+    """A check of ``store/data.mdb`` running in a child process.
+
+    Args:
+        store: the store directory.
+        timeout_s: seconds to wait for the child in :meth:`result`.
+    """
+
+    def __init__(self, store: str | os.PathLike, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        self.store = Path(store)
+        self.timeout_s = timeout_s
+        self._report: Report | None = None
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "edgesync_store.check", str(self.store), "--json"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))})
+
+    def result(self) -> Report:
+        """Wait for the child; its report, or a damaged one when it died or timed out."""
+        if self._report is None:
+            self._report = self._wait()
+        return self._report
+
+    def _wait(self) -> Report:
+        try:
+            out, err = self._proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.communicate()
+            return Report(damage=f"the page check did not finish within {self.timeout_s:.0f} s")
+        code = self._proc.returncode
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return Report(damage=f"the page check died of {name}")
+        try:
+            data = json.loads(out)
+            return Report(damage=data["damage"], header=data["header"], databases=data["databases"],
+                          pages=data["pages"], txnid=data["txnid"])
+        except (ValueError, KeyError, TypeError):
+            last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
+            return Report(damage=f"the page check failed (exit {code}): {last[0]}")
+
+
+def begin(store: str | os.PathLike) -> None:
+    """Start checking ``store`` in a child now (a no-op without ``data.mdb``, or when this process
+    already checked the file as it is), for :func:`verify` to collect later."""
+    data = Path(store).expanduser() / "data.mdb"
+    state = _state(data)
+    with _lock:
+        if state is None or state in _passed or state in _pending:
+            return
+        _pending[state] = PendingCheck(data.parent)
+
+
+def verify(store: str | os.PathLike) -> Report:
+    """The check of ``store``'s data file as it is now: a passed one remembered, the one
+    :func:`begin` started (waited for), or a new one (run and waited for). A healthy report
+    without a data file (a new store)."""
+    data = Path(store).expanduser() / "data.mdb"
+    state = _state(data)
+    if state is None:
+        return Report()
+    with _lock:
+        if state in _passed:
+            return Report()
+        pending = _pending.pop(state, None)
+    report = (pending or PendingCheck(data.parent)).result()
+    if report.healthy:
+        with _lock:
+            _passed.add(state)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m edgesync_store.check",
+                                     description="Check the LMDB pages of an EdgeSync store.")
+    parser.add_argument("store", help="store directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    data = Path(args.store).expanduser() / "data.mdb"
+    try:
+        report = check_file(data)
+    except OSError as exc:
+        print(f"error: no readable store at {args.store}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    elif report.healthy:
+        print(f"{args.store}: healthy ({len(report.databases)} databases, {report.pages} pages, "
+              f"transaction {report.txnid})")
+    else:
+        print(f"{args.store}: damaged: {report.damage}")
+    return EXIT_HEALTHY if report.healthy else EXIT_DAMAGED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
