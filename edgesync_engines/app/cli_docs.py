@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from edgesync_engines.app.cli_common import CommandError, load_config, open_edgesync, progress_bar
@@ -78,12 +79,24 @@ def _open(args: argparse.Namespace, must_exist: bool):
             check_store_path(cfg.store_path)
         except (FileNotFoundError, StoreOpenError) as exc:
             raise CommandError(str(exc)) from None
+    _refuse_damaged(Path(cfg.store_path))
     es = open_edgesync(cfg)
     if es.store is None or es.adapter.namespace is None:
         reason = es.uncached_reason or "no store"
         es.close()
         raise CommandError(f"documents cannot be stored for this engine: {reason}")
     return es
+
+
+def _refuse_damaged(path: Path) -> None:
+    """CommandError naming the store and ``edgesync clear`` when its pages are damaged: nothing
+    is written into it (a request is served uncached from such a store; a command refuses)."""
+    from edgesync_store import check
+    from edgesync_store.errors import StoreDamagedError
+
+    report = check.verify(path)  # a passed check is remembered: the open below does not repeat it
+    if not report.healthy:
+        raise CommandError(f"not writing into a damaged store: {StoreDamagedError(path, report.damage)}")
 
 
 def kv_state(es, rec) -> bool | None:

@@ -154,8 +154,8 @@ def rehearse(store: "FragmentBackend", adapter, tokens: list[int]) -> int:
     ready; then the cache is emptied and the store's pages this process mapped are given back
     (``release_mapped``: the first request maps what it reads itself, so a rehearsal of another
     chain never adds to its resident memory). Records no hit, stores nothing, keeps nothing in
-    a RAM tier. Returns the tokens injected; a store failure or a refused injection is logged
-    and leaves 0."""
+    a RAM tier. Returns the tokens injected; a store failure, a refused injection or an engine
+    that refuses the hint's tokens (a damaged hint) is logged and leaves 0."""
     try:
         match = planning.walk(store, adapter.namespace, tokens)
         source = ReuseSource(SourceKind.PREFIX, tuple(tokens), match, match.matched_tokens, adapter.namespace,
@@ -167,6 +167,9 @@ def rehearse(store: "FragmentBackend", adapter, tokens: list[int]) -> int:
         return injected
     except (StoreError, ValueError) as exc:
         log.warning("could not rehearse the latest hit: %s", exc)
+        return 0
+    except RuntimeError as exc:  # the hint is not checksummed: a damaged one can hold IDs the engine refuses
+        log.warning("could not rehearse the latest hit (the store's reuse hint may be damaged): %s", exc)
         return 0
     finally:
         adapter.clear_kv_cache()

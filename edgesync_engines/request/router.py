@@ -42,6 +42,7 @@ from edgesync_engines.request.remote_open import with_remote_tier
 from edgesync_engines.request.result import GenerationResult, GenerationStream, StopDecoding
 from edgesync_engines.request.semantic_lookup import SemanticLookup
 from edgesync_engines.request.stops import StopScanner
+from edgesync_store import check
 from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.errors import StoreError
@@ -92,6 +93,9 @@ class EdgeSync:
     def __init__(self, model=None, store: "FragmentBackend | str | os.PathLike | None | bool" = None,
                  config: EdgeSyncConfig | None = None) -> None:
         self.config = config or EdgeSyncConfig.load()
+        if self.config.cache_enabled and (store is None or isinstance(store, (str, os.PathLike))):
+            # the store's page check runs in a child while the model loads; open_store waits for it
+            check.begin(Path(store or self.config.store_path))
         self.adapter, self._owns_adapter = adapter_for(model, self.config)
         self._owns_store = False
         self.uncached_reason = None
