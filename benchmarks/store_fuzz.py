@@ -164,5 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # exact mode alone: the semantic lookup would load an embedder in every trial's EdgeSync
     os.environ.setdefault("EDGESYNC_JOBS", "0")
+    os.environ.setdefault("EDGESYNC_SEMANTIC", "0")
+    os.environ.setdefault("EDGESYNC_THREADS", "1")  # spinning threads crawl on a shared 2-core machine
     raise SystemExit(main())

@@ -215,3 +215,39 @@ def test_loops_and_shared_pages_are_damage(store):
     _poke(store, pg * PSIZE + first, struct.pack("<HH", pg & 0xFFFF, pg >> 16))
     report = pages.check_file(store / "data.mdb")
     assert not report.healthy and "heads" in report.damage
+
+
+def _answer(store: Path, requests: Path) -> tuple[list[dict], str]:
+    """``proc_request.py`` in a child: its JSON rows and its stderr (where the warning goes)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "proc_request.py"), str(store), str(requests), "16"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("where", ["meta root", "branch child", "leaf key size", "overflow header"])
+def test_a_request_on_a_damaged_store_is_answered_uncached_by_a_child(system_prompts, tmp_path, where):
+    """A real store (a SmolLM2 answer's KV, plus synthetic fragments for branch pages), damaged
+    at ``where``: a child process answers with the uncached run's tokens and one warning naming
+    ``edgesync clear``; after the clear, the prompt is stored and reused again."""
+    from llama_counts import chat
+
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps([chat(system_prompts[2], "How do I export my data?")]))
+    (reference,), _ = _answer(tmp_path / "uncached", requests)  # a new store: prefilled
+    store = tmp_path / "store"
+    _answer(store, requests)
+    with FragmentStore(store) as s:
+        for i in range(300):
+            s.put(make_fragment(seed=i, end=128, start=0 if i % 2 else 64, layers=(0, 30, 10)))
+    (hit,), _ = _answer(store, requests)
+    assert hit["tokens"] == reference["tokens"] and hit["tokens_reused"] > 0
+    _damage(store, where)
+    (got,), err = _answer(store, requests)
+    assert got["tokens"] == reference["tokens"] and got["tokens_reused"] == 0
+    assert "damaged, serving uncached" in err and f"edgesync clear {store} --yes" in err
+    assert run_cli("clear", str(store), "--yes").returncode == 0
+    _answer(store, requests)
+    (again,), _ = _answer(store, requests)
+    assert again["tokens"] == reference["tokens"] and again["tokens_reused"] > 0
