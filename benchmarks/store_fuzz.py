@@ -132,6 +132,9 @@ def run(trials: int, seed: int, work: Path) -> dict:
             counts["judged_damaged"] += not got["cached"]
             counts["reused_kv"] += got["reused"] > 0
         shutil.rmtree(copy, ignore_errors=True)
+        if (i + 1) % 10 == 0:  # progress, on stderr: the figures so far
+            print(f"{i + 1} trials: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "trials"),
+                  file=sys.stderr, flush=True)
     w.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)
     counts["lost_trials"] = killed

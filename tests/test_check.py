@@ -251,3 +251,14 @@ def test_a_request_on_a_damaged_store_is_answered_uncached_by_a_child(system_pro
     _answer(store, requests)
     (again,), _ = _answer(store, requests)
     assert again["tokens"] == reference["tokens"] and again["tokens_reused"] > 0
+
+
+def test_docs_add_refuses_a_damaged_store_by_name(store, tmp_path):
+    _damage(store, "leaf key size")
+    notes = tmp_path / "note.txt"
+    notes.write_text("The office is closed on Mondays.")
+    before = (store / "data.mdb").read_bytes()
+    refused = run_cli("docs", "add", str(notes), "--store", str(store))
+    assert refused.returncode == 2, refused.stderr
+    assert "not writing into a damaged store" in refused.stderr and f"edgesync clear {store} --yes" in refused.stderr
+    assert (store / "data.mdb").read_bytes() == before
