@@ -45,6 +45,8 @@ P_BRANCH, P_LEAF, P_OVERFLOW, P_META, P_DIRTY, P_LEAF2, P_SUBP = 0x01, 0x02, 0x0
 F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
 MDB_REVERSEKEY, MDB_DUPSORT, MDB_INTEGERKEY, MDB_DUPFIXED, MDB_INTEGERDUP, MDB_REVERSEDUP = (
     0x02, 0x04, 0x08, 0x10, 0x20, 0x40)
+WALKS = 5
+"""Walks of a store that writers keep changing before its damage is believed (``check_file``)."""
 FREE_NAME = "(free pages)"
 MAX_DEPTH = 64
 """Deeper than any B-tree a 64-bit page number can address with two keys per page."""
@@ -344,14 +346,33 @@ def check_file(data_file: str | os.PathLike) -> Report:
     """Check the LMDB data file ``data_file`` (see the module's docstring). Never raises for
     damage: it is in the report.
 
+    Another process may commit while the walk runs. The tree of the meta page walked stays
+    intact until two more transactions have committed (LMDB reuses a page freed by transaction
+    N from N + 2 on, and only when no reader is older: ``mdb_find_oldest``), so damage found
+    while the newest transaction id has moved on may be a reused page: the walk is then done
+    again, up to :data:`WALKS` times.
+
     Raises:
         OSError: the file cannot be opened or read.
     """
     fd = os.open(Path(data_file), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        return _check_fd(fd)
+        for _ in range(WALKS):
+            report = _check_fd(fd)
+            if report.healthy or report.header or _newest_txnid(fd) == report.txnid:
+                return report
+        report.damage += f" (the store changed during each of {WALKS} walks)"
+        return report
     finally:
         os.close(fd)
+
+
+def _newest_txnid(fd: int) -> int | None:
+    try:
+        psize, txnid, *_ = _meta(fd, 0, 0)
+        return max(txnid, _meta(fd, psize, 1)[1])
+    except Damage:
+        return None
 
 
 def _check_fd(fd: int) -> Report:
