@@ -132,6 +132,7 @@ class _Walker:
         self.fd, self.size, self.psize, self.last_pg = fd, size, psize, last_pg
         self.runs: list[tuple[int, int, str, int]] = []  # (first page, pages, database, page flags)
         self.named: list[str] = []
+        self.seen: set[int] = set()  # tree pages reached
 
     def read_page(self, pgno: int, what: str) -> bytes:
         if pgno > self.last_pg or (pgno + 1) * self.psize > self.size:
@@ -161,6 +162,9 @@ class _Walker:
         where = f"database {db.name}, page {pgno}"
         if depth > min(db.depth, MAX_DEPTH):
             raise Damage(f"{where}: deeper than the tree's depth {db.depth}")
+        if pgno in self.seen:  # at once: a loop of branches would otherwise be walked again and again
+            raise Damage(f"{where}: the page is reached twice")
+        self.seen.add(pgno)
         page = self.read_page(pgno, f"database {db.name}")
         own, _pad, flags, lower, upper = _PAGE_HEADER.unpack_from(page)
         if own != pgno:
