@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgesync_engines.app.cli_serve import default_workers
+from edgesync_engines.app.cli_serve import default_workers, idle_store_override
 from edgesync_engines.server.security import bind_warning, is_loopback, key_matches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +33,15 @@ def test_the_key_must_match_exactly():
 
 def test_default_workers_follow_the_cpu_count():
     assert [default_workers(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+
+
+def test_idle_store_is_on_in_the_server_unless_the_flag_or_the_environment_says_no():
+    assert idle_store_override(False, {}) is True
+    assert idle_store_override(False, {"EDGESYNC_IDLE_STORE": "  "}) is True  # blank: not given
+    assert idle_store_override(False, {"EDGESYNC_IDLE_STORE": "0"}) is None  # the environment decides
+    assert idle_store_override(False, {"EDGESYNC_IDLE_STORE": "1"}) is None
+    assert idle_store_override(True, {"EDGESYNC_IDLE_STORE": "1"}) is False  # the flag wins
+    assert idle_store_override(True, {}) is False
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:

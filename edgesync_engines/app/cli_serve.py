@@ -4,6 +4,10 @@ Default worker count: one engine process per 2 logical CPUs, at least 1 and at m
 llama.cpp engine uses several cores well, and each worker holds its own copy of the model and
 its KV), each engine with ``CPUs // workers`` threads unless ``EDGESYNC_THREADS`` says
 otherwise. The server binds to loopback unless ``--host`` names another address (then it warns).
+
+Idle-time storing (``EdgeSyncConfig.idle_store``) is on in the server unless ``--no-idle-store``
+is given or ``EDGESYNC_IDLE_STORE`` is set (an explicit value wins over the server's default, the
+flag over both): :func:`idle_store_override`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ def default_workers(cpus: int | None = None) -> int:
     """Engine processes for a machine with ``cpus`` logical CPUs (default: this one's)."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, min(4, cpus // 2))
+
+
+def idle_store_override(no_idle_store: bool, environ=None) -> bool | None:
+    """The ``idle_store`` override of ``edgesync serve``: False with ``--no-idle-store``, None
+    (the environment decides) when ``EDGESYNC_IDLE_STORE`` is set to a non-blank value, else
+    True (the server's default)."""
+    if no_idle_store:
+        return False
+    environ = os.environ if environ is None else environ
+    return None if (environ.get("EDGESYNC_IDLE_STORE") or "").strip() else True
 
 
 def port_number(text: str) -> int:
@@ -57,6 +71,11 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"largest request body, bytes (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--grace-seconds", type=int_at_least(0), default=10,
                    help="on SIGTERM or Ctrl-C, seconds in-flight requests may take to finish (default 10)")
+    p.add_argument("--no-idle-store", action="store_true",
+                   help="do not prefill and store each chat conversation with its answer between requests "
+                        "(on by default here, unless EDGESYNC_IDLE_STORE=0: it costs CPU while the server is "
+                        "idle and store bytes on disk for every turn's history; the next turn then prefills "
+                        "only its new message)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -90,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warning = bind_warning(args.host, args.api_key)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    cfg = load_config({"model_path": args.model, "store_path": args.store})
+    cfg = load_config({"model_path": args.model, "store_path": args.store,
+                       "idle_store": idle_store_override(args.no_idle_store)})
     try:
         model = Path(cfg.model_path) if cfg.model_path is not None else default_model_path()
     except ModelNotFoundError as exc:
@@ -118,8 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
                                            timeout_graceful_shutdown=args.grace_seconds))
     host, port = sock.getsockname()[:2]
+    idle = "on" if cfg.idle_store else "off"
     print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {workers} workers x "
-          f"{threads} threads, store {cfg.store_path})", file=sys.stderr, flush=True)
+          f"{threads} threads, store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers
     # that ends here instead of killing the process before the workers close the store
     for sig in (signal.SIGTERM, signal.SIGINT):
