@@ -9,12 +9,25 @@ response queue and a shared ``cancel`` value. Messages are plain dicts:
 * from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
   job ``piece`` (``text``), then one of ``done`` (``text``, ``finish_reason``,
   ``first_token_at``, ``result``), ``error`` (``status``, ``message``, ``err_type``, ``code``,
-  ``param``) or ``cancelled``.
+  ``param``) or ``cancelled``. ``done``'s ``result`` holds the request's figures and ``idle``:
+  the worker's cumulative idle-time counters (``IdleStats``: ``jobs``, ``interrupted``,
+  ``tokens_prefilled``, ``tokens_wasted``, ``fragments_written``, ``failed``, since its process
+  started);
+* from a worker between jobs: ``idle`` (``stats``: the same counters), sent when they changed
+  while it waited for a job (its idle-time job runs after the answer, on a thread of its own).
 
-A job goes to the worker with the fewest outstanding jobs (the lowest index on a tie); each
-worker answers its queue in arrival order. One thread per worker reads its responses and hands
-them to the asyncio queue of their job. When a worker process dies, that thread fails its
-outstanding jobs with a 500 ``worker_died`` error and starts a new process with new queues.
+The pool sums the counters' increases over its workers and their restarts
+(:meth:`WorkerPool.idle_totals`).
+
+Routing (:mod:`.routing`): a job goes to the worker whose live context (the last conversation
+it answered, with the answer) begins the job's prompt over the most characters; when that worker
+is busy and another is idle, to the idle one with the best score; when no context matches, to
+the worker with the fewest outstanding jobs (the lowest index on a tie). A worker's context is
+replaced by each job it answers (``done``, not cancelled) and forgotten when a job is cancelled,
+fails in the engine (a 500) or the process restarts. Each worker answers its queue in arrival
+order. One thread per worker reads its responses and hands them to the asyncio queue of their
+job. When a worker process dies, that thread fails its outstanding jobs with a 500
+``worker_died`` error and starts a new process with new queues.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from edgesync_engines.server.worker import worker_main
+from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
+from edgesync_engines.server.worker import IDLE_FIELDS, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +67,10 @@ class _Slot:
     pid: int | None = None
     restarts: int = 0
     jobs: set = field(default_factory=set)
+    context: str | None = None
+    """The canonical text of what the worker holds live (``routing.context_text``), or None."""
+    idle: dict = field(default_factory=dict)
+    """The idle-time counters its current process last reported."""
 
 
 class WorkerPool:
@@ -79,6 +97,9 @@ class WorkerPool:
         self._ids = itertools.count(1)
         self._closing = False
         self._cancelled = 0
+        self._routed_by_prefix = 0
+        self._prompts: dict[int, object] = {}  # job id -> prompt, until its final message
+        self._idle_totals = dict.fromkeys(IDLE_FIELDS, 0)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -148,6 +169,16 @@ class WorkerPool:
         """Jobs a worker stopped early because their client went away (or on shutdown)."""
         return self._cancelled
 
+    def routed_by_prefix(self) -> int:
+        """Jobs the prefix rule placed (``routing.choose_worker``'s by_prefix)."""
+        return self._routed_by_prefix
+
+    def idle_totals(self) -> dict[str, int]:
+        """The workers' idle-time counters (``IdleStats`` fields), summed over workers and
+        their restarts, as far as reported."""
+        with self._lock:
+            return dict(self._idle_totals)
+
     def queued(self) -> int:
         """Jobs submitted and not yet answered, over all workers."""
         with self._lock:
@@ -163,8 +194,9 @@ class WorkerPool:
             if self._closing:
                 raise RuntimeError("the server is shutting down")
             job_id = next(self._ids)
-            slot = min(self._slots, key=lambda s: (len(s.jobs), s.index))
+            slot = self._route(job["prompt"])
             slot.jobs.add(job_id)
+            self._prompts[job_id] = job["prompt"]
             self._listeners[job_id] = (loop, inbox)
             slot.requests.put({**job, "id": job_id})
         finished = False
@@ -181,11 +213,44 @@ class WorkerPool:
                 if not finished and job_id in slot.jobs:
                     slot.cancel.value = job_id
 
+    def _route(self, prompt) -> _Slot:
+        """The slot for a job of ``prompt`` (lock held; see :mod:`.routing`)."""
+        slots = self._slots
+        text = prompt_text(prompt) if len(slots) > 1 else ""
+        scores = [prefix_score(text, s.context) if text else 0 for s in slots]
+        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores)
+        self._routed_by_prefix += by_prefix
+        return slots[index]
+
+    def _ended(self, slot: _Slot, msg: dict) -> None:
+        """Bookkeeping of a job's final message (lock held): its slot's live context and the
+        idle-time counters the worker reported with it."""
+        kind, prompt = msg.get("type"), self._prompts.pop(msg.get("id"), None)
+        if kind == "done":
+            if msg.get("finish_reason") != "cancelled" and prompt is not None:
+                slot.context = context_text(prompt, msg.get("text", ""))
+            else:
+                slot.context = None
+            self._count_idle(slot, (msg.get("result") or {}).get("idle"))
+        elif kind == "cancelled" or msg.get("status", 500) >= 500:
+            slot.context = None  # the live sequence now holds another prompt, or is unknown
+
+    def _count_idle(self, slot: _Slot, stats: dict | None) -> None:
+        """Add what a worker's cumulative idle-time counters grew by since its last report
+        (lock held)."""
+        if not stats:
+            return
+        for name in IDLE_FIELDS:
+            value = int(stats.get(name, 0))
+            self._idle_totals[name] += max(0, value - slot.idle.get(name, 0))
+        slot.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
+
     def _deliver(self, slot: _Slot, msg: dict) -> None:
         """Hand a worker's message to its job's queue (dropped when nobody listens)."""
         with self._lock:
             if msg.get("type") in FINAL_TYPES:
                 slot.jobs.discard(msg.get("id"))
+                self._ended(slot, msg)
             if msg.get("type") == "cancelled":
                 self._cancelled += 1
             target = self._listeners.get(msg.get("id"))
@@ -206,6 +271,10 @@ class WorkerPool:
                 continue
             if msg.get("type") in ("ready", "fatal"):
                 continue
+            if msg.get("type") == "idle":
+                with self._lock:
+                    self._count_idle(slot, msg.get("stats"))
+                continue
             self._deliver(slot, msg)
 
     def _restart(self, slot: _Slot) -> None:
@@ -216,6 +285,7 @@ class WorkerPool:
             lost = sorted(slot.jobs)
             slot.jobs.clear()
             slot.pid = None
+            slot.context, slot.idle = None, {}  # a new process: nothing live, counters from 0
             slot.restarts += 1
             self._spawn(slot)
         log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", slot.index, code,

@@ -7,13 +7,17 @@ store directory, which is safe across processes. Only plain dicts cross the proc
 server parses and checks the JSON and passes the values on.
 
 A request stops early when the server writes its id into the worker's ``cancel`` value (the
-client went away), checked after every token. Ctrl-C, and a service manager's SIGTERM, reach the
+client went away), checked after every token. After a chat answer the engine's idle-time job
+(``EdgeSync.idle``) runs on a thread of its own while this loop waits for the next job, which
+pauses it; the worker reports the job's counters with each ``done`` and, when they changed,
+while it waits (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
 finish and then stops them (a None in the queue); a worker whose server is gone stops by itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -26,7 +30,19 @@ log = logging.getLogger(__name__)
 
 RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
                  "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms")
-"""The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` too)."""
+"""The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` and
+``idle`` too)."""
+IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
+"""The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
+
+
+def idle_counters(engine) -> dict[str, int]:
+    """The engine's cumulative idle-time counters (zeros for an engine without idle-time work)."""
+    stats = getattr(getattr(engine, "idle", None), "stats", None)
+    if stats is None:
+        return dict.fromkeys(IDLE_FIELDS, 0)
+    values = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else {}
+    return {name: int(values.get(name, 0)) for name in IDLE_FIELDS}
 
 
 def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING") -> None:
@@ -48,16 +64,24 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
         return
     responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
     parent = os.getppid()
+    reported = idle_counters(engine)
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
         while os.getppid() == parent:
             try:
                 job = requests.get(timeout=0.5)
             except queue.Empty:
+                now = idle_counters(engine)  # the idle-time job after the last answer moves them
+                if now != reported:
+                    responses.put({"type": "idle", "worker": index, "stats": now})
+                    reported = now
                 continue
             if job is None:
                 break
-            responses.put(serve_one(engine, config, job, cancel, responses.put))
+            final = serve_one(engine, config, job, cancel, responses.put)
+            if final["type"] == "done":
+                reported = final["result"]["idle"]
+            responses.put(final)
     finally:
         engine.close()
         log.info("worker %d: engine and store closed", index)
@@ -112,5 +136,6 @@ def _generate(engine, job: dict, cancel, emit) -> dict:
     result = stream.result
     fields = {name: getattr(result, name) for name in RESULT_FIELDS}
     fields["completion_tokens"] = len(result.tokens)
+    fields["idle"] = idle_counters(engine)
     return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": result.finish_reason,
             "first_token_at": first_token_at or time.time(), "result": fields}

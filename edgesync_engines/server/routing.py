@@ -1,0 +1,101 @@
+"""Prefix-aware routing: which worker of a :class:`~.pool.WorkerPool` gets a job.
+
+Each worker's engine keeps the last conversation it answered live (its idle-time job extends it
+with the answer, ``request/idle.py``): a job whose prompt begins with that conversation injects
+nothing there and prefills only its new part. The pool does not tokenize, so it compares text: a
+job's prompt as :func:`prompt_text` (chat messages as ``role NUL content`` joined by ``SOH``; a
+string prompt as is, each behind a marker of its kind so the two never match), a worker's live
+context as :func:`context_text` (its last answered prompt followed by the answer). The score of
+a worker is :func:`prefix_score`: the characters the two have in common at the start, 0 under
+:data:`MIN_PREFIX_CHARS` (a role name or a few words are shared by unrelated prompts and give
+the engine nothing it can continue: it needs 64 live tokens).
+
+:func:`choose_worker` applies the rules to the scores and the outstanding jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+MIN_PREFIX_CHARS = 128
+"""Shortest common prefix, in characters, that counts for routing (about 32 tokens of prose)."""
+
+_CHAT, _TEXT = "chat\x02", "text\x02"
+_MARK = len(_CHAT)  # both kinds' markers are this long
+_ROLE, _NEXT = "\x00", "\x01"
+
+
+def _message(m: dict) -> str:
+    return f"{m.get('role', '')}{_ROLE}{m.get('content', '')}"
+
+
+def prompt_text(prompt: "str | Sequence[dict]") -> str:
+    """The canonical text of a job's prompt (a string, or chat messages with ``role`` and
+    ``content``)."""
+    if isinstance(prompt, str):
+        return _TEXT + prompt
+    return _CHAT + _NEXT.join(_message(m) for m in prompt)
+
+
+def context_text(prompt: "str | Sequence[dict]", answer: str) -> str:
+    """The canonical text of what a worker holds live after answering ``prompt`` with
+    ``answer``: the messages and the assistant's answer, or the prompt string and the answer."""
+    if isinstance(prompt, str):
+        return _TEXT + prompt + answer
+    return prompt_text([*prompt, {"role": "assistant", "content": answer}])
+
+
+def common_prefix_chars(a: str, b: str) -> int:
+    """Characters ``a`` and ``b`` have in common at the start (slices compared, halving the
+    range: linear time at C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def prefix_score(job_text: str, context: str | None, least: int = MIN_PREFIX_CHARS) -> int:
+    """The common prefix of a job's :func:`prompt_text` and a worker's :func:`context_text`
+    (None: nothing live), in characters of the prompt (the kind's marker not counted); 0 under
+    ``least``."""
+    if not context:
+        return 0
+    common = common_prefix_chars(job_text, context) - _MARK
+    return common if common >= least else 0
+
+
+def choose_worker(loads: Sequence[int], scores: Sequence[int]) -> tuple[int, bool]:
+    """The worker for a job, and whether its prefix placed it.
+
+    ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`.
+
+    * No score above 0: the worker with the fewest outstanding jobs (the lowest index on a tie),
+      as without prefixes.
+    * Else the best score (ties: fewer outstanding jobs, then the lowest index), unless that
+      worker is busy (has outstanding jobs) while another is idle: then the idle worker with the
+      best score (ties: the lowest index). Waiting behind another job costs more than
+      prefilling a conversation again (most of it comes from the store anyway).
+
+    Returns (index, by_prefix): by_prefix is True when the chosen worker's score is above 0
+    and there was a choice (more than one worker).
+    """
+    n = len(loads)
+    if n != len(scores) or n == 0:
+        raise ValueError(f"choose_worker: {n} loads and {len(scores)} scores")
+    workers = range(n)
+    if n == 1 or max(scores) <= 0:
+        return min(workers, key=lambda i: (loads[i], i)), False
+    best = min((i for i in workers if scores[i] > 0), key=lambda i: (-scores[i], loads[i], i))
+    if loads[best] > 0:
+        idle = [i for i in workers if loads[i] == 0]
+        if idle:
+            pick = min(idle, key=lambda i: (-scores[i], i))
+            return pick, scores[pick] > 0
+    return best, True

@@ -1,0 +1,193 @@
+"""Prefix-aware routing of ``edgesync serve``'s worker pool (``server/routing.py``) and the pool's
+bookkeeping of live contexts and idle-time counters, without worker processes: a job goes to the
+worker whose live conversation begins its prompt, unless that worker is busy and another is
+idle; with no such worker, to the least loaded one."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+
+import pytest
+
+from edgesync_engines.server.pool import WorkerPool
+from edgesync_engines.server.routing import (
+    MIN_PREFIX_CHARS,
+    choose_worker,
+    common_prefix_chars,
+    context_text,
+    prefix_score,
+    prompt_text,
+)
+from edgesync_engines.server.worker import IDLE_FIELDS, idle_counters
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers about the shop's opening hours. " * 3}
+
+
+def _turn(question: str, history: list[dict] | None = None) -> list[dict]:
+    return [SYSTEM, *(history or []), {"role": "user", "content": question}]
+
+
+def test_without_a_prefix_the_least_loaded_worker_gets_the_job():
+    assert choose_worker([0, 0, 0], [0, 0, 0]) == (0, False)
+    assert choose_worker([2, 1, 1], [0, 0, 0]) == (1, False)
+    assert choose_worker([3], [500]) == (0, False)  # one worker: nothing to choose
+
+
+def test_the_longest_prefix_wins_and_ties_go_to_the_less_loaded_then_the_lower_index():
+    assert choose_worker([0, 0, 0], [0, 300, 200]) == (1, True)
+    assert choose_worker([0, 0, 0], [300, 300, 0]) == (0, True)
+    assert choose_worker([2, 1, 3], [300, 300, 100]) == (1, True)  # all busy: the best score
+    assert choose_worker([1, 4], [0, 200]) == (1, True)  # busy, but no worker is idle
+
+
+def test_a_busy_best_worker_gives_way_to_an_idle_one():
+    assert choose_worker([1, 0, 0], [400, 0, 150]) == (2, True)  # the idle one with the best score
+    assert choose_worker([1, 0, 0], [400, 0, 0]) == (1, False)  # no idle one matches: the lowest index
+    assert choose_worker([1, 0, 0], [400, 150, 150]) == (1, True)
+
+
+def test_choose_worker_refuses_mismatched_inputs():
+    with pytest.raises(ValueError):
+        choose_worker([0, 0], [0])
+    with pytest.raises(ValueError):
+        choose_worker([], [])
+
+
+def test_common_prefix_chars_agrees_with_a_character_walk():
+    rng = random.Random(7)
+    for _ in range(300):
+        a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
+        b = a[:rng.randrange(0, len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(0, 10)))
+        walk = 0
+        while walk < min(len(a), len(b)) and a[walk] == b[walk]:
+            walk += 1
+        assert common_prefix_chars(a, b) == common_prefix_chars(b, a) == walk, (a, b)
+
+
+def test_the_next_turn_begins_with_the_last_turn_and_its_answer():
+    first = _turn("When do you open on Sunday?")
+    context = context_text(first, "At ten.")
+    second = _turn("And on Monday?", [first[-1], {"role": "assistant", "content": "At ten."}])
+    assert prefix_score(prompt_text(second), context) == len(context) - len("chat\x02")  # all of it
+    # another conversation shares the system prompt only: it scores that, not the whole context
+    other = prompt_text(_turn("Do you sell bread?"))
+    assert MIN_PREFIX_CHARS <= prefix_score(other, context) < len(context) - 5
+    # a different answer departs at the answer
+    assert prefix_score(prompt_text(second), context_text(first, "At nine.")) < len(context) - 5
+
+
+def test_short_or_cross_kind_prefixes_do_not_count():
+    short = [{"role": "user", "content": "hi"}]
+    assert prefix_score(prompt_text(short), context_text(short, "hello")) == 0  # under MIN_PREFIX_CHARS
+    text = "x" * 400
+    assert prefix_score(prompt_text(text + " more"), context_text(text, "!")) == 400
+    # a prompt string never continues a chat context, nor the other way round
+    chat = [{"role": "user", "content": text}]
+    assert prefix_score(prompt_text(text), context_text(chat, "a")) == 0
+    assert prefix_score(prompt_text(chat), context_text(text, "a")) == 0
+    assert prefix_score(prompt_text(chat), None) == 0
+
+
+class _Pool:
+    """A :class:`WorkerPool` of ``n`` slots whose request queues are plain queues: jobs are
+    routed and answered by hand."""
+
+    def __init__(self, n: int) -> None:
+        self.pool = WorkerPool({}, n)
+        for slot in self.pool._slots:
+            slot.requests = queue.Queue()
+        self.open: dict[int, tuple] = {}  # job id -> (slot, generator, first-message task)
+
+    async def submit(self, prompt) -> int:
+        """Submit a job; returns the index of the slot it went to."""
+        gen = self.pool.submit({"prompt": prompt})
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0)
+        for slot in self.pool._slots:
+            try:
+                job = slot.requests.get_nowait()
+            except queue.Empty:
+                continue
+            self.open[job["id"]] = (slot, gen, task)
+            return slot.index
+        raise AssertionError("the job went nowhere")
+
+    async def finish(self, index: int, msg: dict) -> dict:
+        """Answer the oldest open job of slot ``index`` with ``msg`` (its type and fields)."""
+        job_id = min(j for j, (slot, _, _) in self.open.items() if slot.index == index)
+        slot, gen, task = self.open.pop(job_id)
+        self.pool._deliver(slot, {"id": job_id, **msg})
+        got = await task
+        await gen.aclose()
+        return got
+
+
+def _done(answer: str, idle: dict | None = None) -> dict:
+    return {"type": "done", "text": answer, "finish_reason": "stop",
+            "result": {"idle": {**dict.fromkeys(IDLE_FIELDS, 0), **(idle or {})}}}
+
+
+def test_the_pool_sends_each_conversation_back_to_its_worker():
+    async def scenario():
+        p = _Pool(2)
+        a1, b1 = _turn("When do you open on Sunday?"), _turn("Do you deliver to the old town on weekdays?")
+        assert await p.submit(a1) == 0
+        assert await p.submit(b1) == 1  # worker 0 is busy
+        assert (await p.finish(0, _done("At ten.")))["type"] == "done"
+        await p.finish(1, _done("Yes, every weekday."))
+        a2 = _turn("And on Monday?", [a1[-1], {"role": "assistant", "content": "At ten."}])
+        b2 = _turn("How much is it?", [b1[-1], {"role": "assistant", "content": "Yes, every weekday."}])
+        assert await p.submit(b2) == 1  # by prefix, though worker 0 is as free and comes first
+        assert await p.submit(a2) == 0
+        assert p.pool.routed_by_prefix() == 2
+        await p.finish(1, _done("Five euros."))
+        # worker 0 is busy with a2; its conversation's next turn goes to the idle worker 1
+        a3 = _turn("Thanks!", [*a2[1:], {"role": "assistant", "content": "At nine."}])
+        assert await p.submit(a3) == 1
+        assert p.pool.routed_by_prefix() == 3  # worker 1 shares the system prompt
+        await p.finish(0, {"type": "cancelled"})
+        assert p.pool._slots[0].context is None  # a cancelled job leaves nothing known live
+        await p.finish(1, {"type": "error", "status": 500, "message": "engine failed"})
+        assert p.pool._slots[1].context is None
+        assert p.pool.queued() == 0 and p.pool._prompts == {}
+        assert p.pool.cancelled() == 1
+
+    asyncio.run(scenario())
+
+
+def test_idle_counters_are_summed_over_workers_and_restarts():
+    async def scenario():
+        p = _Pool(2)
+        await p.submit("first prompt")
+        await p.submit("second prompt")
+        await p.finish(0, _done("x", {"jobs": 1, "tokens_prefilled": 100}))
+        await p.finish(1, _done("y", {"jobs": 2, "tokens_prefilled": 50, "tokens_wasted": 5}))
+        # a report between jobs (the idle-time job went on after the answer)
+        with p.pool._lock:
+            p.pool._count_idle(p.pool._slots[0], {**dict.fromkeys(IDLE_FIELDS, 0), "jobs": 1, "tokens_prefilled": 164})
+        totals = p.pool.idle_totals()
+        assert totals["jobs"] == 3 and totals["tokens_prefilled"] == 214 and totals["tokens_wasted"] == 5
+        # a restarted worker counts from 0 again: nothing is lost or subtracted
+        p.pool._slots[1].idle = {}
+        await p.submit("third prompt")
+        await p.finish(0, _done("z", {"jobs": 1, "tokens_prefilled": 164}))  # the least loaded: worker 0
+        await p.submit("fourth prompt")
+        await p.submit("fifth prompt")
+        await p.finish(1, _done("w", {"jobs": 1, "tokens_prefilled": 10}))
+        totals = p.pool.idle_totals()
+        assert totals["jobs"] == 4 and totals["tokens_prefilled"] == 224
+
+    asyncio.run(scenario())
+
+
+def test_idle_counters_of_an_engine():
+    class Engine:
+        class idle:  # noqa: N801 - stands for EdgeSync.idle
+            from edgesync_engines.request.idle import IdleStats
+
+            stats = IdleStats(jobs=2, tokens_prefilled=128)
+
+    assert idle_counters(Engine()) == {**dict.fromkeys(IDLE_FIELDS, 0), "jobs": 2, "tokens_prefilled": 128}
+    assert idle_counters(object()) == dict.fromkeys(IDLE_FIELDS, 0)
