@@ -50,7 +50,8 @@ class ServeSettings:
 def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
     """The application over a started ``pool`` (the caller starts and closes the pool)."""
     app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled)
+    metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
+                            idle=pool.idle_totals, routed=pool.routed_by_prefix)
     install_handlers(app)
     started = int(time.time())
 

@@ -6,6 +6,14 @@ Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}``,
 queueing included), ``hits_total{kind}`` (exact, partial, miss), ``store_bytes`` (the store's
 files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
 early: the client went away) and ``queued_requests``.
+
+Idle-time storing and routing: ``idle_tokens_prefilled_total`` and ``idle_tokens_wasted_total``
+(tokens the workers prefilled between requests, and those of them the next request did not
+begin with; summed over workers as they report them), ``live_prefix_requests_total`` (answers
+that continued their worker's live sequence: ``live_tokens`` > 0), ``idle_wait_seconds``
+(histogram: how long a request waited for idle-time work to finish its batch, observed only when
+such work was running) and ``routed_by_prefix_total`` (jobs the prefix rule placed,
+``server/routing.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Histogram bounds of ``edgesync_ttft_seconds``, seconds."""
+IDLE_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Histogram bounds of ``edgesync_idle_wait_seconds``, seconds (one batch: 1 ms to 1 s)."""
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The ``Content-Type`` of :meth:`ServerMetrics.render`."""
@@ -38,11 +48,13 @@ class ServerMetrics:
     Args:
         store: the store directory (for ``store_bytes``).
         workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs;
-        cancelled: -> jobs stopped early.
+        cancelled: -> jobs stopped early; idle: -> the workers' summed idle-time counters
+        (``WorkerPool.idle_totals``); routed: -> jobs the prefix rule placed.
     """
 
     def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
-                 queued: Callable[[], int], cancelled: Callable[[], int]) -> None:
+                 queued: Callable[[], int], cancelled: Callable[[], int],
+                 idle: Callable[[], dict] = dict, routed: Callable[[], int] = int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -62,6 +74,16 @@ class ServerMetrics:
               registry=r).set_function(cancelled)
         Gauge("edgesync_queued_requests", "requests sent to a worker and not answered yet",
               registry=r).set_function(queued)
+        Gauge("edgesync_idle_tokens_prefilled_total", "tokens the workers prefilled and stored between requests",
+              registry=r).set_function(lambda: idle().get("tokens_prefilled", 0))
+        Gauge("edgesync_idle_tokens_wasted_total", "tokens prefilled between requests that the next request did not "
+              "begin with", registry=r).set_function(lambda: idle().get("tokens_wasted", 0))
+        Gauge("edgesync_routed_by_prefix_total", "requests sent to the worker whose live conversation begins them",
+              registry=r).set_function(routed)
+        self.live_prefix = Counter("edgesync_live_prefix_requests", "answered requests that continued their "
+                                   "worker's live sequence (nothing injected for that part)", registry=r)
+        self.idle_wait = Histogram("edgesync_idle_wait_seconds", "wait for idle-time work to finish its batch, "
+                                   "seconds (requests that found it running)", buckets=IDLE_WAIT_BUCKETS, registry=r)
 
     def answered(self, endpoint: str, result: dict, ttft_s: float) -> None:
         """Count one answer (``result``: the worker's ``done`` fields)."""
@@ -71,6 +93,10 @@ class ServerMetrics:
         self.completion_tokens.inc(result["completion_tokens"])
         self.hits.labels(result["hit"]).inc()
         self.ttft.observe(max(0.0, ttft_s))
+        if result.get("live_tokens", 0) > 0:
+            self.live_prefix.inc()
+        if result.get("idle_wait_ms") is not None:
+            self.idle_wait.observe(max(0.0, result["idle_wait_ms"] / 1000))
 
     def failed(self, endpoint: str, status: int) -> None:
         """Count one request answered with an error status."""
