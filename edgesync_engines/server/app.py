@@ -6,6 +6,10 @@ events when ``stream`` is true, ending with ``data: [DONE]``), ``GET /v1/models`
 the :class:`~.pool.WorkerPool`; this module checks them, turns the worker's messages into the
 OpenAI shapes (:mod:`.schemas`) and counts them (:mod:`.metrics`).
 
+One model is served: a request naming another is served by it anyway (as llama.cpp's own server
+does, so that tools with a hard-coded model name work), the response's ``model`` naming the model
+that answered; each distinct unknown name is logged once at INFO.
+
 A streamed request waits for its worker's first message before answering, so that input the
 engine refuses (a prompt that does not fit the context) still gets a plain 400, not a stream
 that fails. An error after the first chunk (the worker died) is sent as a last event
@@ -15,6 +19,7 @@ that fails. An error after the first chunk (the worker died) is sent as a last e
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +33,11 @@ from edgesync_engines.server.errors import APIError, install_handlers
 from edgesync_engines.server.metrics import CONTENT_TYPE, ServerMetrics
 from edgesync_engines.server.pool import WorkerPool
 from edgesync_engines.server.security import Guard
+
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_MODEL_NAMES = 256
+"""Distinct unknown model names logged (one line each); later ones are served unlogged."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
                             idle=pool.idle_totals, routed=pool.routed_by_prefix)
     install_handlers(app)
     started = int(time.time())
+    names = _ModelNames(settings.model_id)
 
     @app.get("/health")
     async def health() -> dict:
@@ -69,23 +80,37 @@ def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest):
+        names.check(body.model)
         prompt = [m.plain() for m in body.messages]
         return await _answer(pool, settings, metrics, body, prompt, "chat")
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest):
+        names.check(body.model)
         return await _answer(pool, settings, metrics, body, body.text(), "completion")
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     return app
 
 
+class _ModelNames:
+    """Logs, once each, the model names requests give that are not the served one (at most
+    :data:`MAX_LOGGED_MODEL_NAMES` of them)."""
+
+    def __init__(self, served: str) -> None:
+        self.served = served
+        self.seen: set[str] = set()
+
+    def check(self, name: str) -> None:
+        if name == self.served or name in self.seen or len(self.seen) >= MAX_LOGGED_MODEL_NAMES:
+            return
+        self.seen.add(name)
+        log.info("a request names the model %r; it is served by %r, the one model of this server", name[:200],
+                 self.served)
+
+
 def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict:
-    """The worker job of a checked request (APIError for an unknown model or a max_tokens
-    over the limit)."""
-    if body.model != settings.model_id:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_id!r}",
-                       code="model_not_found", param="model")
+    """The worker job of a checked request (APIError for a max_tokens over the limit)."""
     max_tokens = body.wanted_tokens() or settings.default_max_tokens
     if max_tokens > settings.max_tokens_limit:
         raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {settings.max_tokens_limit}",

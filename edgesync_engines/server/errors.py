@@ -1,6 +1,6 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}`` with the
-status that says what went wrong (400 bad input, 401 no or wrong key, 404 unknown model or
-route, 413 body too large, 500 the server failed, 503 shutting down)."""
+status that says what went wrong (400 bad input, 401 no or wrong key, 404 unknown route, 413
+body too large, 500 the server failed, 503 shutting down)."""
 
 from __future__ import annotations
 
