@@ -1,0 +1,142 @@
+"""``edgesync serve`` as a chat backend (the real server, one worker, the real SmolLM2, idle-time
+storing on as the server's default): a second turn continues the worker's live conversation and
+answers as an uncached run does; a stop sequence ends decoding at the token that completes it; a
+client that goes away frees the worker and leaves its prompt stored; a request naming another
+model is answered by the served one. Figures come from the server's own answers and ``/metrics``,
+never from timing."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from edgesync_bench.workloads import seed_workload
+from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.request.router import EdgeSync
+from tests.serve_process import ServeProcess
+
+pytestmark = [pytest.mark.model, pytest.mark.server]
+
+THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
+TURN_TOKENS = 24
+WAIT_S = 120.0
+"""How long a poll of ``/metrics`` may go on before the test fails (a hang, not a measurement)."""
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The library uncached: the answers the server's must equal."""
+    es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": THREADS}))
+    yield es
+    es.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    env = {"EDGESYNC_THREADS": str(THREADS), "EDGESYNC_IDLE_STORE": ""}  # blank: the server's default
+    with ServeProcess(tmp_path_factory.mktemp("chat-store"), "--workers", "1", env=env) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def _await_metric(server, name: str, above: float) -> float:
+    """Poll ``name`` until it exceeds ``above``; returns it (fails after :data:`WAIT_S`)."""
+    deadline = time.monotonic() + WAIT_S
+    while (value := _metric(server, name)) <= above:
+        assert time.monotonic() < deadline, f"{name} stayed at {value}"
+        time.sleep(0.1)
+    return value
+
+
+def test_a_second_turn_continues_the_live_conversation(server, client, model, reference):
+    # first in the module: the idle-time work seen below is this conversation's
+    assert "idle-time storing on" in server.stderr()
+    first = seed_workload(1)[0].as_messages()
+    turn1 = client.chat.completions.create(model=model, messages=first, max_tokens=TURN_TOKENS)
+    answer = turn1.choices[0].message.content
+    history = [*first, {"role": "assistant", "content": answer}]
+    # the worker prefills the conversation with its answer between requests and reports it
+    _await_metric(server, "edgesync_idle_tokens_prefilled_total", 0)
+    live_before = _metric(server, "edgesync_live_prefix_requests_total")
+
+    second = [*history, {"role": "user", "content": "Can you say that again in one short sentence?"}]
+    turn2 = client.chat.completions.create(model=model, messages=second, max_tokens=TURN_TOKENS)
+    history_tokens = len(reference.prompt_tokens(history, add_generation_prompt=False))
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= history_tokens - 16
+    assert turn2.choices[0].message.content == reference.generate(second, max_tokens=TURN_TOKENS).text
+    assert _metric(server, "edgesync_live_prefix_requests_total") == live_before + 1  # nothing injected
+
+
+def test_a_stop_sequence_ends_decoding(client, model, reference):
+    messages = seed_workload(2)[1].as_messages()
+    max_tokens = 64
+    full = reference.generate(messages, max_tokens=max_tokens)
+    stop = next(w for w in full.text.split()[3:] if len(w) >= 4 and w.isalpha())  # a word a few tokens in
+    # decoding ends at the token whose text completes the stop sequence
+    def text(k: int) -> str:
+        return b"".join(reference.adapter.token_bytes(t) for t in full.tokens[:k]).decode("utf-8", "ignore")
+
+    upto = next(k for k in range(1, len(full.tokens) + 1) if stop in text(k))
+    stopped = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stop=[stop])
+    assert stopped.choices[0].message.content == full.text[:full.text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == upto
+    assert upto < len(full.tokens) and upto <= max_tokens // 4
+
+
+def test_a_client_that_goes_away_frees_the_worker_and_its_prompt_is_stored(server, client, model):
+    system = ("You are Mara, the keeper of the lighthouse on Skerry Point. You tell long stories about the "
+              "storms, the ships and the gulls of the northern coast, in plain words, with many details about "
+              "the lamp, the fog horn and the logbook you have kept for forty years.")
+    story = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me the longest story you know."}]
+    cancelled = _metric(server, "edgesync_cancelled_requests_total")
+    completion = _metric(server, "edgesync_completion_tokens_total")
+    stream = client.chat.completions.create(model=model, messages=story, max_tokens=1000, stream=True)
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    stream.response.close()
+    assert _await_metric(server, "edgesync_cancelled_requests_total", cancelled) == cancelled + 1
+    assert _metric(server, "edgesync_completion_tokens_total") == completion  # it was not answered to the end
+
+    # (a) the worker serves the next request
+    other = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=4)
+    assert other.choices[0].finish_reason in ("stop", "length") and other.usage.completion_tokens >= 1
+    # (b) the abandoned prompt was stored: the store serves it (not the live sequence, which holds
+    # the other conversation now)
+    live = _metric(server, "edgesync_live_prefix_requests_total")
+    again = client.chat.completions.create(model=model, messages=story, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.model_extra["edgesync"]["hit"] in ("exact", "partial")
+    assert _metric(server, "edgesync_live_prefix_requests_total") == live
+
+
+def test_a_model_the_server_does_not_serve_is_answered_by_the_one_it_serves(client, model):
+    assert model != "gpt-4o-mini"
+    chat = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "Hi!"}],
+                                          max_tokens=4)
+    assert chat.model == model and chat.choices[0].message.content
+    text = client.completions.create(model="text-davinci-003", prompt="Once upon a time", max_tokens=4)
+    assert text.model == model and text.usage.completion_tokens >= 1
