@@ -39,7 +39,8 @@ def test_the_longest_prefix_wins_and_ties_go_to_the_less_loaded_then_the_lower_i
     assert choose_worker([0, 0, 0], [0, 300, 200]) == (1, True)
     assert choose_worker([0, 0, 0], [300, 300, 0]) == (0, True)
     assert choose_worker([2, 1, 3], [300, 300, 100]) == (1, True)  # all busy: the best score
-    assert choose_worker([1, 4], [0, 200]) == (1, True)  # busy, but no worker is idle
+    assert choose_worker([1, 2], [0, 200]) == (1, True)  # busy, no worker idle, one job more at most
+    assert choose_worker([1, 4], [0, 200]) == (0, False)  # not onto a worker 3 jobs deeper
 
 
 def test_a_busy_best_worker_gives_way_to_an_idle_one():

@@ -81,7 +81,9 @@ def choose_worker(loads: Sequence[int], scores: Sequence[int]) -> tuple[int, boo
     * Else the best score (ties: fewer outstanding jobs, then the lowest index), unless that
       worker is busy (has outstanding jobs) while another is idle: then the idle worker with the
       best score (ties: the lowest index). Waiting behind another job costs more than
-      prefilling a conversation again (most of it comes from the store anyway).
+      prefilling a conversation again (most of it comes from the store anyway). When every
+      worker is busy, only those with at most one job more than the least loaded compete, so
+      that prompts sharing a system prompt do not pile up on one worker.
 
     Returns (index, by_prefix): by_prefix is True when the chosen worker's score is above 0
     and there was a choice (more than one worker).
@@ -94,8 +96,8 @@ def choose_worker(loads: Sequence[int], scores: Sequence[int]) -> tuple[int, boo
         return min(workers, key=lambda i: (loads[i], i)), False
     best = min((i for i in workers if scores[i] > 0), key=lambda i: (-scores[i], loads[i], i))
     if loads[best] > 0:
-        idle = [i for i in workers if loads[i] == 0]
-        if idle:
-            pick = min(idle, key=lambda i: (-scores[i], i))
-            return pick, scores[pick] > 0
+        least = min(loads)
+        near = [i for i in workers if loads[i] <= least + (1 if least else 0)]
+        pick = min(near, key=lambda i: (-scores[i], loads[i], i))
+        return pick, scores[pick] > 0
     return best, True
