@@ -101,11 +101,11 @@ def peak_rss_bytes(pid: int) -> int:
 
 
 class Server:
-    """One server process: ``command`` (with ``{port}``) run in ``cwd``; :meth:`start` waits for
-    ``/v1/models``."""
+    """One server process: ``command`` (with ``{port}``) run in ``cwd``; :meth:`start` waits until
+    ``ready_path`` (default ``/v1/models``) answers 200."""
 
-    def __init__(self, command: list[str], cwd: Path, env: dict) -> None:
-        self.command, self.cwd, self.env = command, cwd, env
+    def __init__(self, command: list[str], cwd: Path, env: dict, ready_path: str = "/v1/models") -> None:
+        self.command, self.cwd, self.env, self.ready_path = command, cwd, env, ready_path
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -121,7 +121,7 @@ class Server:
                 tail = Path(log.name).read_text()[-800:]
                 raise RuntimeError(f"{' '.join(cmd[:4])} did not start:\n{tail}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2):
                     return self
             except OSError:
                 time.sleep(0.3)
@@ -135,37 +135,41 @@ class Server:
             self.proc.wait()
 
 
-def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path) -> tuple[list[str], Path]:
-    """The command line (``{port}`` left to fill) and working directory of a system."""
+def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path,
+             max_tokens: int = MAX_TOKENS) -> tuple[list[str], Path]:
+    """The command line (``{port}`` left to fill) and working directory of a system (``edgesync``,
+    ``llama-disk`` or ``llama-ram``); ``max_tokens`` is EdgeSync's ``--max-tokens-limit``."""
     py = sys.executable
     if system == "edgesync":
         return [py, "-m", "edgesync_engines.app.cli", "serve", "--port", "{port}", "--workers", "1", "--model",
-                str(model), "--store", str(state / "store"), "--max-tokens-limit", str(MAX_TOKENS)], ROOT
+                str(model), "--store", str(state / "store"), "--max-tokens-limit", str(max_tokens)], ROOT
     cache_type = "disk" if system == "llama-disk" else "ram"
     return [py, "-m", "llama_cpp.server", "--model", str(model), "--port", "{port}", "--n_ctx", str(n_ctx),
             "--n_threads", str(threads), "--n_threads_batch", str(threads),  # its batch default is every core
             "--cache", "true", "--cache_type", cache_type], state
 
 
-def send(client, model_id: str, messages: list[dict]) -> dict:
-    """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens.
+def send(client, model_id: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+    """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens, the
+    answer's text and the ``timings`` object llama.cpp's llama-server adds (None from others).
     ``repeat_penalty`` 1 (llama_cpp.server's default is 1.1; EdgeSync ignores the field) makes
     every server decode greedily, so that their answers can be compared."""
     start = time.perf_counter()
-    ttft, cached, parts = None, None, []
-    for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=MAX_TOKENS,
+    ttft, cached, timings, parts = None, None, None, []
+    for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True, stream_options={"include_usage": True},
                                                 extra_body={"repeat_penalty": 1.0}):
         usage = getattr(chunk, "usage", None)
         if usage is not None and usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
+        timings = (chunk.model_extra or {}).get("timings") or timings
         for choice in chunk.choices:
             if choice.delta.content:
                 if ttft is None:
                     ttft = (time.perf_counter() - start) * 1000
                 parts.append(choice.delta.content)
     return {"ttft_ms": ttft if ttft is not None else (time.perf_counter() - start) * 1000,
-            "cached_tokens": cached, "text": "".join(parts)}
+            "cached_tokens": cached, "text": "".join(parts), "timings": timings}
 
 
 def run_system(system: str, requests: list[list[dict]], model: Path, threads: int, n_ctx: int, work: Path,
