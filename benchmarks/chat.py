@@ -409,12 +409,12 @@ def run_system(system: str, plan: Plan) -> dict:
     server = server_for(system, plan, state)
     sessions = plan.sessions()
     gate = Gate(plan.threshold, len(sessions))
-    records, halves, restarted = [], [], False
+    records, halves, restarted, detail = [], [], False, None
     with open(state / "server.log", "w") as log:
         try:
             start(server, log, gate, "before")
         except Exception as exc:  # the next system runs
-            return {"records": [], "halves": [], "restarted": False, "error": f"did not start: {exc}"}
+            return {"records": [], "halves": [], "restarted": False, "error": "did not start", "error_detail": str(exc)}
         task = plan.progress.add_task(system, total=sum(s.n_turns for s in sessions))
         threads = [threading.Thread(target=run_session, args=(s, gate, plan, records, task), daemon=True)
                    for s in sessions]
@@ -427,13 +427,14 @@ def run_system(system: str, plan: Plan) -> dict:
                     start(server, log, gate, "after")
                     restarted = True
                 except Exception as exc:
-                    gate.fail(f"did not restart: {exc}")
+                    gate.fail("did not restart")
+                    detail = str(exc)
             for t in threads:
                 t.join()
         finally:
             if running(server):
                 halves.append(stop_measured(server, system))
-    return {"records": records, "halves": halves, "restarted": restarted, "error": gate.error}
+    return {"records": records, "halves": halves, "restarted": restarted, "error": gate.error, "error_detail": detail}
 
 
 def check_answers(run: dict, plan: Plan) -> None:
@@ -639,8 +640,10 @@ def run_all(args, systems: list[str], model: Path, progress) -> tuple[list[dict]
             for system in systems:
                 runs[system] = run = run_system(system, plan)
                 if run["error"]:
-                    log = plan.work / system / "server.log" if args.workdir else "--workdir keeps it"
-                    say(f"{system}: stopped: {run['error']} (server log: {log})")
+                    log = plan.work / system / "server.log" if args.workdir else "run with --workdir DIR to keep it"
+                    say(f"{system}: stopped, {run['error']} (server log: {log}); going on with the others")
+                    if run["error_detail"]:
+                        say(run["error_detail"])
                 check_answers(run, plan)
                 rows.append(summarize(system, run))
     finally:
