@@ -34,12 +34,13 @@ In this process, one uncached model (``EdgeSync(store=False)``, same threads and
 - before the servers, the reference conversation (its own answers as the history): the turn
   count that places the restart, and a time estimate;
 - after each system's run (its server stopped, so nothing competes for the cores): the fresh
-  uncached answer to each of the system's prompts (cached by the JSON of the messages, so
-  prompts shared by systems are answered once), and the **floor** of each later turn: with the
-  conversation up to and including the previous answer live (the common token prefix of the
-  new prompt and the previous prompt plus the answer's tokens, prefilled first, untimed), the
-  time ``LlamaCppAdapter.generate(tokens, n_past=K, max_tokens=1)`` takes to evaluate the
-  turn's new tokens and sample the first token (the KV cache cleared before and after).
+  uncached answer to each of the system's prompts, and the **floor** of each later turn, both
+  cached by the JSON of the messages (a prompt systems share is answered and measured once).
+  The floor: with the conversation up to and including the previous answer live (the common
+  token prefix of the new prompt and the previous prompt plus the answer's tokens, prefilled
+  first, untimed), the time ``LlamaCppAdapter.generate(tokens, n_past=K, max_tokens=1)`` takes
+  to evaluate the turn's new tokens and sample the first token (the KV cache cleared before and
+  after).
 
 Reported per system and per kind of turn (``first``: turn 0; ``later``: a later turn, before the
 restart or of a session begun after it; ``after-restart``: a later turn answered after the
