@@ -169,7 +169,8 @@ class EdgeSyncConfig:
         False, "EDGESYNC_IDLE_STORE",
         "after each chat answer, prefill the conversation with that answer in small exact batches on a background "
         "thread and store its KV, so that the next turn prefills only its new message; a request pauses it after "
-        "one batch (`edgesync serve` turns it on; `--no-idle-store`)")
+        "one batch, and one that extends the live sequence continues it without injecting (`edgesync serve` turns "
+        "it on; `--no-idle-store`)")
     idle_batch_tokens: int = setting(
         64, env="EDGESYNC_IDLE_BATCH", parse=int,
         help="tokens per batch of idle-time prefill: the most a request waits for (16 to 512)",

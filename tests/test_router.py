@@ -179,6 +179,7 @@ def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, sto
         codec.decode(_raw_blob_after(store, bad, mutate))
     _rewrite(store, bad, mutate)
     cached.fragment_cache.clear()  # as in a process that has no RAM copy: the store is read
+    cached.adapter.clear_kv_cache()  # nor the prompt live in its engine
     again = cached.generate(messages, max_tokens=16)
     assert again.tokens == uncached.generate(messages, max_tokens=16).tokens
     assert again.tokens_reused == 128  # the intact first chunk still serves

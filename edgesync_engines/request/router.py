@@ -77,7 +77,9 @@ class EdgeSync:
     with that answer, as the next turn's prompt begins, and stores its KV (``request/idle.py``).
     It holds the adapter's lock one batch (``idle_batch_tokens``) at a time: a ``generate`` call
     pauses it and waits for one batch at most; code that drives ``adapter`` directly must take
-    ``adapter.lock`` too. :meth:`prepare` does the same work at once, for any prompt.
+    ``adapter.lock`` too. With it on, a request that extends the engine's live sequence (exact
+    KV of a previous prompt or of idle-time work) continues it and injects nothing.
+    :meth:`prepare` does the same work at once, for any prompt.
 
     Documents (strings or dicts placed before a question, their KV computed once): see
     :meth:`add_documents` and ``generate(documents=..., retrieve=...)``.
@@ -439,7 +441,9 @@ class EdgeSync:
                 plan = ReusePlan(prompt=tuple(tokens))
                 injected = Injection(None, tuple(tokens), blended.n_past, blended.keys, blended.bytes_read)
             else:
-                plan, injected = self._reuse(prompt, tokens, max_tokens, mode, live_exact)
+                # with idle-time storing, a request that extends the live sequence continues it
+                plan, injected = self._reuse(prompt, tokens, max_tokens, mode,
+                                             live_exact if self.config.idle_store else 0)
             out: list[int] = []
             decoded = yield from self._decode(tokens, injected, max_tokens, temperature, top_p, seed, stop, out, t0)
             text, ttft_ms, finish = decoded
