@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_PENDING = 4
+"""Idle-time jobs kept waiting per engine (conversations answered, their history not stored
+yet); the oldest beyond it is dropped, its next turn then prefills the answer again."""
+
 
 @dataclass
 class PrepareResult:
@@ -160,18 +164,26 @@ class IdleStats:
 
 
 class IdleRunner:
-    """The background thread that runs one idle-time job at a time for one engine.
+    """The background thread that runs idle-time jobs for one engine, one at a time.
+
+    Jobs wait in a short queue (:data:`MAX_PENDING`, newest first). A request pauses the job in
+    progress after its current batch (:meth:`pause`); that job goes back to the end of the
+    queue and starts again later from what the store and the live sequence then hold, so an
+    interleaved conversation still gets its history stored in the next idle gap.
 
     Args:
         lock: the engine's lock (``EngineAdapter.lock``), held for one batch at a time.
         name: the thread's name.
+        busy: returns True while requests wait for the engine elsewhere (e.g. in a server
+            worker's queue): no batch starts meanwhile, so that they are not delayed by one.
     """
 
-    def __init__(self, lock, name: str = "edgesync-idle") -> None:
+    def __init__(self, lock, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None) -> None:
         self._lock = lock
         self._name = name
+        self.busy = busy or (lambda: False)
         self._cond = threading.Condition()
-        self._pending: tuple[int, Callable[[], PrefillJob | None]] | None = None
+        self._pending: deque[tuple[tuple, Callable[[], PrefillJob | None]]] = deque()
         self._epoch = 0
         self._running = False
         self._closed = False
@@ -179,26 +191,30 @@ class IdleRunner:
         self._job: PrefillJob | None = None
         self.stats = IdleStats()
 
-    def submit(self, start: Callable[[], "PrefillJob | None"]) -> None:
-        """Run ``start()`` (called with the lock held; it returns the job, or None for nothing
-        to do) and then the job's batches, on the runner's thread; replaces a job not started
-        yet."""
+    def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
+        """Queue a job: ``start()`` is called with the lock held and returns the job (None:
+        nothing to do); its batches then run on the runner's thread while no request needs the
+        engine. ``key`` names the prompt (e.g. its messages): a waiting job whose key is a prefix
+        of this one's is dropped (the conversation went on), and so is the oldest job beyond
+        :data:`MAX_PENDING`."""
         with self._cond:
             if self._closed:
                 return
-            self._epoch += 1
-            self._pending = (self._epoch, start)
+            if key:
+                self._pending = deque(p for p in self._pending if not p[0] or key[:len(p[0])] != p[0])
+            self._pending.appendleft((key, start))
+            while len(self._pending) > MAX_PENDING:
+                self._pending.pop()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
 
     def pause(self) -> bool:
-        """Stop the job in progress after its current batch and drop the one not started;
-        returns True when a job was running (the caller may then wait one batch for the lock)."""
+        """Stop the job in progress after its current batch (it is queued again); returns True
+        when a job was running (the caller may then wait one batch for the lock)."""
         with self._cond:
             self._epoch += 1
-            self._pending = None
             return self._running
 
     def progress(self) -> int:
@@ -206,22 +222,19 @@ class IdleRunner:
         job = self._job
         return 0 if job is None else job.result.tokens_prefilled
 
-    def busy(self) -> bool:
-        """A job is running or waiting to start."""
-        with self._cond:
-            return self._running or self._pending is not None
-
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
+                while not self._closed and (not self._pending or self.busy()):
+                    self._cond.wait(0.05 if self._pending else None)
                 if self._closed:
                     return
-                (epoch, start), self._pending = self._pending, None
-                self._running = True
+                key, start = self._pending.popleft()
+                epoch, self._running = self._epoch, True
             try:
-                self._run_job(epoch, start)
+                if not self._run_job(epoch, start):
+                    with self._cond:
+                        self._pending.append((key, start))  # resumed later from what was stored
             except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
                 self.stats.failed += 1
                 log.warning("idle-time prefill failed", exc_info=True)
@@ -230,38 +243,39 @@ class IdleRunner:
                     self._running = False
                     self._cond.notify_all()
 
-    def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> None:
-        """Start the job and run its batches while no request paused it."""
+    def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> bool:
+        """Start the job and run its batches while no request paused it; False when paused."""
         with self._lock:
             if epoch != self._epoch:
-                return
+                return False
             job = start()
         if job is None:
-            return
+            return True
         self._job = job
         self.stats.jobs += 1
-        interrupted = False
+        done = True
         while not job.done:
             with self._lock:
-                if epoch != self._epoch:
-                    interrupted = True
+                if epoch != self._epoch or self.busy():
+                    done = False
                     break
                 job.step()
-        job.result.interrupted = interrupted
-        self.stats.interrupted += interrupted
+        job.result.interrupted = not done
+        self.stats.interrupted += not done
         self.stats.tokens_prefilled += job.result.tokens_prefilled
         self.stats.fragments_written += job.result.fragments_written
         log.debug("idle-time prefill: %s", job.result)
+        return done
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._running or self._pending is not None:
+            while self._running or self._pending:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
+                self._cond.wait(left if left is not None else 0.1)
             return True
 
     def close(self) -> None:
@@ -269,7 +283,7 @@ class IdleRunner:
         with self._cond:
             self._closed = True
             self._epoch += 1
-            self._pending = None
+            self._pending.clear()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(30)

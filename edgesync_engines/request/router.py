@@ -563,7 +563,7 @@ class EdgeSync:
             tokens = self.prompt_tokens(history, add_generation_prompt=False)
             return self._prefill_job(history, tokens) if len(tokens) < self.adapter.n_ctx else None
 
-        self.idle.submit(start)
+        self.idle.submit(start, key=tuple((m.get("role"), m.get("content")) for m in history))
 
     def _prefill_job(self, prompt, tokens: list[int]) -> PrefillJob:
         """The :class:`PrefillJob` of ``tokens`` (lock held), starting from what the live

@@ -63,6 +63,8 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
         responses.put({"type": "fatal", "worker": index, "message": f"{type(exc).__name__}: {exc}"})
         return
     responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
+    # idle-time work never starts a batch while a request waits in this worker's queue
+    engine.idle.busy = lambda: not requests.empty()
     parent = os.getppid()
     reported = idle_counters(engine)
     try:
