@@ -10,7 +10,8 @@ its own thread and sends its turns through the ``openai`` client, streamed, gree
 0, ``repeat_penalty`` 1), ``max_tokens`` 256: turn k+1 only after the answer to turn k and a
 think time (``--think``, 3 s). Each system's own answers are the assistant messages of its
 later prompts, as a real client's would be, so the systems' prompts differ where their answers
-do. The sessions start together and interleave at the server.
+do. ``--in-flight`` sessions (2) run at once and interleave at the server; when one ends the
+next begins.
 
 Restart: once half of the turns have been answered (half of those the uncached reference
 conversation serves, see below), no new turn is admitted; when the turns in flight are answered
@@ -21,7 +22,7 @@ goes on with the next system.
 Systems (``--systems``, default all): ``edgesync`` (``edgesync serve --workers 1``, a fresh
 store, ``EDGESYNC_IDLE_STORE=1``), ``edgesync-no-idle`` (the same with ``EDGESYNC_IDLE_STORE=0``),
 ``llama-server`` (``-np 1``, its defaults otherwise: ``cache_prompt`` on, the default
-``--cache-ram``), ``llama-server-np`` (``-np`` = the number of sessions, ``-c`` = n_ctx x slots),
+``--cache-ram``), ``llama-server-np`` (``-np`` = the sessions in flight, ``-c`` = n_ctx x slots),
 ``llama-cpp-python`` (``python -m llama_cpp.server`` with ``--cache true --cache_type ram``, as
 ``benchmarks/serve.py`` starts it, plus ``--interrupt_requests false``: its default ends a
 streamed answer early, empty or cut, whenever another request arrives). All on the same GGUF,
@@ -315,10 +316,13 @@ class Plan:
         return make_sessions(self.ref.count_tokens, a.sessions, a.turns, a.max_tokens, a.n_ctx)
 
 
-def run_session(session: ChatSession, gate: Gate, plan: Plan, records: list, task) -> None:
+def run_session(session: ChatSession, gate: Gate, plan: Plan, records: list, task,
+                seats: threading.Semaphore) -> None:
     """One client: each turn sent once the previous answer and the think time are over, the
-    server's own answer recorded as the history."""
+    server's own answer recorded as the history. The session holds one of ``seats``
+    (``--in-flight``) from its first turn to its last."""
     began_before = None
+    seats.acquire()
     try:
         while (turn := session.next_prompt()) is not None:
             client, model_id, after = gate.admit()
@@ -338,6 +342,7 @@ def run_session(session: ChatSession, gate: Gate, plan: Plan, records: list, tas
     except Exception as exc:  # the server's or the connection's: stop this system's run
         gate.fail(f"session {session.index}: {type(exc).__name__}: {exc}")
     finally:
+        seats.release()
         gate.session_over()
 
 
@@ -358,7 +363,7 @@ def server_for(system: str, plan: Plan, state: Path) -> Server:
         env["EDGESYNC_IDLE_STORE"] = "0" if system == "edgesync-no-idle" else "1"
         return Server(cmd, cwd, env, ready_path="/health")
     if system in LLAMA_SERVERS:
-        slots = 1 if system == "llama-server" else a.sessions
+        slots = 1 if system == "llama-server" else min(a.sessions, a.in_flight)
         return Server(llama_server_command(a.llama_server, plan.model, a.threads, a.n_ctx, slots), state, env,
                       ready_path="/health")
     cmd, cwd = commands("llama-ram", plan.model, a.threads, a.n_ctx, state)
@@ -417,7 +422,8 @@ def run_system(system: str, plan: Plan) -> dict:
         except Exception as exc:  # the next system runs
             return {"records": [], "halves": [], "restarted": False, "error": "did not start", "error_detail": str(exc)}
         task = plan.progress.add_task(system, total=sum(s.n_turns for s in sessions))
-        threads = [threading.Thread(target=run_session, args=(s, gate, plan, records, task), daemon=True)
+        seats = threading.Semaphore(plan.args.in_flight)
+        threads = [threading.Thread(target=run_session, args=(s, gate, plan, records, task, seats), daemon=True)
                    for s in sessions]
         try:
             for t in threads:
@@ -581,7 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     positive = int_at_least(1)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sessions", type=positive, default=8, help="chat sessions, all in flight at once (default 8)")
+    p.add_argument("--sessions", type=positive, default=8, help="chat sessions (default 8)")
+    p.add_argument("--in-flight", type=positive, default=2,
+                   help="sessions in flight at once, interleaved at the server; the next starts when one ends "
+                        "(default 2: with 3 s think time and 256-token answers one engine on 2 cores is then busy "
+                        "most of the time; more saturates it, and every system's TTFT is then its queue)")
     p.add_argument("--turns", type=positive, default=4, help="user turns per session at most (default 4)")
     p.add_argument("--max-tokens", type=positive, default=256, help="new tokens per answer at most (default 256)")
     p.add_argument("--think", type=think_seconds, default=3.0,
