@@ -21,6 +21,8 @@ goes on with the next system.
 
 Systems (``--systems``, default all): ``edgesync`` (``edgesync serve --workers 1``, a fresh
 store, ``EDGESYNC_IDLE_STORE=1``), ``edgesync-no-idle`` (the same with ``EDGESYNC_IDLE_STORE=0``),
+``edgesync-workers`` (``--workers`` = the sessions in flight, ``--threads`` shared out among them:
+EdgeSync's way to serve sessions at once, beside llama-server's slots, which decode together),
 ``llama-server`` (``-np 1``, its defaults otherwise: ``cache_prompt`` on, the default
 ``--cache-ram``), ``llama-server-np`` (``-np`` = the sessions in flight, ``-c`` = n_ctx x slots),
 ``llama-cpp-python`` (``python -m llama_cpp.server`` with ``--cache true --cache_type ram``, as
@@ -82,7 +84,7 @@ if str(ROOT) not in sys.path:  # run as a script from the checkout
 from edgesync_bench.bench_workloads import ChatSession, adapter_token_counter, chat_sessions  # noqa: E402
 from edgesync_bench.serve import Server, commands, peak_rss_bytes, send  # noqa: E402
 
-SYSTEMS = ("edgesync", "edgesync-no-idle", "llama-server", "llama-server-np", "llama-cpp-python")
+SYSTEMS = ("edgesync", "edgesync-no-idle", "edgesync-workers", "llama-server", "llama-server-np", "llama-cpp-python")
 LLAMA_SERVERS = ("llama-server", "llama-server-np")
 KINDS = ("first", "later", "after-restart", "first-after-restart")
 LATER_KINDS = ("later", "after-restart")
@@ -254,6 +256,7 @@ class Gate:
         self.cond = threading.Condition()
         self.threshold, self.active = threshold, n_sessions
         self.in_flight = self.answered = 0
+        self.midway = 0  # sessions with a turn answered and another to come
         self.phase = "before"
         self.client = self.model_id = None
         self.error: str | None = None
@@ -267,17 +270,22 @@ class Gate:
             self.in_flight += 1
             return self.client, self.model_id, self.phase == "after"
 
-    def answered_one(self) -> None:
+    def answered_one(self, midway: int = 0) -> None:
+        """A turn was answered; ``midway`` +1 when its session now has begun and goes on, -1
+        when a session counted so ends. The restart comes once ``threshold`` turns are answered
+        and some session is midway, so that later turns fall on both sides of it."""
         with self.cond:
             self.in_flight -= 1
             self.answered += 1
-            if self.phase == "before" and self.answered >= self.threshold:
+            self.midway += midway
+            if self.phase == "before" and self.answered >= self.threshold and self.midway > 0:
                 self.phase = "draining"
             self.cond.notify_all()
 
-    def session_over(self) -> None:
+    def session_over(self, midway: int = 0) -> None:
         with self.cond:
             self.active -= 1
+            self.midway += midway
             self.cond.notify_all()
 
     def fail(self, message: str) -> None:
@@ -321,19 +329,21 @@ def run_session(session: ChatSession, gate: Gate, plan: Plan, records: list, tas
     """One client: each turn sent once the previous answer and the think time are over, the
     server's own answer recorded as the history. The session holds one of ``seats``
     (``--in-flight``) from its first turn to its last."""
-    began_before = None
+    began_before, counted = None, False
     seats.acquire()
     try:
         while (turn := session.next_prompt()) is not None:
             client, model_id, after = gate.admit()
             messages = list(turn.as_messages())
             r = send(client, model_id, messages, max_tokens=plan.args.max_tokens)
-            gate.answered_one()
+            session.record_answer(r["text"])
+            step = (not counted and not session.done) - (counted and session.done)
+            counted = counted != bool(step)
+            gate.answered_one(midway=step)
             began_before = (not after) if began_before is None else began_before
             records.append({"session": session.index, "session_id": session.session_id, "turn": turn.turn,
                             "kind": turn_kind(turn.turn, after, began_before), "after_restart": after,
                             "prompt_tokens": turn.prompt_tokens, "messages": messages, **r})
-            session.record_answer(r["text"])
             plan.progress.advance(task)
             if not session.done:
                 time.sleep(plan.args.think)
@@ -343,7 +353,7 @@ def run_session(session: ChatSession, gate: Gate, plan: Plan, records: list, tas
         gate.fail(f"session {session.index}: {type(exc).__name__}: {exc}")
     finally:
         seats.release()
-        gate.session_over()
+        gate.session_over(midway=-1 if counted else 0)
 
 
 # -- the servers ----------------------------------------------------------------------------------
@@ -361,6 +371,10 @@ def server_for(system: str, plan: Plan, state: Path) -> Server:
     if system.startswith("edgesync"):
         cmd, cwd = commands("edgesync", plan.model, a.threads, a.n_ctx, state, max_tokens=a.max_tokens)
         env["EDGESYNC_IDLE_STORE"] = "0" if system == "edgesync-no-idle" else "1"
+        if system == "edgesync-workers":  # one engine per session in flight, the threads shared out
+            workers = min(a.sessions, a.in_flight)
+            cmd[cmd.index("--workers") + 1] = str(workers)
+            env["EDGESYNC_THREADS"] = str(max(1, a.threads // workers))
         return Server(cmd, cwd, env, ready_path="/health")
     if system in LLAMA_SERVERS:
         slots = 1 if system == "llama-server" else min(a.sessions, a.in_flight)

@@ -79,7 +79,10 @@ def test_gate_restarts_once_half_is_answered_and_nothing_is_in_flight():
     assert gate.admit() == ("client-1", "m", False)
     gate.answered_one()  # 1 of 2: still admitting
     assert gate.phase == "before"
-    gate.answered_one()
+    gate.answered_one()  # 2 of 2, but no session is midway: later turns would all fall after it
+    assert gate.phase == "before"
+    assert gate.admit()
+    gate.answered_one(midway=1)  # a session has begun and goes on
     assert gate.phase == "draining" and gate.restart_due()
     admitted = []
     waiter = threading.Thread(target=lambda: admitted.append(gate.admit()))

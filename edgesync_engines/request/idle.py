@@ -11,7 +11,7 @@ to its exact part and evaluates the rest in batches of about ``idle_batch_tokens
 (``EngineAdapter.prefill_batches``: batches whose KV equals an uncached prefill's), storing each
 chunk of the prompt's grid once its tokens are evaluated.
 
-A request pauses the runner (:meth:`IdleRunner.pause`) before it takes the engine's lock: the
+A request pauses the runner (:meth:`IdleRunner.paused`) before it takes the engine's lock: the
 runner holds that lock for one batch at a time and checks between batches, so the request waits
 for one batch at most. What was stored before the pause is kept, and the live sequence keeps
 what was evaluated, so a request that extends it injects nothing.
@@ -23,8 +23,9 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from edgesync_engines.request import storeback
 from edgesync_store.schema import chunk_spans
@@ -185,6 +186,7 @@ class IdleRunner:
         self._cond = threading.Condition()
         self._pending: deque[tuple[tuple, Callable[[], PrefillJob | None]]] = deque()
         self._epoch = 0
+        self._waiting = 0  # requests inside paused()
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -210,12 +212,21 @@ class IdleRunner:
                 self._thread.start()
             self._cond.notify()
 
-    def pause(self) -> bool:
-        """Stop the job in progress after its current batch (it is queued again); returns True
-        when a job was running (the caller may then wait one batch for the lock)."""
+    @contextmanager
+    def paused(self) -> Iterator[bool]:
+        """For a request's whole ``with`` block (enter it before taking the engine's lock): the
+        job in progress stops after its current batch (it is queued again) and none starts.
+        Yields True when a job was running (the caller may then wait one batch for the lock)."""
         with self._cond:
             self._epoch += 1
-            return self._running
+            self._waiting += 1
+            running = self._running
+        try:
+            yield running
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
 
     def progress(self) -> int:
         """Tokens the current (or last) job has evaluated so far."""
@@ -225,7 +236,7 @@ class IdleRunner:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (not self._pending or self.busy()):
+                while not self._closed and (not self._pending or self._waiting or self.busy()):
                     self._cond.wait(0.05 if self._pending else None)
                 if self._closed:
                     return
@@ -246,7 +257,7 @@ class IdleRunner:
     def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> bool:
         """Start the job and run its batches while no request paused it; False when paused."""
         with self._lock:
-            if epoch != self._epoch:
+            if epoch != self._epoch or self._waiting:
                 return False
             job = start()
         if job is None:
@@ -256,7 +267,7 @@ class IdleRunner:
         done = True
         while not job.done:
             with self._lock:
-                if epoch != self._epoch or self.busy():
+                if epoch != self._epoch or self._waiting or self.busy():
                     done = False
                     break
                 job.step()

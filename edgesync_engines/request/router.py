@@ -211,8 +211,7 @@ class EdgeSync:
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
         inputs = as_inputs(documents)
         out = []
-        self.idle.pause()
-        with self.adapter.lock:
+        with self.idle.paused(), self.adapter.lock:
             self._live_exact = 0  # documents are computed in the engine's sequence
             for i, doc in enumerate(inputs):
                 out.append(self.documents.add(self.documents.record_for(doc, i)))
@@ -428,9 +427,9 @@ class EdgeSync:
         tokens = self._checked_tokens(prompt, max_tokens, temperature, top_p,
                                       None if doc_prompt is None else list(doc_prompt.tokens))
         yield ""  # input checked: errors above raise from generate() itself
-        idle_busy = self.idle.pause()  # idle-time work stops after its current batch
         t_wait, progress = time.perf_counter(), self.idle.progress()
-        with self.adapter.lock:
+        # idle-time work stops after its current batch, and starts none until this request is done
+        with self.idle.paused() as idle_busy, self.adapter.lock:
             idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
             idle_wait_tokens = self.idle.progress() - progress if idle_busy else 0
             live_exact = self._take_live(tokens)
@@ -550,8 +549,7 @@ class EdgeSync:
         tokens = self.prompt_tokens(prompt, add_generation_prompt=False)
         if len(tokens) > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), 0, self.adapter.n_ctx)
-        self.idle.pause()
-        with self.adapter.lock:
+        with self.idle.paused(), self.adapter.lock:
             return self._prefill_job(prompt, tokens).run()
 
     def _prepare_next(self, history: list[dict]) -> None:
