@@ -214,12 +214,13 @@ def _check(args: argparse.Namespace) -> int:
     """``--check``: the page check of the store (``edgesync_store.check``, in a child process),
     printed like ``edgesync check``; :data:`EXIT_DAMAGED` when damaged."""
     from edgesync_store import check
+    from edgesync_store.core.check import has_data_file
 
     try:
         path = Path(args.store).expanduser() if args.store else StoreSettings.load().store_path
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    if not (path / "data.mdb").is_file():
+    if not has_data_file(path):
         raise BadInput(f"no EdgeSync store at {path}")
     report = check.verify(path)
     doc = {"store": str(path), **report.to_dict()}
@@ -243,6 +244,10 @@ def run_command(args: argparse.Namespace) -> int:
     except StoreDamagedError as exc:
         print(f"error: not compacting a damaged store: {exc}", file=sys.stderr, flush=True)
         return EXIT_DAMAGED
+    except PermissionError as exc:
+        print(f"error: store path {args.store or 'of the settings'}: cannot be read ({exc.strerror or exc})",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ open of a damaged store runs in a child, so that a miss could not take pytest do
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -167,6 +168,20 @@ def test_damaged_pages_are_found_refused_and_cleared(store, where):
     assert cleared.returncode == 0, cleared.stderr
     assert run_py(_USE, store).strip() == "ok"
     assert _check_child(store)[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_data_file_that_is_not_a_file_is_damaged_and_cleared(store, kind):
+    """A data.mdb replaced by a directory or a FIFO (which would block a read) in a store
+    directory: damaged (exit 1), and clear recreates the store."""
+    data = store / "data.mdb"
+    data.unlink()
+    data.mkdir() if kind == "directory" else os.mkfifo(data)
+    cli = run_cli("check", str(store))
+    assert cli.returncode == 1 and "data.mdb is not a regular file" in cli.stdout
+    cleared = run_cli("clear", str(store), "--yes")
+    assert cleared.returncode == 0, cleared.stderr
+    assert data.is_file() and _check_child(store)[0] == 0
 
 
 def test_check_commands_on_a_healthy_store(store):

@@ -24,7 +24,7 @@ from edgesync_engines.app.doc_files import DocumentFileError, read_documents
 from edgesync_engines.request.documents import DocumentInput
 from edgesync_store.commands.inventory import iso_time, wide_console
 from edgesync_store.commands.units import format_bytes
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.schema import chunk_spans
 
 ID_PREFIX_CHARS = 12
@@ -147,7 +147,7 @@ def _store(es, to_add, quiet: bool) -> list:
         task = bar.add_task("documents", total=len(docs))
         try:
             return es.add_documents(docs, progress=lambda i: bar.update(task, completed=i))
-        except PermissionError as exc:
+        except (PermissionError, MissingExtraError) as exc:
             raise CommandError(str(exc)) from None
         except (ValueError, StoreError) as exc:
             raise CommandError(f"cannot add documents to {es.store.path}: {exc}") from None

@@ -118,9 +118,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from edgesync_store import check
+    from edgesync_store.core.check import has_data_file
 
     path = Path(configured_store(args.store)).expanduser()
-    if not (path / "data.mdb").is_file():
+    if not has_data_file(path):
         raise CommandError(f"no EdgeSync store at {path}")
     report = check.verify(path)
     if args.json:

@@ -45,7 +45,7 @@ from edgesync_engines.request.stops import StopScanner
 from edgesync_store import check
 from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.documents.records import DocumentRecord
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.lifecycle.jobs import StoreJobs
 from edgesync_store.schema import MIN_SPAN, common_prefix_len
 
@@ -188,9 +188,13 @@ class EdgeSync:
             if vectors is not None:
                 return vectors
         if self._doc_embedder is None:
+            from edgesync_store.semantic.embedder_base import EmbeddingUnavailableError
             from edgesync_store.semantic.embedders import get_embedder
 
-            self._doc_embedder = get_embedder(self.config.embedding_backend).load()
+            try:
+                self._doc_embedder = get_embedder(self.config.embedding_backend).load()
+            except EmbeddingUnavailableError as exc:  # documents are embedded for retrieval
+                raise MissingExtraError("documents", "semantic", exc.package) from exc
         return self._doc_embedder.encode(texts)
 
     def add_documents(self, documents: Iterable["str | Mapping"],
@@ -201,6 +205,7 @@ class EdgeSync:
         ``progress(i)`` is called after each. Returns the records, in order.
 
         Raises:
+            MissingExtraError: the embedding model cannot load (the ``semantic`` extra).
             ValueError: a document that is empty, malformed or longer than the context (nothing
                 is stored for it or after it), or no store (``store=False``).
             PermissionError: the store is read-only.

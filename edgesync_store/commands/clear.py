@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edgesync_store.core.check import has_data_file
 from edgesync_store.core.lmdb_env import fsync_dir, path_state
 from edgesync_store.core.locks import OpenLock
 from edgesync_store.core.store import FragmentStore
@@ -100,14 +102,14 @@ def check_store_path(path: str | os.PathLike) -> Path:
         raise StoreNotFoundError(f"no store at {path}")
     if not is_dir:
         raise StoreOpenError(f"store path {path}: exists and is not a directory")
-    if not (path / "data.mdb").is_file():
+    if not has_data_file(path):
         raise StoreOpenError(f"no EdgeSync store at {path} (no data.mdb)")
     return path
 
 
 def _data_bytes(path: Path) -> int:
     data = path / "data.mdb"
-    return data.stat().st_size if data.exists() else 0
+    return data.stat().st_size if data.is_file() else 0
 
 
 def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> ClearResult:
@@ -171,8 +173,12 @@ def _remove_files(path: Path) -> list[str]:
     """Remove :data:`ERASED_FILES` from ``path`` (those present), then sync the directory."""
     removed = []
     for name in ERASED_FILES:
+        target = path / name
         try:
-            (path / name).unlink()
+            if target.is_dir() and not target.is_symlink():  # a damaged store's data.mdb may be one
+                shutil.rmtree(target)
+            else:
+                target.unlink()
             removed.append(name)
         except FileNotFoundError:
             pass

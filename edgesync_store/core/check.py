@@ -32,6 +32,7 @@ The layout (64-bit ``pgno_t``, little-endian, ``PAGEHDRSZ`` 16, ``NODESIZE`` 8) 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,6 +347,13 @@ def _meta(fd: int, offset: int, which: int) -> tuple[int, int, int, Db, Db]:
     return psize, txnid, last_pg, free, main
 
 
+def has_data_file(store_dir: str | os.PathLike) -> bool:
+    """True when ``store_dir`` holds a ``data.mdb`` to check: a regular file, or anything at that
+    name where a store was opened before (its ``pins.lock``): a damaged store, not no store."""
+    data = Path(store_dir) / "data.mdb"
+    return data.is_file() or (os.path.lexists(data) and (Path(store_dir) / "pins.lock").exists())
+
+
 def check_file(data_file: str | os.PathLike) -> Report:
     """Check the LMDB data file ``data_file`` (see the module's docstring). Never raises for
     damage: it is in the report.
@@ -359,7 +367,10 @@ def check_file(data_file: str | os.PathLike) -> Report:
     Raises:
         OSError: the file cannot be opened or read.
     """
-    fd = os.open(Path(data_file), os.O_RDONLY | os.O_CLOEXEC)
+    mode = os.stat(Path(data_file)).st_mode
+    if not stat.S_ISREG(mode):  # a FIFO would block the read, a directory cannot be walked
+        return Report(damage=f"{Path(data_file).name} is not a regular file")
+    fd = os.open(Path(data_file), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         for _ in range(WALKS):
             report = _check_fd(fd)
