@@ -33,6 +33,10 @@ def test_without_a_prefix_the_least_loaded_worker_gets_the_job():
     assert choose_worker([0, 0, 0], [0, 0, 0]) == (0, False)
     assert choose_worker([2, 1, 1], [0, 0, 0]) == (1, False)
     assert choose_worker([3], [500]) == (0, False)  # one worker: nothing to choose
+    # equally loaded: the one given a job longest ago, so that a new conversation does not
+    # take the live sequence of the one before it
+    assert choose_worker([0, 0, 0], [0, 0, 0], last_used=[5, 2, 7]) == (1, False)
+    assert choose_worker([1, 0, 0], [0, 0, 0], last_used=[0, 9, 8]) == (2, False)
 
 
 def test_the_longest_prefix_wins_and_ties_go_to_the_less_loaded_then_the_lower_index():

@@ -67,6 +67,7 @@ class _Slot:
     pid: int | None = None
     restarts: int = 0
     jobs: set = field(default_factory=set)
+    last_used: int = 0  # the pool's job count when this slot was last given a job
     context: str | None = None
     """The canonical text of what the worker holds live (``routing.context_text``), or None."""
     idle: dict = field(default_factory=dict)
@@ -98,6 +99,7 @@ class WorkerPool:
         self._closing = False
         self._cancelled = 0
         self._routed_by_prefix = 0
+        self._assigned = 0
         self._prompts: dict[int, object] = {}  # job id -> prompt, until its final message
         self._idle_totals = dict.fromkeys(IDLE_FIELDS, 0)
         self._threads: list[threading.Thread] = []
@@ -218,8 +220,10 @@ class WorkerPool:
         slots = self._slots
         text = prompt_text(prompt) if len(slots) > 1 else ""
         scores = [prefix_score(text, s.context) if text else 0 for s in slots]
-        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores)
+        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores, [s.last_used for s in slots])
         self._routed_by_prefix += by_prefix
+        self._assigned += 1
+        slots[index].last_used = self._assigned
         return slots[index]
 
     def _ended(self, slot: _Slot, msg: dict) -> None:

@@ -71,13 +71,16 @@ def prefix_score(job_text: str, context: str | None, least: int = MIN_PREFIX_CHA
     return common if common >= least else 0
 
 
-def choose_worker(loads: Sequence[int], scores: Sequence[int]) -> tuple[int, bool]:
+def choose_worker(loads: Sequence[int], scores: Sequence[int],
+                  last_used: Sequence[int] | None = None) -> tuple[int, bool]:
     """The worker for a job, and whether its prefix placed it.
 
-    ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`.
+    ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`;
+    ``last_used[i]``: when it was last given a job (a counter; default: all 0).
 
-    * No score above 0: the worker with the fewest outstanding jobs (the lowest index on a tie),
-      as without prefixes.
+    * No score above 0: the worker with the fewest outstanding jobs, on a tie the one given a
+      job longest ago (then the lowest index), so that conversations begun one after the other
+      each keep a worker whose live sequence holds them.
     * Else the best score (ties: fewer outstanding jobs, then the lowest index), unless that
       worker is busy (has outstanding jobs) while another is idle: then the idle worker with the
       best score (ties: the lowest index). Waiting behind another job costs more than
@@ -92,8 +95,9 @@ def choose_worker(loads: Sequence[int], scores: Sequence[int]) -> tuple[int, boo
     if n != len(scores) or n == 0:
         raise ValueError(f"choose_worker: {n} loads and {len(scores)} scores")
     workers = range(n)
+    used = last_used if last_used is not None else [0] * n
     if n == 1 or max(scores) <= 0:
-        return min(workers, key=lambda i: (loads[i], i)), False
+        return min(workers, key=lambda i: (loads[i], used[i], i)), False
     best = min((i for i in workers if scores[i] > 0), key=lambda i: (-scores[i], loads[i], i))
     if loads[best] > 0:
         least = min(loads)
