@@ -1,9 +1,6 @@
-"""``python -m edgesync_store.check STORE [--json]``: check a store's LMDB pages
-(``core.check``) in a child process, so that whatever the file holds, the caller survives.
-
-Exit status: 0 healthy, 1 damaged (the message names the database, page and fault), 2 bad input
-(no store at the path). ``--json`` prints one object: ``healthy``, ``damage``, ``databases``,
-``pages``, ``txnid``.
+"""Checking a store's LMDB pages (``core.check``) in a child process
+(``python -m edgesync_store.commands.page_check``), so that whatever the file holds, the caller
+survives.
 
 :class:`PendingCheck` runs the command as a child (``sys.executable``) and waits for it later,
 so that a process can load its model meanwhile; :func:`verify` is what ``FragmentStore`` calls
@@ -16,7 +13,6 @@ the same process, e.g. after a reclaim, costs nothing).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -25,12 +21,11 @@ import sys
 import threading
 from pathlib import Path
 
-from edgesync_store.core.check import Report, check_file
+from edgesync_store.core.check import Report
 
 CHECK_TIMEOUT_S = 120.0
 """Seconds a check child may take before the store is judged damaged (a healthy 1 GiB store
 takes well under one: docs/measurements.md)."""
-EXIT_HEALTHY, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
 _ROOT = str(Path(__file__).resolve().parent.parent)  # the child imports this copy of edgesync_store
 _passed: set[tuple] = set()
@@ -59,7 +54,7 @@ class PendingCheck:
         self.timeout_s = timeout_s
         self._report: Report | None = None
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "edgesync_store.check", str(self.store), "--json"],
+            [sys.executable, "-m", "edgesync_store.commands.page_check", str(self.store), "--json"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))})
 
@@ -120,30 +115,3 @@ def verify(store: str | os.PathLike) -> Report:
         with _lock:
             _passed.add(state)
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m edgesync_store.check",
-                                     description="Check the LMDB pages of an EdgeSync store.")
-    parser.add_argument("store", help="store directory")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    data = Path(args.store).expanduser() / "data.mdb"
-    try:
-        report = check_file(data)
-    except OSError as exc:
-        print(f"error: no readable store at {args.store}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    elif report.healthy:
-        print(f"{args.store}: healthy ({len(report.databases)} databases, {report.pages} pages, "
-              f"transaction {report.txnid})")
-    else:
-        print(f"{args.store}: damaged: {report.damage}")
-    return EXIT_HEALTHY if report.healthy else EXIT_DAMAGED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -45,7 +45,7 @@ def store(made_store, tmp_path) -> Path:
 
 
 def _check_child(path: Path) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "edgesync_store.check", str(path), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "edgesync_store.commands.page_check", str(path), "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     return proc.returncode, json.loads(proc.stdout)
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-import edgesync_store.check as check
+from edgesync_store.check import verify as verify_pages
 import edgesync_store.migrations as migrations
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
@@ -157,7 +157,7 @@ class FragmentStore(MaintenanceBackend):
         try:
             # before LMDB reads a page: a corrupt one can kill this process (core/check.py);
             # unreadable meta pages LMDB refuses by itself (LmdbEnv tells foreign from damaged)
-            report = check.verify(self.path)
+            report = verify_pages(self.path)
             if not report.healthy and not report.header:
                 raise StoreDamagedError(self.path, report.damage)
             # a read-only look at a store we cannot write (another user's, read-only media)
