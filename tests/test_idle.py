@@ -49,6 +49,15 @@ def idle_until_done(es: EdgeSync) -> None:
     assert es.idle.wait_idle(120), "idle-time work did not finish"
 
 
+def first_turn_stored(es: EdgeSync, question: str, max_tokens: int) -> list[dict]:
+    """Answer ``question`` with idle-time storing on and wait for its history to be stored;
+    returns the conversation so far (question and answer)."""
+    messages = [{"role": "user", "content": question}]
+    messages.append({"role": "assistant", "content": es.generate(messages, max_tokens=max_tokens).text})
+    idle_until_done(es)
+    return messages
+
+
 @pytest.mark.parametrize("which", [0, 1])
 def test_next_turn_prefills_only_its_new_message(adapter, tmp_path, sessions, which):
     turns, asked = sessions[which], []
@@ -88,11 +97,8 @@ def test_prepared_history_counted_by_llama_cpp(adapter, tmp_path, sessions):
 
 def test_next_turn_after_a_restart_comes_from_the_store(adapter, tmp_path, sessions):
     turns = sessions[2]
-    messages = [{"role": "user", "content": turns[0]}]
     with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
-        answer = es.generate(messages, max_tokens=96)
-        messages.append({"role": "assistant", "content": answer.text})
-        idle_until_done(es)
+        messages = first_turn_stored(es, turns[0], 96)
         assert es.idle.stats.fragments_written >= 1
     adapter.clear_kv_cache()  # nothing live: a new process
     history = list(messages)
@@ -109,12 +115,9 @@ def test_a_reference_run_on_the_same_engine_is_never_taken_for_live_kv(adapter, 
     """Another EdgeSync that decodes on the same adapter leaves decoded KV under the same
     token IDs: the adapter's kv_epoch tells, and the next turn injects from the store."""
     turns = sessions[3]
-    messages = [{"role": "user", "content": turns[0]}]
     uncached = EdgeSync(adapter, store=False)
     with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
-        answer = es.generate(messages, max_tokens=64)
-        messages.append({"role": "assistant", "content": answer.text})
-        idle_until_done(es)
+        messages = first_turn_stored(es, turns[0], 64)
         messages.append({"role": "user", "content": turns[1]})
         reference = uncached.generate(messages, max_tokens=32)
         result = es.generate(messages, max_tokens=32)
@@ -124,11 +127,8 @@ def test_a_reference_run_on_the_same_engine_is_never_taken_for_live_kv(adapter, 
 def test_idle_kv_is_bit_identical_to_an_uncached_prefill(adapter, tmp_path, sessions):
     """The fragments idle work stored equal those cut from a clean prefill of the next turn."""
     turns = sessions[4]
-    messages = [{"role": "user", "content": turns[0]}]
     with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
-        answer = es.generate(messages, max_tokens=128)
-        messages.append({"role": "assistant", "content": answer.text})
-        idle_until_done(es)
+        messages = first_turn_stored(es, turns[0], 128)
         job_written = es.idle.stats.fragments_written
         tokens = es.prompt_tokens(messages + [{"role": "user", "content": turns[1]}])
         walked = es.store.prefix_walk(es.namespace, tokens)

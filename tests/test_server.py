@@ -17,8 +17,6 @@ import openai
 import pytest
 
 from edgesync_bench.workloads import seed_workload
-from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
@@ -26,14 +24,6 @@ pytestmark = [pytest.mark.model, pytest.mark.server]
 MAX_TOKENS = 24
 BODY_LIMIT = 64 * 1024
 THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The library uncached, with the server's settings: the answers every server answer must equal."""
-    es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": THREADS}))
-    yield es
-    es.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ import openai
 import pytest
 
 from edgesync_bench.workloads import seed_workload
-from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
@@ -25,14 +23,6 @@ THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
 TURN_TOKENS = 24
 WAIT_S = 120.0
 """How long a poll of ``/metrics`` may go on before the test fails (a hang, not a measurement)."""
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The library uncached: the answers the server's must equal."""
-    es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": THREADS}))
-    yield es
-    es.close()
 
 
 @pytest.fixture(scope="module")
