@@ -29,8 +29,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from edgesync_store.check import verify as verify_pages
 import edgesync_store.migrations as migrations
+from edgesync_store.check import verify as verify_pages
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
 from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
