@@ -17,6 +17,7 @@ import pytest
 from edgesync_engines.adapters.kv_layout import MIN_FIRST_BATCH, ROW_GROUP
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
+from edgesync_store.schema import common_prefix_len
 
 pytestmark = [pytest.mark.model]
 
@@ -207,3 +208,19 @@ def test_prepare_refuses_what_it_cannot_store(adapter):
     es = EdgeSync(adapter, store=False)
     with pytest.raises(ValueError, match="prepare: needs a store"):
         es.prepare("hello there")
+
+
+def test_a_new_conversation_continues_the_shared_beginning_the_engine_holds(adapter, tmp_path, sessions):
+    """Two first turns share only the chat template's beginning (its default system part, under
+    the 64 tokens a fragment holds): the second continues that much of the live sequence,
+    prefills the rest, and answers as an uncached run does."""
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        first_turn_stored(es, sessions[0][0], max_tokens=32)
+        messages = [{"role": "user", "content": sessions[1][0]}]
+        shared = common_prefix_len(es.prompt_tokens(messages), list(es.adapter.live_tokens()))
+        adapter.reset_perf()
+        result = es.generate(messages, max_tokens=32)
+        assert 0 < result.live_tokens == result.tokens_reused <= shared < 64
+        assert result.live_tokens == es.adapter.usable_prefix(int(shared), result.prompt_tokens)
+        assert prefilled(adapter, len(result.tokens)) == result.prompt_tokens - result.live_tokens
+    assert EdgeSync(adapter, store=False).generate(messages, max_tokens=32).tokens == result.tokens

@@ -47,7 +47,7 @@ from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.lifecycle.jobs import StoreJobs
-from edgesync_store.schema import MIN_SPAN, common_prefix_len
+from edgesync_store.schema import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -522,14 +522,14 @@ class EdgeSync:
                 self.idle.stats.tokens_wasted += len(prepared) - common
         return live_exact
 
-    def _live_prefix(self, tokens: list[int], live_exact: int, least: int = MIN_SPAN) -> int:
+    def _live_prefix(self, tokens: list[int], live_exact: int) -> int:
         """Tokens of ``tokens`` the live sequence holds with exact KV, cut to an injection
-        point (``usable_prefix``); 0 under ``least``."""
-        if live_exact < max(least, 1):
+        point (``usable_prefix``). No lower bound: a short shared beginning (a chat template's
+        default system part) is worth continuing too, since nothing is read to use it."""
+        if live_exact < 1:
             return 0
         common = common_prefix_len(self.adapter.live_tokens()[:live_exact], tokens)
-        usable = self.adapter.usable_prefix(common, len(tokens))
-        return usable if usable >= max(least, 1) else 0
+        return max(0, self.adapter.usable_prefix(common, len(tokens)))
 
     def prepare(self, prompt: "str | Sequence[dict]") -> PrepareResult:
         """Store a prompt's KV without answering it, so that a later request that begins with
@@ -573,7 +573,7 @@ class EdgeSync:
         sequence or the store holds exactly."""
         live_exact = self._live_exact if self._live_epoch == self.adapter.kv_epoch else 0
         self._live_exact = 0
-        _, injected = self._reuse(prompt, tokens, 1, ReuseMode.EXACT, live_exact, least_live=1)
+        _, injected = self._reuse(prompt, tokens, 1, ReuseMode.EXACT, live_exact)
         start = 0 if injected.approximate or injected.convertible else injected.reused
         self._live_exact, self._live_epoch = start, self.adapter.kv_epoch
 
@@ -609,8 +609,8 @@ class EdgeSync:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         return tokens
 
-    def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str, live_exact: int = 0,
-               least_live: int = MIN_SPAN) -> tuple[ReusePlan, Injection]:
+    def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str,
+               live_exact: int = 0) -> tuple[ReusePlan, Injection]:
         """Plan what the request reuses in ``mode`` and inject it (the caller holds the adapter's
         lock); in the exact mode, when the live sequence's first ``live_exact`` tokens (exact
         KV) give at least what the store would, inject nothing and continue them."""
@@ -622,7 +622,7 @@ class EdgeSync:
             self.semantic.forget(key)
         if self._injector is None:
             return plan, Injection(None, plan.prompt)
-        live = self._live_prefix(tokens, live_exact, least_live) if mode == ReuseMode.EXACT else 0
+        live = self._live_prefix(tokens, live_exact) if mode == ReuseMode.EXACT else 0
         n = len(tokens)
         stored = max((self.adapter.usable_prefix(min(source.match.matched_tokens, source.limit), n)
                       for source in plan.sources if source.tokens == plan.prompt), default=0)
