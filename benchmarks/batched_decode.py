@@ -227,7 +227,9 @@ def positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edgesync_bench.batched_decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: EdgeSync's configured model)")
-    p.add_argument("--steps", type=positive, default=48, help="greedy decode steps per answer (default 48)")
+    p.add_argument("--steps", type=positive, default=48,
+                   help="greedy decode steps per answer (default 48); the table compares these and the "
+                        "prompt's last-token logits, so it counts steps + 1")
     p.add_argument("--threads", type=positive, default=2, help="CPU threads (default 2)")
     p.add_argument("--chunk", type=positive, default=32, help="B's prefill rows per mixed batch (default 32)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write every figure here")
