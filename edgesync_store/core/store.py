@@ -29,7 +29,6 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-import edgesync_store.migrations as migrations
 from edgesync_store.check import verify as verify_pages
 from edgesync_store.core import codec, companions, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
@@ -58,12 +57,13 @@ from edgesync_store.errors import (
     StoreUnavailableError,
 )
 from edgesync_store.lifecycle import eviction
+from edgesync_store.migrations import CURRENT_VERSION, migrate
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT_VERSION = migrations.CURRENT_VERSION
+STORE_FORMAT_VERSION = CURRENT_VERSION
 """On-disk layout version recorded in the ``meta`` database (``migrations/``)."""
 DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
 """Default size budget: 1 GiB of stored fragments (compressed blobs)."""
@@ -164,7 +164,7 @@ class FragmentStore(MaintenanceBackend):
             # cannot take LMDB's lock file
             self.env = LmdbEnv(self.path, map_size, readonly, lock=not readonly or writable_dir)
             self.env.check_is_edgesync()
-            self.format_version = migrations.migrate(self)
+            self.format_version = migrate(self)
             if not self.env.open_core(companions.COMPANION_DATABASES):
                 raise StoreOpenError(f"store {self.path}: its databases are missing (format {self.format_version})")
             self.max_bytes = self._settle_budget(max_bytes)
