@@ -48,31 +48,16 @@ PROMPTS = (
 )
 
 
-@contextlib.contextmanager
-def context_params(low, n_seq_max: int, kv_unified: bool):
-    """``llama_context_default_params`` with ``n_seq_max`` and ``kv_unified`` set, while open
-    (``Llama`` sets neither for a generating context; see ``llamacpp_blend.two_sequence_params``)."""
-    original = low.llama_context_default_params
-
-    def params():
-        p = original()
-        p.n_seq_max, p.kv_unified = n_seq_max, kv_unified
-        return p
-
-    low.llama_context_default_params = params
-    try:
-        yield
-    finally:
-        low.llama_context_default_params = original
-
-
 class Context:
     """One llama.cpp context driven batch by batch (``llama_batch`` rows of token, position,
     sequence, logits wanted)."""
 
     def __init__(self, llama_cpp, model: Path, n_seq_max: int, kv_unified: bool, threads: int) -> None:
+        from edgesync_engines.adapters.llamacpp_blend import two_sequence_params
+
         self.low = llama_cpp.llama_cpp
-        with context_params(self.low, n_seq_max, kv_unified):
+        params = two_sequence_params(llama_cpp, kv_unified) if n_seq_max > 1 else contextlib.nullcontext()
+        with params:
             self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=2048, n_threads=threads,
                                        n_threads_batch=threads, verbose=False, swa_full=True)
         self.n_vocab = self.llm.n_vocab()
@@ -214,17 +199,10 @@ def _render(llm, messages: list[dict]) -> str:
     return Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos)(messages=messages).prompt
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
+    from edgesync_engines.app.cli_common import int_at_least
+
+    positive = int_at_least(1)
     p = argparse.ArgumentParser(prog="python -m edgesync_bench.batched_decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: EdgeSync's configured model)")
     p.add_argument("--steps", type=positive, default=48,

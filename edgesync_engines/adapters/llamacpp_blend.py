@@ -42,11 +42,12 @@ _PARAMS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def two_sequence_params(llama_cpp_module):
+def two_sequence_params(llama_cpp_module, kv_unified: bool = True):
     """While open, ``llama_context_default_params()`` returns params with ``n_seq_max`` 2 and
-    ``kv_unified`` on: ``Llama.__init__`` reads them and sets these two fields only in
-    embedding mode (llama-cpp-python 0.3.36 ``llama.py``), so this is the one way to open a
-    generating context with a scratch sequence. Serialized: the module attribute is shared."""
+    ``kv_unified`` as given (on: one KV buffer, what a scratch sequence needs; off: a KV stream
+    per sequence): ``Llama.__init__`` reads them and sets these two fields only in embedding
+    mode (llama-cpp-python 0.3.36 ``llama.py``), so this is the one way to open a generating
+    context with a second sequence. Serialized: the module attribute is shared."""
     low = llama_cpp_module.llama_cpp
     with _PARAMS_LOCK:
         original = low.llama_context_default_params
@@ -54,7 +55,7 @@ def two_sequence_params(llama_cpp_module):
         def params():
             p = original()
             p.n_seq_max = N_SEQ_MAX
-            p.kv_unified = True
+            p.kv_unified = kv_unified
             return p
 
         low.llama_context_default_params = params
