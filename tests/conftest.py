@@ -198,12 +198,12 @@ def redis_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The library uncached, with a served engine's threads (``EDGESYNC_THREADS``, default 1):
-    the answers a server's must equal."""
+    """The library uncached, with the threads of a server of one worker (``EDGESYNC_THREADS``,
+    default all cores): the answers a server's must equal."""
     require_marker("model", "uses the reference fixture")
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.router import EdgeSync
 
-    es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": int(os.environ.get("EDGESYNC_THREADS", "1"))}))
+    es = EdgeSync(store=False, config=EdgeSyncConfig.load())
     yield es
     es.close()

@@ -26,8 +26,7 @@ class ServeProcess:
     def __init__(self, store: Path, *args: str, env: dict | None = None, timeout_s: float = 180.0) -> None:
         self.store = Path(store)
         self.args = list(args)
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGESYNC_THREADS": os.environ.get("EDGESYNC_THREADS", "1"),
-                    **(env or {})}
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None

@@ -126,18 +126,17 @@ def test_launcher_measures_the_childs_own_peak_rss(tmp_path):
 
 
 @pytest.mark.model
-def test_one_small_run_on_the_real_model(tmp_path, monkeypatch):
+def test_one_small_run_on_the_real_model(tmp_path):
     """Two seed prompts (one a miss, one a partial hit of the first's system prompt), two
     interleaved rounds of exact hits with the floor after each, one new prompt asked four times
     as a partial hit: every hit is exact or partial as planned and token-identical to the
     uncached run, the floor runs on the state the hit left, and the store-back bytes add up to
     what the store holds."""
-    monkeypatch.setenv("EDGESYNC_THREADS", "1")
     exact, new = floor.seed_prompt_sets(8)
     # three prompts of one app: the second and third reuse the first's system prompt
     same = [m for m in exact + new if m[0]["content"] == exact[0][0]["content"]]
     assert len(same) >= 3
-    bench = floor.Bench(tmp_path, threads=1, max_tokens=8, repeats=2)
+    bench = floor.Bench(tmp_path, threads=None, max_tokens=8, repeats=2)
     try:
         fig = bench.workload("seed", same[:2], same[2:3])
         total = floor.stored_bytes(bench.es)

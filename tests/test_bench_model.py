@@ -91,7 +91,7 @@ def test_workers_run_gemma3_when_told(tmp_path, system_prompts):
         assert es_answers[1]["hit"] == "exact" and es["store"]["fragments"] > 0
     else:
         assert "sliding-window" in es["cache_refusal"] and es_answers[1]["hit"] is None
-    with make_system("llama-ram", model_path=gemma, n_threads=1) as ram:  # the peers take the model too
+    with make_system("llama-ram", model_path=gemma) as ram:  # the peers take the model too
         assert ram.answer(prompt, max_tokens=4).tokens == ref[0]["tokens"]
 
 

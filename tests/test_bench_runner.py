@@ -76,8 +76,7 @@ def seed_prompts():
 
 
 @pytest.mark.model
-def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
-    monkeypatch.setenv("EDGESYNC_THREADS", "1")
+def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts):
     lane = Lane("no-cache", "no-cache", tmp_path / "nc")
     lane.start(1, tmp_path / "logs")
     try:
@@ -94,7 +93,7 @@ def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
     assert not bad["ok"] and bad["error"] and not unknown["ok"] and "fly" in unknown["message"]
     # SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 x 2 bytes (DESIGN.md 2.2)
     assert stats["ok"] and stats["stats"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2
-    with make_system("no-cache", n_threads=1) as direct:
+    with make_system("no-cache") as direct:
         assert direct.answer(seed_prompts[0], max_tokens=8).tokens == a["answer"]["tokens"]
 
 
@@ -102,9 +101,9 @@ def test_worker_protocol_on_the_real_model(tmp_path, seed_prompts, monkeypatch):
 def test_no_cache_is_token_identical_to_edgesync_uncached_and_warm(tmp_path, seed_prompts):
     """The report's identity column: no cache evaluates the prompt like EdgeSync (last token
     alone), so EdgeSync's cold, hit and uncached answers all equal it."""
-    with make_system("no-cache", n_threads=1) as nc:
+    with make_system("no-cache") as nc:
         ref = [nc.answer(m, max_tokens=16).tokens for m in seed_prompts]
-    with make_system("edgesync", workdir=tmp_path, n_threads=1) as es:
+    with make_system("edgesync", workdir=tmp_path) as es:
         cold = [es.answer(m, max_tokens=16) for m in seed_prompts]
         again = [es.answer(m, max_tokens=16) for m in seed_prompts]
     assert [a.tokens for a in cold] == ref

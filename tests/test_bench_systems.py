@@ -1,6 +1,6 @@
 """edgesync_bench.systems on the real model: one interface, hit detection, nothing printed.
 
-Two short prompts (a ~100-token cut of a real system prompt plus two questions), n_threads=1,
+Two short prompts (a ~100-token cut of a real system prompt plus two questions), all cores,
 so that the module stays well under a minute on 2 cores.
 """
 
@@ -21,7 +21,7 @@ def prompts(system_prompts):
 
 
 def _run(name, tmp_path, stream, **kw):
-    with make_system(name, workdir=tmp_path, n_threads=1, **kw) as system:
+    with make_system(name, workdir=tmp_path, **kw) as system:
         return [system.answer(m, max_tokens=8) for m in stream]
 
 

@@ -37,7 +37,7 @@ N = 3
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "EDGESYNC_THREADS": "1"}
+    return dict(os.environ)
 
 
 @pytest.fixture

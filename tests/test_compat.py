@@ -88,7 +88,7 @@ def test_gemma3_kv_never_crosses_engines():
 
     path = gemma3_model_path()
     assert "gemma3: sliding-window attention (window 512 tokens) is not exported" in onnx_refusal(path)
-    adapter = LlamaCppAdapter(path, n_ctx=1024, n_threads=1)
+    adapter = LlamaCppAdapter(path, n_ctx=1024)
     try:
         ns = adapter.namespace
         if ns is None:  # served uncached: nothing is stored, so nothing can cross

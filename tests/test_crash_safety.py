@@ -266,7 +266,7 @@ def check_store(path: Path, lay: Layout, *, final: bool, budget: int | None = No
 
 
 def run_compactor(path: Path, *args: str, crash: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, EDGESYNC_THREADS="1")
+    env = dict(os.environ)
     env.pop(ENV_VAR, None)
     if crash:
         env[ENV_VAR] = crash

@@ -159,7 +159,7 @@ def test_blend_on_a_sliding_window_model_runs_exact_with_its_reason(config, rows
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
     from edgesync_engines.adapters.model_files import gemma3_model_path
 
-    gemma = LlamaCppAdapter(gemma3_model_path(), n_ctx=2048, n_threads=1)
+    gemma = LlamaCppAdapter(gemma3_model_path(), n_ctx=2048)
     try:
         docs = [rows[1]["context"]]
         messages = chat(SYSTEM, rows[1]["questions"][0])

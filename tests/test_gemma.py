@@ -47,7 +47,7 @@ def gemma_path() -> Path:
 @pytest.fixture(scope="module")
 def gemma(gemma_path):
     """One f16-KV Gemma 3 context (flash attention off) for the module."""
-    a = LlamaCppAdapter(gemma_path, n_ctx=N_CTX, n_threads=1)
+    a = LlamaCppAdapter(gemma_path, n_ctx=N_CTX)
     yield a
     a.close()
 
@@ -136,7 +136,7 @@ def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tm
     requests = tmp_path / "requests.json"
     requests.write_text(json.dumps([first, second]))
     env = dict(os.environ, PYTHONPATH=str(ROOT), EDGESYNC_MODEL=str(gemma_path), EDGESYNC_N_CTX=str(N_CTX),
-               EDGESYNC_THREADS="1", EDGESYNC_KV_TYPE="f16", EDGESYNC_FLASH_ATTN="0")
+               EDGESYNC_KV_TYPE="f16", EDGESYNC_FLASH_ATTN="0")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "proc_request.py"), str(store_dir), str(requests),
                            str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -162,7 +162,7 @@ def test_user_llama_with_swa_full_is_cached(gemma, gemma_path, system_prompts, t
     the same namespace, so its fragments serve the adapter (and back), identical tokens."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=N_CTX, n_threads=1, n_threads_batch=1, swa_full=True,
+    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=N_CTX, swa_full=True,
                           verbose=False)
     prompt = chat(system_prompts[2], QUESTIONS[0])
     try:

@@ -115,7 +115,7 @@ def test_smollm2_can_blend_and_gemma_cannot(adapter):
     from edgesync_engines.adapters.model_files import gemma3_model_path
 
     assert adapter.blend_refusal is None
-    gemma = LlamaCppAdapter(gemma3_model_path(), n_ctx=1024, n_threads=1)
+    gemma = LlamaCppAdapter(gemma3_model_path(), n_ctx=1024)
     try:
         assert gemma.cache_refusal is None
         assert "sliding-window" in gemma.blend_refusal

@@ -223,7 +223,7 @@ def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_
 
 
 def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, EDGESYNC_THREADS="1", **{ENV_VAR: crash})
+    env = dict(os.environ, **{ENV_VAR: crash})
     code = "import sys; from edgesync_store.core.store import FragmentStore; FragmentStore(sys.argv[1]).close()"
     return subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)

@@ -47,7 +47,7 @@ def q8(request):
 
     def get(model: str) -> LlamaCppAdapter:
         if model not in adapters:
-            adapters[model] = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1, kv_type="q8_0")
+            adapters[model] = LlamaCppAdapter(_path(model), n_ctx=N_CTX, kv_type="q8_0")
         return adapters[model]
 
     yield get
@@ -121,7 +121,7 @@ def _fragments(store_dir, kv_dtype: str) -> tuple[dict[tuple, object], int]:
 @pytest.mark.parametrize("model", MODELS)
 def test_q8_0_fragments_are_q8_0_rows(model, q8, system_prompts, tmp_path):
     q8_adapter = q8(model)
-    f16_adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1)
+    f16_adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX)
     try:
         assert f16_adapter.namespace != q8_adapter.namespace
         assert (f16_adapter.namespace.kv_dtype, f16_adapter.namespace.flash_attn) == ("f16", False)
@@ -166,7 +166,7 @@ an f16 scale and 32 4-bit values)."""
 def test_other_kv_types_match_uncached(kv, model, system_prompts, tmp_path):
     """q4_0 and f32 the same way: a miss, an exact and a partial hit, each identical to the
     uncached run of the same KV type; fragments hold rows of that type."""
-    adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, n_threads=1, kv_type=kv)
+    adapter = LlamaCppAdapter(_path(model), n_ctx=N_CTX, kv_type=kv)
     try:
         assert adapter.cache_refusal is None and adapter.namespace.kv_dtype == kv
         assert adapter.flash_attn == (kv == "q4_0")

@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.model, pytest.mark.server]
 
 MAX_TOKENS = 24
 BODY_LIMIT = 64 * 1024
-THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(store):
-    with ServeProcess(store, "--workers", "1", "--max-body-bytes", str(BODY_LIMIT), "--max-tokens-limit", "512",
-                      env={"EDGESYNC_THREADS": str(THREADS)}) as s:
+    with ServeProcess(store, "--workers", "1", "--max-body-bytes", str(BODY_LIMIT), "--max-tokens-limit", "512") as s:
         yield s
 
 
@@ -196,7 +194,7 @@ def test_killed_worker_is_replaced(server, client, model, reference, chat_messag
 def test_restart_keeps_the_cache_and_the_key_is_checked(server, store, reference, chat_messages, model):
     assert server.stop() == 0
     assert "store closed" in server.stderr()
-    with ServeProcess(store, "--workers", "1", "--api-key", "s3cret", env={"EDGESYNC_THREADS": str(THREADS)}) as s2:
+    with ServeProcess(store, "--workers", "1", "--api-key", "s3cret") as s2:
         wrong = openai.OpenAI(base_url=s2.base_url, api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as denied:
             wrong.chat.completions.create(model=model, messages=chat_messages)

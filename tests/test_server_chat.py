@@ -7,7 +7,6 @@ never from timing."""
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 
@@ -19,7 +18,6 @@ from tests.serve_process import ServeProcess
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
-THREADS = int(os.environ.get("EDGESYNC_THREADS", "1"))
 TURN_TOKENS = 24
 WAIT_S = 120.0
 """How long a poll of ``/metrics`` may go on before the test fails (a hang, not a measurement)."""
@@ -27,7 +25,7 @@ WAIT_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {"EDGESYNC_THREADS": str(THREADS), "EDGESYNC_IDLE_STORE": ""}  # blank: the server's default
+    env = {"EDGESYNC_IDLE_STORE": ""}  # blank: the server's default
     with ServeProcess(tmp_path_factory.mktemp("chat-store"), "--workers", "1", env=env) as s:
         yield s
 
