@@ -186,7 +186,7 @@ def test_an_export_of_another_file_or_an_incomplete_one_is_refused(onnx_export, 
 
 
 def test_streamed_answer_is_the_result_text_and_a_closed_engine_refuses(onnx_export, seed_requests):
-    adapter = OnnxRuntimeAdapter(n_threads=1)
+    adapter = OnnxRuntimeAdapter()
     es = EdgeSync(adapter, store=False)
     stream = es.generate(seed_requests[4].as_messages(), max_tokens=10, stream=True)
     pieces = list(stream)

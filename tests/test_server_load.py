@@ -16,7 +16,6 @@ import pytest
 
 from edgesync_bench.bench_workloads import adapter_token_counter, chat_sessions
 from edgesync_bench.workloads import seed_workload
-from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from tests.serve_process import ServeProcess
 
@@ -80,7 +79,7 @@ def _client_run(base_url: str, model: str, requests: list[list[dict]], t0: float
 
 
 def test_four_clients_fifty_requests_each(tmp_path):
-    reference = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": THREADS}))
+    reference = EdgeSync(store=False)  # all cores: flash attention off, the thread count changes no bit
     chat = _chat_turns(reference)
     seed = [(r.as_messages(), None) for r in seed_workload(SEED_REQUESTS)]
     items = [m for m, _ in seed + chat]

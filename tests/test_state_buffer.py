@@ -41,9 +41,9 @@ def engines(adapter):
     def get(name: str) -> LlamaCppAdapter:
         if name not in made:
             if name == "gemma3":
-                made[name] = LlamaCppAdapter(gemma3_model_path(), n_ctx=N_CTX, n_threads=1)
+                made[name] = LlamaCppAdapter(gemma3_model_path(), n_ctx=N_CTX)
             else:
-                made[name] = LlamaCppAdapter(n_ctx=N_CTX, n_threads=1, flash_attn=True,
+                made[name] = LlamaCppAdapter(n_ctx=N_CTX, flash_attn=True,
                                              kv_type="q8_0" if name == "q8_0" else "f16")
         return made[name]
 

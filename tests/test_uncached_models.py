@@ -74,7 +74,7 @@ def test_user_gemma_llama_without_swa_full(study_prompt, tmp_path, caplog):
 
     caplog.set_level(logging.WARNING, logger=ADAPTER_LOG)
     path = gemma3_model_path()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=1, n_threads_batch=1, swa_full=False,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, swa_full=False,
                           verbose=False)
     try:
         results, reference, reason = _served_uncached(llm, path, chat(study_prompt, QUESTION), tmp_path / "s")
@@ -94,7 +94,7 @@ def test_user_llama_with_unsupported_kv_type(kv, study_prompt, tmp_path, caplog)
     path = default_model_path()
     ggml = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
     # a quantized V cache needs flash attention in llama.cpp
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=1, n_threads_batch=1,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024,
                           type_k=ggml, type_v=ggml, flash_attn=True, verbose=False)
     try:
         results, reference, reason = _served_uncached(llm, path, chat(study_prompt, QUESTION), tmp_path / "s")
