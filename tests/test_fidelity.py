@@ -20,6 +20,7 @@ import pytest
 
 from edgesync_bench import fidelity, fidelity_vectors
 from edgesync_bench.workloads import WorkloadDataError
+from edgesync_engines.app import cli
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_engines.request.router import EdgeSync
@@ -167,8 +168,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
+def _refusal(capsys, *args: str) -> tuple[int, str]:
+    """Exit status and stderr of ``edgesync fidelity ARGS`` run through the command's entry
+    point in this process: for refusals, which stop before any data or model is loaded."""
+    capsys.readouterr()
+    try:
+        status = cli.main(["fidelity", *args])
+    except SystemExit as exc:  # argparse's own refusals
+        status = exc.code
+    return status, capsys.readouterr().err
+
+
 @pytest.mark.model
-def test_command_json_and_table(pairs, tmp_path):
+def test_command_json_and_table(pairs, tmp_path, capsys):
     small = tmp_path / "pairs60.jsonl"
     small.write_text("".join(json.dumps({"a": p.a, "b": p.b, "duplicate": p.duplicate}) + "\n" for p in pairs[:60]))
     out = tmp_path / "fid.json"
@@ -198,6 +210,7 @@ def test_command_json_and_table(pairs, tmp_path):
         assert word in table.stdout
     assert "0.714" in table.stdout and "1.000" in table.stdout  # precision at 0.90 (5 / 7) and 0.95
 
-    bad = _cli("--pairs", str(tmp_path / "none.jsonl"), "--sample", "0")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read")
-    assert _cli("--thresholds", "0.9,1.5").returncode == 2
+    status, err = _refusal(capsys, "--pairs", str(tmp_path / "none.jsonl"), "--sample", "0")
+    assert status == 2 and err.startswith("error: cannot read")
+    status, err = _refusal(capsys, "--thresholds", "0.9,1.5")
+    assert status == 2 and "thresholds must be in (0, 1]" in err
