@@ -73,10 +73,12 @@ def live(adapter, prompt):
     return reference, spans, adapter.extract_fragments(prompt, spans)
 
 
-def extract(adapter, prompt, spans, **ranges) -> list[KVFragment]:
-    """Extract from a fresh uncached prefill (earlier tests may have injected other KV)."""
+def extract(adapter, prompt, spans, *ranges: dict) -> list[list[KVFragment]]:
+    """The fragments of each of ``ranges`` (extract_fragments arguments), all extracted from
+    one fresh uncached prefill (earlier tests may have injected other KV; extracting leaves
+    the live sequence as it is)."""
     prefill(adapter, prompt)
-    return adapter.extract_fragments(prompt, spans, **ranges)
+    return [adapter.extract_fragments(prompt, spans, **r) for r in ranges]
 
 
 @pytest.mark.model
@@ -89,8 +91,8 @@ def test_whole_chunks_give_the_uncached_logits(adapter, prompt, live):
 @pytest.mark.model
 def test_layer_halves_merged_on_axis_0_equal_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
-    low = extract(adapter, prompt, spans, layer_start=0, layer_end=15)
-    high = extract(adapter, prompt, spans, layer_start=15, layer_end=30)
+    low, high = extract(adapter, prompt, spans, {"layer_start": 0, "layer_end": 15},
+                        {"layer_start": 15, "layer_end": 30})
     assert [f.n_layers for f in low + high] == [15] * (2 * len(spans))
     # the halves, un-merged, together
     assert np.array_equal(injected_logits(adapter, low + high, prompt), reference)
@@ -112,8 +114,8 @@ def test_layer_halves_merged_on_axis_0_equal_the_whole_chunk(adapter, prompt, li
 @pytest.mark.model
 def test_stride_sampled_layers_merge_to_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
-    even = extract(adapter, prompt, spans, layer_start=0, layer_end=30, layer_stride=2)
-    odd = extract(adapter, prompt, spans, layer_start=1, layer_end=30, layer_stride=2)
+    even, odd = extract(adapter, prompt, spans, {"layer_start": 0, "layer_end": 30, "layer_stride": 2},
+                        {"layer_start": 1, "layer_end": 30, "layer_stride": 2})
     assert list(even[0].layers) == list(range(0, 30, 2)) and list(odd[0].layers) == list(range(1, 30, 2))
     assert np.array_equal(injected_logits(adapter, even + odd, prompt), reference)
     merged = [merge_layers([e, o]) for e, o in zip(even, odd)]
@@ -127,8 +129,7 @@ def test_stride_sampled_layers_merge_to_the_whole_chunk(adapter, prompt, live):
 def test_head_groups_merged_on_axis_1_equal_the_whole_chunk(adapter, prompt, live):
     reference, spans, whole = live
     assert adapter.namespace.n_head_kv == 3
-    first = extract(adapter, prompt, spans, head_start=0, head_end=2)
-    last = extract(adapter, prompt, spans, head_start=2, head_end=3)
+    first, last = extract(adapter, prompt, spans, {"head_start": 0, "head_end": 2}, {"head_start": 2, "head_end": 3})
     assert first[0].keys.shape == (30, first[0].span, 128) and last[0].keys.shape == (30, last[0].span, 64)
     assert np.array_equal(injected_logits(adapter, first + last, prompt), reference)
     merged = [merge_heads([b, a]) for a, b in zip(first, last)]
@@ -335,6 +336,15 @@ def config(**settings) -> EdgeSyncConfig:
     return EdgeSyncConfig.load({"semantic": False, **settings})
 
 
+ESSAY = "Write a long, detailed essay about how to study well for exams."
+
+
+@pytest.fixture(scope="module")
+def essay_reference(adapter, system_prompts):
+    """The uncached answer to the essay request, computed once for both groupings."""
+    return EdgeSync(adapter, store=False, config=config()).generate(chat(system_prompts[1], ESSAY), max_tokens=16)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize(
     "settings, groups",
@@ -343,9 +353,9 @@ def config(**settings) -> EdgeSyncConfig:
         ({"heads_per_fragment": 1}, [((0, 30), (0, 1)), ((0, 30), (1, 2)), ((0, 30), (2, 3))]),
     ],
 )
-def test_router_stores_groups_and_hits_them_exactly(adapter, system_prompts, tmp_path, settings, groups):
-    messages = chat(system_prompts[1], "Write a long, detailed essay about how to study well for exams.")
-    reference = EdgeSync(adapter, store=False, config=config()).generate(messages, max_tokens=16)
+def test_router_stores_groups_and_hits_them_exactly(adapter, system_prompts, essay_reference, tmp_path, settings,
+                                                    groups):
+    messages, reference = chat(system_prompts[1], ESSAY), essay_reference
     with FragmentStore(tmp_path / "store") as store:
         es = EdgeSync(adapter, store=store, config=config(**settings))
         tokens = es.prompt_tokens(messages)
