@@ -240,24 +240,35 @@ def _answer(store: Path, requests: Path) -> tuple[list[dict], str]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("where", ["meta root", "branch child", "leaf key size", "overflow header"])
-def test_a_request_on_a_damaged_store_is_answered_uncached_by_a_child(system_prompts, tmp_path, where):
-    """A real store (a SmolLM2 answer's KV, plus synthetic fragments for branch pages), damaged
-    at ``where``: a child process answers with the uncached run's tokens and one warning naming
-    ``edgesync clear``; after the clear, the prompt is stored and reused again."""
+@pytest.fixture(scope="module")
+def answered_store(system_prompts, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """A real store (a SmolLM2 answer's KV, plus synthetic fragments for branch pages) whose
+    prompt a second child then hit; the requests file; and the first child's answer, a miss on
+    a new store (prefilled: the uncached reference)."""
     from llama_counts import chat
 
-    requests = tmp_path / "requests.json"
+    base = tmp_path_factory.mktemp("answered")
+    requests = base / "requests.json"
     requests.write_text(json.dumps([chat(system_prompts[2], "How do I export my data?")]))
-    (reference,), _ = _answer(tmp_path / "uncached", requests)  # a new store: prefilled
-    store = tmp_path / "store"
-    _answer(store, requests)
+    store = base / "store"
+    (reference,), _ = _answer(store, requests)
+    assert reference["hit"] == "miss" and reference["tokens_reused"] == 0
     with FragmentStore(store) as s:
         for i in range(300):
             s.put(make_fragment(seed=i, end=128, start=0 if i % 2 else 64, layers=(0, 30, 10)))
     (hit,), _ = _answer(store, requests)
     assert hit["tokens"] == reference["tokens"] and hit["tokens_reused"] > 0
+    return store, requests, reference
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("where", ["meta root", "branch child", "leaf key size", "overflow header"])
+def test_a_request_on_a_damaged_store_is_answered_uncached_by_a_child(answered_store, tmp_path, where):
+    """A copy of :func:`answered_store` damaged at ``where``: a child process answers with the
+    uncached run's tokens and one warning naming ``edgesync clear``; after the clear, the
+    prompt is stored and reused again."""
+    pristine, requests, reference = answered_store
+    store = Path(shutil.copytree(pristine, tmp_path / "store"))
     _damage(store, where)
     (got,), err = _answer(store, requests)
     assert got["tokens"] == reference["tokens"] and got["tokens_reused"] == 0
