@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from edgesync_engines.app import cli
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
 from edgesync_engines.request.prompt_text import embed_text_for
@@ -108,7 +109,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
         twin_key = storeback.donor_key(writer.namespace, twin_tokens, writer.config)
         assert writer.semantic.embedder is None and unindexed_keys(writer.store) == [twin_key]
     assert written.fragments_written == len(chunk_spans(len(twin_tokens) - 1, 96))  # its own grid
-    uncached = EdgeSync(adapter, store=False).generate(prompt, max_tokens=24)
+    uncached = EdgeSync(adapter, store=False).generate(prompt, max_tokens=12)
     tokens = adapter.tokenize(adapter.apply_chat_template(prompt))
     shared = common_prefix_len(tokens, twin_tokens)
     assert shared >= 200 and len(tokens) - shared >= 64
@@ -121,7 +122,7 @@ def test_twin_of_another_chunk_size_is_nominated_and_verified(adapter, tmp_path,
     with EdgeSync(adapter, config=verifying) as es:
         assert es.semantic.wait_ready() and es.semantic.wait_caught_up(timeout=120)
         assert twin_key in es.semantic.index_if_ready() and unindexed_keys(es.store) == []
-        result = es.generate(prompt, max_tokens=24)
+        result = es.generate(prompt, max_tokens=12)
     assert result.lookup_ms is not None and result.similarity >= 0.75
     assert result.donor == twin_key.hex()
     assert result.tokens_reused == adapter.usable_prefix(shared, len(tokens)) > shared - 24
@@ -227,7 +228,8 @@ def test_approximate_mode_below_threshold_stays_exact(adapter, tmp_path, system_
 
 
 @pytest.mark.model
-def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path, system_prompts, passage, caplog):
+def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path, system_prompts, passage, caplog,
+                                                                capsys):
     """`edgesync reindex` embeds the donor records the default mode wrote (no vector, no
     sidecar: nothing stale), then rebuilds a deleted sidecar from LMDB (same vector count);
     re-embedding with sentence-transformers makes the store refuse ONNX vectors: the
@@ -241,14 +243,13 @@ def test_reindex_rebuilds_and_another_backend_turns_lookup_off(adapter, tmp_path
     assert not (store_dir / SIDECAR_HNSW).exists() and not (store_dir / SIDECAR_JSON).exists()
 
     def reindex(*args: str) -> dict:
-        proc = subprocess.run(
-            [sys.executable, "-m", "edgesync_engines.app.cli", "reindex", str(store_dir), "--json", *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout)
+        # the command's own entry point, in this process (test_reindex_refuses_a_missing_store
+        # runs it as a program): the store is closed here while it runs
+        capsys.readouterr()
+        status = cli.main(["reindex", str(store_dir), "--json", *args])
+        out = capsys.readouterr()
+        assert status == 0, out.err[-2000:]
+        return json.loads(out.out)
 
     report = reindex()
     assert report["vectors_indexed"] == 2 and report["backend_id"].endswith("onnx-int8")
