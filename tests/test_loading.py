@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import shutil
+from pathlib import Path
 
 import pytest
 from llama_counts import chat
@@ -110,16 +112,31 @@ def _meta_pages_overwritten(data: bytes) -> bytes:
     return bytes(range(256)) * (2 * mmap.PAGESIZE // 256) + data[2 * mmap.PAGESIZE:]
 
 
+DAMAGED_ASK = "How do I reset my password?"
+
+
+@pytest.fixture(scope="module")
+def stored_and_uncached(adapter, system_prompts, tmp_path_factory) -> tuple[Path, list[int]]:
+    """A store that holds the answer of the damaged-store tests' prompt (system_prompts.json
+    row 1 and :data:`DAMAGED_ASK`), built once to be copied, and the uncached run's tokens."""
+    m = chat(system_prompts[1], DAMAGED_ASK)
+    path = tmp_path_factory.mktemp("stored") / "store"
+    with FragmentStore(path) as store:
+        assert EdgeSync(adapter, store=store, config=config()).generate(m, max_tokens=MAX_TOKENS).fragments_written
+    reference = EdgeSync(adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
+    return path, reference.tokens
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("damage", [_truncated, _meta_pages_overwritten])
-def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, tmp_path, caplog, damage):
-    """A truncated data.mdb, or one whose meta pages are unreadable: EdgeSync opens no store
-    (one warning naming the clear command), answers exactly as uncached, and leaves the file as
-    it was."""
-    m = chat(system_prompts[1], "How do I reset my password?")
-    path = tmp_path / "store"
-    with FragmentStore(path) as store:
-        EdgeSync(adapter, store=store, config=config()).generate(m, max_tokens=MAX_TOKENS)
+def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_prompts, stored_and_uncached, tmp_path,
+                                                             caplog, damage):
+    """A truncated data.mdb, or one whose meta pages are unreadable (in a copy of a store that
+    holds the prompt): EdgeSync opens no store (one warning naming the clear command), answers
+    exactly as uncached, and leaves the file as it was."""
+    m = chat(system_prompts[1], DAMAGED_ASK)
+    pristine, reference = stored_and_uncached
+    path = Path(shutil.copytree(pristine, tmp_path / "store"))
     damaged = damage((path / "data.mdb").read_bytes())
     (path / "data.mdb").write_bytes(damaged)
     with caplog.at_level(logging.WARNING):
@@ -132,8 +149,7 @@ def test_a_damaged_store_is_served_uncached_with_one_warning(adapter, system_pro
         got = es.generate(m, max_tokens=MAX_TOKENS)
     finally:
         es.close()
-    reference = EdgeSync(adapter, store=False, config=config()).generate(m, max_tokens=MAX_TOKENS)
-    assert got.tokens == reference.tokens and got.tokens_reused == 0
+    assert got.tokens == reference and got.tokens_reused == 0
     assert (path / "data.mdb").read_bytes() == damaged
 
 
