@@ -165,13 +165,24 @@ def _wrong_content_hash(blob: bytearray) -> bytearray:
     return blob
 
 
+PUSH_UPS = "How many push-ups should a beginner do each day?"
+
+
+@pytest.fixture(scope="module")
+def push_ups_reference(adapter, system_prompts) -> list[int]:
+    """The uncached answer (16 tokens) of the corrupt-fragment tests' prompt, computed once."""
+    tokens = EdgeSync(adapter, store=False).generate(chat(system_prompts[3], PUSH_UPS), max_tokens=16).tokens
+    adapter.clear_kv_cache()  # the tests' first request must not find this prompt live in the engine
+    return tokens
+
+
 @pytest.mark.parametrize(
     "mutate", [_flip_payload_byte, _wrong_content_hash], ids=["flipped-byte", "wrong-content-hash"]
 )
-def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, store, system_prompts, mutate):
+def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, push_ups_reference, store, system_prompts, mutate):
     """A bad stored value is refused on read, the request falls
     back to prefill with the right answer, and the bad entry is removed."""
-    messages = chat(system_prompts[3], "How many push-ups should a beginner do each day?")
+    messages = chat(system_prompts[3], PUSH_UPS)
     first = cached.generate(messages, max_tokens=16)
     assert first.hit == "miss"
     bad = _chunk_key(store, 128)
@@ -181,7 +192,7 @@ def test_corrupt_fragment_is_refused_removed_and_prefilled(cached, uncached, sto
     cached.fragment_cache.clear()  # as in a process that has no RAM copy: the store is read
     cached.adapter.clear_kv_cache()  # nor the prompt live in its engine
     again = cached.generate(messages, max_tokens=16)
-    assert again.tokens == uncached.generate(messages, max_tokens=16).tokens
+    assert again.tokens == push_ups_reference
     assert again.tokens_reused == 128  # the intact first chunk still serves
     assert again.hit == "partial"
     assert store.stats().dropped_corrupt == 1
