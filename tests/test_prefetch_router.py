@@ -34,13 +34,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def passages(data_dir):
-    """Two doc-QA passages, each as its first 3 questions' chat messages (passage order)."""
+    """Two doc-QA passages with 3 questions or more (passage order): the first one's first 3
+    questions and the second one's first 2 (all the tests send), as chat messages."""
     by_doc: dict[str, list] = {}
     for req in workloads.doc_qa_workload(3, data_dir):
         by_doc.setdefault(req.group, []).append(req.as_messages())
-    chosen = [qs[:3] for qs in by_doc.values() if len(qs) >= 3][:2]
+    chosen = [qs for qs in by_doc.values() if len(qs) >= 3][:2]
     assert len(chosen) == 2
-    return chosen
+    return [chosen[0][:3], chosen[1][:2]]
 
 
 def config(prefetch: bool, **extra) -> EdgeSyncConfig:
@@ -208,7 +209,7 @@ def test_fragment_gone_from_store_is_not_served_from_ram(model, passages, refere
 def test_predictor_accuracy_is_reported(model, passages, reference, tmp_path):
     """Two passages interleaved: top-1/top-3 accuracy equal an NgramPredictor(3, 3) run over
     the requests' keys (computed from the prompts), and every answer stays identical."""
-    (a0, a1, a2), (b0, b1, _) = passages
+    (a0, a1, a2), (b0, b1) = passages
     sequence = [(0, 0, a0), (0, 1, a1), (1, 0, b0), (0, 2, a2), (1, 1, b1)]
     on = router(model, tmp_path / "on", prefetch=True)
     try:
