@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -32,9 +33,28 @@ def rows(data_dir) -> list[dict]:
         return [json.loads(line) for line, _ in zip(f, range(6))]
 
 
+def _config() -> EdgeSyncConfig:
+    return dataclasses.replace(EdgeSyncConfig.load(), semantic=False, jobs=False, prefetch=False)
+
+
 @pytest.fixture()
 def config() -> EdgeSyncConfig:
-    return dataclasses.replace(EdgeSyncConfig.load(), semantic=False, jobs=False, prefetch=False)
+    return _config()
+
+
+@pytest.fixture(scope="module")
+def six_documents(adapter, rows, tmp_path_factory):
+    """A store holding the six passages as documents (KV, records, vectors), each with its row's
+    ``doc_id`` as source, added once for the module. Tests that use it work on a copy."""
+    store = tmp_path_factory.mktemp("six") / "store"
+    with EdgeSync(model=adapter, store=store, config=_config()) as es:
+        assert len(es.add_documents([{"text": r["context"], "source": r["doc_id"]} for r in rows])) == 6
+    return store
+
+
+def copy_of(store, tmp_path):
+    """A copy of the store directory ``store`` under ``tmp_path``, to write to."""
+    return shutil.copytree(store, tmp_path / "copy")
 
 
 def uncached(adapter, config, messages, docs):
@@ -59,11 +79,12 @@ def test_exact_mode_with_documents_is_token_identical_and_stores_them(adapter, c
 
 
 @pytest.mark.parametrize("share", [0.15, 1.0])
-def test_blend_places_stored_documents_and_recomputes_its_share(adapter, config, rows, tmp_path, share):
+def test_blend_places_stored_documents_and_recomputes_its_share(adapter, config, rows, six_documents, tmp_path,
+                                                               share):
     docs = [rows[i]["context"] for i in (1, 3, 0)]
     messages = chat(SYSTEM, rows[3]["questions"][1])
-    with EdgeSync(model=adapter, store=tmp_path / "s", config=config) as es:
-        es.add_documents(docs)
+    with EdgeSync(model=adapter, store=copy_of(six_documents, tmp_path), config=config) as es:
+        assert all(es.documents.kv_stored(rec) for rec in es.add_documents(docs))
         es.config = dataclasses.replace(config, blend_recompute=share)
         prompt, _ = es.document_prompt(messages, docs)
         adapter.reset_perf()
@@ -121,14 +142,20 @@ def test_forget_with_documents_makes_the_next_request_a_miss(adapter, config, ro
     assert (after.hit, after.tokens_reused, after.documents_computed) == ("miss", 0, 2)
 
 
-def test_retrieve_finds_the_gold_passage_by_meaning(adapter, config, rows, tmp_path):
+def test_retrieve_finds_the_gold_passage_by_meaning(adapter, config, rows, six_documents, tmp_path):
     with EdgeSync(model=adapter, store=tmp_path / "s", config=config) as es:
         with pytest.raises(ValueError, match="holds no documents"):
             es.generate(chat(SYSTEM, "Who?"), retrieve=2)
-        records = es.add_documents([{"text": r["context"], "source": r["doc_id"]} for r in rows])
+    with EdgeSync(model=adapter, store=copy_of(six_documents, tmp_path), config=config) as es:
+        records = es.add_documents([{"text": r["context"], "source": r["doc_id"]} for r in rows])  # the stored ones
+        assert [r.source for r in records] == [r["doc_id"] for r in rows]
         found = 0
         for i, row in enumerate(rows):
-            result = es.generate(chat(SYSTEM, row["questions"][0]), retrieve=3, max_tokens=4)
+            # row 0 in the default (exact) mode; the others blend the retrieved passages, which
+            # are stored, so that only their recomputed share is prefilled
+            result = es.generate(chat(SYSTEM, row["questions"][0]), retrieve=3, max_tokens=4,
+                                 reuse="exact" if i == 0 else "blend")
+            assert result.approximate == (i > 0)
             assert len(result.documents) == 3
             assert result.retrieval_scores == sorted(result.retrieval_scores, reverse=True)
             found += records[i].doc_id in result.documents
