@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,6 +24,9 @@ from edgesync_store.core.store import FragmentStore
 pytestmark = [pytest.mark.model]
 
 PREFIX, TOTAL = 128, 200
+MAX_TOKENS = 8
+"""Tokens generated where an answer is compared with an uncached one (the length is not what
+these tests are about)."""
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +36,20 @@ def doc_prompts(onnx_adapter, data_dir):
     out = [t[:TOTAL] for t in (onnx_adapter.tokenize(row["context"]) for row in rows) if len(t) >= TOTAL][:8]
     assert len(out) == 8
     return out
+
+
+@pytest.fixture(scope="module")
+def router_messages(seed_requests):
+    """Seed requests 3-5 as chat messages: the prompts the router tests send."""
+    return [r.as_messages() for r in seed_requests[3:6]]
+
+
+@pytest.fixture(scope="module")
+def uncached_answers(adapter, onnx_adapter, router_messages):
+    """Each engine's uncached answer (MAX_TOKENS) to every router_messages prompt, by
+    ``namespace.engine``: computed once, what the router tests' answers must equal."""
+    return {a.namespace.engine: [EdgeSync(a, store=False).generate(m, max_tokens=MAX_TOKENS) for m in router_messages]
+            for a in (adapter, onnx_adapter)}
 
 
 def llama_logits(llama, tokens, n_past=0, fragments=None):
@@ -105,56 +123,73 @@ def tiny_exports(onnx_export, adapter, tmp_path_factory):
     return own, forged
 
 
+@pytest.fixture(scope="module")
+def foreign_store(tiny_exports, router_messages, tmp_path_factory):
+    """A store that only the two tiny models (tiny_exports order) wrote to, each through the
+    router answering router_messages[0], and their namespaces. Tests copy it: they write to it."""
+    store_dir = tmp_path_factory.mktemp("foreign") / "store"
+    namespaces = []
+    for export in tiny_exports:
+        tiny = OnnxRuntimeAdapter(export=export, n_threads=1)
+        try:
+            assert tiny.namespace.n_head_kv == N_HEAD_KV
+            with EdgeSync(tiny, store=store_dir, config=EdgeSyncConfig.load({"semantic": False, "jobs": False})) as es:
+                assert es.generate(router_messages[0], max_tokens=4).fragments_written >= 1
+            namespaces.append(tiny.namespace)
+        finally:
+            tiny.close()
+    return store_dir, namespaces
+
+
 @pytest.mark.parametrize("engine", ["llamacpp", "onnx"])
-def test_another_models_fragments_are_refused_and_the_router_prefills(engine, tiny_exports, adapter, onnx_adapter,
-                                                                      seed_requests, tmp_path):
+def test_another_models_fragments_are_refused_and_the_router_prefills(engine, foreign_store, adapter, onnx_adapter,
+                                                                      router_messages, uncached_answers, tmp_path):
     """Acceptance 3: fragments of another model (a tiny llama with 2 KV heads) for the very
     prompt asked are in the store; compatible_with refuses them, so the router (convertible
     reuse allowed) prefills and answers exactly as uncached."""
     receiver = adapter if engine == "llamacpp" else onnx_adapter
-    messages = seed_requests[2].as_messages()
+    messages = router_messages[0]
     tokens = receiver.tokenize(receiver.apply_chat_template(messages))
     store_dir = tmp_path / "store"
-    foreign = []
-    for export, reason in zip(tiny_exports, ("another model", "another head layout")):
-        tiny = OnnxRuntimeAdapter(export=export, n_threads=1)
-        assert tiny.namespace.n_head_kv == N_HEAD_KV
-        with EdgeSync(tiny, store=store_dir, config=EdgeSyncConfig.load({"semantic": False, "jobs": False})) as es:
-            assert es.generate(messages, max_tokens=4).fragments_written >= 1
-            fragment = es.store.get(es.store.prefix_walk(tiny.namespace, tokens).spans[0].keys[0])
-            assert es.store.prefix_walk(tiny.namespace, tokens).matched_tokens >= 128
+    shutil.copytree(foreign_store[0], store_dir)
+    foreign = foreign_store[1]
+    for namespace, reason in zip(foreign, ("another model", "another head layout")):
+        with FragmentStore(store_dir) as store:
+            walk = store.prefix_walk(namespace, tokens)
+            assert walk.matched_tokens >= 128
+            fragment = store.get(walk.spans[0].keys[0])
         verdict = compatible_with(fragment, receiver)
         assert verdict.verdict == INCOMPATIBLE and reason in verdict.reason, verdict
         assert not can_inject_with_reshape(fragment, receiver)
         with pytest.raises(ValueError, match=reason):
             convert_fragment(fragment, receiver.namespace)
-        foreign.append(tiny.namespace)
-        tiny.close()
     cfg = EdgeSyncConfig.load({"semantic": False, "jobs": False, "allow_convertible": True})
-    want = EdgeSync(receiver, store=False).generate(messages, max_tokens=12)
+    want = uncached_answers[receiver.namespace.engine][0]
     with EdgeSync(receiver, store=store_dir, config=cfg) as es:
         assert set(foreign) <= set(es.store.namespaces())
-        got = es.generate(messages, max_tokens=12)
+        got = es.generate(messages, max_tokens=MAX_TOKENS)
     assert got.hit == "miss" and got.tokens_reused == 0 and not got.convertible
     assert got.tokens == want.tokens
     assert got.fragments_written >= 1  # its own KV, stored as usual
 
 
-def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapter, seed_requests, tmp_path):
+def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapter, router_messages, uncached_answers,
+                                                            tmp_path):
     """llama.cpp fills the store; ONNX Runtime misses on it by default (token-identical
     output, its own fragments written) and, with allow_convertible, injects the converted
     chain: convertible and source_engine reported, nothing written, output reported against
-    uncached. Then the other direction."""
-    msgs = [r.as_messages() for r in seed_requests[3:6]]
+    uncached (its first token checked). Then the other direction."""
+    msgs = router_messages
     base = {"semantic": False, "jobs": False}
     for writer, reader in ((adapter, onnx_adapter), (onnx_adapter, adapter)):
         store_dir = tmp_path / f"store-{writer.namespace.engine}"
         with EdgeSync(writer, store=store_dir, config=EdgeSyncConfig.load(base)) as es:
             for m in msgs:
                 es.generate(m, max_tokens=4)
-        uncached = [EdgeSync(reader, store=False).generate(m, max_tokens=12) for m in msgs]
+        uncached = uncached_answers[reader.namespace.engine]
         with EdgeSync(reader, store=store_dir, config=EdgeSyncConfig.load({**base, "allow_convertible": True})) as es:
-            converted = [es.generate(m, max_tokens=12) for m in msgs]
+            # a few decode steps on the converted KV, though only the first token is compared
+            converted = [es.generate(m, max_tokens=4) for m in msgs]
         for got, want in zip(converted, uncached):
             assert got.convertible and got.source_engine == writer.namespace.engine
             assert got.hit == "exact" and got.tokens_prefilled == 1 and got.fragments_written == 0
@@ -162,7 +197,7 @@ def test_router_uses_the_other_engines_kv_only_when_allowed(adapter, onnx_adapte
         with FragmentStore(store_dir) as store:
             assert [ns.engine for ns in store.namespaces()] == [writer.namespace.engine]
         with EdgeSync(reader, store=store_dir, config=EdgeSyncConfig.load(base)) as es:
-            plain = [es.generate(m, max_tokens=12) for m in msgs]
+            plain = [es.generate(m, max_tokens=MAX_TOKENS) for m in msgs]
         assert all(p.hit == "miss" and not p.convertible and p.fragments_written >= 1 for p in plain)
         assert [p.tokens for p in plain] == [u.tokens for u in uncached]
         # forget removes every engine's copy: with convertible reuse allowed it is a miss too
@@ -179,7 +214,7 @@ def test_run_command_reports_cross_engine_hits(tmp_path):
     `edgesync run` (llama.cpp) filled reports the cross-engine hits and their agreement."""
     store = tmp_path / "store"
     env = {**os.environ, "EDGESYNC_THREADS": "2", "EDGESYNC_JOBS": "0"}
-    common = ["run", "seed", "--limit", "6", "--max-tokens", "8", "--store", str(store), "--json"]
+    common = ["run", "seed", "--limit", "3", "--max-tokens", "4", "--store", str(store), "--json"]
     first = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", *common], capture_output=True, text=True,
                            env=env, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
