@@ -66,7 +66,7 @@ def test_next_turn_prefills_only_its_new_message(adapter, tmp_path, sessions, wh
         messages: list[dict] = []
         for k, user in enumerate(turns[:3]):
             messages.append({"role": "user", "content": user})
-            result = es.generate(messages, max_tokens=96)
+            result = es.generate(messages, max_tokens=48)
             if k:
                 assert result.tokens_prefilled <= expected_prefill(es, messages[:-1], messages)
                 assert result.live_tokens == result.tokens_reused > 0  # continued, nothing injected
@@ -76,7 +76,7 @@ def test_next_turn_prefills_only_its_new_message(adapter, tmp_path, sessions, wh
         assert es.idle.stats.jobs == 3 and es.idle.stats.tokens_wasted == 0
     uncached = EdgeSync(adapter, store=False)
     for prompt, tokens in asked:
-        assert uncached.generate(prompt, max_tokens=96).tokens == tokens
+        assert uncached.generate(prompt, max_tokens=48).tokens == tokens
 
 
 def test_prepared_history_counted_by_llama_cpp(adapter, tmp_path, sessions):
@@ -151,7 +151,7 @@ def test_a_request_during_idle_work_waits_one_batch_at_most(adapter, tmp_path, s
     config = EdgeSyncConfig.load({"idle_store": True, "idle_batch_tokens": MIN_FIRST_BATCH})
     messages = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and a storm."}]
     with EdgeSync(adapter, store=tmp_path / "s", config=config) as es:
-        answer = es.generate(messages, max_tokens=300)
+        answer = es.generate(messages, max_tokens=160)
         assert len(answer.tokens) > 8 * MIN_FIRST_BATCH
         deadline = time.monotonic() + 60
         while es.idle.progress() < MIN_FIRST_BATCH and time.monotonic() < deadline:
@@ -168,13 +168,13 @@ def test_a_request_during_idle_work_waits_one_batch_at_most(adapter, tmp_path, s
 def test_a_stop_string_ends_decoding(adapter, tmp_path):
     messages = [{"role": "user", "content": "Tell me about the history of the bicycle."}]
     with EdgeSync(adapter, store=tmp_path / "s") as es:
-        whole = es.generate(messages, max_tokens=120)
+        whole = es.generate(messages, max_tokens=48)
         words = whole.text.split()
-        assert len(words) > 8 and len(whole.tokens) == 120
+        assert len(words) > 8 and len(whole.tokens) == 48
         stop = " " + words[6]  # a word early in the answer
         needed = next(n for n in range(1, len(whole.tokens) + 1)
                       if stop in adapter.detokenize(whole.tokens[:n]))
-        cut = es.generate(messages, max_tokens=120, stop=[stop])
+        cut = es.generate(messages, max_tokens=48, stop=[stop])
     assert cut.finish_reason == "stop" and cut.text == whole.text[:whole.text.index(stop)]
     assert len(cut.tokens) == needed < len(whole.tokens)
 
