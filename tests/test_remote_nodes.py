@@ -75,7 +75,9 @@ def _intact(store: TieredStore) -> int:
 
 def _run_node(tmp_path: Path, name: str, url: str, prefix: str, requests: list, cluster: bool) -> list[dict]:
     (tmp_path / f"{name}.json").write_text(json.dumps(requests))
-    env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": prefix, "EDGESYNC_THREADS": "1",
+    # the nodes run one after the other: each child's engine takes every core (EDGESYNC_THREADS
+    # of the environment, when set, still decides)
+    env = {**os.environ, "EDGESYNC_REMOTE_URL": url, "EDGESYNC_REMOTE_PREFIX": prefix,
            "EDGESYNC_REMOTE_CLUSTER": "1" if cluster else "0", "EDGESYNC_REMOTE_TIMEOUT_MS": "1000",
            "EDGESYNC_SEMANTIC": "0", "EDGESYNC_JOBS": "0"}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "proc_remote_node.py"), str(tmp_path / name),
