@@ -57,6 +57,7 @@ from edgesync_store.errors import (
     StoreUnavailableError,
 )
 from edgesync_store.lifecycle import eviction
+from edgesync_store.lifecycle.eviction import DEFAULT_MAX_BYTES
 from edgesync_store.migrations import CURRENT_VERSION, migrate
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
@@ -65,8 +66,6 @@ log = logging.getLogger(__name__)
 
 STORE_FORMAT_VERSION = CURRENT_VERSION
 """On-disk layout version recorded in the ``meta`` database (``migrations/``)."""
-DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
-"""Default size budget: 1 GiB of stored fragments (compressed blobs)."""
 T = TypeVar("T")
 
 Encoded = tuple[bytes, bytes, bytes, Lifecycle, str]
