@@ -12,8 +12,11 @@ KEEP_ENV = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS"}
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment without EDGESYNC_* settings that would change what is tested."""
+    """The environment without EDGESYNC_* settings that would change what is tested, with tables
+    200 columns wide (whatever width the runner's terminal or worker process says), so that the
+    tests can find whole values in them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in KEEP_ENV}
+    env["COLUMNS"] = "200"
     env.update(extra)
     return env
 

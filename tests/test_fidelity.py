@@ -164,6 +164,7 @@ def test_run_pair_serves_the_donor_and_reports_it(adapter, pairs, subset_sims, s
 def _cli(*args: str) -> subprocess.CompletedProcess:
     keep = {"EDGESYNC_MODEL", "EDGESYNC_WORKLOADS", "EDGESYNC_THREADS", "EDGESYNC_FINGERPRINT_CACHE"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGESYNC_") or k in keep}
+    env["COLUMNS"] = "200"  # whole words in the table, whatever width the runner's terminal says
     return subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "fidelity", *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
