@@ -7,7 +7,7 @@ namespaces differ, so neither store serves the other.
 With flash attention the last-token logits of a cached and an uncached run may differ in their
 last bits at some cut points (measured on Gemma 3), so these tests compare greedy TOKENS, on
 several prompts. Prompts are real text: app system prompts of ../shared/workloads joined, then a
-question (a prompt over 900 tokens, beyond Gemma's 512-token window).
+question (for Gemma a prompt over 900 tokens, beyond its 512-token window).
 """
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ def q8(request):
         a.close()
 
 
-def _prompts(system_prompts) -> list[list[dict]]:
+def _prompts(system_prompts, model: str) -> list[list[dict]]:
     """Requests in the order sent: three system prompts + a question (stored by the miss),
     the same (exact), then prompts sharing the first 3, 2 and 1 system prompts with it
-    (partial hits cut at three depths)."""
+    (partial hits cut at three depths). Gemma 3 gets the whole system prompts (over 900 tokens,
+    beyond its 512-token window); SmolLM2, which has no window, the first half of each
+    (about 500 tokens: the same three cut depths, for half the prefill)."""
+    if model != "gemma3":
+        system_prompts = [" ".join(p.split(" ")[: len(p.split(" ")) // 2]) for p in system_prompts]
     three = "\n\n".join(system_prompts[:3])
     return [
         chat(three, QUESTIONS[0]),
@@ -74,7 +78,7 @@ def test_q8_0_hits_match_uncached_q8_0(model, q8, system_prompts, tmp_path):
     adapter = q8(model)
     assert adapter.cache_refusal is None and adapter.flash_attn
     assert adapter.namespace.kv_dtype == "q8_0" and adapter.namespace.flash_attn
-    prompts = _prompts(system_prompts)
+    prompts = _prompts(system_prompts, model)
     uncached = EdgeSync(adapter, store=False)
     reference = [uncached.generate(p, max_tokens=MAX_TOKENS) for p in prompts[1:]]
     reference.insert(0, reference[0])  # the miss and the exact hit are the same prompt
@@ -82,7 +86,7 @@ def test_q8_0_hits_match_uncached_q8_0(model, q8, system_prompts, tmp_path):
         results = [es.generate(p, max_tokens=MAX_TOKENS) for p in prompts]
         tokens = [es.prompt_tokens(p) for p in prompts]
     first = tokens[0]
-    assert len(first) > 900
+    assert len(first) > (900 if model == "gemma3" else 400)
     assert [r.hit for r in results] == ["miss", "exact", "partial", "partial", "partial"]
     assert results[0].fragments_written >= 2
     assert results[1].tokens_reused == results[1].prompt_tokens - 1
