@@ -33,7 +33,7 @@ class EdgeSyncOptions(BaseModel):
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
 
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class SamplingRequest(BaseModel):
@@ -41,14 +41,16 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    # strict: a string, a bool or a float where a number or a flag belongs is the client's
+    # mistake, refused with its field named (as OpenAI does), not coerced
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
-    n: int | None = 1
-    stream: bool = False
+    n: int | None = Field(1, strict=True)
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     edgesync: EdgeSyncOptions | None = None
 
