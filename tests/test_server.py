@@ -134,7 +134,20 @@ def test_stop_sequence_cuts_the_answer(client, model, reference, chat_messages):
     assert text == expected[:expected.index(stop)]
 
 
+def _requests_total(server) -> dict[tuple[str, str], float]:
+    """``edgesync_requests_total`` of ``/metrics`` by (endpoint, status)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+        lines = [line for line in r.read().decode().splitlines() if line.startswith("edgesync_requests_total{")]
+    out = {}
+    for line in lines:
+        labels, value = line[len("edgesync_requests_total{"):].split("} ")
+        fields = dict(part.split("=", 1) for part in labels.split(","))
+        out[(fields["endpoint"].strip('"'), fields["status"].strip('"'))] = float(value)
+    return out
+
+
 def test_errors_have_the_openai_shape_and_status(server, client, model, reference, chat_messages):
+    before = _requests_total(server)
     status, body = _post(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
     assert status == 400 and _assert_error_shape(body)["code"] == "invalid_json"
 
@@ -150,6 +163,7 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
 
     for bad, param in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"),
                        ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 513}, "max_tokens"),
+                       ({"max_tokens": "8"}, "max_tokens"), ({"temperature": "0"}, "temperature"),
                        ({"extra_body": {"edgesync": {"documents": []}}}, "edgesync.documents"),
                        ({"extra_body": {"edgesync": {"reuse": "sloppy"}}}, "edgesync.reuse")):
         with pytest.raises(openai.BadRequestError) as exc:
@@ -162,6 +176,13 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
 
     status, body = _post(server, "/v1/files", b"{}")
     assert status == 404 and _assert_error_shape(body)["type"] == "invalid_request_error"
+
+    # every error above is counted, whichever layer answered it: the body's JSON and fields
+    # (validation), the engine's refusal, the body limit (the request guard), an unknown path
+    after = _requests_total(server)
+    grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert grown == {("/v1/chat/completions", "400"): 12.0, ("/v1/chat/completions", "413"): 1.0,
+                     ("other", "404"): 1.0}
 
 
 def _metric(server, name: str) -> float:

@@ -1,7 +1,8 @@
 """``edgesync serve`` as a chat backend (the real server, one worker, the real SmolLM2, idle-time
 storing on as the server's default): a second turn continues the worker's live conversation and
 answers as an uncached run does; a stop sequence ends decoding at the token that completes it; a
-client that goes away frees the worker and leaves its prompt stored; a request naming another
+client that goes away (from a stream or from a whole answer) frees the worker and leaves its prompt
+stored; a request naming another
 model is answered by the served one. Figures come from the server's own answers and ``/metrics``,
 never from timing."""
 
@@ -93,11 +94,16 @@ def test_a_stop_sequence_ends_decoding(client, model, reference):
     assert upto < len(full.tokens) and upto <= max_tokens // 4
 
 
+STORY = [{"role": "system", "content": (
+    "You are Mara, the keeper of the lighthouse on Skerry Point. You tell long stories about the storms, the ships "
+    "and the gulls of the northern coast, in plain words, with many details about the lamp, the fog horn and the "
+    "logbook you have kept for forty years.")},
+    {"role": "user", "content": "Tell me the longest story you know."}]
+"""A prompt whose answer runs long: what a client gives up on in the tests below."""
+
+
 def test_a_client_that_goes_away_frees_the_worker_and_its_prompt_is_stored(server, client, model):
-    system = ("You are Mara, the keeper of the lighthouse on Skerry Point. You tell long stories about the "
-              "storms, the ships and the gulls of the northern coast, in plain words, with many details about "
-              "the lamp, the fog horn and the logbook you have kept for forty years.")
-    story = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me the longest story you know."}]
+    story = STORY
     cancelled = _metric(server, "edgesync_cancelled_requests_total")
     completion = _metric(server, "edgesync_completion_tokens_total")
     stream = client.chat.completions.create(model=model, messages=story, max_tokens=1000, stream=True)
@@ -119,6 +125,22 @@ def test_a_client_that_goes_away_frees_the_worker_and_its_prompt_is_stored(serve
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.model_extra["edgesync"]["hit"] in ("exact", "partial")
     assert _metric(server, "edgesync_live_prefix_requests_total") == live
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_the_worker(server, client, model):
+    """A non-streamed request whose client times out (the connection closes) is cancelled: the
+    worker stops decoding instead of answering nobody to ``max_tokens``."""
+    cancelled = _metric(server, "edgesync_cancelled_requests_total")
+    completion = _metric(server, "edgesync_completion_tokens_total")
+    impatient = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=2.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=model, messages=[*STORY[:1], {"role": "user", "content": (
+            "Tell me the longest story you know, about the winter of the great storm.")}], max_tokens=1000)
+    assert _await_metric(server, "edgesync_cancelled_requests_total", cancelled) == cancelled + 1
+    assert _metric(server, "edgesync_completion_tokens_total") == completion  # it was not answered to the end
+    after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=4)
+    assert after.usage.completion_tokens >= 1
 
 
 def test_a_model_the_server_does_not_serve_is_answered_by_the_one_it_serves(client, model):

@@ -14,10 +14,16 @@ A streamed request waits for its worker's first message before answering, so tha
 engine refuses (a prompt that does not fit the context) still gets a plain 400, not a stream
 that fails. An error after the first chunk (the worker died) is sent as a last event
 ``{"error": {...}}``, which the ``openai`` client raises as an ``APIError``.
+
+A client that goes away stops its job at the worker's next token: a stream when its response is
+closed, a whole answer when the connection says so (checked every
+:data:`DISCONNECT_POLL_S` while the job runs).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -25,12 +31,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from edgesync_engines.server import schemas
 from edgesync_engines.server.errors import APIError, install_handlers
-from edgesync_engines.server.metrics import CONTENT_TYPE, ServerMetrics
+from edgesync_engines.server.metrics import CONTENT_TYPE, ErrorCounter, ServerMetrics
 from edgesync_engines.server.pool import WorkerPool
 from edgesync_engines.server.security import Guard
 
@@ -38,6 +44,13 @@ log = logging.getLogger(__name__)
 
 MAX_LOGGED_MODEL_NAMES = 256
 """Distinct unknown model names logged (one line each); later ones are served unlogged."""
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+"""The answering endpoints, counted by name in ``edgesync_requests_total``."""
+DISCONNECT_POLL_S = 0.25
+"""Seconds between two checks that the client of a non-streamed request is still connected."""
+CLIENT_CLOSED = 499
+"""The status of the answer to a client that went away (nobody reads it; counted in
+``edgesync_requests_total``): nginx's convention."""
 
 
 @dataclass(frozen=True)
@@ -79,17 +92,18 @@ def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: schemas.ChatCompletionRequest):
+    async def chat(body: schemas.ChatCompletionRequest, request: Request):
         names.check(body.model)
         prompt = [m.plain() for m in body.messages]
-        return await _answer(pool, settings, metrics, body, prompt, "chat")
+        return await _answer(pool, settings, metrics, body, prompt, "chat", request)
 
     @app.post("/v1/completions")
-    async def completions(body: schemas.CompletionRequest):
+    async def completions(body: schemas.CompletionRequest, request: Request):
         names.check(body.model)
-        return await _answer(pool, settings, metrics, body, body.text(), "completion")
+        return await _answer(pool, settings, metrics, body, body.text(), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ErrorCounter, metrics=metrics, endpoints=ENDPOINTS)  # outermost: sees every error
     return app
 
 
@@ -120,33 +134,51 @@ def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict
             "reuse": body.edgesync.reuse if body.edgesync is not None else None, "submitted_at": time.time()}
 
 
-async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, body, prompt, kind: str):
+async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, body, prompt, kind: str,
+                  request: Request):
     """Run one request on the pool and answer it whole or as a stream."""
     endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    job = _job(body, settings, prompt)
+    messages = pool.submit(job)
+    shaper = _Shaper(kind, settings.model_id, job)
     try:
-        job = _job(body, settings, prompt)
-    except APIError as exc:
-        metrics.failed(endpoint, exc.status)
-        raise
-    try:
-        messages = pool.submit(job)
-    except RuntimeError as exc:  # shutting down
-        metrics.failed(endpoint, 503)
+        # a whole answer's job sends nothing before its final message: wait for it watching the client
+        first = await (_final_unless_gone(messages, request) if not body.stream else anext(messages))
+    except RuntimeError as exc:  # the pool is shutting down (raised at the generator's first step)
         raise APIError(503, str(exc), code="shutting_down") from None
-    first = await anext(messages)
+    if not body.stream:
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED)  # nobody reads it; counted as 499
+        return _whole(first, shaper, metrics, endpoint)
     if first["type"] == "error":
         await messages.aclose()
-        metrics.failed(endpoint, first["status"])
         raise _api_error(first)
-    shaper = _Shaper(kind, settings.model_id, job)
-    if not body.stream:
-        final = first
-        async for msg in messages:
-            final = msg
-        return _whole(final, shaper, metrics, endpoint)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15,
                                shutdown_grace_period=settings.shutdown_grace_s)
+
+
+async def _final_unless_gone(messages, request: Request) -> dict | None:
+    """The job's final message, or None when the client disconnected first; the job is then
+    cancelled (closing ``messages`` tells its worker to stop at its next token)."""
+
+    async def last() -> dict:
+        final = None
+        async for msg in messages:  # the pool's iterator ends with the final message
+            final = msg
+        return final
+
+    waiting = asyncio.ensure_future(last())
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            waiting.cancel()  # the generator's cleanup cancels the job
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await messages.aclose()
+            return None
 
 
 def _api_error(msg: dict) -> APIError:
@@ -162,10 +194,8 @@ def _shutting_down() -> APIError:
 def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str) -> dict:
     """The non-streamed response body of a job's final message."""
     if final["type"] == "error":
-        metrics.failed(endpoint, final["status"])
         raise _api_error(final)
     if final["type"] != "done":
-        metrics.failed(endpoint, 503)
         raise _shutting_down()
     metrics.answered(endpoint, final["result"], final["first_token_at"] - shaper.job["submitted_at"])
     return shaper.whole(final).model_dump()

@@ -1,6 +1,8 @@
 """The server's Prometheus metrics (``GET /metrics``, text format through prometheus-client).
 
-Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}``,
+Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}`` (every answer of the two
+completion endpoints, errors included, whichever layer gave them: :class:`ErrorCounter`; other
+paths' errors under ``endpoint="other"``; 499 for a client that went away),
 ``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens injected from the store),
 ``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
 queueing included), ``hits_total{kind}`` (exact, partial, miss), ``store_bytes`` (the store's
@@ -105,3 +107,26 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class ErrorCounter:
+    """ASGI middleware: counts every error answer (status >= 400) in ``requests_total`` as it
+    starts, by endpoint (``endpoints``, else ``other``, so that a client cannot make up label
+    values) and status. Outermost, it sees the errors of every layer: the request guard (401,
+    413), validation (400), the routes (404, 405) and the answers themselves."""
+
+    def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...]) -> None:
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.failed(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
