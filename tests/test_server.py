@@ -164,6 +164,9 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
     for bad, param in (({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n"),
                        ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 513}, "max_tokens"),
                        ({"max_tokens": "8"}, "max_tokens"), ({"temperature": "0"}, "temperature"),
+                       ({"max_tokens": 4, "max_completion_tokens": 513}, "max_completion_tokens"),
+                       ({"extra_body": {"stream": "yes"}}, "stream"),
+                       ({"extra_body": {"stream_options": {"include_usage": "yes"}}}, "stream_options.include_usage"),
                        ({"extra_body": {"edgesync": {"documents": []}}}, "edgesync.documents"),
                        ({"extra_body": {"edgesync": {"reuse": "sloppy"}}}, "edgesync.reuse")):
         with pytest.raises(openai.BadRequestError) as exc:
@@ -181,7 +184,7 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
     # (validation), the engine's refusal, the body limit (the request guard), an unknown path
     after = _requests_total(server)
     grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-    assert grown == {("/v1/chat/completions", "400"): 12.0, ("/v1/chat/completions", "413"): 1.0,
+    assert grown == {("/v1/chat/completions", "400"): 15.0, ("/v1/chat/completions", "413"): 1.0,
                      ("other", "404"): 1.0}
 
 

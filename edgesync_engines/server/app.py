@@ -127,8 +127,9 @@ def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict
     """The worker job of a checked request (APIError for a max_tokens over the limit)."""
     max_tokens = body.wanted_tokens() or settings.default_max_tokens
     if max_tokens > settings.max_tokens_limit:
-        raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {settings.max_tokens_limit}",
-                       code="invalid_value", param="max_tokens")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{field}: {max_tokens} is over this server's limit of {settings.max_tokens_limit}",
+                       code="invalid_value", param=field)
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
             "seed": body.seed, "stop": body.stops(), "stream": body.stream,
             "reuse": body.edgesync.reuse if body.edgesync is not None else None, "submitted_at": time.time()}

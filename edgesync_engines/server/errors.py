@@ -14,6 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list", "none"})
+"""pydantic's tags for the plain-type branches of a union in an error's location."""
+
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 """The OpenAI error ``type`` of each status."""
@@ -45,6 +48,12 @@ def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
     return json.dumps(APIError(status, message, code).body()).encode()
 
 
+def _is_type_tag(part: str) -> bool:
+    """Whether a pydantic error location part names a union branch's type (``str``, ``int``,
+    ``list[str]``, ``function-after[...]``) rather than a field."""
+    return part in TYPE_TAGS or (part.endswith("]") and "[" in part)
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """A pydantic validation failure as one 400: the first problem, naming its field."""
     errors = exc.errors()
@@ -52,8 +61,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return APIError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
-    # a union (str | list) reports one error per branch: name the field, not the branch
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p).startswith(("str", "list[", "int"))]
+    # a union (str | list) reports one error per branch, its location ending in the branch's type
+    # tag ("str", "list[str]"): name the field, not the branch (a field named "stream" is a field)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
     param = ".".join(loc) or None
     msg = "a required field is missing" if first.get("type") == "missing" else first.get("msg", "invalid value")
     return APIError(400, f"{param or 'body'}: {msg}", code="invalid_value", param=param)
