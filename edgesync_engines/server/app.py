@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 MAX_LOGGED_MODEL_NAMES = 256
 """Distinct unknown model names logged (one line each); later ones are served unlogged."""
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-"""The answering endpoints, counted by name in ``edgesync_requests_total``."""
+"""The answering endpoints (chat, then text), counted by name in ``edgesync_requests_total``."""
 DISCONNECT_POLL_S = 0.25
 """Seconds between two checks that the client of a non-streamed request is still connected."""
 CLIENT_CLOSED = 499
@@ -138,7 +138,7 @@ def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict
 async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, body, prompt, kind: str,
                   request: Request):
     """Run one request on the pool and answer it whole or as a stream."""
-    endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    endpoint = ENDPOINTS[0] if kind == "chat" else ENDPOINTS[1]
     job = _job(body, settings, prompt)
     messages = pool.submit(job)
     shaper = _Shaper(kind, settings.model_id, job)
