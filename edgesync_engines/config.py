@@ -101,7 +101,7 @@ class EdgeSyncConfig:
         4096, env="EDGESYNC_N_CTX", parse=int, help="context window, tokens (>= 64)",
         check=lambda v: f"{v} is below 64 tokens" if v < 64 else None)
     n_threads: int | None = setting(
-        None, env="EDGESYNC_THREADS", parse=int, help="CPU threads (1 to 256)", shown="all cores",
+        None, env="EDGESYNC_THREADS", parse=int, help="CPU threads (1 to 256)", shown="all usable cores",
         check=lambda v: None if v is None or 1 <= v <= 256 else f"must be in [1, 256], got {v}")
     flash_attn: bool = flag(False, "EDGESYNC_FLASH_ATTN", "llama.cpp flash attention")
     kv_type: str = setting(

@@ -34,6 +34,7 @@ from edgesync_engines.adapters.model_files import (
     route_native_logs,
 )
 from edgesync_engines.adapters.protocol import InjectionError
+from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_store.schema import KVFragment, Namespace
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
             pass ``model_path`` so the namespace can fingerprint the file).
         n_ctx: context window in tokens (default 4,096).
-        n_threads: CPU threads (default: all cores).
+        n_threads: CPU threads (default: every CPU this process may run on, ``usable_cpus``).
         flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
             namespace).
         kv_type: K and V cache type, one of :data:`KV_TYPES` (recorded in the namespace; the
@@ -104,8 +105,8 @@ class LlamaCppAdapter(EngineAdapterBase):
                     self.llm = llama_cpp.Llama(
                         model_path=str(path),
                         n_ctx=n_ctx,
-                        n_threads=n_threads or os.cpu_count() or 1,
-                        n_threads_batch=n_threads or os.cpu_count() or 1,
+                        n_threads=n_threads or usable_cpus(),
+                        n_threads_batch=n_threads or usable_cpus(),
                         flash_attn=flash_attn,
                         verbose=verbose,
                         seed=seed,

@@ -43,6 +43,7 @@ import platformdirs
 
 from edgesync_engines.adapters.model_files import file_fingerprint
 from edgesync_engines.adapters.onnx_support import onnx_refusal
+from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_store.errors import install_hint, require_extra
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def open_export(directory: str | os.PathLike, n_threads: int | None = None):
     meta = read_meta(directory)
     again = "export again with `edgesync export-onnx --force`"
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = n_threads or os.cpu_count() or 1
+    opts.intra_op_num_threads = n_threads or usable_cpus()
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 4  # errors reach the caller as the exception below
     try:

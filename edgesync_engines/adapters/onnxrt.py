@@ -67,7 +67,7 @@ class OnnxRuntimeAdapter(EngineAdapterBase):
             ``onnx_export.export_dir``), or None for the configured model.
         export: an export directory to use instead (its ``source_fingerprint`` is the model's).
         n_ctx: context window in tokens (default 4,096).
-        n_threads: intra-op threads (default: all cores).
+        n_threads: intra-op threads (default: every CPU this process may run on).
         n_batch: prompt evaluation batch, tokens (batches end at multiples of it; >= 2).
         seed: the sampler's seed when ``generate`` is given none.
 

@@ -20,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
 from edgesync_store.errors import require_extra
 
@@ -30,8 +31,9 @@ DEFAULT_MAX_TOKENS_LIMIT = 2048
 
 
 def default_workers(cpus: int | None = None) -> int:
-    """Engine processes for a machine with ``cpus`` logical CPUs (default: this one's)."""
-    cpus = cpus or os.cpu_count() or 1
+    """Engine processes for a machine with ``cpus`` logical CPUs (default: those this process may
+    run on)."""
+    cpus = cpus or usable_cpus()
     return max(1, min(4, cpus // 2))
 
 
@@ -118,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not model.is_file():
         raise CommandError(f"model not found: {model}")
     workers = args.workers or default_workers()
-    threads = cfg.n_threads or max(1, (os.cpu_count() or 1) // workers)
+    threads = cfg.n_threads or max(1, usable_cpus() // workers)
     if args.max_tokens_limit >= cfg.n_ctx:
         raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
                            f"context of {cfg.n_ctx} tokens")
