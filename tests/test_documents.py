@@ -105,17 +105,26 @@ def test_blend_places_stored_documents_and_recomputes_its_share(adapter, config,
 
 
 def test_a_second_process_blends_the_documents_the_first_added(adapter, config, rows, tmp_path):
+    """The first process has no semantic extra (its packages blocked, as in a core install): it
+    stores the documents for exact reuse with one warning, and the second process, which has
+    the extra, embeds them at its first retrieve=."""
     store = tmp_path / "shared"
     docs = [{"text": rows[i]["context"], "title": rows[i]["title"]} for i in (4, 5)]
-    code = ("import sys, json; from edgesync_engines.request.router import EdgeSync;"
+    code = ("import sys, json; sys.modules['onnxruntime'] = sys.modules['hnswlib'] = None;"
+            "from edgesync_engines.request.router import EdgeSync;"
             "from edgesync_engines.config import EdgeSyncConfig; import dataclasses;"
             "c = dataclasses.replace(EdgeSyncConfig.load(), semantic=False, jobs=False);"
             "es = EdgeSync(store=sys.argv[1], config=c); es.add_documents(json.loads(sys.argv[2])); es.close()")
-    subprocess.run([sys.executable, "-c", code, str(store), json.dumps(docs)], check=True, timeout=600)
+    child = subprocess.run([sys.executable, "-c", code, str(store), json.dumps(docs)], check=True, timeout=600,
+                           capture_output=True, text=True)
+    assert child.stderr.count("not embedded for retrieve=") == 1 and "'semantic' extra" in child.stderr
     messages = chat(SYSTEM, rows[5]["questions"][0])
     with EdgeSync(model=adapter, store=store, config=config) as es:
         listed = es.list_documents()
         assert sorted(r.title for r in listed) == sorted(d["title"] for d in docs)
+        assert [len(r.vectors) for r in listed] == [0, 0]
+        assert es.documents.retrieve(rows[5]["questions"][0], 1)[0][0].title == rows[5]["title"]
+        assert all(len(r.vectors) for r in es.list_documents())
         result = es.generate(messages, documents=docs, max_tokens=MAX_TOKENS, reuse="blend")
         prompt, _ = es.document_prompt(messages, docs)
         # remove_documents makes the next request compute them again

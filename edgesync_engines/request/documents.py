@@ -36,7 +36,7 @@ import numpy as np
 from edgesync_store.documents import records
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.documents.retrieval import DocumentIndex, keep_as_document
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.schema import chunk_spans, prefix_hash
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,8 @@ class DocumentLibrary:
         self.header = header
         self._index = None
         self._header_tokens: list[int] | None = None
+        self._warned_unembedded = False
+        self._checked_generation = -1
 
     def header_tokens(self) -> list[int]:
         """The tokens a new document's KV is computed after (``header``: ``"none"`` or
@@ -250,11 +252,39 @@ class DocumentLibrary:
             self.adapter.clear_kv_cache()
         if spans:
             keep_as_document(self.store, self.store.keys_along(self.namespace, chain))
-        if not len(rec.vectors) and self.encode is not None:
-            rec = DocumentRecord(rec.namespace_digest, rec.tokens, rec.header, rec.title, rec.source, rec.text,
-                                 rec.added_at, np.asarray(self.encode(text_windows(rec.text)), np.float32))
+        if not len(rec.vectors):
+            rec = self._with_vectors(rec)
         records.put_document(self.store, rec)
         return rec
+
+    def _with_vectors(self, rec: DocumentRecord) -> DocumentRecord:
+        """``rec`` with its text windows embedded; unchanged when there is no embedder or its
+        extra is missing (exact reuse needs no embedding: :meth:`retrieve` embeds such records
+        once the extra is there)."""
+        if self.encode is None:
+            return rec
+        try:
+            vectors = np.asarray(self.encode(text_windows(rec.text)), np.float32)
+        except MissingExtraError as exc:
+            if not self._warned_unembedded:
+                self._warned_unembedded = True
+                log.warning("documents stored for exact reuse, not embedded for retrieve=: %s", exc)
+            return rec
+        return DocumentRecord(rec.namespace_digest, rec.tokens, rec.header, rec.title, rec.source, rec.text,
+                              rec.added_at, vectors)
+
+    def _embed_unembedded(self) -> None:
+        """Embed the stored records that were added without their vectors (the semantic extra
+        was missing then), once per change of the documents database."""
+        generation = records.documents_generation(self.store)
+        if generation == self._checked_generation:
+            return
+        for rec in self.list():
+            if not len(rec.vectors) and rec.text:
+                records.put_document(self.store, DocumentRecord(
+                    rec.namespace_digest, rec.tokens, rec.header, rec.title, rec.source, rec.text, rec.added_at,
+                    np.asarray(self.encode(text_windows(rec.text)), np.float32)))
+        self._checked_generation = records.documents_generation(self.store)
 
     def list(self) -> list[DocumentRecord]:
         """This namespace's stored documents, in key order."""
@@ -288,11 +318,13 @@ class DocumentLibrary:
 
         Raises:
             ValueError: ``k`` < 1, no embedder, or no stored documents for this model.
+            MissingExtraError: the embedding model cannot load (the ``semantic`` extra).
         """
         if k < 1:
             raise ValueError(f"retrieve: k must be >= 1, got {k}")
         if self.store is None or self.encode is None:
             raise ValueError("retrieve: needs a store and the semantic embedder (EDGESYNC_SEMANTIC=1)")
+        self._embed_unembedded()
         if self._index is None:
             self._index = DocumentIndex(self.store, self.namespace.digest())
         hits = self._index.search(self.encode([query])[0], k)

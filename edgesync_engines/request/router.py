@@ -200,12 +200,13 @@ class EdgeSync:
     def add_documents(self, documents: Iterable["str | Mapping"],
                       progress: Callable[[int], None] | None = None) -> list[DocumentRecord]:
         """Store documents: each one's KV computed once (standalone, only when its chain is not
-        stored yet), its record, and its text embedded for retrieval. ``documents`` are strings
+        stored yet), its record, and its text embedded for retrieval (without the ``semantic``
+        extra: not embedded, with one warning; ``retrieve=`` embeds it once the extra is there).
+        ``documents`` are strings
         or dicts with ``text`` (or ``context``) and optional ``title``, ``source``;
         ``progress(i)`` is called after each. Returns the records, in order.
 
         Raises:
-            MissingExtraError: the embedding model cannot load (the ``semantic`` extra).
             ValueError: a document that is empty, malformed or longer than the context (nothing
                 is stored for it or after it), or no store (``store=False``).
             PermissionError: the store is read-only.
