@@ -195,6 +195,21 @@ def test_check_commands_on_a_healthy_store(store):
     assert missing.returncode == 2 and "no EdgeSync store" in missing.stderr
 
 
+def test_a_foreign_data_file_is_no_store_and_every_command_leaves_it_as_it_was(tmp_path):
+    """A directory whose data.mdb is not LMDB and that was never opened as a store (no
+    pins.lock): check says it is no store instead of advising a clear that would be refused,
+    and no command adds a file beside it."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.mdb").write_bytes(b"not an LMDB file, someone's data\n" * 300)
+    checked = run_cli("check", str(foreign))
+    assert checked.returncode == 2 and "no EdgeSync store" in checked.stderr and "clear" not in checked.stderr
+    for command in (("clear", "--yes"), ("dump",), ("compact",)):
+        out = run_cli(*command[:1], str(foreign), *command[1:])
+        assert out.returncode == 2 and "not an LMDB file" in out.stderr, (command, out.stderr)
+    assert sorted(p.name for p in foreign.iterdir()) == ["data.mdb"]
+
+
 def test_a_child_killed_by_a_signal_means_damaged(store, monkeypatch):
     """The child is replaced by one that dies of SIGSEGV: the verdict is damaged, naming it."""
     monkeypatch.setattr(check.sys, "executable", str(_killer(store.parent)))

@@ -45,7 +45,7 @@ from edgesync_store.core.lmdb_env import (
     prepare_dir,
     read_u64,
 )
-from edgesync_store.core.locks import OpenLock, PinTable
+from edgesync_store.core.locks import OPEN_LOCK_NAME, OpenLock, PinTable
 from edgesync_store.core.walk import PrefixMatch, SpanMatch
 from edgesync_store.errors import (
     CodecError,
@@ -147,6 +147,7 @@ class FragmentStore(MaintenanceBackend):
             raise StoreOpenError("store path: is empty")
         prepare_dir(self.path, readonly)
         writable_dir = os.access(self.path, os.W_OK)
+        lock_files = [self.path / name for name in (OPEN_LOCK_NAME, "lock.mdb") if not (self.path / name).exists()]
         self._open_lock: OpenLock | None = None
         if writable_dir:
             try:
@@ -170,6 +171,13 @@ class FragmentStore(MaintenanceBackend):
         except lmdb.Error as exc:
             self._release_lock()
             raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
+        except StoreOpenError:
+            # a refused directory (a foreign data.mdb) is left as it was: without the lock files
+            # this open created
+            self._release_lock()
+            for created in lock_files:
+                created.unlink(missing_ok=True)
+            raise
         except BaseException:
             self._release_lock()
             raise
