@@ -251,7 +251,9 @@ def load(cls: Callable[..., T], overrides: Mapping[str, Any] | None = None,
         try:
             values[s.name] = s.parse(raw)
         except ValueError as exc:
-            raise ValueError(f"{given}: {exc}") from None
+            # int() and float() word their errors for programmers ("invalid literal for int()")
+            reason = {int: "not a whole number", float: "not a number"}.get(s.parse, str(exc))
+            raise ValueError(f"{given}: {reason}") from None
         source[s.name] = given
     names = {s.name for s in rows}
     for name, value in (overrides or {}).items():

@@ -163,3 +163,10 @@ def test_config_is_declared_and_reuses_the_store_settings(tmp_path):
     assert {name: value for name, value in cfg.to_dict().items() if name in store.to_dict()} == store.to_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.reuse = "blend"  # type: ignore[misc]
+
+
+def test_a_number_that_does_not_parse_is_named_in_words():
+    with pytest.raises(ValueError, match=r"^EDGESYNC_N_CTX='abc': not a whole number$"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_N_CTX": "abc"})
+    with pytest.raises(ValueError, match=r"^EDGESYNC_TOP_P='0,9': not a number$"):
+        EdgeSyncConfig.load(environ={"EDGESYNC_TOP_P": "0,9"})
