@@ -137,6 +137,15 @@ def test_a_command_that_is_not_installed_is_listed_and_refused_in_one_line(monke
 
 
 @pytest.mark.model
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    for args in ([b"caf\xe9 ?"], [b"hi", b"--system", b"\xff\xfe"]):
+        proc = subprocess.run([sys.executable, "-m", "edgesync_engines.app.cli", "generate", *args,
+                               "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=120)
+        name = "--system" if b"--system" in args else "prompt"
+        assert (proc.returncode, proc.stderr) == (2, f"error: {name}: is not valid UTF-8 text\n")
+    assert not (tmp_path / "s").exists()
+
+
 def test_paths_and_models_that_do_not_work_exit_2_with_one_line(tmp_path):
     """A store path that is a file, and a model file that is not a GGUF: one error line, no
     traceback."""

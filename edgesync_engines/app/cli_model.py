@@ -82,6 +82,16 @@ def _summary_line(r) -> str:
             + (f"; UNCACHED: {r.uncached_reason}" if r.uncached_reason else ""))
 
 
+def is_utf8(text: str) -> bool:
+    """False for an argument holding bytes that were not UTF-8 (Python keeps them as lone
+    surrogates, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """``edgesync generate``: stream the answer to stdout and a summary line to stderr, or
     (``--json``) print the result object."""
@@ -98,6 +108,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "kv_type": args.kv_type,
         "allow_convertible": args.allow_convertible,
     })
+    for name, text in (("prompt", args.prompt), ("--system", args.system)):
+        if text is not None and not is_utf8(text):
+            raise CommandError(f"{name}: is not valid UTF-8 text")
     if args.raw:
         if args.system is not None:
             raise CommandError("--system cannot be combined with --raw (the raw prompt is sent as is)")
