@@ -65,16 +65,16 @@ class CodecError(StoreError, ValueError):
 
 
 def install_hint(extra: str) -> str:
-    """How to install the ``edgesync`` distribution with ``extra``, from a checkout."""
-    return f"from EdgeSync's checkout, pip install --find-links build/wheelhouse '.[{extra}]'"
+    """How to install the ``edgesync`` distribution with ``extra``: from its wheel file or its
+    checkout, because an unrelated project holds the name ``edgesync`` on the package registry."""
+    return f"pip install '<EdgeSync wheel or checkout>[{extra}]'"
 
 
 class MissingExtraError(ImportError):
     """An optional stack is not installed. The message is one line naming the extra of the
     ``edgesync`` distribution that brings it, e.g. ``semantic lookup needs the 'semantic' extra:
-    from EdgeSync's checkout, pip install --find-links build/wheelhouse '.[semantic]' (no module
-    named 'hnswlib')``. The hint names the checkout because an unrelated project holds the name
-    ``edgesync`` on the package registry.
+    pip install '<EdgeSync wheel or checkout>[semantic]' (no module named 'hnswlib')``
+    (:func:`install_hint`).
 
     Attributes:
         what: the feature that needs the stack (``"semantic lookup"``).

