@@ -193,12 +193,18 @@ def test_unknown_name_raises():
 def test_default_directory_is_found_beside_the_project_from_any_working_directory(monkeypatch, tmp_path):
     """With no explicit directory and no EDGESYNC_WORKLOADS, the data beside the checkout
     (``<project root>/../shared/workloads``) is found whatever the working directory is."""
-    from edgesync_bench.workloads import workloads_dir
+    from edgesync_bench.workloads import checkout_workloads_dir, workloads_dir
 
     beside = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
     monkeypatch.delenv("EDGESYNC_WORKLOADS", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert workloads_dir() == beside.resolve()
+    assert checkout_workloads_dir().resolve() == beside.resolve()
+    if beside.is_dir():
+        assert workloads_dir() == beside.resolve()
+    else:  # a clone elsewhere (its data given by EDGESYNC_WORKLOADS): the error names the tried path
+        with pytest.raises(WorkloadDataError, match="EDGESYNC_WORKLOADS") as exc:
+            workloads_dir()
+        assert str(beside) in str(exc.value)
 
 
 def test_outside_a_checkout_only_the_setting_finds_the_data(monkeypatch, tmp_path):
