@@ -77,7 +77,22 @@ def _guard_constructor(cls: type, argname: str, is_model) -> None:
     cls.__init__ = guarded
 
 
+def _pin_xdist_worker() -> None:
+    """Give each pytest-xdist worker its own share of this process's CPUs (``make test`` runs
+    two workers on two cores). The engines size their thread pools by the CPUs they may run on
+    (``usable_cpus``), and child processes inherit the mask, so two workers never run four
+    spinning llama.cpp threads on two cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, index, count = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(count)
+    if len(cpus) >= count > 1:
+        share = len(cpus) // count
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share] if index < count - 1 else cpus[index * share:])
+
+
 def pytest_configure(config):
+    _pin_xdist_worker()
     try:
         import llama_cpp
     except ImportError:
@@ -160,10 +175,11 @@ def llama_all_logits():
 
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
     from edgesync_engines.adapters.model_files import default_model_path
+    from edgesync_engines.adapters.threads import usable_cpus
 
     path = default_model_path()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, logits_all=True, verbose=False,
-                          n_threads=os.cpu_count() or 1, n_threads_batch=os.cpu_count() or 1)
+                          n_threads=usable_cpus(), n_threads_batch=usable_cpus())
     a = LlamaCppAdapter(llm, model_path=path)
     yield a
     a.close()
