@@ -160,7 +160,7 @@ def test_serve_without_the_server_extra_names_it_in_one_line(installed):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'server' extra" in lines[0] and "'.[server]'" in lines[0], proc.stderr
+    assert len(lines) == 1 and "'server' extra" in lines[0] and "checkout>[server]'" in lines[0], proc.stderr
 
 
 @pytest.mark.slow
