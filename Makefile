@@ -131,9 +131,10 @@ redis-server:
 # tests/test_arch_matrix.py builds its tiny models from $(LLAMA_SDIST)'s converter, once, into
 # ~/.cache/edgesync/tiny-gguf (under a minute; EDGESYNC_TINY_GGUF_DIR overrides).
 # Two pytest-xdist workers, each pinned to its share of the CPUs (tests/conftest.py), test files
-# kept whole on one worker (--dist loadfile) so that module fixtures are built once.
+# kept whole on one worker (--dist loadfile) so that module fixtures are built once, taken in
+# collection order, longest first (conftest.LONGEST_FIRST), not xdist's most-tests-first.
 test: onnx $(LLAMA_SDIST) redis-server
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The fast layer: every test that needs no model, no server and no Redis (markers in
 # pyproject.toml), on both cores (pytest-xdist), with pytest's rewritten test modules cached

@@ -91,11 +91,12 @@ def _pin_xdist_worker() -> None:
         os.sched_setaffinity(0, cpus[index * share:(index + 1) * share] if index < count - 1 else cpus[index * share:])
 
 
-LONGEST_FIRST = ("test_server_load.py", "test_quantized_kv.py", "test_cross_engine.py", "test_concurrent_compact.py",
-                 "test_documents.py", "test_router.py", "test_arch_matrix.py", "test_gemma.py")
-"""The test files that take longest, run first: ``make test``'s workers take whole files in
-collection order (``--dist loadfile``), and a long file taken last would leave one worker
-running it alone at the end."""
+LONGEST_FIRST = ("test_server_load.py", "test_quantized_kv.py", "test_cross_engine.py", "test_router.py",
+                 "test_documents.py", "test_concurrent_compact.py", "test_semantic_router.py", "test_check.py",
+                 "test_idle.py", "test_gemma.py", "test_ram_tier.py", "test_remote_nodes.py")
+"""The test files that take longest (by ``pytest --durations=0``), run first: ``make test``'s
+workers take whole files in collection order (``--dist loadfile --no-loadscope-reorder``), and a
+long file taken last would leave one worker running it alone at the end."""
 
 
 def pytest_collection_modifyitems(session, config, items):
