@@ -113,6 +113,12 @@ def test_dump_missing_store_exits_2_and_creates_nothing(tmp_path):
         assert proc.stdout == ""
         assert proc.stderr.strip() == f"error: no store at {missing}"
         assert not missing.exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for proc in (dump_script(str(a_file)), edgesync("dump", str(a_file), "--json")):
+        expected = f"error: store path {a_file}: exists and is not a directory"
+        assert (proc.returncode, proc.stderr.strip()) == (2, expected)
+        assert a_file.read_text() == "x"
 
 
 def test_missing_model_exits_2(tmp_path):

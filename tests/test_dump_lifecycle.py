@@ -22,6 +22,7 @@ from unreadable_store import BECOME_NOBODY, run_on_unreadable_store
 
 from edgesync_store.commands.dump import print_dump
 from edgesync_store.commands.inventory import fragment_rows, lifetime_summary, render_lifetime_table, render_table
+from edgesync_store.commands.units import format_binary
 from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.documents.retrieval import keep_as_document
@@ -152,6 +153,7 @@ def test_summary_counts_and_bytes_by_lifetime(lifecycle_store):
         if line.split()[1:2] in (["short"], ["long"], ["document"], ["expired"], ["total"])
     ] == ["short", "long", "document", "expired", "total"]
     assert f"({summ['used_percent']:.1f}%)" in text
+    assert f"of the {format_binary(BUDGET)} budget" in " ".join(text.split())  # the unit the budget is set in
 
 
 def test_dump_script_summary_json(lifecycle_store):

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from edgesync_store.commands.units import format_bytes
+from edgesync_store.commands.units import format_binary, format_bytes
 from edgesync_store.core.backend import MaintenanceBackend
 from edgesync_store.core.lmdb_env import path_state
 from edgesync_store.core.store import FragmentStore
@@ -183,17 +183,19 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
     """Open an existing store without writing to it.
 
     Raises:
-        StoreNotFoundError: no directory at ``path`` (it is not created).
-        StoreOpenError: the directory holds no EdgeSync store, or cannot be read.
+        StoreNotFoundError: nothing at ``path`` (it is not created).
+        StoreOpenError: ``path`` is a file, or the directory holds no EdgeSync store, or cannot be read.
         StoreUnavailableError: the directory cannot be read (permission).
         lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
     """
     path = Path(path).expanduser()
-    _, is_dir, readable = path_state(path)
+    exists, is_dir, readable = path_state(path)
     if not readable:
         raise StoreOpenError(f"store path {path}: cannot be read (permission denied)")
-    if not is_dir:
+    if not exists:
         raise StoreNotFoundError(f"no store at {path}")
+    if not is_dir:
+        raise StoreOpenError(f"store path {path}: exists and is not a directory")
     return FragmentStore(path, readonly=True)
 
 def load_report(path: str | os.PathLike, limit: int | None = None, now: float | None = None) -> dict[str, Any]:
@@ -282,7 +284,8 @@ def render_lifetime_table(summ: dict[str, Any]):
     table = Table(
         title=f"EdgeSync store {summ['path']}",
         caption=(
-            f"used {format_bytes(summ['used_bytes'])} of the {format_bytes(summ['max_bytes'])} budget"
+            # binary units, as the budget is given (EDGESYNC_MAX_BYTES=1G is 1.0 GiB)
+            f"used {format_binary(summ['used_bytes'])} of the {format_binary(summ['max_bytes'])} budget"
             + (f" ({percent:.1f}%)" if percent is not None else "")
             + f"; data.mdb {format_bytes(summ['data_mdb_bytes'])} on disk"
             + (f"; {summ['corrupt']} corrupt" if summ["corrupt"] else "")
