@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m edgesync_store.compact``."""
     parser = argparse.ArgumentParser(prog="python -m edgesync_store.compact", description=DESCRIPTION)
+    parser.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                        default="WARNING", help="logging level (default WARNING)")
     add_arguments(parser)
     return parser
 
@@ -253,7 +255,7 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m edgesync_store.compact``; returns the exit status."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     return run_command(args)
 
 

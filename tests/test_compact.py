@@ -152,3 +152,24 @@ def test_no_reclaim_and_force_reclaim_are_refused_together(tmp_path):
         store.put_many([make_fragment(seed=90)])
     proc = run([sys.executable, "-m", "edgesync_store.compact", str(path), "--no-reclaim", "--force-reclaim"])
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+def _options(parse_args, argv: list[str]) -> set[str]:
+    """The option strings of a parser's ``--help`` (printed before it exits)."""
+    import contextlib
+    import io
+    import re
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        parse_args(argv)
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", out.getvalue()))
+
+
+def test_the_module_takes_the_same_options_as_edgesync_compact():
+    from edgesync_engines.app.cli import build_parser as edgesync_parser
+    from edgesync_store.compact import build_parser
+
+    module = _options(build_parser().parse_args, ["--help"])
+    assert module == _options(edgesync_parser().parse_args, ["compact", "--help"])
+    assert {"--log-level", "--dry-run", "--json", "--max-bytes", "--help"} <= module
