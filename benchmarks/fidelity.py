@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from edgesync_bench.fidelity_vectors import Progress, embed_texts
-from edgesync_bench.workloads import WorkloadDataError, workloads_dir
+from edgesync_bench.workloads import WorkloadDataError, data_file
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.errors import require_extra
@@ -128,13 +128,13 @@ class ThresholdSample:
 # -- data ---------------------------------------------------------------------------------------
 
 def load_pairs(path: str | os.PathLike | None = None) -> list[Pair]:
-    """Read labelled pairs (default: ``qqp_pairs_labelled.jsonl`` of :func:`workloads_dir`).
+    """Read labelled pairs (default: ``qqp_pairs_labelled.jsonl`` of the workloads directory, :func:`data_file`).
 
     Raises:
         WorkloadDataError: unreadable file, no rows, or a line that is not JSON ``{"a": str,
             "b": str, "duplicate": bool}`` (the message names it).
     """
-    path = Path(path) if path is not None else workloads_dir() / PAIRS_FILE
+    path = Path(path) if path is not None else data_file(PAIRS_FILE)
     pairs: list[Pair] = []
     try:
         with path.open(encoding="utf-8") as fh:
@@ -162,7 +162,7 @@ def load_system_prompt(topic: int = 0, data_dir: str | os.PathLike | None = None
     Raises:
         WorkloadDataError: missing or malformed file, or no such entry.
     """
-    path = workloads_dir(data_dir) / SYSTEM_PROMPTS_FILE
+    path = data_file(SYSTEM_PROMPTS_FILE, data_dir)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         entry = data[topic]

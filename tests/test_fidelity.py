@@ -70,6 +70,13 @@ def test_load_pairs_reads_the_labelled_file(pairs, tmp_path):
         fidelity.load_pairs(tmp_path / "missing.jsonl")
 
 
+def test_a_workloads_directory_without_the_pairs_says_which_file_and_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESYNC_WORKLOADS", str(tmp_path))
+    for load, name in ((fidelity.load_pairs, "qqp_pairs_labelled"), (fidelity.load_system_prompt, "system_prompts")):
+        with pytest.raises(WorkloadDataError, match=rf"{name}\.jsonl?' does not exist; set the EDGESYNC_WORKLOADS"):
+            load()
+
+
 @pytest.mark.model
 def test_similarities_are_the_routers_cosines(pairs, embedder, subset_sims):
     assert subset_sims.shape == (N_SUBSET,) and subset_sims.dtype == np.float32
