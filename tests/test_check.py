@@ -202,8 +202,9 @@ def test_a_foreign_data_file_is_no_store_and_every_command_leaves_it_as_it_was(t
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "data.mdb").write_bytes(b"not an LMDB file, someone's data\n" * 300)
-    checked = run_cli("check", str(foreign))
-    assert checked.returncode == 2 and "no EdgeSync store" in checked.stderr and "clear" not in checked.stderr
+    for args in (("check", str(foreign)), ("docs", "list", "--store", str(foreign))):
+        out = run_cli(*args)
+        assert out.returncode == 2 and "no EdgeSync store" in out.stderr and "clear" not in out.stderr, out.stderr
     for command in (("clear", "--yes"), ("dump",), ("compact",)):
         out = run_cli(*command[:1], str(foreign), *command[1:])
         assert out.returncode == 2 and "not an LMDB file" in out.stderr, (command, out.stderr)

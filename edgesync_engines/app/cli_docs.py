@@ -92,9 +92,12 @@ def _refuse_damaged(path: Path) -> None:
     """CommandError naming the store and ``edgesync clear`` when its pages are damaged: nothing
     is written into it (a request is served uncached from such a store; a command refuses)."""
     from edgesync_store import check
+    from edgesync_store.core.check import opened_as_store
     from edgesync_store.errors import StoreDamagedError
 
     report = check.verify(path)  # a passed check is remembered: the open below does not repeat it
+    if not report.healthy and not opened_as_store(path):
+        raise CommandError(f"no EdgeSync store at {path}: its data.mdb is not one ({report.damage})")
     if not report.healthy:
         raise CommandError(f"not writing into a damaged store: {StoreDamagedError(path, report.damage)}")
 

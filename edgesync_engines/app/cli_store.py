@@ -118,14 +118,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from edgesync_store import check
-    from edgesync_store.core.check import has_data_file
-    from edgesync_store.core.locks import PINS_LOCK_NAME
+    from edgesync_store.core.check import has_data_file, opened_as_store
 
     path = Path(configured_store(args.store)).expanduser()
     if not has_data_file(path):
         raise CommandError(f"no EdgeSync store at {path}")
     report = check.verify(path)
-    if not report.healthy and not (path / PINS_LOCK_NAME).exists():
+    if not report.healthy and not opened_as_store(path):
         # never opened as a store: a foreign file, which `edgesync clear` refuses to erase too
         raise CommandError(f"no EdgeSync store at {path}: its data.mdb is not one ({report.damage})")
     if args.json:

@@ -347,11 +347,18 @@ def _meta(fd: int, offset: int, which: int) -> tuple[int, int, int, Db, Db]:
     return psize, txnid, last_pg, free, main
 
 
+def opened_as_store(store_dir: str | os.PathLike) -> bool:
+    """True when a store was opened in ``store_dir`` before (it holds ``pins.lock``, made after
+    a successful open): a data file that fails the check there is a damaged store, which
+    ``edgesync clear`` recreates; elsewhere it is someone else's file, which nothing touches."""
+    return (Path(store_dir) / "pins.lock").exists()
+
+
 def has_data_file(store_dir: str | os.PathLike) -> bool:
     """True when ``store_dir`` holds a ``data.mdb`` to check: a regular file, or anything at that
-    name where a store was opened before (its ``pins.lock``): a damaged store, not no store."""
+    name where a store was opened before (:func:`opened_as_store`): a damaged store, not no store."""
     data = Path(store_dir) / "data.mdb"
-    return data.is_file() or (os.path.lexists(data) and (Path(store_dir) / "pins.lock").exists())
+    return data.is_file() or (os.path.lexists(data) and opened_as_store(store_dir))
 
 
 def check_file(data_file: str | os.PathLike) -> Report:
