@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgesync_bench import cli_rag, fidelity, fidelity_vectors, rag_fidelity
+from edgesync_bench import cli_rag, fidelity, fidelity_vectors, rag_fidelity, workloads
 from edgesync_engines.app.cli_common import (
     CommandError,
     check_writable,
@@ -158,7 +158,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
                                                         cache_dir)
     doc = report_dict(
         shares, samples, records,
-        pairs_file=str(Path(args.pairs) if args.pairs else fidelity.workloads_dir() / fidelity.PAIRS_FILE),
+        pairs_file=str(Path(args.pairs) if args.pairs else workloads.data_file(fidelity.PAIRS_FILE)),
         n_pairs=len(pairs), n_dup=sum(duplicate), n_nondup=len(pairs) - sum(duplicate),
         embedding=embedder.backend_id, vector_cache=None if cache_dir is None else str(cache_dir),
         sample_settings={"n": args.sample, "seed": args.seed, "max_tokens": args.max_tokens, "topic": args.topic,
