@@ -528,7 +528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap every size at N: seed requests (every system), doc-QA passages, chat sessions")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated: seed,doc-qa,chat; or rag alone (documents reuse, every system in "
-                             "this process: edgesync_engines/app/rag_fidelity.py)")
+                             "this process: benchmarks/rag_fidelity.py)")
     parser.add_argument("--curve-limit", type=_positive, default=None, metavar="N",
                         help="rag: recompute shares other than the default on the first N requests only")
     parser.add_argument("--model", type=Path, default=None,
