@@ -33,7 +33,7 @@ from pathlib import Path
 from edgesync_store.commands.units import format_binary as fmt
 from edgesync_store.commands.units import parse_bytes
 from edgesync_store.errors import StoreDamagedError, StoreError
-from edgesync_store.settings import StoreSettings
+from edgesync_store.settings import LOG_LEVELS, StoreSettings
 
 DESCRIPTION = "Expire, deduplicate, merge, evict and reclaim an EdgeSync store once."
 EXIT_STOPPED = 130
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m edgesync_store.compact``."""
     parser = argparse.ArgumentParser(prog="python -m edgesync_store.compact", description=DESCRIPTION)
-    parser.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         default="WARNING", help="logging level (default WARNING)")
     add_arguments(parser)
     return parser

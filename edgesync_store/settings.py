@@ -42,6 +42,10 @@ T = TypeVar("T")
 Check = Callable[[Any], "str | None"]
 """value -> None when valid, else what is wrong (raised as ``"field: <what>"``)."""
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The ``--log-level`` choices of the commands (the ``logging`` module's level names)."""
+
+
 # -- environment parsers: text -> value, ValueError when the text does not parse ---------------
 
 

@@ -23,9 +23,10 @@ from importlib.metadata import entry_points
 from typing import Sequence
 
 from edgesync_engines.app import cli_docs, cli_model, cli_serve, cli_store
-from edgesync_engines.app.cli_common import EXIT_USAGE, LOG_LEVELS, CommandError, print_error
+from edgesync_engines.app.cli_common import EXIT_USAGE, CommandError, print_error
 from edgesync_store import compact
 from edgesync_store.errors import MissingExtraError
+from edgesync_store.settings import LOG_LEVELS
 
 EXIT_INTERRUPTED = 130
 COMMANDS_GROUP = "edgesync.commands"

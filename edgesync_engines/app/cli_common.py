@@ -18,7 +18,6 @@ from edgesync_store.errors import StoreError, StoreOpenError
 
 EXIT_USAGE = 2
 """Exit status for bad input: a bad option or setting, missing data, model or store."""
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 STORE_ARG_HELP = "store directory (default: the configured store)"
 
 
