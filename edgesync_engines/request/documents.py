@@ -280,10 +280,8 @@ class DocumentLibrary:
         if generation == self._checked_generation:
             return
         for rec in self.list():
-            if not len(rec.vectors) and rec.text:
-                records.put_document(self.store, DocumentRecord(
-                    rec.namespace_digest, rec.tokens, rec.header, rec.title, rec.source, rec.text, rec.added_at,
-                    np.asarray(self.encode(text_windows(rec.text)), np.float32)))
+            if not len(rec.vectors) and rec.text and len((embedded := self._with_vectors(rec)).vectors):
+                records.put_document(self.store, embedded)
         self._checked_generation = records.documents_generation(self.store)
 
     def list(self) -> list[DocumentRecord]:

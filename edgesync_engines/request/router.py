@@ -201,10 +201,9 @@ class EdgeSync:
                       progress: Callable[[int], None] | None = None) -> list[DocumentRecord]:
         """Store documents: each one's KV computed once (standalone, only when its chain is not
         stored yet), its record, and its text embedded for retrieval (without the ``semantic``
-        extra: not embedded, with one warning; ``retrieve=`` embeds it once the extra is there).
-        ``documents`` are strings
-        or dicts with ``text`` (or ``context``) and optional ``title``, ``source``;
-        ``progress(i)`` is called after each. Returns the records, in order.
+        extra: not embedded, with a warning; ``retrieve=`` embeds it once the extra is there).
+        ``documents`` are strings or dicts with ``text`` (or ``context``) and optional ``title``,
+        ``source``; ``progress(i)`` is called after each. Returns the records, in order.
 
         Raises:
             ValueError: a document that is empty, malformed or longer than the context (nothing
