@@ -3,7 +3,8 @@ storing on as the server's default): a second turn continues the worker's live c
 answers as an uncached run does; a stop sequence ends decoding at the token that completes it; a
 client that goes away (from a stream or from a whole answer) frees the worker and leaves its prompt
 stored; a request naming another
-model is answered by the served one. Figures come from the server's own answers and ``/metrics``,
+model is answered by the served one; a server stopped right after an answer stores the
+conversation before it exits. Figures come from the server's own answers and ``/metrics``,
 never from timing."""
 
 from __future__ import annotations
@@ -150,3 +151,25 @@ def test_a_model_the_server_does_not_serve_is_answered_by_the_one_it_serves(clie
     assert chat.model == model and chat.choices[0].message.content
     text = client.completions.create(model="text-davinci-003", prompt="Once upon a time", max_tokens=4)
     assert text.model == model and text.usage.completion_tokens >= 1
+
+
+def test_a_stop_right_after_an_answer_still_stores_the_conversation(tmp_path, reference):
+    """SIGTERM as soon as the answer arrives: the worker finishes the idle-time job it had just
+    begun (the answer's tokens, at least one batch) before it closes the store, so the next
+    start serves the whole history from the store."""
+    store, max_tokens = tmp_path / "store", 96
+    with ServeProcess(store, "--workers", "1", env={"EDGESYNC_IDLE_STORE": "1"}) as first_server:
+        c = openai.OpenAI(base_url=first_server.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn1 = c.chat.completions.create(model="any", messages=STORY, max_tokens=max_tokens)
+        assert first_server.stop() == 0  # at once: the job has one or more 64-token batches to go
+        assert turn1.usage.completion_tokens == max_tokens
+        assert "idle-time work not finished" not in first_server.stderr()
+    history = [*STORY, {"role": "assistant", "content": turn1.choices[0].message.content}]
+    second = [*history, {"role": "user", "content": "Now a short one, please."}]
+    with ServeProcess(store, "--workers", "1") as restarted:
+        c = openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn2 = c.chat.completions.create(model="any", messages=second, max_tokens=8)
+    history_tokens = len(reference.prompt_tokens(history, add_generation_prompt=False))
+    # what the injection rule leaves to recompute: the history's last partial row group
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= history_tokens - 16
+    assert turn2.choices[0].message.content == reference.generate(second, max_tokens=8).text

@@ -12,7 +12,8 @@ client went away), checked after every token. After a chat answer the engine's i
 pauses it; the worker reports the job's counters with each ``done`` and, when they changed,
 while it waits (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
-finish and then stops them (a None in the queue); a worker whose server is gone stops by itself.
+finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
+first); a worker whose server is gone stops by itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "t
                  "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms")
 """The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` and
 ``idle`` too)."""
+STOP_DRAIN_S = 20.0
+"""At a stop, seconds a worker may spend finishing queued idle-time work (the pool waits 30 s
+for its workers to close, :meth:`~.pool.WorkerPool.close`)."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
 
@@ -48,7 +52,9 @@ def idle_counters(engine) -> dict[str, int]:
 def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING") -> None:
     """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
     values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
-    arrives or the server process is gone; close the engine and the store on the way out."""
+    arrives or the server process is gone. At a None, finish the idle-time work already queued
+    (for up to :data:`STOP_DRAIN_S`, so that the conversations just answered are stored for the
+    next start); close the engine and the store on the way out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
@@ -79,6 +85,9 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
                     reported = now
                 continue
             if job is None:
+                if not engine.idle.wait_idle(STOP_DRAIN_S):
+                    log.warning("worker %d: idle-time work not finished in %.0f s; the next turn prefills the rest",
+                                index, STOP_DRAIN_S)
                 break
             final = serve_one(engine, config, job, cancel, responses.put)
             if final["type"] == "done":
