@@ -4,11 +4,12 @@ answers as an uncached run does; a stop sequence ends decoding at the token that
 client that goes away (from a stream or from a whole answer) frees the worker and leaves its prompt
 stored; a request naming another
 model is answered by the served one; a server stopped right after an answer stores the
-conversation before it exits. Figures come from the server's own answers and ``/metrics``,
-never from timing."""
+conversation before it exits, unless a second signal skips that. Figures come from the server's
+own answers and ``/metrics``, never from timing."""
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.request
 
@@ -172,4 +173,25 @@ def test_a_stop_right_after_an_answer_still_stores_the_conversation(tmp_path, re
     history_tokens = len(reference.prompt_tokens(history, add_generation_prompt=False))
     # what the injection rule leaves to recompute: the history's last partial row group
     assert turn2.usage.prompt_tokens_details.cached_tokens >= history_tokens - 16
+    assert turn2.choices[0].message.content == reference.generate(second, max_tokens=8).text
+
+
+def test_a_second_signal_skips_storing_and_the_store_stays_usable(tmp_path, reference):
+    store = tmp_path / "store"
+    with ServeProcess(store, "--workers", "1", env={"EDGESYNC_IDLE_STORE": "1"}) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn1 = c.chat.completions.create(model="any", messages=STORY, max_tokens=96)
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_S
+        while "storing the conversations just answered" not in s.stderr():
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.stderr()
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(WAIT_S) == 0
+        assert "idle-time work skipped" in s.stderr()
+    second = [*STORY, {"role": "assistant", "content": turn1.choices[0].message.content},
+              {"role": "user", "content": "Now a short one, please."}]
+    with ServeProcess(store, "--workers", "1") as restarted:
+        c = openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn2 = c.chat.completions.create(model="any", messages=second, max_tokens=8)
     assert turn2.choices[0].message.content == reference.generate(second, max_tokens=8).text

@@ -107,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edgesync_engines.server.app import ServeSettings, create_app
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
     from edgesync_engines.server.security import bind_warning
+    from edgesync_engines.server.worker import STOP_DRAIN_S
 
     warning = bind_warning(args.host, args.api_key)
     if warning:
@@ -150,6 +151,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
+        if cfg.idle_store:
+            print(f"edgesync serve: stopping; storing the conversations just answered first (up to "
+                  f"{STOP_DRAIN_S:.0f} s; Ctrl-C again to skip)", file=sys.stderr, flush=True)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: pool.skip_drain())
         pool.close()
         sock.close()
     print("edgesync serve: stopped; store closed", file=sys.stderr, flush=True)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
-from edgesync_engines.server.worker import IDLE_FIELDS, worker_main
+from edgesync_engines.server.worker import IDLE_FIELDS, SKIP_DRAIN, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,13 @@ class WorkerPool:
             self._await_ready(slot)
         except PoolStartError as exc:
             log.error("%s", exc)
+
+    def skip_drain(self) -> None:
+        """Tell every worker that is stopping to leave its queued idle-time work
+        (:func:`~.worker.drain`)."""
+        for slot in self._slots:
+            if slot.cancel is not None:
+                slot.cancel.value = SKIP_DRAIN
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask every worker to stop after its current job, wait up to ``timeout_s`` for them

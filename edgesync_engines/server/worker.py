@@ -13,7 +13,8 @@ pauses it; the worker reports the job's counters with each ``done`` and, when th
 while it waits (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
 finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
-first); a worker whose server is gone stops by itself.
+first, unless the server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by
+itself, after the batch it is running.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "t
 STOP_DRAIN_S = 20.0
 """At a stop, seconds a worker may spend finishing queued idle-time work (the pool waits 30 s
 for its workers to close, :meth:`~.pool.WorkerPool.close`)."""
+SKIP_DRAIN = -1
+"""Written into a worker's ``cancel`` value (job ids are positive): stop finishing idle-time
+work at a stop (a second Ctrl-C)."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
 
@@ -85,9 +89,7 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
                     reported = now
                 continue
             if job is None:
-                if not engine.idle.wait_idle(STOP_DRAIN_S):
-                    log.warning("worker %d: idle-time work not finished in %.0f s; the next turn prefills the rest",
-                                index, STOP_DRAIN_S)
+                drain(engine, cancel, parent, index)
                 break
             final = serve_one(engine, config, job, cancel, responses.put)
             if final["type"] == "done":
@@ -96,6 +98,23 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     finally:
         engine.close()
         log.info("worker %d: engine and store closed", index)
+
+
+def drain(engine, cancel, parent: int, index: int) -> bool:
+    """Wait for the engine's queued idle-time work, at most :data:`STOP_DRAIN_S`; stop waiting
+    at once when the server writes :data:`SKIP_DRAIN` into ``cancel`` or is gone. True when
+    the work is done."""
+    deadline = time.monotonic() + STOP_DRAIN_S
+    while not engine.idle.wait_idle(0.2):
+        if cancel.value == SKIP_DRAIN or os.getppid() != parent:
+            reason = "skipped" if cancel.value == SKIP_DRAIN else "the server is gone"
+        elif time.monotonic() >= deadline:
+            reason = f"not finished in {STOP_DRAIN_S:.0f} s"
+        else:
+            continue
+        log.warning("worker %d: idle-time work %s; the next turn prefills the rest", index, reason)
+        return False
+    return True
 
 
 def _error(job_id: int, status: int, message: str, err_type: str = "invalid_request_error",
