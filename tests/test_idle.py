@@ -9,6 +9,7 @@ Sessions come from ../shared/workloads/chat_sessions.jsonl (real user turns).
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -224,3 +225,26 @@ def test_a_new_conversation_continues_the_shared_beginning_the_engine_holds(adap
         assert result.live_tokens == es.adapter.usable_prefix(int(shared), result.prompt_tokens)
         assert prefilled(adapter, len(result.tokens)) == result.prompt_tokens - result.live_tokens
     assert EdgeSync(adapter, store=False).generate(messages, max_tokens=32).tokens == result.tokens
+
+
+def test_idle_work_run_by_its_owner_on_one_thread(adapter, tmp_path, sessions):
+    """``threaded`` False (as a server worker runs it): no thread is started; ``run_pending``
+    runs nothing while a request waits, then the whole job, and the next turn continues it."""
+    turns = sessions[0]
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        es.idle.threaded = False
+        threads = threading.active_count()
+        messages = [{"role": "user", "content": turns[0]}]
+        messages.append({"role": "assistant", "content": es.generate(messages, max_tokens=32).text})
+        es.idle.busy = lambda: True  # a request waits
+        assert not es.idle.run_pending()
+        assert es.idle.stats.jobs == 0
+        es.idle.busy = lambda: False
+        assert es.idle.run_pending()
+        assert es.idle.stats.jobs == 1 and es.idle.stats.tokens_prefilled > 0
+        assert threading.active_count() == threads
+        messages.append({"role": "user", "content": turns[1]})
+        result = es.generate(messages, max_tokens=16)
+        assert result.tokens_prefilled <= expected_prefill(es, messages[:-1], messages)
+        assert result.live_tokens == result.tokens_reused > 0
+    assert EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens == result.tokens

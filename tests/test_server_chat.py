@@ -77,6 +77,7 @@ def test_a_second_turn_continues_the_live_conversation(server, client, model, re
     assert turn2.usage.prompt_tokens_details.cached_tokens >= history_tokens - 16
     assert turn2.choices[0].message.content == reference.generate(second, max_tokens=TURN_TOKENS).text
     assert _metric(server, "edgesync_live_prefix_requests_total") == live_before + 1  # nothing injected
+    assert turn2.model_extra["edgesync"]["live_tokens"] == turn2.usage.prompt_tokens_details.cached_tokens
 
 
 def test_a_stop_sequence_ends_decoding(client, model, reference):

@@ -172,17 +172,26 @@ class IdleRunner:
     queue and starts again later from what the store and the live sequence then hold, so an
     interleaved conversation still gets its history stored in the next idle gap.
 
+    With ``threaded`` False no thread is started: the owner runs the queued jobs on its own
+    thread with :meth:`run_pending` between requests. A server worker does so, because
+    llama.cpp's OpenMP build keeps a team of threads per calling thread: once a second thread
+    has evaluated, the two teams outnumber the cores, and OpenMP then stops spinning at its
+    barriers, which slowed every later evaluation (measured in docs/benchmarks.md).
+
     Args:
         lock: the engine's lock (``EngineAdapter.lock``), held for one batch at a time.
         name: the thread's name.
         busy: returns True while requests wait for the engine elsewhere (e.g. in a server
             worker's queue): no batch starts meanwhile, so that they are not delayed by one.
+        threaded: run the jobs on a thread of the runner's own (False: :meth:`run_pending`).
     """
 
-    def __init__(self, lock, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None) -> None:
+    def __init__(self, lock, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None,
+                 threaded: bool = True) -> None:
         self._lock = lock
         self._name = name
         self.busy = busy or (lambda: False)
+        self.threaded = threaded
         self._cond = threading.Condition()
         self._pending: deque[tuple[tuple, Callable[[], PrefillJob | None]]] = deque()
         self._epoch = 0
@@ -192,6 +201,8 @@ class IdleRunner:
         self._thread: threading.Thread | None = None
         self._job: PrefillJob | None = None
         self.stats = IdleStats()
+        self.batch_ended_at = 0.0
+        """Wall-clock time (``time.time()``, seconds) at which the last batch ended."""
 
     def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
         """Queue a job: ``start()`` is called with the lock held and returns the job (None:
@@ -207,7 +218,7 @@ class IdleRunner:
             self._pending.appendleft((key, start))
             while len(self._pending) > MAX_PENDING:
                 self._pending.pop()
-            if self._thread is None:
+            if self._thread is None and self.threaded:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -240,19 +251,38 @@ class IdleRunner:
                     self._cond.wait(0.05 if self._pending else None)
                 if self._closed:
                     return
-                key, start = self._pending.popleft()
-                epoch, self._running = self._epoch, True
-            try:
-                if not self._run_job(epoch, start):
-                    with self._cond:
-                        self._pending.append((key, start))  # resumed later from what was stored
-            except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
-                self.stats.failed += 1
-                log.warning("idle-time prefill failed", exc_info=True)
-            finally:
+            self._run_next()
+
+    def run_pending(self, deadline: float | None = None) -> bool:
+        """Run the queued jobs on the calling thread, while :attr:`busy` says no request waits
+        and until ``deadline`` (``time.monotonic()``; each job runs to its end or its pause);
+        True when none is left. For a runner made with ``threaded`` False."""
+        while True:
+            with self._cond:
+                if self._closed or not self._pending:
+                    return not self._pending
+            if self.busy() or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            self._run_next()
+
+    def _run_next(self) -> None:
+        """Run the first queued job, which goes back to the end of the queue when paused."""
+        with self._cond:
+            if not self._pending:
+                return
+            key, start = self._pending.popleft()
+            epoch, self._running = self._epoch, True
+        try:
+            if not self._run_job(epoch, start):
                 with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
+                    self._pending.append((key, start))  # resumed later from what was stored
+        except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
+            self.stats.failed += 1
+            log.warning("idle-time prefill failed", exc_info=True)
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
 
     def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> bool:
         """Start the job and run its batches while no request paused it; False when paused."""
@@ -271,6 +301,7 @@ class IdleRunner:
                     done = False
                     break
                 job.step()
+            self.batch_ended_at = time.time()
         job.result.interrupted = not done
         self.stats.interrupted += not done
         self.stats.tokens_prefilled += job.result.tokens_prefilled

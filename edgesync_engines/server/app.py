@@ -254,7 +254,8 @@ class _Shaper:
                                     tokens_prefilled=r["tokens_prefilled"], ttft_ms=round(r["ttft_ms"], 3),
                                     queue_ms=round(max(0.0, waited_ms), 3), approximate=r["approximate"],
                                     convertible=r["convertible"], similarity=r["similarity"],
-                                    uncached_reason=r["uncached_reason"])
+                                    uncached_reason=r["uncached_reason"], live_tokens=r["live_tokens"],
+                                    idle_wait_ms=r["idle_wait_ms"])
 
     def whole(self, final: dict):
         """The non-streamed ChatCompletion or Completion."""

@@ -142,8 +142,10 @@ class EdgeSyncInfo(BaseModel):
     """The ``edgesync`` extension object of a response: the ``hit`` kind (exact, partial,
     miss), ``tokens_reused`` (= cached_tokens) and ``tokens_prefilled`` (tokens), the engine's
     ``ttft_ms`` (ms, from the engine taking the request to its first token), ``queue_ms`` (ms
-    spent waiting for a worker), ``approximate`` (a similar prompt's KV served it) and
-    ``convertible`` (another engine's KV, converted)."""
+    spent waiting for a worker), ``approximate`` (a similar prompt's KV served it),
+    ``convertible`` (another engine's KV, converted), ``live_tokens`` (tokens of
+    ``tokens_reused`` the worker's live conversation still held: nothing injected) and
+    ``idle_wait_ms`` (ms the request waited for an idle-time batch to end; None when none ran)."""
 
     hit: str
     tokens_reused: int
@@ -154,6 +156,8 @@ class EdgeSyncInfo(BaseModel):
     convertible: bool
     similarity: float | None = None
     uncached_reason: str | None = None
+    live_tokens: int = 0
+    idle_wait_ms: float | None = None
 
 
 class ChatMessageOut(BaseModel):

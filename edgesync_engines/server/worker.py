@@ -8,8 +8,8 @@ server parses and checks the JSON and passes the values on.
 
 A request stops early when the server writes its id into the worker's ``cancel`` value (the
 client went away), checked after every token. After a chat answer the engine's idle-time job
-(``EdgeSync.idle``) runs on a thread of its own while this loop waits for the next job, which
-pauses it; the worker reports the job's counters with each ``done`` and, when they changed,
+(``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time, and
+pauses when one arrives; the worker reports the job's counters with each ``done`` and, when they changed,
 while it waits (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
 finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
@@ -73,25 +73,32 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
         responses.put({"type": "fatal", "worker": index, "message": f"{type(exc).__name__}: {exc}"})
         return
     responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
-    # idle-time work never starts a batch while a request waits in this worker's queue
+    # idle-time work runs on this thread between requests (IdleRunner's ``threaded``: one
+    # thread evaluates) and never starts a batch while a request waits in this worker's queue
+    engine.idle.threaded = False
     engine.idle.busy = lambda: not requests.empty()
     parent = os.getppid()
     reported = idle_counters(engine)
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
         while os.getppid() == parent:
+            started = time.time()
+            paused = not engine.idle.run_pending() and engine.idle.batch_ended_at >= started
+            now = idle_counters(engine)
+            if now != reported:
+                responses.put({"type": "idle", "worker": index, "stats": now})
+                reported = now
             try:
                 job = requests.get(timeout=0.5)
             except queue.Empty:
-                now = idle_counters(engine)  # the idle-time job after the last answer moves them
-                if now != reported:
-                    responses.put({"type": "idle", "worker": index, "stats": now})
-                    reported = now
                 continue
             if job is None:
                 drain(engine, cancel, parent, index)
                 break
             final = serve_one(engine, config, job, cancel, responses.put)
+            if final["type"] == "done" and paused and "submitted_at" in job:
+                # the request arrived during an idle-time batch and waited for its end in the queue
+                final["result"]["idle_wait_ms"] = max(0.0, engine.idle.batch_ended_at - job["submitted_at"]) * 1000
             if final["type"] == "done":
                 reported = final["result"]["idle"]
             responses.put(final)
@@ -101,20 +108,23 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
 
 
 def drain(engine, cancel, parent: int, index: int) -> bool:
-    """Wait for the engine's queued idle-time work, at most :data:`STOP_DRAIN_S`; stop waiting
-    at once when the server writes :data:`SKIP_DRAIN` into ``cancel`` or is gone. True when
-    the work is done."""
+    """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop after the
+    current batch when the server writes :data:`SKIP_DRAIN` into ``cancel`` or is gone. True
+    when the work is done."""
     deadline = time.monotonic() + STOP_DRAIN_S
-    while not engine.idle.wait_idle(0.2):
-        if cancel.value == SKIP_DRAIN or os.getppid() != parent:
-            reason = "skipped" if cancel.value == SKIP_DRAIN else "the server is gone"
-        elif time.monotonic() >= deadline:
-            reason = f"not finished in {STOP_DRAIN_S:.0f} s"
-        else:
-            continue
-        log.warning("worker %d: idle-time work %s; the next turn prefills the rest", index, reason)
-        return False
-    return True
+
+    def stop_reason() -> str | None:
+        if cancel.value == SKIP_DRAIN:
+            return "skipped"
+        if os.getppid() != parent:
+            return "left: the server is gone"
+        return f"not finished in {STOP_DRAIN_S:.0f} s" if time.monotonic() >= deadline else None
+
+    engine.idle.busy = lambda: stop_reason() is not None
+    if engine.idle.run_pending():
+        return True
+    log.warning("worker %d: idle-time work %s; the next turn prefills the rest", index, stop_reason() or "paused")
+    return False
 
 
 def _error(job_id: int, status: int, message: str, err_type: str = "invalid_request_error",
