@@ -310,7 +310,8 @@ class IdleRunner:
         return done
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False)."""
+        """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False). With
+        ``threaded`` False the jobs run only in :meth:`run_pending`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._running or self._pending:
