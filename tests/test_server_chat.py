@@ -196,3 +196,18 @@ def test_a_second_signal_skips_storing_and_the_store_stays_usable(tmp_path, refe
         c = openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=120)
         turn2 = c.chat.completions.create(model="any", messages=second, max_tokens=8)
     assert turn2.choices[0].message.content == reference.generate(second, max_tokens=8).text
+
+
+def test_a_request_that_waits_for_an_idle_batch_says_how_long(tmp_path):
+    """One idle-time batch for the whole job (``EDGESYNC_IDLE_BATCH`` 512): a request sent as
+    soon as the answer arrives waits in the worker's queue for the job's start or that batch,
+    and the answer and ``/metrics`` report the wait (at most the request's whole queueing)."""
+    env = {"EDGESYNC_IDLE_STORE": "1", "EDGESYNC_IDLE_BATCH": "512"}
+    with ServeProcess(tmp_path / "store", "--workers", "1", env=env) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        c.chat.completions.create(model="any", messages=STORY, max_tokens=96)
+        other = c.chat.completions.create(model="any", messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=2)
+        info = other.model_extra["edgesync"]
+        assert info["idle_wait_ms"] is not None and 0 < info["idle_wait_ms"] <= info["queue_ms"] + 1
+        assert _metric(s, "edgesync_idle_wait_seconds_count") == 1

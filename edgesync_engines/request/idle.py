@@ -201,8 +201,9 @@ class IdleRunner:
         self._thread: threading.Thread | None = None
         self._job: PrefillJob | None = None
         self.stats = IdleStats()
-        self.batch_ended_at = 0.0
-        """Wall-clock time (``time.time()``, seconds) at which the last batch ended."""
+        self.work_ended_at = 0.0
+        """Wall-clock time (``time.time()``, seconds) at which the last step of idle-time work
+        (a job's start, which reads the store, or a batch) ended."""
 
     def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
         """Queue a job: ``start()`` is called with the lock held and returns the job (None:
@@ -290,6 +291,7 @@ class IdleRunner:
             if epoch != self._epoch or self._waiting:
                 return False
             job = start()
+            self.work_ended_at = time.time()
         if job is None:
             return True
         self._job = job
@@ -301,7 +303,7 @@ class IdleRunner:
                     done = False
                     break
                 job.step()
-            self.batch_ended_at = time.time()
+                self.work_ended_at = time.time()
         job.result.interrupted = not done
         self.stats.interrupted += not done
         self.stats.tokens_prefilled += job.result.tokens_prefilled

@@ -82,8 +82,7 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
         while os.getppid() == parent:
-            started = time.time()
-            paused = not engine.idle.run_pending() and engine.idle.batch_ended_at >= started
+            engine.idle.run_pending()
             now = idle_counters(engine)
             if now != reported:
                 responses.put({"type": "idle", "worker": index, "stats": now})
@@ -96,9 +95,10 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
                 drain(engine, cancel, parent, index)
                 break
             final = serve_one(engine, config, job, cancel, responses.put)
-            if final["type"] == "done" and paused and "submitted_at" in job:
-                # the request arrived during an idle-time batch and waited for its end in the queue
-                final["result"]["idle_wait_ms"] = max(0.0, engine.idle.batch_ended_at - job["submitted_at"]) * 1000
+            idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
+            if final["type"] == "done" and idle_wait_s > 0:
+                # idle-time work ended after the request came: it waited for that in the queue
+                final["result"]["idle_wait_ms"] = idle_wait_s * 1000
             if final["type"] == "done":
                 reported = final["result"]["idle"]
             responses.put(final)
