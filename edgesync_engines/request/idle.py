@@ -254,15 +254,15 @@ class IdleRunner:
                     return
             self._run_next()
 
-    def run_pending(self, deadline: float | None = None) -> bool:
-        """Run the queued jobs on the calling thread, while :attr:`busy` says no request waits
-        and until ``deadline`` (``time.monotonic()``; each job runs to its end or its pause);
-        True when none is left. For a runner made with ``threaded`` False."""
+    def run_pending(self) -> bool:
+        """Run the queued jobs on the calling thread while :attr:`busy` says no request waits
+        (checked before each batch); True when none is left. For a runner made with
+        ``threaded`` False."""
         while True:
             with self._cond:
                 if self._closed or not self._pending:
                     return not self._pending
-            if self.busy() or (deadline is not None and time.monotonic() >= deadline):
+            if self.busy():
                 return False
             self._run_next()
 

@@ -145,7 +145,8 @@ class EdgeSyncInfo(BaseModel):
     spent waiting for a worker), ``approximate`` (a similar prompt's KV served it),
     ``convertible`` (another engine's KV, converted), ``live_tokens`` (tokens of
     ``tokens_reused`` the worker's live conversation still held: nothing injected) and
-    ``idle_wait_ms`` (ms the request waited for an idle-time batch to end; None when none ran)."""
+    ``idle_wait_ms`` (ms the request waited for idle-time work, a batch or a job's start, to
+    end; None when none ran)."""
 
     hit: str
     tokens_reused: int

@@ -9,8 +9,8 @@ server parses and checks the JSON and passes the values on.
 A request stops early when the server writes its id into the worker's ``cancel`` value (the
 client went away), checked after every token. After a chat answer the engine's idle-time job
 (``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time, and
-pauses when one arrives; the worker reports the job's counters with each ``done`` and, when they changed,
-while it waits (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
+pauses when one arrives; the worker reports the job's counters with each ``done`` and, when
+they changed, between jobs (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
 finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
 first, unless the server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by
@@ -95,12 +95,11 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
                 drain(engine, cancel, parent, index)
                 break
             final = serve_one(engine, config, job, cancel, responses.put)
-            idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
-            if final["type"] == "done" and idle_wait_s > 0:
-                # idle-time work ended after the request came: it waited for that in the queue
-                final["result"]["idle_wait_ms"] = idle_wait_s * 1000
             if final["type"] == "done":
                 reported = final["result"]["idle"]
+                idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
+                if idle_wait_s > 0:  # idle-time work ended after the request came: it waited in the queue
+                    final["result"]["idle_wait_ms"] = idle_wait_s * 1000
             responses.put(final)
     finally:
         engine.close()
