@@ -17,6 +17,7 @@ from edgesync_engines.adapters.kv_layout import (
     SwaCapture,
     exact_batches,
     prefill_blocks,
+    turn_batches,
     usable_prefix,
 )
 from edgesync_engines.adapters.seqstate import CachePart, SeqStateError
@@ -222,3 +223,36 @@ def test_exact_batches_reach_the_end_on_the_row_group():
     assert exact_batches(508, 530, 512, 64) == [(496, 512), (512, 528)]
     assert exact_batches(152, 166, 512, 64) == [(144, 160)]
     assert exact_batches(0, 10, 512, 64) == []
+
+
+@given(n_prompt=st.integers(2, 3000), data=st.data(), block=st.sampled_from([64, 128, 512, 2048]),
+       every=st.sampled_from([16, 64, 128, 256]))
+def test_turn_batches_cut_the_plan_only_where_an_exact_injection_could_start(n_prompt, data, block, every):
+    """The plan after an injection point, cut for the workers' turns: the same tokens in order,
+    the same last-token batch, and every new piece starts on a multiple of ``every`` with at
+    least MIN_FIRST_BATCH tokens on both sides of the cut."""
+    n_past = usable_prefix(data.draw(st.integers(0, n_prompt - 1)), n_prompt, block)
+    plan = prefill_blocks(n_past, n_prompt, block)
+    pieces = turn_batches(plan, every)
+    _check_cover(pieces, n_past, n_prompt)
+    plan_starts = {start for start, _ in plan}
+    for start, end in pieces:
+        if start not in plan_starts:  # a cut
+            assert start % every == 0 and start % ROW_GROUP == 0 and end - start >= MIN_FIRST_BATCH
+    for start, end in pieces:
+        if end not in plan_starts and end != n_prompt:  # cut here: this side keeps enough too
+            assert end - start >= MIN_FIRST_BATCH
+        if start not in plan_starts:  # a piece the cuts made: about one turn long
+            assert end - start < every + MIN_FIRST_BATCH
+
+
+def test_turn_batches_examples_and_refusals():
+    assert turn_batches([(0, 512), (512, 1070), (1070, 1071)], 128) == [
+        (0, 128), (128, 256), (256, 384), (384, 512), (512, 640), (640, 768), (768, 896), (896, 1024),
+        (1024, 1070), (1070, 1071)]
+    assert turn_batches([(200, 512), (512, 520), (520, 521)], 128) == [
+        (200, 256), (256, 384), (384, 512), (512, 520), (520, 521)]
+    assert turn_batches([(0, 140), (140, 141)], 128) == [(0, 140), (140, 141)]  # 12 after the cut: kept whole
+    for every in (0, 8, 20):
+        with pytest.raises(ValueError, match="multiple of 8 of at least 16"):
+            turn_batches([(0, 100)], every)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgesync_engines.adapters import seqstate
-from edgesync_engines.adapters.kv_layout import usable_prefix
+from edgesync_engines.adapters.kv_layout import turn_batches, usable_prefix
 from edgesync_engines.adapters.protocol import ContextOverflowError
 
 pytestmark = [pytest.mark.model]
@@ -162,3 +162,50 @@ def test_clear_kv_cache_empties_the_sequence(adapter, prompt):
     assert llama_cpp.llama_memory_seq_pos_max(adapter._mem, 0) == -1
     assert adapter.llm.n_tokens == 0
     assert llama_cpp.llama_state_seq_get_size(adapter._ctx, 0) < 64
+
+
+def test_the_thread_count_changes_no_bit_of_the_logits_or_the_answer(adapter, prompt):
+    """``set_threads`` between evaluations (a server's workers share the CPUs that way,
+    ``server/core_share.py``): the prompt's last logits and a greedy answer are bit-identical on
+    1 and 2 threads."""
+    outcomes = []
+    try:
+        for threads in (1, 2):
+            adapter.set_threads(threads)
+            logits = prefill(adapter, prompt, [(0, len(prompt))])
+            adapter.clear_kv_cache()
+            answer = list(adapter.generate(prompt, 0, max_tokens=16, temperature=0.0))
+            outcomes.append((logits.tobytes(), answer))
+    finally:
+        adapter.set_threads(adapter.llm.context_params.n_threads)
+        adapter.clear_kv_cache()
+    assert outcomes[0][1] and outcomes[0] == outcomes[1]
+    with pytest.raises(ValueError, match="n_threads"):
+        adapter.set_threads(0)
+
+
+def test_prefill_batches_cut_for_the_workers_turns_change_no_bit(adapter, prompt):
+    """``kv_layout.turn_batches`` (a server's workers take turns between the pieces): from the
+    start and after an injection point, the KV state and the last logits equal the plan's; and
+    ``generate`` with ``turn_tokens`` set gives the same answer."""
+    tokens = (prompt * 12)[:900]
+    n = len(tokens)
+    for n_past in (0, usable_prefix(300, n, 512)):
+        # the live part as an injection leaves it: the uncached plan's batches, cut at n_past
+        head = [(s, min(e, n_past)) for s, e in adapter.prefill_plan(0, n) if s < n_past]
+        plan = adapter.prefill_plan(n_past, n)
+        pieces = turn_batches(plan, 128)
+        assert len(pieces) > len(plan)
+        whole = prefill(adapter, tokens, head + plan), adapter._get_state()
+        cut = prefill(adapter, tokens, head + pieces), adapter._get_state()
+        assert np.array_equal(whole[0], cut[0]) and whole[1] == cut[1], n_past
+    answers = []
+    try:
+        for every in (0, 128):
+            adapter.turn_tokens = every
+            adapter.clear_kv_cache()
+            answers.append(list(adapter.generate(tokens, 0, max_tokens=8, temperature=0.0)))
+    finally:
+        adapter.turn_tokens = 0
+        adapter.clear_kv_cache()
+    assert answers[0] and answers[0] == answers[1]

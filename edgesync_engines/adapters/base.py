@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import abc
 import codecs
+import contextlib
 import logging
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from edgesync_engines.adapters.kv_blocks import KVBlock, assemble_kv, blocks_kv, fragment_blocks, kv_ranges
+from edgesync_engines.adapters.kv_layout import turn_batches
 from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
 from edgesync_store.schema import KVFragment, common_prefix_len, prefix_hash
 
@@ -43,6 +45,15 @@ class EngineAdapterBase(abc.ABC):
     """See the protocol: bumped by every method that may change the live sequence's KV."""
     cache_refusal: str | None = None
     """Why this engine's KV cannot be cached (None: it can); see the protocol."""
+    batch_turn: Callable[[int], ContextManager] | None = None
+    """Called with the prompt tokens left to evaluate (this batch's included), returns the
+    context manager each prefill batch (of :meth:`generate`, :meth:`prefill`, :meth:`extend`)
+    runs in: a server whose workers share the CPUs sets it (``server/core_share.py``). None:
+    nothing is waited for."""
+    turn_tokens: int = 0
+    """When set, :meth:`generate`'s and :meth:`prefill`'s batches are cut at multiples of this
+    many tokens (``kv_layout.turn_batches``; bit-identical), so that :attr:`batch_turn` comes
+    round more often. 0: the batches of :meth:`prefill_plan`."""
     blend_refusal: str | None = "this engine cannot move stored KV to another position"
     """Why stored KV cannot be placed at another position here (None: :meth:`place_kv` and
     :meth:`recompute` work); see the protocol."""
@@ -73,7 +84,8 @@ class EngineAdapterBase(abc.ABC):
             self.clear_kv_cache()
         else:
             self._resume(tokens[:end], start)
-        self._eval_batch(tokens[start:end])
+        with self._turn(len(tokens) - start):
+            self._eval_batch(tokens[start:end])
 
     def live_tokens(self) -> list[int]:
         """The protocol's ``live_tokens``."""
@@ -85,8 +97,20 @@ class EngineAdapterBase(abc.ABC):
             raise ContextOverflowError(len(tokens), 0, self.n_ctx)
         self.kv_epoch += 1
         self._resume(tokens, n_past)
-        for start, end in self.prefill_plan(n_past, len(tokens)):
-            self._eval_batch(tokens[start:end])
+        self._evaluate_plan(tokens, n_past)
+
+    def _evaluate_plan(self, tokens: Sequence[int], n_past: int) -> None:
+        """Evaluate ``tokens[n_past:]`` in :meth:`prefill_plan`'s batches (cut at multiples of
+        :attr:`turn_tokens` when set), each in its :attr:`batch_turn`."""
+        plan = self.prefill_plan(n_past, len(tokens))
+        if self.turn_tokens:
+            plan = turn_batches(plan, self.turn_tokens)
+        for start, end in plan:
+            with self._turn(len(tokens) - start):
+                self._eval_batch(tokens[start:end])
+
+    def _turn(self, tokens_left: int) -> ContextManager:
+        return self.batch_turn(tokens_left) if self.batch_turn is not None else contextlib.nullcontext()
 
     def warm_up(self, n_tokens: int = 0) -> None:
         """The protocol's ``warm_up``: render the chat template (its compilation), evaluate one
@@ -102,6 +126,21 @@ class EngineAdapterBase(abc.ABC):
             log.debug("warm-up skipped: %s", exc)
         finally:
             self.clear_kv_cache()
+
+    def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
+        """The protocol's ``abortable``: this engine cannot stop an evaluation midway, so each
+        runs whole."""
+        return contextlib.nullcontext()
+
+    def set_threads(self, n_threads: int) -> None:
+        """The protocol's ``set_threads``: this engine's thread count is fixed at load, so
+        nothing changes.
+
+        Raises:
+            ValueError: ``n_threads`` below 1.
+        """
+        if n_threads < 1:
+            raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
 
     # -- engine hooks -------------------------------------------------------------------
 
@@ -300,8 +339,7 @@ class EngineAdapterBase(abc.ABC):
             raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
         self.kv_epoch += 1
         self._resume(tokens, n_past)
-        for start, end in self.prefill_plan(n_past, len(tokens)):
-            self._eval_batch(tokens[start:end])
+        self._evaluate_plan(tokens, n_past)
         stream = self._sampled_tokens(temperature, top_p, seed)
         try:
             for i, token in enumerate(stream):

@@ -301,6 +301,31 @@ def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, in
     return plan
 
 
+def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int, int]]:
+    """``plan``'s ``[start, end)`` batches (:func:`prefill_blocks`) cut at the multiples of
+    ``every`` tokens, where both sides keep at least :data:`MIN_FIRST_BATCH` tokens: each piece
+    then starts where an exact injection could (a :data:`ROW_GROUP` multiple, as
+    :func:`exact_batches`' batches do), so the KV and logits stay bit-identical to the plan's.
+    A server's workers take turns on the CPUs between pieces (``server/core_share.py``).
+
+    Raises:
+        ValueError: ``every`` is not a multiple of :data:`ROW_GROUP` of at least
+            :data:`MIN_FIRST_BATCH`.
+    """
+    if every < MIN_FIRST_BATCH or every % ROW_GROUP:
+        raise ValueError(f"turn_batches: every must be a multiple of {ROW_GROUP} of at least {MIN_FIRST_BATCH}, "
+                         f"got {every}")
+    pieces = []
+    for start, end in plan:
+        pos = start
+        for cut in range(start - start % every + every, end, every):
+            if cut - pos >= MIN_FIRST_BATCH and end - cut >= MIN_FIRST_BATCH:
+                pieces.append((pos, cut))
+                pos = cut
+        pieces.append((pos, end))
+    return pieces
+
+
 def exact_batches(n_past: int, end: int, block: int, batch_tokens: int) -> list[tuple[int, int]]:
     """Small evaluation batches that extend a live ``[0, n_past)`` of a prompt towards
     ``end`` with KV bit-identical to an uncached prefill of any longer prompt that starts

@@ -18,8 +18,9 @@ import importlib.metadata
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from edgesync_engines.adapters.model_files import (
     model_file,
     route_native_logs,
 )
-from edgesync_engines.adapters.protocol import InjectionError
+from edgesync_engines.adapters.protocol import EvaluationAborted, InjectionError
 from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_store.schema import KVFragment, Namespace
 
@@ -368,6 +369,45 @@ class LlamaCppAdapter(EngineAdapterBase):
     def reset_perf(self) -> None:
         """Zero llama.cpp's perf counters."""
         self._llama_cpp.llama_perf_context_reset(self._ctx)
+
+    @contextmanager
+    def abortable(self, should_stop: Callable[[], bool]) -> Iterator[None]:
+        """The protocol's ``abortable``, through llama.cpp's abort callback, which its CPU
+        backend calls between the nodes of a batch's graph. On an abort ``llama_decode``
+        returns 2 after removing the batch's cells from the memory (``llama-context.cpp``), and
+        ``Llama.eval`` has not counted them, so the live sequence is what it was; this raises
+        :class:`EvaluationAborted`. A ``should_stop`` that raises counts as False."""
+        fired = False
+
+        def check(_data) -> bool:
+            nonlocal fired
+            try:
+                fired = fired or bool(should_stop())
+            except Exception:  # never propagate into C; the batch runs on
+                return False
+            return fired
+
+        callback = self._llama_cpp.ggml_abort_callback(check)  # kept alive until it is unset
+        self._llama_cpp.llama_set_abort_callback(self._ctx, callback, None)
+        try:
+            yield
+        except RuntimeError as exc:
+            if fired and not isinstance(exc, EvaluationAborted):
+                raise EvaluationAborted(f"evaluation stopped midway: {exc}") from None
+            raise
+        finally:
+            self._llama_cpp.llama_set_abort_callback(self._ctx, self._llama_cpp.ggml_abort_callback(), None)
+
+    def set_threads(self, n_threads: int) -> None:
+        """The protocol's ``set_threads``: ``llama_set_n_threads`` for single-token and batch
+        evaluation alike.
+
+        Raises:
+            ValueError: ``n_threads`` below 1.
+        """
+        if n_threads < 1:
+            raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
+        self._llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads)
 
     def clear_kv_cache(self) -> None:
         """Empty the KV memory (``llama_memory_clear(mem, True)``) and forget the tokens."""

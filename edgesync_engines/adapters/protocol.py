@@ -21,7 +21,7 @@ from __future__ import annotations
 import codecs
 import threading
 from pathlib import Path
-from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from edgesync_store.schema import KVFragment, Namespace
 
@@ -45,6 +45,11 @@ class ContextOverflowError(ValueError):
 
 class InjectionError(RuntimeError):
     """The engine refused injected KV; the adapter has cleared its sequence before raising."""
+
+
+class EvaluationAborted(RuntimeError):
+    """An evaluation inside :meth:`EngineAdapter.abortable` stopped midway because its check
+    said so: the batch left nothing behind (the live sequence is what it was before it)."""
 
 
 @runtime_checkable
@@ -276,6 +281,23 @@ class EngineAdapter(Protocol):
         """Do a request's first-time work at load (chat template, one evaluation, then an empty
         cache again) and make room for injecting ``n_tokens`` tokens; never raises. The caller
         holds :attr:`lock`."""
+        ...
+
+    def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
+        """A context in which an evaluation (e.g. :meth:`extend`) checks ``should_stop()`` as
+        it goes and, once it returns True, stops midway and raises :class:`EvaluationAborted`
+        (where the engine cannot stop midway, the evaluation runs whole). For work that may be
+        dropped, such as idle-time batches, so that a request need not wait for one."""
+        ...
+
+    def set_threads(self, n_threads: int) -> None:
+        """Evaluate on ``n_threads`` CPU threads (>= 1) from the next evaluation on, where the
+        engine can change it after load (elsewhere nothing changes). The results do not depend
+        on it. The caller holds :attr:`lock` or owns the engine's only thread.
+
+        Raises:
+            ValueError: ``n_threads`` below 1.
+        """
         ...
 
     def close(self) -> None:
