@@ -166,6 +166,37 @@ def test_a_request_during_idle_work_waits_one_batch_at_most(adapter, tmp_path, s
         assert es.idle.stats.interrupted == 1
 
 
+def test_a_request_stops_the_idle_batch_running_midway(adapter, tmp_path, system_prompts):
+    """One idle-time batch for the whole conversation (``idle_batch_tokens`` 512): a request sent
+    as soon as the answer is back finds that batch running, and llama.cpp's abort callback
+    stops it, so no idle-time token was evaluated before the request was served (without the
+    abort: the whole batch). The live sequence stays sound: the request's answer equals an
+    uncached one, and the job, queued again, stores the whole conversation afterwards."""
+    config = EdgeSyncConfig.load({"idle_store": True, "idle_batch_tokens": 512})
+    messages = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and a storm."}]
+    question = [{"role": "system", "content": system_prompts[1]}, {"role": "user", "content": "Hi"}]
+    with EdgeSync(adapter, store=False, config=EdgeSyncConfig.load({})) as uncached:
+        expected = uncached.generate(question, max_tokens=8).tokens
+    with EdgeSync(adapter, store=tmp_path / "s", config=config) as es:
+        answered_at = time.time()
+        answer = es.generate(messages, max_tokens=160)
+        history = [*messages, {"role": "assistant", "content": answer.text}]
+        deadline = time.monotonic() + 60
+        while es.idle.work_ended_at < answered_at and time.monotonic() < deadline:
+            time.sleep(0.001)  # the job has started: its one batch follows at once
+        other = es.generate(question, max_tokens=8)
+        assert other.idle_wait_ms is not None  # it did arrive during idle work
+        assert other.idle_wait_tokens == 0
+        assert other.tokens == expected
+        idle_until_done(es)
+        assert es.idle.stats.interrupted >= 1 and es.idle.stats.failed == 0
+        nxt = [*history, {"role": "user", "content": "Shorter, please."}]
+        adapter.clear_kv_cache()  # nothing live: the history comes from the store
+        adapter.reset_perf()
+        result = es.generate(nxt, max_tokens=8)
+        assert prefilled(adapter, len(result.tokens)) <= expected_prefill(es, history, nxt)
+
+
 def test_a_stop_string_ends_decoding(adapter, tmp_path):
     messages = [{"role": "user", "content": "Tell me about the history of the bicycle."}]
     with EdgeSync(adapter, store=tmp_path / "s") as es:

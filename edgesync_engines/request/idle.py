@@ -12,9 +12,11 @@ to its exact part and evaluates the rest in batches of about ``idle_batch_tokens
 chunk of the prompt's grid once its tokens are evaluated.
 
 A request pauses the runner (:meth:`IdleRunner.paused`) before it takes the engine's lock: the
-runner holds that lock for one batch at a time and checks between batches, so the request waits
-for one batch at most. What was stored before the pause is kept, and the live sequence keeps
-what was evaluated, so a request that extends it injects nothing.
+runner holds that lock for one batch at a time and checks between batches, and the batch running
+stops midway where the engine can (``EngineAdapter.abortable``: llama.cpp checks between the
+nodes of the batch's graph; elsewhere the request waits for that one batch). What was stored
+before the pause is kept, and the live sequence keeps what was evaluated, so a request that
+extends it injects nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import logging
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from edgesync_engines.adapters.protocol import EvaluationAborted
 from edgesync_engines.request import storeback
 from edgesync_store.schema import chunk_spans
 
@@ -106,18 +109,23 @@ class PrefillJob:
         """No batch is left."""
         return not self.batches
 
-    def step(self) -> int:
+    def step(self, should_stop: Callable[[], bool] | None = None) -> int:
         """Evaluate the next batch and store the chunks it completes; returns the tokens
-        evaluated (0: nothing was left).
+        evaluated (0: nothing was left). With ``should_stop``, the batch stops midway once it
+        returns True (``EngineAdapter.abortable``) and stays the next one.
 
         Raises:
             ValueError, ContextOverflowError: the adapter's ``extend`` refused the batch (the
                 live sequence no longer holds the prompt's start).
+            EvaluationAborted: ``should_stop`` stopped the batch; the live sequence is as
+                before it.
         """
         if not self.batches:
             return 0
-        start, end = self.batches.popleft()
-        self.adapter.extend(self.tokens, start, end)
+        start, end = self.batches[0]
+        with self.adapter.abortable(should_stop) if should_stop is not None else nullcontext():
+            self.adapter.extend(self.tokens, start, end)
+        self.batches.popleft()
         self.result.tokens_prefilled += end - start
         self.result.tokens_ready = end
         if self.on_ready is not None:
@@ -182,7 +190,9 @@ class IdleRunner:
         lock: the engine's lock (``EngineAdapter.lock``), held for one batch at a time.
         name: the thread's name.
         busy: returns True while requests wait for the engine elsewhere (e.g. in a server
-            worker's queue): no batch starts meanwhile, so that they are not delayed by one.
+            worker's queue): no batch starts meanwhile, and the one running stops midway where
+            the engine can, so that they are not delayed by one. Checked often during a batch:
+            keep it cheap.
         threaded: run the jobs on a thread of the runner's own (False: :meth:`run_pending`).
     """
 
@@ -239,6 +249,12 @@ class IdleRunner:
             with self._cond:
                 self._waiting -= 1
                 self._cond.notify_all()
+
+    @property
+    def has_work(self) -> bool:
+        """True while a job is queued (or paused and queued again)."""
+        with self._cond:
+            return bool(self._pending)
 
     def progress(self) -> int:
         """Tokens the current (or last) job has evaluated so far."""
@@ -297,13 +313,21 @@ class IdleRunner:
         self._job = job
         self.stats.jobs += 1
         done = True
+        def wanted() -> bool:  # a request needs the engine: no batch starts, and one running stops
+            return epoch != self._epoch or bool(self._waiting) or self.busy()
+
         while not job.done:
             with self._lock:
-                if epoch != self._epoch or self._waiting or self.busy():
+                if wanted():
                     done = False
                     break
-                job.step()
-                self.work_ended_at = time.time()
+                try:
+                    job.step(wanted)
+                except EvaluationAborted:
+                    done = False
+                    break
+                finally:
+                    self.work_ended_at = time.time()
         job.result.interrupted = not done
         self.stats.interrupted += not done
         self.stats.tokens_prefilled += job.result.tokens_prefilled
