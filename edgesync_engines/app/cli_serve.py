@@ -2,8 +2,11 @@
 
 Default worker count: one engine process per 2 logical CPUs, at least 1 and at most 4 (a
 llama.cpp engine uses several cores well, and each worker holds its own copy of the model and
-its KV), each engine with ``CPUs // workers`` threads unless ``EDGESYNC_THREADS`` says
-otherwise. The server binds to loopback unless ``--host`` names another address (then it warns).
+its KV). Several llama.cpp workers share the CPU threads (every CPU, or ``EDGESYNC_THREADS``):
+a request's prefill runs alone on all of them, decode steps and idle-time work split them
+(:mod:`edgesync_engines.server.core_share`). ONNX Runtime's thread count is fixed at load, so
+its workers get ``CPUs // workers`` threads each (or ``EDGESYNC_THREADS``). The server binds
+to loopback unless ``--host`` names another address (then it warns).
 
 Idle-time storing (``EdgeSyncConfig.idle_store``) is on in the server unless ``--no-idle-store``
 is given or ``EDGESYNC_IDLE_STORE`` is set (an explicit value wins over the server's default, the
@@ -121,7 +124,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not model.is_file():
         raise CommandError(f"model not found: {model}")
     workers = args.workers or default_workers()
-    threads = cfg.n_threads or max(1, usable_cpus() // workers)
+    # llama.cpp sets its thread count per evaluation; ONNX Runtime's is fixed at load, so its
+    # workers split the CPUs once
+    shared = workers > 1 and cfg.engine == "llamacpp"
+    threads = cfg.n_threads or (usable_cpus() if shared or workers == 1 else max(1, usable_cpus() // workers))
     if args.max_tokens_limit >= cfg.n_ctx:
         raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
                            f"context of {cfg.n_ctx} tokens")
@@ -129,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
     level = getattr(args, "log_level", "WARNING")
     try:
-        pool = WorkerPool(settings, workers, log_level=level).start()
+        pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None).start()
     except PoolStartError as exc:
         sock.close()
         raise CommandError(str(exc)) from None
@@ -142,8 +148,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=args.grace_seconds))
     host, port = sock.getsockname()[:2]
     idle = "on" if cfg.idle_store else "off"
-    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {workers} workers x "
-          f"{threads} threads, store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)
+    engines = (f"{workers} workers sharing {threads} threads" if shared
+               else f"{workers} worker{'s' if workers > 1 else ''} x {threads} threads")
+    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, "
+          f"store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers
     # that ends here instead of killing the process before the workers close the store
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from edgesync_engines.server.core_share import CoreShare
 from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
 from edgesync_engines.server.worker import IDLE_FIELDS, SKIP_DRAIN, worker_main
 
@@ -82,16 +83,20 @@ class WorkerPool:
         n_workers: processes (>= 1).
         log_level: the workers' logging level name.
         start_timeout_s: seconds a worker may take to load its engine.
+        shared_threads: CPU threads the workers share (:class:`~.core_share.CoreShare`: a
+            request's prefill runs alone on all of them); None, or one worker: each engine
+            keeps the threads of ``settings``.
     """
 
     def __init__(self, settings: dict, n_workers: int, log_level: str = "WARNING",
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, shared_threads: int | None = None) -> None:
         if n_workers < 1:
             raise ValueError(f"n_workers: must be >= 1, got {n_workers}")
         self.settings = dict(settings)
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
+        self.cores = CoreShare(self._ctx, n_workers, shared_threads) if shared_threads and n_workers > 1 else None
         self._slots = [_Slot(i) for i in range(n_workers)]
         self._listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -135,9 +140,12 @@ class WorkerPool:
         queues half-written)."""
         slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
         slot.cancel = self._ctx.Value("q", 0, lock=False)
+        if self.cores is not None:  # a dead process's marks would stop the others
+            self.cores.release(slot.index)
         slot.process = self._ctx.Process(
             target=worker_main, name=f"edgesync-worker-{slot.index}", daemon=True,
-            args=(slot.index, self.settings, slot.requests, slot.responses, slot.cancel, self.log_level))
+            args=(slot.index, self.settings, slot.requests, slot.responses, slot.cancel, self.log_level,
+                  self.cores))
         slot.process.start()
 
     def _await_ready(self, slot: _Slot) -> None:

@@ -10,7 +10,9 @@ A request stops early when the server writes its id into the worker's ``cancel``
 client went away), checked after every token. After a chat answer the engine's idle-time job
 (``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time, and
 pauses when one arrives; the worker reports the job's counters with each ``done`` and, when
-they changed, between jobs (an ``idle`` message). Ctrl-C, and a service manager's SIGTERM, reach the
+they changed, between jobs (an ``idle`` message). With several workers, each evaluation takes
+its share of the CPUs (:mod:`.core_share`): a request's prefill runs alone on every thread, and
+idle-time work also pauses for another worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the
 whole process group: workers ignore both, so that the server first lets in-flight requests
 finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
 first, unless the server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by
@@ -25,8 +27,10 @@ import os
 import queue
 import signal
 import time
+from contextlib import nullcontext
 
 from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_engines.server.core_share import PREFILL_TURN_TOKENS, CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +57,14 @@ def idle_counters(engine) -> dict[str, int]:
     return {name: int(values.get(name, 0)) for name in IDLE_FIELDS}
 
 
-def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING") -> None:
+def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING",
+                cores: CoreShare | None = None) -> None:
     """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
     values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
     arrives or the server process is gone. At a None, finish the idle-time work already queued
     (for up to :data:`STOP_DRAIN_S`, so that the conversations just answered are stored for the
-    next start); close the engine and the store on the way out."""
+    next start); close the engine and the store on the way out. ``cores``: the CPU threads this
+    worker shares with the pool's others (None: its engine's own threads are all it uses)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
@@ -77,24 +83,29 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     # thread evaluates) and never starts a batch while a request waits in this worker's queue
     engine.idle.threaded = False
     engine.idle.busy = lambda: not requests.empty()
+    if cores is not None:
+        cores.attach(index, engine.adapter.set_threads)
+        engine.adapter.batch_turn, engine.adapter.turn_tokens = cores.batch, PREFILL_TURN_TOKENS
+        # nor goes on with threads that are no longer its share, nor delays another's prefill
+        engine.idle.busy = lambda: not requests.empty() or cores.should_yield()
     parent = os.getppid()
     reported = idle_counters(engine)
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
         while os.getppid() == parent:
-            engine.idle.run_pending()
+            idle_done = run_idle(engine, cores)
             now = idle_counters(engine)
             if now != reported:
                 responses.put({"type": "idle", "worker": index, "stats": now})
                 reported = now
-            try:
-                job = requests.get(timeout=0.5)
+            try:  # idle-time work paused for another worker's prefill goes on soon after
+                job = requests.get(timeout=0.5 if idle_done else 0.01)
             except queue.Empty:
                 continue
             if job is None:
                 drain(engine, cancel, parent, index)
                 break
-            final = serve_one(engine, config, job, cancel, responses.put)
+            final = serve_one(engine, config, job, cancel, responses.put, cores)
             if final["type"] == "done":
                 reported = final["result"]["idle"]
                 idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
@@ -104,6 +115,15 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     finally:
         engine.close()
         log.info("worker %d: engine and store closed", index)
+
+
+def run_idle(engine, cores: CoreShare | None) -> bool:
+    """Run the engine's queued idle-time work while nothing needs the engine, as one step of
+    ``cores`` when given; True when none is left."""
+    if cores is None or not engine.idle.has_work:
+        return engine.idle.run_pending()
+    with cores.active(), cores.step():
+        return engine.idle.run_pending()
 
 
 def drain(engine, cancel, parent: int, index: int) -> bool:
@@ -132,17 +152,20 @@ def _error(job_id: int, status: int, message: str, err_type: str = "invalid_requ
             "code": code, "param": param}
 
 
-def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
+def serve_one(engine, config, job: dict, cancel, emit=None, cores: CoreShare | None = None) -> dict:
     """Answer one request dict (``id``, ``prompt`` (str or chat messages), ``max_tokens``,
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``;
     returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
-    through ``emit`` (default: the worker's response queue, see :func:`worker_main`)."""
+    through ``emit`` (default: the worker's response queue, see :func:`worker_main`). With
+    ``cores``, the request's prefill (up to its first piece) is a :meth:`CoreShare.prefill` and
+    each later piece a :meth:`CoreShare.step`."""
     job_id = job["id"]
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
                       "on this server (EDGESYNC_SEMANTIC)", param="edgesync.reuse")
     try:
-        return _generate(engine, job, cancel, emit)
+        with cores.active() if cores is not None else nullcontext():
+            return _generate(engine, job, cancel, emit, cores)
     except ContextOverflowError as exc:
         return _error(job_id, 400, str(exc), code="context_length_exceeded", param="messages")
     except ValueError as exc:
@@ -152,7 +175,7 @@ def serve_one(engine, config, job: dict, cancel, emit=None) -> dict:
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
 
 
-def _generate(engine, job: dict, cancel, emit) -> dict:
+def _generate(engine, job: dict, cancel, emit, cores: CoreShare | None) -> dict:
     """The generation loop of :func:`serve_one`: decoding ends at a stop string, an
     end-of-generation token, ``max_tokens``, or at once when the server cancels the job (the
     client went away); the prompt is stored in every case."""
@@ -162,8 +185,13 @@ def _generate(engine, job: dict, cancel, emit) -> dict:
                              reuse=job.get("reuse"), stop=job.get("stop") or None)
     text: list[str] = []
     first_token_at = None
+    pieces = iter(stream)
     with stream:
-        for piece in stream:
+        while True:
+            with _turn(cores, first=first_token_at is None):
+                piece = next(pieces, None)
+            if piece is None:
+                break
             if first_token_at is None:
                 first_token_at = time.time()
             if cancel.value == job_id:
@@ -178,3 +206,10 @@ def _generate(engine, job: dict, cancel, emit) -> dict:
     fields["idle"] = idle_counters(engine)
     return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": result.finish_reason,
             "first_token_at": first_token_at or time.time(), "result": fields}
+
+
+def _turn(cores: CoreShare | None, first: bool):
+    """The share of the CPUs the next piece is computed in (see :func:`serve_one`)."""
+    if cores is None:
+        return nullcontext()
+    return cores.prefill() if first else cores.step()
