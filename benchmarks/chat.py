@@ -21,8 +21,9 @@ goes on with the next system.
 
 Systems (``--systems``, default all): ``edgesync`` (``edgesync serve --workers 1``, a fresh
 store, ``EDGESYNC_IDLE_STORE=1``), ``edgesync-no-idle`` (the same with ``EDGESYNC_IDLE_STORE=0``),
-``edgesync-workers`` (``--workers`` = the sessions in flight, ``--threads`` shared out among them:
-EdgeSync's way to serve sessions at once, beside llama-server's slots, which decode together),
+``edgesync-workers`` (``--workers`` = the sessions in flight, sharing ``--threads``: a request's
+prefill runs alone on all of them, decode steps split them; EdgeSync's way to serve sessions at
+once, beside llama-server's slots, which decode together),
 ``llama-server`` (``-np 1``, its defaults otherwise: ``cache_prompt`` on, the default
 ``--cache-ram``), ``llama-server-np`` (``-np`` = the sessions in flight, ``-c`` = n_ctx x slots),
 ``llama-cpp-python`` (``python -m llama_cpp.server`` with ``--cache true --cache_type ram``, as
@@ -32,7 +33,8 @@ streamed answer early, empty or cut, whenever another request arrives). All on t
 (default ``build/llama-server`` in the checkout; ``make llama-server`` builds it); when it is
 missing, its two systems are skipped.
 
-In this process, one uncached model (``EdgeSync(store=False)``, same threads and context) gives:
+In this process, one uncached model (``EdgeSync(store=False)``, same threads, context and flash
+attention setting as EdgeSync's servers) gives:
 
 - before the servers, the reference conversation (its own answers as the history): the turn
   count that places the restart, and a time estimate;
@@ -168,11 +170,12 @@ class Reference:
     """One uncached EdgeSync (``store=False``) in this process: token counts for the sessions'
     context cut-off (thread-safe), fresh answers and floors, each cached by the messages' JSON."""
 
-    def __init__(self, threads: int, n_ctx: int, max_tokens: int) -> None:
+    def __init__(self, threads: int, n_ctx: int, max_tokens: int, flash_attn: bool = False) -> None:
         from edgesync_engines.config import EdgeSyncConfig
         from edgesync_engines.request.router import EdgeSync
 
-        self.es = EdgeSync(store=False, config=EdgeSyncConfig.load({"n_threads": threads, "n_ctx": n_ctx}))
+        settings = {"n_threads": threads, "n_ctx": n_ctx, "flash_attn": flash_attn}
+        self.es = EdgeSync(store=False, config=EdgeSyncConfig.load(settings))
         self.max_tokens = max_tokens
         self.lock = threading.Lock()
         self.counter = adapter_token_counter(self.es.adapter)
@@ -371,10 +374,9 @@ def server_for(system: str, plan: Plan, state: Path) -> Server:
     if system.startswith("edgesync"):
         cmd, cwd = commands("edgesync", plan.model, a.threads, a.n_ctx, state, max_tokens=a.max_tokens)
         env["EDGESYNC_IDLE_STORE"] = "0" if system == "edgesync-no-idle" else "1"
-        if system == "edgesync-workers":  # one engine per session in flight, the threads shared out
-            workers = min(a.sessions, a.in_flight)
-            cmd[cmd.index("--workers") + 1] = str(workers)
-            env["EDGESYNC_THREADS"] = str(max(1, a.threads // workers))
+        env["EDGESYNC_FLASH_ATTN"] = "1" if a.flash_attn else "0"
+        if system == "edgesync-workers":  # one engine per session in flight, sharing the threads
+            cmd[cmd.index("--workers") + 1] = str(min(a.sessions, a.in_flight))
         return Server(cmd, cwd, env, ready_path="/health")
     if system in LLAMA_SERVERS:
         slots = 1 if system == "llama-server" else min(a.sessions, a.in_flight)
@@ -614,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default all)")
     p.add_argument("--threads", type=positive, default=2, help="CPU threads of every engine (default 2)")
     p.add_argument("--n-ctx", type=int_at_least(64), default=2048, help="context window per sequence (default 2048)")
+    p.add_argument("--flash-attn", action="store_true",
+                   help="EdgeSync's servers and its reference with llama.cpp flash attention (EDGESYNC_FLASH_ATTN=1, "
+                        "llama-server's default here); answers are then compared with an uncached run with it on")
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: EdgeSync's configured model)")
     p.add_argument("--llama-server", type=Path, default=ROOT / "build" / "llama-server",
                    help="llama.cpp's llama-server binary (default build/llama-server; `make llama-server`)")
@@ -651,7 +656,7 @@ def run_all(args, systems: list[str], model: Path, progress) -> tuple[list[dict]
     guess = estimate_seconds(args.sessions * args.turns, GUESS_TURN_S + GUESS_TOKEN_S * args.max_tokens, args,
                              len(systems))
     say(f"estimated run time: about {guess / 60:.0f} min (a guess; refined after the reference conversation)")
-    ref = Reference(args.threads, args.n_ctx, args.max_tokens)
+    ref = Reference(args.threads, args.n_ctx, args.max_tokens, args.flash_attn)
     try:
         rp = reference_pass(ref, args, progress)
         turn_s = rp["seconds"] / max(rp["turns"], 1)

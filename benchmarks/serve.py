@@ -151,7 +151,8 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path,
 
 def send(client, model_id: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
     """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens, the
-    answer's text and the ``timings`` object llama.cpp's llama-server adds (None from others).
+    answer's text and the ``timings`` object llama.cpp's llama-server adds, or the ``edgesync``
+    object of ``edgesync serve`` (None from others).
     ``repeat_penalty`` 1 (llama_cpp.server's default is 1.1; EdgeSync ignores the field) makes
     every server decode greedily, so that their answers can be compared."""
     start = time.perf_counter()
@@ -162,7 +163,8 @@ def send(client, model_id: str, messages: list[dict], max_tokens: int = MAX_TOKE
         usage = getattr(chunk, "usage", None)
         if usage is not None and usage.prompt_tokens_details is not None:
             cached = usage.prompt_tokens_details.cached_tokens
-        timings = (chunk.model_extra or {}).get("timings") or timings
+        extra = chunk.model_extra or {}
+        timings = extra.get("timings") or extra.get("edgesync") or timings
         for choice in chunk.choices:
             if choice.delta.content:
                 if ttft is None:
