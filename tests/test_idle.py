@@ -166,15 +166,16 @@ def test_a_request_during_idle_work_waits_one_batch_at_most(adapter, tmp_path, s
         assert es.idle.stats.interrupted == 1
 
 
-def test_a_request_stops_the_idle_batch_running_midway(adapter, tmp_path, system_prompts):
+def test_a_request_stops_the_idle_batch_running_midway(adapter, tmp_path):
     """One idle-time batch for the whole conversation (``idle_batch_tokens`` 512): a request sent
     as soon as the answer is back finds that batch running, and llama.cpp's abort callback
     stops it, so no idle-time token was evaluated before the request was served (without the
-    abort: the whole batch). The live sequence stays sound: the request's answer equals an
-    uncached one, and the job, queued again, stores the whole conversation afterwards."""
+    abort: the whole batch). The live sequence stays sound and known: the request continues
+    the chat template's opening it shares with the conversation, its answer equals an uncached
+    one, and the job, queued again, stores the whole conversation afterwards."""
     config = EdgeSyncConfig.load({"idle_store": True, "idle_batch_tokens": 512})
     messages = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and a storm."}]
-    question = [{"role": "system", "content": system_prompts[1]}, {"role": "user", "content": "Hi"}]
+    question = [{"role": "user", "content": "Hi, who are you?"}]  # the same default system prompt
     with EdgeSync(adapter, store=False, config=EdgeSyncConfig.load({})) as uncached:
         expected = uncached.generate(question, max_tokens=8).tokens
     with EdgeSync(adapter, store=tmp_path / "s", config=config) as es:
@@ -187,6 +188,8 @@ def test_a_request_stops_the_idle_batch_running_midway(adapter, tmp_path, system
         other = es.generate(question, max_tokens=8)
         assert other.idle_wait_ms is not None  # it did arrive during idle work
         assert other.idle_wait_tokens == 0
+        shared = common_prefix_len(es.prompt_tokens(question), es.prompt_tokens(history))
+        assert shared >= ROW_GROUP and 0 < other.live_tokens <= shared
         assert other.tokens == expected
         idle_until_done(es)
         assert es.idle.stats.interrupted >= 1 and es.idle.stats.failed == 0

@@ -123,8 +123,13 @@ class PrefillJob:
         if not self.batches:
             return 0
         start, end = self.batches[0]
-        with self.adapter.abortable(should_stop) if should_stop is not None else nullcontext():
-            self.adapter.extend(self.tokens, start, end)
+        try:
+            with self.adapter.abortable(should_stop) if should_stop is not None else nullcontext():
+                self.adapter.extend(self.tokens, start, end)
+        except EvaluationAborted:
+            if self.on_ready is not None:  # the live sequence holds the exact tokens[:start]
+                self.on_ready(start)
+            raise
         self.batches.popleft()
         self.result.tokens_prefilled += end - start
         self.result.tokens_ready = end
