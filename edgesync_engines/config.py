@@ -168,12 +168,13 @@ class EdgeSyncConfig:
     idle_store: bool = flag(
         False, "EDGESYNC_IDLE_STORE",
         "after each chat answer, prefill the conversation with that answer in small exact batches on a background "
-        "thread and store its KV, so that the next turn prefills only its new message; a request pauses it after "
-        "one batch, and one that extends the live sequence continues it without injecting (`edgesync serve` turns "
-        "it on; `--no-idle-store`)")
+        "thread and store its KV, so that the next turn prefills only its new message; a request pauses it (on "
+        "llama.cpp the batch running stops midway), and one that extends the live sequence continues it without "
+        "injecting (`edgesync serve` turns it on; `--no-idle-store`)")
     idle_batch_tokens: int = setting(
         64, env="EDGESYNC_IDLE_BATCH", parse=int,
-        help="tokens per batch of idle-time prefill: the most a request waits for (16 to 512)",
+        help="tokens per batch of idle-time prefill: the most a request waits for where the engine cannot stop a "
+             "batch midway (16 to 512)",
         check=lambda v: None if 16 <= v <= 512 else f"must be in [16, 512], got {v}")
     max_bytes: int | None = setting_of(StoreSettings, "max_bytes")
     compression: str = setting_of(StoreSettings, "compression")
