@@ -181,9 +181,9 @@ class IdleRunner:
     """The background thread that runs idle-time jobs for one engine, one at a time.
 
     Jobs wait in a short queue (:data:`MAX_PENDING`, newest first). A request pauses the job in
-    progress after its current batch (:meth:`pause`); that job goes back to the end of the
-    queue and starts again later from what the store and the live sequence then hold, so an
-    interleaved conversation still gets its history stored in the next idle gap.
+    progress during its current batch (midway where the engine can); that job goes back to the
+    end of the queue and starts again later from what the store and the live sequence then
+    hold, so an interleaved conversation still gets its history stored in the next idle gap.
 
     With ``threaded`` False no thread is started: the owner runs the queued jobs on its own
     thread with :meth:`run_pending` between requests. A server worker does so, because
@@ -242,7 +242,8 @@ class IdleRunner:
     @contextmanager
     def paused(self) -> Iterator[bool]:
         """For a request's whole ``with`` block (enter it before taking the engine's lock): the
-        job in progress stops after its current batch (it is queued again) and none starts.
+        job in progress stops during its current batch (midway where the engine can; it is
+        queued again) and none starts.
         Yields True when a job was running (the caller may then wait one batch for the lock)."""
         with self._cond:
             self._epoch += 1
@@ -353,7 +354,7 @@ class IdleRunner:
             return True
 
     def close(self) -> None:
-        """Pause the job in progress and stop the thread (it ends after its current batch)."""
+        """Pause the job in progress and stop the thread (it ends during its current batch)."""
         with self._cond:
             self._closed = True
             self._epoch += 1

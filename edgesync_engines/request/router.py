@@ -433,7 +433,7 @@ class EdgeSync:
                                       None if doc_prompt is None else list(doc_prompt.tokens))
         yield ""  # input checked: errors above raise from generate() itself
         t_wait, progress = time.perf_counter(), self.idle.progress()
-        # idle-time work stops after its current batch, and starts none until this request is done
+        # idle-time work stops during its current batch, and starts none until this request is done
         with self.idle.paused() as idle_busy, self.adapter.lock:
             idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
             idle_wait_tokens = self.idle.progress() - progress if idle_busy else 0

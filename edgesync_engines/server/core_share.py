@@ -171,9 +171,9 @@ class CoreShare:
                 self._running[self._index] = 0
 
     def should_yield(self) -> bool:
-        """True when a run of idle-time batches should end after its current batch: another
-        worker waits to prefill, or more workers are active than when the step began (its
-        thread count is now too high)."""
+        """True when a run of idle-time batches should end now (the batch running stops midway
+        where the engine can, ``EngineAdapter.abortable``): another worker waits to prefill, or
+        more workers are active than when the step began (its thread count is now too high)."""
         return self._prefill_asked() or self._active_workers() > self._step_sharing
 
     def _may_prefill(self) -> bool:

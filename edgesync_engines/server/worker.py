@@ -8,15 +8,16 @@ server parses and checks the JSON and passes the values on.
 
 A request stops early when the server writes its id into the worker's ``cancel`` value (the
 client went away), checked after every token. After a chat answer the engine's idle-time job
-(``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time, and
-pauses when one arrives; the worker reports the job's counters with each ``done`` and, when
-they changed, between jobs (an ``idle`` message). With several workers, each evaluation takes
-its share of the CPUs (:mod:`.core_share`): a request's prefill runs alone on every thread, and
-idle-time work also pauses for another worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the
-whole process group: workers ignore both, so that the server first lets in-flight requests
-finish and then stops them (a None in the queue: the worker finishes its queued idle-time work
-first, unless the server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by
-itself, after the batch it is running.
+(``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time; a job that
+arrives stops the batch running midway (``EngineAdapter.abortable``). The worker reports the
+job's counters with each ``done`` and, when they changed, between jobs (an ``idle`` message).
+With several workers, each evaluation takes its share of the CPUs (:mod:`.core_share`): a
+request's prefill runs alone on every thread, and idle-time work also stops for another
+worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
+workers ignore both, so that the server first lets in-flight requests finish and then stops
+them (a None in the queue: the worker finishes its queued idle-time work first, unless the
+server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by itself, during the
+batch it is running.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
         return
     responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
     # idle-time work runs on this thread between requests (IdleRunner's ``threaded``: one
-    # thread evaluates) and never starts a batch while a request waits in this worker's queue
+    # thread evaluates); a request waiting in this worker's queue stops it, even midway through
+    # a batch
     engine.idle.threaded = False
     engine.idle.busy = lambda: not requests.empty()
     if cores is not None:
@@ -127,8 +129,9 @@ def run_idle(engine, cores: CoreShare | None) -> bool:
 
 
 def drain(engine, cancel, parent: int, index: int) -> bool:
-    """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop after the
-    current batch when the server writes :data:`SKIP_DRAIN` into ``cancel`` or is gone. True
+    """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop (midway
+    through the batch where the engine can) when the server writes :data:`SKIP_DRAIN` into
+    ``cancel`` or is gone, or the time is up. True
     when the work is done."""
     deadline = time.monotonic() + STOP_DRAIN_S
 
