@@ -45,8 +45,8 @@ class GenerationResult:
     ``finish_reason`` is ``stop`` (an end-of-generation token or a stop string), ``length``
     (``max_tokens``) or ``cancelled`` (the caller stopped the stream); ``tokens`` are the
     tokens decoded either way. ``idle_wait_ms`` is how long the request waited for idle-time
-    work to finish its batch (None when none was running), ``idle_wait_tokens`` the tokens
-    that batch evaluated meanwhile (at most one batch).
+    work to stop (None when none was running), ``idle_wait_tokens`` the tokens idle-time work
+    evaluated meanwhile (at most one batch; 0 where the batch running stopped midway).
     """
 
     text: str

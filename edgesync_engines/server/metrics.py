@@ -13,8 +13,8 @@ Idle-time storing and routing: ``idle_tokens_prefilled_total`` and ``idle_tokens
 (tokens the workers prefilled between requests, and those of them the next request did not
 begin with; summed over workers as they report them), ``live_prefix_requests_total`` (answers
 that continued their worker's live sequence: ``live_tokens`` > 0), ``idle_wait_seconds``
-(histogram: how long a request waited for idle-time work to finish its batch, observed only when
-such work was running) and ``routed_by_prefix_total`` (jobs the prefix rule placed,
+(histogram: how long a request waited for idle-time work to stop, midway through its batch on
+llama.cpp; observed only when such work was running) and ``routed_by_prefix_total`` (jobs the prefix rule placed,
 ``server/routing.py``).
 """
 
@@ -84,7 +84,7 @@ class ServerMetrics:
               registry=r).set_function(routed)
         self.live_prefix = Counter("edgesync_live_prefix_requests", "answered requests that continued their "
                                    "worker's live sequence (nothing injected for that part)", registry=r)
-        self.idle_wait = Histogram("edgesync_idle_wait_seconds", "wait for idle-time work to finish its batch, "
+        self.idle_wait = Histogram("edgesync_idle_wait_seconds", "wait for idle-time work to stop, "
                                    "seconds (requests that found it running)", buckets=IDLE_WAIT_BUCKETS, registry=r)
 
     def answered(self, endpoint: str, result: dict, ttft_s: float) -> None:
