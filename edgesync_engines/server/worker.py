@@ -87,7 +87,10 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
     engine.idle.busy = lambda: not requests.empty()
     if cores is not None:
         cores.attach(index, engine.adapter.set_threads)
-        engine.adapter.batch_turn, engine.adapter.turn_tokens = cores.batch, PREFILL_TURN_TOKENS
+        engine.adapter.batch_turn = cores.batch
+        # cut prefill batches are bit-identical only without flash attention (docs/benchmarks.md)
+        if not getattr(engine.adapter, "flash_attn", False):
+            engine.adapter.turn_tokens = PREFILL_TURN_TOKENS
         # nor goes on with threads that are no longer its share, nor delays another's prefill
         engine.idle.busy = lambda: not requests.empty() or cores.should_yield()
     parent = os.getppid()
