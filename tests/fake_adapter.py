@@ -20,6 +20,7 @@ test_semantic_router.py, test_cross_engine.py) do that.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import threading
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -228,6 +229,16 @@ class FakeAdapter:
     def warm_up(self, n_tokens: int = 0) -> None:
         """Nothing to warm: the fake evaluates nothing (``warmed_for`` records the size asked)."""
         self.warmed_for = n_tokens
+
+    def abortable(self, should_stop):
+        """Nothing evaluates midway here: each call runs whole."""
+        return contextlib.nullcontext()
+
+    def set_threads(self, n_threads: int) -> None:
+        """No threads to set (``threads`` records the count asked)."""
+        if n_threads < 1:
+            raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
+        self.threads = n_threads
 
     def close(self) -> None:
         self._closed = True

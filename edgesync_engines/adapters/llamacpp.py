@@ -20,7 +20,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -370,13 +370,16 @@ class LlamaCppAdapter(EngineAdapterBase):
         """Zero llama.cpp's perf counters."""
         self._llama_cpp.llama_perf_context_reset(self._ctx)
 
-    @contextmanager
-    def abortable(self, should_stop: Callable[[], bool]) -> Iterator[None]:
+    def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
         """The protocol's ``abortable``, through llama.cpp's abort callback, which its CPU
         backend calls between the nodes of a batch's graph. On an abort ``llama_decode``
         returns 2 after removing the batch's cells from the memory (``llama-context.cpp``), and
         ``Llama.eval`` has not counted them, so the live sequence is what it was; this raises
         :class:`EvaluationAborted`. A ``should_stop`` that raises counts as False."""
+        return self._abort_callback(should_stop)
+
+    @contextmanager
+    def _abort_callback(self, should_stop: Callable[[], bool]) -> Iterator[None]:
         fired = False
 
         def check(_data) -> bool:

@@ -12,8 +12,9 @@ a new prompt into the batch its other slots decode in:
   a step meanwhile, and each prefill batch waits until no other worker evaluates (at most one
   decode step, one idle-time batch or one other prefill batch), then runs on every thread.
   Prefill batches are cut to :data:`PREFILL_TURN_TOKENS` (``kv_layout.turn_batches``,
-  bit-identical; not with flash attention, where cuts are not exact), and among prefills waiting for a batch the one with the fewest tokens left
-  goes first: a short prompt that arrives during a long one's prefill waits one batch.
+  bit-identical; not with flash attention, where cuts are not exact), and among prefills
+  waiting for a batch the one with the fewest tokens left goes first: a short prompt that
+  arrives during a long one's prefill waits one batch.
 * **step** (one decode step, or a run of idle-time batches): waits while any worker waits to
   prefill, then runs at once with the other workers' steps, on ``threads // active workers``
   threads (a worker is active while it serves a request or runs idle-time work).
