@@ -119,6 +119,36 @@ def test_waiting_prefill_batches_go_shortest_first_then_in_the_order_asked():
         order[1:] == ["d: 60 left", "c: 60 left", "b: 400 left"]
 
 
+def test_a_long_prefill_passed_over_twice_goes_before_a_shorter_one():
+    """Short prompts one after another: the long prompt's waiting batch lets two shorter
+    batches go first (fewest tokens left), then runs before the next short one."""
+    (long_, short, other), _ = workers(3, 2)
+    order: list[str] = []
+    waiting = threading.Event()
+
+    def prefill(view: CoreShare, name: str, tokens_left: int, asked: threading.Event | None = None) -> None:
+        with view.prefill():
+            if asked is not None:
+                asked.set()
+            with view.batch(tokens_left):
+                order.append(name)
+
+    with short.prefill():
+        with short.batch(40):  # the long one asks while this batch runs
+            long_thread = in_thread(lambda: prefill(long_, "long", 900, waiting))
+            assert waiting.wait(WAIT_S)
+            long_thread.join(0.2)
+        with short.batch(20):  # the long batch passed over once: fewer tokens left here
+            order.append("short")
+        with short.batch(10):  # twice; a shorter prompt asks meanwhile
+            order.append("short")
+            other_thread = in_thread(lambda: prefill(other, "other short", 5))
+            other_thread.join(0.2)
+    long_thread.join(WAIT_S)
+    other_thread.join(WAIT_S)
+    assert order == ["short", "short", "long", "other short"]
+
+
 def test_a_batch_outside_a_prefill_runs_at_once():
     (a, b), _ = workers(2, 2)
     with b.prefill(), b.batch(50):

@@ -14,7 +14,8 @@ a new prompt into the batch its other slots decode in:
   Prefill batches are cut to :data:`PREFILL_TURN_TOKENS` (``kv_layout.turn_batches``,
   bit-identical; not with flash attention, where cuts are not exact), and among prefills
   waiting for a batch the one with the fewest tokens left goes first: a short prompt that
-  arrives during a long one's prefill waits one batch.
+  arrives during a long one's prefill waits one batch. A batch passed over
+  :data:`MAX_PASSED` times goes next, so that short prompts never starve a long one.
 * **step** (one decode step, or a run of idle-time batches): waits while any worker waits to
   prefill, then runs at once with the other workers' steps, on ``threads // active workers``
   threads (a worker is active while it serves a request or runs idle-time work).
@@ -48,6 +49,9 @@ PREFILL_TURN_TOKENS = 64
 """A prefill batch's most tokens while the workers share the CPUs (the engine's ``turn_tokens``):
 what a short prompt waits for at most behind a long one, at no cost in prefill speed
 (docs/benchmarks.md)."""
+MAX_PASSED = 2
+"""Other prefill batches that may run while one waits before it goes first, whatever its size:
+a stream of short prompts slows a long one's prefill at most threefold, never stops it."""
 LOCK_TIMEOUT_S = 2.0
 """Seconds a worker waits for the state's lock before it goes on without it (see the module
 docstring); the lock is held only to read and mark a few flags."""
@@ -76,6 +80,7 @@ class CoreShare:
         self._running = ctx.Array("b", n_workers, lock=False)  # 1 while worker i evaluates
         self._active = ctx.Array("b", n_workers, lock=False)  # 1 while worker i serves or runs idle work
         self._tokens_left = ctx.Array("q", n_workers, lock=False)  # >0 while worker i waits for or runs a batch
+        self._passed = ctx.Array("q", n_workers, lock=False)  # other batches run while worker i's waited
         self._index = -1
         self._set_threads: Callable[[int], None] = lambda n: None
         self._threads_now = 0
@@ -108,6 +113,7 @@ class CoreShare:
         starts another)."""
         with self._locked():
             self._ticket[index] = self._running[index] = self._active[index] = self._tokens_left[index] = 0
+            self._passed[index] = 0
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -134,14 +140,15 @@ class CoreShare:
         finally:
             self._in_prefill = False
             with self._locked():
-                self._running[i] = self._ticket[i] = self._tokens_left[i] = 0
+                self._running[i] = self._ticket[i] = self._tokens_left[i] = self._passed[i] = 0
 
     @contextmanager
     def batch(self, tokens_left: int) -> Iterator[None]:
         """One prefill batch, with ``tokens_left`` prompt tokens still to evaluate (this
         batch's included). Inside :meth:`prefill`: it waits until no other worker evaluates
-        and no other prefill waiting for a batch has fewer tokens left (the earlier asked on a
-        tie), so that a short prompt is not kept behind a long one; then it runs on every
+        and no other prefill waiting for a batch ranks before it (passed over
+        :data:`MAX_PASSED` times, else fewer tokens left, else asked earlier), so that a short
+        prompt is not kept behind a long one nor a long one starved; then it runs on every
         thread. Outside (an idle-time batch, already inside a :meth:`step`): at once."""
         if not self._in_prefill:
             yield
@@ -178,10 +185,20 @@ class CoreShare:
         return self._prefill_asked() or self._active_workers() > self._step_sharing
 
     def _may_prefill(self) -> bool:
-        i = self._index
-        mine = (self._tokens_left[i], self._ticket[i])
-        return not any(self._running[j] or (self._tokens_left[j] and (self._tokens_left[j], self._ticket[j]) < mine)
-                       for j in self._others())
+        """No other worker evaluates, and none waits for a batch with a lower
+        :meth:`_batch_rank`; when so, the batches of the others waiting count one more pass."""
+        mine = self._batch_rank(self._index)
+        if any(self._running[j] or (self._tokens_left[j] and self._batch_rank(j) < mine) for j in self._others()):
+            return False
+        for j in self._others():
+            self._passed[j] += bool(self._tokens_left[j])
+        self._passed[self._index] = 0
+        return True
+
+    def _batch_rank(self, j: int) -> tuple[int, int, int]:
+        """Worker ``j``'s place among waiting prefill batches: one passed over
+        :data:`MAX_PASSED` times first, then the fewest tokens left, then the earliest asked."""
+        return (self._passed[j] < MAX_PASSED, self._tokens_left[j], self._ticket[j])
 
     def _prefill_asked(self) -> bool:
         return any(self._ticket[j] for j in self._others())
