@@ -406,10 +406,9 @@ class LlamaCppAdapter(EngineAdapterBase):
         evaluation alike.
 
         Raises:
-            ValueError: ``n_threads`` below 1.
+            ValueError: ``n_threads`` below 1 (the base class's check).
         """
-        if n_threads < 1:
-            raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
+        super().set_threads(n_threads)
         self._llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads)
 
     def clear_kv_cache(self) -> None:
