@@ -282,3 +282,32 @@ def test_idle_work_run_by_its_owner_on_one_thread(adapter, tmp_path, sessions):
         assert result.tokens_prefilled <= expected_prefill(es, messages[:-1], messages)
         assert result.live_tokens == result.tokens_reused > 0
     assert EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens == result.tokens
+
+
+def test_a_paused_job_resumes_before_an_older_conversations(adapter, tmp_path, sessions):
+    """Two conversations answered on one engine (A, then B; ``threaded`` False, as a server
+    worker runs them): B's history job starts first, and when the engine is wanted elsewhere
+    after its first batch (``busy``, as for a server's other worker's prefill) it keeps its
+    place. The next batch run is B's, continuing the live sequence where it stopped; sent to the
+    queue's end, A's job ran next and replaced the live sequence with A's history."""
+    small_batches = EdgeSyncConfig.load({"idle_store": True, "idle_batch_tokens": 16})
+    with EdgeSync(adapter, store=tmp_path / "s", config=small_batches) as es:
+        es.idle.threaded = False
+        answered = []
+        for turns in (sessions[0], sessions[1]):
+            messages = [{"role": "user", "content": turns[0]}]
+            messages.append({"role": "assistant", "content": es.generate(messages, max_tokens=64).text})
+            answered.append(es.prompt_tokens(messages, add_generation_prompt=False))
+        history_b = answered[1]
+        started = [0]  # wanted elsewhere once the next job started has run a batch
+        es.idle.busy = lambda: es.idle.stats.jobs > started[0] and es.idle.progress() > 0
+        assert not es.idle.run_pending()
+        first = es.adapter.live_tokens()
+        assert first == history_b[:len(first)] and es.idle.stats.interrupted == 1
+        started[0] = es.idle.stats.jobs
+        assert not es.idle.run_pending()
+        second = es.adapter.live_tokens()
+        assert len(second) > len(first) and second == history_b[:len(second)]
+        assert es.idle.stats.interrupted == 2
+        es.idle.busy = lambda: False
+        assert es.idle.run_pending() and es.idle.stats.tokens_wasted == 0

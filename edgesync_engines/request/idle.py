@@ -181,9 +181,12 @@ class IdleRunner:
     """The background thread that runs idle-time jobs for one engine, one at a time.
 
     Jobs wait in a short queue (:data:`MAX_PENDING`, newest first). A request pauses the job in
-    progress during its current batch (midway where the engine can); that job goes back to the
-    end of the queue and starts again later from what the store and the live sequence then
-    hold, so an interleaved conversation still gets its history stored in the next idle gap.
+    progress during its current batch (midway where the engine can); that job keeps its place
+    at the head of the queue, behind the jobs of answers given after it, and starts again from
+    what the store and the live sequence then hold. So the newest answer's history goes first:
+    its conversation's KV is the live sequence's (continued, not read back from the store), and
+    a job paused only because the engine was wanted elsewhere (a server's other worker) resumes
+    where it stopped instead of an older conversation's job replacing the live sequence.
 
     With ``threaded`` False no thread is started: the owner runs the queued jobs on its own
     thread with :meth:`run_pending` between requests. A server worker does so, because
@@ -229,15 +232,23 @@ class IdleRunner:
         with self._cond:
             if self._closed:
                 return
-            if key:
-                self._pending = deque(p for p in self._pending if not p[0] or key[:len(p[0])] != p[0])
-            self._pending.appendleft((key, start))
-            while len(self._pending) > MAX_PENDING:
-                self._pending.pop()
+            self._queue_first(key, start)
             if self._thread is None and self.threaded:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
+
+    def _queue_first(self, key: tuple, start: Callable[[], "PrefillJob | None"]) -> None:
+        """Put a job at the head of the queue (the caller holds ``_cond``), dropping the
+        waiting jobs whose key it extends and the oldest beyond :data:`MAX_PENDING`; a job
+        whose key a waiting one extends is not queued (its conversation went on)."""
+        if key:
+            if any(len(p[0]) > len(key) and p[0][:len(key)] == key for p in self._pending):
+                return
+            self._pending = deque(p for p in self._pending if not p[0] or key[:len(p[0])] != p[0])
+        self._pending.appendleft((key, start))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.pop()
 
     @contextmanager
     def paused(self) -> Iterator[bool]:
@@ -289,7 +300,7 @@ class IdleRunner:
             self._run_next()
 
     def _run_next(self) -> None:
-        """Run the first queued job, which goes back to the end of the queue when paused."""
+        """Run the first queued job, which keeps its place at the head of the queue when paused."""
         with self._cond:
             if not self._pending:
                 return
@@ -297,8 +308,8 @@ class IdleRunner:
             epoch, self._running = self._epoch, True
         try:
             if not self._run_job(epoch, start):
-                with self._cond:
-                    self._pending.append((key, start))  # resumed later from what was stored
+                with self._cond:  # it keeps its place: the newest answer's history goes first
+                    self._queue_first(key, start)
         except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
             self.stats.failed += 1
             log.warning("idle-time prefill failed", exc_info=True)
