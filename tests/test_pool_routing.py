@@ -196,3 +196,31 @@ def test_idle_counters_of_an_engine():
 
     assert idle_counters(Engine()) == {**dict.fromkeys(IDLE_FIELDS, 0), "jobs": 2, "tokens_prefilled": 128}
     assert idle_counters(object()) == dict.fromkeys(IDLE_FIELDS, 0)
+
+
+def test_among_busy_workers_one_whose_job_is_decoding_gets_the_job():
+    """Equally loaded, no prefix: not the worker whose job has its prefill ahead."""
+    assert choose_worker([1, 1], [0, 0], last_used=[1, 2], unstarted=[4000, 0]) == (1, False)
+    assert choose_worker([1, 1], [0, 0], last_used=[2, 1], unstarted=[0, 0]) == (1, False)  # then longest ago
+    assert choose_worker([1, 2], [0, 0], unstarted=[4000, 0]) == (0, False)  # loads come first
+
+
+def test_the_pool_routes_by_the_jobs_that_have_not_started():
+    """A worker's job counts as not started until its first message (a stream's piece, or the
+    ``started`` a whole answer's worker sends, which the pool keeps to itself)."""
+    async def scenario():
+        p = _Pool(2)
+        long_prompt, short = _turn("Summarise this: " + "words " * 600), _turn("Hi")
+        assert await p.submit(long_prompt) == 0
+        assert await p.submit(_turn("Tell me a story.")) == 1
+        slot0, slot1 = p.pool._slots
+        job1 = next(j for j, (slot, _, _) in p.open.items() if slot is slot1)
+        p.pool._deliver(slot1, {"id": job1, "type": "started"})  # worker 1 decodes; worker 0 prefills
+        assert job1 in slot1.started and not slot0.started
+        assert await p.submit(short) == 1
+        await p.finish(0, _done("A summary."))
+        assert (await p.finish(1, _done("Once upon a time.")))["type"] == "done"  # "started" was not passed on
+        await p.finish(1, _done("Hello!"))
+        assert not slot0.started and not slot1.started and p.pool.queued() == 0
+
+    asyncio.run(scenario())

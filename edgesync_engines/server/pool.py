@@ -7,7 +7,8 @@ response queue and a shared ``cancel`` value. Messages are plain dicts:
 * to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
   ``stop``, ``stream``, ``reuse``) or None (stop);
 * from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
-  job ``piece`` (``text``), then one of ``done`` (``text``, ``finish_reason``,
+  job ``piece`` (``text``) when streamed, else ``started`` at its first token (for routing; not
+  passed on), then one of ``done`` (``text``, ``finish_reason``,
   ``first_token_at``, ``result``), ``error`` (``status``, ``message``, ``err_type``, ``code``,
   ``param``) or ``cancelled``. ``done``'s ``result`` holds the request's figures and ``idle``:
   the worker's cumulative idle-time counters (``IdleStats``: ``jobs``, ``interrupted``,
@@ -22,7 +23,9 @@ The pool sums the counters' increases over its workers and their restarts
 Routing (:mod:`.routing`): a job goes to the worker whose live context (the last conversation
 it answered, with the answer) begins the job's prompt over the most characters; when that worker
 is busy and another is idle, to the idle one with the best score; when no context matches, to
-the worker with the fewest outstanding jobs (the lowest index on a tie). A worker's context is
+the worker with the fewest outstanding jobs (on a tie, the one whose jobs that have not sent
+their first token hold the fewest prompt characters: it is not held by a long prefill). A
+worker's context is
 replaced by each job it answers (``done``, not cancelled) and forgotten when a job is cancelled,
 fails in the engine (a 500) or the process restarts. Each worker answers its queue in arrival
 order. One thread per worker reads its responses and hands them to the asyncio queue of their
@@ -68,6 +71,8 @@ class _Slot:
     pid: int | None = None
     restarts: int = 0
     jobs: set = field(default_factory=set)
+    started: set = field(default_factory=set)
+    """The ids of its outstanding jobs that have sent a message (their prefill is over)."""
     last_used: int = 0  # the pool's job count when this slot was last given a job
     context: str | None = None
     """The canonical text of what the worker holds live (``routing.context_text``), or None."""
@@ -228,7 +233,10 @@ class WorkerPool:
         slots = self._slots
         text = prompt_text(prompt) if len(slots) > 1 else ""
         scores = [prefix_score(text, s.context) if text else 0 for s in slots]
-        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores, [s.last_used for s in slots])
+        unstarted = [sum(len(prompt_text(self._prompts[j])) for j in s.jobs - s.started if j in self._prompts)
+                     if text else 0 for s in slots]
+        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores, [s.last_used for s in slots],
+                                         unstarted)
         self._routed_by_prefix += by_prefix
         self._assigned += 1
         slots[index].last_used = self._assigned
@@ -262,7 +270,12 @@ class WorkerPool:
         with self._lock:
             if msg.get("type") in FINAL_TYPES:
                 slot.jobs.discard(msg.get("id"))
+                slot.started.discard(msg.get("id"))
                 self._ended(slot, msg)
+            elif msg.get("id") in slot.jobs:
+                slot.started.add(msg.get("id"))
+            if msg.get("type") == "started":  # the pool's own bookkeeping: nobody listens for it
+                return
             if msg.get("type") == "cancelled":
                 self._cancelled += 1
             target = self._listeners.get(msg.get("id"))
@@ -296,6 +309,7 @@ class WorkerPool:
             # one critical section: a job submitted now goes to the new queue, never the dead one's
             lost = sorted(slot.jobs)
             slot.jobs.clear()
+            slot.started.clear()
             slot.pid = None
             slot.context, slot.idle = None, {}  # a new process: nothing live, counters from 0
             slot.restarts += 1

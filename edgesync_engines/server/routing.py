@@ -72,15 +72,20 @@ def prefix_score(job_text: str, context: str | None, least: int = MIN_PREFIX_CHA
 
 
 def choose_worker(loads: Sequence[int], scores: Sequence[int],
-                  last_used: Sequence[int] | None = None) -> tuple[int, bool]:
+                  last_used: Sequence[int] | None = None,
+                  unstarted: Sequence[int] | None = None) -> tuple[int, bool]:
     """The worker for a job, and whether its prefix placed it.
 
     ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`;
-    ``last_used[i]``: when it was last given a job (a counter; default: all 0).
+    ``last_used[i]``: when it was last given a job (a counter; default: all 0);
+    ``unstarted[i]``: characters of the prompts of its jobs that have sent nothing yet (queued,
+    or in their prefill; default: all 0).
 
-    * No score above 0: the worker with the fewest outstanding jobs, on a tie the one given a
-      job longest ago (then the lowest index), so that conversations begun one after the other
-      each keep a worker whose live sequence holds them.
+    * No score above 0: the worker with the fewest outstanding jobs; on a tie the one with the
+      fewest unstarted prompt characters (a job that is decoding ends sooner than one that has
+      its prefill and its decoding ahead), then the one given a job longest ago (then the lowest
+      index), so that conversations begun one after the other each keep a worker whose live
+      sequence holds them.
     * Else the best score (ties: fewer outstanding jobs, then the lowest index), unless that
       worker is busy (has outstanding jobs) while another is idle: then the idle worker with the
       best score (ties: the lowest index). Waiting behind another job costs more than
@@ -96,8 +101,9 @@ def choose_worker(loads: Sequence[int], scores: Sequence[int],
         raise ValueError(f"choose_worker: {n} loads and {len(scores)} scores")
     workers = range(n)
     used = last_used if last_used is not None else [0] * n
+    ahead = unstarted if unstarted is not None else [0] * n
     if n == 1 or max(scores) <= 0:
-        return min(workers, key=lambda i: (loads[i], used[i], i)), False
+        return min(workers, key=lambda i: (loads[i], ahead[i], used[i], i)), False
     best = min((i for i in workers if scores[i] > 0), key=lambda i: (-scores[i], loads[i], i))
     if loads[best] > 0:
         least = min(loads)

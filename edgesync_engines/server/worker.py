@@ -200,6 +200,8 @@ def _generate(engine, job: dict, cancel, emit, cores: CoreShare | None) -> dict:
                 break
             if first_token_at is None:
                 first_token_at = time.time()
+                if not job.get("stream") and emit is not None:  # the pool routes by it (a stream's pieces say so)
+                    emit({"id": job_id, "type": "started"})
             if cancel.value == job_id:
                 stream.stop()
                 return {"id": job_id, "type": "cancelled"}
