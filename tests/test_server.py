@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -237,3 +238,53 @@ def test_restart_keeps_the_cache_and_the_key_is_checked(server, store, reference
         assert f"edgesync_cached_prompt_tokens_total {cached}" in metrics
         assert "edgesync_ttft_seconds_count 1.0" in metrics
         assert s2.stop() == 0
+
+
+def _queued(server) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("edgesync_queued_requests "):
+                return float(line.split()[1])
+    raise AssertionError("no edgesync_queued_requests")
+
+
+def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path):
+    """SIGTERM while one worker streams a long answer and a whole answer waits behind it, with
+    ``--grace-seconds 1``: once the grace is over, the stream's last event before ``[DONE]`` is
+    the 503 ``shutting_down`` error and the whole answer gets that status and error (before the
+    fix: a stream cut without a last event, a bare 500, and a traceback in the log); the server
+    exits 0 and logs no traceback."""
+    with ServeProcess(tmp_path / "s", "--workers", "1", "--grace-seconds", "1") as s:
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = json.dumps({"model": "any", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000,
+                               "stream": True}).encode()
+            req = urllib.request.Request(f"{s.base_url}/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].decode().strip())
+                        started.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(120), s.stderr()
+        whole: list[tuple[int, dict]] = []
+        waiting = threading.Thread(target=lambda: whole.append(_post(s, "/v1/completions", json.dumps(
+            {"model": "any", "prompt": "10, 11, 12, 13, 14, 15,", "max_tokens": 2000}).encode())), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 60
+        while _queued(s) < 2:  # both in the worker's queue before the signal
+            assert time.monotonic() < deadline, s.stderr()
+            time.sleep(0.05)
+        assert s.stop() == 0
+        reader.join(60)
+        waiting.join(60)
+    assert events[-1] == "[DONE]" and len(events) > 3
+    assert _assert_error_shape(json.loads(events[-2]))["code"] == "shutting_down"
+    status, body = whole[0]
+    assert status == 503 and _assert_error_shape(body)["code"] == "shutting_down"
+    assert "Traceback" not in s.stderr() and "Exception in ASGI application" not in s.stderr()

@@ -139,16 +139,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PoolStartError as exc:
         sock.close()
         raise CommandError(str(exc)) from None
+    server = None  # uvicorn's, made below; the app polls its flag that a signal began the shutdown
     app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
                                          max_tokens_limit=args.max_tokens_limit,
                                          default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
                                          max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-                                         shutdown_grace_s=max(0.0, args.grace_seconds - 1.0)))
+                                         shutdown_grace_s=max(0.0, args.grace_seconds - 1.0)),
+                     stopping=lambda: server is not None and server.should_exit)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
                                            timeout_graceful_shutdown=args.grace_seconds))
     host, port = sock.getsockname()[:2]
     idle = "on" if cfg.idle_store else "off"
-    engines = (f"{workers} workers sharing {threads} threads" if shared
+    engines = (f"{workers} workers sharing {threads} thread{'s' if threads > 1 else ''}" if shared
                else f"{workers} worker{'s' if workers > 1 else ''} x {threads} threads")
     print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, "
           f"store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)

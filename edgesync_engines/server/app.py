@@ -16,8 +16,14 @@ that fails. An error after the first chunk (the worker died) is sent as a last e
 ``{"error": {...}}``, which the ``openai`` client raises as an ``APIError``.
 
 A client that goes away stops its job at the worker's next token: a stream when its response is
-closed, a whole answer when the connection says so (checked every
+closed, a whole answer or a stream's first message when the connection says so (checked every
 :data:`DISCONNECT_POLL_S` while the job runs).
+
+Once shutdown began (``stopping`` of :func:`create_app`; ``edgesync serve`` passes uvicorn's
+signal flag), a job may go on for ``ServeSettings.shutdown_grace_s``; then it is cancelled and
+answered 503 ``shutting_down``: a whole answer or a stream not begun as a plain error, a stream
+begun with that error as its last event before ``[DONE]``. Cancelled earlier by the ASGI server,
+the client would get a bare 500 and the log a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 from sse_starlette.sse import EventSourceResponse
@@ -47,7 +54,11 @@ MAX_LOGGED_MODEL_NAMES = 256
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 """The answering endpoints (chat, then text), counted by name in ``edgesync_requests_total``."""
 DISCONNECT_POLL_S = 0.25
-"""Seconds between two checks that the client of a non-streamed request is still connected."""
+"""Seconds between two checks, while a job's next message is awaited, that its client is still
+connected and that the shutdown grace has not run out."""
+STREAM_CUT_MARGIN_S = 0.5
+"""Seconds after the shutdown grace at which sse-starlette cancels a stream still open: room for
+the stream's last event (the 503 error) to be sent first."""
 CLIENT_CLOSED = 499
 """The status of the answer to a client that went away (nobody reads it; counted in
 ``edgesync_requests_total``): nginx's convention."""
@@ -70,9 +81,66 @@ class ServeSettings:
     shutdown_grace_s: float = 0.0
 
 
-def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
-    """The application over a started ``pool`` (the caller starts and closes the pool)."""
+class _Shutdown:
+    """When the shutdown grace of the jobs in flight has run out (see the module docstring).
+
+    Args:
+        stopping: returns True once shutdown began (polled; its first True starts the grace).
+        grace_s: seconds a job may go on after that.
+    """
+
+    def __init__(self, stopping: Callable[[], bool], grace_s: float) -> None:
+        self.stopping = stopping
+        self.grace_s = grace_s
+        self.began_at: float | None = None
+
+    def grace_over(self) -> bool:
+        if self.began_at is None:
+            if not self.stopping():
+                return False
+            self.began_at = time.monotonic()
+        return time.monotonic() - self.began_at >= self.grace_s
+
+
+class _Interrupted(Exception):
+    """The message awaited did not come: the client went away (``gone``), or the shutdown grace
+    ran out."""
+
+    def __init__(self, gone: bool) -> None:
+        super().__init__("the client went away" if gone else "the shutdown grace ran out")
+        self.gone = gone
+
+
+async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = None):
+    """The result of ``awaitable`` (a job's next or final message), checking every
+    :data:`DISCONNECT_POLL_S` that ``request``'s client is still connected (when given) and that
+    the shutdown grace has not run out; the awaitable is cancelled when either fails.
+
+    Raises:
+        _Interrupted: the client went away, or the grace ran out.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            if shutdown.grace_over():  # checked first: a stream's pieces come sooner than the poll
+                raise _Interrupted(gone=False)
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                raise _Interrupted(gone=True)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[], bool] | None = None) -> FastAPI:
+    """The application over a started ``pool`` (the caller starts and closes the pool).
+    ``stopping``: returns True once the ASGI server began to shut down (None: never)."""
     app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None)
+    shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s)
     metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
                             idle=pool.idle_totals, routed=pool.routed_by_prefix)
     install_handlers(app)
@@ -95,12 +163,12 @@ def create_app(pool: WorkerPool, settings: ServeSettings) -> FastAPI:
     async def chat(body: schemas.ChatCompletionRequest, request: Request):
         names.check(body.model)
         prompt = [m.plain() for m in body.messages]
-        return await _answer(pool, settings, metrics, body, prompt, "chat", request)
+        return await _answer(pool, settings, metrics, shutdown, body, prompt, "chat", request)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
         names.check(body.model)
-        return await _answer(pool, settings, metrics, body, body.text(), "completion", request)
+        return await _answer(pool, settings, metrics, shutdown, body, body.text(), "completion", request)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(ErrorCounter, metrics=metrics, endpoints=ENDPOINTS)  # outermost: sees every error
@@ -135,51 +203,39 @@ def _job(body: schemas.SamplingRequest, settings: ServeSettings, prompt) -> dict
             "reuse": body.edgesync.reuse if body.edgesync is not None else None, "submitted_at": time.time()}
 
 
-async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, body, prompt, kind: str,
-                  request: Request):
+async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetrics, shutdown: _Shutdown, body,
+                  prompt, kind: str, request: Request):
     """Run one request on the pool and answer it whole or as a stream."""
     endpoint = ENDPOINTS[0] if kind == "chat" else ENDPOINTS[1]
     job = _job(body, settings, prompt)
     messages = pool.submit(job)
     shaper = _Shaper(kind, settings.model_id, job)
     try:
-        # a whole answer's job sends nothing before its final message: wait for it watching the client
-        first = await (_final_unless_gone(messages, request) if not body.stream else anext(messages))
+        # a whole answer's job sends nothing before its final message
+        first = await _watched(anext(messages) if body.stream else _final(messages), shutdown, request)
     except RuntimeError as exc:  # the pool is shutting down (raised at the generator's first step)
         raise APIError(503, str(exc), code="shutting_down") from None
-    if not body.stream:
-        if first is None:
+    except _Interrupted as exc:
+        await messages.aclose()  # cancels the job
+        if exc.gone:
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it; counted as 499
+        raise _shutting_down() from None
+    if not body.stream:
         return _whole(first, shaper, metrics, endpoint)
     if first["type"] == "error":
         await messages.aclose()
         raise _api_error(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_events(first, messages, shaper, metrics, endpoint, include_usage), ping=15,
-                               shutdown_grace_period=settings.shutdown_grace_s)
+    events = _events(first, messages, shaper, metrics, endpoint, include_usage, shutdown)
+    return EventSourceResponse(events, ping=15, shutdown_grace_period=settings.shutdown_grace_s + STREAM_CUT_MARGIN_S)
 
 
-async def _final_unless_gone(messages, request: Request) -> dict | None:
-    """The job's final message, or None when the client disconnected first; the job is then
-    cancelled (closing ``messages`` tells its worker to stop at its next token)."""
-
-    async def last() -> dict:
-        final = None
-        async for msg in messages:  # the pool's iterator ends with the final message
-            final = msg
-        return final
-
-    waiting = asyncio.ensure_future(last())
-    while True:
-        done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return waiting.result()
-        if await request.is_disconnected():
-            waiting.cancel()  # the generator's cleanup cancels the job
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiting
-            await messages.aclose()
-            return None
+async def _final(messages) -> dict:
+    """The job's final message (the pool's iterator ends with it)."""
+    final = None
+    async for msg in messages:
+        final = msg
+    return final
 
 
 def _api_error(msg: dict) -> APIError:
@@ -203,8 +259,9 @@ def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str
 
 
 async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str,
-                  include_usage: bool):
-    """The server-sent events of a streamed answer: chunks, then ``[DONE]``."""
+                  include_usage: bool, shutdown: _Shutdown):
+    """The server-sent events of a streamed answer: chunks, then ``[DONE]``; a job the shutdown
+    grace cancels ends with the 503 error event."""
     msg = first
     if shaper.kind == "chat":
         yield {"data": shaper.chunk(role=True).model_dump_json(exclude_none=True)}
@@ -223,7 +280,11 @@ async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetri
             error = _api_error(msg) if msg["type"] == "error" else _shutting_down()
             yield {"data": json.dumps(error.body())}
             break
-        msg = await anext(messages)
+        try:
+            msg = await _watched(anext(messages), shutdown)
+        except _Interrupted:
+            await messages.aclose()  # cancels the job
+            msg = {"type": "cancelled", "status": 503}
     yield {"data": "[DONE]"}
 
 
