@@ -3,7 +3,7 @@
 Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}`` (every answer of the two
 completion endpoints, errors included, whichever layer gave them: :class:`ErrorCounter`; other
 paths' errors under ``endpoint="other"``; 499 for a client that went away),
-``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens injected from the store),
+``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens reused: live, or injected from the store),
 ``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
 queueing included), ``hits_total{kind}`` (exact, partial, miss), ``store_bytes`` (the store's
 files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
@@ -61,7 +61,8 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("edgesync_prompt_tokens", "prompt tokens of answered requests", registry=r)
-        self.cached_tokens = Counter("edgesync_cached_prompt_tokens", "prompt tokens injected from the store",
+        self.cached_tokens = Counter("edgesync_cached_prompt_tokens",
+                                     "prompt tokens reused: the live sequence's, or injected from the store",
                                      registry=r)
         self.completion_tokens = Counter("edgesync_completion_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("edgesync_ttft_seconds", "request received to first token, seconds",

@@ -8,8 +8,8 @@ them. EdgeSync's own options go in the extension object ``edgesync`` (:class:`Ed
 which other servers ignore and ordinary clients never send.
 
 Responses carry the OpenAI fields, ``usage.prompt_tokens_details.cached_tokens`` being the
-prompt tokens whose KV was injected from the store, plus an ``edgesync`` object
-(:class:`EdgeSyncInfo`) that clients which do not know it ignore.
+prompt tokens whose KV was reused (the worker's live sequence, or injected from the store), plus
+an ``edgesync`` object (:class:`EdgeSyncInfo`) that clients which do not know it ignore.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class PromptTokensDetails(BaseModel):
-    """``cached_tokens``: prompt tokens whose KV was injected from the store."""
+    """``cached_tokens``: prompt tokens whose KV was reused (the worker's live sequence, or
+    injected from the store)."""
 
     cached_tokens: int
 
