@@ -209,3 +209,24 @@ def test_prefill_batches_cut_for_the_workers_turns_change_no_bit(adapter, prompt
         adapter.turn_tokens = 0
         adapter.clear_kv_cache()
     assert answers[0] and answers[0] == answers[1]
+
+
+def test_more_threads_than_cpus_load_with_one_warning(adapter, prompt, caplog):
+    """``n_threads`` above the CPUs this process may run on (an ``EDGESYNC_THREADS`` copied from
+    a bigger machine): the engine loads with one warning naming both counts, and answers as the
+    shared engine does."""
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+    from edgesync_engines.adapters.threads import usable_cpus
+
+    cpus = usable_cpus()
+    with caplog.at_level("WARNING", logger="edgesync_engines.adapters.llamacpp"):
+        crowded = LlamaCppAdapter(n_ctx=512, n_threads=cpus + 1)
+    try:
+        warned = [r.getMessage() for r in caplog.records if "n_threads" in r.getMessage()]
+        assert len(warned) == 1 and f"n_threads {cpus + 1} " in warned[0] and f"the {cpus} CPUs" in warned[0]
+        answer = list(crowded.generate(prompt, 0, max_tokens=8, temperature=0.0))
+    finally:
+        crowded.close()
+    adapter.clear_kv_cache()
+    assert answer and answer == list(adapter.generate(prompt, 0, max_tokens=8, temperature=0.0))
+    adapter.clear_kv_cache()

@@ -97,6 +97,11 @@ class LlamaCppAdapter(EngineAdapterBase):
             log.info("kv_type %s: turning flash attention on (llama.cpp needs it for a quantized V)", kv_type)
             flash_attn = True
         route_native_logs(verbose)
+        if n_threads and n_threads > usable_cpus():
+            # llama.cpp's threads wait for one another at every graph node: more threads than
+            # CPUs leave some waiting for a core at each barrier
+            log.warning("n_threads %d is more than the %d CPUs this process may run on: every evaluation slows "
+                        "down; use at most %d", n_threads, usable_cpus(), usable_cpus())
         self._llama_cpp = llama_cpp
         self.lock = threading.RLock()
         if model is None or isinstance(model, (str, os.PathLike)):
