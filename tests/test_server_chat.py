@@ -10,6 +10,7 @@ own answers and ``/metrics``, never from timing."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import urllib.request
 
@@ -144,6 +145,37 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_frees_the_worker(server,
     after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                            max_tokens=4)
     assert after.usage.completion_tokens >= 1
+
+
+def test_every_request_whose_client_left_is_cancelled_a_queued_one_too(server, client, model):
+    """Two whole answers on the one worker, the second queued behind the first, and both clients
+    time out: both jobs are cancelled, the queued one before it starts, and nothing is decoded
+    for them. Before, a worker honoured only the last cancel written to it: the first job ran on
+    to ``max_tokens`` for nobody, and the next request waited for it."""
+    cancelled = _metric(server, "edgesync_cancelled_requests_total")
+    completion = _metric(server, "edgesync_completion_tokens_total")
+    story = [*STORY[:1], {"role": "user", "content": "Tell me the longest story you know, about a lighthouse."}]
+    timed_out: list[Exception] = []
+
+    def ask(timeout_s: float) -> None:
+        impatient = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+        try:
+            impatient.chat.completions.create(model=model, messages=story, max_tokens=1000)
+        except openai.APITimeoutError as exc:
+            timed_out.append(exc)
+
+    # the queued request's client leaves first, then the running one's
+    askers = [threading.Thread(target=ask, args=(timeout_s,), daemon=True) for timeout_s in (6.0, 2.0)]
+    for n, asker in enumerate(askers, start=1):
+        asker.start()
+        _await_metric(server, "edgesync_queued_requests", n - 0.5)
+    for asker in askers:
+        asker.join(WAIT_S)
+    assert len(timed_out) == 2
+    assert _await_metric(server, "edgesync_cancelled_requests_total", cancelled + 1.5) == cancelled + 2
+    after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=4)
+    assert _metric(server, "edgesync_completion_tokens_total") == completion + after.usage.completion_tokens
 
 
 def test_a_model_the_server_does_not_serve_is_answered_by_the_one_it_serves(client, model):

@@ -2,7 +2,7 @@
 
 Each worker (:func:`~.worker.worker_main`) is a process started with ``spawn`` (a fresh
 interpreter: no engine state or lock is inherited through ``fork``) and owns a request queue, a
-response queue and a shared ``cancel`` value. Messages are plain dicts:
+response queue and a :class:`~.worker.CancelBoard`. Messages are plain dicts:
 
 * to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
   ``stop``, ``stream``, ``reuse``) or None (stop);
@@ -47,7 +47,7 @@ from typing import AsyncIterator
 
 from edgesync_engines.server.core_share import CoreShare
 from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
-from edgesync_engines.server.worker import IDLE_FIELDS, SKIP_DRAIN, worker_main
+from edgesync_engines.server.worker import IDLE_FIELDS, CancelBoard, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class WorkerPool:
         """A new process for ``slot``, with new queues (a dead process may have left its old
         queues half-written)."""
         slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
-        slot.cancel = self._ctx.Value("q", 0, lock=False)
+        slot.cancel = CancelBoard(self._ctx)
         if self.cores is not None:  # a dead process's marks would stop the others
             self.cores.release(slot.index)
         slot.process = self._ctx.Process(
@@ -226,7 +226,7 @@ class WorkerPool:
             with self._lock:
                 self._listeners.pop(job_id, None)
                 if not finished and job_id in slot.jobs:
-                    slot.cancel.value = job_id
+                    slot.cancel.cancel(job_id)
 
     def _route(self, prompt) -> _Slot:
         """The slot for a job of ``prompt`` (lock held; see :mod:`.routing`)."""
@@ -331,7 +331,7 @@ class WorkerPool:
         (:func:`~.worker.drain`)."""
         for slot in self._slots:
             if slot.cancel is not None:
-                slot.cancel.value = SKIP_DRAIN
+                slot.cancel.skip_drain()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask every worker to stop after its current job, wait up to ``timeout_s`` for them

@@ -6,8 +6,9 @@ store directory, which is safe across processes. Only plain dicts cross the proc
 (see :mod:`.pool` for their fields); nothing read from the network is unpickled here: the
 server parses and checks the JSON and passes the values on.
 
-A request stops early when the server writes its id into the worker's ``cancel`` value (the
-client went away), checked after every token. After a chat answer the engine's idle-time job
+A request stops early when the server marks its id on the worker's :class:`CancelBoard` (the
+client went away, or the shutdown grace ran out): checked after every token, and before a queued
+job starts (it is then answered ``cancelled`` at once). After a chat answer the engine's idle-time job
 (``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time; a job that
 arrives stops the batch running midway (``EngineAdapter.abortable``). The worker reports the
 job's counters with each ``done`` and, when they changed, between jobs (an ``idle`` message).
@@ -16,8 +17,8 @@ request's prefill runs alone on every thread, and idle-time work also stops for 
 worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
 workers ignore both, so that the server first lets in-flight requests finish and then stops
 them (a None in the queue: the worker finishes its queued idle-time work first, unless the
-server writes :data:`SKIP_DRAIN`); a worker whose server is gone stops by itself, during the
-batch it is running.
+server asks it to skip that, :meth:`CancelBoard.skip_drain`); a worker whose server is gone
+stops by itself, during the batch it is running.
 """
 
 from __future__ import annotations
@@ -42,11 +43,42 @@ RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "t
 STOP_DRAIN_S = 20.0
 """At a stop, seconds a worker may spend finishing queued idle-time work (the pool waits 30 s
 for its workers to close, :meth:`~.pool.WorkerPool.close`)."""
-SKIP_DRAIN = -1
-"""Written into a worker's ``cancel`` value (job ids are positive): stop finishing idle-time
-work at a stop (a second Ctrl-C)."""
+CANCELS_KEPT = 256
+"""Cancelled job ids a :class:`CancelBoard` holds (the newest): more than a worker's queue holds
+in practice; an older one overwritten only lets that job run to its end unread."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
+
+
+class CancelBoard:
+    """The jobs a server cancelled and its request to skip the stop's idle-time work, in shared
+    memory one worker process reads: the newest :data:`CANCELS_KEPT` job ids, in a ring.
+
+    Args:
+        ctx: the ``multiprocessing`` context the worker is started with.
+    """
+
+    def __init__(self, ctx) -> None:
+        self._ids = ctx.Array("q", CANCELS_KEPT, lock=False)  # job ids are positive; 0: empty
+        self._written = ctx.Value("q", 0, lock=False)
+        self._skip_drain = ctx.Value("b", 0, lock=False)
+
+    def cancel(self, job_id: int) -> None:
+        """Mark ``job_id`` cancelled (the server calls it from one thread at a time)."""
+        n = self._written.value
+        self._ids[n % CANCELS_KEPT] = job_id
+        self._written.value = n + 1
+
+    def cancelled(self, job_id: int) -> bool:
+        return job_id in self._ids[:]
+
+    def skip_drain(self) -> None:
+        """Ask the worker to leave its queued idle-time work at a stop (a second Ctrl-C)."""
+        self._skip_drain.value = 1
+
+    @property
+    def drain_skipped(self) -> bool:
+        return bool(self._skip_drain.value)
 
 
 def idle_counters(engine) -> dict[str, int]:
@@ -58,7 +90,7 @@ def idle_counters(engine) -> dict[str, int]:
     return {name: int(values.get(name, 0)) for name in IDLE_FIELDS}
 
 
-def worker_main(index: int, settings: dict, requests, responses, cancel, log_level: str = "WARNING",
+def worker_main(index: int, settings: dict, requests, responses, cancel: CancelBoard, log_level: str = "WARNING",
                 cores: CoreShare | None = None) -> None:
     """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
     values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
@@ -110,6 +142,9 @@ def worker_main(index: int, settings: dict, requests, responses, cancel, log_lev
             if job is None:
                 drain(engine, cancel, parent, index)
                 break
+            if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
+                responses.put({"id": job["id"], "type": "cancelled"})
+                continue
             final = serve_one(engine, config, job, cancel, responses.put, cores)
             if final["type"] == "done":
                 reported = final["result"]["idle"]
@@ -131,15 +166,15 @@ def run_idle(engine, cores: CoreShare | None) -> bool:
         return engine.idle.run_pending()
 
 
-def drain(engine, cancel, parent: int, index: int) -> bool:
+def drain(engine, cancel: CancelBoard, parent: int, index: int) -> bool:
     """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop (midway
-    through the batch where the engine can) when the server writes :data:`SKIP_DRAIN` into
-    ``cancel`` or is gone, or the time is up. True
+    through the batch where the engine can) when the server asks to skip it
+    (:meth:`CancelBoard.skip_drain`) or is gone, or the time is up. True
     when the work is done."""
     deadline = time.monotonic() + STOP_DRAIN_S
 
     def stop_reason() -> str | None:
-        if cancel.value == SKIP_DRAIN:
+        if cancel.drain_skipped:
             return "skipped"
         if os.getppid() != parent:
             return "left: the server is gone"
@@ -158,7 +193,7 @@ def _error(job_id: int, status: int, message: str, err_type: str = "invalid_requ
             "code": code, "param": param}
 
 
-def serve_one(engine, config, job: dict, cancel, emit=None, cores: CoreShare | None = None) -> dict:
+def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: CoreShare | None = None) -> dict:
     """Answer one request dict (``id``, ``prompt`` (str or chat messages), ``max_tokens``,
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``;
     returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
@@ -181,7 +216,7 @@ def serve_one(engine, config, job: dict, cancel, emit=None, cores: CoreShare | N
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
 
 
-def _generate(engine, job: dict, cancel, emit, cores: CoreShare | None) -> dict:
+def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | None) -> dict:
     """The generation loop of :func:`serve_one`: decoding ends at a stop string, an
     end-of-generation token, ``max_tokens``, or at once when the server cancels the job (the
     client went away); the prompt is stored in every case."""
@@ -202,7 +237,7 @@ def _generate(engine, job: dict, cancel, emit, cores: CoreShare | None) -> dict:
                 first_token_at = time.time()
                 if not job.get("stream") and emit is not None:  # the pool routes by it (a stream's pieces say so)
                     emit({"id": job_id, "type": "started"})
-            if cancel.value == job_id:
+            if cancel.cancelled(job_id):
                 stream.stop()
                 return {"id": job_id, "type": "cancelled"}
             text.append(piece)
