@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 2048
+UVICORN_GRACE_MARGIN_S = 1.0
+"""Seconds uvicorn waits after ``--grace-seconds`` before it cancels what still runs: room for the
+app to answer those requests 503 itself (``server/app.py``; cancelled by uvicorn, a request gets a
+bare 500 and the log a traceback)."""
 
 
 def default_workers(cpus: int | None = None) -> int:
@@ -144,14 +148,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          max_tokens_limit=args.max_tokens_limit,
                                          default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
                                          max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-                                         shutdown_grace_s=max(0.0, args.grace_seconds - 1.0)),
+                                         shutdown_grace_s=float(args.grace_seconds)),
                      stopping=lambda: server is not None and server.should_exit)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
-                                           timeout_graceful_shutdown=args.grace_seconds))
+                                           # after the app's own 503s (ServeSettings.shutdown_grace_s)
+                                           timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
     host, port = sock.getsockname()[:2]
     idle = "on" if cfg.idle_store else "off"
-    engines = (f"{workers} workers sharing {threads} thread{'s' if threads > 1 else ''}" if shared
-               else f"{workers} worker{'s' if workers > 1 else ''} x {threads} threads")
+    thread_s = f"{threads} thread{'s' if threads > 1 else ''}"
+    engines = (f"{workers} workers sharing {thread_s}" if shared
+               else f"{workers} worker{'s' if workers > 1 else ''} x {thread_s}")
     print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, "
           f"store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers

@@ -69,8 +69,8 @@ class ServeSettings:
     """What the routes need to know. ``model_id``: the one model name served (the GGUF's file
     stem); ``max_tokens_limit``: the largest ``max_tokens`` a request may ask; ``default_max_tokens``:
     used when a request gives none; ``max_body_bytes``: request body limit; ``api_key``: None
-    for no key; ``shutdown_grace_s``: seconds a stream may go on once shutdown began (keep it
-    under the ASGI server's own graceful-shutdown timeout)."""
+    for no key; ``shutdown_grace_s``: seconds a job may go on once shutdown began, before it is
+    answered 503 (keep it at least a second under the ASGI server's graceful-shutdown timeout)."""
 
     model_id: str
     store: Path
