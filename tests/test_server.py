@@ -189,6 +189,31 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
                      ("other", "404"): 1.0}
 
 
+def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model):
+    """A body that is not UTF-8 or nests too deep for the JSON decoder, a prompt the engine
+    refuses (empty, a lone surrogate), a text prompt over the context and a temperature that is
+    not a finite number: each a 400 with its code, naming the field where there is one."""
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    cases = [
+        (chat, b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}', "invalid_json", None),
+        (chat, b"[" * 5000 + b"]" * 5000, "invalid_json", None),
+        (text, json.dumps({"model": model, "prompt": "", "max_tokens": 4}).encode(), "invalid_value", "prompt"),
+        (chat, b'{"model": "x", "messages": [{"role": "user", "content": "a \\ud800 b"}], "max_tokens": 4}',
+         "invalid_value", "messages"),
+        (text, json.dumps({"model": model, "prompt": "weather " * 5000, "max_tokens": 4}).encode(),
+         "context_length_exceeded", "prompt"),
+        (chat, b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+         "invalid_value", "temperature"),
+    ]
+    for path, body, code, param in cases:
+        status, answer = _post(server, path, body)
+        err = _assert_error_shape(answer)
+        assert (status, err["code"], err["param"]) == (400, code, param), (body[:80], err)
+        assert "parsing the body" not in err["message"] and "codec" not in err["message"]
+    status, answer = _post(server, text, json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+
+
 def _metric(server, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():

@@ -82,6 +82,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's own, when decoding the body failed short of a JSON error
+            return APIError(400, "the body could not be decoded as JSON (not UTF-8, or nested too deep)",
+                            code="invalid_json").response()
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                             str(exc.detail))

@@ -45,8 +45,8 @@ class SamplingRequest(BaseModel):
     # mistake, refused with its field named (as OpenAI does), not coerced
     max_tokens: int | None = Field(None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0, le=2, strict=True)
-    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False)
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int | None = Field(1, strict=True)

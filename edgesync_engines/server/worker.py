@@ -204,13 +204,17 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
                       "on this server (EDGESYNC_SEMANTIC)", param="edgesync.reuse")
+    field = "messages" if isinstance(job.get("prompt"), list) else "prompt"
     try:
         with cores.active() if cores is not None else nullcontext():
             return _generate(engine, job, cancel, emit, cores)
     except ContextOverflowError as exc:
-        return _error(job_id, 400, str(exc), code="context_length_exceeded", param="messages")
-    except ValueError as exc:
-        return _error(job_id, 400, str(exc))
+        return _error(job_id, 400, str(exc), code="context_length_exceeded", param=field)
+    except UnicodeError as exc:  # e.g. a lone surrogate, which has no UTF-8 form to tokenize
+        return _error(job_id, 400, f"{field}: the text is not valid Unicode ({exc.reason})", code="invalid_value",
+                      param=field)
+    except ValueError as exc:  # the engine refused the prompt (empty, ...)
+        return _error(job_id, 400, str(exc), code="invalid_value", param=field)
     except Exception as exc:  # the request fails, the worker goes on
         log.exception("request %s failed", job_id)
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
