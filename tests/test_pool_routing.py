@@ -6,6 +6,7 @@ idle; with no such worker, to the least loaded one."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import queue
 import random
 
@@ -20,7 +21,7 @@ from edgesync_engines.server.routing import (
     prefix_score,
     prompt_text,
 )
-from edgesync_engines.server.worker import IDLE_FIELDS, idle_counters
+from edgesync_engines.server.worker import IDLE_FIELDS, CancelBoard, idle_counters
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers about the shop's opening hours. " * 3}
 
@@ -222,5 +223,24 @@ def test_the_pool_routes_by_the_jobs_that_have_not_started():
         assert (await p.finish(1, _done("Once upon a time.")))["type"] == "done"  # "started" was not passed on
         await p.finish(1, _done("Hello!"))
         assert not slot0.started and not slot1.started and p.pool.queued() == 0
+
+    asyncio.run(scenario())
+
+
+def test_cancel_all_marks_every_outstanding_job_on_its_workers_board():
+    """At the end of the shutdown grace the app cancels every job at once (``pool.cancel_all``):
+    each worker's board then holds its running and its queued jobs, and no other id."""
+    async def scenario():
+        p = _Pool(2)
+        for slot in p.pool._slots:
+            slot.cancel = CancelBoard(multiprocessing.get_context("spawn"))
+        routed = [await p.submit(_turn(q)) for q in ("One?", "Two?", "Three?")]
+        p.pool.cancel_all()
+        for job_id, (slot, _, _) in p.open.items():
+            assert slot.cancel.cancelled(job_id)
+            assert not any(other.cancel.cancelled(job_id) for other in p.pool._slots if other is not slot)
+        assert sorted(routed) == [0, 0, 1] and len(p.open) == 3
+        for index in routed:
+            await p.finish(index, _done("-"))
 
     asyncio.run(scenario())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -278,9 +279,12 @@ def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path, grace):
     """SIGTERM while one worker streams a long answer and a whole answer waits behind it: once
     the grace is over, the stream's last event before ``[DONE]`` is the 503 ``shutting_down``
     error and the whole answer gets that status and error (before the fix: a stream cut without
-    a last event, a bare 500, and a traceback in the log); the worker skips the cancelled job
-    queued behind, so the server exits 0 without being killed, and logs no traceback."""
-    with ServeProcess(tmp_path / "s", "--workers", "1", "--grace-seconds", grace) as s:
+    a last event, a bare 500, and a traceback in the log); the worker never starts the long
+    prompt queued behind (every job is cancelled at once at the grace's end: before, the stream's
+    stop let the worker start it before its own request had noticed, and prefill it to the end),
+    so the server exits 0 without being killed, and logs no traceback."""
+    long_prompt = "10, 11, 12, 13, 14, 15, " * 60  # 1,440 tokens: seconds of prefill
+    with ServeProcess(tmp_path / "s", "--workers", "1", "--grace-seconds", grace, "--log-level", "INFO") as s:
         events: list[str] = []
         started = threading.Event()
 
@@ -300,7 +304,7 @@ def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path, grace):
         assert started.wait(120), s.stderr()
         whole: list[tuple[int, dict]] = []
         waiting = threading.Thread(target=lambda: whole.append(_post(s, "/v1/completions", json.dumps(
-            {"model": "any", "prompt": "10, 11, 12, 13, 14, 15,", "max_tokens": 2000}).encode())), daemon=True)
+            {"model": "any", "prompt": long_prompt, "max_tokens": 2000}).encode())), daemon=True)
         waiting.start()
         deadline = time.monotonic() + 60
         while _queued(s) < 2:  # both in the worker's queue before the signal
@@ -315,3 +319,5 @@ def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path, grace):
     assert status == 503 and _assert_error_shape(body)["code"] == "shutting_down"
     assert "Traceback" not in s.stderr() and "Exception in ASGI application" not in s.stderr()
     assert "did not stop" not in s.stderr()
+    served = [int(n) for n in re.findall(r"request: (\d+) prompt tokens", s.stderr())]
+    assert served and max(served) < 100  # the stream's prompt only

@@ -87,19 +87,29 @@ class _Shutdown:
     Args:
         stopping: returns True once shutdown began (polled; its first True starts the grace).
         grace_s: seconds a job may go on after that.
+        on_over: called once when the grace is first seen over (the pool cancels every job at
+            once, so that no worker starts a queued one whose request has not noticed yet).
     """
 
-    def __init__(self, stopping: Callable[[], bool], grace_s: float) -> None:
+    def __init__(self, stopping: Callable[[], bool], grace_s: float, on_over: Callable[[], None]) -> None:
         self.stopping = stopping
         self.grace_s = grace_s
+        self.on_over = on_over
         self.began_at: float | None = None
+        self.over = False
 
     def grace_over(self) -> bool:
+        if self.over:
+            return True
         if self.began_at is None:
             if not self.stopping():
                 return False
             self.began_at = time.monotonic()
-        return time.monotonic() - self.began_at >= self.grace_s
+        if time.monotonic() - self.began_at < self.grace_s:
+            return False
+        self.over = True
+        self.on_over()
+        return True
 
 
 class _Interrupted(Exception):
@@ -140,7 +150,7 @@ def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[],
     """The application over a started ``pool`` (the caller starts and closes the pool).
     ``stopping``: returns True once the ASGI server began to shut down (None: never)."""
     app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None)
-    shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s)
+    shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s, pool.cancel_all)
     metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
                             idle=pool.idle_totals, routed=pool.routed_by_prefix)
     install_handlers(app)

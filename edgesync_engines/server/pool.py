@@ -326,6 +326,15 @@ class WorkerPool:
         except PoolStartError as exc:
             log.error("%s", exc)
 
+    def cancel_all(self) -> None:
+        """Cancel every outstanding job: each worker stops its running one at the next token
+        and answers the queued ones ``cancelled`` without starting them."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.cancel is not None:
+                    for job_id in slot.jobs:
+                        slot.cancel.cancel(job_id)
+
     def skip_drain(self) -> None:
         """Tell every worker that is stopping to leave its queued idle-time work
         (:func:`~.worker.drain`)."""
