@@ -230,6 +230,11 @@ class FakeAdapter:
         """Nothing to warm: the fake evaluates nothing (``warmed_for`` records the size asked)."""
         self.warmed_for = n_tokens
 
+    def make_room(self, n_tokens: int, should_stop=None) -> bool:
+        """No buffer to grow (``room_for`` records the largest count asked)."""
+        self.room_for = max(getattr(self, "room_for", 0), n_tokens)
+        return True
+
     def abortable(self, should_stop):
         """Nothing evaluates midway here: each call runs whole."""
         return contextlib.nullcontext()

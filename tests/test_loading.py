@@ -93,6 +93,25 @@ def test_warm_up_without_a_store_makes_no_room_and_changes_no_answer(adapter, fr
     assert mine.tokens == reference.tokens and len(mine.tokens) > 0
 
 
+@pytest.mark.model
+def test_make_room_keeps_the_live_sequence_and_gives_up_when_asked(fresh_adapter, system_prompts):
+    """Idle-time room for a later injection (``make_room``): asked to stop at once, it keeps
+    nothing and says so; let run, the buffer holds the state of that many cells; asked again,
+    there is nothing to do. The live sequence is the same throughout."""
+    tokens = fresh_adapter.tokenize(system_prompts[0])[:200]
+    fresh_adapter.clear_kv_cache()
+    fresh_adapter.prefill(tokens)
+    n = fresh_adapter.n_ctx  # more than any injection so far
+    before = fresh_adapter._state_buf
+    assert not fresh_adapter.make_room(n, lambda: True) and fresh_adapter._state_buf is before
+    assert fresh_adapter.make_room(n)
+    buf = fresh_adapter._state_buf
+    assert len(buf) >= state_buffer.state_bytes(fresh_adapter._layout, n)
+    assert fresh_adapter.make_room(n, lambda: True) and fresh_adapter._state_buf is buf
+    assert fresh_adapter.live_tokens() == tokens
+    fresh_adapter.clear_kv_cache()
+
+
 def test_open_store_takes_the_configured_compression(tmp_path):
     store = open_store(tmp_path / "z", config(compression="zstd"))
     try:

@@ -127,6 +127,11 @@ class EngineAdapterBase(abc.ABC):
         finally:
             self.clear_kv_cache()
 
+    def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
+        """The protocol's ``make_room``: an engine that allocates nothing per injection needs
+        none."""
+        return True
+
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
         """The protocol's ``abortable``: this engine cannot stop an evaluation midway, so each
         runs whole."""

@@ -266,15 +266,20 @@ class LlamaCppAdapter(EngineAdapterBase):
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
     def warm_up(self, n_tokens: int = 0) -> None:
-        """The base warm-up, then room for injecting ``n_tokens`` cells (``state_buffer.room``:
-        the reused seq-state buffer allocated and faulted in now; not for sliding-window caches,
-        whose capture keeps views of each injected buffer)."""
+        """The base warm-up, then :meth:`make_room` for ``n_tokens`` cells."""
         super().warm_up(n_tokens)
-        # llama.cpp counts queued evaluations at its next synchronisation: settle the warm-up's
-        self._llama_cpp.llama_synchronize(self._ctx)
         self.reset_perf()
-        if n_tokens >= 1 and self._layout.swa_part is None:
-            self._state_buf = state_buffer.room(self._layout, min(n_tokens, self.n_ctx), self._state_buf)
+        self.make_room(n_tokens)
+
+    def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
+        """The protocol's ``make_room``: the seq-state buffer injections reuse grown to
+        ``n_tokens`` cells (at most the context) and faulted in now (``state_buffer.room``).
+        Not for sliding-window caches, whose capture keeps views of each injected buffer."""
+        if n_tokens < 1 or self._layout.swa_part is not None:
+            return True
+        self._state_buf = state_buffer.room(self._layout, min(n_tokens, self.n_ctx), self._state_buf, should_stop)
+        return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(
+            self._layout, min(n_tokens, self.n_ctx))
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer, then
@@ -372,7 +377,10 @@ class LlamaCppAdapter(EngineAdapterBase):
         return {"n_p_eval": int(data.n_p_eval), "n_eval": int(data.n_eval)}
 
     def reset_perf(self) -> None:
-        """Zero llama.cpp's perf counters."""
+        """Zero llama.cpp's perf counters, once the evaluations queued so far are settled
+        (llama.cpp counts them at its next synchronisation, which would otherwise come after
+        the reset)."""
+        self._llama_cpp.llama_synchronize(self._ctx)
         self._llama_cpp.llama_perf_context_reset(self._ctx)
 
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:

@@ -283,6 +283,15 @@ class EngineAdapter(Protocol):
         holds :attr:`lock`."""
         ...
 
+    def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Make room now for injecting ``n_tokens`` tokens later (what :meth:`warm_up` does
+        for its ``n_tokens``), keeping the live sequence: idle-time work, so that a later
+        injection of a prompt that long does not allocate memory on its request's path.
+        ``should_stop`` is asked as it goes; once it returns True nothing is kept. Returns True
+        when the room is there (also where the engine needs none). The caller holds
+        :attr:`lock`."""
+        ...
+
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
         """A context in which an evaluation (e.g. :meth:`extend`) checks ``should_stop()`` as
         it goes and, once it returns True, stops midway and raises :class:`EvaluationAborted`

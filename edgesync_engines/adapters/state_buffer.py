@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -41,20 +41,30 @@ def state_bytes(layout: StateLayout, n_tokens: int) -> int:
     return 8 + sum(per_part + n_layer * 2 * (12 + n_tokens * row) for n_layer in layout.part_layers)
 
 
+TOUCH_BYTES = 4 << 20
+"""Bytes :func:`room` touches between two ``should_stop`` checks, so that a request waits for
+no more than that many bytes of page faults."""
+
 ROOM_STEP = 256
 """Cells a buffer from :func:`room` is rounded up to: prompts of similar length share one buffer
 rather than each longer one faulting in a new one."""
 
 
-def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
+def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None,
+         should_stop: Callable[[], bool] | None = None) -> np.ndarray | None:
     """A buffer for :func:`build`'s ``out`` that holds the state of ``n_tokens`` cells: ``out``
     when large enough, else a new one for ``n_tokens`` rounded up to :data:`ROOM_STEP` cells,
     whose pages are all touched now (one write per page), so that the injection that fills it
-    does not wait for the kernel to provide them page by page."""
+    does not wait for the kernel to provide them page by page. ``should_stop`` is asked
+    between :data:`TOUCH_BYTES` pieces; once it returns True the new buffer is dropped and
+    ``out`` returned as it was (for idle-time work that a request interrupts)."""
     if out is not None and len(out) >= state_bytes(layout, n_tokens):
         return out
     buf = np.empty(state_bytes(layout, -(-n_tokens // ROOM_STEP) * ROOM_STEP), np.uint8)
-    buf[::mmap.PAGESIZE] = 0
+    for at in range(0, len(buf), TOUCH_BYTES):
+        if should_stop is not None and should_stop():
+            return out
+        buf[at:at + TOUCH_BYTES:mmap.PAGESIZE] = 0
     return buf
 
 

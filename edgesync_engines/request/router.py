@@ -557,6 +557,17 @@ class EdgeSync:
         with self.idle.paused(), self.adapter.lock:
             return self._prefill_job(prompt, tokens).run()
 
+    def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Idle-time work: make room now for injecting a stored prompt of ``n_tokens`` tokens
+        later (``EngineAdapter.make_room``), so that the request that injects it does not
+        allocate memory on its path; the live sequence stays. Nothing without a store. Waits
+        for the engine's lock; ``should_stop`` is asked as it goes, and once it returns True
+        nothing is kept. Returns True when the room is there."""
+        if self.store is None:
+            return True
+        with self.adapter.lock:
+            return self.adapter.make_room(n_tokens, should_stop)
+
     def _prepare_next(self, history: list[dict]) -> None:
         """Queue the idle-time job of a conversation that ends with an answer."""
         if self.store is None or self.store.readonly or self.adapter.namespace is None:
