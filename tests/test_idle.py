@@ -311,3 +311,33 @@ def test_a_paused_job_resumes_before_an_older_conversations(adapter, tmp_path, s
         assert es.idle.stats.interrupted == 2
         es.idle.busy = lambda: False
         assert es.idle.run_pending() and es.idle.stats.tokens_wasted == 0
+
+
+def test_the_newest_conversation_is_live_again_after_an_older_ones_job(adapter, tmp_path, sessions):
+    """Two conversations answered on one engine (A, then B) before any idle time: B's history
+    job runs first. Before A's job replaces the live sequence, the engine makes room to inject
+    B's history (asked here with a ``should_stop`` that stops any new work: True only when the
+    room is already there). A's job runs; then B's runs once more, from the store, so that B's
+    next turn continues the live sequence: it injects nothing and prefills only its new
+    message (plus what the injection rule recomputes), and its answer is the uncached one."""
+    with EdgeSync(adapter, store=tmp_path / "s", config=EdgeSyncConfig.load({"idle_store": True})) as es:
+        es.idle.threaded = False
+        histories = []
+        for turns in (sessions[0], sessions[1]):
+            messages = [{"role": "user", "content": turns[0]}]
+            histories.append([*messages, {"role": "assistant", "content": es.generate(messages, max_tokens=64).text}])
+        history_b = es.prompt_tokens(histories[1], add_generation_prompt=False)
+        es.idle.busy = lambda: es.idle.stats.jobs >= 2 and es.idle.progress() > 0  # A's job, one batch in
+        assert not es.idle.run_pending() and es.idle.stats.jobs == 2
+        assert es.adapter.make_room(len(history_b), lambda: True)
+        es.idle.busy = lambda: False
+        assert es.idle.run_pending()
+        live = es.adapter.live_tokens()
+        assert len(live) >= len(history_b) - ROW_GROUP and live == history_b[:len(live)]
+        assert es.idle.stats.jobs == 4 and es.idle.stats.failed == 0  # B, A paused, A again, B again
+        nxt = [*histories[1], {"role": "user", "content": sessions[1][1]}]
+        result = es.generate(nxt, max_tokens=24)
+        assert result.live_tokens == result.tokens_reused > 0
+        assert result.tokens_prefilled <= expected_prefill(es, histories[1], nxt)
+    with EdgeSync(adapter, store=False) as fresh:
+        assert result.tokens == fresh.generate(nxt, max_tokens=24).tokens

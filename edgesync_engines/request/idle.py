@@ -186,7 +186,13 @@ class IdleRunner:
     what the store and the live sequence then hold. So the newest answer's history goes first:
     its conversation's KV is the live sequence's (continued, not read back from the store), and
     a job paused only because the engine was wanted elsewhere (a server's other worker) resumes
-    where it stopped instead of an older conversation's job replacing the live sequence.
+    where it stopped instead of an older conversation's job replacing the live sequence. When an
+    older conversation's job did run after it (the newest finished first), the newest job runs
+    once more at the end: what the store holds of its history is injected and the rest
+    prefilled, so that the engine again holds, live, the conversation most likely to go on. And
+    before another conversation's job replaces the live sequence, the engine makes room to
+    inject the history just prepared (``EngineAdapter.make_room``), in case its next turn comes
+    before it is live again.
 
     With ``threaded`` False no thread is started: the owner runs the queued jobs on its own
     thread with :meth:`run_pending` between requests. A server worker does so, because
@@ -218,6 +224,7 @@ class IdleRunner:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._job: PrefillJob | None = None
+        self._newest: tuple[tuple, Callable[[], PrefillJob | None]] | None = None  # the last job queued
         self.stats = IdleStats()
         self.work_ended_at = 0.0
         """Wall-clock time (``time.time()``, seconds) at which the last step of idle-time work
@@ -233,6 +240,8 @@ class IdleRunner:
             if self._closed:
                 return
             self._queue_first(key, start)
+            if self._pending and self._pending[0][1] is start:
+                self._newest = self._pending[0]
             if self._thread is None and self.threaded:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -310,6 +319,11 @@ class IdleRunner:
             if not self._run_job(epoch, start):
                 with self._cond:  # it keeps its place: the newest answer's history goes first
                     self._queue_first(key, start)
+            else:
+                with self._cond:
+                    newest = self._newest
+                    if not self._pending and newest is not None and newest[1] is not start:
+                        self._pending.append(newest)  # an older history replaced the newest's: take it back
         except Exception:  # the job is lost, the engine serves on: the next request prefills as usual
             self.stats.failed += 1
             log.warning("idle-time prefill failed", exc_info=True)
@@ -350,6 +364,15 @@ class IdleRunner:
         self.stats.tokens_prefilled += job.result.tokens_prefilled
         self.stats.fragments_written += job.result.fragments_written
         log.debug("idle-time prefill: %s", job.result)
+        with self._cond:
+            others_wait = bool(self._pending)
+        if done and others_wait:
+            # another conversation's job replaces the live sequence next: should this one's next
+            # turn come first, it injects its history, into a buffer made now rather than then
+            with self._lock:
+                if not wanted():
+                    job.adapter.make_room(len(job.tokens), wanted)
+                self.work_ended_at = time.time()
         return done
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
