@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from edgesync_engines.server.pool import WorkerPool
+from edgesync_engines.server.pool import ROOM_MARGIN_TOKENS, WorkerPool
 from edgesync_engines.server.routing import (
     MIN_PREFIX_CHARS,
     choose_worker,
@@ -105,12 +105,14 @@ class _Pool:
         for slot in self.pool._slots:
             slot.requests = queue.Queue()
         self.open: dict[int, tuple] = {}  # job id -> (slot, generator, first-message task)
+        self.rooms: list[tuple[int, int]] = []  # (slot index, tokens) of each room hint, in order
 
     async def submit(self, prompt) -> int:
         """Submit a job; returns the index of the slot it went to."""
         gen = self.pool.submit({"prompt": prompt})
         task = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0)
+        self.take_rooms()
         for slot in self.pool._slots:
             try:
                 job = slot.requests.get_nowait()
@@ -119,6 +121,15 @@ class _Pool:
             self.open[job["id"]] = (slot, gen, task)
             return slot.index
         raise AssertionError("the job went nowhere")
+
+    def take_rooms(self) -> list[tuple[int, int]]:
+        """Move the room hints waiting in the slots' queues to :attr:`rooms`; returns the new ones."""
+        new = []
+        for slot in self.pool._slots:
+            while not slot.requests.empty() and slot.requests.queue[0].get("type") == "room":
+                new.append((slot.index, slot.requests.get_nowait()["tokens"]))
+        self.rooms += new
+        return new
 
     async def finish(self, index: int, msg: dict) -> dict:
         """Answer the oldest open job of slot ``index`` with ``msg`` (its type and fields)."""
@@ -242,5 +253,36 @@ def test_cancel_all_marks_every_outstanding_job_on_its_workers_board():
         assert sorted(routed) == [0, 0, 1] and len(p.open) == 3
         for index in routed:
             await p.finish(index, _done("-"))
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_tells_the_other_workers_to_make_room_for_its_conversation():
+    """A worker's answered conversation may come back to another worker (its own busy), which
+    then injects it: the others are told its length (prompt and answer tokens plus the
+    margin) once, when it is the longest they have heard of, and a restarted worker again."""
+    def done(prompt_tokens: int, completion_tokens: int) -> dict:
+        msg = _done("-")
+        msg["result"].update(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        return msg
+
+    async def scenario():
+        p = _Pool(3)
+        a = await p.submit(_turn("One?"))
+        await p.finish(a, done(300, 120))
+        assert p.take_rooms() == [(i, 420 + ROOM_MARGIN_TOKENS) for i in range(3) if i != a]
+        b = await p.submit(_turn("Two?"))
+        await p.finish(b, done(100, 20))  # shorter than what the others heard of: no hint
+        c = await p.submit(_turn("Three?"))
+        await p.finish(c, {"type": "cancelled"})  # nothing answered
+        assert p.take_rooms() == []
+        d = await p.submit(_turn("Four?"))
+        await p.finish(d, done(900, 50))
+        assert p.take_rooms() == [(i, 950 + ROOM_MARGIN_TOKENS) for i in range(3) if i != d]
+        for slot in p.pool._slots:
+            slot.room = 0  # what a restart sets: the new process has heard nothing
+        e = await p.submit(_turn("Five?"))
+        await p.finish(e, done(400, 10))
+        assert p.take_rooms() == [(i, 410 + ROOM_MARGIN_TOKENS) for i in range(3) if i != e]
 
     asyncio.run(scenario())

@@ -5,7 +5,7 @@ interpreter: no engine state or lock is inherited through ``fork``) and owns a r
 response queue and a :class:`~.worker.CancelBoard`. Messages are plain dicts:
 
 * to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-  ``stop``, ``stream``, ``reuse``) or None (stop);
+  ``stop``, ``stream``, ``reuse``), ``room`` (``tokens``: see below) or None (stop);
 * from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
   job ``piece`` (``text``) when streamed, else ``started`` at its first token (for routing; not
   passed on), then one of ``done`` (``text``, ``finish_reason``,
@@ -31,6 +31,12 @@ fails in the engine (a 500) or the process restarts. Each worker answers its que
 order. One thread per worker reads its responses and hands them to the asyncio queue of their
 job. When a worker process dies, that thread fails its outstanding jobs with a 500
 ``worker_died`` error and starts a new process with new queues.
+
+A conversation's next turn goes to another worker when its own is busy, which then injects the
+conversation from the store. So when a worker answers, the others hear of the answered
+conversation's length (``room``: prompt and answer tokens, plus :data:`ROOM_MARGIN_TOKENS`) when
+it is the longest they have heard of, and make room to inject that much in idle time
+(``EdgeSync.make_room``), rather than on that turn's path.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ log = logging.getLogger(__name__)
 
 FINAL_TYPES = ("done", "error", "cancelled")
 """Message types that end a job."""
+ROOM_MARGIN_TOKENS = 16
+"""Tokens a ``room`` hint adds to a conversation's prompt and answer: the chat template's end of
+the answer, which the next turn's prompt holds too (2 tokens in ChatML, a few in others)."""
 
 
 class PoolStartError(RuntimeError):
@@ -78,6 +87,8 @@ class _Slot:
     """The canonical text of what the worker holds live (``routing.context_text``), or None."""
     idle: dict = field(default_factory=dict)
     """The idle-time counters its current process last reported."""
+    room: int = 0
+    """The largest ``room`` hint sent to its current process (tokens)."""
 
 
 class WorkerPool:
@@ -249,11 +260,22 @@ class WorkerPool:
         if kind == "done":
             if msg.get("finish_reason") != "cancelled" and prompt is not None:
                 slot.context = context_text(prompt, msg.get("text", ""))
+                result = msg.get("result") or {}
+                self._hint_room(slot, int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)))
             else:
                 slot.context = None
             self._count_idle(slot, (msg.get("result") or {}).get("idle"))
         elif kind == "cancelled" or msg.get("status", 500) >= 500:
             slot.context = None  # the live sequence now holds another prompt, or is unknown
+
+    def _hint_room(self, answered: _Slot, n_tokens: int) -> None:
+        """Tell every other worker of a conversation of ``n_tokens`` that ``answered`` holds,
+        when it is longer than any they heard of (lock held; see the module docstring)."""
+        tokens = n_tokens + ROOM_MARGIN_TOKENS
+        for slot in self._slots:
+            if slot is not answered and slot.room < tokens and slot.requests is not None:
+                slot.requests.put({"type": "room", "tokens": tokens})
+                slot.room = tokens
 
     def _count_idle(self, slot: _Slot, stats: dict | None) -> None:
         """Add what a worker's cumulative idle-time counters grew by since its last report
@@ -311,7 +333,7 @@ class WorkerPool:
             slot.jobs.clear()
             slot.started.clear()
             slot.pid = None
-            slot.context, slot.idle = None, {}  # a new process: nothing live, counters from 0
+            slot.context, slot.idle, slot.room = None, {}, 0  # a new process: nothing live, counters from 0
             slot.restarts += 1
             self._spawn(slot)
         log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", slot.index, code,

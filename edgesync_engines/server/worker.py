@@ -12,6 +12,8 @@ job starts (it is then answered ``cancelled`` at once). After a chat answer the 
 (``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time; a job that
 arrives stops the batch running midway (``EngineAdapter.abortable``). The worker reports the
 job's counters with each ``done`` and, when they changed, between jobs (an ``idle`` message).
+Once its idle-time work is done, it makes room to inject the longest conversation the pool said
+another worker holds (a ``room`` message, see :mod:`.pool`).
 With several workers, each evaluation takes its share of the CPUs (:mod:`.core_share`): a
 request's prefill runs alone on every thread, and idle-time work also stops for another
 worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
@@ -127,10 +129,13 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
         engine.idle.busy = lambda: not requests.empty() or cores.should_yield()
     parent = os.getppid()
     reported = idle_counters(engine)
+    room_wanted = 0  # tokens of the longest conversation another worker holds (the pool's hint)
     try:
         # a server killed without closing the pool leaves its workers to init: they stop too
         while os.getppid() == parent:
             idle_done = run_idle(engine, cores)
+            if idle_done and room_wanted:
+                room_wanted = make_room(engine, cores, room_wanted)
             now = idle_counters(engine)
             if now != reported:
                 responses.put({"type": "idle", "worker": index, "stats": now})
@@ -142,6 +147,9 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
             if job is None:
                 drain(engine, cancel, parent, index)
                 break
+            if job.get("type") == "room":
+                room_wanted = max(room_wanted, int(job["tokens"]))
+                continue
             if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
                 responses.put({"id": job["id"], "type": "cancelled"})
                 continue
@@ -164,6 +172,18 @@ def run_idle(engine, cores: CoreShare | None) -> bool:
         return engine.idle.run_pending()
     with cores.active(), cores.step():
         return engine.idle.run_pending()
+
+
+def make_room(engine, cores: CoreShare | None, n_tokens: int) -> int:
+    """Idle time, once the idle-time work is done: room for injecting a conversation of
+    ``n_tokens`` tokens (``EdgeSync.make_room``), as one step of ``cores`` when given, given
+    up when a request arrives. Returns the tokens still wanted (0: the room is there)."""
+    t0 = time.perf_counter()
+    with cores.active() if cores is not None else nullcontext(), cores.step() if cores is not None else nullcontext():
+        made = engine.make_room(n_tokens, engine.idle.busy)
+    log.debug("room for injecting %d tokens %s in %.1f ms", n_tokens, "made" if made else "given up for a request",
+              (time.perf_counter() - t0) * 1000)
+    return 0 if made else n_tokens
 
 
 def drain(engine, cancel: CancelBoard, parent: int, index: int) -> bool:
