@@ -236,6 +236,9 @@ def test_turn_batches_cut_the_plan_only_where_an_exact_injection_could_start(n_p
     pieces = turn_batches(plan, every)
     _check_cover(pieces, n_past, n_prompt)
     plan_starts = {start for start, _ in plan}
+    for start, end in plan:
+        if end - start <= 2 * every:  # short enough to stay whole
+            assert (start, end) in pieces
     for start, end in pieces:
         if start not in plan_starts:  # a cut
             assert start % every == 0 and start % ROW_GROUP == 0 and end - start >= MIN_FIRST_BATCH
@@ -253,6 +256,10 @@ def test_turn_batches_examples_and_refusals():
     assert turn_batches([(200, 512), (512, 520), (520, 521)], 128) == [
         (200, 256), (256, 384), (384, 512), (512, 520), (520, 521)]
     assert turn_batches([(0, 140), (140, 141)], 128) == [(0, 140), (140, 141)]  # 12 after the cut: kept whole
+    # a chat turn's new message after its injection point: at most two turns long, kept whole
+    assert turn_batches([(1256, 1305), (1305, 1306)], 64) == [(1256, 1305), (1305, 1306)]
+    assert turn_batches([(1256, 1384), (1384, 1385)], 64) == [(1256, 1384), (1384, 1385)]
+    assert turn_batches([(1256, 1385), (1385, 1386)], 64) == [(1256, 1280), (1280, 1344), (1344, 1385), (1385, 1386)]
     for every in (0, 8, 20):
         with pytest.raises(ValueError, match="multiple of 8 of at least 16"):
             turn_batches([(0, 100)], every)

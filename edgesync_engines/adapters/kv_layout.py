@@ -306,7 +306,10 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int,
     ``every`` tokens, where both sides keep at least :data:`MIN_FIRST_BATCH` tokens: each piece
     then starts where an exact injection could (a :data:`ROW_GROUP` multiple, as
     :func:`exact_batches`' batches do), so the KV and logits stay bit-identical to the plan's.
-    A server's workers take turns on the CPUs between pieces (``server/core_share.py``).
+    A server's workers take turns on the CPUs between pieces (``server/core_share.py``). A
+    batch of at most ``2 * every`` tokens stays whole: a small batch costs more per token than
+    a large one (each batch reads every weight once), so cutting a chat turn's new message in
+    two would cost it more than the wait it spares another worker (docs/benchmarks.md).
 
     Raises:
         ValueError: ``every`` is not a multiple of :data:`ROW_GROUP` of at least
@@ -317,6 +320,9 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int,
                          f"got {every}")
     pieces = []
     for start, end in plan:
+        if end - start <= 2 * every:
+            pieces.append((start, end))
+            continue
         pos = start
         for cut in range(start - start % every + every, end, every):
             if cut - pos >= MIN_FIRST_BATCH and end - cut >= MIN_FIRST_BATCH:
