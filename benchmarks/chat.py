@@ -43,15 +43,18 @@ attention setting as EdgeSync's servers) gives:
   cached by the JSON of the messages (a prompt systems share is answered and measured once).
   The floor: with the conversation up to and including the previous answer live (the common
   token prefix of the new prompt and the previous prompt plus the answer's tokens, prefilled
-  first, untimed), the time ``LlamaCppAdapter.generate(tokens, n_past=K, max_tokens=1)`` takes
-  to evaluate the turn's new tokens and sample the first token (the KV cache cleared before and
-  after).
+  first, untimed) and then left idle for the think time, as a chat's live context is while its
+  user types, the time ``LlamaCppAdapter.generate(tokens, n_past=K, max_tokens=1)`` takes to
+  evaluate the turn's new tokens and sample the first token (the KV cache cleared before and
+  after). The **hot floor** is the same evaluation again at once (the first K tokens kept): the
+  threads still awake and the live KV in the CPU caches, as no server's context is after a
+  think time; both are reported.
 
 Reported per system and per kind of turn (``first``: turn 0; ``later``: a later turn, before the
 restart or of a session begun after it; ``after-restart``: a later turn answered after the
 restart of a session begun before it; ``first-after-restart``: a turn 0 sent after it, if any):
 client TTFT (request sent to the first streamed content chunk) mean / p50 / p95, the floor's
-mean and TTFT mean / floor mean, the cached prompt tokens the server reported
+and the hot floor's means and TTFT mean over each, the cached prompt tokens the server reported
 (``usage.prompt_tokens_details.cached_tokens``; llama-server's ``timings.cache_n`` is kept in the
 JSON too), the share of answers identical to the fresh uncached answer, and every system's mean
 TTFT as a ratio to the best llama-server setting's of that kind. Per system: peak RSS of the
@@ -170,13 +173,14 @@ class Reference:
     """One uncached EdgeSync (``store=False``) in this process: token counts for the sessions'
     context cut-off (thread-safe), fresh answers and floors, each cached by the messages' JSON."""
 
-    def __init__(self, threads: int, n_ctx: int, max_tokens: int, flash_attn: bool = False) -> None:
+    def __init__(self, threads: int, n_ctx: int, max_tokens: int, flash_attn: bool = False,
+                 pause_s: float = 0.0) -> None:
         from edgesync_engines.config import EdgeSyncConfig
         from edgesync_engines.request.router import EdgeSync
 
         settings = {"n_threads": threads, "n_ctx": n_ctx, "flash_attn": flash_attn}
         self.es = EdgeSync(store=False, config=EdgeSyncConfig.load(settings))
-        self.max_tokens = max_tokens
+        self.max_tokens, self.pause_s = max_tokens, pause_s
         self.lock = threading.Lock()
         self.counter = adapter_token_counter(self.es.adapter)
         self.answers: dict[str, str] = {}
@@ -195,8 +199,9 @@ class Reference:
         return self.answers[key]
 
     def floor(self, messages: list[dict]) -> dict:
-        """The floor of a later turn (module docstring): ``floor_ms``, ``live_tokens`` (K) and
-        ``new_tokens`` (evaluated in the timed part)."""
+        """The floor of a later turn (module docstring), after ``pause_s`` seconds idle:
+        ``floor_ms``, ``floor_hot_ms``, ``live_tokens`` (K) and ``new_tokens`` (evaluated in
+        each timed part)."""
         from edgesync_store.schema import common_prefix_len
 
         key = json.dumps(messages)
@@ -210,13 +215,18 @@ class Reference:
             adapter.clear_kv_cache()
             if k:
                 adapter.prefill(tokens[:k])
-            t0 = time.perf_counter()
-            for _token in adapter.generate(tokens, n_past=k, max_tokens=1, temperature=0.0):
-                pass
-            ms = (time.perf_counter() - t0) * 1000
+            time.sleep(self.pause_s)
+            ms = [self._timed_rest(tokens, k) for _ in range(2)]  # after the pause, then at once
             adapter.clear_kv_cache()
-        self.floors[key] = {"floor_ms": ms, "live_tokens": k, "new_tokens": len(tokens) - k}
+        self.floors[key] = {"floor_ms": ms[0], "floor_hot_ms": ms[1], "live_tokens": k, "new_tokens": len(tokens) - k}
         return self.floors[key]
+
+    def _timed_rest(self, tokens: list[int], k: int) -> float:
+        """Milliseconds to evaluate ``tokens[k:]`` on the live first ``k`` and sample a token."""
+        t0 = time.perf_counter()
+        for _token in self.es.adapter.generate(tokens, n_past=k, max_tokens=1, temperature=0.0):
+            pass
+        return (time.perf_counter() - t0) * 1000
 
     def close(self) -> None:
         self.es.close()
@@ -478,10 +488,13 @@ def kind_summary(recs: list[dict]) -> dict:
     ttft = ttft_stats([r["ttft_ms"] for r in recs])
     floors = [r["floor_ms"] for r in recs if "floor_ms" in r]
     floor = sum(floors) / len(floors) if floors else None
+    hot = [r["floor_hot_ms"] for r in recs if "floor_hot_ms" in r]
+    hot_floor = sum(hot) / len(hot) if hot else None
     cached = [r["cached_tokens"] for r in recs if r["cached_tokens"] is not None]
     timing_cache = [r["timings"]["cache_n"] for r in recs if (r.get("timings") or {}).get("cache_n") is not None]
     return {"turns": len(recs), "ttft_ms": ttft, "floor_ms_mean": floor,
             "ttft_over_floor": ttft["mean"] / floor if floor else None,
+            "floor_hot_ms_mean": hot_floor, "ttft_over_hot_floor": ttft["mean"] / hot_floor if hot_floor else None,
             "cached_tokens": sum(cached) if cached else None,
             "timings_cache_n": sum(timing_cache) if timing_cache else None,
             "prompt_tokens": sum(r["prompt_tokens"] for r in recs),
@@ -536,8 +549,11 @@ def kind_table(kind: str, rows: list[dict], ratio: dict | None) -> str:
     line("TTFT mean / p50 / p95 (ms)", [" / ".join(f"{f['ttft_ms'][k]:.0f}" for k in ("mean", "p50", "p95"))
                                          for f in figs])
     if kind in LATER_KINDS:
-        line("floor mean (ms)", [_cell(f["floor_ms_mean"]) for f in figs])
-        line("TTFT mean / floor mean", [_cell(f["ttft_over_floor"], "{:.1f}") for f in figs])
+        line("floor / hot floor mean (ms)", [f"{_cell(f['floor_ms_mean'])} / {_cell(f.get('floor_hot_ms_mean'))}"
+                                              for f in figs])
+        line("TTFT mean / floor mean (/ hot floor mean)",
+             [f"{_cell(f['ttft_over_floor'], '{:.2f}')} ({_cell(f.get('ttft_over_hot_floor'), '{:.2f}')})"
+              for f in figs])
     peer = "n/a" if ratio is None else ratio["peer"]
     line(f"mean TTFT / best llama-server's ({peer})",
          [_cell(None if ratio is None else ratio.get(r["system"]), "{:.2f}") for r in cols])
@@ -571,9 +587,10 @@ def headline(rows: list[dict], by_kind: dict) -> list[str]:
             ratio = by_kind.get(kind, {}).get(r["system"])
             peer = by_kind[kind]["peer"] if ratio is not None else "no llama-server"
             parts.append(f"{label} {_cell(ratio, '{:.2f}')} ({peer})")
-        later = r["kinds"].get("later", {}).get("ttft_over_floor")
+        later = r["kinds"].get("later", {})
         out.append(f"{r['system']}: mean TTFT / best llama-server's: {'; '.join(parts)}; "
-                   f"later turns' TTFT / floor {_cell(later, '{:.1f}')}")
+                   f"later turns' TTFT / floor {_cell(later.get('ttft_over_floor'), '{:.2f}')} "
+                   f"(/ hot floor {_cell(later.get('ttft_over_hot_floor'), '{:.2f}')})")
     return out
 
 
@@ -645,9 +662,9 @@ def chosen_systems(args, say) -> list[str]:
 def estimate_seconds(turns: int, turn_s: float, args, n_systems: int) -> float:
     """A rough run time: per system the longer of its turns served one after another and one
     session's own path (its turns and think times), about half as much again for the fresh
-    answers and floors of its prompts, and two server starts."""
+    answers and floors of its prompts, a think time per floor, and two server starts."""
     per_system = max(turns * turn_s, args.turns * (turn_s + args.think))
-    return n_systems * (1.5 * per_system + 2 * GUESS_START_S)
+    return n_systems * (1.5 * per_system + turns * args.think + 2 * GUESS_START_S)
 
 
 def run_all(args, systems: list[str], model: Path, progress) -> tuple[list[dict], dict, dict]:
@@ -656,7 +673,7 @@ def run_all(args, systems: list[str], model: Path, progress) -> tuple[list[dict]
     guess = estimate_seconds(args.sessions * args.turns, GUESS_TURN_S + GUESS_TOKEN_S * args.max_tokens, args,
                              len(systems))
     say(f"estimated run time: about {guess / 60:.0f} min (a guess; refined after the reference conversation)")
-    ref = Reference(args.threads, args.n_ctx, args.max_tokens, args.flash_attn)
+    ref = Reference(args.threads, args.n_ctx, args.max_tokens, args.flash_attn, pause_s=args.think)
     try:
         rp = reference_pass(ref, args, progress)
         turn_s = rp["seconds"] / max(rp["turns"], 1)
