@@ -7,7 +7,7 @@ Workload: the chat workload's sessions (:func:`edgesync_bench.bench_workloads.ch
 seeded selection, the first ``--sessions``, each cut to its first ``--turns`` user turns, a turn
 that would not fit ``--n-ctx`` with ``--max-tokens`` ending its session). Every session runs in
 its own thread and sends its turns through the ``openai`` client, streamed, greedy (temperature
-0, ``repeat_penalty`` 1), ``max_tokens`` 256: turn k+1 only after the answer to turn k and a
+0, ``repeat_penalty`` 1), ``max_tokens`` ``--max-tokens`` (256): turn k+1 only after the answer to turn k and a
 think time (``--think``, 3 s). Each system's own answers are the assistant messages of its
 later prompts, as a real client's would be, so the systems' prompts differ where their answers
 do. ``--in-flight`` sessions (2) run at once and interleave at the server; when one ends the

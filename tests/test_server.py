@@ -321,3 +321,19 @@ def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path, grace):
     assert "did not stop" not in s.stderr()
     served = [int(n) for n in re.findall(r"request: (\d+) prompt tokens", s.stderr())]
     assert served and max(served) < 100  # the stream's prompt only
+
+
+def test_a_server_with_the_cache_off_says_so_and_stores_nothing(tmp_path, chat_messages):
+    """``EDGESYNC_CACHE=0``: the banner says the cache is off (it said "store ..., idle-time
+    storing on"), the store directory is never made, and an answer asked twice reuses no token."""
+    store = tmp_path / "s"
+    with ServeProcess(store, "--workers", "1", env={"EDGESYNC_CACHE": "0"}) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answers = [client.chat.completions.create(model=model, messages=chat_messages, max_tokens=4, temperature=0)
+                   for _ in range(2)]
+        banner = s.stderr()
+    assert "cache off (EDGESYNC_CACHE=0)" in banner and "idle-time storing" not in banner
+    assert not store.exists()
+    assert [a.usage.prompt_tokens_details.cached_tokens or 0 for a in answers] == [0, 0]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content

@@ -154,12 +154,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            # after the app's own 503s (ServeSettings.shutdown_grace_s)
                                            timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
     host, port = sock.getsockname()[:2]
-    idle = "on" if cfg.idle_store else "off"
+    caching = (f"store {cfg.store_path}, idle-time storing {'on' if cfg.idle_store else 'off'}"
+               if cfg.cache_enabled else "cache off (EDGESYNC_CACHE=0): nothing is stored or reused")
     thread_s = f"{threads} thread{'s' if threads > 1 else ''}"
     engines = (f"{workers} workers sharing {thread_s}" if shared
                else f"{workers} worker{'s' if workers > 1 else ''} x {thread_s}")
-    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, "
-          f"store {cfg.store_path}, idle-time storing {idle})", file=sys.stderr, flush=True)
+    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, {caching})",
+          file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers
     # that ends here instead of killing the process before the workers close the store
     for sig in (signal.SIGTERM, signal.SIGINT):
