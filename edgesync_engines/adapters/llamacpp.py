@@ -277,9 +277,9 @@ class LlamaCppAdapter(EngineAdapterBase):
         Not for sliding-window caches, whose capture keeps views of each injected buffer."""
         if n_tokens < 1 or self._layout.swa_part is not None:
             return True
-        self._state_buf = state_buffer.room(self._layout, min(n_tokens, self.n_ctx), self._state_buf, should_stop)
-        return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(
-            self._layout, min(n_tokens, self.n_ctx))
+        n = min(n_tokens, self.n_ctx)
+        self._state_buf = state_buffer.room(self._layout, n, self._state_buf, should_stop)
+        return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(self._layout, n)
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer, then

@@ -364,9 +364,7 @@ class IdleRunner:
         self.stats.tokens_prefilled += job.result.tokens_prefilled
         self.stats.fragments_written += job.result.fragments_written
         log.debug("idle-time prefill: %s", job.result)
-        with self._cond:
-            others_wait = bool(self._pending)
-        if done and others_wait:
+        if done and self.has_work:
             # another conversation's job replaces the live sequence next: should this one's next
             # turn come first, it injects its history, into a buffer made now rather than then
             with self._lock:
