@@ -19,6 +19,7 @@ from edgesync_engines.adapters.kv_layout import MIN_FIRST_BATCH, ROW_GROUP
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.schema import common_prefix_len
+from tests.fake_adapter import FakeAdapter
 
 pytestmark = [pytest.mark.model]
 
@@ -40,9 +41,10 @@ def prefilled(adapter, n_generated: int) -> int:
 
 
 def expected_prefill(es: EdgeSync, history: list[dict], messages: list[dict]) -> int:
-    """The most a turn may prefill once ``history`` is stored: its new tokens, plus what the
-    injection rule recomputes before them (the history's last tokens up to the row group)."""
-    held = len(es.prompt_tokens(history, add_generation_prompt=False))
+    """The most a turn may prefill once ``history`` is stored: its new tokens (after the
+    history and the user turn's opening), plus what the injection rule recomputes before them
+    (the prepared tokens' last ones up to the row group)."""
+    held = len(es.history_tokens(history))
     n = len(es.prompt_tokens(messages))
     return n - es.adapter.usable_prefix(held - held % ROW_GROUP, n)
 
@@ -78,6 +80,49 @@ def test_next_turn_prefills_only_its_new_message(adapter, tmp_path, sessions, wh
     uncached = EdgeSync(adapter, store=False)
     for prompt, tokens in asked:
         assert uncached.generate(prompt, max_tokens=48).tokens == tokens
+
+
+def test_the_next_user_turns_opening_is_prepared_with_the_history(adapter, tmp_path, sessions):
+    """The prepared tokens run past the answer's end into the next user turn's opening, as the
+    next request renders it; that turn continues them and prefills only the rest."""
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        history = [{"role": "user", "content": sessions[0][0]},
+                   {"role": "assistant", "content": sessions[0][0][::-1]}]
+        plain = es.prompt_tokens(history, add_generation_prompt=False)
+        ahead = es.history_tokens(history)
+        messages = history + [{"role": "user", "content": sessions[0][1]}]
+        tokens = es.prompt_tokens(messages)
+        assert ahead[:len(plain)] == plain and len(ahead) > len(plain)
+        assert tokens[:len(ahead)] == ahead
+        done = es.prepare(history)
+        assert done.tokens_ready == len(ahead) - len(ahead) % ROW_GROUP
+        adapter.reset_perf()
+        result = es.generate(messages, max_tokens=16)
+        assert result.live_tokens == es.adapter.usable_prefix(done.tokens_ready, len(tokens))
+        assert prefilled(adapter, len(result.tokens)) == len(tokens) - result.live_tokens
+    assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
+
+
+def test_history_tokens_fall_back_to_the_history_alone(adapter):
+    """A conversation that ends with a user message (the next request answers it) gets no user
+    turn after it, and a template that refuses one (a FAKE engine, since the real model's
+    template accepts any order) gives the history without a generation prompt."""
+    es = EdgeSync(adapter, store=False)
+    asked = [{"role": "user", "content": "What is a KV cache?"}]
+    assert es.history_tokens(asked) == es.prompt_tokens(asked, add_generation_prompt=False)
+
+    class Strict(FakeAdapter):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            if messages[-1]["role"] == "user" and len(messages) > 1:
+                raise ValueError("Conversation roles must alternate")
+            return super().apply_chat_template(messages, add_generation_prompt)
+
+    strict = EdgeSync(Strict(), store=False)
+    system = [{"role": "system", "content": "Answer briefly."}]
+    assert strict.history_tokens(system) == strict.prompt_tokens(system, add_generation_prompt=False)
+    fake = EdgeSync(FakeAdapter(), store=False)
+    assert fake.history_tokens(system) == [ord(c) for c in "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                                                         "<|im_start|>user\n"]
 
 
 def test_prepared_history_counted_by_llama_cpp(adapter, tmp_path, sessions):
@@ -297,7 +342,7 @@ def test_a_paused_job_resumes_before_an_older_conversations(adapter, tmp_path, s
         for turns in (sessions[0], sessions[1]):
             messages = [{"role": "user", "content": turns[0]}]
             messages.append({"role": "assistant", "content": es.generate(messages, max_tokens=64).text})
-            answered.append(es.prompt_tokens(messages, add_generation_prompt=False))
+            answered.append(es.history_tokens(messages))
         history_b = answered[1]
         started = [0]  # wanted elsewhere once the next job started has run a batch
         es.idle.busy = lambda: es.idle.stats.jobs > started[0] and es.idle.progress() > 0
@@ -326,7 +371,7 @@ def test_the_newest_conversation_is_live_again_after_an_older_ones_job(adapter, 
         for turns in (sessions[0], sessions[1]):
             messages = [{"role": "user", "content": turns[0]}]
             histories.append([*messages, {"role": "assistant", "content": es.generate(messages, max_tokens=64).text}])
-        history_b = es.prompt_tokens(histories[1], add_generation_prompt=False)
+        history_b = es.history_tokens(histories[1])
         es.idle.busy = lambda: es.idle.stats.jobs >= 2 and es.idle.progress() > 0  # A's job, one batch in
         assert not es.idle.run_pending() and es.idle.stats.jobs == 2
         assert es.adapter.make_room(len(history_b), lambda: True)

@@ -6,7 +6,8 @@ message. The answer's KV in the live sequence came from decoding, which is not b
 to a prefill's, so the exact mode never stores it. After an answer, :class:`IdleRunner` (one
 background thread per :class:`~edgesync_engines.request.router.EdgeSync`) runs a
 :class:`PrefillJob` over the conversation rendered as the next turn begins (the chat template
-over the messages and the answer, without a generation prompt): it cuts the live sequence back
+over the messages and the answer, and the beginning of the next user turn:
+``EdgeSync.history_tokens``): it cuts the live sequence back
 to its exact part and evaluates the rest in batches of about ``idle_batch_tokens`` tokens
 (``EngineAdapter.prefill_batches``: batches whose KV equals an uncached prefill's), storing each
 chunk of the prompt's grid once its tokens are evaluated.

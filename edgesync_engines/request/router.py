@@ -51,6 +51,12 @@ from edgesync_store.schema import common_prefix_len
 
 log = logging.getLogger(__name__)
 
+NEXT_TURN_PROBES = ("A", "B")
+"""Two contents of a user turn that differ in their first letter, so that the tokens of two
+renderings part where the content begins (a tokenizer that joins a leading space or a newline to
+a word's first letter joins it to either), as they would for a real message starting with a
+letter (:meth:`EdgeSync.history_tokens`)."""
+
 
 class EdgeSync:
     """A llama.cpp or ONNX Runtime model with a persistent KV fragment cache in front of its
@@ -368,6 +374,30 @@ class EdgeSync:
             text = self.adapter.apply_chat_template(prompt, add_generation_prompt)
         return self.adapter.tokenize(text)
 
+    def history_tokens(self, messages: "str | Sequence[dict]") -> list[int]:
+        """Token IDs the next prompt of a conversation that ends with ``messages`` begins
+        with: the chat template over them, and, when the last message is an answer or a system
+        prompt, the beginning of the user turn that follows (rendered twice, with the
+        :data:`NEXT_TURN_PROBES` as that turn's content: the tokens the two renderings share).
+        The next request renders the history as an earlier turn, as this does (some templates
+        render a last answer otherwise, e.g. drop its reasoning only when a user turn follows).
+        A template that refuses the probe turn gives the history without a generation prompt,
+        as does a conversation that ends otherwise; a string is tokenized as is.
+
+        Raises:
+            ValueError: as :meth:`prompt_tokens`.
+        """
+        plain = self.prompt_tokens(messages, add_generation_prompt=False)
+        if isinstance(messages, str) or messages[-1].get("role") not in ("assistant", "system"):
+            return plain
+        try:
+            a, b = (self.prompt_tokens([*messages, {"role": "user", "content": probe}], add_generation_prompt=False)
+                    for probe in NEXT_TURN_PROBES)
+        except Exception as e:  # a template may raise on any turn order (jinja's raise_exception)
+            log.debug("history_tokens: the template refused a user turn after the history (%s)", e)
+            return plain
+        return a[:common_prefix_len(a, b)] or plain
+
     def generate(
         self,
         prompt: "str | Sequence[dict]",
@@ -533,9 +563,9 @@ class EdgeSync:
 
     def prepare(self, prompt: "str | Sequence[dict]") -> PrepareResult:
         """Store a prompt's KV without answering it, so that a later request that begins with
-        it prefills only the rest. Chat messages are rendered as the next turn begins: the
-        chat template without a generation prompt (e.g. a system prompt alone, or a
-        conversation ending with an answer); a string is used as is. What the store or the
+        it prefills only the rest. Chat messages are rendered as the next turn begins
+        (:meth:`history_tokens`: the chat template, and after a system prompt alone or an
+        answer the beginning of the next user turn); a string is used as is. What the store or the
         engine's live sequence already holds is reused; the rest is prefilled in small exact
         batches (``idle_batch_tokens``) and stored chunk by chunk. Useful to warm a system
         prompt or a document when an app installs. Waits for the engine's lock.
@@ -551,7 +581,7 @@ class EdgeSync:
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
         if self.store.readonly:
             raise PermissionError("prepare: the store is open read-only")
-        tokens = self.prompt_tokens(prompt, add_generation_prompt=False)
+        tokens = self.history_tokens(prompt)
         if len(tokens) > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), 0, self.adapter.n_ctx)
         with self.idle.paused(), self.adapter.lock:
@@ -574,7 +604,7 @@ class EdgeSync:
             return
 
         def start() -> PrefillJob | None:
-            tokens = self.prompt_tokens(history, add_generation_prompt=False)
+            tokens = self.history_tokens(history)
             return self._prefill_job(history, tokens) if len(tokens) < self.adapter.n_ctx else None
 
         self.idle.submit(start, key=tuple((m.get("role"), m.get("content")) for m in history))
