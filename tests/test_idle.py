@@ -103,6 +103,26 @@ def test_the_next_user_turns_opening_is_prepared_with_the_history(adapter, tmp_p
     assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
 
 
+def test_a_conversation_another_engine_answered_is_prepared_later(adapter, tmp_path, sessions):
+    """``prepare_later`` (what a server worker does with a conversation handed over by another)
+    queues the history as idle-time work; once it ran, the next turn continues the live sequence
+    and prefills only what follows the prepared tokens."""
+    history = [{"role": "user", "content": sessions[1][0] + "\n\n" + sessions[0][0]},
+               {"role": "assistant", "content": sessions[1][1] + " " + sessions[0][1]}]
+    messages = [*history, {"role": "user", "content": sessions[1][2]}]
+    with EdgeSync(adapter, store=tmp_path / "s", config=IDLE) as es:
+        es.prepare_later(history)
+        idle_until_done(es)
+        assert es.idle.stats.jobs == 1 and es.idle.stats.fragments_written >= 1
+        tokens = es.prompt_tokens(messages)
+        ready = len(es.history_tokens(history)) // ROW_GROUP * ROW_GROUP
+        adapter.reset_perf()
+        result = es.generate(messages, max_tokens=16)
+        assert result.live_tokens == es.adapter.usable_prefix(ready, len(tokens)) > 0
+        assert prefilled(adapter, len(result.tokens)) == len(tokens) - result.live_tokens
+    assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
+
+
 def test_history_tokens_fall_back_to_the_history_alone(adapter):
     """A conversation that ends with a user message (the next request answers it) gets no user
     turn after it, and a template that refuses one (a FAKE engine, since the real model's

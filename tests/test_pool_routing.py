@@ -106,6 +106,7 @@ class _Pool:
             slot.requests = queue.Queue()
         self.open: dict[int, tuple] = {}  # job id -> (slot, generator, first-message task)
         self.rooms: list[tuple[int, int]] = []  # (slot index, tokens) of each room hint, in order
+        self.prepares: list[tuple[int, list]] = []  # (slot index, messages) of each prepare, in order
 
     async def submit(self, prompt) -> int:
         """Submit a job; returns the index of the slot it went to."""
@@ -123,11 +124,16 @@ class _Pool:
         raise AssertionError("the job went nowhere")
 
     def take_rooms(self) -> list[tuple[int, int]]:
-        """Move the room hints waiting in the slots' queues to :attr:`rooms`; returns the new ones."""
+        """Move the room hints (and prepare messages, to :attr:`prepares`) waiting in the slots'
+        queues to :attr:`rooms`; returns the new room hints."""
         new = []
         for slot in self.pool._slots:
-            while not slot.requests.empty() and slot.requests.queue[0].get("type") == "room":
-                new.append((slot.index, slot.requests.get_nowait()["tokens"]))
+            while not slot.requests.empty() and slot.requests.queue[0].get("type") in ("room", "prepare"):
+                msg = slot.requests.get_nowait()
+                if msg["type"] == "room":
+                    new.append((slot.index, msg["tokens"]))
+                else:
+                    self.prepares.append((slot.index, msg["prompt"]))
         self.rooms += new
         return new
 
@@ -141,9 +147,9 @@ class _Pool:
         return got
 
 
-def _done(answer: str, idle: dict | None = None) -> dict:
+def _done(answer: str, idle: dict | None = None, pending: bool = False) -> dict:
     return {"type": "done", "text": answer, "finish_reason": "stop",
-            "result": {"idle": {**dict.fromkeys(IDLE_FIELDS, 0), **(idle or {})}}}
+            "result": {"idle": {**dict.fromkeys(IDLE_FIELDS, 0), **(idle or {})}, "idle_pending": pending}}
 
 
 def test_the_pool_sends_each_conversation_back_to_its_worker():
@@ -284,5 +290,34 @@ def test_an_answer_tells_the_other_workers_to_make_room_for_its_conversation():
         e = await p.submit(_turn("Five?"))
         await p.finish(e, done(400, 10))
         assert p.take_rooms() == [(i, 410 + ROOM_MARGIN_TOKENS) for i in range(3) if i != e]
+
+    asyncio.run(scenario())
+
+
+def test_a_conversation_still_being_stored_moves_to_another_worker_when_a_new_one_takes_its_own():
+    """Two conversations, one per worker. A new one takes the worker given a job longest ago
+    (worker 0): it still says its idle-time work is pending, so its conversation is handed to
+    worker 1 (a ``prepare`` with the messages and the answer), whose next turn then goes there
+    by prefix. Once a worker says its work is done, a new conversation takes it and nothing is
+    handed over (its history is in the store)."""
+    async def scenario():
+        p = _Pool(2)
+        a1, b1 = _turn("When do you open on Sunday?"), _turn("Do you deliver to the old town on weekdays?")
+        assert await p.submit(a1) == 0
+        assert await p.submit(b1) == 1
+        await p.finish(0, _done("At ten.", pending=True))
+        await p.finish(1, _done("Yes.", pending=True))
+        p.pool._deliver(p.pool._slots[1], {"type": "idle", "stats": {}, "pending": False})
+        assert await p.submit(_turn("Can I pay by card?")) == 0
+        history = [*a1, {"role": "assistant", "content": "At ten."}]
+        assert p.prepares == [(1, history)] and p.pool.handed_over() == 1
+        a2 = _turn("And on Monday?", [a1[-1], {"role": "assistant", "content": "At ten."}])
+        assert await p.submit(a2) == 1
+        await p.finish(0, _done("Yes, any card.", pending=False))
+        await p.finish(1, _done("At nine.", pending=True))
+        p.pool._deliver(p.pool._slots[1], {"type": "idle", "stats": {}, "pending": False})
+        assert await p.submit(_turn("Is there parking?")) == 0  # worker 0 was given a job longest ago
+        assert len(p.prepares) == 1 and p.pool.handed_over() == 1  # its work was done: nothing handed over
+        await p.finish(0, _done("Yes."))
 
     asyncio.run(scenario())

@@ -493,7 +493,7 @@ class EdgeSync:
         if doc_prompt is not None:
             self._annotate_documents(result, doc_prompt, docs[1], blended, refusal, computed)
         elif exact_context and self.config.idle_store and not isinstance(prompt, str) and finish != "cancelled":
-            self._prepare_next(list(prompt) + [{"role": "assistant", "content": result.text}])
+            self.prepare_later(list(prompt) + [{"role": "assistant", "content": result.text}])
         yield result
 
     def _decode(self, tokens: list[int], injected: Injection, max_tokens: int, temperature: float, top_p: float,
@@ -598,10 +598,14 @@ class EdgeSync:
         with self.adapter.lock:
             return self.adapter.make_room(n_tokens, should_stop)
 
-    def _prepare_next(self, history: list[dict]) -> None:
-        """Queue the idle-time job of a conversation that ends with an answer."""
+    def prepare_later(self, history: "Sequence[dict]") -> None:
+        """Queue :meth:`prepare` of chat messages (e.g. a conversation that ends with an answer,
+        given by another engine) as idle-time work (:attr:`idle`): it runs while no request needs
+        the engine, and the engine then holds it live. Nothing happens without a writable store
+        or an engine whose KV can be cached."""
         if self.store is None or self.store.readonly or self.adapter.namespace is None:
             return
+        history = list(history)
 
         def start() -> PrefillJob | None:
             tokens = self.history_tokens(history)

@@ -236,7 +236,7 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
         await messages.aclose()
         raise _api_error(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(first, messages, shaper, metrics, endpoint, include_usage, shutdown)
+    events = _events(first, messages, shaper, metrics, endpoint, include_usage, shutdown, pool.first_piece_sent)
     return EventSourceResponse(events, ping=15, shutdown_grace_period=settings.shutdown_grace_s + STREAM_CUT_MARGIN_S)
 
 
@@ -269,15 +269,19 @@ def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str
 
 
 async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str,
-                  include_usage: bool, shutdown: _Shutdown):
+                  include_usage: bool, shutdown: _Shutdown, first_sent: Callable[[int], None] | None = None):
     """The server-sent events of a streamed answer: chunks, then ``[DONE]``; a job the shutdown
-    grace cancels ends with the 503 error event."""
+    grace cancels ends with the 503 error event. ``first_sent(job id)`` is called once the
+    first piece is written (the generator resumes after the ASGI server sent it)."""
     msg = first
     if shaper.kind == "chat":
         yield {"data": shaper.chunk(role=True).model_dump_json(exclude_none=True)}
     while True:
         if msg["type"] == "piece":
             yield {"data": shaper.chunk(text=msg["text"]).model_dump_json(exclude_none=True)}
+            if first_sent is not None:
+                first_sent(msg["id"])
+                first_sent = None
         elif msg["type"] == "done":
             metrics.answered(endpoint, msg["result"], msg["first_token_at"] - shaper.job["submitted_at"])
             yield {"data": shaper.chunk(final=msg).model_dump_json(exclude_none=True)}

@@ -5,17 +5,20 @@ interpreter: no engine state or lock is inherited through ``fork``) and owns a r
 response queue and a :class:`~.worker.CancelBoard`. Messages are plain dicts:
 
 * to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-  ``stop``, ``stream``, ``reuse``), ``room`` (``tokens``: see below) or None (stop);
+  ``stop``, ``stream``, ``reuse``), ``room`` (``tokens``: see below), ``prepare`` (``prompt``:
+  chat messages ending with an answer, see below) or None (stop);
 * from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
   job ``piece`` (``text``) when streamed, else ``started`` at its first token (for routing; not
   passed on), then one of ``done`` (``text``, ``finish_reason``,
   ``first_token_at``, ``result``), ``error`` (``status``, ``message``, ``err_type``, ``code``,
-  ``param``) or ``cancelled``. ``done``'s ``result`` holds the request's figures and ``idle``:
+  ``param``) or ``cancelled``. ``done``'s ``result`` holds the request's figures,
+  ``idle_pending`` (idle-time work is queued) and ``idle``:
   the worker's cumulative idle-time counters (``IdleStats``: ``jobs``, ``interrupted``,
   ``tokens_prefilled``, ``tokens_wasted``, ``fragments_written``, ``failed``, since its process
   started);
-* from a worker between jobs: ``idle`` (``stats``: the same counters), sent when they changed
-  while it waited for a job (its idle-time job runs after the answer, on a thread of its own).
+* from a worker between jobs: ``idle`` (``stats``: the same counters; ``pending``: idle-time
+  work is still queued), sent when they changed while it waited for a job (its idle-time job
+  runs between jobs).
 
 The pool sums the counters' increases over its workers and their restarts
 (:meth:`WorkerPool.idle_totals`).
@@ -37,6 +40,13 @@ conversation from the store. So when a worker answers, the others hear of the an
 conversation's length (``room``: prompt and answer tokens, plus :data:`ROOM_MARGIN_TOKENS`) when
 it is the longest they have heard of, and make room to inject that much in idle time
 (``EdgeSync.make_room``), rather than on that turn's path.
+
+A job of another conversation can also take a worker while that worker is still storing the
+history of the one it holds (its last report said idle-time work was pending): the history's
+unstored part would then be prefilled on its next turn. So the pool hands that conversation to
+another worker (``prepare``: the messages and the answer), which prepares it in its own idle time
+(``EdgeSync.prepare_later``: what the store holds is injected, the rest prefilled) and is taken
+to hold it from then on (:meth:`WorkerPool.handed_over` counts them).
 """
 
 from __future__ import annotations
@@ -85,6 +95,10 @@ class _Slot:
     last_used: int = 0  # the pool's job count when this slot was last given a job
     context: str | None = None
     """The canonical text of what the worker holds live (``routing.context_text``), or None."""
+    history: list | None = None
+    """The chat messages of that conversation, with the answer (None: a text prompt, or none)."""
+    storing: bool = False
+    """The worker last said its idle-time work was not done (it may be storing that history)."""
     idle: dict = field(default_factory=dict)
     """The idle-time counters its current process last reported."""
     room: int = 0
@@ -120,6 +134,7 @@ class WorkerPool:
         self._closing = False
         self._cancelled = 0
         self._routed_by_prefix = 0
+        self._handed_over = 0
         self._assigned = 0
         self._prompts: dict[int, object] = {}  # job id -> prompt, until its final message
         self._idle_totals = dict.fromkeys(IDLE_FIELDS, 0)
@@ -199,6 +214,11 @@ class WorkerPool:
         """Jobs the prefix rule placed (``routing.choose_worker``'s by_prefix)."""
         return self._routed_by_prefix
 
+    def handed_over(self) -> int:
+        """Conversations handed to another worker when a new one took their worker
+        (:meth:`_hand_over`)."""
+        return self._handed_over
+
     def idle_totals(self) -> dict[str, int]:
         """The workers' idle-time counters (``IdleStats`` fields), summed over workers and
         their restarts, as far as reported."""
@@ -239,6 +259,15 @@ class WorkerPool:
                 if not finished and job_id in slot.jobs:
                     slot.cancel.cancel(job_id)
 
+    def first_piece_sent(self, job_id: int) -> None:
+        """Tell the worker of ``job_id`` that its first streamed piece went to the client (it
+        waits for this before it computes the next token, see ``worker.serve_one``)."""
+        with self._lock:
+            for slot in self._slots:
+                if job_id in slot.jobs:
+                    slot.cancel.first_piece_sent(job_id)
+                    return
+
     def _route(self, prompt) -> _Slot:
         """The slot for a job of ``prompt`` (lock held; see :mod:`.routing`)."""
         slots = self._slots
@@ -250,23 +279,47 @@ class WorkerPool:
                                          unstarted)
         self._routed_by_prefix += by_prefix
         self._assigned += 1
-        slots[index].last_used = self._assigned
-        return slots[index]
+        chosen = slots[index]
+        chosen.last_used = self._assigned
+        if text and chosen.context is not None and scores[index] < len(chosen.context) - len(prompt_text([])):
+            self._hand_over(chosen)
+        return chosen
+
+    def _hand_over(self, left: _Slot) -> None:
+        """``left`` got a job of another conversation than the one it holds live (lock held):
+        when it may still be storing that conversation's history, another worker is asked to
+        prepare it in its idle time (a ``prepare`` message) and is taken to hold it from now on,
+        so that its next turn continues a live sequence there rather than prefilling what
+        ``left`` did not store. The worker with the fewest outstanding jobs takes it (then one
+        whose own idle-time work is done, then the one given a job longest ago)."""
+        history, context = left.history, left.context
+        left.context, left.history = None, None
+        others = [s for s in self._slots if s is not left and s.requests is not None]
+        if not (left.storing and history and others) or any(s.context == context for s in others):
+            return
+        taker = min(others, key=lambda s: (len(s.jobs), s.storing, s.last_used, s.index))
+        taker.requests.put({"type": "prepare", "prompt": history})
+        taker.context, taker.history, taker.storing = context, history, True
+        self._handed_over += 1
+        log.debug("worker %d took over the conversation worker %d was storing", taker.index, left.index)
 
     def _ended(self, slot: _Slot, msg: dict) -> None:
         """Bookkeeping of a job's final message (lock held): its slot's live context and the
         idle-time counters the worker reported with it."""
         kind, prompt = msg.get("type"), self._prompts.pop(msg.get("id"), None)
+        result = msg.get("result") or {}
         if kind == "done":
             if msg.get("finish_reason") != "cancelled" and prompt is not None:
                 slot.context = context_text(prompt, msg.get("text", ""))
-                result = msg.get("result") or {}
+                slot.history = None if isinstance(prompt, str) else [
+                    *prompt, {"role": "assistant", "content": msg.get("text", "")}]
                 self._hint_room(slot, int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)))
             else:
-                slot.context = None
-            self._count_idle(slot, (msg.get("result") or {}).get("idle"))
+                slot.context, slot.history = None, None
+            slot.storing = bool(result.get("idle_pending"))
+            self._count_idle(slot, result.get("idle"))
         elif kind == "cancelled" or msg.get("status", 500) >= 500:
-            slot.context = None  # the live sequence now holds another prompt, or is unknown
+            slot.context, slot.history = None, None  # the live sequence now holds another prompt, or is unknown
 
     def _hint_room(self, answered: _Slot, n_tokens: int) -> None:
         """Tell every other worker of a conversation of ``n_tokens`` that ``answered`` holds,
@@ -288,8 +341,13 @@ class WorkerPool:
         slot.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
 
     def _deliver(self, slot: _Slot, msg: dict) -> None:
-        """Hand a worker's message to its job's queue (dropped when nobody listens)."""
+        """Hand a worker's message to its job's queue (dropped when nobody listens); an
+        ``idle`` report updates the pool's counters and ``slot.storing``."""
         with self._lock:
+            if msg.get("type") == "idle":
+                self._count_idle(slot, msg.get("stats"))
+                slot.storing = bool(msg.get("pending"))
+                return
             if msg.get("type") in FINAL_TYPES:
                 slot.jobs.discard(msg.get("id"))
                 slot.started.discard(msg.get("id"))
@@ -318,10 +376,6 @@ class WorkerPool:
                 continue
             if msg.get("type") in ("ready", "fatal"):
                 continue
-            if msg.get("type") == "idle":
-                with self._lock:
-                    self._count_idle(slot, msg.get("stats"))
-                continue
             self._deliver(slot, msg)
 
     def _restart(self, slot: _Slot) -> None:
@@ -333,7 +387,8 @@ class WorkerPool:
             slot.jobs.clear()
             slot.started.clear()
             slot.pid = None
-            slot.context, slot.idle, slot.room = None, {}, 0  # a new process: nothing live, counters from 0
+            # a new process: nothing live, counters from 0
+            slot.context, slot.history, slot.storing, slot.idle, slot.room = None, None, False, {}, 0
             slot.restarts += 1
             self._spawn(slot)
         log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", slot.index, code,

@@ -8,12 +8,15 @@ server parses and checks the JSON and passes the values on.
 
 A request stops early when the server marks its id on the worker's :class:`CancelBoard` (the
 client went away, or the shutdown grace ran out): checked after every token, and before a queued
-job starts (it is then answered ``cancelled`` at once). After a chat answer the engine's idle-time job
+job starts (it is then answered ``cancelled`` at once). A stream's next token is computed once
+the server marks its first piece sent there. After a chat answer the engine's idle-time job
 (``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time; a job that
 arrives stops the batch running midway (``EngineAdapter.abortable``). The worker reports the
 job's counters with each ``done`` and, when they changed, between jobs (an ``idle`` message).
 Once its idle-time work is done, it makes room to inject the longest conversation the pool said
-another worker holds (a ``room`` message, see :mod:`.pool`).
+another worker holds (a ``room`` message, see :mod:`.pool`). A ``prepare`` message queues the
+idle-time job of a conversation another worker was storing when a new one took its place
+(``EdgeSync.prepare_later``).
 With several workers, each evaluation takes its share of the CPUs (:mod:`.core_share`): a
 request's prefill runs alone on every thread, and idle-time work also stops for another
 worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
@@ -48,13 +51,20 @@ for its workers to close, :meth:`~.pool.WorkerPool.close`)."""
 CANCELS_KEPT = 256
 """Cancelled job ids a :class:`CancelBoard` holds (the newest): more than a worker's queue holds
 in practice; an older one overwritten only lets that job run to its end unread."""
+FIRST_PIECE_WAIT_S = 0.02
+"""Seconds a worker waits, at most, for the server to send a stream's first piece before it
+computes the next token (:func:`serve_one`)."""
+FIRST_PIECE_POLL_S = 0.0002
+"""Seconds between its checks: a sleep, so that the server's process has the core meanwhile."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
 
 
 class CancelBoard:
-    """The jobs a server cancelled and its request to skip the stop's idle-time work, in shared
-    memory one worker process reads: the newest :data:`CANCELS_KEPT` job ids, in a ring.
+    """What a server tells one worker process about its jobs while they run, in shared memory:
+    the jobs it cancelled (the newest :data:`CANCELS_KEPT` job ids, in a ring), the last job
+    whose first piece it sent to its client (:meth:`first_piece_sent`), and its request to skip
+    the stop's idle-time work.
 
     Args:
         ctx: the ``multiprocessing`` context the worker is started with.
@@ -64,6 +74,22 @@ class CancelBoard:
         self._ids = ctx.Array("q", CANCELS_KEPT, lock=False)  # job ids are positive; 0: empty
         self._written = ctx.Value("q", 0, lock=False)
         self._skip_drain = ctx.Value("b", 0, lock=False)
+        self._first_sent = ctx.Value("q", 0, lock=False)
+
+    def first_piece_sent(self, job_id: int) -> None:
+        """Mark that the server wrote ``job_id``'s first streamed piece to its client."""
+        self._first_sent.value = job_id
+
+    def wait_first_piece(self, job_id: int, timeout_s: float = FIRST_PIECE_WAIT_S) -> bool:
+        """Wait until the server marks ``job_id``'s first piece sent (True), its job is
+        cancelled, or ``timeout_s`` seconds pass (False), checking every
+        :data:`FIRST_PIECE_POLL_S`."""
+        deadline = time.perf_counter() + timeout_s
+        while self._first_sent.value != job_id:
+            if time.perf_counter() >= deadline or self.cancelled(job_id):
+                return False
+            time.sleep(FIRST_PIECE_POLL_S)
+        return True
 
     def cancel(self, job_id: int) -> None:
         """Mark ``job_id`` cancelled (the server calls it from one thread at a time)."""
@@ -138,7 +164,7 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
                 room_wanted = make_room(engine, cores, room_wanted)
             now = idle_counters(engine)
             if now != reported:
-                responses.put({"type": "idle", "worker": index, "stats": now})
+                responses.put({"type": "idle", "worker": index, "stats": now, "pending": engine.idle.has_work})
                 reported = now
             try:  # idle-time work paused for another worker's prefill goes on soon after
                 job = requests.get(timeout=0.5 if idle_done else 0.01)
@@ -149,6 +175,9 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
                 break
             if job.get("type") == "room":
                 room_wanted = max(room_wanted, int(job["tokens"]))
+                continue
+            if job.get("type") == "prepare":
+                engine.prepare_later(job["prompt"])
                 continue
             if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
                 responses.put({"id": job["id"], "type": "cancelled"})
@@ -219,7 +248,10 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
     returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
     through ``emit`` (default: the worker's response queue, see :func:`worker_main`). With
     ``cores``, the request's prefill (up to its first piece) is a :meth:`CoreShare.prefill` and
-    each later piece a :meth:`CoreShare.step`."""
+    each later piece a :meth:`CoreShare.step`. After a stream's first piece the worker waits
+    (:meth:`CancelBoard.wait_first_piece`, at most :data:`FIRST_PIECE_WAIT_S`) until the server
+    has sent it: the workers' threads fill the cores, and the server's process would otherwise
+    forward the first token (the client's TTFT) while the next one is computed."""
     job_id = job["id"]
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
@@ -267,10 +299,13 @@ def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | N
             text.append(piece)
             if job.get("stream") and emit is not None:
                 emit({"id": job_id, "type": "piece", "text": piece})
+                if len(text) == 1:  # the first piece reaches the client before the CPUs go to the next
+                    cancel.wait_first_piece(job_id)
     result = stream.result
     fields = {name: getattr(result, name) for name in RESULT_FIELDS}
     fields["completion_tokens"] = len(result.tokens)
     fields["idle"] = idle_counters(engine)
+    fields["idle_pending"] = engine.idle.has_work
     return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": result.finish_reason,
             "first_token_at": first_token_at or time.time(), "result": fields}
 
