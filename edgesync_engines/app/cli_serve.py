@@ -89,10 +89,13 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket (CommandError when the address cannot be bound)."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound and listening (CommandError when the address cannot be bound)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and accepted sockets take the listening one's. With Nagle on, a stream's
+    # first chunks wait for the client's delayed ACK of the headers (about 40 ms on Linux).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -135,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens_limit >= cfg.n_ctx:
         raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
                            f"context of {cfg.n_ctx} tokens")
-    sock = _bind(args.host, args.port)
+    sock = listening_socket(args.host, args.port)
     settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
     level = getattr(args, "log_level", "WARNING")
     try:

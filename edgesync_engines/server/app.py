@@ -146,10 +146,33 @@ async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = Non
                 await task
 
 
+async def _warm_streaming() -> None:
+    """Stream one event to nobody, on the server's event loop before it accepts connections:
+    what a stream sets up at its first use (anyio's asyncio backend, sse-starlette's shutdown
+    watcher) is then ready, and the first client's first token does not wait for it."""
+    async def one_event():
+        yield {"data": "warm-up"}
+
+    async def receive() -> dict:  # never disconnects: the stream's end stops the response
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(_message: dict) -> None:
+        return None
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    await EventSourceResponse(one_event(), ping=0)(scope, receive, send)
+
+
 def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[], bool] | None = None) -> FastAPI:
     """The application over a started ``pool`` (the caller starts and closes the pool).
     ``stopping``: returns True once the ASGI server began to shut down (None: never)."""
-    app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await _warm_streaming()
+        yield
+
+    app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s, pool.cancel_all)
     metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
                             idle=pool.idle_totals, routed=pool.routed_by_prefix)
