@@ -20,7 +20,8 @@ def _result(**fields) -> dict:
 
 def test_idle_live_prefix_and_routing_metrics(tmp_path):
     idle = {"tokens_prefilled": 640, "tokens_wasted": 64}
-    m = ServerMetrics(tmp_path, lambda: 2, lambda: 0, lambda: 0, lambda: 0, idle=lambda: idle, routed=lambda: 3)
+    m = ServerMetrics(tmp_path, lambda: 2, lambda: 0, lambda: 0, lambda: 0, idle=lambda: idle, routed=lambda: 3,
+                      handed_over=lambda: 1)
     m.answered("/v1/chat/completions", _result(), 0.05)
     m.answered("/v1/chat/completions", _result(live_tokens=90, idle_wait_ms=4.0), 0.02)
     m.answered("/v1/chat/completions", _result(live_tokens=90, idle_wait_ms=0.5), 0.02)
@@ -28,6 +29,7 @@ def test_idle_live_prefix_and_routing_metrics(tmp_path):
     assert _value(text, "edgesync_idle_tokens_prefilled_total") == 640
     assert _value(text, "edgesync_idle_tokens_wasted_total") == 64
     assert _value(text, "edgesync_routed_by_prefix_total") == 3
+    assert _value(text, "edgesync_handed_over_total") == 1
     assert _value(text, "edgesync_live_prefix_requests_total") == 2
     assert _value(text, "edgesync_idle_wait_seconds_count") == 2  # a request that found no idle work: none
     assert abs(_value(text, "edgesync_idle_wait_seconds_sum") - 0.0045) < 1e-12
@@ -41,3 +43,4 @@ def test_defaults_without_a_pool(tmp_path):
     text = ServerMetrics(tmp_path, lambda: 1, lambda: 0, lambda: 0, lambda: 0).render().decode()
     assert _value(text, "edgesync_idle_tokens_prefilled_total") == 0
     assert _value(text, "edgesync_routed_by_prefix_total") == 0
+    assert _value(text, "edgesync_handed_over_total") == 0

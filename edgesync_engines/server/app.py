@@ -175,7 +175,8 @@ def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[],
     app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s, pool.cancel_all)
     metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
-                            idle=pool.idle_totals, routed=pool.routed_by_prefix)
+                            idle=pool.idle_totals, routed=pool.routed_by_prefix,
+                            handed_over=pool.handed_over)
     install_handlers(app)
     started = int(time.time())
     names = _ModelNames(settings.model_id)

@@ -14,8 +14,9 @@ Idle-time storing and routing: ``idle_tokens_prefilled_total`` and ``idle_tokens
 begin with; summed over workers as they report them), ``live_prefix_requests_total`` (answers
 that continued their worker's live sequence: ``live_tokens`` > 0), ``idle_wait_seconds``
 (histogram: how long a request waited for idle-time work to stop, midway through its batch on
-llama.cpp; observed only when such work was running) and ``routed_by_prefix_total`` (jobs the prefix rule placed,
-``server/routing.py``).
+llama.cpp; observed only when such work was running), ``routed_by_prefix_total`` (jobs the prefix rule placed,
+``server/routing.py``) and ``handed_over_total`` (conversations moved to another worker because a
+new one took theirs while it was storing them, ``server/pool.py``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class ServerMetrics:
         store: the store directory (for ``store_bytes``).
         workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs;
         cancelled: -> jobs stopped early; idle: -> the workers' summed idle-time counters
-        (``WorkerPool.idle_totals``); routed: -> jobs the prefix rule placed.
+        (``WorkerPool.idle_totals``); routed: -> jobs the prefix rule placed; handed_over: ->
+        conversations handed to another worker.
     """
 
     def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
                  queued: Callable[[], int], cancelled: Callable[[], int],
-                 idle: Callable[[], dict] = dict, routed: Callable[[], int] = int) -> None:
+                 idle: Callable[[], dict] = dict, routed: Callable[[], int] = int,
+                 handed_over: Callable[[], int] = int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -83,6 +86,8 @@ class ServerMetrics:
               "begin with", registry=r).set_function(lambda: idle().get("tokens_wasted", 0))
         Gauge("edgesync_routed_by_prefix_total", "requests sent to the worker whose live conversation begins them",
               registry=r).set_function(routed)
+        Gauge("edgesync_handed_over_total", "conversations moved to another worker: a new one took their worker "
+              "while it was storing them", registry=r).set_function(handed_over)
         self.live_prefix = Counter("edgesync_live_prefix_requests", "answered requests that continued their "
                                    "worker's live sequence (nothing injected for that part)", registry=r)
         self.idle_wait = Histogram("edgesync_idle_wait_seconds", "wait for idle-time work to stop, "
