@@ -123,6 +123,22 @@ def test_a_conversation_another_engine_answered_is_prepared_later(adapter, tmp_p
     assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
 
 
+@pytest.mark.parametrize("bad, says", [
+    ("What is a KV cache?", "must be a list of dicts, got str"),
+    (None, "got NoneType"),
+    ([], "no chat messages"),
+    (["hello"], r"messages\[0\] must be a dict"),
+    ([{"role": "user"}], r"messages\[0\] must be a dict with string 'role' and 'content'"),
+    ([{"role": "user", "content": "  "}], "every chat message is empty"),
+])
+def test_prepare_later_refuses_what_is_not_chat_messages_at_once(bad, says):
+    """Checked when called (a FAKE engine: nothing is evaluated), not on the idle thread."""
+    es = EdgeSync(FakeAdapter(), store=False)
+    with pytest.raises(ValueError, match=says):
+        es.prepare_later(bad)
+    assert not es.idle.has_work
+
+
 def test_history_tokens_fall_back_to_the_history_alone(adapter):
     """A conversation that ends with a user message (the next request answers it) gets no user
     turn after it, and a template that refuses one (a FAKE engine, since the real model's

@@ -58,6 +58,24 @@ a word's first letter joins it to either), as they would for a real message star
 letter (:meth:`EdgeSync.history_tokens`)."""
 
 
+def check_chat_messages(messages) -> None:
+    """Chat messages: a non-empty list (or tuple) of dicts with string ``role`` and ``content``,
+    not all blank.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"prompt: chat messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("prompt: no chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
+    if all(not m["content"].strip() for m in messages):
+        raise ValueError("prompt: every chat message is empty")
+
+
 class EdgeSync:
     """A llama.cpp or ONNX Runtime model with a persistent KV fragment cache in front of its
     prefill.
@@ -360,17 +378,7 @@ class EdgeSync:
                 raise ValueError("prompt: is empty")
             text = prompt
         else:
-            if not prompt:
-                raise ValueError("prompt: no chat messages")
-            for i, m in enumerate(prompt):
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
-                    raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
-            if all(not str(m.get("content", "")).strip() for m in prompt if isinstance(m, dict)):
-                raise ValueError("prompt: every chat message is empty")
+            check_chat_messages(prompt)
             text = self.adapter.apply_chat_template(prompt, add_generation_prompt)
         return self.adapter.tokenize(text)
 
@@ -602,7 +610,12 @@ class EdgeSync:
         """Queue :meth:`prepare` of chat messages (e.g. a conversation that ends with an answer,
         given by another engine) as idle-time work (:attr:`idle`): it runs while no request needs
         the engine, and the engine then holds it live. Nothing happens without a writable store
-        or an engine whose KV can be cached."""
+        or an engine whose KV can be cached.
+
+        Raises:
+            ValueError: not a list of chat messages, as :meth:`prompt_tokens` checks them.
+        """
+        check_chat_messages(history)
         if self.store is None or self.store.readonly or self.adapter.namespace is None:
             return
         history = list(history)
