@@ -395,16 +395,18 @@ class EdgeSync:
         Raises:
             ValueError: as :meth:`prompt_tokens`.
         """
-        plain = self.prompt_tokens(messages, add_generation_prompt=False)
-        if isinstance(messages, str) or messages[-1].get("role") not in ("assistant", "system"):
-            return plain
-        try:
-            a, b = (self.prompt_tokens([*messages, {"role": "user", "content": probe}], add_generation_prompt=False)
-                    for probe in NEXT_TURN_PROBES)
-        except Exception as e:  # a template may raise on any turn order (jinja's raise_exception)
-            log.debug("history_tokens: the template refused a user turn after the history (%s)", e)
-            return plain
-        return a[:common_prefix_len(a, b)] or plain
+        if not isinstance(messages, str):
+            check_chat_messages(messages)
+            if messages[-1]["role"] in ("assistant", "system"):
+                try:
+                    a, b = (self.prompt_tokens([*messages, {"role": "user", "content": probe}],
+                                               add_generation_prompt=False) for probe in NEXT_TURN_PROBES)
+                except Exception as e:  # a template may raise on any turn order (jinja's raise_exception)
+                    log.debug("history_tokens: the template refused a user turn after the history (%s)", e)
+                else:
+                    if common := common_prefix_len(a, b):
+                        return a[:common]
+        return self.prompt_tokens(messages, add_generation_prompt=False)
 
     def generate(
         self,

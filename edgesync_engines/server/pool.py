@@ -281,8 +281,8 @@ class WorkerPool:
         self._assigned += 1
         chosen = slots[index]
         chosen.last_used = self._assigned
-        if text and chosen.context is not None and scores[index] < len(chosen.context) - len(prompt_text([])):
-            self._hand_over(chosen)
+        if text and chosen.context is not None and not text.startswith(chosen.context):
+            self._hand_over(chosen)  # the job does not continue the conversation the worker holds
         return chosen
 
     def _hand_over(self, left: _Slot) -> None:

@@ -177,7 +177,10 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
                 room_wanted = max(room_wanted, int(job["tokens"]))
                 continue
             if job.get("type") == "prepare":
-                engine.prepare_later(job["prompt"])
+                try:
+                    engine.prepare_later(job["prompt"])
+                except ValueError as exc:  # the pool sends answered conversations: not expected
+                    log.warning("worker %d: a conversation handed over was refused: %s", index, exc)
                 continue
             if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
                 responses.put({"id": job["id"], "type": "cancelled"})
