@@ -72,6 +72,42 @@ def test_steps_wait_for_a_prefill_and_then_split_the_threads():
     assert a_threads == [4] and b_threads == [4]
 
 
+def test_a_hold_after_the_first_token_keeps_other_batches_waiting_until_it_ends():
+    (a, b), _ = workers(2, 4)
+    order: list[str] = []
+    asked = threading.Event()
+    with a.active(), a.prefill():
+        with a.batch(20):
+            order.append("a's last batch")
+
+        def prefill():
+            asked.set()
+            with b.active(), b.prefill(), b.batch(100):
+                order.append("b prefills")
+
+        with a.hold():
+            thread = in_thread(prefill)
+            assert asked.wait(WAIT_S)
+            thread.join(0.2)  # b's batch must not begin while a holds
+            order.append("a's first token sent")
+    thread.join(WAIT_S)
+    assert order == ["a's last batch", "a's first token sent", "b prefills"]
+
+
+def test_a_hold_outside_a_prefill_holds_nothing():
+    (a, b), _ = workers(2, 4)
+    done = threading.Event()
+
+    def prefill():
+        with b.active(), b.prefill(), b.batch(10):
+            done.set()
+
+    with a.hold():
+        thread = in_thread(prefill)
+        assert done.wait(WAIT_S)  # b's batch ran while a held outside a prefill
+    thread.join(WAIT_S)
+
+
 def test_the_threads_of_a_step_are_the_total_over_the_active_workers():
     (a, b, c), (a_threads, _, _) = workers(3, 6)
     with a.active():

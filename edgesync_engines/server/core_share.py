@@ -165,6 +165,22 @@ class CoreShare:
                 self._running[i] = self._tokens_left[i] = 0
 
     @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Inside :meth:`prefill`, once its first token is out: no other worker starts a
+        batch or a step until it ends (the first token's way to the client, which needs the
+        cores too). Outside: nothing."""
+        if not self._in_prefill:
+            yield
+            return
+        with self._locked():
+            self._running[self._index] = 1
+        try:
+            yield
+        finally:
+            with self._locked():
+                self._running[self._index] = 0
+
+    @contextmanager
     def step(self) -> Iterator[None]:
         """A decode step or a run of idle-time batches: once no worker waits to prefill, at
         once with the other workers' steps, on ``n_threads // active workers`` threads."""

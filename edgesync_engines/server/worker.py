@@ -253,8 +253,9 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
     ``cores``, the request's prefill (up to its first piece) is a :meth:`CoreShare.prefill` and
     each later piece a :meth:`CoreShare.step`. After a stream's first piece the worker waits
     (:meth:`CancelBoard.wait_first_piece`, at most :data:`FIRST_PIECE_WAIT_S`) until the server
-    has sent it: the workers' threads fill the cores, and the server's process would otherwise
-    forward the first token (the client's TTFT) while the next one is computed."""
+    has sent it, and no other worker computes meanwhile (:meth:`CoreShare.hold`): the workers'
+    threads fill the cores, and the server's process would otherwise forward the first token
+    (the client's TTFT) while the next one, or another worker's, is computed."""
     job_id = job["id"]
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
@@ -288,22 +289,20 @@ def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | N
     pieces = iter(stream)
     with stream:
         while True:
-            with _turn(cores, first=first_token_at is None):
+            first = first_token_at is None
+            with _turn(cores, first=first):
                 piece = next(pieces, None)
+                if first and piece is not None:
+                    first_token_at = time.time()
+                    _send_first(job, piece, cancel, emit, cores)
             if piece is None:
                 break
-            if first_token_at is None:
-                first_token_at = time.time()
-                if not job.get("stream") and emit is not None:  # the pool routes by it (a stream's pieces say so)
-                    emit({"id": job_id, "type": "started"})
             if cancel.cancelled(job_id):
                 stream.stop()
                 return {"id": job_id, "type": "cancelled"}
             text.append(piece)
-            if job.get("stream") and emit is not None:
+            if not first and job.get("stream") and emit is not None:
                 emit({"id": job_id, "type": "piece", "text": piece})
-                if len(text) == 1:  # the first piece reaches the client before the CPUs go to the next
-                    cancel.wait_first_piece(job_id)
     result = stream.result
     fields = {name: getattr(result, name) for name in RESULT_FIELDS}
     fields["completion_tokens"] = len(result.tokens)
@@ -311,6 +310,21 @@ def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | N
     fields["idle_pending"] = engine.idle.has_work
     return {"id": job_id, "type": "done", "text": "".join(text), "finish_reason": result.finish_reason,
             "first_token_at": first_token_at or time.time(), "result": fields}
+
+
+def _send_first(job: dict, piece: str, cancel: CancelBoard, emit, cores: CoreShare | None) -> None:
+    """The first piece of a stream goes to the server, and the worker waits until the server
+    has written it (:meth:`CancelBoard.wait_first_piece`) while no worker computes
+    (:meth:`CoreShare.hold`): the server's and the client's processes then have the cores
+    for it. A request that does not stream says it started (the pool routes by it)."""
+    if emit is None:
+        return
+    if not job.get("stream"):
+        emit({"id": job["id"], "type": "started"})
+        return
+    emit({"id": job["id"], "type": "piece", "text": piece})
+    with cores.hold() if cores is not None else nullcontext():
+        cancel.wait_first_piece(job["id"])
 
 
 def _turn(cores: CoreShare | None, first: bool):
