@@ -31,7 +31,11 @@ once, beside llama-server's slots, which decode together),
 streamed answer early, empty or cut, whenever another request arrives). All on the same GGUF,
 ``--threads`` threads and ``--n-ctx`` per sequence. ``--llama-server`` names the binary
 (default ``build/llama-server`` in the checkout; ``make llama-server`` builds it); when it is
-missing, its two systems are skipped.
+missing, its systems are skipped. Not in the default: ``llama-server-np-fa-off``, llama-server
+``-np`` with ``-fa off`` (its default ``auto`` turns flash attention on here; EdgeSync's exact
+mode computes without it), to tell the kernels' speed from the rest; it is never the peer of
+the ratios. Before the first system, the ``openai`` client's streamed path runs once against a
+throwaway local server, so that its first-request costs fall on no system's first turns.
 
 In this process, one uncached model (``EdgeSync(store=False)``, same threads, context and flash
 attention setting as EdgeSync's servers) gives:
@@ -87,10 +91,14 @@ if str(ROOT) not in sys.path:  # run as a script from the checkout
     sys.path.insert(0, str(ROOT))
 
 from edgesync_bench.bench_workloads import ChatSession, adapter_token_counter, chat_sessions  # noqa: E402
-from edgesync_bench.serve import Server, commands, peak_rss_bytes, send  # noqa: E402
+from edgesync_bench.serve import Server, commands, peak_rss_bytes, send, warm_client  # noqa: E402
 
 SYSTEMS = ("edgesync", "edgesync-no-idle", "edgesync-workers", "llama-server", "llama-server-np", "llama-cpp-python")
 LLAMA_SERVERS = ("llama-server", "llama-server-np")
+#: Not run by default: llama-server ``-np`` with flash attention off (``-fa off``), the setting
+#: EdgeSync's exact mode computes with, to tell its kernels' speed from the rest.
+DIAGNOSTIC_SYSTEMS = ("llama-server-np-fa-off",)
+LLAMA_BINARY = (*LLAMA_SERVERS, *DIAGNOSTIC_SYSTEMS)
 KINDS = ("first", "later", "after-restart", "first-after-restart")
 LATER_KINDS = ("later", "after-restart")
 IDLE_WAIT_METRIC = "edgesync_idle_wait_seconds"
@@ -388,10 +396,12 @@ def server_for(system: str, plan: Plan, state: Path) -> Server:
         if system == "edgesync-workers":  # one engine per session in flight, sharing the threads
             cmd[cmd.index("--workers") + 1] = str(min(a.sessions, a.in_flight))
         return Server(cmd, cwd, env, ready_path="/health")
-    if system in LLAMA_SERVERS:
+    if system in LLAMA_BINARY:
         slots = 1 if system == "llama-server" else min(a.sessions, a.in_flight)
-        return Server(llama_server_command(a.llama_server, plan.model, a.threads, a.n_ctx, slots), state, env,
-                      ready_path="/health")
+        cmd = llama_server_command(a.llama_server, plan.model, a.threads, a.n_ctx, slots)
+        if system == "llama-server-np-fa-off":
+            cmd += ["-fa", "off"]
+        return Server(cmd, state, env, ready_path="/health")
     cmd, cwd = commands("llama-ram", plan.model, a.threads, a.n_ctx, state)
     # its default cuts a streamed answer off when another request arrives; queue them instead
     return Server([*cmd, "--interrupt_requests", "false"], cwd, env)
@@ -630,7 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", type=think_seconds, default=3.0,
                    help=f"a client's pause between an answer and its next turn, s (default 3, at most {MAX_THINK_S:g})")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, of {', '.join(SYSTEMS)} (default all)")
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (default all), or the diagnostic "
+                        f"{', '.join(DIAGNOSTIC_SYSTEMS)} (llama-server -np with flash attention off; never the peer "
+                        "of the ratios)")
     p.add_argument("--threads", type=positive, default=2, help="CPU threads of every engine (default 2)")
     p.add_argument("--n-ctx", type=int_at_least(64), default=2048, help="context window per sequence (default 2048)")
     p.add_argument("--flash-attn", action="store_true",
@@ -649,13 +661,14 @@ def build_parser() -> argparse.ArgumentParser:
 def chosen_systems(args, say) -> list[str]:
     """The systems asked for, less the llama-server ones when the binary is missing."""
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in (*SYSTEMS, *DIAGNOSTIC_SYSTEMS)]
     if unknown or not systems:
-        raise SystemExit(f"--systems: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
-    if not args.llama_server.is_file() and any(s in LLAMA_SERVERS for s in systems):
-        say(f"{', '.join(s for s in systems if s in LLAMA_SERVERS)}: skipped, {args.llama_server} not found "
+        raise SystemExit(f"--systems: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join((*SYSTEMS, *DIAGNOSTIC_SYSTEMS))}")
+    if not args.llama_server.is_file() and any(s in LLAMA_BINARY for s in systems):
+        say(f"{', '.join(s for s in systems if s in LLAMA_BINARY)}: skipped, {args.llama_server} not found "
             "(`make llama-server` builds it)")
-        systems = [s for s in systems if s not in LLAMA_SERVERS]
+        systems = [s for s in systems if s not in LLAMA_BINARY]
     return systems
 
 
@@ -682,6 +695,7 @@ def run_all(args, systems: list[str], model: Path, progress) -> tuple[list[dict]
         say(f"reference conversation: {rp['turns']} turns in {rp['seconds']:.0f} s; restart after "
             f"{rp['threshold']} answered turns; about {to_go / 60:.0f} min to go")
         rows, runs = [], {}
+        warm_client()  # the client's first-request costs fall on no system
         with tempfile.TemporaryDirectory(prefix="edgesync-chat-bench-") as tmp:
             plan = Plan(args, model, ref, rp["threshold"], args.workdir or Path(tmp), progress)
             for system in systems:

@@ -149,6 +149,41 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path,
             "--cache", "true", "--cache_type", cache_type], state
 
 
+def warm_client() -> None:
+    """Run the ``openai`` client's streamed chat path once in this process, against a
+    throwaway local HTTP server that answers one chunk: what the client builds at its first
+    streamed request (lazy imports, request and chunk models; about 20-70 ms, more with
+    several threads at once) then counts against no system's first turns."""
+    import http.server
+    import threading
+
+    import openai
+
+    chunk = {"id": "warm", "object": "chat.completion.chunk", "created": 0, "model": "warm",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "warm"}, "finish_reason": None}]}
+    body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as httpd:
+        thread = threading.Thread(target=httpd.handle_request, daemon=True)
+        thread.start()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        send(client, "warm", [{"role": "user", "content": "warm"}], max_tokens=1)
+        thread.join(30)
+
+
 def send(client, model_id: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
     """One streamed request: client-side TTFT (ms) at the first content chunk, cached tokens, the
     answer's text and the ``timings`` object llama.cpp's llama-server adds, or the ``edgesync``

@@ -127,13 +127,14 @@ def test_ratios_take_the_best_llama_server_setting_per_kind():
             _row("llama-server", {"first": 200.0, "later": 100.0}),
             _row("llama-server-np", {"first": 100.0, "later": 200.0}),
             _row("llama-cpp-python", {"first": 1.0, "later": 1.0}),  # not a llama-server setting
+            _row("llama-server-np-fa-off", {"first": 2.0, "later": 2.0}),  # a diagnostic, never the peer
             _row("edgesync-no-idle", {"first": 1.0}, error="did not start")]
     r = ratios(rows)
     assert r["first"]["peer"] == "llama-server-np" and r["first"]["edgesync"] == pytest.approx(3.0)
     assert r["later"]["peer"] == "llama-server" and r["later"]["edgesync"] == pytest.approx(0.5)
     assert "edgesync-no-idle" not in r["first"]
     text = report(rows)
-    assert "| later turns | edgesync | llama-server | llama-server-np | llama-cpp-python |" in text
+    assert "| later turns | edgesync | llama-server | llama-server-np | llama-cpp-python | llama-server-np-fa-off |" in text
     assert "edgesync: mean TTFT / best llama-server's: later turns 0.50 (llama-server)" in text
     assert "did not start" in text
 
