@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters.kv_layout import GROUPED_ROWS
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.model_files import gemma3_model_path
 from edgesync_engines.request.router import EdgeSync
@@ -69,6 +70,13 @@ def test_gemma_is_cached_with_two_parts(gemma):
     assert ns.layout == "llama.cpp-seq-state/tokens-major-v1;v_trans=1;parts=3+15;swa=512;swa_full=1"
     assert (ns.n_layer, ns.kv_dtype, ns.flash_attn) == (18, "f16", False)
     assert ns.n_head_kv * ns.head_dim == 256
+
+
+def test_gemmas_repacked_kernels_keep_the_grouped_injection_rule(gemma):
+    """Gemma's Q4_K weights are repacked on this CPU (rows computed by groups): the load-time
+    probe keeps the default rule, which the exact hits and partial hits below rely on."""
+    assert gemma.injection_rule == GROUPED_ROWS
+    assert gemma.usable_prefix(100, 400) == 96
 
 
 def test_builtin_chat_template_renders_gemma_turns(gemma):

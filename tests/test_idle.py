@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from edgesync_engines.adapters.kv_layout import MIN_FIRST_BATCH, ROW_GROUP
+from edgesync_engines.adapters.kv_layout import MIN_FIRST_BATCH
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.schema import common_prefix_len
@@ -46,7 +46,12 @@ def expected_prefill(es: EdgeSync, history: list[dict], messages: list[dict]) ->
     (the prepared tokens' last ones up to the row group)."""
     held = len(es.history_tokens(history))
     n = len(es.prompt_tokens(messages))
-    return n - es.adapter.usable_prefix(held - held % ROW_GROUP, n)
+    return n - es.adapter.usable_prefix(held - held % row_group(es), n)
+
+
+def row_group(es: EdgeSync) -> int:
+    """The row group of the engine's injection rule (probed at load: 1 on SmolLM2 here)."""
+    return es.adapter.injection_rule.row_group
 
 
 def idle_until_done(es: EdgeSync) -> None:
@@ -95,7 +100,7 @@ def test_the_next_user_turns_opening_is_prepared_with_the_history(adapter, tmp_p
         assert ahead[:len(plain)] == plain and len(ahead) > len(plain)
         assert tokens[:len(ahead)] == ahead
         done = es.prepare(history)
-        assert done.tokens_ready == len(ahead) - len(ahead) % ROW_GROUP
+        assert done.tokens_ready == len(ahead) - len(ahead) % row_group(es)
         adapter.reset_perf()
         result = es.generate(messages, max_tokens=16)
         assert result.live_tokens == es.adapter.usable_prefix(done.tokens_ready, len(tokens))
@@ -115,7 +120,7 @@ def test_a_conversation_another_engine_answered_is_prepared_later(adapter, tmp_p
         idle_until_done(es)
         assert es.idle.stats.jobs == 1 and es.idle.stats.fragments_written >= 1
         tokens = es.prompt_tokens(messages)
-        ready = len(es.history_tokens(history)) // ROW_GROUP * ROW_GROUP
+        ready = len(es.history_tokens(history)) // row_group(es) * row_group(es)
         adapter.reset_perf()
         result = es.generate(messages, max_tokens=16)
         assert result.live_tokens == es.adapter.usable_prefix(ready, len(tokens)) > 0
@@ -270,7 +275,7 @@ def test_a_request_stops_the_idle_batch_running_midway(adapter, tmp_path):
         assert other.idle_wait_ms is not None  # it did arrive during idle work
         assert other.idle_wait_tokens == 0
         shared = common_prefix_len(es.prompt_tokens(question), es.prompt_tokens(history))
-        assert shared >= ROW_GROUP and 0 < other.live_tokens <= shared
+        assert shared >= 8 and 0 < other.live_tokens <= shared
         assert other.tokens == expected
         idle_until_done(es)
         assert es.idle.stats.interrupted >= 1 and es.idle.stats.failed == 0
@@ -316,7 +321,7 @@ def test_prepare_stores_a_system_prompt_before_any_request(adapter, tmp_path, sy
         adapter.clear_kv_cache()  # as after a restart: only the store holds it
         messages = system + [{"role": "user", "content": "Where should I start?"}]
         result = es.generate(messages, max_tokens=16)
-        assert result.tokens_reused >= done.tokens_ready - 2 * ROW_GROUP
+        assert result.tokens_reused >= done.tokens_ready - 2 * row_group(es)
     assert result.tokens == EdgeSync(adapter, store=False).generate(messages, max_tokens=16).tokens
 
 
@@ -414,7 +419,7 @@ def test_the_newest_conversation_is_live_again_after_an_older_ones_job(adapter, 
         es.idle.busy = lambda: False
         assert es.idle.run_pending()
         live = es.adapter.live_tokens()
-        assert len(live) >= len(history_b) - ROW_GROUP and live == history_b[:len(live)]
+        assert len(live) >= len(history_b) - row_group(es) and live == history_b[:len(live)]
         assert es.idle.stats.jobs == 4 and es.idle.stats.failed == 0  # B, A paused, A again, B again
         nxt = [*histories[1], {"role": "user", "content": sessions[1][1]}]
         result = es.generate(nxt, max_tokens=24)

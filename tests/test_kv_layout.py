@@ -10,9 +10,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from edgesync_engines.adapters.kv_layout import (
+    ANY_ROW,
+    GROUPED_ROWS,
     LAYOUT,
-    MIN_FIRST_BATCH,
-    ROW_GROUP,
+    InjectionRule,
     StateLayout,
     SwaCapture,
     exact_batches,
@@ -36,13 +37,16 @@ def _check_cover(plan: list[tuple[int, int]], n_past: int, n_prompt: int) -> Non
     assert all(end > start for start, end in plan)
 
 
-def _valid_injection(n: int, usable: int, block: int) -> bool:
+RULES = st.sampled_from([GROUPED_ROWS, ANY_ROW])
+
+
+def _valid_injection(n: int, usable: int, block: int, rule: InjectionRule) -> bool:
     """An injection point usable_prefix may return for an n-token prompt."""
     end = n - 1
     if usable in (0, end) or usable % block == 0:
         return True
     first = min(usable - usable % block + block, end) - usable
-    return usable % ROW_GROUP == 0 and first >= MIN_FIRST_BATCH
+    return usable % rule.row_group == 0 and first >= rule.min_first_batch
 
 
 @given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.integers(1, 1024))
@@ -64,16 +68,17 @@ def test_blocks_end_on_the_grid(n_prompt, data, block):
         assert on_grid or crossing or last_before_final or one_short, (start, end, grid, plan)
 
 
-@given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.sampled_from([64, 128, 512, 2048]))
-def test_usable_prefix_keeps_later_tokens_where_an_uncached_prefill_puts_them(n_prompt, data, block):
-    """The injection point is an exact hit, on the grid, or a multiple of ROW_GROUP with a first
-    batch of MIN_FIRST_BATCH or more; it is the largest such point within what is available,
-    and the prefill after it starts with one batch and then follows the uncached grid."""
+@given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.sampled_from([64, 128, 512, 2048]), rule=RULES)
+def test_usable_prefix_keeps_later_tokens_where_an_uncached_prefill_puts_them(n_prompt, data, block, rule):
+    """The injection point is an exact hit, on the grid, or a multiple of the rule's row group
+    with a first batch of its minimum or more; it is the largest such point within what is
+    available, and the prefill after it starts with one batch and then follows the uncached grid."""
     available = data.draw(st.integers(0, n_prompt + 5))
-    usable = usable_prefix(available, n_prompt, block)
+    usable = usable_prefix(available, n_prompt, block, rule)
     assert 0 <= usable <= min(available, n_prompt - 1)
-    assert _valid_injection(n_prompt, usable, block)
-    assert not any(_valid_injection(n_prompt, u, block) for u in range(usable + 1, min(available, n_prompt - 1) + 1))
+    assert _valid_injection(n_prompt, usable, block, rule)
+    assert not any(_valid_injection(n_prompt, u, block, rule)
+                   for u in range(usable + 1, min(available, n_prompt - 1) + 1))
     uncached = prefill_blocks(0, n_prompt, block)
     cached = prefill_blocks(usable, n_prompt, block)
     assert cached[1:] == [b for b in uncached if b[0] >= cached[0][1]] or usable == n_prompt - 1
@@ -202,17 +207,18 @@ def test_layout_from_probe_and_to_parts():
 
 
 @given(st.integers(0, 3000), st.integers(0, 3000), st.sampled_from([64, 128, 256, 512, 2048]),
-       st.integers(1, 600))
-def test_exact_batches_keep_every_token_in_its_row_group(n_past, end, block, batch_tokens):
-    """Idle-time batches: contiguous, on the row group, at least MIN_FIRST_BATCH tokens, never
-    across the block grid, starting at or before the live end and never past ``end``."""
-    batches = exact_batches(n_past, end, block, batch_tokens)
+       st.integers(1, 600), RULES)
+def test_exact_batches_keep_every_token_in_its_row_group(n_past, end, block, batch_tokens, rule):
+    """Idle-time batches: contiguous, on the row group, at least the rule's minimum of tokens,
+    never across the block grid, starting at or before the live end and never past ``end``."""
+    group, least = rule.row_group, rule.min_first_batch
+    batches = exact_batches(n_past, end, block, batch_tokens, rule)
     if not batches:  # only when too few tokens are left to add
-        assert end - end % ROW_GROUP < n_past + MIN_FIRST_BATCH
+        assert end - end % group < n_past + least
         return
     assert batches[0][0] <= max(n_past, 0) and batches[-1][1] <= end
     for (a, b), nxt in zip(batches, batches[1:] + [None]):
-        assert a % ROW_GROUP == 0 and b % ROW_GROUP == 0 and b - a >= MIN_FIRST_BATCH
+        assert a % group == 0 and b % group == 0 and b - a >= least
         assert a // block == (b - 1) // block  # inside one block
         assert nxt is None or nxt[0] == b
     assert batches[-1][1] > n_past  # they add something
@@ -223,17 +229,21 @@ def test_exact_batches_reach_the_end_on_the_row_group():
     assert exact_batches(508, 530, 512, 64) == [(496, 512), (512, 528)]
     assert exact_batches(152, 166, 512, 64) == [(144, 160)]
     assert exact_batches(0, 10, 512, 64) == []
+    # with every row alike the batches reach ``end`` itself
+    assert exact_batches(39, 138, 512, 64, ANY_ROW) == [(39, 103), (103, 138)]
+    assert exact_batches(152, 166, 512, 64, ANY_ROW) == [(152, 166)]
 
 
 @given(n_prompt=st.integers(2, 3000), data=st.data(), block=st.sampled_from([64, 128, 512, 2048]),
-       every=st.sampled_from([16, 64, 128, 256]))
-def test_turn_batches_cut_the_plan_only_where_an_exact_injection_could_start(n_prompt, data, block, every):
+       every=st.sampled_from([16, 64, 128, 256]), rule=RULES)
+def test_turn_batches_cut_the_plan_only_where_an_exact_injection_could_start(n_prompt, data, block, every, rule):
     """The plan after an injection point, cut for the workers' turns: the same tokens in order,
     the same last-token batch, and every new piece starts on a multiple of ``every`` with at
-    least MIN_FIRST_BATCH tokens on both sides of the cut."""
-    n_past = usable_prefix(data.draw(st.integers(0, n_prompt - 1)), n_prompt, block)
+    least the rule's minimum of tokens on both sides of the cut."""
+    least = rule.min_first_batch
+    n_past = usable_prefix(data.draw(st.integers(0, n_prompt - 1)), n_prompt, block, rule)
     plan = prefill_blocks(n_past, n_prompt, block)
-    pieces = turn_batches(plan, every)
+    pieces = turn_batches(plan, every, rule)
     _check_cover(pieces, n_past, n_prompt)
     plan_starts = {start for start, _ in plan}
     for start, end in plan:
@@ -241,12 +251,12 @@ def test_turn_batches_cut_the_plan_only_where_an_exact_injection_could_start(n_p
             assert (start, end) in pieces
     for start, end in pieces:
         if start not in plan_starts:  # a cut
-            assert start % every == 0 and start % ROW_GROUP == 0 and end - start >= MIN_FIRST_BATCH
+            assert start % every == 0 and start % rule.row_group == 0 and end - start >= least
     for start, end in pieces:
         if end not in plan_starts and end != n_prompt:  # cut here: this side keeps enough too
-            assert end - start >= MIN_FIRST_BATCH
+            assert end - start >= least
         if start not in plan_starts:  # a piece the cuts made: about one turn long
-            assert end - start < every + MIN_FIRST_BATCH
+            assert end - start < every + least
 
 
 def test_turn_batches_examples_and_refusals():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgesync_engines.adapters import seqstate
-from edgesync_engines.adapters.kv_layout import turn_batches, usable_prefix
+from edgesync_engines.adapters.kv_layout import ANY_ROW, GROUPED_ROWS, prefill_blocks, turn_batches, usable_prefix
 from edgesync_engines.adapters.protocol import ContextOverflowError
 
 pytestmark = [pytest.mark.model]
@@ -98,9 +98,39 @@ def test_one_token_batches_differ_and_the_prefill_plan_avoids_them(adapter, syst
         assert plan[0][0] == n_past and plan[-1] == (n - 1, n)
         assert all(end - start >= 2 for start, end in plan[:-1])
         assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    rule = adapter.injection_rule
     assert adapter.usable_prefix(n, n) == n - 1
-    assert adapter.usable_prefix(n - 2, n) == usable_prefix(n - 2, n, int(adapter.llm.n_batch)) < n - 2
-    assert adapter.usable_prefix(128, n) == 128 and adapter.usable_prefix(100, n) == 96
+    assert adapter.usable_prefix(n - 2, n) == usable_prefix(n - 2, n, int(adapter.llm.n_batch), rule) < n - 2
+    assert adapter.usable_prefix(128, n) == 128 and adapter.usable_prefix(100, n) == 100 - 100 % rule.row_group
+
+
+def test_smollm2s_kernels_compute_every_row_alike_so_any_cut_of_two_or_more_is_exact(adapter, prompt):
+    """The load-time probe (``probe_rows``) finds SmolLM2's Q4_1 kernels row-independent here,
+    and that holds on a real prompt: a stored prompt's batch ending at an odd point, then the
+    rest from there, gives the uncached prefill's logits and KV bit for bit; a one-token
+    batch in the middle does not always (why a first batch holds two tokens or more)."""
+    assert adapter.injection_rule == ANY_ROW
+    n, block = len(prompt), int(adapter.llm.n_batch)
+    reference = prefill(adapter, prompt, adapter.prefill_plan(0, n))
+    state = adapter._get_state()
+    for cut in (101, 203, n - 3):
+        assert adapter.usable_prefix(cut, n) == cut
+        got = prefill(adapter, prompt, [(0, cut), *prefill_blocks(cut, n, block)])
+        assert np.array_equal(got, reference) and adapter._get_state() == state
+
+
+def test_the_row_probe_keeps_the_grouped_rule_when_a_cut_differs(adapter, monkeypatch):
+    """A FAKE evaluation that differs after one cut (a fault this model does not show) makes
+    the probe keep the default rule."""
+    real = adapter._probe_eval
+
+    def differs_after_a_cut(tokens, start, block):
+        state, logits = real(tokens, start, block)
+        return (state, logits if start == 0 else logits[:-1] + bytes([logits[-1] ^ 1]))
+
+    monkeypatch.setattr(adapter, "_probe_eval", differs_after_a_cut)
+    assert adapter.probe_rows() == GROUPED_ROWS
+    assert adapter.n_tokens == 0
 
 
 def test_injected_prefix_gives_the_logits_of_an_uncached_prefill(adapter, prompt):

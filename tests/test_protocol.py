@@ -138,7 +138,8 @@ def test_kv_members_return_what_the_protocol_says(engine):
         whole = engine.extract_fragments(tokens, [(0, 64), (64, 128)])
         target = engine.usable_prefix(128, n)
         # llama.cpp: an injection point a prefill after it computes as an uncached one does
-        expected = usable_prefix(128, n, int(engine.llm.n_batch)) if ns.engine == "llama.cpp" else 128
+        expected = (usable_prefix(128, n, int(engine.llm.n_batch), engine.injection_rule) if ns.engine == "llama.cpp"
+                    else 128)
         assert target == expected and 0 < target <= 128  # see usable_prefix
         engine.clear_kv_cache()
         assert engine.inject_fragment(whole, target, tokens) == target

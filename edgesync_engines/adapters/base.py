@@ -15,7 +15,7 @@ from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 import numpy as np
 
 from edgesync_engines.adapters.kv_blocks import KVBlock, assemble_kv, blocks_kv, fragment_blocks, kv_ranges
-from edgesync_engines.adapters.kv_layout import turn_batches
+from edgesync_engines.adapters.kv_layout import GROUPED_ROWS, InjectionRule, turn_batches
 from edgesync_engines.adapters.protocol import ContextOverflowError, InjectionError
 from edgesync_store.schema import KVFragment, common_prefix_len, prefix_hash
 
@@ -50,6 +50,9 @@ class EngineAdapterBase(abc.ABC):
     context manager each prefill batch (of :meth:`generate`, :meth:`prefill`, :meth:`extend`)
     runs in: a server whose workers share the CPUs sets it (``server/core_share.py``). None:
     nothing is waited for."""
+    injection_rule: InjectionRule = GROUPED_ROWS
+    """Where a cached prefill may start (``kv_layout.InjectionRule``); an engine that checks
+    its kernels at load may relax it (``LlamaCppAdapter.probe_rows``)."""
     turn_tokens: int = 0
     """When set, :meth:`generate`'s and :meth:`prefill`'s batches are cut at multiples of this
     many tokens (``kv_layout.turn_batches``; bit-identical), so that :attr:`batch_turn` comes
@@ -104,7 +107,7 @@ class EngineAdapterBase(abc.ABC):
         :attr:`turn_tokens` when set), each in its :attr:`batch_turn`."""
         plan = self.prefill_plan(n_past, len(tokens))
         if self.turn_tokens:
-            plan = turn_batches(plan, self.turn_tokens)
+            plan = turn_batches(plan, self.turn_tokens, self.injection_rule)
         for start, end in plan:
             with self._turn(len(tokens) - start):
                 self._eval_batch(tokens[start:end])

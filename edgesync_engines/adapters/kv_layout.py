@@ -252,7 +252,29 @@ MIN_FIRST_BATCH = 16
 smaller batches take other kernels (docs/measurements.md)."""
 
 
-def usable_prefix(available: int, n_prompt: int, block: int) -> int:
+@dataclass(frozen=True)
+class InjectionRule:
+    """Where a cached prefill may start so that its KV and logits stay bit-identical to an
+    uncached prefill's: its first batch starts on a multiple of ``row_group`` tokens and holds
+    at least ``min_first_batch`` (off the block grid). The default, :data:`ROW_GROUP` and
+    :data:`MIN_FIRST_BATCH`, holds for llama.cpp's kernels for repacked weights; an engine
+    whose kernels compute every row of a batch alike (no repacked weights) may start anywhere
+    with two tokens or more (:data:`ANY_ROW`), which ``LlamaCppAdapter`` checks on the loaded
+    model before it uses it."""
+
+    row_group: int = ROW_GROUP
+    min_first_batch: int = MIN_FIRST_BATCH
+
+
+GROUPED_ROWS = InjectionRule()
+"""The default rule (:data:`ROW_GROUP`, :data:`MIN_FIRST_BATCH`): exact wherever a batch's
+rows are computed by groups (measured on Gemma 3's repacked Q4_K, docs/measurements.md)."""
+ANY_ROW = InjectionRule(1, 2)
+"""Any injection point with a first batch of two tokens or more (a one-token batch takes other
+kernels). Measured on SmolLM2-135M Q4_1 (docs/measurements.md)."""
+
+
+def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule = GROUPED_ROWS) -> int:
     """How many of ``available`` stored prompt tokens to inject for a prompt of ``n_prompt``
     tokens, prefilled in ``block``-token blocks (:func:`prefill_blocks`), so that every later
     token is computed as in an uncached prefill and the result is bit-identical to it.
@@ -261,19 +283,19 @@ def usable_prefix(available: int, n_prompt: int, block: int) -> int:
     alone, like a decode step, with or without a cache (a token evaluated alone goes through
     other kernels; the last token's KV is never stored). So injecting ``n_prompt - 1``
     tokens (an exact hit) is always exact; otherwise the injection point is on the block grid,
-    or a multiple of :data:`ROW_GROUP` leaving a first batch of at least
-    :data:`MIN_FIRST_BATCH` tokens. The largest such count not above ``available`` is returned
-    (0 when none).
+    or a multiple of ``rule.row_group`` leaving a first batch of at least
+    ``rule.min_first_batch`` tokens. The largest such count not above ``available`` is
+    returned (0 when none).
     """
     end = n_prompt - 1
     usable = min(available, end)
     if usable == end:
         return max(usable, 0)
-    usable -= usable % ROW_GROUP
+    usable -= usable % rule.row_group
     while usable > 0 and usable % block:
-        if min(usable - usable % block + block, end) - usable >= MIN_FIRST_BATCH:
+        if min(usable - usable % block + block, end) - usable >= rule.min_first_batch:
             break
-        usable -= ROW_GROUP
+        usable -= rule.row_group
     return max(usable, 0)
 
 
@@ -301,10 +323,11 @@ def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, in
     return plan
 
 
-def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int, int]]:
+def turn_batches(plan: Sequence[tuple[int, int]], every: int,
+                 rule: InjectionRule = GROUPED_ROWS) -> list[tuple[int, int]]:
     """``plan``'s ``[start, end)`` batches (:func:`prefill_blocks`) cut at the multiples of
-    ``every`` tokens, where both sides keep at least :data:`MIN_FIRST_BATCH` tokens: each piece
-    then starts where an exact injection could (a :data:`ROW_GROUP` multiple, as
+    ``every`` tokens, where both sides keep at least ``rule.min_first_batch`` tokens: each
+    piece then starts where an exact injection could (a ``rule.row_group`` multiple, as
     :func:`exact_batches`' batches do), so the KV and logits stay bit-identical to the plan's.
     A server's workers take turns on the CPUs between pieces (``server/core_share.py``). A
     batch of at most ``2 * every`` tokens stays whole: a small batch costs more per token than
@@ -312,12 +335,12 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int,
     two would cost it more than the wait it spares another worker (docs/benchmarks.md).
 
     Raises:
-        ValueError: ``every`` is not a multiple of :data:`ROW_GROUP` of at least
-            :data:`MIN_FIRST_BATCH`.
+        ValueError: ``every`` is not a multiple of ``rule.row_group`` of at least
+            ``rule.min_first_batch``.
     """
-    if every < MIN_FIRST_BATCH or every % ROW_GROUP:
-        raise ValueError(f"turn_batches: every must be a multiple of {ROW_GROUP} of at least {MIN_FIRST_BATCH}, "
-                         f"got {every}")
+    if every < rule.min_first_batch or every % rule.row_group:
+        raise ValueError(f"turn_batches: every must be a multiple of {rule.row_group} of at least "
+                         f"{rule.min_first_batch}, got {every}")
     pieces = []
     for start, end in plan:
         if end - start <= 2 * every:
@@ -325,41 +348,43 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int) -> list[tuple[int,
             continue
         pos = start
         for cut in range(start - start % every + every, end, every):
-            if cut - pos >= MIN_FIRST_BATCH and end - cut >= MIN_FIRST_BATCH:
+            if cut - pos >= rule.min_first_batch and end - cut >= rule.min_first_batch:
                 pieces.append((pos, cut))
                 pos = cut
         pieces.append((pos, end))
     return pieces
 
 
-def exact_batches(n_past: int, end: int, block: int, batch_tokens: int) -> list[tuple[int, int]]:
+def exact_batches(n_past: int, end: int, block: int, batch_tokens: int,
+                  rule: InjectionRule = GROUPED_ROWS) -> list[tuple[int, int]]:
     """Small evaluation batches that extend a live ``[0, n_past)`` of a prompt towards
     ``end`` with KV bit-identical to an uncached prefill of any longer prompt that starts
     with the same tokens (the idle-time store, ``request/idle.py``).
 
-    Every batch starts and ends on a multiple of :data:`ROW_GROUP` (so each token keeps the
-    row group an uncached prefill puts it in), holds at least :data:`MIN_FIRST_BATCH` tokens,
+    Every batch starts and ends on a multiple of ``rule.row_group`` (so each token keeps the
+    row group an uncached prefill puts it in), holds at least ``rule.min_first_batch`` tokens,
     never crosses the ``block`` grid, and holds about ``batch_tokens`` tokens (rounded to the
     row group; at most ``block``). The first batch may start before ``n_past`` (the live
     sequence is cut back to it); the last ends at ``end`` rounded down to the row group, whose
     remaining tokens are left to the request. [] when nothing can be added.
     """
-    block = max(block - block % ROW_GROUP, MIN_FIRST_BATCH)
-    size = min(max(batch_tokens - batch_tokens % ROW_GROUP, MIN_FIRST_BATCH), block)
-    stop_at = end - end % ROW_GROUP
-    pos = max(n_past - n_past % ROW_GROUP, 0)
+    group, least = rule.row_group, rule.min_first_batch
+    block = max(block - block % group, least)
+    size = min(max(batch_tokens - batch_tokens % group, least), block)
+    stop_at = end - end % group
+    pos = max(n_past - n_past % group, 0)
     batches: list[tuple[int, int]] = []
     while pos < stop_at:
         base, grid = pos - pos % block, pos - pos % block + block
         stop = min(pos + size, grid, stop_at)
-        if stop < min(grid, stop_at) and min(grid, stop_at) - stop < MIN_FIRST_BATCH:
+        if stop < min(grid, stop_at) and min(grid, stop_at) - stop < least:
             stop = min(grid, stop_at)  # no batch too small to be exact after this one
-        if stop - pos < MIN_FIRST_BATCH:
+        if stop - pos < least:
             if batches and batches[-1][1] == pos and batches[-1][0] >= base:
                 pos = batches.pop()[0]  # one batch with the previous one, inside the block
             else:
-                pos = max(stop - MIN_FIRST_BATCH, base)  # reach back into the live part
-            if stop - pos < MIN_FIRST_BATCH:
+                pos = max(stop - least, base)  # reach back into the live part
+            if stop - pos < least:
                 break  # too few tokens left in this block to be evaluated exactly
         batches.append((pos, stop))
         pos = stop

@@ -50,6 +50,16 @@ attention in llama.cpp (``llama_init_from_model`` refuses it otherwise), so it i
 _SEQ = llamacpp_blend.MAIN_SEQ
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
+ROW_PROBE_TEXT = (b"The cache keeps what a prefill computed, so that the next request that starts with the "
+                  b"same tokens skips it.")
+"""The text whose first :data:`ROW_PROBE_TOKENS` tokens :meth:`LlamaCppAdapter.probe_rows` evaluates."""
+ROW_PROBE_TOKENS = 20
+ROW_PROBE_CUTS = (3, 5, 17)
+"""Injection points the probe tries: odd offsets in groups of 4 and 8 rows, and a first batch
+of two tokens (17 of 20, the last evaluated alone)."""
+_PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
+""":meth:`LlamaCppAdapter.probe_rows`' answers in this process, by namespace digest and block:
+the same model and settings load again without the probe."""
 
 
 class LlamaCppAdapter(EngineAdapterBase):
@@ -178,11 +188,52 @@ class LlamaCppAdapter(EngineAdapterBase):
             log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
         else:
             log.debug("llama.cpp KV layout: %s", self.namespace)
+        if self.cache_refusal is None and not self.flash_attn:  # flash attention is not exact at every cut
+            key = (self.namespace.digest(), self._block_tokens())
+            if key not in _PROBED_RULES:
+                _PROBED_RULES[key] = self.probe_rows()
+            self.injection_rule = _PROBED_RULES[key]
         self.blend_refusal = self.cache_refusal or self._layout.blend_refusal() or (
             None if self.llm.context_params.n_seq_max >= 2 and self.llm.context_params.kv_unified
             else "the Llama was opened with one sequence (blending needs n_seq_max >= 2, kv_unified)")
         self._scratch = llamacpp_blend.ScratchSequence(self._llama_cpp, self._ctx, self._mem, self.llm.n_batch,
                                                        self.blend_refusal)
+
+    def probe_rows(self) -> kv_layout.InjectionRule:
+        """The injection rule this model's kernels allow: :data:`kv_layout.ANY_ROW` when a
+        prompt of :data:`ROW_PROBE_TOKENS` tokens evaluated as a batch ending at each of
+        :data:`ROW_PROBE_CUTS` (what a stored prompt or an idle-time batch leaves) and then
+        on from there gives the seq state and last logits of its uncached prefill bit for bit;
+        else :data:`kv_layout.GROUPED_ROWS` (also when the probe cannot run). Four evaluations
+        of 20 tokens; the KV memory is empty after."""
+        tokens = self.llm.tokenize(ROW_PROBE_TEXT, add_bos=True)[:ROW_PROBE_TOKENS]
+        n, block = len(tokens), self._block_tokens()
+        if n < ROW_PROBE_TOKENS:
+            return kv_layout.GROUPED_ROWS
+        try:
+            self.clear_kv_cache()
+            reference = self._probe_eval(tokens, 0, block)
+            for cut in ROW_PROBE_CUTS:
+                self.clear_kv_cache()
+                self.llm.eval(list(tokens[:cut]))
+                if self._probe_eval(tokens, cut, block) != reference:
+                    log.debug("injection rule: rows computed by groups (cut at %d of %d differs)", cut, n)
+                    return kv_layout.GROUPED_ROWS
+        except (RuntimeError, ValueError) as exc:
+            log.debug("injection rule probe failed: %s", exc)
+            return kv_layout.GROUPED_ROWS
+        finally:
+            self.clear_kv_cache()
+        log.debug("injection rule: every row alike (any point, first batches of 2 or more)")
+        return kv_layout.ANY_ROW
+
+    def _probe_eval(self, tokens: Sequence[int], start: int, block: int) -> tuple[bytes, bytes]:
+        """Evaluate ``tokens[start:]`` in :func:`kv_layout.prefill_blocks`' batches: the seq
+        state and the last logits (float32 bytes)."""
+        for a, b in kv_layout.prefill_blocks(start, len(tokens), block):
+            self.llm.eval(list(tokens[a:b]))
+        logits = self._llama_cpp.llama_get_logits_ith(self._ctx, -1)
+        return self._get_state(), np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).tobytes()
 
     def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
         """The namespace of a probed layout (``StateLayout.namespace``)."""
@@ -327,11 +378,11 @@ class LlamaCppAdapter(EngineAdapterBase):
 
     def usable_prefix(self, available: int, n_prompt: int) -> int:
         """:func:`kv_layout.usable_prefix` on this adapter's block grid."""
-        return kv_layout.usable_prefix(available, n_prompt, self._block_tokens())
+        return kv_layout.usable_prefix(available, n_prompt, self._block_tokens(), self.injection_rule)
 
     def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
         """:func:`kv_layout.exact_batches` on this adapter's block grid."""
-        return kv_layout.exact_batches(n_past, end, self._block_tokens(), batch_tokens)
+        return kv_layout.exact_batches(n_past, end, self._block_tokens(), batch_tokens, self.injection_rule)
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
         """:func:`kv_layout.prefill_blocks` on this adapter's block grid."""
