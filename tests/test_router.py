@@ -346,3 +346,17 @@ def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
         es.generate("Hello there", max_tokens=2)
     assert adapter.llm is not None
     assert EdgeSync(adapter, store=False).generate("Hello again", max_tokens=2).tokens
+
+
+def test_a_closed_engine_refuses_every_call_by_name(tmp_path):
+    """An engine that owns its model, once closed: each call that would use the model raises
+    the same RuntimeError instead of an AttributeError from inside."""
+    from edgesync_engines.config import EdgeSyncConfig
+
+    es = EdgeSync(config=EdgeSyncConfig.load({"n_ctx": 512, "store_path": str(tmp_path / "s")}))
+    es.close()
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for call in (lambda: es.generate("Hi", max_tokens=2), lambda: es.prompt_tokens("Hi"),
+                 lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages)):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()

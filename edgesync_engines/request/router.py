@@ -372,7 +372,9 @@ class EdgeSync:
 
         Raises:
             ValueError: a blank prompt, no messages, or messages whose contents are all blank.
+            RuntimeError: the engine is closed.
         """
+        self._check_open()
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt: is empty")
@@ -393,7 +395,7 @@ class EdgeSync:
         as does a conversation that ends otherwise; a string is tokenized as is.
 
         Raises:
-            ValueError: as :meth:`prompt_tokens`.
+            ValueError, RuntimeError: as :meth:`prompt_tokens`.
         """
         if not isinstance(messages, str):
             check_chat_messages(messages)
@@ -585,7 +587,9 @@ class EdgeSync:
                 an engine whose KV cannot be cached).
             PermissionError: the store is read-only.
             ContextOverflowError: the prompt is longer than the context.
+            RuntimeError: the engine is closed.
         """
+        self._check_open()
         if self.store is None or self.adapter.namespace is None:
             raise ValueError("prepare: needs a store and an engine whose KV can be cached "
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
@@ -616,7 +620,9 @@ class EdgeSync:
 
         Raises:
             ValueError: not a list of chat messages, as :meth:`prompt_tokens` checks them.
+            RuntimeError: the engine is closed.
         """
+        self._check_open()
         check_chat_messages(history)
         if self.store is None or self.store.readonly or self.adapter.namespace is None:
             return
@@ -654,8 +660,7 @@ class EdgeSync:
                         tokens: list[int] | None = None) -> list[int]:
         """The prompt's tokens (``tokens`` when already built) once the request is checked
         (see :meth:`generate`'s errors)."""
-        if self.adapter.closed:
-            raise RuntimeError("EdgeSync: the engine is closed")
+        self._check_open()
         tokens = self.prompt_tokens(prompt) if tokens is None else tokens
         if not tokens:
             raise ValueError("prompt: tokenizes to nothing")
@@ -668,6 +673,10 @@ class EdgeSync:
         if len(tokens) + max_tokens > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         return tokens
+
+    def _check_open(self) -> None:
+        if self.adapter.closed:
+            raise RuntimeError("EdgeSync: the engine is closed")
 
     def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str,
                live_exact: int = 0) -> tuple[ReusePlan, Injection]:
