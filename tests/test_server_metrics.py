@@ -31,6 +31,9 @@ def test_idle_live_prefix_and_routing_metrics(tmp_path):
     assert _value(text, "edgesync_routed_by_prefix_total") == 3
     assert _value(text, "edgesync_handed_over_total") == 1
     assert _value(text, "edgesync_live_prefix_requests_total") == 2
+    for name in ("idle_tokens_prefilled", "idle_tokens_wasted", "routed_by_prefix", "handed_over",
+                 "worker_restarts", "cancelled_requests"):  # totals the pool keeps are counters too
+        assert f"# TYPE edgesync_{name}_total counter" in text
     assert _value(text, "edgesync_idle_wait_seconds_count") == 2  # a request that found no idle work: none
     assert abs(_value(text, "edgesync_idle_wait_seconds_sum") - 0.0045) < 1e-12
     assert 'edgesync_idle_wait_seconds_bucket{le="0.001"} 1.0' in text

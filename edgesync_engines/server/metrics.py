@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -42,6 +43,18 @@ def store_disk_bytes(store: Path) -> int:
         return sum(p.stat().st_size for p in Path(store).glob("*.mdb"))
     except OSError:
         return 0
+
+
+class _ReadCounters:
+    """Counters whose values the pool keeps (``(name, help, read)``, ``read()`` the total so
+    far), exposed as counters (``NAME_total``) when ``/metrics`` is read."""
+
+    def __init__(self, counters: list[tuple[str, str, Callable[[], int]]]) -> None:
+        self.counters = counters
+
+    def collect(self):
+        for name, doc, read in self.counters:
+            yield CounterMetricFamily(name, doc, value=read())
 
 
 class ServerMetrics:
@@ -74,20 +87,19 @@ class ServerMetrics:
         Gauge("edgesync_store_bytes", "bytes of the fragment store on disk", registry=r).set_function(
             lambda: store_disk_bytes(store))
         Gauge("edgesync_workers", "engine worker processes", registry=r).set_function(workers)
-        Gauge("edgesync_worker_restarts_total", "worker processes restarted after dying",
-              registry=r).set_function(restarts)
-        Gauge("edgesync_cancelled_requests_total", "requests stopped early because the client went away",
-              registry=r).set_function(cancelled)
         Gauge("edgesync_queued_requests", "requests sent to a worker and not answered yet",
               registry=r).set_function(queued)
-        Gauge("edgesync_idle_tokens_prefilled_total", "tokens the workers prefilled and stored between requests",
-              registry=r).set_function(lambda: idle().get("tokens_prefilled", 0))
-        Gauge("edgesync_idle_tokens_wasted_total", "tokens prefilled between requests that the next request did not "
-              "begin with", registry=r).set_function(lambda: idle().get("tokens_wasted", 0))
-        Gauge("edgesync_routed_by_prefix_total", "requests sent to the worker whose live conversation begins them",
-              registry=r).set_function(routed)
-        Gauge("edgesync_handed_over_total", "conversations moved to another worker: a new one took their worker "
-              "while it was storing them", registry=r).set_function(handed_over)
+        r.register(_ReadCounters([
+            ("edgesync_worker_restarts", "worker processes restarted after dying", restarts),
+            ("edgesync_cancelled_requests", "requests stopped early because the client went away", cancelled),
+            ("edgesync_idle_tokens_prefilled", "tokens the workers prefilled and stored between requests",
+             lambda: idle().get("tokens_prefilled", 0)),
+            ("edgesync_idle_tokens_wasted", "tokens prefilled between requests that the next request did not "
+             "begin with", lambda: idle().get("tokens_wasted", 0)),
+            ("edgesync_routed_by_prefix", "requests sent to the worker whose live conversation begins them", routed),
+            ("edgesync_handed_over", "conversations moved to another worker: a new one took their worker "
+             "while it was storing them", handed_over),
+        ]))
         self.live_prefix = Counter("edgesync_live_prefix_requests", "answered requests that continued their "
                                    "worker's live sequence (nothing injected for that part)", registry=r)
         self.idle_wait = Histogram("edgesync_idle_wait_seconds", "wait for idle-time work to stop, "
