@@ -134,7 +134,8 @@ def test_ratios_take_the_best_llama_server_setting_per_kind():
     assert r["later"]["peer"] == "llama-server" and r["later"]["edgesync"] == pytest.approx(0.5)
     assert "edgesync-no-idle" not in r["first"]
     text = report(rows)
-    assert "| later turns | edgesync | llama-server | llama-server-np | llama-cpp-python | llama-server-np-fa-off |" in text
+    assert ("| later turns | edgesync | llama-server | llama-server-np | llama-cpp-python "
+            "| llama-server-np-fa-off |") in text
     assert "edgesync: mean TTFT / best llama-server's: later turns 0.50 (llama-server)" in text
     assert "did not start" in text
 
