@@ -15,7 +15,9 @@ a new prompt into the batch its other slots decode in:
   bit-identical; not with flash attention, where cuts are not exact), and among prefills
   waiting for a batch the one with the fewest tokens left goes first: a short prompt that
   arrives during a long one's prefill waits one batch. A batch passed over
-  :data:`MAX_PASSED` times goes next, so that short prompts never starve a long one.
+  :data:`MAX_PASSED` times goes next, so that short prompts never starve a long one. Once the
+  first token is out, :meth:`CoreShare.hold` keeps every other worker waiting until the server
+  has sent it, so that the server's and the client's processes have the cores for it.
 * **step** (one decode step, or a run of idle-time batches): waits while any worker waits to
   prefill, then runs at once with the other workers' steps, on ``threads // active workers``
   threads (a worker is active while it serves a request or runs idle-time work).
