@@ -22,7 +22,7 @@ from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
-from edgesync_store.schema import common_prefix_len
+from edgesync_store.schema import MIN_SPAN, common_prefix_len
 
 pytestmark = [pytest.mark.model]
 
@@ -360,3 +360,25 @@ def test_a_closed_engine_refuses_every_call_by_name(tmp_path):
                  lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages)):
         with pytest.raises(RuntimeError, match="the engine is closed"):
             call()
+
+
+def test_a_stored_match_too_short_to_inject_does_not_hide_the_live_one(adapter, store):
+    """With idle-time storing, a prompt whose stored match (under 64 tokens: never injected)
+    is longer than what the live sequence shares with it continues the live sequence instead
+    of prefilling everything (found by a new-user trial)."""
+    from edgesync_engines.config import EdgeSyncConfig
+
+    base = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+            "developed movable metal type in Mainz. His innovations combined an oil-based ink, a hand mould "
+            "for casting type, and a wooden screw press adapted from wine presses. Within decades, printing "
+            "shops spread to more than two hundred cities across Europe, and the cost of books fell sharply. ")
+    prompts = [base + "Continue:", base[:301] + " and then", base[:333] + " and then"]
+    with EdgeSync(adapter, store=store, config=EdgeSyncConfig.load({"idle_store": True})) as es:
+        for prompt in prompts:
+            result = es.generate(prompt, max_tokens=8)
+        tokens, live = es.prompt_tokens(prompts[2]), es.prompt_tokens(prompts[1])
+        stored = common_prefix_len(tokens, es.prompt_tokens(prompts[0]))
+        shared = es.adapter.usable_prefix(common_prefix_len(tokens, live), len(tokens))
+        assert shared < stored < MIN_SPAN  # the case: a longer stored match that cannot be injected
+        assert result.live_tokens == result.tokens_reused == shared > 0
+    assert result.tokens == EdgeSync(adapter, store=False).generate(prompts[2], max_tokens=8).tokens

@@ -47,7 +47,7 @@ from edgesync_store.core.backend import FragmentBackend
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.lifecycle.jobs import StoreJobs
-from edgesync_store.schema import common_prefix_len
+from edgesync_store.schema import MIN_SPAN, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -695,6 +695,8 @@ class EdgeSync:
         n = len(tokens)
         stored = max((self.adapter.usable_prefix(min(source.match.matched_tokens, source.limit), n)
                       for source in plan.sources if source.tokens == plan.prompt), default=0)
+        if stored < MIN_SPAN:  # the injector injects nothing shorter
+            stored = 0
         if live and live >= stored:
             return plan, Injection(None, tuple(tokens), live, live=True)
         return plan, self._injector.carry_out(plan)
