@@ -152,8 +152,8 @@ def commands(system: str, model: Path, threads: int, n_ctx: int, state: Path,
 def warm_client() -> None:
     """Run the ``openai`` client's streamed chat path once in this process, against a
     throwaway local HTTP server that answers one chunk: what the client builds at its first
-    streamed request (lazy imports, request and chunk models; about 20-70 ms, more with
-    several threads at once) then counts against no system's first turns."""
+    streamed request (lazy imports, request and chunk models; measured in docs/benchmarks.md)
+    then counts against no system's first turns."""
     import http.server
     import threading
 
