@@ -341,6 +341,59 @@ def test_blank_prompts_are_refused(cached, prompt):
         cached.generate(prompt, max_tokens=4)
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("max_tokens", "8"), ("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", 0),
+    ("temperature", "hot"), ("temperature", True), ("temperature", float("nan")), ("temperature", -0.5),
+    ("top_p", "x"), ("top_p", True), ("top_p", 0), ("top_p", 1.5),
+    ("seed", "x"), ("seed", True), ("seed", 1.5),
+    ("stop", 5), ("stop", ["a", 5]), ("stop", {"a"}),
+])
+def test_bad_sampling_arguments_are_refused_by_name_before_any_engine_work(cached, system_prompts, name, value):
+    """A badly typed or out-of-range argument (a bool is not a number here): generate() itself
+    raises, streamed or not, a ValueError naming the argument and the value given; llama.cpp
+    evaluates nothing and nothing is stored."""
+    messages = chat(system_prompts[0], ESSAY)
+    cached.adapter.reset_perf()
+    before = cached.adapter.perf_counts()
+    for stream in (False, True):
+        with pytest.raises(ValueError, match=rf"^{name}(\[1\])?: must be .*, got ") as info:
+            cached.generate(messages, stream=stream, **{"max_tokens": 4, name: value})
+        assert repr(value[1] if isinstance(value, list) else value) in str(info.value)  # the bad value shown
+    assert cached.adapter.perf_counts() == before
+    assert cached.store.stats().fragments == 0
+
+
+@pytest.mark.parametrize(("prompt", "named"), [
+    ("abc\ud800", "prompt: must be valid Unicode text"),
+    ([{"role": "user", "content": "abc\ud800"}], r"prompt: messages\[0\] content"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\udfff why?"}],
+     r"prompt: messages\[1\] content"),
+])
+def test_a_lone_surrogate_in_a_prompt_is_refused_by_name(cached, prompt, named):
+    """Text UTF-8 cannot encode is a ValueError naming where it is, from every call that takes a
+    prompt (with documents too), not a UnicodeEncodeError from the tokenizer."""
+    for call in (lambda: cached.generate(prompt, max_tokens=4), lambda: cached.prompt_tokens(prompt),
+                 lambda: cached.prepare(prompt),
+                 lambda: cached.generate(prompt, documents=["A short document."], max_tokens=4)):
+        with pytest.raises(ValueError, match=named):
+            call()
+    assert cached.store.stats().fragments == 0
+
+
+def test_edge_values_of_the_sampling_arguments_are_accepted(uncached):
+    """An int is a number (temperature 0, top_p 1), numpy integers are ints, seed 0, any number
+    of stop strings (the HTTP server's limit of 4 is not the Python API's), any role."""
+    import numpy as np
+
+    prompt = "Name three colours."
+    first = uncached.generate(prompt, max_tokens=1)
+    assert len(first.tokens) == 1
+    again = uncached.generate(prompt, max_tokens=np.int64(1), temperature=0, top_p=1, seed=0,
+                              stop=("@@1", "@@2", "@@3", "@@4", "@@5"))
+    assert again.tokens == first.tokens and again.finish_reason == "length"
+    assert uncached.prompt_tokens([{"role": "tool", "content": "42"}, {"role": "user", "content": "Sum?"}])
+
+
 def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
     with EdgeSync(adapter, store=tmp_path / "s") as es:
         es.generate("Hello there", max_tokens=2)
@@ -349,15 +402,18 @@ def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
 
 
 def test_a_closed_engine_refuses_every_call_by_name(tmp_path):
-    """An engine that owns its model, once closed: each call that would use the model raises
-    the same RuntimeError instead of an AttributeError from inside."""
+    """An engine that owns its model, once closed: each call that would use the model (and
+    ``with``) raises the same RuntimeError instead of an AttributeError from inside or a
+    success; closing again does nothing."""
     from edgesync_engines.config import EdgeSyncConfig
 
     es = EdgeSync(config=EdgeSyncConfig.load({"n_ctx": 512, "store_path": str(tmp_path / "s")}))
     es.close()
+    es.close()
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     for call in (lambda: es.generate("Hi", max_tokens=2), lambda: es.prompt_tokens("Hi"),
-                 lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages)):
+                 lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages),
+                 lambda: es.make_room(16), es.__enter__):
         with pytest.raises(RuntimeError, match="the engine is closed"):
             call()
 

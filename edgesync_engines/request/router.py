@@ -19,6 +19,8 @@ KV) stores nothing.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 import time
 from dataclasses import replace
@@ -58,9 +60,30 @@ a word's first letter joins it to either), as they would for a real message star
 letter (:meth:`EdgeSync.history_tokens`)."""
 
 
+def _shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_text(text: str, name: str) -> None:
+    """A string the tokenizer can encode: no lone surrogate (such as ``"\\ud800"``, which
+    UTF-8 cannot encode).
+
+    Raises:
+        ValueError: naming ``name`` and where the lone surrogate is.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: must be valid Unicode text, got a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
+
+
 def check_chat_messages(messages) -> None:
-    """Chat messages: a non-empty list (or tuple) of dicts with string ``role`` and ``content``,
-    not all blank.
+    """Chat messages: a non-empty list (or tuple) of dicts with string ``role`` and ``content``
+    (valid Unicode text: :func:`check_text`), not all blank. Any role is accepted: a chat
+    template may know roles such as ``tool``.
 
     Raises:
         ValueError: naming what is wrong.
@@ -72,8 +95,51 @@ def check_chat_messages(messages) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"prompt: messages[{i}] must be a dict with string 'role' and 'content'")
+        check_text(m["role"], f"prompt: messages[{i}] role")
+        check_text(m["content"], f"prompt: messages[{i}] content")
     if all(not m["content"].strip() for m in messages):
         raise ValueError("prompt: every chat message is empty")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, float, float, int, list[str]]:
+    """:meth:`EdgeSync.generate`'s sampling arguments (defaults filled in), checked and returned
+    as plain values (``max_tokens``, ``temperature``, ``top_p``, ``seed``, and ``stop`` as a
+    list).
+
+    ``max_tokens`` is an int >= 1, ``temperature`` a finite number >= 0, ``top_p`` a number in
+    (0, 1], ``seed`` an int; a bool is neither an int nor a number here (as in the HTTP server's
+    strict schema). ``stop`` is None, a string, or a list or tuple of strings, any number of
+    them (the HTTP server, as OpenAI's API, takes at most 4).
+
+    Raises:
+        ValueError: naming the argument, what it must be and the value given.
+    """
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens: must be an int >= 1, got {_shown(max_tokens)}")
+    if not _is_number(temperature) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature: must be a finite number >= 0, got {_shown(temperature)}")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be a number in (0, 1], got {_shown(top_p)}")
+    if not _is_int(seed):
+        raise ValueError(f"seed: must be an int, got {_shown(seed)}")
+    if stop is None or isinstance(stop, str):
+        stops = [] if stop is None else [stop]
+    elif isinstance(stop, (list, tuple)):
+        stops = list(stop)
+        for i, s in enumerate(stops):
+            if not isinstance(s, str):
+                raise ValueError(f"stop[{i}]: must be a string, got {_shown(s)}")
+    else:
+        raise ValueError(f"stop: must be a string or a list of strings, got {_shown(stop)}")
+    return int(max_tokens), float(temperature), float(top_p), int(seed), stops
 
 
 class EdgeSync:
@@ -294,12 +360,18 @@ class EdgeSync:
 
         Raises:
             ValueError: both or neither given, a bad document, messages not ending with a user
-                turn, or ``retrieve`` with no stored documents.
+                turn, text with a lone surrogate (:func:`check_text`), or ``retrieve`` with no
+                stored documents.
         """
         if (documents is None) == (retrieve is None):
             raise ValueError("documents: pass either documents= or retrieve=, not both")
         if isinstance(messages, str):
+            check_text(messages, "prompt")
             messages = [{"role": "user", "content": messages}]
+        for i, m in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
+            for key in ("role", "content"):
+                if isinstance(m, Mapping) and isinstance(m.get(key), str):
+                    check_text(m[key], f"prompt: messages[{i}] {key}")
         scores = None
         if retrieve is not None:
             if not isinstance(retrieve, int) or isinstance(retrieve, bool) or retrieve < 1:
@@ -371,13 +443,15 @@ class EdgeSync:
         (ending with the assistant prompt unless ``add_generation_prompt`` is False).
 
         Raises:
-            ValueError: a blank prompt, no messages, or messages whose contents are all blank.
+            ValueError: a blank prompt, no messages, malformed messages, messages whose contents
+                are all blank, or text with a lone surrogate (not valid Unicode).
             RuntimeError: the engine is closed.
         """
         self._check_open()
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt: is empty")
+            check_text(prompt, "prompt")
             text = prompt
         else:
             check_chat_messages(prompt)
@@ -431,7 +505,8 @@ class EdgeSync:
         ``request/blend.py``); otherwise only token-identical KV is injected. Decoding ends at
         the first of the ``stop`` strings (not part of the text), at an end-of-generation token,
         at ``max_tokens``, or when the caller stops the stream (:meth:`GenerationStream.stop`,
-        or closing it); the prompt is stored in every case.
+        or closing it); the prompt is stored in every case. ``stop`` is a string or a list (or
+        tuple) of strings, any number of them (the HTTP server takes at most 4).
 
         Returns a :class:`GenerationResult`, or with ``stream=True`` a
         :class:`GenerationStream` of text pieces whose ``result`` is set once exhausted.
@@ -439,24 +514,29 @@ class EdgeSync:
         Raises:
             ContextOverflowError: prompt tokens + max_tokens exceed the context (no engine
                 work is done).
-            ValueError: an empty prompt or malformed chat messages, a bad document, an unknown
-                ``reuse``, or ``retrieve`` on a store without documents.
+            ValueError: naming the argument: an empty prompt, malformed chat messages, a prompt
+                with a lone surrogate (not valid Unicode text), ``max_tokens`` not an int >= 1,
+                ``temperature`` not a finite number >= 0, ``top_p`` not a number in (0, 1],
+                ``seed`` not an int (a bool is refused for each: :func:`check_sampling`),
+                ``stop`` not a string or a list of strings, a bad document, an unknown
+                ``reuse``, or ``retrieve`` on a store without documents. No engine work is done.
+            RuntimeError: the engine is closed.
         """
         cfg = self.config
         mode = cfg.reuse if reuse is None else reuse
         if mode not in (ReuseMode.EXACT, ReuseMode.SEMANTIC, ReuseMode.BLEND):
             raise ValueError(f"reuse: {mode!r} is not one of exact, semantic, blend")
-        docs = None
-        if documents is not None or retrieve is not None:
-            docs = self.document_prompt(prompt, documents, retrieve)
-        events = self._run(
-            prompt,
+        max_tokens, temperature, top_p, seed, stops = check_sampling(
             cfg.max_tokens if max_tokens is None else max_tokens,
             cfg.temperature if temperature is None else temperature,
             cfg.top_p if top_p is None else top_p,
             cfg.seed if seed is None else seed,
-            docs, mode, [stop] if isinstance(stop, str) else list(stop or ()),
+            stop,
         )
+        docs = None
+        if documents is not None or retrieve is not None:
+            docs = self.document_prompt(prompt, documents, retrieve)
+        events = self._run(prompt, max_tokens, temperature, top_p, seed, docs, mode, stops)
         stream_obj = GenerationStream.start(events)
         if stream:
             return stream_obj
@@ -471,8 +551,7 @@ class EdgeSync:
         decoding there."""
         t0 = time.perf_counter()
         doc_prompt = docs[0] if docs is not None else None
-        tokens = self._checked_tokens(prompt, max_tokens, temperature, top_p,
-                                      None if doc_prompt is None else list(doc_prompt.tokens))
+        tokens = self._checked_tokens(prompt, max_tokens, None if doc_prompt is None else list(doc_prompt.tokens))
         yield ""  # input checked: errors above raise from generate() itself
         t_wait, progress = time.perf_counter(), self.idle.progress()
         # idle-time work stops during its current batch, and starts none until this request is done
@@ -606,7 +685,12 @@ class EdgeSync:
         later (``EngineAdapter.make_room``), so that the request that injects it does not
         allocate memory on its path; the live sequence stays. Nothing without a store. Waits
         for the engine's lock; ``should_stop`` is asked as it goes, and once it returns True
-        nothing is kept. Returns True when the room is there."""
+        nothing is kept. Returns True when the room is there.
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        self._check_open()
         if self.store is None:
             return True
         with self.adapter.lock:
@@ -656,20 +740,14 @@ class EdgeSync:
             return None
         return self.namespace.digest(), injected.tokens[:injected.reused]
 
-    def _checked_tokens(self, prompt, max_tokens: int, temperature: float, top_p: float,
-                        tokens: list[int] | None = None) -> list[int]:
+    def _checked_tokens(self, prompt, max_tokens: int, tokens: list[int] | None = None) -> list[int]:
         """The prompt's tokens (``tokens`` when already built) once the request is checked
-        (see :meth:`generate`'s errors)."""
+        (see :meth:`generate`'s errors; the sampling arguments were checked by
+        :func:`check_sampling`)."""
         self._check_open()
         tokens = self.prompt_tokens(prompt) if tokens is None else tokens
         if not tokens:
             raise ValueError("prompt: tokenizes to nothing")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
-        if not (temperature >= 0 and temperature < float("inf")):
-            raise ValueError(f"temperature: must be a finite number >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
         if len(tokens) + max_tokens > self.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), max_tokens, self.adapter.n_ctx)
         return tokens
@@ -768,6 +846,8 @@ class EdgeSync:
             self.store.close()
 
     def __enter__(self) -> "EdgeSync":
+        """Raises RuntimeError when the engine is closed."""
+        self._check_open()
         return self
 
     def __exit__(self, *exc) -> None:
