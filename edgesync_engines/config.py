@@ -61,6 +61,12 @@ REUSE_MODES = ("exact", "semantic", "blend")
 (approximate, ``request/blend.py``)."""
 EMBEDDING_BACKENDS = tuple(BACKENDS)
 """Embedders of ``edgesync_store.semantic.embedders``: ``onnx``, ``sentence-transformers``."""
+MAX_SEED = 2**32 - 2
+"""The largest sampling seed taken. llama.cpp's samplers take a ``uint32_t`` seed
+(llama-cpp-python passes it through ``ctypes.c_uint32``, which keeps it modulo 2**32: -1 would
+be 0xFFFFFFFF, 2**32 + 5 would be 5) and ``LLAMA_DEFAULT_SEED = 0xFFFFFFFF`` means "a random
+seed" (llama.h): 0..2**32-2 are the seeds that mean themselves. The Python API and the HTTP
+server take the same."""
 MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
 """Largest ``chunk_tokens``: a prompt's last chunk may grow by up to ``MIN_SPAN - 1`` tokens
 (``schema.chunk_spans``) and must still fit a fragment's ``MAX_SPAN``."""
@@ -122,7 +128,9 @@ class EdgeSyncConfig:
     top_p: float = setting(
         0.95, env="EDGESYNC_TOP_P", parse=float, help="nucleus sampling mass when temperature > 0",
         check=unit_interval)
-    seed: int = setting(0, env="EDGESYNC_SEED", parse=int, help="sampling seed")
+    seed: int = setting(
+        0, env="EDGESYNC_SEED", parse=int, help="sampling seed",
+        check=lambda v: None if 0 <= v <= MAX_SEED else f"must be in [0, {MAX_SEED}], got {v}")
     verbose_engine: bool = flag(False, "EDGESYNC_VERBOSE_ENGINE", "let llama.cpp's own log lines through")
     semantic: bool = flag(
         True, "EDGESYNC_SEMANTIC",

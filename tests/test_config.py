@@ -31,6 +31,8 @@ def test_precedence_defaults_environment_overrides(tmp_path):
         ({"EDGESYNC_CHUNK_TOKENS": "32"}, "chunk_tokens"),
         ({"EDGESYNC_TOP_P": "1.5"}, "top_p"),
         ({"EDGESYNC_MAX_TOKENS": "0"}, "max_tokens"),
+        ({"EDGESYNC_SEED": "-1"}, "seed"),
+        ({"EDGESYNC_SEED": str(2**32 - 1)}, "seed"),
     ],
 )
 def test_bad_values_name_the_setting(env, name):

@@ -345,7 +345,7 @@ def test_blank_prompts_are_refused(cached, prompt):
     ("max_tokens", "8"), ("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", 0),
     ("temperature", "hot"), ("temperature", True), ("temperature", float("nan")), ("temperature", -0.5),
     ("top_p", "x"), ("top_p", True), ("top_p", 0), ("top_p", 1.5),
-    ("seed", "x"), ("seed", True), ("seed", 1.5),
+    ("seed", "x"), ("seed", True), ("seed", 1.5), ("seed", -1), ("seed", 2**32),
     ("stop", 5), ("stop", ["a", 5]), ("stop", {"a"}),
 ])
 def test_bad_sampling_arguments_are_refused_by_name_before_any_engine_work(cached, system_prompts, name, value):

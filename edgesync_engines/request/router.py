@@ -31,7 +31,7 @@ import numpy as np
 
 from edgesync_engines.adapters.compat import compatible_with
 from edgesync_engines.adapters.protocol import ContextOverflowError
-from edgesync_engines.config import EdgeSyncConfig
+from edgesync_engines.config import MAX_SEED, EdgeSyncConfig
 from edgesync_engines.request import storeback
 from edgesync_engines.request.blend import Blended, blend
 from edgesync_engines.request.documents import DocumentLibrary, DocumentPrompt, as_inputs, build_prompt
@@ -115,9 +115,10 @@ def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, flo
     list).
 
     ``max_tokens`` is an int >= 1, ``temperature`` a finite number >= 0, ``top_p`` a number in
-    (0, 1], ``seed`` an int; a bool is neither an int nor a number here (as in the HTTP server's
-    strict schema). ``stop`` is None, a string, or a list or tuple of strings, any number of
-    them (the HTTP server, as OpenAI's API, takes at most 4).
+    (0, 1], ``seed`` an int in 0..4294967294 (``config.MAX_SEED``: the seeds llama.cpp takes as
+    themselves); a bool is neither an int nor a number here (as in the HTTP server's strict
+    schema). ``stop`` is None, a string, or a list or tuple of strings, any number of them (the
+    HTTP server, as OpenAI's API, takes at most 4).
 
     Raises:
         ValueError: naming the argument, what it must be and the value given.
@@ -128,8 +129,8 @@ def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, flo
         raise ValueError(f"temperature: must be a finite number >= 0, got {_shown(temperature)}")
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: must be a number in (0, 1], got {_shown(top_p)}")
-    if not _is_int(seed):
-        raise ValueError(f"seed: must be an int, got {_shown(seed)}")
+    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed: must be an int in 0..{MAX_SEED}, got {_shown(seed)}")
     if stop is None or isinstance(stop, str):
         stops = [] if stop is None else [stop]
     elif isinstance(stop, (list, tuple)):
@@ -517,7 +518,8 @@ class EdgeSync:
             ValueError: naming the argument: an empty prompt, malformed chat messages, a prompt
                 with a lone surrogate (not valid Unicode text), ``max_tokens`` not an int >= 1,
                 ``temperature`` not a finite number >= 0, ``top_p`` not a number in (0, 1],
-                ``seed`` not an int (a bool is refused for each: :func:`check_sampling`),
+                ``seed`` not an int in 0..``config.MAX_SEED`` (a bool is refused for each:
+                :func:`check_sampling`),
                 ``stop`` not a string or a list of strings, a bad document, an unknown
                 ``reuse``, or ``retrieve`` on a store without documents. No engine work is done.
             RuntimeError: the engine is closed.

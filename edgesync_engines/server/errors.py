@@ -55,7 +55,8 @@ def _is_type_tag(part: str) -> bool:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """A pydantic validation failure as one 400: the first problem, naming its field."""
+    """A pydantic validation failure as one 400: the first problem, naming its field ("param:
+    message", without the "Value error, " pydantic puts before a validator's own message)."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
@@ -66,6 +67,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
     param = ".".join(loc) or None
     msg = "a required field is missing" if first.get("type") == "missing" else first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # a validator's ValueError: pydantic prefixes its message
+        msg = msg.removeprefix("Value error, ")
     return APIError(400, f"{param or 'body'}: {msg}", code="invalid_value", param=param)
 
 

@@ -2,10 +2,14 @@
 
 Requests follow the OpenAI API: ``model``, ``max_tokens`` (or ``max_completion_tokens``),
 ``temperature`` (0 to 2), ``top_p`` (0 exclusive to 1), ``seed``, ``stop`` (a string or up to 4),
-``n`` (1 only), ``stream`` and ``stream_options.include_usage``. Fields this server does not
-use (``user``, ``presence_penalty``, ...) are accepted and ignored, as ordinary clients send
-them. EdgeSync's own options go in the extension object ``edgesync`` (:class:`EdgeSyncOptions`),
-which other servers ignore and ordinary clients never send.
+``n`` (1 only), ``stream`` and ``stream_options.include_usage``. Other fields are ignored when
+they do not change the answer (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...)
+or come at their "off" value, as ordinary clients send them (``logprobs: false``, ``tools: []``,
+``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...); a request that asks for
+what this server does not do (tool calling, JSON output, log probabilities, penalties, logit
+bias, ``best_of``, ``echo``, ``suffix``) is refused naming the field, rather than answered
+without it. EdgeSync's own options go in the extension object ``edgesync``
+(:class:`EdgeSyncOptions`), which other servers ignore and ordinary clients never send.
 
 Responses carry the OpenAI fields, ``usage.prompt_tokens_details.cached_tokens`` being the
 prompt tokens whose KV was reused (the worker's live sequence, or injected from the store), plus
@@ -14,11 +18,27 @@ an ``edgesync`` object (:class:`EdgeSyncInfo`) that clients which do not know it
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from edgesync_engines.config import MAX_SEED
 
 MAX_STOPS = 4
+
+
+def _unsupported(why: str, off: str) -> ValueError:
+    """The error for a field that asks for what this server does not do, ``off`` saying what to
+    send instead; the error handler puts the field's name in front ("tools: not supported by
+    this server (no tool calling); omit it or send []")."""
+    return ValueError(f"not supported by this server ({why}); omit it or send {off}")
+
+
+def _json(value) -> str:
+    """``value`` as JSON, cut short, to show in an error."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class EdgeSyncOptions(BaseModel):
@@ -37,7 +57,18 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """What both completion endpoints take besides the prompt."""
+    """What both completion endpoints take besides the prompt.
+
+    Refused (400 naming the field) because this server does not do them, and an answer silently
+    without them would mislead the client: ``tools`` or ``functions`` non-empty and
+    ``tool_choice`` or ``function_call`` other than "none"/"auto" (no tool calling: no chat
+    template formats tools, nothing parses calls; llama-server too refuses tools without
+    ``--jinja``); ``response_format`` of a type other than "text" (no JSON mode or schema: no
+    grammar constrains decoding); ``presence_penalty`` or ``frequency_penalty`` non-zero and
+    ``logit_bias`` non-empty (the sampler is plain top-p, no penalty nor bias); ``seed`` outside
+    0..:data:`MAX_SEED` (llama.cpp would change it). The same fields at their "off" value (null,
+    ``[]``, 0, "none", ``{"type": "text"}``) are taken, as many clients always send them.
+    """
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -53,6 +84,62 @@ class SamplingRequest(BaseModel):
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     edgesync: EdgeSyncOptions | None = None
+    # OpenAI fields this server does not do: taken at their "off" value only (validators below);
+    # loosely typed so that a wrong type is a 400 naming the field too
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    presence_penalty: float | None = Field(None, strict=True, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, strict=True, allow_inf_nan=False)
+    logit_bias: dict | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_means_itself(cls, value: int | None) -> int | None:
+        """A seed llama.cpp would reduce modulo 2**32, or take as "random" (:data:`MAX_SEED`)."""
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"must be an int in 0..{MAX_SEED}, got {value}")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> list | None:
+        if value:
+            raise _unsupported("no tool calling", "[]")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_forced_call(cls, value: str | dict | None) -> str | dict | None:
+        """A "required" or named function would demand a tool call, which never comes."""
+        if value is not None and value not in ("none", "auto"):
+            raise _unsupported("no tool calling", f'"none" or "auto", got {_json(value)}')
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict | None) -> dict | None:
+        """``json_object`` or ``json_schema`` would need decoding constrained to JSON."""
+        if value is not None and value.get("type") != "text":
+            raise _unsupported("plain text only, no JSON mode or schema",
+                               f'{{"type": "text"}}, got type {_json(value.get("type"))}')
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise _unsupported("no presence or frequency penalty", f"0, got {value:g}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise _unsupported("no logit bias", "{}")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -101,21 +188,75 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. Refused besides :class:`SamplingRequest`'s:
+    ``logprobs: true`` and ``top_logprobs`` > 0 (no log probabilities are computed)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, strict=True)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("no log probabilities", "false")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise _unsupported("no log probabilities", f"0, got {value}")
+        return value
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: ``prompt`` is a string (or a list holding one)."""
+    """``POST /v1/completions``: ``prompt`` is a string (or a list holding one). Refused
+    besides :class:`SamplingRequest`'s: ``logprobs`` > 0 or true (no log probabilities are
+    computed), ``echo: true`` (the prompt is not echoed), ``best_of`` > 1 (one candidate per
+    prompt) and a non-empty ``suffix`` (no insertion, the prompt is only continued)."""
 
     prompt: str | list[str]
+    # an int in OpenAI's API; false is taken as "off" too, as some clients send it
+    logprobs: StrictBool | StrictInt | None = None
+    echo: bool | None = Field(None, strict=True)
+    best_of: int | None = Field(None, ge=1, strict=True)
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
         if isinstance(value, list) and len(value) != 1:
             raise ValueError(f"exactly one prompt is supported, got {len(value)}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:  # true, or an int other than 0
+            raise _unsupported("no log probabilities", f"0, got {_json(value)}")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("the prompt is not echoed", "false")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: int | None) -> int | None:
+        """More candidates than the one answer would be decoded for nothing (``n`` is 1 only)."""
+        if value is not None and value > 1:
+            raise _unsupported("one candidate per prompt", f"1, got {value}")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("no insertion: the prompt is only continued", '""')
         return value
 
     def text(self) -> str:
