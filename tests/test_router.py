@@ -346,7 +346,7 @@ def test_blank_prompts_are_refused(cached, prompt):
     ("temperature", "hot"), ("temperature", True), ("temperature", float("nan")), ("temperature", -0.5),
     ("top_p", "x"), ("top_p", True), ("top_p", 0), ("top_p", 1.5),
     ("seed", "x"), ("seed", True), ("seed", 1.5), ("seed", -1), ("seed", 2**32),
-    ("stop", 5), ("stop", ["a", 5]), ("stop", {"a"}),
+    ("stop", 5), ("stop", ["a", 5]), ("stop", {"a"}), ("stop", "\ud800"), ("stop", ["ok", "\udfff"]),
 ])
 def test_bad_sampling_arguments_are_refused_by_name_before_any_engine_work(cached, system_prompts, name, value):
     """A badly typed or out-of-range argument (a bool is not a number here): generate() itself
@@ -394,6 +394,47 @@ def test_edge_values_of_the_sampling_arguments_are_accepted(uncached):
     assert uncached.prompt_tokens([{"role": "tool", "content": "42"}, {"role": "user", "content": "Sum?"}])
 
 
+@pytest.mark.parametrize(("documents", "named"), [
+    (5, r"^documents: expected a list"),
+    (["\ud800"], r"^documents\[0\]: the text must be valid Unicode text"),
+    (["fine", {"text": "fine too", "title": "x\udfff"}], r"^documents\[1\]: the title must be valid Unicode"),
+])
+def test_bad_documents_are_refused_by_name(cached, documents, named):
+    """Documents that are not a list, or hold text UTF-8 cannot encode: a ValueError naming
+    the document, from generate() and add_documents(), nothing stored."""
+    for call in (lambda: cached.generate("What do they say?", documents=documents, max_tokens=4),
+                 lambda: cached.add_documents(documents)):
+        with pytest.raises(ValueError, match=named):
+            call()
+    assert cached.store.stats().fragments == 0 and cached.list_documents() == []
+
+
+def test_stream_must_be_a_bool(cached):
+    with pytest.raises(ValueError, match=r"^stream: must be True or False, got 'yes'"):
+        cached.generate("Hi there", stream="yes", max_tokens=2)
+
+
+def test_a_call_from_the_thread_of_an_open_stream_is_refused_and_the_stream_stays_exact(cached, uncached,
+                                                                                      system_prompts):
+    """The engine's lock is re-entrant: a generate() between a stream's pieces, from the
+    stream's own thread, would change the sequence the stream decodes (found by a new-user
+    trial: the stream went on with garbage). It raises instead; the stream's answer equals an
+    uncached run's, and once the stream is closed the engine serves again."""
+    messages = chat(system_prompts[0], ESSAY)
+    stream = cached.generate(messages, max_tokens=24, stream=True)
+    pieces = [next(stream), next(stream)]
+    for call in (lambda: cached.generate("Tell me about mountains in one line.", max_tokens=4),
+                 lambda: cached.prepare(chat(system_prompts[1], "Hello")), lambda: cached.add_documents(["A doc."]),
+                 lambda: cached.make_room(64)):
+        with pytest.raises(RuntimeError, match="a stream of this thread still holds the engine"):
+            call()
+    pieces += list(stream)
+    assert stream.result.tokens == uncached.generate(messages, max_tokens=24).tokens
+    assert "".join(pieces) == stream.result.text
+    other = cached.generate("Tell me about mountains in one line.", max_tokens=4)
+    assert other.tokens == uncached.generate("Tell me about mountains in one line.", max_tokens=4).tokens
+
+
 def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
     with EdgeSync(adapter, store=tmp_path / "s") as es:
         es.generate("Hello there", max_tokens=2)
@@ -413,7 +454,9 @@ def test_a_closed_engine_refuses_every_call_by_name(tmp_path):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     for call in (lambda: es.generate("Hi", max_tokens=2), lambda: es.prompt_tokens("Hi"),
                  lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages),
-                 lambda: es.make_room(16), es.__enter__):
+                 lambda: es.make_room(16), es.__enter__, lambda: es.generate("Hi", documents=["abc"], max_tokens=2),
+                 lambda: es.add_documents(["abc"]), es.list_documents, lambda: es.remove_documents("0123abcd"),
+                 lambda: es.forget("Hi")):
         with pytest.raises(RuntimeError, match="the engine is closed"):
             call()
 

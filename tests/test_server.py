@@ -192,8 +192,9 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
 
 def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model):
     """A body that is not UTF-8 or nests too deep for the JSON decoder, a prompt the engine
-    refuses (empty, a lone surrogate), a text prompt over the context and a temperature that is
-    not a finite number: each a 400 with its code, naming the field where there is one."""
+    refuses (empty, a lone surrogate in a message or a stop string), a text prompt over the
+    context and a temperature that is not a finite number: each a 400 with its code, naming the
+    field where there is one."""
     chat, text = "/v1/chat/completions", "/v1/completions"
     cases = [
         (chat, b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}', "invalid_json", None),
@@ -201,6 +202,8 @@ def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model
         (text, json.dumps({"model": model, "prompt": "", "max_tokens": 4}).encode(), "invalid_value", "prompt"),
         (chat, b'{"model": "x", "messages": [{"role": "user", "content": "a \\ud800 b"}], "max_tokens": 4}',
          "invalid_value", "messages"),
+        (chat, b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "\\udfff"]}',
+         "invalid_value", "stop"),
         (text, json.dumps({"model": model, "prompt": "weather " * 5000, "max_tokens": 4}).encode(),
          "context_length_exceeded", "prompt"),
         (chat, b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',

@@ -65,11 +65,14 @@ def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[Docu
     ``title``, ``source`` (or ``doc_id``/``id``); a single string or dict is one document.
 
     Raises:
-        ValueError: a document that is not a string or such a dict, or whose text is blank,
-            naming its index.
+        ValueError: ``documents`` not iterable, or a document that is not a string or such a
+            dict, whose text is blank, or whose text, title or source holds a lone surrogate
+            (not valid Unicode text), naming its index.
     """
     if isinstance(documents, (str, Mapping)):
         documents = [documents]  # one document, not its characters or keys
+    if not isinstance(documents, Iterable):
+        raise ValueError(f"documents: expected a list of strings or dicts, got {type(documents).__name__}")
     out = []
     for i, doc in enumerate(documents):
         if isinstance(doc, str):
@@ -84,6 +87,12 @@ def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[Docu
             raise ValueError(f"documents[{i}]: expected a string or a dict with 'text', got {type(doc).__name__}")
         if not text.strip():
             raise ValueError(f"documents[{i}]: the text is empty")
+        for name, value in (("text", text), ("title", str(title)), ("source", str(source))):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, which no tokenizer can encode
+                raise ValueError(f"documents[{i}]: the {name} must be valid Unicode text, got a lone "
+                                 f"surrogate {value[e.start]!r} at character {e.start}") from None
         out.append(DocumentInput(text, str(title), str(source)))
     return out
 

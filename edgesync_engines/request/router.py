@@ -22,10 +22,12 @@ import logging
 import math
 import numbers
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -133,11 +135,14 @@ def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, flo
         raise ValueError(f"seed: must be an int in 0..{MAX_SEED}, got {_shown(seed)}")
     if stop is None or isinstance(stop, str):
         stops = [] if stop is None else [stop]
+        if stop is not None:
+            check_text(stop, "stop")
     elif isinstance(stop, (list, tuple)):
         stops = list(stop)
         for i, s in enumerate(stops):
             if not isinstance(s, str):
                 raise ValueError(f"stop[{i}]: must be a string, got {_shown(s)}")
+            check_text(s, f"stop[{i}]")
     else:
         raise ValueError(f"stop: must be a string or a list of strings, got {_shown(stop)}")
     return int(max_tokens), float(temperature), float(top_p), int(seed), stops
@@ -161,7 +166,10 @@ class EdgeSync:
             ``uncached_reason`` saying why.
         config: settings (default: :meth:`EdgeSyncConfig.load`, i.e. defaults < environment).
 
-    Thread safety: one request at a time drives the engine (the adapter's lock).
+    Thread safety: one request at a time drives the engine (the adapter's lock); a stream holds
+    it until it is read to the end or closed, so another thread's call waits, and a call from
+    the stream's own thread that would drive the engine (``generate``, ``prepare``,
+    ``add_documents``, ``make_room``) raises RuntimeError.
 
     Chat turns (``config.idle_store``, off by default in the Python API, on in ``edgesync
     serve``): after each answer to chat messages, a background thread prefills the conversation
@@ -224,6 +232,7 @@ class EdgeSync:
         self._live_exact = 0  # leading live tokens whose KV equals an uncached prefill's ...
         self._live_epoch = -1  # ... while the adapter's kv_epoch is this one
         self._prepared: list[int] | None = None  # the last idle-time job's tokens, until a request
+        self._driving: int | None = None  # the thread whose request holds the engine (between a stream's pieces)
         self.jobs = None
         if self.store is not None and not self.store.readonly and self.config.jobs:
             self.jobs = StoreJobs(self.store, self._semantic_index, self.config.sweep_interval_s,
@@ -246,6 +255,7 @@ class EdgeSync:
             PermissionError: the store is open read-only.
             StoreError: the store could not be written.
         """
+        self._check_open()
         tokens = self.prompt_tokens(prompt) if documents is None else list(
             self.document_prompt(prompt, documents)[0].tokens)
         if self.store is None:
@@ -301,7 +311,9 @@ class EdgeSync:
                 is stored for it or after it), or no store (``store=False``).
             PermissionError: the store is read-only.
             StoreError: the store could not be written.
+            RuntimeError: the engine is closed, or a stream of the calling thread still holds it.
         """
+        self._check_not_streaming()
         if self.store is None or self.adapter.namespace is None:
             raise ValueError("add_documents: needs a store and an engine whose KV can be cached "
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
@@ -316,7 +328,12 @@ class EdgeSync:
         return out
 
     def list_documents(self) -> list[DocumentRecord]:
-        """The stored documents of this engine's namespace."""
+        """The stored documents of this engine's namespace.
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        self._check_open()
         return self.documents.list()
 
     def remove_documents(self, ids: Iterable["str | DocumentRecord"]) -> int:
@@ -328,6 +345,7 @@ class EdgeSync:
             KeyError: an ID that names no stored document (or several).
             StoreError: the store could not be written.
         """
+        self._check_open()
         if isinstance(ids, (str, DocumentRecord)):
             ids = [ids]  # one ID, not its characters
         found = []
@@ -364,6 +382,7 @@ class EdgeSync:
                 turn, text with a lone surrogate (:func:`check_text`), or ``retrieve`` with no
                 stored documents.
         """
+        self._check_open()
         if (documents is None) == (retrieve is None):
             raise ValueError("documents: pass either documents= or retrieve=, not both")
         if isinstance(messages, str):
@@ -522,8 +541,12 @@ class EdgeSync:
                 :func:`check_sampling`),
                 ``stop`` not a string or a list of strings, a bad document, an unknown
                 ``reuse``, or ``retrieve`` on a store without documents. No engine work is done.
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed, or a stream of the calling thread still holds
+                it (read it to the end or close it first).
         """
+        self._check_not_streaming()
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream: must be True or False, got {_shown(stream)}")
         cfg = self.config
         mode = cfg.reuse if reuse is None else reuse
         if mode not in (ReuseMode.EXACT, ReuseMode.SEMANTIC, ReuseMode.BLEND):
@@ -557,7 +580,7 @@ class EdgeSync:
         yield ""  # input checked: errors above raise from generate() itself
         t_wait, progress = time.perf_counter(), self.idle.progress()
         # idle-time work stops during its current batch, and starts none until this request is done
-        with self.idle.paused() as idle_busy, self.adapter.lock:
+        with self._engine_turn() as idle_busy:
             idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
             idle_wait_tokens = self.idle.progress() - progress if idle_busy else 0
             live_exact = self._take_live(tokens)
@@ -668,9 +691,10 @@ class EdgeSync:
                 an engine whose KV cannot be cached).
             PermissionError: the store is read-only.
             ContextOverflowError: the prompt is longer than the context.
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed, or a stream of the calling thread still holds
+                it (read it to the end or close it first).
         """
-        self._check_open()
+        self._check_not_streaming()
         if self.store is None or self.adapter.namespace is None:
             raise ValueError("prepare: needs a store and an engine whose KV can be cached "
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
@@ -690,9 +714,10 @@ class EdgeSync:
         nothing is kept. Returns True when the room is there.
 
         Raises:
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed, or a stream of the calling thread still holds
+                it (read it to the end or close it first).
         """
-        self._check_open()
+        self._check_not_streaming()
         if self.store is None:
             return True
         with self.adapter.lock:
@@ -757,6 +782,26 @@ class EdgeSync:
     def _check_open(self) -> None:
         if self.adapter.closed:
             raise RuntimeError("EdgeSync: the engine is closed")
+
+    def _check_not_streaming(self) -> None:
+        """Refuse a call that drives the engine from the thread whose stream holds it: the
+        adapter's lock is re-entrant, so the call would run between the stream's pieces and
+        change the sequence the stream decodes (another thread waits for the lock instead)."""
+        self._check_open()
+        if self._driving == threading.get_ident():
+            raise RuntimeError("EdgeSync: a stream of this thread still holds the engine: read it to the "
+                               "end or close it before the next call")
+
+    @contextmanager
+    def _engine_turn(self) -> Iterator[bool]:
+        """Hold the engine for one request: idle-time work paused (yields whether it was busy)
+        and the adapter's lock taken, this thread marked as driving it until the end."""
+        with self.idle.paused() as idle_busy, self.adapter.lock:
+            self._driving = threading.get_ident()
+            try:
+                yield idle_busy
+            finally:
+                self._driving = None
 
     def _reuse(self, prompt, tokens: list[int], max_tokens: int, mode: str,
                live_exact: int = 0) -> tuple[ReusePlan, Injection]:

@@ -269,8 +269,9 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
     except UnicodeError as exc:  # e.g. a lone surrogate, which has no UTF-8 form to tokenize
         return _error(job_id, 400, f"{field}: the text is not valid Unicode ({exc.reason})", code="invalid_value",
                       param=field)
-    except ValueError as exc:  # the engine refused the prompt (empty, ...)
-        return _error(job_id, 400, str(exc), code="invalid_value", param=field)
+    except ValueError as exc:  # the engine refused the prompt (empty, ...) or a stop string; it names which first
+        param = "stop" if str(exc).startswith("stop") else field
+        return _error(job_id, 400, str(exc), code="invalid_value", param=param)
     except Exception as exc:  # the request fails, the worker goes on
         log.exception("request %s failed", job_id)
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
