@@ -5,8 +5,12 @@ llama.cpp engine uses several cores well, and each worker holds its own copy of 
 its KV). Several llama.cpp workers share the CPU threads (every CPU, or ``EDGESYNC_THREADS``):
 a request's prefill runs alone on all of them, decode steps and idle-time work split them
 (:mod:`edgesync_engines.server.core_share`). ONNX Runtime's thread count is fixed at load, so
-its workers get ``CPUs // workers`` threads each (or ``EDGESYNC_THREADS``). The server binds
-to loopback unless ``--host`` names another address (then it warns).
+its workers get ``CPUs // workers`` threads each (or ``EDGESYNC_THREADS``). The worker count is
+checked against the memory available and the CPUs before anything starts
+(:mod:`edgesync_engines.server.capacity`: an explicit ``--workers`` that does not fit is
+refused, a default one lowered). The server binds to loopback unless ``--host`` names another
+address (then it warns). A SIGTERM or Ctrl-C while the workers start stops them
+(:class:`StopSignals`).
 
 Idle-time storing (``EdgeSyncConfig.idle_store``) is on in the server unless ``--no-idle-store``
 is given or ``EDGESYNC_IDLE_STORE`` is set (an explicit value wins over the server's default, the
@@ -24,7 +28,14 @@ import sys
 from pathlib import Path
 
 from edgesync_engines.adapters.threads import usable_cpus
-from edgesync_engines.app.cli_common import STORE_ARG_HELP, CommandError, int_at_least, load_config, positive_int
+from edgesync_engines.app.cli_common import (
+    STORE_ARG_HELP,
+    CommandError,
+    int_at_least,
+    load_config,
+    positive_int,
+    print_error,
+)
 from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
@@ -106,14 +117,76 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class StopSignals:
+    """``edgesync serve``'s SIGTERM and SIGINT handler outside uvicorn's own (installed by
+    :meth:`install` before the workers start): it records the first signal, which stops the
+    pool's start (``WorkerPool.start``'s ``should_stop``) or, once ``server`` is set, the server.
+    Python's default would end the process at once (SIGTERM) or raise KeyboardInterrupt wherever
+    the main thread is (SIGINT), leaving the workers it started behind."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.server = None  # uvicorn's Server once made
+
+    def install(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        # uvicorn re-raises the signal that stopped it once it has shut down: that ends here
+        # too, instead of killing the process before the workers close the store
+        if self.signum is None:
+            self.signum = signum
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def requested(self) -> bool:
+        """A signal arrived."""
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+
+
+def model_path(cfg) -> Path:
+    """The model file ``cfg`` names (default: SmolLM2), checked to exist (CommandError)."""
+    from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
+
+    try:
+        model = Path(cfg.model_path) if cfg.model_path is not None else default_model_path()
+    except ModelNotFoundError as exc:
+        raise CommandError(f"model not found: {exc}") from None
+    if not model.is_file():
+        raise CommandError(f"model not found: {model}")
+    return model
+
+
+def worker_count(requested: int | None, model: Path, cfg) -> int:
+    """The workers to start: ``--workers`` (or :func:`default_workers`) checked against the
+    memory available and the CPUs (``server.capacity.check_workers``: CommandError when an
+    explicit count does not fit)."""
+    from edgesync_engines.server.capacity import WorkerCountError, available_memory, check_workers, worker_estimate
+
+    try:
+        return check_workers(requested or default_workers(), requested is not None,
+                             worker_estimate(model, cfg.n_ctx, cfg.kv_type), cfg.n_ctx, usable_cpus(),
+                             available_memory())
+    except WorkerCountError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C.
+    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C. A signal
+    while the workers start stops them and exits ``128 + signal number`` with one line.
 
     Raises:
         MissingExtraError: a package of the ``server`` extra is not installed (one line).
+        CommandError: no model, a ``--workers`` the memory does not hold, an address that
+            cannot be bound, a worker that cannot load its engine.
     """
     uvicorn = require_extra("uvicorn", "server", "edgesync serve")
-    from edgesync_engines.adapters.model_files import ModelNotFoundError, default_model_path
     from edgesync_engines.server.app import ServeSettings, create_app
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
     from edgesync_engines.server.security import bind_warning
@@ -124,52 +197,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     cfg = load_config({"model_path": args.model, "store_path": args.store,
                        "idle_store": idle_store_override(args.no_idle_store)})
-    try:
-        model = Path(cfg.model_path) if cfg.model_path is not None else default_model_path()
-    except ModelNotFoundError as exc:
-        raise CommandError(f"model not found: {exc}") from None
-    if not model.is_file():
-        raise CommandError(f"model not found: {model}")
-    workers = args.workers or default_workers()
+    model = model_path(cfg)
+    if args.max_tokens_limit >= cfg.n_ctx:
+        raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
+                           f"context of {cfg.n_ctx} tokens")
+    workers = worker_count(args.workers, model, cfg)
     # llama.cpp sets its thread count per evaluation; ONNX Runtime's is fixed at load, so its
     # workers split the CPUs once
     shared = workers > 1 and cfg.engine == "llamacpp"
     threads = cfg.n_threads or (usable_cpus() if shared or workers == 1 else max(1, usable_cpus() // workers))
-    if args.max_tokens_limit >= cfg.n_ctx:
-        raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
-                           f"context of {cfg.n_ctx} tokens")
+    stop = StopSignals().install()
     sock = listening_socket(args.host, args.port)
     settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
     level = getattr(args, "log_level", "WARNING")
+    pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None)
     try:
-        pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None).start()
+        pool.start(should_stop=stop.requested)
     except PoolStartError as exc:
         sock.close()
+        if stop.requested():
+            print_error(f"stopped by {stop.name} while the workers were starting; they are stopped")
+            return 128 + stop.signum
         raise CommandError(str(exc)) from None
-    server = None  # uvicorn's, made below; the app polls its flag that a signal began the shutdown
-    app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
-                                         max_tokens_limit=args.max_tokens_limit,
-                                         default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
-                                         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-                                         shutdown_grace_s=float(args.grace_seconds)),
-                     stopping=lambda: server is not None and server.should_exit)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
-                                           # after the app's own 503s (ServeSettings.shutdown_grace_s)
-                                           timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
-    host, port = sock.getsockname()[:2]
-    caching = (f"store {cfg.store_path}, idle-time storing {'on' if cfg.idle_store else 'off'}"
-               if cfg.cache_enabled else "cache off (EDGESYNC_CACHE=0): nothing is stored or reused")
-    thread_s = f"{threads} thread{'s' if threads > 1 else ''}"
-    engines = (f"{workers} workers sharing {thread_s}" if shared
-               else f"{workers} worker{'s' if workers > 1 else ''} x {thread_s}")
-    print(f"edgesync serve: listening on http://{host}:{port}/v1 (model {model.stem}, {engines}, {caching})",
-          file=sys.stderr, flush=True)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers
-    # that ends here instead of killing the process before the workers close the store
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)
     try:
-        server.run(sockets=[sock])
+        app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
+                                             max_tokens_limit=args.max_tokens_limit,
+                                             default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
+                                             max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                                             shutdown_grace_s=float(args.grace_seconds)),
+                         stopping=lambda: stop.server is not None and stop.server.should_exit)
+        stop.server = uvicorn.Server(uvicorn.Config(
+            app, log_config=None, log_level=level.lower(), access_log=False,
+            # after the app's own 503s (ServeSettings.shutdown_grace_s)
+            timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
+        if stop.requested():  # a signal since the workers started: uvicorn starts and stops at once
+            stop.server.should_exit = True
+        print(f"edgesync serve: listening on {describe(sock, cfg, model, workers, threads, shared)}",
+              file=sys.stderr, flush=True)
+        stop.server.run(sockets=[sock])
     finally:
         if cfg.idle_store:
             print(f"edgesync serve: stopping; storing the conversations just answered first (up to "
@@ -180,3 +245,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     print("edgesync serve: stopped; store closed", file=sys.stderr, flush=True)
     return 0
+
+
+def describe(sock: socket.socket, cfg, model: Path, workers: int, threads: int, shared: bool) -> str:
+    """The "listening" line's end: the URL, the model, the workers, the cache."""
+    host, port = sock.getsockname()[:2]
+    caching = (f"store {cfg.store_path}, idle-time storing {'on' if cfg.idle_store else 'off'}"
+               if cfg.cache_enabled else "cache off (EDGESYNC_CACHE=0): nothing is stored or reused")
+    thread_s = f"{threads} thread{'s' if threads > 1 else ''}"
+    engines = (f"{workers} workers sharing {thread_s}" if shared
+               else f"{workers} worker{'s' if workers > 1 else ''} x {thread_s}")
+    return f"http://{host}:{port}/v1 (model {model.stem}, {engines}, {caching})"

@@ -2,7 +2,8 @@
 
 Modules: :mod:`.app` (the FastAPI application and its routes), :mod:`.schemas` (request and
 response models), :mod:`.pool` (the worker processes, seen from the server), :mod:`.worker`
-(one engine in one process), :mod:`.metrics` (Prometheus),
+(one engine in one process), :mod:`.parent_watch` (a worker stops once its server is gone),
+:mod:`.capacity` (the worker count against memory and CPUs), :mod:`.metrics` (Prometheus),
 :mod:`.errors` (the OpenAI error shape) and :mod:`.security` (API key, body size, bind address).
 """
 

@@ -59,11 +59,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from edgesync_engines.server.core_share import CoreShare
 from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
-from edgesync_engines.server.worker import IDLE_FIELDS, CancelBoard, worker_main
+from edgesync_engines.server.worker import IDLE_FIELDS, CancelBoard, stop_signals_blocked, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ the answer, which the next turn's prompt holds too (2 tokens in ChatML, a few in
 
 
 class PoolStartError(RuntimeError):
-    """A worker could not load its engine (the message says why) or did not start in time."""
+    """A worker could not load its engine (the message says why), did not start in time, or the
+    start was stopped (:meth:`WorkerPool.start`'s ``should_stop``)."""
 
 
 @dataclass
@@ -145,18 +146,26 @@ class WorkerPool:
         """Worker processes."""
         return len(self._slots)
 
-    def start(self) -> "WorkerPool":
-        """Start every worker and wait until each has loaded its engine.
+    def start(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
+        """Start every worker and wait until each has loaded its engine. Whatever ends the wait
+        early (a worker that cannot load, ``should_stop`` returning True, an exception such as
+        KeyboardInterrupt) first stops the workers started (:meth:`close`: one still loading is
+        killed at once), so that none is left behind.
+
+        Args:
+            should_stop: polled while the workers load (every 0.5 s at most); True stops the
+                start (``edgesync serve`` passes whether a SIGTERM or Ctrl-C arrived).
 
         Raises:
-            PoolStartError: a worker reported that its engine cannot load, or timed out.
+            PoolStartError: a worker reported that its engine cannot load, or timed out, or
+                ``should_stop`` returned True.
         """
-        for slot in self._slots:
-            self._spawn(slot)
         try:
             for slot in self._slots:
-                self._await_ready(slot)
-        except PoolStartError:
+                self._spawn(slot)
+            for slot in self._slots:
+                self._await_ready(slot, should_stop)
+        except BaseException:
             self.close()
             raise
         for slot in self._slots:
@@ -168,21 +177,27 @@ class WorkerPool:
 
     def _spawn(self, slot: _Slot) -> None:
         """A new process for ``slot``, with new queues (a dead process may have left its old
-        queues half-written)."""
+        queues half-written). It starts with SIGINT and SIGTERM blocked
+        (:func:`~.worker.stop_signals_blocked`) until it ignores them."""
         slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
         slot.cancel = CancelBoard(self._ctx)
         if self.cores is not None:  # a dead process's marks would stop the others
             self.cores.release(slot.index)
-        slot.process = self._ctx.Process(
+        process = self._ctx.Process(
             target=worker_main, name=f"edgesync-worker-{slot.index}", daemon=True,
             args=(slot.index, self.settings, slot.requests, slot.responses, slot.cancel, self.log_level,
                   self.cores))
-        slot.process.start()
+        with stop_signals_blocked():
+            process.start()
+        slot.process = process  # started: close() joins only started processes
 
-    def _await_ready(self, slot: _Slot) -> None:
-        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death or timeout)."""
+    def _await_ready(self, slot: _Slot, should_stop: Callable[[], bool] | None = None) -> None:
+        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death, timeout, or
+        once ``should_stop`` returns True)."""
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
+            if should_stop is not None and should_stop():
+                raise PoolStartError("the start was stopped before every worker had loaded its engine")
             try:
                 msg = slot.responses.get(timeout=0.5)
             except queue.Empty:
@@ -399,9 +414,10 @@ class WorkerPool:
                                  "message": f"the worker serving this request died (exit status {code}); "
                                             "it was restarted, retry the request"})
         try:
-            self._await_ready(slot)
+            self._await_ready(slot, should_stop=lambda: self._closing)
         except PoolStartError as exc:
-            log.error("%s", exc)
+            if not self._closing:  # else close() stopped it
+                log.error("%s", exc)
 
     def cancel_all(self) -> None:
         """Cancel every outstanding job: each worker stops its running one at the next token
@@ -420,12 +436,20 @@ class WorkerPool:
                 slot.cancel.skip_drain()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Ask every worker to stop after its current job, wait up to ``timeout_s`` for them
-        to close their engine and store, then kill what is left (workers ignore SIGTERM)."""
+        """Stop every worker. One that said ready is asked to stop after its current job, and
+        given up to ``timeout_s`` to close its engine and store before it is killed (workers
+        ignore SIGTERM). One still loading its engine (a start or a restart under way) is
+        killed at once: it has stored nothing yet and would read the request to stop only once
+        loaded, which can take minutes; the store is crash-safe (LMDB)."""
         with self._lock:
             self._closing = True
         for slot in self._slots:
-            if slot.process is not None and slot.process.is_alive():
+            if slot.process is None or not slot.process.is_alive():
+                continue
+            if slot.pid is None:
+                log.info("worker %d is still loading its engine; killing it", slot.index)
+                slot.process.kill()
+            else:
                 slot.requests.put(None)
         deadline = time.monotonic() + timeout_s
         for slot in self._slots:

@@ -20,10 +20,12 @@ idle-time job of a conversation another worker was storing when a new one took i
 With several workers, each evaluation takes its share of the CPUs (:mod:`.core_share`): a
 request's prefill runs alone on every thread, and idle-time work also stops for another
 worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
-workers ignore both, so that the server first lets in-flight requests finish and then stops
-them (a None in the queue: the worker finishes its queued idle-time work first, unless the
-server asks it to skip that, :meth:`CancelBoard.skip_drain`); a worker whose server is gone
-stops by itself, during the batch it is running.
+workers ignore both (from their start: :func:`stop_signals_blocked`), so that the server first
+lets in-flight requests finish and then stops them (a None in the queue: the worker finishes its
+queued idle-time work first, unless the server asks it to skip that,
+:meth:`CancelBoard.skip_drain`). A worker whose server is gone stops by itself at any stage
+(:mod:`.parent_watch`): while it starts, at once; once serving, after the job it runs, during
+the batch of idle-time work it is running.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import os
 import queue
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.server.core_share import PREFILL_TURN_TOKENS, CoreShare
+from edgesync_engines.server.parent_watch import ParentWatch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ FIRST_PIECE_WAIT_S = 0.02
 computes the next token (:func:`serve_one`)."""
 FIRST_PIECE_POLL_S = 0.0002
 """Seconds between its checks: a sleep, so that the server's process has the core meanwhile."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals a worker ignores: Ctrl-C and a service manager's stop reach the whole process
+group, and the server stops its workers itself."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
 
@@ -125,9 +131,12 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
     arrives or the server process is gone. At a None, finish the idle-time work already queued
     (for up to :data:`STOP_DRAIN_S`, so that the conversations just answered are stored for the
     next start); close the engine and the store on the way out. ``cores``: the CPU threads this
-    worker shares with the pool's others (None: its engine's own threads are all it uses)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker shares with the pool's others (None: its engine's own threads are all it uses). A
+    server that is gone ends the worker at any stage (:mod:`.parent_watch`)."""
+    # first: the engine's imports and load take seconds, and a server stopped meanwhile must
+    # not leave this process behind
+    watch = ParentWatch(f"worker {index}").start()
+    ignore_stop_signals()
     logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
                         format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
     from edgesync_engines.config import EdgeSyncConfig
@@ -139,12 +148,50 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
     except Exception as exc:  # any load failure is reported to the server, which exits with it
         responses.put({"type": "fatal", "worker": index, "message": f"{type(exc).__name__}: {exc}"})
         return
-    responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
-    # idle-time work runs on this thread between requests (IdleRunner's ``threaded``: one
-    # thread evaluates); a request waiting in this worker's queue stops it, even midway through
-    # a batch
+    try:
+        share_engine(engine, requests, cores, watch, index)
+        watch.serving()  # before ready: the pool's thread that started this process waits for it
+        responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
+        serve_jobs(engine, config, index, requests, responses, cancel, cores, watch)
+    finally:
+        engine.close()
+        log.info("worker %d: engine and store closed", index)
+
+
+@contextmanager
+def stop_signals_blocked():
+    """Block :data:`STOP_SIGNALS` in the calling thread for the ``with`` block: a worker process
+    started in it starts with them blocked (the mask is kept through fork and exec), so that a
+    Ctrl-C reaching the process group while it starts up (the interpreter, the unpickling of
+    its arguments) cannot end it with a traceback before :func:`ignore_stop_signals`. A signal
+    sent to the server meanwhile is delivered at the block's end. Nothing where the platform has
+    no ``pthread_sigmask``."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore :data:`STOP_SIGNALS` (the server stops its workers itself), then unblock them
+    (:func:`stop_signals_blocked`: a Ctrl-C pending since the start is then discarded)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def share_engine(engine, requests, cores: CoreShare | None, watch: ParentWatch, index: int) -> None:
+    """Set ``engine`` up for the worker's loop: idle-time work runs on the loop's thread between
+    requests (IdleRunner's ``threaded`` off: one thread evaluates), stopped even midway through a
+    batch by a request waiting in this worker's queue or a server that is gone; with ``cores``,
+    each evaluation takes this worker's share of the CPU threads."""
     engine.idle.threaded = False
-    engine.idle.busy = lambda: not requests.empty()
+    engine.idle.busy = lambda: not requests.empty() or watch.gone
     if cores is not None:
         cores.attach(index, engine.adapter.set_threads)
         engine.adapter.batch_turn = cores.batch
@@ -152,49 +199,50 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
         if not getattr(engine.adapter, "flash_attn", False):
             engine.adapter.turn_tokens = PREFILL_TURN_TOKENS
         # nor goes on with threads that are no longer its share, nor delays another's prefill
-        engine.idle.busy = lambda: not requests.empty() or cores.should_yield()
-    parent = os.getppid()
+        engine.idle.busy = lambda: not requests.empty() or cores.should_yield() or watch.gone
+
+
+def serve_jobs(engine, config, index: int, requests, responses, cancel: CancelBoard, cores: CoreShare | None,
+               watch: ParentWatch) -> None:
+    """The worker's loop (see :func:`worker_main`): until a None arrives or the server is gone,
+    run idle-time work while no job waits, and answer each job of ``requests`` in turn."""
     reported = idle_counters(engine)
     room_wanted = 0  # tokens of the longest conversation another worker holds (the pool's hint)
-    try:
-        # a server killed without closing the pool leaves its workers to init: they stop too
-        while os.getppid() == parent:
-            idle_done = run_idle(engine, cores)
-            if idle_done and room_wanted:
-                room_wanted = make_room(engine, cores, room_wanted)
-            now = idle_counters(engine)
-            if now != reported:
-                responses.put({"type": "idle", "worker": index, "stats": now, "pending": engine.idle.has_work})
-                reported = now
-            try:  # idle-time work paused for another worker's prefill goes on soon after
-                job = requests.get(timeout=0.5 if idle_done else 0.01)
-            except queue.Empty:
-                continue
-            if job is None:
-                drain(engine, cancel, parent, index)
-                break
-            if job.get("type") == "room":
-                room_wanted = max(room_wanted, int(job["tokens"]))
-                continue
-            if job.get("type") == "prepare":
-                try:
-                    engine.prepare_later(job["prompt"])
-                except ValueError as exc:  # the pool sends answered conversations: not expected
-                    log.warning("worker %d: a conversation handed over was refused: %s", index, exc)
-                continue
-            if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
-                responses.put({"id": job["id"], "type": "cancelled"})
-                continue
-            final = serve_one(engine, config, job, cancel, responses.put, cores)
-            if final["type"] == "done":
-                reported = final["result"]["idle"]
-                idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
-                if idle_wait_s > 0:  # idle-time work ended after the request came: it waited in the queue
-                    final["result"]["idle_wait_ms"] = idle_wait_s * 1000
-            responses.put(final)
-    finally:
-        engine.close()
-        log.info("worker %d: engine and store closed", index)
+    while not watch.gone:  # a server killed without closing the pool: stop too
+        idle_done = run_idle(engine, cores)
+        if idle_done and room_wanted:
+            room_wanted = make_room(engine, cores, room_wanted)
+        now = idle_counters(engine)
+        if now != reported:
+            responses.put({"type": "idle", "worker": index, "stats": now, "pending": engine.idle.has_work})
+            reported = now
+        try:  # idle-time work paused for another worker's prefill goes on soon after
+            job = requests.get(timeout=0.5 if idle_done else 0.01)
+        except queue.Empty:
+            continue
+        if job is None:
+            drain(engine, cancel, watch, index)
+            return
+        if job.get("type") == "room":
+            room_wanted = max(room_wanted, int(job["tokens"]))
+            continue
+        if job.get("type") == "prepare":
+            try:
+                engine.prepare_later(job["prompt"])
+            except ValueError as exc:  # the pool sends answered conversations: not expected
+                log.warning("worker %d: a conversation handed over was refused: %s", index, exc)
+            continue
+        if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
+            responses.put({"id": job["id"], "type": "cancelled"})
+            continue
+        final = serve_one(engine, config, job, cancel, responses.put, cores)
+        if final["type"] == "done":
+            reported = final["result"]["idle"]
+            idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
+            if idle_wait_s > 0:  # idle-time work ended after the request came: it waited in the queue
+                final["result"]["idle_wait_ms"] = idle_wait_s * 1000
+        responses.put(final)
+    log.info("worker %d: the server process %d is gone; closing the engine", index, watch.parent_pid)
 
 
 def run_idle(engine, cores: CoreShare | None) -> bool:
@@ -218,7 +266,7 @@ def make_room(engine, cores: CoreShare | None, n_tokens: int) -> int:
     return 0 if made else n_tokens
 
 
-def drain(engine, cancel: CancelBoard, parent: int, index: int) -> bool:
+def drain(engine, cancel: CancelBoard, watch: ParentWatch, index: int) -> bool:
     """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop (midway
     through the batch where the engine can) when the server asks to skip it
     (:meth:`CancelBoard.skip_drain`) or is gone, or the time is up. True
@@ -228,7 +276,7 @@ def drain(engine, cancel: CancelBoard, parent: int, index: int) -> bool:
     def stop_reason() -> str | None:
         if cancel.drain_skipped:
             return "skipped"
-        if os.getppid() != parent:
+        if watch.gone:
             return "left: the server is gone"
         return f"not finished in {STOP_DRAIN_S:.0f} s" if time.monotonic() >= deadline else None
 

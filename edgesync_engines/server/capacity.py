@@ -1,0 +1,154 @@
+"""How many workers the machine holds: ``edgesync serve``'s start-up check of its worker count
+against the memory available (refused beyond it) and the CPUs (a warning).
+
+A worker's memory is estimated before anything loads (:func:`worker_estimate`): the model file,
+its KV cache for ``n_ctx`` (from the GGUF header, :func:`kv_cache_bytes`) and
+:data:`WORKER_OVERHEAD_BYTES`. The model counts for every worker: llama.cpp maps the file, and
+workers share its pages while the page cache holds them, but a CPU backend that repacks weights
+copies them into each worker, so the estimate errs high for a big model. These are llama.cpp's
+figures: an ONNX Runtime worker holds f32 weights, several times the GGUF's size, so the check
+is looser there. The memory available is Linux's ``MemAvailable`` (``/proc/meminfo``: free
+memory plus what the kernel can reclaim without swapping), else the free pages ``os.sysconf``
+reports; with neither the check is skipped. The measurement behind the figures:
+docs/architecture.md (``edgesync serve`` in detail, Start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgesync_engines.adapters.gguf_header import GGML_BLOCKS, GGUFHeader, GGUFHeaderError, read_header
+from edgesync_engines.adapters.seqstate import GGML_TYPE_BY_NAME
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+WORKER_OVERHEAD_BYTES = 128 * MIB
+"""A worker's memory besides its model file and KV cache: the interpreter and the engine's
+libraries, llama.cpp's compute and output buffers, the engine's own (measured with SmolLM2,
+docs/architecture.md: at most 127 MiB after a request, rounded up)."""
+KV_CELL_PADDING = 256
+"""llama.cpp rounds the context up to a multiple of this many cells (the adapter's ``n_ctx``)."""
+MEMINFO = Path("/proc/meminfo")
+
+
+class WorkerCountError(ValueError):
+    """The worker count asked for does not fit the memory available (the message says by how
+    much, and how many fit)."""
+
+
+@dataclass(frozen=True)
+class WorkerEstimate:
+    """One worker's estimated memory, bytes: the model file, its KV cache (0 when the header
+    says too little to tell) and the rest of the process (:data:`WORKER_OVERHEAD_BYTES`)."""
+
+    model: int
+    kv_cache: int
+    overhead: int = WORKER_OVERHEAD_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.model + self.kv_cache + self.overhead
+
+    def describe(self, n_ctx: int) -> str:
+        kv = f"its KV cache for n_ctx {n_ctx} {size_text(self.kv_cache)}" if self.kv_cache else "its KV cache unknown"
+        return f"the model {size_text(self.model)} + {kv} + {size_text(self.overhead)} for the process"
+
+
+def size_text(n_bytes: int) -> str:
+    """``n_bytes`` for a message: in MiB below 10 GiB, in GiB below 10 TiB, else in TiB."""
+    for unit, scale in (("MiB", MIB), ("GiB", 1 << 30)):
+        if n_bytes < 10 * 1024 * scale:
+            return f"{n_bytes / scale:,.{0 if unit == 'MiB' else 1}f} {unit}"
+    return f"{n_bytes / (1 << 40):,.1f} TiB"
+
+
+def available_memory(meminfo: Path = MEMINFO) -> int | None:
+    """Bytes of memory available for new processes: ``MemAvailable`` of ``meminfo`` (Linux),
+    else ``SC_AVPHYS_PAGES * SC_PAGE_SIZE`` (free pages, where ``os.sysconf`` knows them), else
+    None."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # "MemAvailable:  23186000 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_cache_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
+    """Bytes of llama.cpp's K and V cache for ``n_ctx`` tokens of the model of ``header``, in
+    ``kv_type`` (every layer full size: the adapter asks for ``swa_full``), or 0 when the
+    header lacks the figures. Per layer and cell: ``head_count_kv`` heads of ``key_length`` K
+    and ``value_length`` V elements (default ``embedding_length / head_count``), ggml's bytes per
+    element of the type (``GGML_BLOCKS``)."""
+    layers, embd, heads = (header.arch_value(k) for k in ("block_count", "embedding_length",
+                                                          "attention.head_count"))
+    kv_heads = header.arch_value("attention.head_count_kv", heads)
+    if not isinstance(layers, int) or layers <= 0:
+        return 0
+    per_layer_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if not per_layer_heads or not all(isinstance(h, int) and h >= 0 for h in per_layer_heads):
+        return 0
+    head_dim = embd // heads if isinstance(embd, int) and isinstance(heads, int) and heads > 0 else None
+    k_dim = header.arch_value("attention.key_length", head_dim)
+    v_dim = header.arch_value("attention.value_length", head_dim)
+    if not isinstance(k_dim, int) or not isinstance(v_dim, int):
+        return 0
+    per_block, block_bytes = GGML_BLOCKS[GGML_TYPE_BY_NAME[kv_type].code]
+    cells = -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
+    elements = cells * sum(per_layer_heads) * (k_dim + v_dim)
+    return elements * block_bytes // per_block
+
+
+def worker_estimate(model: Path, n_ctx: int, kv_type: str) -> WorkerEstimate:
+    """One worker's estimated memory for ``model`` (see the module docstring).
+
+    Raises:
+        OSError: the model file cannot be read (its size).
+    """
+    try:
+        kv = kv_cache_bytes(read_header(model), n_ctx, kv_type)
+    except GGUFHeaderError as exc:  # the engine's load says what is wrong with the file
+        log.debug("no KV cache estimate: %s", exc)
+        kv = 0
+    return WorkerEstimate(model=model.stat().st_size, kv_cache=kv)
+
+
+def check_workers(n_workers: int, explicit: bool, estimate: WorkerEstimate, n_ctx: int, cpus: int,
+                  available: int | None) -> int:
+    """The worker count to start: ``n_workers`` when ``n_workers`` estimates fit ``available``
+    bytes (None: unknown, unchecked). A default count (``explicit`` False) that does not fit
+    is lowered to what does, with a warning; one worker that does not fit starts anyway, with a
+    warning (there is no smaller count). Warns when the count exceeds ``cpus``: the workers
+    share them.
+
+    Raises:
+        WorkerCountError: an explicit ``--workers`` above 1 that does not fit (the message
+            names ``--workers`` and the figures).
+    """
+    if available is None:
+        log.debug("memory available unknown on this platform: --workers %d unchecked", n_workers)
+    elif n_workers * estimate.total > available:
+        fit = available // estimate.total
+        need = (f"{n_workers} worker{'s' if n_workers > 1 else ''} need{'' if n_workers > 1 else 's'} an estimated "
+                f"{size_text(n_workers * estimate.total)} (each: {estimate.describe(n_ctx)}), and "
+                f"{size_text(available)} of memory is available")
+        if explicit and n_workers > 1:
+            raise WorkerCountError(f"--workers {n_workers}: {need}; "
+                                   + (f"at most {fit} fit" if fit else "not even 1 fits"))
+        started = max(1, min(n_workers, fit))
+        log.warning("%s: starting %d%s%s", need, started, "" if fit else ", which may swap or be killed for memory",
+                    " (--workers sets the count)" if started < n_workers else "")
+        n_workers = started
+    if n_workers > cpus:
+        log.warning("--workers %d is more than the %d CPUs this process may run on: the workers share them "
+                    "(a request's prefill runs alone on all of them), so those beyond %d add memory, not "
+                    "compute", n_workers, cpus, cpus)
+    return n_workers

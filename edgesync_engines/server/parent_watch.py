@@ -1,0 +1,139 @@
+"""A worker process's watch on the server process that started it: the worker stops by itself
+once that process is gone, at any stage, the model's load included.
+
+From the cleanest exit to the last resort:
+
+* Serving (its engine loaded), the worker's loop checks :attr:`ParentWatch.gone` between jobs,
+  and its idle-time work and its stop's drain between batches: it closes its engine and the
+  store as at an ordinary stop (the semantic index saved, the store jobs ended).
+* A thread polls the parent pid every :data:`POLL_S` seconds. While the worker is still starting
+  (imports, the model's load, the engine's probes; nothing it would store yet) it ends the
+  process at once; once serving, it gives the loop :data:`ORPHAN_GRACE_S` (a job decoding to its
+  ``max_tokens``, the close) and then ends the process. Where the platform has no ``prctl``
+  (macOS), it is the only watch while the worker starts.
+* On Linux, while the worker starts, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills it
+  the moment its parent dies. :meth:`ParentWatch.start` sets it first thing in
+  :func:`~.worker.worker_main`, before the engine's imports, then compares ``os.getppid()``
+  with the pid ``multiprocessing`` recorded when the pool created the process: a parent that
+  died before that (the worker was re-parented then, and no signal will come) ends the worker
+  there. :meth:`ParentWatch.serving` clears it before the worker says ``ready``: the kernel
+  sends it when the *thread* that started the worker ends, and a restarted worker is started by
+  its slot's reader thread in the pool, which may end first (at a stop, while the worker stores
+  its last conversations); and a clean exit beats a kill once the worker can notice.
+
+Ending a worker is safe for the store (LMDB is crash-safe: an uncommitted write transaction is
+never seen); it loses only what was not stored yet. Before this watch, a worker read its parent
+pid after loading its engine: a server stopped while its workers loaded (a SIGTERM before its
+handlers were installed) left them serving an empty queue under init, holding the store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal the kernel sends a process when its parent thread ends
+(``<linux/prctl.h>``)."""
+POLL_S = 1.0
+"""Seconds between two checks of the parent pid by the watch's thread."""
+ORPHAN_GRACE_S = 30.0
+"""Seconds a serving worker whose server is gone may take to close by itself before the watch's
+thread ends the process: room for the job it runs to decode to its ``max_tokens`` and for the
+engine's close (a longer job is cut short)."""
+
+
+def _prctl():
+    """libc's ``prctl``, or None where there is none (not Linux, or no libc to load)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def recorded_parent() -> int:
+    """The pid of the process that started this one: the one ``multiprocessing`` recorded when
+    it created the process (the server's, not whatever adopted the worker since), else the
+    current parent's."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getppid()
+
+
+class ParentWatch:
+    """The watch of one worker process on its server (see the module docstring).
+
+    Args:
+        label: how the log names the worker (``"worker 0"``).
+        parent_pid: the server's pid (default :func:`recorded_parent`).
+        poll_s: seconds between the thread's checks.
+        grace_s: seconds a serving worker may take to stop by itself once its server is gone.
+    """
+
+    def __init__(self, label: str, parent_pid: int | None = None, poll_s: float = POLL_S,
+                 grace_s: float = ORPHAN_GRACE_S) -> None:
+        self.label = label
+        self.parent_pid = recorded_parent() if parent_pid is None else parent_pid
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self._serving = False
+        self.kernel_armed = False
+        """The kernel's SIGKILL at the parent's death is set (Linux, while starting)."""
+
+    @property
+    def gone(self) -> bool:
+        """The server process has exited (this process was re-parented)."""
+        return os.getppid() != self.parent_pid
+
+    def start(self) -> "ParentWatch":
+        """Arm the kernel's SIGKILL (Linux), end the process at once when its server is
+        already gone, start the polling thread."""
+        self.kernel_armed = self._parent_death_signal(signal.SIGKILL)
+        if self.gone:
+            log.info("%s: the server process %d is gone before the engine loaded; exiting", self.label,
+                     self.parent_pid)
+            os._exit(1)
+        threading.Thread(target=self._watch, name="edgesync-parent-watch", daemon=True).start()
+        return self
+
+    def serving(self) -> None:
+        """The engine is loaded and the worker's loop checks :attr:`gone` from now on: clear the
+        kernel's signal (a clean exit beats a kill; see the module docstring)."""
+        self._serving = True
+        if self.kernel_armed:
+            self.kernel_armed = not self._parent_death_signal(0)
+
+    def _parent_death_signal(self, signum: int) -> bool:
+        """``prctl(PR_SET_PDEATHSIG, signum)``; False where there is no prctl or it failed."""
+        prctl = _prctl()
+        if prctl is None:
+            return False
+        if prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            log.debug("%s: prctl(PR_SET_PDEATHSIG, %d) failed: %s", self.label, signum,
+                      os.strerror(ctypes.get_errno()))
+            return False
+        return True
+
+    def _watch(self) -> None:
+        """The thread: wait until the parent is gone, then end the process (at once while
+        starting, after :attr:`grace_s` once serving, if it has not ended by itself)."""
+        while not self.gone:
+            time.sleep(self.poll_s)
+        if self._serving:
+            log.info("%s: the server process %d is gone; stopping", self.label, self.parent_pid)
+            time.sleep(self.grace_s)
+            log.warning("%s: still running %.0f s after the server process %d went away; exiting", self.label,
+                        self.grace_s, self.parent_pid)
+        else:
+            log.info("%s: the server process %d is gone while the engine loads; exiting", self.label,
+                     self.parent_pid)
+        os._exit(1)
