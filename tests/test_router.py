@@ -435,6 +435,42 @@ def test_a_call_from_the_thread_of_an_open_stream_is_refused_and_the_stream_stay
     assert other.tokens == uncached.generate("Tell me about mountains in one line.", max_tokens=4).tokens
 
 
+def test_a_stream_is_read_and_closed_on_one_thread_and_the_engine_is_not_closed_under_it(cached, uncached,
+                                                                                         system_prompts):
+    """Another thread reading or closing a running stream, or the stream's own thread closing
+    the engine, raise RuntimeError (found by a new-user trial: the lock the stream holds could
+    not be released by another thread and stayed held for good; closing the engine under the
+    stream aborted the process). The stream goes on to the uncached answer, and afterwards
+    another thread is served."""
+    import threading
+
+    messages = chat(system_prompts[0], ESSAY)
+    stream = cached.generate(messages, max_tokens=24, stream=True)
+    pieces = [next(stream)]
+    with pytest.raises(RuntimeError, match="before closing the engine"):
+        cached.close()
+    errors, answers = [], []
+
+    def other_thread():
+        for call in (lambda: next(stream), stream.close):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(errors) == 2 and all("read by another thread" in e for e in errors)
+    pieces += list(stream)
+    assert stream.result.tokens == uncached.generate(messages, max_tokens=24).tokens
+    assert "".join(pieces) == stream.result.text
+    t = threading.Thread(target=lambda: answers.append(cached.generate("Hello there", max_tokens=4)))
+    t.start()
+    t.join(timeout=300)  # not a timing: a lock left held would block it for good
+    assert len(answers) == 1 and answers[0].tokens == uncached.generate("Hello there", max_tokens=4).tokens
+
+
 def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
     with EdgeSync(adapter, store=tmp_path / "s") as es:
         es.generate("Hello there", max_tokens=2)

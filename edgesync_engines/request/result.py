@@ -3,6 +3,7 @@ streamed request, :class:`GenerationStream`."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
@@ -92,13 +93,26 @@ class GenerationStream:
 
     The engine is locked from the first piece until the stream is exhausted or closed: a
     caller that stops early calls :meth:`close` (or uses ``with``), else other threads wait
-    until the stream is garbage-collected. Consume a stream in the thread that created it.
+    until the stream is garbage-collected. The thread that reads a stream first reads, stops
+    and closes it to the end: the engine's lock is held across the pieces, and only the thread
+    that took it can release it. Another thread's call raises RuntimeError (the stream goes on
+    unharmed).
     """
 
     def __init__(self, events: Iterator[str]) -> None:
         self._source = events
         self._events = events
         self.result: GenerationResult | None = None
+        self._owner: int | None = None  # the thread that reads the stream (and holds the engine)
+
+    def _check_owner(self) -> None:
+        """Make the calling thread the stream's, or raise RuntimeError if another thread is
+        (while the stream runs: a finished one holds nothing)."""
+        me = threading.get_ident()
+        if self.result is None and self._owner not in (None, me):
+            raise RuntimeError("EdgeSync: this stream is being read by another thread, which holds the engine "
+                               "until it ends: read, stop and close a stream on one thread")
+        self._owner = me
 
     @classmethod
     def start(cls, events: Iterator) -> "GenerationStream":
@@ -129,13 +143,19 @@ class GenerationStream:
         return self
 
     def __next__(self) -> str:
+        self._check_owner()
         return next(self._events)
 
     def stop(self) -> GenerationResult | None:
         """End decoding now: the prompt is still stored, and :attr:`result` is set, its
         ``tokens`` those decoded so far and ``finish_reason`` ``cancelled`` (unless the
         generation had ended already). Returns the result (None if the request never reached
-        the engine). Idempotent; releases the engine."""
+        the engine). Idempotent; releases the engine.
+
+        Raises:
+            RuntimeError: another thread reads the stream (see the class docstring).
+        """
+        self._check_owner()
         if self.result is None:
             try:
                 last = self._source.throw(StopDecoding())

@@ -876,7 +876,16 @@ class EdgeSync:
 
     def close(self) -> None:
         """Stop the store jobs, empty the RAM tier, free the engine if this object loaded it (not
-        an adapter passed in), save and close the semantic index, close the store if it opened it."""
+        an adapter passed in), save and close the semantic index, close the store if it opened it.
+        Called from another thread while a stream holds the engine, it waits for the stream.
+
+        Raises:
+            RuntimeError: a stream of the calling thread still holds the engine (closing it
+                under the stream would free the context the stream decodes in).
+        """
+        if self._driving == threading.get_ident():
+            raise RuntimeError("EdgeSync: a stream of this thread still holds the engine: read it to the end or "
+                               "close it before closing the engine")
         self.idle.close()
         if self.jobs is not None:
             self.jobs.shutdown()
