@@ -65,6 +65,15 @@ def _spawned(tmp_path: Path) -> tuple[ServeProcess, list[int]]:
     return serve, workers
 
 
+def _reap(serve: ServeProcess, workers) -> None:
+    """Kill whatever a failed test left running: the server and its workers."""
+    if serve.proc.poll() is None:
+        serve.proc.kill()
+    for pid in workers:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["sigterm", "ctrl-c"])
 def test_a_stop_while_the_workers_start_stops_them(tmp_path, sig, group):
     serve, workers = _spawned(tmp_path)
@@ -73,11 +82,7 @@ def test_a_stop_while_the_workers_start_stops_them(tmp_path, sig, group):
         assert serve.proc.wait(WAIT_S) == 128 + sig
         _wait_for(lambda: not any(alive(pid) for pid in workers), f"workers {workers} gone")
     finally:
-        if serve.proc.poll() is None:
-            serve.proc.kill()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(serve, workers)
     time.sleep(0.2)  # the last lines of the stderr reader
     err = serve.stderr()
     assert "listening" not in err  # stopped during the start, as meant
@@ -97,9 +102,5 @@ def test_a_server_killed_while_its_workers_load_leaves_none_behind(tmp_path):
         assert "listening" not in serve.stderr()  # killed during the start, as meant
         _wait_for(lambda: not any(alive(pid) for pid in workers), f"workers {workers} gone")
     finally:
-        if serve.proc.poll() is None:
-            serve.proc.kill()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(serve, workers)
     assert _store_free(tmp_path / "store")
