@@ -104,6 +104,10 @@ STORY = [{"role": "system", "content": (
     "logbook you have kept for forty years.")},
     {"role": "user", "content": "Tell me the longest story you know."}]
 """A prompt whose answer runs long: what a client gives up on in the tests below."""
+LONG_ANSWER = 400
+"""Answer tokens (under one 512-token idle batch) whose idle-time job lasts over a second on one
+core: a request or signal sent as the answer arrives still finds it running, on a loaded machine
+too (96 tokens took 0.4-0.8 s, which a busy test process could miss)."""
 
 
 def test_a_client_that_goes_away_frees_the_worker_and_its_prompt_is_stored(server, client, model):
@@ -213,7 +217,7 @@ def test_a_second_signal_skips_storing_and_the_store_stays_usable(tmp_path, refe
     store = tmp_path / "store"
     with ServeProcess(store, "--workers", "1", env={"EDGESYNC_IDLE_STORE": "1"}) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
-        turn1 = c.chat.completions.create(model="any", messages=STORY, max_tokens=96)
+        turn1 = c.chat.completions.create(model="any", messages=STORY, max_tokens=LONG_ANSWER)
         s.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + WAIT_S
         while "storing the conversations just answered" not in s.stderr():
@@ -237,7 +241,7 @@ def test_a_request_that_waits_for_an_idle_batch_says_how_long(tmp_path):
     env = {"EDGESYNC_IDLE_STORE": "1", "EDGESYNC_IDLE_BATCH": "512"}
     with ServeProcess(tmp_path / "store", "--workers", "1", env=env) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
-        c.chat.completions.create(model="any", messages=STORY, max_tokens=96)
+        c.chat.completions.create(model="any", messages=STORY, max_tokens=LONG_ANSWER)
         other = c.chat.completions.create(model="any", messages=[{"role": "user", "content": "Say hello."}],
                                           max_tokens=2)
         info = other.model_extra["edgesync"]
