@@ -58,6 +58,15 @@ def test_a_record_round_trips_through_lmdb_with_its_vectors(tmp_path):
     assert got.doc_id == key.hex() and len(got.doc_id) == 64
 
 
+def test_the_repr_names_the_document_without_its_contents():
+    rng = np.random.default_rng(1)
+    rec = DocumentRecord(SMOL.digest(), np.arange(100, 180, dtype=np.int32), np.zeros(0, np.int32), "manual",
+                         "src/a.txt", "a secret body " * 50, 1_800_000_000.0, unit(rng, 3))
+    text = repr(rec)
+    assert rec.doc_id[:16] in text and "'manual'" in text and "tokens=80" in text and "windows=3" in text
+    assert "secret" not in text and "array" not in text and len(text) < 200
+
+
 def test_the_key_depends_on_the_namespace_and_every_token():
     a = records.document_key(SMOL.digest(), [1, 2, 3])
     assert a != records.document_key(SMOL.digest(), [1, 2, 4])

@@ -90,6 +90,12 @@ class DocumentRecord:
         """The token IDs its stored KV covers from position 0: header, then the document."""
         return [int(t) for t in self.header] + [int(t) for t in self.tokens]
 
+    def __repr__(self) -> str:
+        # the dataclass repr would print the text, the token IDs and the embedding rows
+        return (f"DocumentRecord(doc_id={self.doc_id[:16]}..., title={self.title!r}, source={self.source!r}, "
+                f"tokens={len(self.tokens)}, header={len(self.header)}, text_chars={len(self.text)}, "
+                f"windows={len(self.vectors)})")
+
     def pack(self) -> bytes:
         """The value layout in the module docstring."""
         meta = json.dumps({"title": self.title, "source": self.source, "text": self.text,
