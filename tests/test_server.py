@@ -191,7 +191,8 @@ def test_errors_have_the_openai_shape_and_status(server, client, model, referenc
 
 
 def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model):
-    """A body that is not UTF-8 or nests too deep for the JSON decoder, a prompt the engine
+    """A body that is not UTF-8, nests too deep or holds too long an integer for the JSON
+    decoder, or is sent as another Content-Type, a prompt the engine
     refuses (empty, a lone surrogate in a message or a stop string), a text prompt over the
     context and a temperature that is not a finite number: each a 400 with its code, naming the
     field where there is one."""
@@ -214,6 +215,12 @@ def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model
         err = _assert_error_shape(answer)
         assert (status, err["code"], err["param"]) == (400, code, param), (body[:80], err)
         assert "parsing the body" not in err["message"] and "codec" not in err["message"]
+    status, answer = _post(server, chat, b'{"model": "x", "messages": [], "seed": 1' + b"0" * 5000 + b"}")
+    err = _assert_error_shape(answer)
+    assert (status, err["code"]) == (400, "invalid_json") and "too many digits" in err["message"]
+    status, answer = _post(server, chat, b'{"model": "x", "messages": [{"role": "user", "content": "hi"}]}',
+                           headers={"Content-Type": "text/plain"})
+    assert status == 400 and "Content-Type: application/json" in _assert_error_shape(answer)["message"]
     status, answer = _post(server, text, json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode())
     assert status == 200 and answer["usage"]["completion_tokens"] >= 1
 

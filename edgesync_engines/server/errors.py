@@ -66,6 +66,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # tag ("str", "list[str]"): name the field, not the branch (a field named "stream" is a field)
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
     param = ".".join(loc) or None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        # FastAPI reads a body of another Content-Type as a string: say what it must be instead
+        return APIError(400, "the body must be a JSON object, sent as Content-Type: application/json",
+                        code="invalid_json")
     msg = "a required field is missing" if first.get("type") == "missing" else first.get("msg", "invalid value")
     if first.get("type") == "value_error":  # a validator's ValueError: pydantic prefixes its message
         msg = msg.removeprefix("Value error, ")
@@ -86,8 +90,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI's own, when decoding the body failed short of a JSON error
-            return APIError(400, "the body could not be decoded as JSON (not UTF-8, or nested too deep)",
-                            code="invalid_json").response()
+            # json.loads refuses integers of over sys.get_int_max_str_digits() (4,300) digits too
+            return APIError(400, "the body could not be decoded as JSON (not UTF-8, nested too deep, or an "
+                                 "integer of too many digits)", code="invalid_json").response()
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                             str(exc.detail))
