@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,26 @@ def test_a_command_that_is_not_installed_is_listed_and_refused_in_one_line(monke
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: `edgesync not-installed`")
     assert "pip install -e ./benchmarks" in err
+
+
+def test_a_ctrl_c_while_the_command_loads_exits_130_with_one_line():
+    """SIGINT at moments spread over the command's start (the interpreter's, then the quarter of
+    a second its modules take to load, then ``--help``): each run ends killed by the signal
+    before Python handles it, with 130 and one line, or done; never with a traceback. The
+    console script is this function."""
+    assert [ep.value for ep in entry_points(group="console_scripts", name="edgesync")] == ["edgesync_engines.app:main"]
+    code = "import sys; from edgesync_engines.app import main; sys.exit(main(['--help']))"
+    ends = []
+    for delay in (0.02, 0.05, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3, 0.4):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=cli_env())
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert "Traceback" not in err, (delay, err)
+        assert (proc.returncode, err) in ((-signal.SIGINT, ""), (130, "error: interrupted\n"), (0, "")), (delay, err)
+        ends.append(proc.returncode)
+    assert 130 in ends, ends  # some signal came while the modules loaded or the command ran
 
 
 @pytest.mark.model

@@ -90,14 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``edgesync`` command; return its exit status."""
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "accepts_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    level = getattr(args, "log_level", "WARNING")
-    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        parser = build_parser()  # loads the added commands' modules
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args, "accepts_any_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        level = getattr(args, "log_level", "WARNING")
+        logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (CommandError, MissingExtraError) as exc:
         print_error(str(exc))
