@@ -215,6 +215,7 @@ def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model
         err = _assert_error_shape(answer)
         assert (status, err["code"], err["param"]) == (400, code, param), (body[:80], err)
         assert "parsing the body" not in err["message"] and "codec" not in err["message"]
+        assert err["message"].startswith(param or ""), err  # the body's own name for the field
     status, answer = _post(server, chat, b'{"model": "x", "messages": [], "seed": 1' + b"0" * 5000 + b"}")
     err = _assert_error_shape(answer)
     assert (status, err["code"]) == (400, "invalid_json") and "too many digits" in err["message"]

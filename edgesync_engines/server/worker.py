@@ -319,7 +319,9 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
                       param=field)
     except ValueError as exc:  # the engine refused the prompt (empty, ...) or a stop string; it names which first
         param = "stop" if str(exc).startswith("stop") else field
-        return _error(job_id, 400, str(exc), code="invalid_value", param=param)
+        # the Python API's argument is "prompt" for chat messages too; the body's field is "messages"
+        message = str(exc).removeprefix("prompt: ") if param == "messages" else str(exc)
+        return _error(job_id, 400, message, code="invalid_value", param=param)
     except Exception as exc:  # the request fails, the worker goes on
         log.exception("request %s failed", job_id)
         return _error(job_id, 500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
