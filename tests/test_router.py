@@ -471,6 +471,55 @@ def test_a_stream_is_read_and_closed_on_one_thread_and_the_engine_is_not_closed_
     assert len(answers) == 1 and answers[0].tokens == uncached.generate("Hello there", max_tokens=4).tokens
 
 
+def test_async_for_reads_a_stream_on_a_thread_of_its_own(cached, uncached, system_prompts):
+    """``async for`` (and Starlette's ``StreamingResponse``, which iterates an async iterable on
+    the event loop rather than reading each piece on whichever thread-pool thread is free, where
+    a piece read by another thread raises): the pieces make the uncached answer; leaving early
+    stops decoding and gives the engine back to another thread."""
+    import asyncio
+
+    from starlette.responses import StreamingResponse
+
+    messages = chat(system_prompts[0], ESSAY)
+    expected = uncached.generate(messages, max_tokens=24)
+
+    async def read_all():
+        stream = cached.generate(messages, max_tokens=24, stream=True)
+        return stream, [piece async for piece in stream]
+
+    stream, pieces = asyncio.run(read_all())
+    assert stream.result.tokens == expected.tokens and "".join(pieces) == stream.result.text == expected.text
+
+    async def respond():
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        response = StreamingResponse(cached.generate(messages, max_tokens=24, stream=True), media_type="text/plain")
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    assert asyncio.run(respond()).decode() == expected.text
+
+    async def leave_early():
+        stream = cached.generate(messages, max_tokens=200, stream=True)
+        pieces = stream.__aiter__()
+        first = await pieces.__anext__()
+        await pieces.aclose()
+        return stream, first
+
+    stream, first = asyncio.run(leave_early())
+    # waits for the reading thread to stop the stream (a lock left held would block it for good)
+    again = cached.generate("Hello there", max_tokens=4)
+    assert again.tokens == uncached.generate("Hello there", max_tokens=4).tokens
+    assert stream.result.finish_reason == "cancelled" and first and len(stream.result.tokens) < 200
+    assert stream.result.tokens == uncached.generate(messages, max_tokens=200).tokens[:len(stream.result.tokens)]
+
+
 def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):
     with EdgeSync(adapter, store=tmp_path / "s") as es:
         es.generate("Hello there", max_tokens=2)

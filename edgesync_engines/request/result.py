@@ -3,9 +3,13 @@ streamed request, :class:`GenerationStream`."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import AsyncIterator, Iterator
+
+_END = object()
+"""What the reading thread of :meth:`GenerationStream.__aiter__` queues after the last piece."""
 
 
 @dataclass
@@ -96,7 +100,8 @@ class GenerationStream:
     until the stream is garbage-collected. The thread that reads a stream first reads, stops
     and closes it to the end: the engine's lock is held across the pieces, and only the thread
     that took it can release it. Another thread's call raises RuntimeError (the stream goes on
-    unharmed).
+    unharmed). Async code reads it with ``async for`` (:meth:`__aiter__`), which keeps to that
+    rule with a reading thread of its own, so a thread pool never takes a piece.
     """
 
     def __init__(self, events: Iterator[str]) -> None:
@@ -171,6 +176,57 @@ class GenerationStream:
         """Stop generating and release the engine (idempotent): :meth:`stop`, whose result is
         kept in :attr:`result`."""
         self.stop()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        """The pieces for ``async for`` (and for Starlette's ``StreamingResponse``, which takes
+        an async iterable as it is): one thread of the stream's own reads it to the end and
+        hands each piece to the event loop, so decoding never blocks the loop. Leaving the loop
+        early (a ``break``, a client gone, a cancelled task) stops decoding at the next token;
+        :attr:`result` is set once the reading thread is done.
+
+        Raises:
+            RuntimeError: another thread reads the stream already.
+        """
+        return self._read_async()
+
+    async def _read_async(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        leave = threading.Event()
+        reader = threading.Thread(target=self._read_for, args=(loop, pieces, leave), name="edgesync-stream",
+                                  daemon=True)
+        reader.start()
+        try:
+            while (item := await pieces.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            leave.set()
+
+    def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, leave: threading.Event) -> None:
+        """The reading thread of :meth:`__aiter__`: every piece, then an error or the end, put on
+        ``pieces`` from the loop's side; the stream is stopped here, on its own thread."""
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                leave.set()
+
+        try:
+            for piece in self:
+                if leave.is_set():
+                    break
+                put(piece)
+        except BaseException as exc:  # the reader's error is the async caller's
+            put(exc)
+        finally:
+            try:
+                self.stop()
+            except RuntimeError:  # another thread reads the stream (put above): that thread stops it
+                pass
+            put(_END)
 
     def _close_generators(self) -> None:
         for gen in (self._events, self._source):
