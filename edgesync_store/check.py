@@ -6,9 +6,12 @@ survives.
 so that a process can load its model meanwhile; :func:`verify` is what ``FragmentStore`` calls
 before LMDB reads a page: it uses a check begun for the same file by :func:`begin`, else runs
 one. A child killed by a signal, or one that does not answer within its timeout, means damaged:
-LMDB would follow the same pages. A file whose check passed in this process is not checked
-again while its device, inode, size and modification time stay the same (a store reopened by
-the same process, e.g. after a reclaim, costs nothing).
+LMDB would follow the same pages. The exceptions are the signals that stop a process on request
+(SIGINT, SIGTERM, SIGHUP): they say nothing of the file, and the check runs again, once. The
+child runs in a session of its own, so a Ctrl-C at the terminal reaches the caller only. A file
+whose check passed in this process is not checked again while its device, inode, size and
+modification time stay the same (a store reopened by the same process, e.g. after a reclaim,
+costs nothing).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ CHECK_TIMEOUT_S = 120.0
 takes well under one: docs/measurements.md)."""
 
 _ROOT = str(Path(__file__).resolve().parent.parent)  # the child imports this copy of edgesync_store
+_STOPPED = {-signal.SIGINT, -signal.SIGTERM, -signal.SIGHUP}
+"""Return codes of a child stopped on request, not by what it read."""
 _passed: set[tuple] = set()
 _pending: dict[tuple, PendingCheck] = {}
 _lock = threading.Lock()
@@ -53,15 +58,26 @@ class PendingCheck:
         self.store = Path(store)
         self.timeout_s = timeout_s
         self._report: Report | None = None
-        self._proc = subprocess.Popen(
+        self._proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-m", "edgesync_store.commands.page_check", str(self.store), "--json"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))})
+
+    @property
+    def pid(self) -> int:
+        """The child's process ID (the latest, after a check run again)."""
+        return self._proc.pid
 
     def result(self) -> Report:
         """Wait for the child; its report, or a damaged one when it died or timed out."""
         if self._report is None:
             self._report = self._wait()
+            if self._proc.returncode in _STOPPED:  # stopped on request: nothing learnt, check again
+                self._proc = self._start()
+                self._report = self._wait()
         return self._report
 
     def _wait(self) -> Report:

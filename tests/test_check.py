@@ -218,6 +218,24 @@ def test_a_child_killed_by_a_signal_means_damaged(store, monkeypatch):
     assert not report.healthy and "SIGSEGV" in report.damage
 
 
+@pytest.mark.parametrize("stop", ["INT", "TERM", "HUP"])
+def test_a_child_stopped_on_request_is_no_damage_and_the_check_runs_again(store, monkeypatch, stop):
+    """The first child dies of SIGINT, SIGTERM or SIGHUP (a stand-in that signals itself, then
+    runs the real check the second time): that says nothing of the file, so the check runs
+    again and passes. The child is in a session of its own: a Ctrl-C at the terminal, sent to
+    the caller's process group, never reaches it."""
+    marker = store.parent / "stopped-once"
+    script = store.parent / "stop-once.sh"
+    script.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; kill -{stop} $$; fi\n"
+                      f'exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(check.sys, "executable", str(script))
+    pending = check.PendingCheck(store)
+    assert os.getsid(pending.pid) != os.getsid(0)
+    report = pending.result()
+    assert marker.exists() and report.healthy, report.damage
+
+
 def _killer(directory: Path) -> Path:
     script = directory / "segv.sh"
     script.write_text("#!/bin/sh\nkill -SEGV $$\n")
