@@ -170,6 +170,38 @@ def test_a_ctrl_c_while_the_command_loads_exits_130_with_one_line(module):
     assert (proc.returncode, proc.stderr, proc.stdout) == (130, "error: interrupted\n", "")
 
 
+INTERRUPT_IN_NATIVE_LOG = """
+import logging, os, signal, sys
+from edgesync_engines.app import main
+
+class InterruptOnce(logging.Handler):  # a real SIGINT, sent as llama.cpp logs its first line
+    fired = False
+
+    def emit(self, record):
+        if not InterruptOnce.fired:
+            InterruptOnce.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+native = logging.getLogger("edgesync.llama_cpp.native")
+native.setLevel(logging.DEBUG)
+native.propagate = False
+native.addHandler(InterruptOnce())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.model
+def test_a_ctrl_c_while_the_model_loads_is_not_lost(tmp_path):
+    """A SIGINT while llama.cpp loads the model (sent from its log callback, where Python would
+    raise the KeyboardInterrupt and ctypes print "Exception ignored" and drop it, and the
+    command would go on to generate) ends the command with 130 and one line once the load
+    returns, with nothing generated."""
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_IN_NATIVE_LOG, "generate", "Tell me about cats",
+                           "--store", str(tmp_path / "s"), "--max-tokens", "8"], capture_output=True, text=True,
+                          cwd=ROOT, env=cli_env(), timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "error: interrupted\n")
+
+
 @pytest.mark.model
 def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path):
     for args in ([b"caf\xe9 ?"], [b"hi", b"--system", b"\xff\xfe"]):

@@ -33,6 +33,7 @@ from edgesync_engines.adapters.model_files import (
     file_fingerprint,
     model_file,
     route_native_logs,
+    sigint_held,
 )
 from edgesync_engines.adapters.protocol import EvaluationAborted, InjectionError
 from edgesync_engines.adapters.threads import usable_cpus
@@ -117,7 +118,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         if model is None or isinstance(model, (str, os.PathLike)):
             path = model_file(model)
             try:
-                with llamacpp_blend.two_sequence_params(llama_cpp):
+                with llamacpp_blend.two_sequence_params(llama_cpp), sigint_held():
                     self.llm = llama_cpp.Llama(
                         model_path=str(path),
                         n_ctx=n_ctx,

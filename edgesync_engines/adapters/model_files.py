@@ -18,9 +18,12 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import platformdirs
 
@@ -117,6 +120,31 @@ def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     gemma.assemble(tmp, overwrite=True)  # verifies the SHA-256 the package ships
     os.replace(tmp, target)
     return target
+
+
+@contextmanager
+def sigint_held() -> Iterator[None]:
+    """Around a long llama.cpp call that logs (the model load): a Ctrl-C that comes meanwhile is
+    raised as KeyboardInterrupt once the call returns. Left to Python, it would be raised in the
+    next log callback (:func:`route_native_logs`), where ctypes prints "Exception ignored" and
+    drops it. Only in the main thread while SIGINT has Python's default handler (a command that
+    handles SIGINT itself keeps doing so); elsewhere nothing changes.
+
+    Raises:
+        KeyboardInterrupt: a SIGINT came during the block.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if came:
+        raise KeyboardInterrupt
 
 
 def route_native_logs(verbose: bool) -> None:
