@@ -506,18 +506,37 @@ def test_async_for_reads_a_stream_on_a_thread_of_its_own(cached, uncached, syste
     assert asyncio.run(respond()).decode() == expected.text
 
     async def leave_early():
-        stream = cached.generate(messages, max_tokens=200, stream=True)
-        pieces = stream.__aiter__()
-        first = await pieces.__anext__()
-        await pieces.aclose()
-        return stream, first
+        seen = []
+        with cached.generate(messages, max_tokens=200, stream=True) as stream:
+            async for piece in stream:
+                seen.append(piece)
+                break
+        # close() (the with) waited for the reading thread: the result is there, no await needed
+        left = stream.result
+        again_stream = cached.generate(messages, max_tokens=200, stream=True)
+        async for _ in again_stream:
+            break
+        # no close: the break itself stops decoding; a plain call then gets the engine
+        again = cached.generate("Hello there", max_tokens=4)
+        return left, seen, again_stream.result, again
 
-    stream, first = asyncio.run(leave_early())
-    # waits for the reading thread to stop the stream (a lock left held would block it for good)
-    again = cached.generate("Hello there", max_tokens=4)
-    assert again.tokens == uncached.generate("Hello there", max_tokens=4).tokens
-    assert stream.result.finish_reason == "cancelled" and first and len(stream.result.tokens) < 200
-    assert stream.result.tokens == uncached.generate(messages, max_tokens=200).tokens[:len(stream.result.tokens)]
+    left, seen, second, again = asyncio.run(leave_early())
+    full = uncached.generate(messages, max_tokens=200).tokens
+    for result in (left, second):
+        assert result.finish_reason == "cancelled" and 1 <= len(result.tokens) < 200
+        assert result.tokens == full[:len(result.tokens)]
+    assert len(seen) == 1 and again.tokens == uncached.generate("Hello there", max_tokens=4).tokens
+
+    stream = cached.generate(messages, max_tokens=24, stream=True)
+    pieces = [next(stream)]
+    with pytest.raises(RuntimeError, match="read with next"):
+        asyncio.run(read_rest(stream))
+    pieces += list(stream)  # the stream goes on, on its thread
+    assert stream.result.tokens == expected.tokens and "".join(pieces) == expected.text
+
+
+async def read_rest(stream):
+    return [piece async for piece in stream]
 
 
 def test_an_adapter_passed_in_stays_open(adapter, tmp_path, system_prompts):

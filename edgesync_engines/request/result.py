@@ -101,20 +101,23 @@ class GenerationStream:
     and closes it to the end: the engine's lock is held across the pieces, and only the thread
     that took it can release it. Another thread's call raises RuntimeError (the stream goes on
     unharmed). Async code reads it with ``async for`` (:meth:`__aiter__`), which keeps to that
-    rule with a reading thread of its own, so a thread pool never takes a piece.
+    rule with a reading thread of its own, so a thread pool never takes a piece; then
+    :attr:`result`, :meth:`stop` and :meth:`close` from the loop's thread wait for that thread.
     """
 
     def __init__(self, events: Iterator[str]) -> None:
         self._source = events
         self._events = events
-        self.result: GenerationResult | None = None
+        self._result: GenerationResult | None = None
         self._owner: int | None = None  # the thread that reads the stream (and holds the engine)
+        self._reader: threading.Thread | None = None  # the reading thread of ``async for``
+        self._leave = threading.Event()  # set when the async reader's consumer is gone
 
     def _check_owner(self) -> None:
         """Make the calling thread the stream's, or raise RuntimeError if another thread is
         (while the stream runs: a finished one holds nothing)."""
         me = threading.get_ident()
-        if self.result is None and self._owner not in (None, me):
+        if self._result is None and self._owner not in (None, me):
             raise RuntimeError("EdgeSync: this stream is being read by another thread, which holds the engine "
                                "until it ends: read, stop and close a stream on one thread")
         self._owner = me
@@ -127,7 +130,7 @@ class GenerationStream:
         stream = cls(events)
         first = next(events, None)
         if first is None or isinstance(first, GenerationResult):
-            stream.result = first
+            stream._result = first
             stream._events = iter(())
             return stream
 
@@ -135,7 +138,7 @@ class GenerationStream:
             piece = first
             while True:
                 if isinstance(piece, GenerationResult):
-                    stream.result = piece
+                    stream._result = piece
                     return
                 if piece:
                     yield piece
@@ -151,26 +154,42 @@ class GenerationStream:
         self._check_owner()
         return next(self._events)
 
+    @property
+    def result(self) -> GenerationResult | None:
+        """The request's result once the stream ended (None while it runs). After an ``async
+        for`` left early, it waits for the reading thread to stop the stream (one token at
+        most, once the engine is the stream's)."""
+        reader = self._reader
+        if reader is not None and self._leave.is_set() and reader is not threading.current_thread():
+            reader.join()
+        return self._result
+
     def stop(self) -> GenerationResult | None:
         """End decoding now: the prompt is still stored, and :attr:`result` is set, its
         ``tokens`` those decoded so far and ``finish_reason`` ``cancelled`` (unless the
         generation had ended already). Returns the result (None if the request never reached
-        the engine). Idempotent; releases the engine.
+        the engine). Idempotent; releases the engine. For a stream an ``async for`` reads, the
+        reading thread stops it, and this waits for that.
 
         Raises:
             RuntimeError: another thread reads the stream (see the class docstring).
         """
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            self._leave.set()
+            reader.join()
+            return self._result
         self._check_owner()
-        if self.result is None:
+        if self._result is None:
             try:
                 last = self._source.throw(StopDecoding())
                 while not isinstance(last, GenerationResult):  # pieces already decoded
                     last = next(self._source)
-                self.result = last
+                self._result = last
             except (StopDecoding, StopIteration, ValueError):
                 pass  # the request ended before it reached the engine (or is running: ValueError)
         self._close_generators()
-        return self.result
+        return self._result
 
     def close(self) -> None:
         """Stop generating and release the engine (idempotent): :meth:`stop`, whose result is
@@ -181,51 +200,40 @@ class GenerationStream:
         """The pieces for ``async for`` (and for Starlette's ``StreamingResponse``, which takes
         an async iterable as it is): one thread of the stream's own reads it to the end and
         hands each piece to the event loop, so decoding never blocks the loop. Leaving the loop
-        early (a ``break``, a client gone, a cancelled task) stops decoding at the next token;
-        :attr:`result` is set once the reading thread is done.
+        early (a ``break``, an error, a cancelled task, a client gone) stops decoding at the
+        next token; :attr:`result`, :meth:`stop` and :meth:`close` wait for that.
 
         Raises:
-            RuntimeError: another thread reads the stream already.
+            RuntimeError: the stream was read with ``next()`` and is not done, or another
+                ``async for`` reads it already.
         """
-        return self._read_async()
+        if self._reader is not None:
+            raise RuntimeError("EdgeSync: another async for reads this stream already")
+        if self._owner is not None and self._result is None:
+            raise RuntimeError("EdgeSync: this stream was read with next(), and holds the engine for that thread: "
+                               "read it to the end the same way, or close it")
+        return _AsyncPieces(self)
 
-    async def _read_async(self) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
-        leave = threading.Event()
-        reader = threading.Thread(target=self._read_for, args=(loop, pieces, leave), name="edgesync-stream",
-                                  daemon=True)
-        reader.start()
-        try:
-            while (item := await pieces.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            leave.set()
-
-    def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, leave: threading.Event) -> None:
+    def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue) -> None:
         """The reading thread of :meth:`__aiter__`: every piece, then an error or the end, put on
-        ``pieces`` from the loop's side; the stream is stopped here, on its own thread."""
+        ``pieces`` from the loop's side, until the consumer leaves; the stream is stopped
+        here, on its own thread."""
 
         def put(item) -> None:
             try:
                 loop.call_soon_threadsafe(pieces.put_nowait, item)
             except RuntimeError:  # the loop is closed: nobody reads any more
-                leave.set()
+                self._leave.set()
 
         try:
             for piece in self:
-                if leave.is_set():
+                if self._leave.is_set():
                     break
                 put(piece)
         except BaseException as exc:  # the reader's error is the async caller's
             put(exc)
         finally:
-            try:
-                self.stop()
-            except RuntimeError:  # another thread reads the stream (put above): that thread stops it
-                pass
+            self.stop()
             put(_END)
 
     def _close_generators(self) -> None:
@@ -239,3 +247,46 @@ class GenerationStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _AsyncPieces:
+    """The async iterator of :meth:`GenerationStream.__aiter__`. The stream keeps no reference
+    to it, so a ``break`` frees it at once (CPython counts references) and it tells the reading
+    thread to stop, before the event loop would get round to closing an async generator."""
+
+    def __init__(self, stream: GenerationStream) -> None:
+        self._stream = stream
+        self._pieces: asyncio.Queue | None = None
+
+    def __aiter__(self) -> "_AsyncPieces":
+        return self
+
+    async def __anext__(self) -> str:
+        stream = self._stream
+        if self._pieces is None:
+            if stream._reader is not None:
+                raise RuntimeError("EdgeSync: another async for reads this stream already")
+            self._pieces = asyncio.Queue()
+            stream._reader = threading.Thread(target=stream._read_for, args=(asyncio.get_running_loop(), self._pieces),
+                                              name="edgesync-stream", daemon=True)
+            stream._reader.start()
+        try:
+            item = await self._pieces.get()
+        except BaseException:  # cancelled: the consumer is gone
+            stream._leave.set()
+            raise
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._leave()
+
+    def __del__(self) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._pieces is not None:  # this one started the reading thread
+            self._stream._leave.set()
