@@ -63,8 +63,10 @@ def test_the_repr_names_the_document_without_its_contents():
     rec = DocumentRecord(SMOL.digest(), np.arange(100, 180, dtype=np.int32), np.zeros(0, np.int32), "manual",
                          "src/a.txt", "a secret body " * 50, 1_800_000_000.0, unit(rng, 3))
     text = repr(rec)
-    assert rec.doc_id[:16] in text and "'manual'" in text and "tokens=80" in text and "windows=3" in text
-    assert "secret" not in text and "array" not in text and len(text) < 200
+    assert f"doc_id='{rec.doc_id[:16]}...'" in text and "'manual'" in text and "tokens=80" in text
+    assert "windows=3" in text and "secret" not in text and "array" not in text and len(text) < 200
+    long = DocumentRecord(rec.namespace_digest, rec.tokens, rec.header, "T" * 10_000, "S" * 5_000, "x", 0.0)
+    assert len(repr(long)) < 250
 
 
 def test_the_key_depends_on_the_namespace_and_every_token():

@@ -51,6 +51,12 @@ def document_key(namespace_digest: bytes, tokens: Sequence[int] | np.ndarray) ->
     return hashlib.sha256(_TAG + namespace_digest + token_bytes(tokens)).digest()
 
 
+def _cut(text: str, limit: int = 60) -> str:
+    """``repr(text)`` of at most ``limit`` characters (for :meth:`DocumentRecord.__repr__`)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
+
+
 @dataclass(frozen=True)
 class DocumentRecord:
     """One stored document.
@@ -92,9 +98,9 @@ class DocumentRecord:
 
     def __repr__(self) -> str:
         # the dataclass repr would print the text, the token IDs and the embedding rows
-        return (f"DocumentRecord(doc_id={self.doc_id[:16]}..., title={self.title!r}, source={self.source!r}, "
-                f"tokens={len(self.tokens)}, header={len(self.header)}, text_chars={len(self.text)}, "
-                f"windows={len(self.vectors)})")
+        return (f"DocumentRecord(doc_id={self.doc_id[:16] + '...'!r}, title={_cut(self.title)}, "
+                f"source={_cut(self.source)}, tokens={len(self.tokens)}, header={len(self.header)}, "
+                f"text_chars={len(self.text)}, windows={len(self.vectors)})")
 
     def pack(self) -> bytes:
         """The value layout in the module docstring."""
