@@ -46,7 +46,7 @@ def _error(model, **fields):
     with pytest.raises(ValidationError) as exc:
         model(model="m", **body, **fields)
     errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.value.errors()]
-    return _validation_error(RequestValidationError(errors))
+    return _validation_error(RequestValidationError(errors), "application/json")
 
 
 BOTH = (ChatCompletionRequest, CompletionRequest)

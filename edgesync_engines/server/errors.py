@@ -22,16 +22,26 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 """The OpenAI error ``type`` of each status."""
 
 
+MAX_SHOWN = 300
+"""Characters of an error's message (and of its ``param``) sent back: a value or field name a
+client sent can be huge, and an error repeats it."""
+
+
+def _cut(text: str | None) -> str | None:
+    return text if text is None or len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
 class APIError(Exception):
-    """An error answered as the OpenAI error body with HTTP status ``status``."""
+    """An error answered as the OpenAI error body with HTTP status ``status`` (its message and
+    ``param`` cut to :data:`MAX_SHOWN` characters)."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  err_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = _cut(message)
         self.code = code
-        self.param = param
+        self.param = _cut(param)
         self.err_type = err_type or TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
@@ -54,7 +64,7 @@ def _is_type_tag(part: str) -> bool:
     return part in TYPE_TAGS or (part.endswith("]") and "[" in part)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def _validation_error(exc: RequestValidationError, content_type: str) -> APIError:
     """A pydantic validation failure as one 400: the first problem, naming its field ("param:
     message", without the "Value error, " pydantic puts before a validator's own message)."""
     errors = exc.errors()
@@ -66,10 +76,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # tag ("str", "list[str]"): name the field, not the branch (a field named "stream" is a field)
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
     param = ".".join(loc) or None
+    if param is None and first.get("type") == "missing":
+        return APIError(400, "the body is empty: send a JSON object", code="invalid_json")
     if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
         # FastAPI reads a body of another Content-Type as a string: say what it must be instead
-        return APIError(400, "the body must be a JSON object, sent as Content-Type: application/json",
-                        code="invalid_json")
+        sent_as = "" if "json" in content_type.lower() else ", sent as Content-Type: application/json"
+        return APIError(400, f"the body must be a JSON object{sent_as}", code="invalid_json")
     msg = "a required field is missing" if first.get("type") == "missing" else first.get("msg", "invalid value")
     if first.get("type") == "value_error":  # a validator's ValueError: pydantic prefixes its message
         msg = msg.removeprefix("Value error, ")
@@ -85,7 +97,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+        return _validation_error(exc, request.headers.get("content-type", "")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
