@@ -234,6 +234,52 @@ def test_a_second_signal_skips_storing_and_the_store_stays_usable(tmp_path, refe
     assert turn2.choices[0].message.content == reference.generate(second, max_tokens=8).text
 
 
+def test_a_forced_stop_answers_the_requests_in_flight_503_without_a_traceback(tmp_path):
+    """A second Ctrl-C (uvicorn's forced exit, which cancels the requests' tasks) while a stream
+    runs and a whole answer waits behind it: the stream ends with the ``shutting_down`` error
+    event and ``[DONE]``, the whole answer is a 503 in the OpenAI shape, and the log holds no
+    traceback."""
+    with ServeProcess(tmp_path / "store", "--workers", "1", "--grace-seconds", "60") as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        errors = []
+
+        def whole():
+            try:
+                c.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            except openai.APIStatusError as exc:
+                errors.append(exc)
+
+        stream = c.chat.completions.create(model="any", messages=STORY, max_tokens=2000, stream=True)
+        next(iter(stream))  # the worker decodes it
+        waiting = threading.Thread(target=whole)
+        waiting.start()
+        deadline = time.monotonic() + WAIT_S
+        while _metric(s, "edgesync_queued_requests") < 2:  # the whole answer reached the pool
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGINT)
+        while _accepts(s):  # the first signal is taken once the listening socket closes
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError) as ended:
+            for _ in stream:
+                pass
+        waiting.join(WAIT_S)
+        assert s.proc.wait(WAIT_S) is not None
+    assert "shutting down" in str(ended.value)
+    assert len(errors) == 1 and errors[0].status_code == 503 and errors[0].body["code"] == "shutting_down"
+    assert "Traceback" not in s.stderr() and "Exception in ASGI" not in s.stderr(), s.stderr()
+
+
+def _accepts(s: ServeProcess) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
 def test_a_request_that_waits_for_an_idle_batch_says_how_long(tmp_path):
     """One idle-time batch for the whole job (``EDGESYNC_IDLE_BATCH`` 512): a request sent as
     soon as the answer arrives waits in the worker's queue for the job's start or that batch,

@@ -226,7 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                              max_body_bytes=args.max_body_bytes, api_key=args.api_key,
                                              shutdown_grace_s=float(args.grace_seconds)),
                          stopping=lambda: stop.server is not None and stop.server.should_exit)
-        stop.server = uvicorn.Server(uvicorn.Config(
+        stop.server = uvicorn_server(uvicorn, uvicorn.Config(
             app, log_config=None, log_level=level.lower(), access_log=False,
             # after the app's own 503s (ServeSettings.shutdown_grace_s)
             timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
@@ -245,6 +245,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     print("edgesync serve: stopped; store closed", file=sys.stderr, flush=True)
     return 0
+
+
+def uvicorn_server(uvicorn, config):
+    """uvicorn's ``Server`` for ``config`` (``uvicorn``: the module, an optional extra), whose
+    forced exit (a second Ctrl-C) still ends the app's lifespan: uvicorn leaves it out then, and
+    the lifespan task, cancelled as the loop closes, would log a traceback. The requests in
+    flight are cancelled too; the app answers them 503 (``server/app.py``)."""
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:
+                await self.lifespan.shutdown()
+
+    return Server(config)
 
 
 def describe(sock: socket.socket, cfg, model: Path, workers: int, threads: int, shared: bool) -> str:

@@ -254,6 +254,9 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
         if exc.gone:
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it; counted as 499
         raise _shutting_down() from None
+    except asyncio.CancelledError:  # a forced stop (a second Ctrl-C) cancels the request's task: answer it
+        await messages.aclose()
+        raise _shutting_down() from None
     if not body.stream:
         return _whole(first, shaper, metrics, endpoint)
     if first["type"] == "error":
@@ -261,7 +264,21 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
         raise _api_error(first)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _events(first, messages, shaper, metrics, endpoint, include_usage, shutdown, pool.first_piece_sent)
-    return EventSourceResponse(events, ping=15, shutdown_grace_period=settings.shutdown_grace_s + STREAM_CUT_MARGIN_S)
+    return _EventStream(events, ping=15, shutdown_grace_period=settings.shutdown_grace_s + STREAM_CUT_MARGIN_S)
+
+
+class _EventStream(EventSourceResponse):
+    """The server-sent events of a streamed answer. A forced stop (a second Ctrl-C: uvicorn
+    cancels the request's task) ends the body with the 503 error event and ``[DONE]``, as the
+    shutdown grace does, instead of a cut body and a traceback in the log."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            end = f"data: {json.dumps(_shutting_down().body())}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+            with contextlib.suppress(Exception):  # the connection may be gone too
+                await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 async def _final(messages) -> dict:
