@@ -225,9 +225,14 @@ def test_a_child_stopped_on_request_is_no_damage_and_the_check_runs_again(store,
     again and passes. The child is in a session of its own: a Ctrl-C at the terminal, sent to
     the caller's process group, never reaches it."""
     marker = store.parent / "stopped-once"
-    script = store.parent / "stop-once.sh"
-    script.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; kill -{stop} $$; fi\n"
-                      f'exec {sys.executable} "$@"\n')
+    script = store.parent / "stop-once.py"
+    # Python, not sh: a shell cannot undo a signal its runner ignored (a job started with &)
+    script.write_text(f"#!{sys.executable}\nimport os, signal, sys\n"
+                      f"if not os.path.exists({str(marker)!r}):\n"
+                      f"    open({str(marker)!r}, 'w').close()\n"
+                      f"    signal.signal(signal.SIG{stop}, signal.SIG_DFL)\n"
+                      f"    os.kill(os.getpid(), signal.SIG{stop})\n"
+                      f"os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
     script.chmod(0o755)
     monkeypatch.setattr(check.sys, "executable", str(script))
     pending = check.PendingCheck(store)

@@ -145,6 +145,7 @@ def test_a_command_that_is_not_installed_is_listed_and_refused_in_one_line(monke
 
 INTERRUPT_AT_IMPORT = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the runner ignores
 from edgesync_engines.app import main
 
 class InterruptAt:  # a real SIGINT, sent as the named module starts to load
@@ -172,6 +173,7 @@ def test_a_ctrl_c_while_the_command_loads_exits_130_with_one_line(module):
 
 INTERRUPT_IN_NATIVE_LOG = """
 import logging, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the runner ignores
 from edgesync_engines.app import main
 
 class InterruptOnce(logging.Handler):  # a real SIGINT, sent as llama.cpp logs its first line
