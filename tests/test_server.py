@@ -229,11 +229,13 @@ def test_bodies_and_prompts_the_server_refuses_name_what_was_wrong(server, model
         assert (status, err["code"]) == (400, "invalid_json") and says in err["message"], (body, err)
         assert "Content-Type" not in err["message"]  # it was JSON already
     # a huge value or field name is not sent back whole
-    for body in (b'{"model": "x", "messages": [], "max_tokens": 1' + b"0" * 4000 + b"}",
-                 b'{"model": "x", "messages": [], "edgesync": {"' + b"A" * 20_000 + b'": 1}}'):
+    head = b'{"model": "x", "messages": [{"role": "user", "content": "hi"}], '
+    for body, reason in ((head + b'"max_tokens": 1' + b"0" * 4000 + b"}", "limit"),
+                         (head + b'"edgesync": {"' + b"A" * 20_000 + b'": 1}}', "not permitted")):
         status, answer = _post(server, chat, body)
         err = _assert_error_shape(answer)
         assert status == 400 and len(err["message"]) <= 300 and len(err["param"] or "") <= 300, err
+        assert reason in err["message"], err  # the value is cut, not the reason after it
     status, answer = _post(server, text, json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode())
     assert status == 200 and answer["usage"]["completion_tokens"] >= 1
 

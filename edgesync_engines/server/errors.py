@@ -28,7 +28,12 @@ client sent can be huge, and an error repeats it."""
 
 
 def _cut(text: str | None) -> str | None:
-    return text if text is None or len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+    """``text`` of at most :data:`MAX_SHOWN` characters, cut in the middle: a message names the
+    field first and gives the reason last, the client's value between them."""
+    if text is None or len(text) <= MAX_SHOWN:
+        return text
+    head = MAX_SHOWN // 2
+    return text[:head] + "..." + text[len(text) - (MAX_SHOWN - head - 3):]
 
 
 class APIError(Exception):
