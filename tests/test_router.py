@@ -19,6 +19,7 @@ import pytest
 
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.adapters.protocol import ContextOverflowError
+from edgesync_engines.request.result import READ_AHEAD
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core import codec
 from edgesync_store.core.store import FragmentStore
@@ -527,6 +528,18 @@ def test_async_for_reads_a_stream_on_a_thread_of_its_own(cached, uncached, syste
         assert result.tokens == full[:len(result.tokens)]
     assert len(seen) == 1 and again.tokens == uncached.generate("Hello there", max_tokens=4).tokens
 
+    async def slow_then_leave():
+        stream = cached.generate(messages, max_tokens=200, stream=True)
+        async for _ in stream:
+            await asyncio.sleep(0.5)  # a slow consumer: the reading thread waits, it does not decode on
+            break
+        done = [piece async for piece in cached.generate("Hello there", max_tokens=4, stream=True)]
+        return stream.result, done, [piece async for piece in stream]  # a finished stream: nothing more
+
+    slow, done, again_pieces = asyncio.run(slow_then_leave())
+    assert slow.finish_reason == "cancelled" and len(slow.tokens) <= 3 * READ_AHEAD, len(slow.tokens)
+    assert "".join(done) == uncached.generate("Hello there", max_tokens=4).text and again_pieces == []
+
     stream = cached.generate(messages, max_tokens=24, stream=True)
     pieces = [next(stream)]
     with pytest.raises(RuntimeError, match="read with next"):
@@ -553,8 +566,11 @@ def test_a_closed_engine_refuses_every_call_by_name(tmp_path):
     from edgesync_engines.config import EdgeSyncConfig
 
     es = EdgeSync(config=EdgeSyncConfig.load({"n_ctx": 512, "store_path": str(tmp_path / "s")}))
+    begun = es.generate("Hi", max_tokens=2, stream=True)  # begun before close(), read after it
     es.close()
     es.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        list(begun)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     for call in (lambda: es.generate("Hi", max_tokens=2), lambda: es.prompt_tokens("Hi"),
                  lambda: es.history_tokens(messages), lambda: es.prepare(messages), lambda: es.prepare_later(messages),

@@ -10,6 +10,13 @@ from typing import AsyncIterator, Iterator
 
 _END = object()
 """What the reading thread of :meth:`GenerationStream.__aiter__` queues after the last piece."""
+READ_AHEAD = 4
+"""Pieces the reading thread of ``async for`` hands on before its consumer takes them: one that
+leaves stops decoding within about that many tokens, and a slow one holds the engine between
+pieces, as a plain ``for`` does."""
+LEAVE_POLL_S = 0.05
+"""Seconds between the reading thread's looks at whether its consumer left, while it waits for
+room to hand on a piece."""
 
 
 @dataclass
@@ -207,17 +214,23 @@ class GenerationStream:
             RuntimeError: the stream was read with ``next()`` and is not done, or another
                 ``async for`` reads it already.
         """
-        if self._reader is not None:
+        if self._reader is not None and self._reader.is_alive():
             raise RuntimeError("EdgeSync: another async for reads this stream already")
         if self._owner is not None and self._result is None:
             raise RuntimeError("EdgeSync: this stream was read with next(), and holds the engine for that thread: "
                                "read it to the end the same way, or close it")
         return _AsyncPieces(self)
 
-    def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue) -> None:
+    def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, room: threading.Semaphore) -> None:
         """The reading thread of :meth:`__aiter__`: every piece, then an error or the end, put on
-        ``pieces`` from the loop's side, until the consumer leaves; the stream is stopped
-        here, on its own thread."""
+        ``pieces`` from the loop's side (a piece once ``room`` has a place: :data:`READ_AHEAD`),
+        until the consumer leaves; the stream is stopped here, on its own thread."""
+
+        def wait_for_room() -> bool:
+            while not room.acquire(timeout=LEAVE_POLL_S):
+                if self._leave.is_set():
+                    return False
+            return not self._leave.is_set()
 
         def put(item) -> None:
             try:
@@ -227,7 +240,7 @@ class GenerationStream:
 
         try:
             for piece in self:
-                if self._leave.is_set():
+                if not wait_for_room():  # the consumer left
                     break
                 put(piece)
         except BaseException as exc:  # the reader's error is the async caller's
@@ -257,6 +270,7 @@ class _AsyncPieces:
     def __init__(self, stream: GenerationStream) -> None:
         self._stream = stream
         self._pieces: asyncio.Queue | None = None
+        self._room = threading.Semaphore(READ_AHEAD)
 
     def __aiter__(self) -> "_AsyncPieces":
         return self
@@ -264,10 +278,11 @@ class _AsyncPieces:
     async def __anext__(self) -> str:
         stream = self._stream
         if self._pieces is None:
-            if stream._reader is not None:
+            if stream._reader is not None and stream._reader.is_alive():
                 raise RuntimeError("EdgeSync: another async for reads this stream already")
             self._pieces = asyncio.Queue()
-            stream._reader = threading.Thread(target=stream._read_for, args=(asyncio.get_running_loop(), self._pieces),
+            stream._reader = threading.Thread(target=stream._read_for,
+                                              args=(asyncio.get_running_loop(), self._pieces, self._room),
                                               name="edgesync-stream", daemon=True)
             stream._reader.start()
         try:
@@ -279,6 +294,7 @@ class _AsyncPieces:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
+        self._room.release()
         return item
 
     async def aclose(self) -> None:

@@ -581,6 +581,7 @@ class EdgeSync:
         t_wait, progress = time.perf_counter(), self.idle.progress()
         # idle-time work stops during its current batch, and starts none until this request is done
         with self._engine_turn() as idle_busy:
+            self._check_open()  # a stream begun before close() and read after it
             idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
             idle_wait_tokens = self.idle.progress() - progress if idle_busy else 0
             live_exact = self._take_live(tokens)
