@@ -246,7 +246,10 @@ class GenerationStream:
         except BaseException as exc:  # the reader's error is the async caller's
             put(exc)
         finally:
-            self.stop()
+            try:
+                self.stop()
+            except RuntimeError:  # next() on another thread took the stream first (its error is put above)
+                pass
             put(_END)
 
     def _close_generators(self) -> None:
