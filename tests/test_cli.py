@@ -146,7 +146,7 @@ def test_a_command_that_is_not_installed_is_listed_and_refused_in_one_line(monke
 INTERRUPT_AT_IMPORT = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the runner ignores
-from edgesync_engines.app import main
+from edgesync_engines.app.cli_entry import main
 
 class InterruptAt:  # a real SIGINT, sent as the named module starts to load
     def find_spec(self, name, path=None, target=None):
@@ -165,7 +165,8 @@ def test_a_ctrl_c_while_the_command_loads_exits_130_with_one_line(module):
     module starts to load, instead of at a moment a timer would have to hit) exits 130 with one
     line, not a traceback. What comes before, the interpreter's own start-up and the package's
     few imports, is not the command's to handle. The console script is this function."""
-    assert [ep.value for ep in entry_points(group="console_scripts", name="edgesync")] == ["edgesync_engines.app:main"]
+    scripts = [ep.value for ep in entry_points(group="console_scripts", name="edgesync")]
+    assert scripts == ["edgesync_engines.app.cli_entry:main"]
     proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module], capture_output=True, text=True,
                           cwd=ROOT, env=cli_env(), timeout=120)
     assert (proc.returncode, proc.stderr, proc.stdout) == (130, "error: interrupted\n", "")
@@ -174,7 +175,7 @@ def test_a_ctrl_c_while_the_command_loads_exits_130_with_one_line(module):
 INTERRUPT_IN_NATIVE_LOG = """
 import logging, os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the runner ignores
-from edgesync_engines.app import main
+from edgesync_engines.app.cli_entry import main
 
 class InterruptOnce(logging.Handler):  # a real SIGINT, sent as llama.cpp logs its first line
     fired = False
