@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import reprlib
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -51,10 +52,8 @@ def document_key(namespace_digest: bytes, tokens: Sequence[int] | np.ndarray) ->
     return hashlib.sha256(_TAG + namespace_digest + token_bytes(tokens)).digest()
 
 
-def _cut(text: str, limit: int = 60) -> str:
-    """``repr(text)`` of at most ``limit`` characters (for :meth:`DocumentRecord.__repr__`)."""
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = 60  # a title or source in DocumentRecord's repr
 
 
 @dataclass(frozen=True)
@@ -98,8 +97,8 @@ class DocumentRecord:
 
     def __repr__(self) -> str:
         # the dataclass repr would print the text, the token IDs and the embedding rows
-        return (f"DocumentRecord(doc_id={self.doc_id[:16] + '...'!r}, title={_cut(self.title)}, "
-                f"source={_cut(self.source)}, tokens={len(self.tokens)}, header={len(self.header)}, "
+        return (f"DocumentRecord(doc_id={self.doc_id[:16] + '...'!r}, title={_SHOWN.repr(self.title)}, "
+                f"source={_SHOWN.repr(self.source)}, tokens={len(self.tokens)}, header={len(self.header)}, "
                 f"text_chars={len(self.text)}, windows={len(self.vectors)})")
 
     def pack(self) -> bytes:
