@@ -23,7 +23,7 @@ from edgesync_store.compactor import Compactor
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.lifecycle import jobs as jobs_module
 from edgesync_store.lifecycle import merge
-from edgesync_store.lifecycle.jobs import StoreJobs
+from edgesync_store.lifecycle.jobs import StoreJobs, start_jobs
 from edgesync_store.lifecycle.merge import split_layers
 from edgesync_store.ttl import ManualClock
 from tests.test_store import make_fragment
@@ -215,3 +215,23 @@ def test_edgesync_runs_the_jobs_when_configured_and_close_stops_them(adapter, tm
     assert not thread.is_alive()
     assert not any(t.is_alive() for t in pool_threads)
     assert not _apscheduler_threads() - before
+
+
+def test_start_jobs_starts_them_on_a_writable_store_only(store, tmp_path):
+    jobs = start_jobs(store, None, 60.0, 900.0)
+    try:
+        assert isinstance(jobs, StoreJobs) and jobs.sweep_interval_s == 60.0
+    finally:
+        jobs.shutdown()
+    with FragmentStore(tmp_path / "store", readonly=True) as readonly:
+        assert start_jobs(readonly) is None
+    assert start_jobs(object()) is None
+
+
+def test_importing_the_jobs_does_not_load_the_compactor():
+    import subprocess
+    import sys
+
+    code = "import sys, edgesync_store.lifecycle.jobs; print('edgesync_store.compactor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -25,7 +25,7 @@ import threading
 from collections import Counter
 from typing import Callable
 
-from edgesync_store.compactor import Compactor
+from edgesync_store.core.backend import MaintenanceBackend
 from edgesync_store.ttl import sweep
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class StoreJobs:
 
     def run_compaction(self) -> dict:
         """One compaction now (skipped when another process compacts); returns its report."""
+        from edgesync_store.compactor import Compactor  # loaded by the first run, never by a request
+
         report = Compactor(self.store, index=self.index_source(), stop=self._stop).run()
         self.last_report = report.to_dict()
         return self.last_report
@@ -107,3 +109,24 @@ class StoreJobs:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
             self._scheduler = None
+
+
+def start_jobs(store, index=None, sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
+               compact_interval_s: float = DEFAULT_COMPACT_INTERVAL_S) -> StoreJobs | None:
+    """Start the sweep and compaction jobs of ``store`` (the one public way to start them).
+
+    Args:
+        store: the application's open store.
+        index: returns the open ``SemanticIndex`` or None (``StoreJobs.index_source``).
+        sweep_interval_s, compact_interval_s: seconds between runs (> 0).
+
+    Returns:
+        The started :class:`StoreJobs`, or None when ``store`` is not a writable
+        ``MaintenanceBackend`` (a read-only store, or a backend with only the request seam).
+
+    Raises:
+        ValueError: an interval that is not a positive number.
+    """
+    if not isinstance(store, MaintenanceBackend) or store.readonly:
+        return None
+    return StoreJobs(store, index, sweep_interval_s, compact_interval_s).start()
