@@ -1,19 +1,12 @@
 """The fragment record, its namespace, its invariants and its hashes.
 
-A :class:`KVFragment` holds the attention keys and values that an engine computed for a token
-span ``[token_start, token_end)`` over the layers ``range(layer_start, layer_end, layer_stride)``
-and the KV heads ``[head_start, head_end)``. Its KV depends on every token before
-``token_start`` and on the model, so a fragment is identified by :func:`store_key`, a SHA-256
-over its :class:`Namespace`, its prefix hash, its token IDs and its layer/head ranges; never by
-Python's ``hash()``, which changes per process.
-
-Byte encodings (all little-endian) are fixed here because hashes persist on disk:
+A fragment is identified by :func:`store_key` (never Python's ``hash()``, which changes per
+process). Byte encodings, fixed because the hashes persist on disk:
 
 * token IDs: ``int32`` little-endian, one after another (``np.asarray(ids, "<i4").tobytes()``);
-* ``content_hash`` = SHA-256(b"edgesync/content/v1\\0" + token bytes): the ContentHash,
-  an integrity check of the token IDs alone;
+* ``content_hash`` = SHA-256(b"edgesync/content/v1\\0" + token bytes);
 * ``prefix_hash`` = SHA-256(b"edgesync/prefix/v1\\0" + token bytes of every token before
-  ``token_start``): empty prefix included, so a fragment at position 0 has a defined prefix hash;
+  ``token_start``; the empty prefix included);
 * ``store_key`` = SHA-256(b"edgesync/key/v1\\0" + namespace digest + prefix hash + token bytes +
   six ``<i4`` integers layer_start, layer_end, layer_stride, head_start, head_end, token_start).
 """
@@ -44,13 +37,11 @@ _KEY_TAG = b"edgesync/key/v1\0"
 _NAMESPACE_TAG = b"edgesync/namespace/v1\0"
 
 KV_DTYPES = {"f16": np.float16, "f32": np.float32, "bf16": np.uint16, "q8_0": np.uint8, "q4_0": np.uint8}
-"""KV types a fragment may hold, by llama.cpp's type_k/type_v names, with the numpy dtype of a
-row's items: the element type (bf16 kept as raw 16-bit words), or bytes for block-quantized
-types (:data:`KV_BLOCKS`)."""
+"""KV types by llama.cpp's type_k/type_v names -> numpy dtype of a row's items (bf16 as raw
+16-bit words; bytes for the block-quantized types of :data:`KV_BLOCKS`)."""
 KV_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18)}
 """Block-quantized KV types: (values, bytes) per block, from ggml's ``ggml-common.h``
-(``block_q8_0``: an f16 scale and 32 int8; ``block_q4_0``: an f16 scale and 16 bytes of
-nibbles). A head's values are whole blocks, so rows slice by head and by token."""
+(``block_q8_0``, ``block_q4_0``: an f16 scale and the quants)."""
 
 
 def token_bytes(token_ids: Iterable[int] | np.ndarray) -> bytes:
@@ -71,26 +62,21 @@ def prefix_hasher() -> "hashlib._Hash":
 
 
 def prefix_hash(prefix_token_ids: Iterable[int] | np.ndarray) -> bytes:
-    """SHA-256 (32 raw bytes) over every token before a fragment's first token.
-
-    ``prefix_hash([])`` is the hash of the empty prefix, used by fragments at position 0.
-    """
+    """SHA-256 (32 raw bytes) over every token before a fragment's first token (``[]``: position 0)."""
     return hashlib.sha256(_PREFIX_TAG + token_bytes(prefix_token_ids)).digest()
 
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything besides the tokens that a fragment's KV depends on.
+    """Everything besides the tokens that a fragment's KV depends on; fragments are
+    interchangeable only within one namespace.
 
-    Two fragments are interchangeable only within one namespace. Fields:
-
-    * ``model_fingerprint``: SHA-256 hex of the model file (see ``fingerprint.py``);
-    * ``engine`` and ``engine_version``: e.g. ``"llama.cpp"``, ``"llama-cpp-python 0.3.36"``;
-    * ``kv_dtype``: type of K and V, a key of :data:`KV_DTYPES` (``"f16"``, ``"f32"``,
-      ``"bf16"``, or quantized ``"q8_0"``/``"q4_0"``);
-    * ``flash_attn``: flash attention changes the V layout and the numbers (../shared/DESIGN.md 2.2);
-    * ``layout``: name of the tensor layout and state format the engine wrote;
-    * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry, used by the invariants.
+    * ``model_fingerprint``: SHA-256 hex of the model file (``fingerprint.py``);
+    * ``engine``, ``engine_version``: e.g. ``"llama.cpp"``, ``"llama-cpp-python 0.3.36"``;
+    * ``kv_dtype``: a key of :data:`KV_DTYPES`;
+    * ``flash_attn``: flash attention changes the V layout and the numbers;
+    * ``layout``: the tensor layout and state format the engine wrote;
+    * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry.
     """
 
     model_fingerprint: str
@@ -193,25 +179,18 @@ def layer_indices(layer_start: int, layer_end: int, layer_stride: int) -> range:
 class KVFragment:
     """The K and V of one token span over a layer range and a KV-head range.
 
-    Arrays (C-contiguous, or channel-major: a transposed view of a C-contiguous ``[layers,
-    width, span]`` array, as V is staged for llama.cpp; dtype ``namespace.np_dtype``):
+    * ``keys``, ``values``: dtype ``namespace.np_dtype``, ``[n_layers, span, (head_end - head_start)
+      * head_dim]`` with ``n_layers = len(range(layer_start, layer_end, layer_stride))``, ``span =
+      token_end - token_start`` (llama.cpp's per-layer K row layout, ``src/llama-kv-cache.cpp``
+      ``state_write_data``); C-contiguous, or a transposed view of ``[layers, width, span]`` (V as
+      staged for llama.cpp).
+    * ``token_ids``: int32 ``[span]``; ``embedding``: float32 ``[384]`` or ``[0]``.
+    * ``created_at``, ``expires_at``, ``last_hit_at``: Unix seconds (``last_hit_at`` 0.0 before a hit).
 
-    * ``keys``, ``values``: ``[n_layers, span, (head_end - head_start) * head_dim]`` where
-      ``n_layers = len(range(layer_start, layer_end, layer_stride))`` and
-      ``span = token_end - token_start``; row ``t`` is the token at position ``token_start + t``,
-      heads are consecutive blocks of ``head_dim`` (llama.cpp's per-layer K row layout, from
-      ``src/llama-kv-cache.cpp`` ``state_write_data``).
-    * ``token_ids``: int32 ``[span]``.
-    * ``embedding``: float32 ``[384]`` or ``[0]`` (empty until the semantic index exists).
-
-    Times (``created_at``, ``expires_at``, ``last_hit_at``) are Unix seconds (float);
-    ``last_hit_at`` is 0.0 until the first hit.
-
-    Construction enforces the invariants and raises ``ValueError`` whose message starts with the
-    offending field: span in [64, 2048], 0 <= layer_start < layer_end <= namespace.n_layer,
-    layer_stride >= 1, 0 <= head_start < head_end <= namespace.n_head_kv, len(token_ids) == span,
-    non-empty tensors of the shape above, a 32-byte prefix hash, and a content hash equal to
-    :func:`content_hash` of the token IDs (computed when not given).
+    Raises:
+        ValueError: an invariant fails (message starts with the field): span in [64, 2048], layer
+            and head ranges within the namespace, ``len(token_ids) == span``, tensor shapes, a
+            32-byte prefix hash, ``content_hash`` equal to :func:`content_hash` of the tokens.
     """
 
     namespace: Namespace
@@ -375,15 +354,11 @@ class KVFragment:
 
 
 def chunk_spans(n_tokens: int, chunk_tokens: int = 128) -> list[tuple[int, int]]:
-    """Split ``[0, n_tokens)`` into fragment spans of ``chunk_tokens`` tokens.
-
-    The last span absorbs a remainder shorter than :data:`MIN_SPAN`; a sequence shorter
-    than :data:`MIN_SPAN` gives no span (it is never cached). Spans never exceed :data:`MAX_SPAN`.
+    """Split ``[0, n_tokens)`` into spans of ``chunk_tokens``; the last absorbs a remainder
+    shorter than :data:`MIN_SPAN`, and fewer than :data:`MIN_SPAN` tokens give none.
 
     >>> chunk_spans(300)
     [(0, 128), (128, 300)]
-    >>> chunk_spans(200)
-    [(0, 128), (128, 200)]
     """
     if chunk_tokens < MIN_SPAN or chunk_tokens + MIN_SPAN - 1 > MAX_SPAN:
         raise ValueError(f"chunk_tokens: {chunk_tokens} must be in [{MIN_SPAN}, {MAX_SPAN - MIN_SPAN + 1}]")

@@ -1,18 +1,11 @@
 """Settings declared as dataclass fields, and the store's own settings (:class:`StoreSettings`).
 
-A setting is a field of a frozen dataclass declared with :func:`setting` (or :func:`flag`): the
-field gives its name, type and default, its metadata the environment variable, the parser of
-that variable's text, the check and the help line. :func:`table` reads them back as
-:class:`Setting` rows, from which checking (:func:`check_fields`), loading (:func:`load`), the
-JSON view (:func:`as_dict`) and the README's table rows (:func:`markdown_rows`) all follow.
-Another settings class declares the same setting with :func:`setting_of` (its default and metadata
-are this one's), so one setting has one default and one variable.
-
-Precedence of :func:`load`: defaults < environment (``EDGESYNC_*``) < explicit overrides.
-
-Parsers turn environment text into a value and raise ValueError when the text does not parse;
-checks take a value and return None when it is valid, else what is wrong (the message after
-``"field: "``).
+A setting is a frozen dataclass field made by :func:`setting` (or :func:`flag`); its metadata
+holds the environment variable, the text parser (raises ValueError), the check (returns None or
+what is wrong) and the help line. :func:`table` reads them back as :class:`Setting` rows, from
+which :func:`check_fields`, :func:`load` (defaults < ``EDGESYNC_*`` < overrides),
+:func:`as_dict` and :func:`markdown_rows` follow. :func:`setting_of` redeclares a setting in
+another class with the same default and metadata.
 """
 
 from __future__ import annotations
@@ -193,9 +186,8 @@ def flag(default: bool, env: str, help: str) -> Any:
 
 
 def setting_of(cls: type, name: str) -> Any:
-    """A new declaration of ``cls``'s setting ``name``, with its default and metadata: another
-    settings class holds the same setting without restating it. (The annotation is written out
-    again; ``tests/test_config.py`` checks that the two agree.)"""
+    """A new declaration of ``cls``'s setting ``name`` with its default and metadata (the annotation
+    is written again; ``tests/test_config.py`` checks that they agree)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if f.default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
@@ -214,11 +206,10 @@ def table(cls: type) -> tuple[Setting, ...]:
 
 
 def check_fields(obj: Any) -> None:
-    """Coerce and check every setting of ``obj`` (a settings dataclass, from its
-    ``__post_init__``).
+    """Coerce and check every setting of ``obj`` (from its ``__post_init__``).
 
     Raises:
-        ValueError: ``"name: reason"`` for the first setting that is invalid.
+        ValueError: ``"name: reason"`` for the first invalid setting.
     """
     for s in table(type(obj)):
         value = getattr(obj, s.name)
@@ -235,13 +226,12 @@ def check_fields(obj: Any) -> None:
 
 def load(cls: Callable[..., T], overrides: Mapping[str, Any] | None = None,
          environ: Mapping[str, str] | None = None) -> T:
-    """An instance of the settings dataclass ``cls``: defaults, then its variables in
-    ``environ`` (default ``os.environ``), then ``overrides`` by field name (None values and blank
-    strings are "not given").
+    """An instance of ``cls``: defaults, then its variables in ``environ`` (default ``os.environ``),
+    then ``overrides`` by field name (None and blank strings are "not given").
 
     Raises:
-        ValueError: a variable or override that does not parse or is out of range, or an
-            unknown override; the message names it (and the variable a bad value came from).
+        ValueError: a value that does not parse or is out of range, or an unknown override; the
+            message names it (and the variable a bad value came from).
     """
     rows = table(cls)  # type: ignore[arg-type]
     environ = os.environ if environ is None else environ
@@ -301,15 +291,10 @@ def default_store_path() -> Path:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The settings the store and its maintenance read (frozen; every field is a :func:`setting`,
-    its help beside it): the directory, a new fragment's lifetime, the size budget (None: the one
-    recorded in the store), how new and merged fragments hold K and V, and the app process's
-    sweep and compaction schedule.
-
-    ``python -m edgesync_store.compact`` reads these alone; the engines' ``EdgeSyncConfig``
-    declares the same fields with :func:`setting_of`. Construct with :meth:`load`, or directly
-    with keyword arguments (checked the same way: ValueError ``"field: reason"``).
-    """
+    """The settings the store and its maintenance read: directory, new fragments' lifetime, size
+    budget (None: the one recorded in the store), K/V encoding, the sweep and compaction schedule.
+    ``EdgeSyncConfig`` redeclares them with :func:`setting_of`. Construct with :meth:`load` or
+    keywords (ValueError ``"field: reason"``)."""
 
     store_path: Path = setting(
         factory=default_store_path, env="EDGESYNC_STORE", parse=Path, help="fragment store directory",

@@ -1,29 +1,16 @@
-"""Fragment lifetimes: the short and long lifetimes, hits, promotion and the clock.
+"""Fragment lifetimes: short, long and document; hits, promotion, the clock, the expiry sweep.
 
-A fragment lives ``ttl_seconds`` (30 minutes by default) from creation in the **short**
-lifetime. Every hit adds one to ``hit_count`` and sets ``last_hit_at``; the hit that
-brings ``hit_count`` to ``promote_hits`` (5) moves the fragment to the **long** lifetime
-with ``expires_at = now + long_ttl_seconds`` (7 days): a prompt asked again and again is worth
-keeping across days; later hits in the long lifetime extend it again to ``now + long_ttl_seconds``.
-An expired fragment (``expires_at <= now``) is never served (``FragmentStore.prefix_walk``
-skips it) and is deleted by :func:`sweep`.
+A fragment lives ``ttl_seconds`` (30 min) in the **short** lifetime; the hit that brings
+``hit_count`` to ``promote_hits`` (5) moves it to **long** (``now + long_ttl_seconds``, 7 days,
+renewed by each later hit). **document** fragments (code 2) have ``expires_at`` +inf and leave
+with their document. An expired fragment (``expires_at <= now``) is never served and is deleted
+by :func:`sweep`. Times are Unix seconds (float); the clock is injectable (:class:`ManualClock`).
 
-Times are Unix seconds (float). The clock is injectable (``FragmentStore(clock=...)``): tests pass
-a :class:`ManualClock` and never sleep.
+The record, in the store's ``lifecycle`` database (little-endian ``<IdddBQQ``, 45 bytes, store
+format 2; format 1 was ``<Idd``, 20 bytes, rewritten by ``migrations/m0002_lifecycle_v2.py``)::
 
-The per-fragment record lives in the store's ``lifecycle`` database, apart from the tensors, so
-that hits, expiry and eviction never read or rewrite a blob. Layout (little-endian,
-``struct`` format ``<IdddBQQ``, 45 bytes, store format 2)::
-
-    hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8 (0 short, 1 long)
-    | nbytes u64 (the stored blob) | raw_nbytes u64 (K + V before compression)
-
-A third lifetime, **document** (code 2), holds the fragments of documents an application added
-(``edgesync_store.documents``): ``expires_at`` is +inf, so the TTL never expires them; hits
-keep them there; eviction takes them last; they leave when their document is removed.
-
-Store format 1 wrote only the first three fields (``<Idd``, 20 bytes); :meth:`Lifecycle.unpack`
-reads both, and ``migrations/m0002_lifecycle_v2.py`` rewrites the old ones.
+    hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8
+    (0 short, 1 long, 2 document) | nbytes u64 (stored blob) | raw_nbytes u64 (K + V uncompressed)
 """
 
 from __future__ import annotations
@@ -186,11 +173,9 @@ class TTLPolicy:
 
 
 def merged_counters(parts, sum_hits: bool) -> tuple[int, float, float, float]:
-    """``(hit_count, last_hit_at, expires_at, created_at)`` of a fragment that replaces
-    ``parts`` (lifecycle records or fragments: anything with those four attributes): the
-    latest hit and expiry, the earliest known creation (0.0: unknown), and the hits summed
-    for a dedup (the parts were hit apart) or the largest count for a merge of layer or head
-    groups (a request's hit is recorded on every part alike)."""
+    """``(hit_count, last_hit_at, expires_at, created_at)`` of a fragment replacing ``parts``
+    (anything with those attributes): latest hit and expiry, earliest known creation, hits summed
+    (``sum_hits``: a dedup) or their maximum (a merge of layer or head groups)."""
     hits = sum(p.hit_count for p in parts) if sum_hits else max(p.hit_count for p in parts)
     created = [p.created_at for p in parts if p.created_at]
     return (hits, max(p.last_hit_at for p in parts), max(p.expires_at for p in parts),
@@ -199,13 +184,10 @@ def merged_counters(parts, sum_hits: bool) -> tuple[int, float, float, float]:
 
 def sweep(store, now: float | None = None, index=None, dry_run: bool = False,
           batch: int = 512) -> list[tuple[bytes, int]]:
-    """Delete every expired fragment (``expires_at <= now``; default: the store's clock) from
-    LMDB, with its prefix-index entry, donor record and vector, in write transactions of
-    ``batch`` fragments; then bring the HNSW sidecar up to date when ``index`` (an open
-    ``SemanticIndex``) is given (other processes' indexes catch up from the vectors' change
-    log). A fragment promoted meanwhile, or pinned by a request, is kept. Returns the
-    ``(key, blob bytes)`` deleted (with ``dry_run``: those that would be, nothing deleted).
-    Reads only the ``lifecycle`` database to find them."""
+    """Delete every expired fragment (``expires_at <= now``; default: the store's clock) with its
+    index entry, donor record and vector, ``batch`` per write transaction, skipping any promoted or
+    pinned meanwhile; then update ``index`` (an open ``SemanticIndex``) when given. Returns the
+    ``(key, blob bytes)`` deleted (``dry_run``: that would be, nothing deleted)."""
     now = store.clock() if now is None else now
     expired = [(key, life.nbytes) for key, life in store.iterate_lifecycle() if life.expired(now)]
     if dry_run:

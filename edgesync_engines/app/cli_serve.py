@@ -1,20 +1,9 @@
 """``edgesync serve``: the OpenAI-compatible server (:mod:`edgesync_engines.server`).
 
-Default worker count: one engine process per 2 logical CPUs, at least 1 and at most 4 (a
-llama.cpp engine uses several cores well, and each worker holds its own copy of the model and
-its KV). Several llama.cpp workers share the CPU threads (every CPU, or ``EDGESYNC_THREADS``):
-a request's prefill runs alone on all of them, decode steps and idle-time work split them
-(:mod:`edgesync_engines.server.core_share`). ONNX Runtime's thread count is fixed at load, so
-its workers get ``CPUs // workers`` threads each (or ``EDGESYNC_THREADS``). The worker count is
-checked against the memory available and the CPUs before anything starts
-(:mod:`edgesync_engines.server.capacity`: an explicit ``--workers`` that does not fit is
-refused, a default one lowered). The server binds to loopback unless ``--host`` names another
-address (then it warns). A SIGTERM or Ctrl-C while the workers start stops them
-(:class:`StopSignals`).
-
-Idle-time storing (``EdgeSyncConfig.idle_store``) is on in the server unless ``--no-idle-store``
-is given or ``EDGESYNC_IDLE_STORE`` is set (an explicit value wins over the server's default, the
-flag over both): :func:`idle_store_override`.
+Default workers: one per 2 logical CPUs, 1 to 4, checked against memory and CPUs first
+(:mod:`~edgesync_engines.server.capacity`). llama.cpp workers share the CPU threads
+(:mod:`~edgesync_engines.server.core_share`); ONNX Runtime workers get ``CPUs // workers`` each.
+Idle-time storing is on unless ``--no-idle-store`` or ``EDGESYNC_IDLE_STORE`` says otherwise.
 """
 
 from __future__ import annotations
@@ -43,9 +32,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 UVICORN_GRACE_MARGIN_S = 1.0
-"""Seconds uvicorn waits after ``--grace-seconds`` before it cancels what still runs: room for the
-app to answer those requests 503 itself (``server/app.py``; cancelled by uvicorn, a request gets a
-bare 500 and the log a traceback)."""
+"""Seconds uvicorn waits after ``--grace-seconds`` before cancelling, so the app answers those
+requests 503 itself."""
 
 
 def default_workers(cpus: int | None = None) -> int:
@@ -56,9 +44,8 @@ def default_workers(cpus: int | None = None) -> int:
 
 
 def idle_store_override(no_idle_store: bool, environ=None) -> bool | None:
-    """The ``idle_store`` override of ``edgesync serve``: False with ``--no-idle-store``, None
-    (the environment decides) when ``EDGESYNC_IDLE_STORE`` is set to a non-blank value, else
-    True (the server's default)."""
+    """``idle_store`` for ``edgesync serve``: False with ``--no-idle-store``, None when
+    ``EDGESYNC_IDLE_STORE`` is set (non-blank), else True."""
     if no_idle_store:
         return False
     environ = os.environ if environ is None else environ
@@ -118,11 +105,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class StopSignals:
-    """``edgesync serve``'s SIGTERM and SIGINT handler outside uvicorn's own (installed by
-    :meth:`install` before the workers start): it records the first signal, which stops the
-    pool's start (``WorkerPool.start``'s ``should_stop``) or, once ``server`` is set, the server.
-    Python's default would end the process at once (SIGTERM) or raise KeyboardInterrupt wherever
-    the main thread is (SIGINT), leaving the workers it started behind."""
+    """SIGTERM and SIGINT handler installed before the workers start: records the first signal,
+    which stops the pool's start or, once ``server`` is set, the server."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -164,9 +148,8 @@ def model_path(cfg) -> Path:
 
 
 def worker_count(requested: int | None, model: Path, cfg) -> int:
-    """The workers to start: ``--workers`` (or :func:`default_workers`) checked against the
-    memory available and the CPUs (``server.capacity.check_workers``: CommandError when an
-    explicit count does not fit)."""
+    """The workers to start: ``--workers`` or :func:`default_workers`, checked by
+    ``server.capacity.check_workers`` (CommandError when an explicit count does not fit)."""
     from edgesync_engines.server.capacity import WorkerCountError, available_memory, check_workers, worker_estimate
 
     try:
@@ -178,13 +161,13 @@ def worker_count(requested: int | None, model: Path, cfg) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C. A signal
-    while the workers start stops them and exits ``128 + signal number`` with one line.
+    """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
+    start: exit ``128 + signal number``).
 
     Raises:
-        MissingExtraError: a package of the ``server`` extra is not installed (one line).
-        CommandError: no model, a ``--workers`` the memory does not hold, an address that
-            cannot be bound, a worker that cannot load its engine.
+        MissingExtraError: a package of the ``server`` extra is not installed.
+        CommandError: no model, too many ``--workers``, an address that cannot be bound, a worker
+            that cannot load its engine.
     """
     uvicorn = require_extra("uvicorn", "server", "edgesync serve")
     from edgesync_engines.server.app import ServeSettings, create_app
@@ -248,10 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def uvicorn_server(uvicorn, config):
-    """uvicorn's ``Server`` for ``config`` (``uvicorn``: the module, an optional extra), whose
-    forced exit (a second Ctrl-C) still ends the app's lifespan: uvicorn leaves it out then, and
-    the lifespan task, cancelled as the loop closes, would log a traceback. The requests in
-    flight are cancelled too; the app answers them 503 (``server/app.py``)."""
+    """uvicorn's ``Server`` for ``config`` whose forced exit (a second Ctrl-C) still ends the app's
+    lifespan (else a traceback is logged)."""
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:

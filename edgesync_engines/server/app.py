@@ -1,29 +1,11 @@
 """The FastAPI application of ``edgesync serve``: the routes and how an answer is shaped.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when ``stream`` is true, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET
-/health`` (no API key needed) and ``GET /metrics`` (Prometheus text). Requests are answered by
-the :class:`~.pool.WorkerPool`; this module checks them, turns the worker's messages into the
-OpenAI shapes (:mod:`.schemas`) and counts them (:mod:`.metrics`).
-
-One model is served: a request naming another is served by it anyway (as llama.cpp's own server
-does, so that tools with a hard-coded model name work), the response's ``model`` naming the model
-that answered; each distinct unknown name is logged once at INFO.
-
-A streamed request waits for its worker's first message before answering, so that input the
-engine refuses (a prompt that does not fit the context) still gets a plain 400, not a stream
-that fails. An error after the first chunk (the worker died) is sent as a last event
-``{"error": {...}}``, which the ``openai`` client raises as an ``APIError``.
-
-A client that goes away stops its job at the worker's next token: a stream when its response is
-closed, a whole answer or a stream's first message when the connection says so (checked every
-:data:`DISCONNECT_POLL_S` while the job runs).
-
-Once shutdown began (``stopping`` of :func:`create_app`; ``edgesync serve`` passes uvicorn's
-signal flag), a job may go on for ``ServeSettings.shutdown_grace_s``; then it is cancelled and
-answered 503 ``shutting_down``: a whole answer or a stream not begun as a plain error, a stream
-begun with that error as its last event before ``[DONE]``. Cancelled earlier by the ASGI server,
-the client would get a bare 500 and the log a traceback.
+Requests are answered by the :class:`~.pool.WorkerPool`; this module checks them, turns the
+worker's messages into OpenAI shapes (:mod:`.schemas`) and counts them (:mod:`.metrics`). One
+model is served, whatever model a request names. A stream waits for its worker's first message,
+so a refused prompt still gets a plain 400; a later error is a last ``{"error": ...}`` event. A
+client that goes away stops its job; once shutdown began a job may run ``shutdown_grace_s``,
+then is answered 503 ``shutting_down``.
 """
 
 from __future__ import annotations
@@ -54,23 +36,19 @@ MAX_LOGGED_MODEL_NAMES = 256
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 """The answering endpoints (chat, then text), counted by name in ``edgesync_requests_total``."""
 DISCONNECT_POLL_S = 0.25
-"""Seconds between two checks, while a job's next message is awaited, that its client is still
-connected and that the shutdown grace has not run out."""
+"""Seconds between checks that a job's client is connected and the shutdown grace not over."""
 STREAM_CUT_MARGIN_S = 0.5
-"""Seconds after the shutdown grace at which sse-starlette cancels a stream still open: room for
-the stream's last event (the 503 error) to be sent first."""
+"""Seconds after the grace at which sse-starlette cancels an open stream (room for its 503 event)."""
 CLIENT_CLOSED = 499
-"""The status of the answer to a client that went away (nobody reads it; counted in
-``edgesync_requests_total``): nginx's convention."""
+"""Status counted for a client that went away (nginx's convention)."""
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What the routes need to know. ``model_id``: the one model name served (the GGUF's file
-    stem); ``max_tokens_limit``: the largest ``max_tokens`` a request may ask; ``default_max_tokens``:
-    used when a request gives none; ``max_body_bytes``: request body limit; ``api_key``: None
-    for no key; ``shutdown_grace_s``: seconds a job may go on once shutdown began, before it is
-    answered 503 (keep it at least a second under the ASGI server's graceful-shutdown timeout)."""
+    """What the routes need: ``model_id`` (the served model's name, the GGUF's stem),
+    ``max_tokens_limit``, ``default_max_tokens``, ``max_body_bytes``, ``api_key`` (None: no key),
+    ``shutdown_grace_s`` (seconds a job may run once shutdown began; keep it under the ASGI server's
+    graceful-shutdown timeout)."""
 
     model_id: str
     store: Path
@@ -82,13 +60,12 @@ class ServeSettings:
 
 
 class _Shutdown:
-    """When the shutdown grace of the jobs in flight has run out (see the module docstring).
+    """When the shutdown grace of the jobs in flight has run out.
 
     Args:
-        stopping: returns True once shutdown began (polled; its first True starts the grace).
+        stopping: True once shutdown began (polled; its first True starts the grace).
         grace_s: seconds a job may go on after that.
-        on_over: called once when the grace is first seen over (the pool cancels every job at
-            once, so that no worker starts a queued one whose request has not noticed yet).
+        on_over: called once when the grace is first seen over.
     """
 
     def __init__(self, stopping: Callable[[], bool], grace_s: float, on_over: Callable[[], None]) -> None:
@@ -122,9 +99,8 @@ class _Interrupted(Exception):
 
 
 async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = None):
-    """The result of ``awaitable`` (a job's next or final message), checking every
-    :data:`DISCONNECT_POLL_S` that ``request``'s client is still connected (when given) and that
-    the shutdown grace has not run out; the awaitable is cancelled when either fails.
+    """The result of ``awaitable``, checking every :data:`DISCONNECT_POLL_S` that ``request``'s
+    client is connected and the grace not over (the awaitable is cancelled otherwise).
 
     Raises:
         _Interrupted: the client went away, or the grace ran out.
@@ -147,9 +123,8 @@ async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = Non
 
 
 async def _warm_streaming() -> None:
-    """Stream one event to nobody, on the server's event loop before it accepts connections:
-    what a stream sets up at its first use (anyio's asyncio backend, sse-starlette's shutdown
-    watcher) is then ready, and the first client's first token does not wait for it."""
+    """Stream one event to nobody before accepting connections, so the first client's first token
+    does not wait for anyio's and sse-starlette's set-up."""
     async def one_event():
         yield {"data": "warm-up"}
 
@@ -268,9 +243,8 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
 
 
 class _EventStream(EventSourceResponse):
-    """The server-sent events of a streamed answer. A forced stop (a second Ctrl-C: uvicorn
-    cancels the request's task) ends the body with the 503 error event and ``[DONE]``, as the
-    shutdown grace does, instead of a cut body and a traceback in the log."""
+    """Server-sent events of a streamed answer; a forced stop ends the body with the 503 error event
+    and ``[DONE]``."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -311,9 +285,8 @@ def _whole(final: dict, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str
 
 async def _events(first: dict, messages, shaper: "_Shaper", metrics: ServerMetrics, endpoint: str,
                   include_usage: bool, shutdown: _Shutdown, first_sent: Callable[[int], None] | None = None):
-    """The server-sent events of a streamed answer: chunks, then ``[DONE]``; a job the shutdown
-    grace cancels ends with the 503 error event. ``first_sent(job id)`` is called once the
-    first piece is written (the generator resumes after the ASGI server sent it)."""
+    """The events of a streamed answer: chunks, then ``[DONE]`` (a 503 error event first when the grace
+    cancels it); ``first_sent(job id)`` is called once the first piece is written."""
     msg = first
     if shaper.kind == "chat":
         yield {"data": shaper.chunk(role=True).model_dump_json(exclude_none=True)}

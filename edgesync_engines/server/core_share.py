@@ -1,38 +1,19 @@
 """How a server's workers share the CPUs: a request's prefill runs alone on all of them.
 
-Each worker process owns one llama.cpp engine, and llama.cpp's threads spin at their barriers,
-so two engines computing at once on shared cores slow each other far more than twice. A fixed
-split (``CPUs // workers`` threads each) avoids that but prefills every request on a fraction
-of the cores, although a request's prefill is the part a client waits for (its TTFT).
+llama.cpp's threads spin at their barriers, so two engines computing at once on shared cores
+slow each other badly. Work is of two kinds:
 
-So the workers take the cores by the kind of work, as llama.cpp's own server does when it puts
-a new prompt into the batch its other slots decode in:
+* **prefill** (lookup, injection, prefill, first token): no other worker starts a step; its
+  batches of :data:`PREFILL_TURN_TOKENS` run one at a time on every thread, fewest tokens left
+  first (a batch passed over :data:`MAX_PASSED` times goes next); :meth:`CoreShare.hold` keeps
+  the others waiting until the first token is sent.
+* **step** (a decode step, idle-time batches): waits while any worker waits to prefill, then
+  runs on ``threads // active workers`` threads.
 
-* **prefill** (a request's lookup, injection, prefill and first token): no other worker starts
-  a step meanwhile, and each prefill batch waits until no other worker evaluates (at most one
-  decode step, one idle-time batch or one other prefill batch), then runs on every thread.
-  Prefill batches are cut to :data:`PREFILL_TURN_TOKENS` (``kv_layout.turn_batches``,
-  bit-identical; not with flash attention, where cuts are not exact), and among prefills
-  waiting for a batch the one with the fewest tokens left goes first: a short prompt that
-  arrives during a long one's prefill waits one batch. A batch passed over
-  :data:`MAX_PASSED` times goes next, so that short prompts never starve a long one. Once the
-  first token is out, :meth:`CoreShare.hold` keeps every other worker waiting until the server
-  has sent it, so that the server's and the client's processes have the cores for it.
-* **step** (one decode step, or a run of idle-time batches): waits while any worker waits to
-  prefill, then runs at once with the other workers' steps, on ``threads // active workers``
-  threads (a worker is active while it serves a request or runs idle-time work).
-
-A decode step that waits for another worker's prefill delays that answer's next token, never
-its first. A worker's thread count never changes its results: llama.cpp's CPU kernels give
-bit-identical logits on 1 and 2 threads (``tests/test_llamacpp.py`` checks it on the real
-model, and that the cut batches change no bit).
-
-The state lives in shared memory made by the pool (``spawn`` context) and is passed to each
-worker process; each process then calls :meth:`CoreShare.attach` once. A worker that dies
-leaves its marks behind: the pool clears them with :meth:`CoreShare.release` before it starts
-the new process. The short critical sections take a lock with a timeout: a worker killed while
-holding it makes the others go on without it (one warning each; a race then costs speed, never
-a wrong answer) instead of stopping them.
+Thread count never changes results (llama.cpp's CPU kernels are bit-identical on 1 and 2
+threads; ``tests/test_llamacpp.py``). The state is shared memory made by the pool; a dead
+worker's marks are cleared by :meth:`CoreShare.release`; the lock has a timeout, so a worker
+killed holding it costs speed, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -45,22 +26,18 @@ from typing import Callable, Iterator
 log = logging.getLogger(__name__)
 
 POLL_S = 0.001
-"""Seconds between checks while a worker waits for its turn: small beside a decode step, and
-rare enough that the waiting costs the running worker next to no CPU."""
+"""Seconds between checks while a worker waits for its turn."""
 PREFILL_TURN_TOKENS = 64
-"""A prefill batch's most tokens while the workers share the CPUs (the engine's ``turn_tokens``):
-what a short prompt waits for at most behind a long one, at no cost in prefill speed
-(docs/benchmarks.md)."""
+"""Most tokens in a prefill batch while the workers share the CPUs (docs/benchmarks.md)."""
 MAX_PASSED = 2
-"""Other prefill batches that may run while one waits before it goes first, whatever its size:
-a stream of short prompts slows a long one's prefill at most threefold, never stops it."""
+"""Prefill batches that may pass a waiting one before it goes first (a long prompt is slowed at
+most threefold, never starved)."""
 LOCK_TIMEOUT_S = 2.0
-"""Seconds a worker waits for the state's lock before it goes on without it (see the module
-docstring); the lock is held only to read and mark a few flags."""
+"""Seconds a worker waits for the state's lock before it goes on without it."""
 
 
 class CoreShare:
-    """The CPU threads of ``n_workers`` worker processes (see the module docstring).
+    """The CPU threads of ``n_workers`` worker processes.
 
     Args:
         ctx: the ``multiprocessing`` context the workers are started with.
@@ -100,8 +77,7 @@ class CoreShare:
         self._set_threads = lambda n: None
 
     def attach(self, index: int, set_threads: Callable[[int], None]) -> None:
-        """Make this process worker ``index``, whose engine's thread count ``set_threads(n)``
-        sets (e.g. ``EngineAdapter.set_threads``).
+        """Make this process worker ``index``; ``set_threads(n)`` sets its engine's thread count.
 
         Raises:
             ValueError: ``index`` outside ``[0, n_workers)``.
@@ -129,9 +105,7 @@ class CoreShare:
 
     @contextmanager
     def prefill(self) -> Iterator[None]:
-        """A request's prefill, up to its first token: while it lasts no other worker starts a
-        step, and its batches (:meth:`batch`, the engine's ``batch_turn``) run on every thread,
-        one worker's batch at a time."""
+        """A request's prefill up to its first token: no other worker starts a step meanwhile."""
         i = self._index
         try:
             with self._locked():
@@ -146,12 +120,8 @@ class CoreShare:
 
     @contextmanager
     def batch(self, tokens_left: int) -> Iterator[None]:
-        """One prefill batch, with ``tokens_left`` prompt tokens still to evaluate (this
-        batch's included). Inside :meth:`prefill`: it waits until no other worker evaluates
-        and no other prefill waiting for a batch ranks before it (passed over
-        :data:`MAX_PASSED` times, else fewer tokens left, else asked earlier), so that a short
-        prompt is not kept behind a long one nor a long one starved; then it runs on every
-        thread. Outside (an idle-time batch, already inside a :meth:`step`): at once."""
+        """One prefill batch with ``tokens_left`` tokens still to evaluate (this one's included): inside
+        :meth:`prefill` it waits its turn, then runs on every thread; outside (idle time), at once."""
         if not self._in_prefill:
             yield
             return
@@ -168,9 +138,7 @@ class CoreShare:
 
     @contextmanager
     def hold(self) -> Iterator[None]:
-        """Inside :meth:`prefill`, once its first token is out: no other worker starts a
-        batch or a step until it ends (the first token's way to the client, which needs the
-        cores too). Outside: nothing."""
+        """Inside :meth:`prefill`, after its first token: no other worker starts anything until it ends."""
         if not self._in_prefill:
             yield
             return
@@ -197,9 +165,8 @@ class CoreShare:
                 self._running[self._index] = 0
 
     def should_yield(self) -> bool:
-        """True when a run of idle-time batches should end now (the batch running stops midway
-        where the engine can, ``EngineAdapter.abortable``): another worker waits to prefill, or
-        more workers are active than when the step began (its thread count is now too high)."""
+        """True when a run of idle-time batches should end now: another worker waits to prefill, or
+        more workers are active than when the step began."""
         return self._prefill_asked() or self._active_workers() > self._step_sharing
 
     def _may_prefill(self) -> bool:

@@ -1,30 +1,15 @@
-"""A worker process's watch on the server process that started it: the worker stops by itself
-once that process is gone, at any stage, the model's load included.
+"""A worker process's watch on the server that started it: the worker stops by itself once the
+server is gone, at any stage.
 
-From the cleanest exit to the last resort:
+* Serving, the worker's loop checks :attr:`ParentWatch.gone` between jobs and batches and
+  closes engine and store as at a stop.
+* A thread polls the parent pid every :data:`POLL_S`: while starting it ends the process at
+  once; once serving, after :data:`ORPHAN_GRACE_S`.
+* On Linux, while starting, ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (set first thing, then the
+  recorded parent pid is compared); cleared by :meth:`ParentWatch.serving`, since the kernel
+  sends it when the starting *thread* ends.
 
-* Serving (its engine loaded), the worker's loop checks :attr:`ParentWatch.gone` between jobs,
-  and its idle-time work and its stop's drain between batches: it closes its engine and the
-  store as at an ordinary stop (the semantic index saved, the store jobs ended).
-* A thread polls the parent pid every :data:`POLL_S` seconds. While the worker is still starting
-  (imports, the model's load, the engine's probes; nothing it would store yet) it ends the
-  process at once; once serving, it gives the loop :data:`ORPHAN_GRACE_S` (a job decoding to its
-  ``max_tokens``, the close) and then ends the process. Where the platform has no ``prctl``
-  (macOS), it is the only watch while the worker starts.
-* On Linux, while the worker starts, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills it
-  the moment its parent dies. :meth:`ParentWatch.start` sets it first thing in
-  :func:`~.worker.worker_main`, before the engine's imports, then compares ``os.getppid()``
-  with the pid ``multiprocessing`` recorded when the pool created the process: a parent that
-  died before that (the worker was re-parented then, and no signal will come) ends the worker
-  there. :meth:`ParentWatch.serving` clears it before the worker says ``ready``: the kernel
-  sends it when the *thread* that started the worker ends, and a restarted worker is started by
-  its slot's reader thread in the pool, which may end first (at a stop, while the worker stores
-  its last conversations); and a clean exit beats a kill once the worker can notice.
-
-Ending a worker is safe for the store (LMDB is crash-safe: an uncommitted write transaction is
-never seen); it loses only what was not stored yet. Before this watch, a worker read its parent
-pid after loading its engine: a server stopped while its workers loaded (a SIGTERM before its
-handlers were installed) left them serving an empty queue under init, holding the store.
+Ending a worker is safe for the store (LMDB is crash-safe).
 """
 
 from __future__ import annotations
@@ -41,14 +26,11 @@ import time
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-"""``prctl`` option: the signal the kernel sends a process when its parent thread ends
-(``<linux/prctl.h>``)."""
+"""``prctl`` option (``<linux/prctl.h>``): the signal sent when the parent thread ends."""
 POLL_S = 1.0
 """Seconds between two checks of the parent pid by the watch's thread."""
 ORPHAN_GRACE_S = 30.0
-"""Seconds a serving worker whose server is gone may take to close by itself before the watch's
-thread ends the process: room for the job it runs to decode to its ``max_tokens`` and for the
-engine's close (a longer job is cut short)."""
+"""Seconds a serving worker whose server is gone may take to close before the thread ends it."""
 
 
 def _prctl():
@@ -62,21 +44,19 @@ def _prctl():
 
 
 def recorded_parent() -> int:
-    """The pid of the process that started this one: the one ``multiprocessing`` recorded when
-    it created the process (the server's, not whatever adopted the worker since), else the
-    current parent's."""
+    """The pid ``multiprocessing`` recorded as this process's parent, else the current parent's."""
     parent = multiprocessing.parent_process()
     return parent.pid if parent is not None and parent.pid else os.getppid()
 
 
 class ParentWatch:
-    """The watch of one worker process on its server (see the module docstring).
+    """The watch of one worker process on its server.
 
     Args:
         label: how the log names the worker (``"worker 0"``).
         parent_pid: the server's pid (default :func:`recorded_parent`).
         poll_s: seconds between the thread's checks.
-        grace_s: seconds a serving worker may take to stop by itself once its server is gone.
+        grace_s: seconds a serving worker may take to stop once its server is gone.
     """
 
     def __init__(self, label: str, parent_pid: int | None = None, poll_s: float = POLL_S,

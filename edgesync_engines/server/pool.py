@@ -1,52 +1,10 @@
 """The worker processes as the server sees them: start, dispatch, cancel, restart, stop.
 
-Each worker (:func:`~.worker.worker_main`) is a process started with ``spawn`` (a fresh
-interpreter: no engine state or lock is inherited through ``fork``) and owns a request queue, a
-response queue and a :class:`~.worker.CancelBoard`. Messages are plain dicts:
-
-* to a worker: a job (``id``, ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-  ``stop``, ``stream``, ``reuse``), ``room`` (``tokens``: see below), ``prepare`` (``prompt``:
-  chat messages ending with an answer, see below) or None (stop);
-* from a worker: ``ready`` (``pid``), ``fatal`` (``message``: the engine did not load), and per
-  job ``piece`` (``text``) when streamed, else ``started`` at its first token (for routing; not
-  passed on), then one of ``done`` (``text``, ``finish_reason``,
-  ``first_token_at``, ``result``), ``error`` (``status``, ``message``, ``err_type``, ``code``,
-  ``param``) or ``cancelled``. ``done``'s ``result`` holds the request's figures,
-  ``idle_pending`` (idle-time work is queued) and ``idle``:
-  the worker's cumulative idle-time counters (``IdleStats``: ``jobs``, ``interrupted``,
-  ``tokens_prefilled``, ``tokens_wasted``, ``fragments_written``, ``failed``, since its process
-  started);
-* from a worker between jobs: ``idle`` (``stats``: the same counters; ``pending``: idle-time
-  work is still queued), sent when they changed while it waited for a job (its idle-time job
-  runs between jobs).
-
-The pool sums the counters' increases over its workers and their restarts
-(:meth:`WorkerPool.idle_totals`).
-
-Routing (:mod:`.routing`): a job goes to the worker whose live context (the last conversation
-it answered, with the answer) begins the job's prompt over the most characters; when that worker
-is busy and another is idle, to the idle one with the best score; when no context matches, to
-the worker with the fewest outstanding jobs (on a tie, the one whose jobs that have not sent
-their first token hold the fewest prompt characters: it is not held by a long prefill). A
-worker's context is
-replaced by each job it answers (``done``, not cancelled) and forgotten when a job is cancelled,
-fails in the engine (a 500) or the process restarts. Each worker answers its queue in arrival
-order. One thread per worker reads its responses and hands them to the asyncio queue of their
-job. When a worker process dies, that thread fails its outstanding jobs with a 500
-``worker_died`` error and starts a new process with new queues.
-
-A conversation's next turn goes to another worker when its own is busy, which then injects the
-conversation from the store. So when a worker answers, the others hear of the answered
-conversation's length (``room``: prompt and answer tokens, plus :data:`ROOM_MARGIN_TOKENS`) when
-it is the longest they have heard of, and make room to inject that much in idle time
-(``EdgeSync.make_room``), rather than on that turn's path.
-
-A job of another conversation can also take a worker while that worker is still storing the
-history of the one it holds (its last report said idle-time work was pending): the history's
-unstored part would then be prefilled on its next turn. So the pool hands that conversation to
-another worker (``prepare``: the messages and the answer), which prepares it in its own idle time
-(``EdgeSync.prepare_later``: what the store holds is injected, the rest prefilled) and is taken
-to hold it from then on (:meth:`WorkerPool.handed_over` counts them).
+Each worker (:func:`~.worker.worker_main`, started with ``spawn``) owns a request queue, a
+response queue and a :class:`~.worker.CancelBoard`; messages are plain dicts keyed by ``type``:
+to a worker a job, ``room``, ``prepare`` or None (stop); from it ``ready``, ``fatal``, per job
+``piece`` or ``started``, then one of :data:`FINAL_TYPES`, and ``idle`` between jobs. Routing,
+room hints and hand-over: docs/architecture.md, "`edgesync serve` in detail".
 """
 
 from __future__ import annotations
@@ -70,8 +28,7 @@ log = logging.getLogger(__name__)
 FINAL_TYPES = ("done", "error", "cancelled")
 """Message types that end a job."""
 ROOM_MARGIN_TOKENS = 16
-"""Tokens a ``room`` hint adds to a conversation's prompt and answer: the chat template's end of
-the answer, which the next turn's prompt holds too (2 tokens in ChatML, a few in others)."""
+"""Tokens a ``room`` hint adds to prompt and answer: the chat template's end of the answer."""
 
 
 class PoolStartError(RuntimeError):
@@ -92,31 +49,30 @@ class _Slot:
     restarts: int = 0
     jobs: set = field(default_factory=set)
     started: set = field(default_factory=set)
-    """The ids of its outstanding jobs that have sent a message (their prefill is over)."""
+    """Ids of its outstanding jobs that have sent a message (prefill over)."""
     last_used: int = 0  # the pool's job count when this slot was last given a job
     context: str | None = None
-    """The canonical text of what the worker holds live (``routing.context_text``), or None."""
+    """Canonical text the worker holds live (``routing.context_text``), or None."""
     history: list | None = None
-    """The chat messages of that conversation, with the answer (None: a text prompt, or none)."""
+    """Chat messages of that conversation with the answer (None: a text prompt, or none)."""
     storing: bool = False
-    """The worker last said its idle-time work was not done (it may be storing that history)."""
+    """The worker last said its idle-time work was pending."""
     idle: dict = field(default_factory=dict)
-    """The idle-time counters its current process last reported."""
+    """Idle-time counters its current process last reported."""
     room: int = 0
-    """The largest ``room`` hint sent to its current process (tokens)."""
+    """Largest ``room`` hint sent to its current process (tokens)."""
 
 
 class WorkerPool:
-    """``n_workers`` engine processes serving jobs (see the module docstring).
+    """``n_workers`` engine processes serving jobs.
 
     Args:
         settings: ``EdgeSyncConfig.to_dict()`` values every worker loads its engine from.
         n_workers: processes (>= 1).
         log_level: the workers' logging level name.
         start_timeout_s: seconds a worker may take to load its engine.
-        shared_threads: CPU threads the workers share (:class:`~.core_share.CoreShare`: a
-            request's prefill runs alone on all of them); None, or one worker: each engine
-            keeps the threads of ``settings``.
+        shared_threads: CPU threads the workers share (:class:`~.core_share.CoreShare`); None, or
+            one worker: each engine keeps the threads of ``settings``.
     """
 
     def __init__(self, settings: dict, n_workers: int, log_level: str = "WARNING",
@@ -147,18 +103,14 @@ class WorkerPool:
         return len(self._slots)
 
     def start(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
-        """Start every worker and wait until each has loaded its engine. Whatever ends the wait
-        early (a worker that cannot load, ``should_stop`` returning True, an exception such as
-        KeyboardInterrupt) first stops the workers started (:meth:`close`: one still loading is
-        killed at once), so that none is left behind.
+        """Start every worker and wait until each has loaded its engine; on any early end
+        (including KeyboardInterrupt) the workers started are stopped first (:meth:`close`).
 
         Args:
-            should_stop: polled while the workers load (every 0.5 s at most); True stops the
-                start (``edgesync serve`` passes whether a SIGTERM or Ctrl-C arrived).
+            should_stop: polled at least every 0.5 s while the workers load; True stops the start.
 
         Raises:
-            PoolStartError: a worker reported that its engine cannot load, or timed out, or
-                ``should_stop`` returned True.
+            PoolStartError: a worker cannot load its engine, timed out, or ``should_stop`` was True.
         """
         try:
             for slot in self._slots:
@@ -176,9 +128,7 @@ class WorkerPool:
         return self
 
     def _spawn(self, slot: _Slot) -> None:
-        """A new process for ``slot``, with new queues (a dead process may have left its old
-        queues half-written). It starts with SIGINT and SIGTERM blocked
-        (:func:`~.worker.stop_signals_blocked`) until it ignores them."""
+        """A new process for ``slot``, with new queues, started with SIGINT and SIGTERM blocked."""
         slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
         slot.cancel = CancelBoard(self._ctx)
         if self.cores is not None:  # a dead process's marks would stop the others
@@ -193,7 +143,7 @@ class WorkerPool:
 
     def _await_ready(self, slot: _Slot, should_stop: Callable[[], bool] | None = None) -> None:
         """Block until ``slot``'s worker says ready (PoolStartError on fatal, death, timeout, or
-        once ``should_stop`` returns True)."""
+        ``should_stop``)."""
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if should_stop is not None and should_stop():
@@ -230,13 +180,11 @@ class WorkerPool:
         return self._routed_by_prefix
 
     def handed_over(self) -> int:
-        """Conversations handed to another worker when a new one took their worker
-        (:meth:`_hand_over`)."""
+        """Conversations handed to another worker (:meth:`_hand_over`)."""
         return self._handed_over
 
     def idle_totals(self) -> dict[str, int]:
-        """The workers' idle-time counters (``IdleStats`` fields), summed over workers and
-        their restarts, as far as reported."""
+        """The workers' idle-time counters (``IdleStats`` fields), summed over workers and restarts."""
         with self._lock:
             return dict(self._idle_totals)
 
@@ -246,9 +194,8 @@ class WorkerPool:
             return sum(len(slot.jobs) for slot in self._slots)
 
     async def submit(self, job: dict) -> AsyncIterator[dict]:
-        """Send ``job`` (a dict without ``id``) to a worker; yields its messages, ending with
-        the final one (``done``, ``error`` or ``cancelled``). Closing the iterator early
-        cancels the job (the worker stops at its next token)."""
+        """Send ``job`` (a dict without ``id``) to a worker; yields its messages up to the final one.
+        Closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -275,8 +222,7 @@ class WorkerPool:
                     slot.cancel.cancel(job_id)
 
     def first_piece_sent(self, job_id: int) -> None:
-        """Tell the worker of ``job_id`` that its first streamed piece went to the client (it
-        waits for this before it computes the next token, see ``worker.serve_one``)."""
+        """Tell the worker of ``job_id`` that its first streamed piece reached the client."""
         with self._lock:
             for slot in self._slots:
                 if job_id in slot.jobs:
@@ -301,12 +247,8 @@ class WorkerPool:
         return chosen
 
     def _hand_over(self, left: _Slot) -> None:
-        """``left`` got a job of another conversation than the one it holds live (lock held):
-        when it may still be storing that conversation's history, another worker is asked to
-        prepare it in its idle time (a ``prepare`` message) and is taken to hold it from now on,
-        so that its next turn continues a live sequence there rather than prefilling what
-        ``left`` did not store. The worker with the fewest outstanding jobs takes it (then one
-        whose own idle-time work is done, then the one given a job longest ago)."""
+        """``left`` got a job of another conversation (lock held): when it may still be storing the
+        one it held, the least busy other worker is asked to ``prepare`` it and takes it over."""
         history, context = left.history, left.context
         left.context, left.history = None, None
         others = [s for s in self._slots if s is not left and s.requests is not None]
@@ -319,8 +261,7 @@ class WorkerPool:
         log.debug("worker %d took over the conversation worker %d was storing", taker.index, left.index)
 
     def _ended(self, slot: _Slot, msg: dict) -> None:
-        """Bookkeeping of a job's final message (lock held): its slot's live context and the
-        idle-time counters the worker reported with it."""
+        """Bookkeeping of a job's final message (lock held): live context and idle counters."""
         kind, prompt = msg.get("type"), self._prompts.pop(msg.get("id"), None)
         result = msg.get("result") or {}
         if kind == "done":
@@ -337,8 +278,8 @@ class WorkerPool:
             slot.context, slot.history = None, None  # the live sequence now holds another prompt, or is unknown
 
     def _hint_room(self, answered: _Slot, n_tokens: int) -> None:
-        """Tell every other worker of a conversation of ``n_tokens`` that ``answered`` holds,
-        when it is longer than any they heard of (lock held; see the module docstring)."""
+        """Send a ``room`` hint of ``n_tokens`` + margin to every other worker that heard of less
+        (lock held)."""
         tokens = n_tokens + ROOM_MARGIN_TOKENS
         for slot in self._slots:
             if slot is not answered and slot.room < tokens and slot.requests is not None:
@@ -346,8 +287,7 @@ class WorkerPool:
                 slot.room = tokens
 
     def _count_idle(self, slot: _Slot, stats: dict | None) -> None:
-        """Add what a worker's cumulative idle-time counters grew by since its last report
-        (lock held)."""
+        """Add what a worker's cumulative idle-time counters grew by since its last report (lock held)."""
         if not stats:
             return
         for name in IDLE_FIELDS:
@@ -356,8 +296,8 @@ class WorkerPool:
         slot.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
 
     def _deliver(self, slot: _Slot, msg: dict) -> None:
-        """Hand a worker's message to its job's queue (dropped when nobody listens); an
-        ``idle`` report updates the pool's counters and ``slot.storing``."""
+        """Hand a worker's message to its job's queue (dropped when nobody listens); ``idle`` reports
+        update the counters."""
         with self._lock:
             if msg.get("type") == "idle":
                 self._count_idle(slot, msg.get("stats"))
@@ -420,8 +360,7 @@ class WorkerPool:
                 log.error("%s", exc)
 
     def cancel_all(self) -> None:
-        """Cancel every outstanding job: each worker stops its running one at the next token
-        and answers the queued ones ``cancelled`` without starting them."""
+        """Cancel every outstanding job (the running one stops at its next token)."""
         with self._lock:
             for slot in self._slots:
                 if slot.cancel is not None:
@@ -429,18 +368,14 @@ class WorkerPool:
                         slot.cancel.cancel(job_id)
 
     def skip_drain(self) -> None:
-        """Tell every worker that is stopping to leave its queued idle-time work
-        (:func:`~.worker.drain`)."""
+        """Tell every stopping worker to leave its queued idle-time work."""
         for slot in self._slots:
             if slot.cancel is not None:
                 slot.cancel.skip_drain()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop every worker. One that said ready is asked to stop after its current job, and
-        given up to ``timeout_s`` to close its engine and store before it is killed (workers
-        ignore SIGTERM). One still loading its engine (a start or a restart under way) is
-        killed at once: it has stored nothing yet and would read the request to stop only once
-        loaded, which can take minutes; the store is crash-safe (LMDB)."""
+        """Stop every worker: a ready one gets a stop message and ``timeout_s`` seconds before it is
+        killed; one still loading its engine is killed at once (it has stored nothing)."""
         with self._lock:
             self._closing = True
         for slot in self._slots:

@@ -1,19 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests follow the OpenAI API: ``model``, ``max_tokens`` (or ``max_completion_tokens``),
-``temperature`` (0 to 2), ``top_p`` (0 exclusive to 1), ``seed``, ``stop`` (a string or up to 4),
-``n`` (1 only), ``stream`` and ``stream_options.include_usage``. Other fields are ignored when
-they do not change the answer (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...)
-or come at their "off" value, as ordinary clients send them (``logprobs: false``, ``tools: []``,
-``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...); a request that asks for
-what this server does not do (tool calling, JSON output, log probabilities, penalties, logit
-bias, ``best_of``, ``echo``, ``suffix``) is refused naming the field, rather than answered
-without it. EdgeSync's own options go in the extension object ``edgesync``
-(:class:`EdgeSyncOptions`), which other servers ignore and ordinary clients never send.
-
-Responses carry the OpenAI fields, ``usage.prompt_tokens_details.cached_tokens`` being the
-prompt tokens whose KV was reused (the worker's live sequence, or injected from the store), plus
-an ``edgesync`` object (:class:`EdgeSyncInfo`) that clients which do not know it ignore.
+Fields that do not change the answer, or come at their "off" value, are ignored; a field asking
+for what this server does not do is refused naming it (the list: docs/architecture.md,
+"`edgesync serve` in detail"). EdgeSync's own options are the extension object ``edgesync``
+(:class:`EdgeSyncOptions`); responses add :class:`EdgeSyncInfo`, and
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens whose KV was reused.
 """
 
 from __future__ import annotations
@@ -29,9 +20,8 @@ MAX_STOPS = 4
 
 
 def _unsupported(why: str, off: str) -> ValueError:
-    """The error for a field that asks for what this server does not do, ``off`` saying what to
-    send instead; the error handler puts the field's name in front ("tools: not supported by
-    this server (no tool calling); omit it or send []")."""
+    """The error for a field asking for what this server does not do; ``off`` says what to send
+    instead (the handler prefixes the field's name)."""
     return ValueError(f"not supported by this server ({why}); omit it or send {off}")
 
 
@@ -42,9 +32,8 @@ def _json(value) -> str:
 
 
 class EdgeSyncOptions(BaseModel):
-    """The ``edgesync`` extension field of a request. ``reuse``: ``exact`` (token-identical KV
-    only: answers equal uncached ones) or ``semantic`` (also a similar prompt's KV: close, not
-    always equal); None keeps the server's setting."""
+    """The ``edgesync`` extension field of a request. ``reuse``: ``exact`` (token-identical KV only)
+    or ``semantic`` (also a similar prompt's KV); None keeps the server's setting."""
 
     model_config = ConfigDict(extra="forbid")
     reuse: Literal["exact", "semantic"] | None = None
@@ -57,18 +46,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """What both completion endpoints take besides the prompt.
-
-    Refused (400 naming the field) because this server does not do them, and an answer silently
-    without them would mislead the client: ``tools`` or ``functions`` non-empty and
-    ``tool_choice`` or ``function_call`` other than "none"/"auto" (no tool calling: no chat
-    template formats tools, nothing parses calls; llama-server too refuses tools without
-    ``--jinja``); ``response_format`` of a type other than "text" (no JSON mode or schema: no
-    grammar constrains decoding); ``presence_penalty`` or ``frequency_penalty`` non-zero and
-    ``logit_bias`` non-empty (the sampler is plain top-p, no penalty nor bias); ``seed`` outside
-    0..:data:`MAX_SEED` (llama.cpp would change it). The same fields at their "off" value (null,
-    ``[]``, 0, "none", ``{"type": "text"}``) are taken, as many clients always send them.
-    """
+    """What both completion endpoints take besides the prompt. Refused (400 naming the field):
+    tools or functions, ``response_format`` other than text, non-zero penalties, a non-empty
+    ``logit_bias``, a ``seed`` outside 0..:data:`MAX_SEED`; the same fields at their off value pass."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -211,10 +191,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: ``prompt`` is a string (or a list holding one). Refused
-    besides :class:`SamplingRequest`'s: ``logprobs`` > 0 or true (no log probabilities are
-    computed), ``echo: true`` (the prompt is not echoed), ``best_of`` > 1 (one candidate per
-    prompt) and a non-empty ``suffix`` (no insertion, the prompt is only continued)."""
+    """``POST /v1/completions``: ``prompt`` is a string (or a list holding one). Also refused:
+    ``logprobs``, ``echo: true``, ``best_of`` > 1, a non-empty ``suffix``."""
 
     prompt: str | list[str]
     # an int in OpenAI's API; false is taken as "off" too, as some clients send it
@@ -281,14 +259,11 @@ class Usage(BaseModel):
 
 
 class EdgeSyncInfo(BaseModel):
-    """The ``edgesync`` extension object of a response: the ``hit`` kind (exact, partial,
-    miss), ``tokens_reused`` (= cached_tokens) and ``tokens_prefilled`` (tokens), the engine's
-    ``ttft_ms`` (ms, from the engine taking the request to its first token), ``queue_ms`` (ms
-    spent waiting for a worker), ``approximate`` (a similar prompt's KV served it),
-    ``convertible`` (another engine's KV, converted), ``live_tokens`` (tokens of
-    ``tokens_reused`` the worker's live conversation still held: nothing injected) and
-    ``idle_wait_ms`` (ms the request waited for idle-time work, a batch or a job's start, to
-    end; None when none ran)."""
+    """The ``edgesync`` object of a response: ``hit`` (exact, partial, miss), ``tokens_reused``
+    (= cached_tokens), ``tokens_prefilled``, ``ttft_ms`` (engine's, ms), ``queue_ms`` (waiting for a
+    worker, ms), ``approximate``, ``convertible`` (another engine's KV), ``live_tokens`` (of
+    ``tokens_reused``, held live: nothing injected), ``idle_wait_ms`` (ms waited for idle-time work;
+    None when none ran)."""
 
     hit: str
     tokens_reused: int

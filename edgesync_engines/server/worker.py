@@ -1,31 +1,10 @@
 """One engine in one process: the loop a worker of :class:`~.pool.WorkerPool` runs.
 
-llama.cpp contexts are not thread-safe, so each worker process owns one :class:`EdgeSync` (one
-engine) and answers its queue's requests one at a time, in arrival order. Workers share the
-store directory, which is safe across processes. Only plain dicts cross the process boundary
-(see :mod:`.pool` for their fields); nothing read from the network is unpickled here: the
-server parses and checks the JSON and passes the values on.
-
-A request stops early when the server marks its id on the worker's :class:`CancelBoard` (the
-client went away, or the shutdown grace ran out): checked after every token, and before a queued
-job starts (it is then answered ``cancelled`` at once). A stream's next token is computed once
-the server marks its first piece sent there. After a chat answer the engine's idle-time job
-(``EdgeSync.idle``) runs on this loop's thread while no job waits, a batch at a time; a job that
-arrives stops the batch running midway (``EngineAdapter.abortable``). The worker reports the
-job's counters with each ``done`` and, when they changed, between jobs (an ``idle`` message).
-Once its idle-time work is done, it makes room to inject the longest conversation the pool said
-another worker holds (a ``room`` message, see :mod:`.pool`). A ``prepare`` message queues the
-idle-time job of a conversation another worker was storing when a new one took its place
-(``EdgeSync.prepare_later``).
-With several workers, each evaluation takes its share of the CPUs (:mod:`.core_share`): a
-request's prefill runs alone on every thread, and idle-time work also stops for another
-worker's prefill. Ctrl-C, and a service manager's SIGTERM, reach the whole process group:
-workers ignore both (from their start: :func:`stop_signals_blocked`), so that the server first
-lets in-flight requests finish and then stops them (a None in the queue: the worker finishes its
-queued idle-time work first, unless the server asks it to skip that,
-:meth:`CancelBoard.skip_drain`). A worker whose server is gone stops by itself at any stage
-(:mod:`.parent_watch`): while it starts, at once; once serving, after the job it runs, during
-the batch of idle-time work it is running.
+Each worker owns one :class:`EdgeSync` (llama.cpp contexts are not thread-safe) and answers its
+queue in arrival order; only plain dicts cross the process boundary (fields: :mod:`.pool`).
+Cancellation goes through :class:`CancelBoard`; idle-time work runs between jobs and stops when
+a job arrives; workers ignore SIGINT and SIGTERM (the server stops them) and stop by themselves
+when their server is gone (:mod:`.parent_watch`).
 """
 
 from __future__ import annotations
@@ -46,31 +25,25 @@ log = logging.getLogger(__name__)
 
 RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
                  "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms")
-"""The :class:`GenerationResult` fields a ``done`` message carries (``completion_tokens`` and
-``idle`` too)."""
+"""The :class:`GenerationResult` fields a ``done`` message carries."""
 STOP_DRAIN_S = 20.0
-"""At a stop, seconds a worker may spend finishing queued idle-time work (the pool waits 30 s
-for its workers to close, :meth:`~.pool.WorkerPool.close`)."""
+"""Seconds a stopping worker may spend on queued idle-time work (the pool waits 30 s)."""
 CANCELS_KEPT = 256
-"""Cancelled job ids a :class:`CancelBoard` holds (the newest): more than a worker's queue holds
-in practice; an older one overwritten only lets that job run to its end unread."""
+"""Cancelled job ids a :class:`CancelBoard` keeps (the newest), in a ring."""
 FIRST_PIECE_WAIT_S = 0.02
-"""Seconds a worker waits, at most, for the server to send a stream's first piece before it
-computes the next token (:func:`serve_one`)."""
+"""Seconds a worker waits at most for the server to send a stream's first piece."""
 FIRST_PIECE_POLL_S = 0.0002
 """Seconds between its checks: a sleep, so that the server's process has the core meanwhile."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""The signals a worker ignores: Ctrl-C and a service manager's stop reach the whole process
-group, and the server stops its workers itself."""
+"""The signals a worker ignores (they reach the whole process group; the server stops it)."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
 
 
 class CancelBoard:
-    """What a server tells one worker process about its jobs while they run, in shared memory:
-    the jobs it cancelled (the newest :data:`CANCELS_KEPT` job ids, in a ring), the last job
-    whose first piece it sent to its client (:meth:`first_piece_sent`), and its request to skip
-    the stop's idle-time work.
+    """Shared memory from the server to one worker: cancelled job ids (the newest
+    :data:`CANCELS_KEPT`), the last job whose first piece was sent, and a request to skip the stop's
+    idle-time work.
 
     Args:
         ctx: the ``multiprocessing`` context the worker is started with.
@@ -87,9 +60,8 @@ class CancelBoard:
         self._first_sent.value = job_id
 
     def wait_first_piece(self, job_id: int, timeout_s: float = FIRST_PIECE_WAIT_S) -> bool:
-        """Wait until the server marks ``job_id``'s first piece sent (True), its job is
-        cancelled, or ``timeout_s`` seconds pass (False), checking every
-        :data:`FIRST_PIECE_POLL_S`."""
+        """True once ``job_id``'s first piece is marked sent; False when it is cancelled or
+        ``timeout_s`` seconds pass."""
         deadline = time.perf_counter() + timeout_s
         while self._first_sent.value != job_id:
             if time.perf_counter() >= deadline or self.cancelled(job_id):
@@ -126,13 +98,10 @@ def idle_counters(engine) -> dict[str, int]:
 
 def worker_main(index: int, settings: dict, requests, responses, cancel: CancelBoard, log_level: str = "WARNING",
                 cores: CoreShare | None = None) -> None:
-    """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``
-    values), say ``ready`` (or ``fatal`` with the reason), then serve ``requests`` until a None
-    arrives or the server process is gone. At a None, finish the idle-time work already queued
-    (for up to :data:`STOP_DRAIN_S`, so that the conversations just answered are stored for the
-    next start); close the engine and the store on the way out. ``cores``: the CPU threads this
-    worker shares with the pool's others (None: its engine's own threads are all it uses). A
-    server that is gone ends the worker at any stage (:mod:`.parent_watch`)."""
+    """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``),
+    say ``ready`` (or ``fatal``), serve ``requests`` until a None (then drain idle-time work for up to
+    :data:`STOP_DRAIN_S`) or the server is gone; close engine and store. ``cores``: the CPU threads
+    shared with the other workers, or None."""
     # first: the engine's imports and load take seconds, and a server stopped meanwhile must
     # not leave this process behind
     watch = ParentWatch(f"worker {index}").start()
@@ -160,12 +129,8 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
 
 @contextmanager
 def stop_signals_blocked():
-    """Block :data:`STOP_SIGNALS` in the calling thread for the ``with`` block: a worker process
-    started in it starts with them blocked (the mask is kept through fork and exec), so that a
-    Ctrl-C reaching the process group while it starts up (the interpreter, the unpickling of
-    its arguments) cannot end it with a traceback before :func:`ignore_stop_signals`. A signal
-    sent to the server meanwhile is delivered at the block's end. Nothing where the platform has
-    no ``pthread_sigmask``."""
+    """Block :data:`STOP_SIGNALS` in the calling thread for the ``with`` block, so a process
+    started in it starts with them blocked. Nothing where there is no ``pthread_sigmask``."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -186,10 +151,8 @@ def ignore_stop_signals() -> None:
 
 
 def share_engine(engine, requests, cores: CoreShare | None, watch: ParentWatch, index: int) -> None:
-    """Set ``engine`` up for the worker's loop: idle-time work runs on the loop's thread between
-    requests (IdleRunner's ``threaded`` off: one thread evaluates), stopped even midway through a
-    batch by a request waiting in this worker's queue or a server that is gone; with ``cores``,
-    each evaluation takes this worker's share of the CPU threads."""
+    """Set ``engine`` up for the worker's loop: idle-time work on the loop's thread, stopped by a
+    queued request or a gone server; with ``cores``, each evaluation takes this worker's share."""
     engine.idle.threaded = False
     engine.idle.busy = lambda: not requests.empty() or watch.gone
     if cores is not None:
@@ -255,9 +218,8 @@ def run_idle(engine, cores: CoreShare | None) -> bool:
 
 
 def make_room(engine, cores: CoreShare | None, n_tokens: int) -> int:
-    """Idle time, once the idle-time work is done: room for injecting a conversation of
-    ``n_tokens`` tokens (``EdgeSync.make_room``), as one step of ``cores`` when given, given
-    up when a request arrives. Returns the tokens still wanted (0: the room is there)."""
+    """Make room to inject a conversation of ``n_tokens`` (``EdgeSync.make_room``), given up when a
+    request arrives. Returns the tokens still wanted (0: the room is there)."""
     t0 = time.perf_counter()
     with cores.active() if cores is not None else nullcontext(), cores.step() if cores is not None else nullcontext():
         made = engine.make_room(n_tokens, engine.idle.busy)
@@ -267,10 +229,8 @@ def make_room(engine, cores: CoreShare | None, n_tokens: int) -> int:
 
 
 def drain(engine, cancel: CancelBoard, watch: ParentWatch, index: int) -> bool:
-    """Run the engine's queued idle-time work for at most :data:`STOP_DRAIN_S`; stop (midway
-    through the batch where the engine can) when the server asks to skip it
-    (:meth:`CancelBoard.skip_drain`) or is gone, or the time is up. True
-    when the work is done."""
+    """Run queued idle-time work for at most :data:`STOP_DRAIN_S`, stopping when the server asks to skip
+    it or is gone. True when the work is done."""
     deadline = time.monotonic() + STOP_DRAIN_S
 
     def stop_reason() -> str | None:
@@ -294,16 +254,10 @@ def _error(job_id: int, status: int, message: str, err_type: str = "invalid_requ
 
 
 def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: CoreShare | None = None) -> dict:
-    """Answer one request dict (``id``, ``prompt`` (str or chat messages), ``max_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``;
-    returns the final message (``done``, ``error`` or ``cancelled``). Streamed pieces go
-    through ``emit`` (default: the worker's response queue, see :func:`worker_main`). With
-    ``cores``, the request's prefill (up to its first piece) is a :meth:`CoreShare.prefill` and
-    each later piece a :meth:`CoreShare.step`. After a stream's first piece the worker waits
-    (:meth:`CancelBoard.wait_first_piece`, at most :data:`FIRST_PIECE_WAIT_S`) until the server
-    has sent it, and no other worker computes meanwhile (:meth:`CoreShare.hold`): the workers'
-    threads fill the cores, and the server's process would otherwise forward the first token
-    (the client's TTFT) while the next one, or another worker's, is computed."""
+    """Answer one job dict (``id``, ``prompt`` (str or chat messages), ``max_tokens``,
+    ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``; returns the
+    final message (``done``, ``error`` or ``cancelled``). Streamed pieces go through ``emit``
+    (default: the response queue). With ``cores``, prefill and each later piece take their turn."""
     job_id = job["id"]
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
@@ -328,9 +282,8 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
 
 
 def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | None) -> dict:
-    """The generation loop of :func:`serve_one`: decoding ends at a stop string, an
-    end-of-generation token, ``max_tokens``, or at once when the server cancels the job (the
-    client went away); the prompt is stored in every case."""
+    """The generation loop of :func:`serve_one`: ends at a stop string, end of generation,
+    ``max_tokens`` or a cancel; the prompt is stored in every case."""
     job_id = job["id"]
     stream = engine.generate(job["prompt"], max_tokens=job["max_tokens"], stream=True,
                              temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
@@ -364,10 +317,8 @@ def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | N
 
 
 def _send_first(job: dict, piece: str, cancel: CancelBoard, emit, cores: CoreShare | None) -> None:
-    """The first piece of a stream goes to the server, and the worker waits until the server
-    has written it (:meth:`CancelBoard.wait_first_piece`) while no worker computes
-    (:meth:`CoreShare.hold`): the server's and the client's processes then have the cores
-    for it. A request that does not stream says it started (the pool routes by it)."""
+    """Send a stream's first piece and wait until the server has written it while no worker
+    computes (the client's TTFT); a non-streamed job says ``started``."""
     if emit is None:
         return
     if not job.get("stream"):

@@ -1,31 +1,10 @@
 """Erase everything a store holds: ``edgesync clear``.
 
-A store holds users' prompts (token IDs in the fragment headers and the prefix index, prompt
-text in the donor records, embeddings in the vectors and the semantic sidecar). Deleting the
-LMDB entries is not enough to erase them: LMDB frees the pages for reuse but leaves their
-bytes in ``data.mdb`` until they are overwritten. So :func:`clear_store`
-
-1. opens the store and takes its ``edgesync.lock`` exclusively without waiting
-   (``locks.OpenLock.try_exclusive``): only when no other process has the store open;
-2. if it got it: closes the LMDB environment and removes the files that hold data (the
-   semantic sidecar ``semantic.hnsw`` / ``semantic.json``, a leftover reclaim copy
-   ``.reclaim.tmp``, then ``data.mdb`` and ``lock.mdb``), syncs the directory, and reopens the
-   path, which creates an empty store (same size budget). The lock files (``edgesync.lock``,
-   ``pins.lock``, ``compact.lock``, ``semantic.lock``) stay: other processes may be waiting
-   on them;
-3. otherwise (another process has the store open and may have ``data.mdb`` mapped, or the
-   directory does not let us remove files):
-   ``FragmentStore.drop_all`` empties every database in one write transaction, and nothing
-   else is removed; the result says ``erased_files=False`` with the reason. Run the clear
-   again when the other processes are gone to erase the bytes too.
-
-A kill during step 2 leaves either the old ``data.mdb`` or none; a directory without
-``data.mdb`` opens as a new, empty store.
-
-A damaged store (``StoreDamagedError``: a truncated ``data.mdb``, which LMDB cannot open
-safely, or one whose meta pages are unreadable) is never opened: with the exclusive lock taken
-the same way, its files are removed and an empty store (default budget) created; while another
-process has it open, nothing is done.
+Deleted LMDB entries leave their bytes in ``data.mdb``'s free pages, so when no other process
+has the store open (``OpenLock.try_exclusive``) :func:`clear_store` removes the data files
+(:data:`ERASED_FILES`; the lock files stay) and recreates an empty store; otherwise it empties
+every database in one transaction (``erased_files=False``). A damaged store is never opened:
+its files are removed under the same lock.
 """
 
 from __future__ import annotations
@@ -49,8 +28,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ClearResult", "check_store_path", "clear_store"]
 
 ERASED_FILES = (SIDECAR_HNSW, SIDECAR_JSON, TMP_NAME, "data.mdb", "lock.mdb")
-"""Files a real erase removes from the store directory, in this order (the data file last but
-its lock file, so that a kill midway never leaves a sidecar without its store)."""
+"""Files a real erase removes, in this order (data last but its lock file: a kill midway never
+leaves a sidecar without its store)."""
 
 
 @dataclass
@@ -61,13 +40,11 @@ class ClearResult:
         path: the store directory.
         fragments_removed: fragments the store held before (all removed).
         bytes_before: size of ``data.mdb`` before, bytes.
-        bytes_after: size of ``data.mdb`` after, bytes (an empty store's after a real erase;
-            unchanged after the fallback, whose freed pages stay in the file).
-        erased_files: True when the files were removed and the store recreated (the old bytes
-            are gone from the disk's view of the store); False for the fallback.
+        bytes_after: size of ``data.mdb`` after, bytes.
+        erased_files: True when the files were removed and the store recreated; False for the
+            one-transaction fallback.
         reason: why the files were or were not erased.
-        files_removed: names of the files removed from the directory (empty for the
-            fallback).
+        files_removed: names of the files removed (empty for the fallback).
     """
 
     path: str
@@ -84,13 +61,11 @@ class ClearResult:
 
 
 def check_store_path(path: str | os.PathLike) -> Path:
-    """The store directory ``path`` (``~`` expanded) when it holds an EdgeSync store's
-    ``data.mdb``; nothing is created or changed.
+    """The store directory ``path`` (``~`` expanded) when it holds a ``data.mdb``; changes nothing.
 
     Raises:
-        StoreNotFoundError: nothing exists at ``path`` (a ``FileNotFoundError``).
-        StoreOpenError: ``path`` is empty, is not a directory, cannot be read, or holds no
-            ``data.mdb``.
+        StoreNotFoundError: nothing exists at ``path``.
+        StoreOpenError: ``path`` is empty, not a directory, unreadable, or holds no ``data.mdb``.
     """
     if not str(path).strip():
         raise StoreOpenError("store path: is empty")
@@ -113,24 +88,18 @@ def _data_bytes(path: Path) -> int:
 
 
 def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> ClearResult:
-    """Erase every fragment, prefix-index entry, lifecycle record, donor record and vector of
-    the store at ``path``, and its semantic sidecar files (module docstring: erase the files
-    when no other process has the store open, else empty it in one transaction).
+    """Erase every record of the store at ``path`` and its semantic sidecar files.
 
     Args:
         path: an existing store directory (never created here).
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
 
-    Returns:
-        A :class:`ClearResult` (sizes in bytes of ``data.mdb``).
-
     Raises:
         StoreNotFoundError: nothing at ``path``.
-        StoreOpenError: ``path`` is not a directory, holds no EdgeSync store, or is
-            not writable.
+        StoreOpenError: not a directory, no EdgeSync store, or not writable.
         StoreFormatError: the store was written by a newer format version.
-        StoreBusyError: another process held the store exclusively for ``open_timeout_s``,
-            or has a damaged store open.
+        StoreBusyError: another process held it exclusively for ``open_timeout_s``, or has a
+            damaged store open.
         OSError, StoreIOError: removing or recreating the files failed.
     """
     path = check_store_path(path)
@@ -187,11 +156,10 @@ def _remove_files(path: Path) -> list[str]:
 
 
 def _clear_damaged(path: Path, damage: str, open_timeout_s: float) -> ClearResult:
-    """Erase a store that cannot be opened (``damage`` says why) and create an empty one, when
-    no other process has it open (module docstring).
+    """Erase a store that cannot be opened (``damage`` says why) and create an empty one.
 
     Raises:
-        StoreBusyError: another process has it open (or holds it exclusively).
+        StoreBusyError: another process has it open.
         OSError: removing or recreating the files failed.
     """
     bytes_before = _data_bytes(path)

@@ -1,15 +1,7 @@
 """What a fragment store holds, as rows and a summary, for ``edgesync dump`` and ``tools/dump.py``.
 
-Everything here reads headers only (``FragmentStore.iterate``: no decompression). The row and
-summary functions are pure; :func:`render_table` and :func:`render_lifetime_table` build rich
-Tables; the command that prints them is :mod:`edgesync_store.commands.dump`.
-
-The per-fragment rows show the stored lifetime (``ttl.py``) and an ``expired`` flag;
-:func:`lifetime_summary` counts an expired fragment in the ``expired`` row only (not in its
-lifetime's).
-
-Units: sizes are bytes, times are Unix seconds (plus an ISO-8601 local time with offset),
-``expires_in_s`` is seconds from now (negative once expired).
+Reads headers only (no decompression). Sizes are bytes, times Unix seconds (with ISO-8601 local
+times), ``expires_in_s`` seconds from now (negative once expired).
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ FINGERPRINT_PREFIX_CHARS = 12
 EXPIRED = "expired"
 TOTAL = "total"
 SUMMARY_ROWS = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT, EXPIRED, TOTAL)
-"""Rows of :func:`lifetime_summary`, in order: live short-lived fragments, live long-lived ones,
-documents' fragments, expired ones (whatever their lifetime) and all of them."""
+"""Rows of :func:`lifetime_summary`: live short, live long, documents, expired, all."""
 
 def iso_time(t: float | None) -> str | None:
     """ISO-8601 local time with offset, to the second; None for 0/None (never happened)."""
@@ -59,17 +50,13 @@ def iso_time(t: float | None) -> str | None:
 def fragment_rows(store: MaintenanceBackend, now: float | None = None) -> list[dict[str, Any]]:
     """One JSON-able row per stored fragment, oldest first (corrupt rows last).
 
-    Row fields: ``key`` (first 12 hex chars of the store key), ``corrupt`` (the header does not
-    parse; the other header fields are then None), ``tokens`` ``"start-end"``, ``span`` (tokens),
-    ``layers`` ``"start:end:stride"``, ``heads`` ``"start:end"``, ``raw_bytes`` (K+V before
-    compression), ``compressed_bytes`` (the stored blob), ``lifetime`` (``"short"``, ``"long"`` or ``"document"``,
-    as stored: an expired fragment keeps its lifetime and has ``expired`` True), ``hits``,
-    ``last_hit`` (ISO or None), ``last_hit_at``, ``last_used`` (ISO of the later of the last
-    hit and creation: the recency eviction orders by), ``last_used_at``, ``expires`` (ISO),
-    ``expires_at``, ``expires_in_s`` (seconds from ``now``, negative once past), ``expired``
-    (``expires_at <= now``: the store no longer serves it; a fragment without a lifecycle
-    record counts as expired, as in the store), ``engine``, ``model`` (first 12 hex chars of
-    the model fingerprint), ``created`` (ISO), ``created_at``.
+    Row fields: ``key`` (12 hex chars), ``corrupt`` (header unparsable; other header fields None),
+    ``tokens`` ``"start-end"``, ``span``, ``layers`` ``"start:end:stride"``, ``heads``
+    ``"start:end"``, ``raw_bytes`` (K+V uncompressed), ``compressed_bytes``, ``lifetime`` (as
+    stored), ``hits``, ``last_hit``/``last_hit_at``, ``last_used``/``last_used_at`` (later of last
+    hit and creation), ``expires``/``expires_at``, ``expires_in_s``, ``expired`` (``expires_at <=
+    now``, or no lifecycle record), ``engine``, ``model`` (12 hex chars of the fingerprint),
+    ``created``/``created_at``.
 
     Args:
         store: an open store (read-only is enough).
@@ -134,25 +121,11 @@ def _empty_counts() -> dict[str, int]:
 
 
 def lifetime_summary(store: MaintenanceBackend, now: float | None = None) -> dict[str, Any]:
-    """Counts and sizes by lifetime, the size budget and the file size of ``store``.
-
-    Returns a JSON-able dict:
-
-    * ``path``; ``now`` (the Unix seconds expiry was judged at);
-    * ``lifetimes``: ``{"short", "long", "document", "expired", "total"}`` -> ``{"fragments", "stored_bytes"
-      (compressed blobs), "raw_bytes" (K + V before compression), "hits" (sum of hit
-      counts)}``; an expired fragment counts in ``expired`` only, so ``short + long + document
-      + expired == total``;
-    * ``corrupt``: fragments whose header does not parse (counted in their lifetime, with the
-      lifecycle record's raw size);
-    * ``used_bytes`` (the store's running sum of stored blobs, what the budget bounds),
-      ``max_bytes`` (the budget), ``used_percent`` (``100 * used / max``, 2 decimals);
-    * ``data_mdb_bytes``: the size of ``data.mdb`` on disk (free pages included).
-
-    Args:
-        store: an open store (read-only is enough).
-        now: Unix seconds the expiry is judged at (default: the store's clock).
-    """
+    """Counts and sizes of ``store`` by lifetime, as a JSON-able dict: ``path``, ``now``;
+    ``lifetimes``: ``{"short", "long", "document", "expired", "total"}`` -> ``{"fragments",
+    "stored_bytes", "raw_bytes", "hits"}`` (an expired fragment counts in ``expired`` only);
+    ``corrupt``; ``used_bytes``, ``max_bytes``, ``used_percent`` (2 decimals); ``data_mdb_bytes``
+    (file size, free pages included). ``now``: Unix seconds (default: the store's clock)."""
     now = store.clock() if now is None else now
     lifetimes = {name: _empty_counts() for name in SUMMARY_ROWS}
     corrupt = 0
@@ -184,9 +157,9 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
 
     Raises:
         StoreNotFoundError: nothing at ``path`` (it is not created).
-        StoreOpenError: ``path`` is a file, or the directory holds no EdgeSync store, or cannot be read.
+        StoreOpenError: ``path`` is a file, holds no EdgeSync store, or cannot be read.
         StoreUnavailableError: the directory cannot be read (permission).
-        lmdb.Error, StoreFormatError: the directory is not a readable EdgeSync store.
+        lmdb.Error, StoreFormatError: not a readable EdgeSync store.
     """
     path = Path(path).expanduser()
     exists, is_dir, readable = path_state(path)
@@ -199,9 +172,8 @@ def open_store_readonly(path: str | os.PathLike) -> FragmentStore:
     return FragmentStore(path, readonly=True)
 
 def load_report(path: str | os.PathLike, limit: int | None = None, now: float | None = None) -> dict[str, Any]:
-    """``{"fragments": rows (the first ``limit``), "summary": summary}`` of the store at ``path``
-    (opened read-only; see :func:`open_store_readonly` for the errors). ``now``: Unix seconds
-    the expiry is judged at (default ``time.time()``)."""
+    """``{"fragments": the first ``limit`` rows, "summary": ...}`` of the store at ``path``, opened
+    read-only (errors: :func:`open_store_readonly`). ``now``: Unix seconds (default ``time.time()``)."""
     now = time.time() if now is None else now
     with open_store_readonly(path) as store:
         rows = fragment_rows(store, now)

@@ -1,20 +1,16 @@
 """Cross-process coordination of one store through three lock files in its directory.
 
-* ``edgesync.lock`` (``flock``): every process that has the store open holds a **shared**
-  lock on it; the disk reclaim (``reclaim.py``) and ``clear`` need it **exclusive**, i.e. no
-  other process has the store open, before they replace ``data.mdb``. A process opening the
-  store while a reclaim runs waits for it (:class:`OpenLock`).
-* ``compact.lock`` (``flock``, exclusive, never waited for): held by the one process that is
-  compacting the store (:class:`CompactLock`); another compactor skips its run.
-* ``pins.lock`` (Linux open-file-description byte-range locks, ``F_OFD_SETLK``): a request
-  that is injecting fragments holds a shared lock on one byte per fragment (the offset is
-  the first 6 bytes of its store key); eviction probes that byte through another open file
-  description (``F_OFD_GETLK``) and skips a pinned fragment, whatever process pinned it. The
-  kernel drops a killed process's locks, so a crash never leaves a fragment pinned. Without
-  OFD locks (not Linux) pins are seen only within the process.
+* ``edgesync.lock`` (``flock``): shared while a process has the store open; exclusive for
+  reclaim and clear (:class:`OpenLock`).
+* ``compact.lock`` (``flock``, exclusive, never waited for): one compactor at a time
+  (:class:`CompactLock`).
+* ``pins.lock`` (Linux OFD byte-range locks, ``F_OFD_SETLK``): a shared lock on one byte per
+  fragment being injected (offset: the first 6 bytes of its store key); eviction probes it with
+  ``F_OFD_GETLK`` (:class:`PinTable`). The kernel drops a dead process's locks. Without OFD
+  locks (not Linux) pins are seen only within the process.
 
-``flock`` and OFD locks belong to an open file description, so two ``FragmentStore`` objects in
-one process coordinate like two processes (unlike POSIX ``fcntl`` record locks).
+Both lock kinds belong to an open file description, so two stores in one process coordinate
+like two processes (unlike POSIX ``fcntl`` record locks).
 """
 
 from __future__ import annotations
@@ -107,11 +103,8 @@ class OpenLock:
 
 
 class PinTable:
-    """Fragments that requests are injecting right now, visible to every process.
-
-    ``with pins.pinned(keys): ...`` pins the store keys for the block; :meth:`is_pinned` tells
-    eviction whether any request (this process or another) has a key pinned.
-    """
+    """Fragments that requests are injecting now, visible to every process: ``with
+    pins.pinned(keys)`` pins store keys for the block; :meth:`is_pinned` tells eviction."""
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / PINS_LOCK_NAME
@@ -180,11 +173,9 @@ class PinTable:
 
 
 class CompactLock:
-    """``with CompactLock(store_dir) as acquired:``: the exclusive, non-blocking ``flock`` on
-    ``compact.lock`` that makes one process at a time compact a store. ``acquired`` is False
-    (and nothing is held) when another process, or another thread with its own lock object,
-    is compacting. With ``required=False`` (a dry run) a lock file that cannot be created
-    (a read-only directory) lets the run go ahead.
+    """``with CompactLock(store_dir) as acquired:`` the exclusive, non-blocking ``flock`` on
+    ``compact.lock``; ``acquired`` is False when another process or lock object holds it. With
+    ``required=False`` (a dry run) a lock file that cannot be created lets the run go ahead.
 
     Raises:
         OSError: the lock file cannot be created or opened (``required``).

@@ -1,23 +1,16 @@
 """Document records: what the store keeps about a document beside its KV fragments.
 
-A document is text an application adds on purpose (a note, a manual page, a retrieved passage)
-so that its KV is computed once and reused wherever it appears in later prompts. Its KV lives
-in ordinary fragments: the chain of its own token IDs from position 0 (after an optional fixed
-header), in the model's namespace, in the ``document`` lifetime (``ttl.LIFETIME_DOCUMENT``:
-never expired by the TTL, evicted last). This module keeps the record that lets the request
-path find that chain again, list documents and retrieve them by meaning, in a named LMDB
-database ``documents`` of the store's own environment::
+A document's KV lives in ordinary fragments (its own token chain from position 0, after an
+optional header, in the ``document`` lifetime). Its record, in the named LMDB database
+``documents``::
 
-    key: document key (32 bytes) = SHA-256(tag + namespace digest + the document's token IDs
-        as <i4), :func:`document_key`
+    key: SHA-256(tag + namespace digest + token IDs as <i4) (32 bytes, :func:`document_key`)
     value: <I json length, UTF-8 JSON {"title", "source", "text", "added_at"},
-        <I n, n <i4 token IDs (the document's own), <I h, h <i4 header token IDs,
+        <I n, n <i4 token IDs, <I h, h <i4 header token IDs,
         <I m, <I d, m x d <f4 window embeddings (unit rows; d = 384 for MiniLM-L6-v2)
-    key GENERATION_KEY (10 bytes): <Q, bumped by every write, so that an open retrieval index
-        knows when to rebuild
+    key GENERATION_KEY (10 bytes): <Q, bumped by every write
 
-A record says nothing about whether the fragments are still there: readers walk the chain
-and recompute what is missing.
+A record does not promise that its fragments are still stored.
 """
 
 from __future__ import annotations
@@ -63,8 +56,7 @@ class DocumentRecord:
     Attributes:
         namespace_digest: 32 bytes, the namespace its KV is stored in.
         tokens: int32 ``[n]``, the document's own token IDs (tokenized alone, no BOS).
-        header: int32 ``[h]``, the tokens its KV was computed after (its chain is ``header +
-            tokens``; empty: computed standalone).
+        header: int32 ``[h]``, the tokens its KV was computed after (empty: standalone).
         title, source: what the application called it (may be empty).
         text: the document's text.
         added_at: Unix seconds.

@@ -1,27 +1,11 @@
 """The connection to the remote tier: redis-py clients, a circuit breaker and the counters.
 
-:class:`RemoteClient` owns two redis-py clients on one server (or one Redis Cluster): a *fast*
-one for index lookups and fragment fetches before the first token, whose socket timeout
-(``remote_timeout_ms``, a few milliseconds) bounds each read, and a *slow* one for the
-background writer and the commands (``remote_write_timeout_ms``). A socket timeout bounds one
-read, not a call: a reply that trickles in small reads can take far longer, so a fetch also has
-a deadline of its own (``tier.KeyLayout.fetch``, ``TieredStore``'s ``fetch_budget_ms``).
-Neither client retries: a failed call is reported at once and the caller goes on with the local
-tier alone.
-
-:meth:`RemoteClient.call` runs one operation through the :class:`CircuitBreaker`: after
-``FAILURES_TO_OPEN`` (3) failures in a row the breaker opens and calls are skipped without
-touching the network for ``retry_s`` seconds, doubling on every failed probe up to
-``MAX_RETRY_FACTOR`` (8) times that; then one call probes the server, and a success closes the
-breaker. A fetch that overruns its whole budget (``tier.FetchBudgetSpent``) opens it at once.
-An out-of-memory refusal (``OOM command not allowed``: Redis at ``maxmemory`` with
-``noeviction``) is counted apart and does not open the breaker, since reads still work then.
-
-Every failure is counted in :class:`RemoteCounters` by kind (``timeout``, ``connection``,
-``oom``, ``other``) and logged: the first of each kind in a run at WARNING, with the count so
-far, the repeats at DEBUG (:meth:`RemoteClient.note`), the breaker opening and closing at
-WARNING and INFO, so a dead or full remote does not flood the log. Log lines name
-the server by its redacted URL only (``url.RemoteURL``).
+:class:`RemoteClient` holds a *fast* client (index lookups and fetches before the first token,
+socket timeout ``remote_timeout_ms`` per read) and a *slow* one (background writer, commands;
+``remote_write_timeout_ms``). Neither retries. Every call goes through the
+:class:`CircuitBreaker`; failures are counted by kind in :class:`RemoteCounters` and logged once
+per kind at WARNING, repeats at DEBUG. Log lines name the server by its redacted URL only.
+Behaviour under faults: docs/architecture.md, "Shared remote tier: security and faults".
 """
 
 from __future__ import annotations
@@ -56,8 +40,7 @@ __all__ = ["CircuitBreaker", "FAILURES_TO_OPEN", "RemoteClient", "RemoteCounters
 
 class RemoteUnavailable(Exception):
     """A remote call was skipped (breaker open) or failed; ``kind`` is one of ``skipped``,
-    ``timeout``, ``connection``, ``oom``, ``other``. Never crosses the storage seam: the tiered
-    backend turns it into local-only service."""
+    ``timeout``, ``connection``, ``oom``, ``other``. Never crosses the storage seam."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -69,10 +52,9 @@ class RemoteCounters:
     """What the remote tier did since the backend opened (counts; bytes).
 
     Attributes:
-        walks: prefix walks over both tiers run (the local walk fell short of the prompt).
+        walks: prefix walks over both tiers (the local walk fell short of the prompt).
         walk_gains: of those, walks that reached further than the local one.
-        walk_splits: of the gains, walks whose chain took spans from both tiers (a chain part of
-            which Redis evicted while the local store kept it, or the reverse).
+        walk_splits: of the gains, walks whose chain took spans from both tiers.
         hits: fragments fetched from the remote, verified and served.
         bytes_fetched: compressed bytes of those fragments.
         misses: fragments the remote walk offered that were gone when fetched.
@@ -81,14 +63,13 @@ class RemoteCounters:
         bytes_written: their compressed bytes.
         hits_recorded: hit counts added to remote counters.
         deletes: fragments removed from the remote (forget, corrupt).
-        queue_drops: write-behind jobs dropped, the oldest first, because the queue was full.
+        queue_drops: write-behind jobs dropped (oldest first) because the queue was full.
         write_skips: write-behind jobs not sent because the remote was unavailable.
-        timeout, connection, oom, other: failed calls by kind (``timeout``: a socket read's timeout,
-            or a fetch over its whole budget).
+        timeout, connection, oom, other: failed calls by kind (``timeout`` includes a fetch over
+            its whole budget).
         skipped: calls not made because the breaker was open.
         breaker_opens: times the breaker opened.
-        bad_values: remote values of the wrong type or form (a hit counter that is not a count,
-            a key of another type: ``tier.KeyLayout.on_bad``), skipped and deleted.
+        bad_values: remote values of the wrong type or form, skipped and deleted.
     """
 
     walks: int = 0
@@ -123,11 +104,11 @@ class RemoteCounters:
 
 
 class CircuitBreaker:
-    """Closed (calls go through), open (calls skipped until ``retry_s`` pass), half-open (one
-    probe). Thread-safe.
+    """Closed (calls go through), open (skipped for ``retry_s``), half-open (one probe).
+    Thread-safe. Opens after ``FAILURES_TO_OPEN`` failures in a row.
 
     Args:
-        retry_s: seconds an open breaker waits before a probe (doubles per failed probe, up to
+        retry_s: seconds an open breaker waits before a probe (doubling per failed probe, up to
             ``MAX_RETRY_FACTOR`` times).
         clock: monotonic seconds (``time.monotonic``).
     """
@@ -159,9 +140,7 @@ class CircuitBreaker:
             return was_open
 
     def failure(self, at_once: bool = False) -> bool:
-        """Record a failure; True when it opened the breaker (after ``FAILURES_TO_OPEN`` in a
-        row, or at once with ``at_once``), False when it was open already (a failed probe: it
-        then waits longer) or stays closed."""
+        """Record a failure (``at_once``: open now); True when this opened the breaker."""
         with self.lock:
             self.failures += 1
             if self.open_until is not None:  # a failed probe: wait longer
@@ -175,11 +154,9 @@ class CircuitBreaker:
 
 
 CLIENT_ERRORS = (redis.RedisError, RedisClusterException, OSError)
-"""What a redis-py call may raise: its own errors (a cluster's setup errors are not
-``RedisError``s) and the socket's."""
+"""What a redis-py call may raise (a cluster's setup errors are not ``RedisError``s)."""
 REPLY_ERRORS = (ValueError, TypeError, LookupError, AttributeError)
-"""What using a reply of an unexpected form may raise (the tier validates what it reads, this is
-the net below it): counted as ``other`` like a failed call, never raised to a request."""
+"""What using a reply of an unexpected form may raise: counted as ``other``, never raised."""
 
 
 def _classify(exc: Exception) -> str:
@@ -206,11 +183,10 @@ its timeouts, no retries, binary RESP2 replies."""
 
 
 def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
-    """None when redis-py can use ``url``'s query arguments as the tier passes them, else what
-    is wrong (the URL redacted, never a value): an argument the tier does not pass on
-    (:data:`URL_OPTIONS`, :data:`TLS_OPTIONS` with ``rediss://``) or sets itself
-    (:data:`FIXED_OPTIONS`), a value redis-py's own URL parser refuses, a database other than 0
-    on a Redis Cluster."""
+    """None when redis-py can use ``url``'s query arguments as the tier passes them, else what is
+    wrong (redacted): an argument outside :data:`URL_OPTIONS` (:data:`TLS_OPTIONS` with
+    ``rediss://``), one in :data:`FIXED_OPTIONS`, a value redis-py refuses, a database other than 0
+    on a cluster."""
     from urllib.parse import parse_qsl, urlsplit
 
     from redis.connection import parse_url
@@ -263,18 +239,15 @@ def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
 
 
 class RemoteClient:
-    """The remote tier's clients, breaker and counters.
+    """The remote tier's clients, breaker and counters. Connecting is lazy: opening never fails
+    for an unreachable remote; its first calls fail and count.
 
     Args:
         url: the server (any node of a cluster).
         cluster: True for Redis Cluster (``RedisCluster``), False for one server.
-        timeout_ms: timeout of each socket read (and connect) of the fast client, milliseconds
-            (redis-py's ``socket_timeout``: one read, not a whole call; module docstring).
-        write_timeout_ms: the same for the slow client (background and commands).
+        timeout_ms: the fast client's socket read and connect timeout, ms (redis-py's ``socket_timeout``).
+        write_timeout_ms: the same for the slow client.
         retry_s: seconds the open breaker waits before probing again.
-
-    Connecting is lazy (a cluster's slot map is read on the first call), so opening never
-    fails for an unreachable remote: the first calls fail and count instead.
     """
 
     def __init__(self, url: RemoteURL, cluster: bool = False, timeout_ms: float = 50.0,
@@ -323,8 +296,7 @@ class RemoteClient:
                 setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def call(self, which: str, op: Callable[[object], T], what: str) -> T:
-        """``op(client)`` on the ``which`` client through the breaker; ``what`` names the
-        operation in log lines.
+        """``op(client)`` on the ``which`` client through the breaker; ``what`` names it in logs.
 
         Raises:
             RemoteUnavailable: the breaker is open (``skipped``) or the call failed (its kind).
@@ -392,11 +364,10 @@ class RemoteClient:
 
 
 def checked_target(url: "RemoteURL | str", prefix: str, cluster: bool = False) -> RemoteURL:
-    """``url`` parsed and, with ``prefix``, checked the way every command and the tiered store
-    use them (:func:`check_prefix`, :func:`check_options`).
+    """``url`` parsed and, with ``prefix``, checked (:func:`check_prefix`, :func:`check_options`).
 
     Raises:
-        ValueError: a bad URL or query argument (message redacted) or key prefix.
+        ValueError: a bad URL, query argument (message redacted) or key prefix.
     """
     try:
         url = url if isinstance(url, RemoteURL) else RemoteURL(url)

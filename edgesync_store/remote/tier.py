@@ -1,31 +1,16 @@
-"""The remote tier's key layout and its operations, one redis-py pipeline (one round trip) each.
+"""The remote tier's key layout and its operations, one redis-py pipeline (round trip) each.
 
-Keys (``P`` = the deployment's prefix, ``EDGESYNC_REMOTE_PREFIX``, which holds no ``:``, so that
-the keys of two prefixes never overlap; ``K`` = the 64 hex digits
-of a store key, ``schema.store_key``; a Redis Cluster hash tag ``{K}`` keeps a fragment's two
-keys on one node)::
+Keys (``P`` the prefix, holding no ``:``; ``K`` the 64 hex digits of a store key; the hash tag
+``{K}`` keeps a fragment's keys on one cluster node)::
 
-    P:{K}:b              string  the fragment's blob, exactly core/codec.py's bytes
-                                 EXPIRE: the fragment's lifetime (short: what is left of
-                                 it; long or document: the long lifetime, renewed on hits)
-    P:{K}:n              string  hits counted by every node (INCRBY), same EXPIRE as the blob
-    P:i:<ns><prefix>     hash    the prefix index: field = store key (32 raw bytes), value =
-                                 the blob's head (codec: magic, version, header JSON, token
-                                 IDs, embedding, head checksum; no tensors), so a walk reads
-                                 headers without blobs; <ns> and <prefix> are the hex of the
-                                 namespace digest and the prefix hash (as LMDB's by_prefix)
-                                 EXPIRE: the long lifetime, renewed by every write
-    P:ns                 hash    namespace digest (32 raw bytes) -> its JSON (``to_dict``)
+    P:{K}:b           string  the blob, exactly core/codec.py's bytes; EXPIRE the lifetime left
+    P:{K}:n           string  hits counted by every node (INCRBY), same EXPIRE as the blob
+    P:i:<ns><prefix>  hash    store key (32 raw bytes) -> the blob's head (no tensors); <ns>,
+                              <prefix>: hex of namespace digest and prefix hash; EXPIRE long
+    P:ns              hash    namespace digest (32 raw bytes) -> its JSON (``to_dict``)
 
-An index field can outlive its blob (Redis expired or evicted the blob): walks check that the
-blobs exist and drop such fields. Every command used is listed in :data:`COMMANDS` (the
-README's ACL user grants exactly these).
-
-Every reply is validated before use: the server is shared, and anything with write access to it
-(a script, another program, a hand-typed ``SET``) can leave a value of the wrong type or form
-under one of these names. Such a value is skipped (the operation goes on as if it were absent)
-and reported to :attr:`KeyLayout.on_bad` with the key's name and what is wrong, which deletes
-it (``tiered.TieredStore``); it never fails the operation.
+Every command used is in :data:`COMMANDS`. Every reply is validated: a value of the wrong type or
+form is skipped as absent and reported to :attr:`KeyLayout.on_bad`, never failing the operation.
 """
 
 from __future__ import annotations
@@ -55,9 +40,8 @@ __all__ = ["CLUSTER_COMMANDS", "COMMANDS", "FETCH_CHUNK", "FetchBudgetSpent", "F
            "parse_count", "parse_head"]
 
 FETCH_CHUNK = 128 * 1024
-"""Bytes of a blob read per round trip (``GETRANGE``): the fetch's deadline is checked between
-chunks, so it is overrun by at most one chunk's transfer; on loopback the chunked read is no
-slower than one ``GET`` (``docs/measurements.md``)."""
+"""Bytes of a blob read per round trip (``GETRANGE``); the fetch deadline is checked between
+chunks (docs/measurements.md)."""
 
 
 class FetchBudgetSpent(TimeoutError):
@@ -91,9 +75,8 @@ def _pttl(value: object) -> int | None:
 
 
 VALUE_ERRORS = ("WRONGTYPE", "value is not an integer", "increment or decrement would overflow")
-"""How Redis's error replies start (redis-py drops the ``ERR `` code) when the fault is the value
-under the key (another type; ``INCR`` on a value that is not a count); other error replies
-(``OOM``, ``NOPERM``, ...) are the server's, raised by :func:`_checked`."""
+"""Starts of Redis error replies (without ``ERR ``) that blame the value under the key; other
+error replies (``OOM``, ``NOPERM``, ...) are raised by :func:`_checked`."""
 
 
 def _value_fault(reply: object) -> bool:
@@ -134,14 +117,12 @@ def parse_head(value: bytes) -> FragmentHeader | None:
 
 
 class KeyLayout:
-    """Key names under one prefix (module docstring) and the operations on them.
-
-    Every operation takes the redis-py client to use (``RemoteClient.call`` supplies it) and
-    returns plain values; redis-py's errors propagate to that call, which counts them.
+    """Key names under one prefix and the operations on them. Each takes the redis-py client
+    (``RemoteClient.call`` supplies it); redis-py's errors propagate to that call.
 
     Args:
         prefix: the deployment's key prefix (``url.check_prefix``; ValueError otherwise).
-        on_bad: told of every unusable value met (module docstring); default: logged here.
+        on_bad: told of every unusable value met; default: logged here.
     """
 
     def __init__(self, prefix: str, on_bad: BadValue | None = None) -> None:
@@ -192,12 +173,9 @@ class KeyLayout:
 
     def fetch(self, client, key: bytes, deadline: float | None = None, chunk: int = FETCH_CHUNK,
               clock: Callable[[], float] = time.monotonic) -> Fetched:
-        """One fragment's blob, summed hit count and time left. The blob is read ``chunk`` bytes
-        per round trip (the first chunk, its length, the counter and ``PTTL`` in one pipeline),
-        and before each further chunk the ``deadline`` (``clock()`` seconds) is checked: the
-        socket's timeout bounds each read, this bounds the whole fetch. A blob key of another
-        type, a counter that is not a decimal count (both reported to ``on_bad``) or an unusable
-        ``PTTL`` reply read as absent; a blob that shrinks while read (deleted) as absent.
+        """One fragment's blob, summed hit count and time left, read ``chunk`` bytes per round trip;
+        ``deadline`` (``clock()`` seconds) is checked before each further chunk. Unusable values and a
+        blob deleted while read read as absent.
 
         Raises:
             FetchBudgetSpent: ``deadline`` passed before the blob was read whole.
@@ -256,16 +234,12 @@ class KeyLayout:
 
     def put(self, client, key: bytes, blob: bytes, head: FragmentHeader, head_bytes: bytes, ttl_s: int,
             index_ttl_s: int) -> bool:
-        """Store a fragment: its blob unless it is there (``EXISTS``, then ``SET NX`` with
-        ``ttl_s`` seconds to live), then, only once the blob is stored (now or before), its index
-        field (the index hash's expiry set to ``index_ttl_s``) and its namespace. A blob whose
-        index field is missing (an earlier writer's index write was refused) is so indexed again.
-        Up to three round trips (the blob and the index hash may live on different cluster
-        nodes, so no transaction spans them). True when the blob was written now.
+        """Store a fragment: its blob unless present (``SET NX``, ``ttl_s`` seconds), then, once the blob
+        is stored, its index field (hash expiry ``index_ttl_s``) and namespace. Up to three round trips
+        (no transaction spans cluster nodes). True when the blob was written now.
 
         Raises:
-            redis.ResponseError: ``OOM`` when the server is full (``noeviction``); a refused
-                blob leaves no index field behind.
+            redis.ResponseError: ``OOM`` when the server is full; a refused blob leaves no index field.
         """
         bkey = self.blob_key(key)
         wrote = False
@@ -282,12 +256,9 @@ class KeyLayout:
         return wrote
 
     def add_hits(self, client, keys: Sequence[bytes], ttl_s: float, long_ttl_s: float, promote_hits: int) -> int:
-        """Count one hit on each stored fragment of ``keys``; a fragment whose summed hits reach
-        ``promote_hits``, or that is long-lived already (more than ``ttl_s`` left), gets
-        ``long_ttl_s`` seconds to live again (blob and counter); a short-lived one keeps its
-        expiry (the counter follows it). Two pipelines. Returns the hits counted. A counter
-        ``INCR`` refuses (not a count, another type) is reported to ``on_bad`` and its hit not
-        counted; the other keys' hits are."""
+        """Count one hit on each stored fragment of ``keys``; one whose hits reach ``promote_hits``, or
+        that is long-lived already, gets ``long_ttl_s`` seconds again. Two pipelines. Returns the hits
+        counted (a counter ``INCR`` refuses goes to ``on_bad``, uncounted)."""
         if not keys:
             return 0
         pipe = client.pipeline(transaction=False)
@@ -340,9 +311,8 @@ class KeyLayout:
         return self._own.fullmatch(text) is not None
 
     def clear(self, client, batch: int = 500) -> int:
-        """Remove every key of this layout (``SCAN`` of ``PREFIX:*`` on every node, each name
-        checked by :meth:`own`, then ``UNLINK``); returns the keys removed. Keys of other
-        prefixes, and other names under this one, are untouched."""
+        """Remove every key of this layout (``SCAN`` of ``PREFIX:*`` on every node, each name checked by
+        :meth:`own`, then ``UNLINK``); returns the keys removed."""
         removed, todo = 0, []
         for name in client.scan_iter(match=f"{self.prefix}:*", count=1000):
             if not self.own(name):

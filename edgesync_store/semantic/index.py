@@ -1,17 +1,9 @@
-"""SemanticIndex: an HNSW (hnswlib) sidecar beside a FragmentStore, rebuildable from LMDB.
+"""SemanticIndex: an HNSW (hnswlib) graph over a FragmentStore's vectors, rebuildable from LMDB.
 
-The vectors, their labels, generation counter and change log live in the store's LMDB
-environment (:mod:`edgesync_store.semantic.vectors`, which also says how a reader catches up
-and why a store never mixes two embedders); the hnswlib graph is only a cache of them, saved
-beside the LMDB files (:mod:`edgesync_store.semantic.sidecar`) and rebuilt from LMDB whenever
-it is missing, damaged (warning) or of another store. Fragments that the store deleted on its
-own (expiry, compaction) are noticed by :meth:`SemanticIndex.sync` and by
-:meth:`SemanticIndex.query` (every result is checked against the store's ``fragments``
-database) and their vectors removed.
-
-Graph parameters (DESIGN.md 2.1): inner-product space on L2-normalised vectors (so distance =
-1 - cosine), M = 16, ef_construction = 200, ef_search = 100 by default. The graph and its
-labels' keys are a :class:`~edgesync_store.semantic.graph.LabelGraph`.
+The vectors live in the store's LMDB (:mod:`.vectors`); the graph is a cache of them
+(:mod:`.sidecar`), rebuilt when missing, damaged or of another store. Inner-product space on
+unit vectors (distance = 1 - cosine), M = 16, ef_construction = 200, ef_search = 100
+(../shared/DESIGN.md 2.1).
 """
 
 from __future__ import annotations
@@ -67,11 +59,8 @@ def _import_hnswlib():
 
 def drop_vectors(store) -> int:
     """Remove every stored vector and the index's metadata from ``store`` (one write
-    transaction) and delete the sidecar files; return how many vectors were removed.
-
-    Afterwards any embedding backend may open a :class:`SemanticIndex` on the store. Processes
-    that had an index open notice the change at their next query and reload.
-    """
+    transaction) and delete the sidecar files; returns the vectors removed. Any backend may then
+    open a :class:`SemanticIndex` on the store."""
     n = drop_all(store)
     for name in (SIDECAR_HNSW, SIDECAR_JSON):
         try:
@@ -83,23 +72,18 @@ def drop_vectors(store) -> int:
 
 
 class SemanticIndex:
-    """Nearest-neighbour search over the embeddings of a FragmentStore's fragments.
+    """Nearest-neighbour search over the embeddings of a FragmentStore's fragments. Opening loads
+    the sidecar if intact, else rebuilds from LMDB, then catches up with LMDB.
 
     Args:
-        store: an open ``FragmentStore``; its LMDB environment holds the vectors. Close the
-            index before the store.
-        embedder_backend_id: ``backend_id`` of the embedder whose vectors this index holds (an
-            ``Embedder`` is accepted too), e.g. ``"all-MiniLM-L6-v2/onnx-int8"``.
+        store: an open ``FragmentStore`` holding the vectors; close the index before it.
+        embedder_backend_id: ``backend_id`` of the embedder (or an ``Embedder``), e.g.
+            ``"all-MiniLM-L6-v2/onnx-int8"``.
         dim: vector width (384 for MiniLM-L6-v2).
         ef_search: hnswlib ef for queries.
-        num_threads: hnswlib threads for adds, queries and rebuilds (default 1: llama.cpp owns
-            the cores).
-        autosave: :meth:`close` saves the sidecar when the in-memory graph changed.
-        log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`); readers
-            further behind reconcile with the whole ``emb_vectors`` database instead.
-
-    Opening loads the sidecar if it is intact and of this store, else rebuilds the graph from
-    LMDB (a warning when LMDB holds vectors), then catches up with LMDB.
+        num_threads: hnswlib threads (default 1: llama.cpp owns the cores).
+        autosave: :meth:`close` saves the sidecar when the graph changed.
+        log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`).
 
     Raises:
         BackendMismatchError: the store holds vectors of another backend or width.
@@ -279,15 +263,12 @@ class SemanticIndex:
     # -- public API ----------------------------------------------------------------------------
 
     def add(self, key: bytes, vector) -> int:
-        """Record the embedding of the stored fragment ``key`` and index it; return its label.
+        """Record and index the embedding of the stored fragment ``key``; returns its label.
+        Re-adding the same vector (to 1e-6) is a no-op; another vector replaces it under a new label.
 
         Args:
             key: the fragment's store key; the fragment must be in the store.
-            vector: float ``[dim]`` (or ``[1, dim]``); normalised here to unit length.
-
-        Re-adding the same vector (to 1e-6 per component after normalisation) is a no-op;
-        another vector for the same key replaces the old one (new label). One LMDB write
-        transaction.
+            vector: float ``[dim]`` or ``[1, dim]``; normalised here.
 
         Raises:
             KeyError: the store holds no fragment under ``key``.
@@ -326,20 +307,10 @@ class SemanticIndex:
     def query(
         self, vector, k: int = 8, *, filter: Callable[[bytes], bool] | None = None
     ) -> list[tuple[bytes, float]]:
-        """The ``k`` stored fragments whose vectors are nearest to ``vector``.
-
-        Catches up with LMDB first when another process wrote since. Results whose fragment is
-        no longer in the store are dropped (and their vectors removed) and the search repeated.
-
-        Args:
-            vector: float ``[dim]`` (normalised here).
-            k: how many results at most (fewer when the index holds fewer).
-            filter: optional predicate on store keys; only keys for which it is True are returned.
-
-        Returns:
-            ``[(store key, cosine similarity)]``, most similar first; similarity is a Python
-            float in [-1, 1] (1.0: same direction).
-        """
+        """The ``k`` stored fragments nearest to ``vector`` (float ``[dim]``, normalised here),
+        after catching up with LMDB; results whose fragment is gone are dropped and their vectors removed.
+        ``filter``: optional predicate on store keys. Returns ``[(store key, cosine similarity in [-1, 1])]``,
+        most similar first."""
         if self._closed:
             raise RuntimeError("semantic index is closed")
         q = as_unit_rows(vector, self.dim, 1)
@@ -361,9 +332,8 @@ class SemanticIndex:
         return [r for r in results if r[0] not in gone_set]
 
     def sync(self) -> tuple[int, int]:
-        """Catch up with LMDB completely: index the vectors missing from the graph, mark
-        deleted those removed from LMDB, and remove the vectors whose fragment the store no
-        longer holds. Returns ``(added, removed)`` counts of graph changes."""
+        """Catch up with LMDB completely (index missing vectors, drop removed ones and those whose
+        fragment is gone). Returns ``(added, removed)``."""
         with self._lock:
             index_id, _ = self._vectors.state()
             if index_id != self._index_id or self._graph is None:
@@ -372,9 +342,8 @@ class SemanticIndex:
             return self._reconcile(set(self._graph.keys))
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Rebuild the graph from the vectors in LMDB (fragments gone from the store are
-        dropped), save the sidecar (unless the store is read-only) and return the number of
-        vectors indexed. ``progress(done, total)`` is called as vectors are added."""
+        """Rebuild the graph from LMDB, save the sidecar (unless read-only); returns the vectors indexed.
+        ``progress(done, total)`` is called as vectors are added."""
         with self._lock:
             n = self._rebuild_locked(progress)
             if not self.store.readonly:

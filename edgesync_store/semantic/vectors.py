@@ -1,34 +1,15 @@
-"""The LMDB side of the semantic index: fragments' embedding vectors, their labels, a
-generation counter and a change log, in the store's own LMDB environment.
+"""The LMDB side of the semantic index: vectors, labels, a generation counter and a change log,
+in the store's own environment (key layout in ``core/companions.py``):
 
-The vectors live in the store's environment so that they share its transactions, its
-cross-process locking and its durability; the hnswlib graph (``index.py``) is only a cache of
-them, rebuilt from here whenever it is missing, corrupt or of another store.
+* ``emb_vectors``: store key -> ``<Q`` label + ``dim`` ``<f4`` (the unit vector); labels are
+  hnswlib ids, allocated here, never reused.
+* ``emb_meta``: ``format`` (b"1"), ``backend_id``, ``dim``, ``index_id`` (random hex, new when
+  the vectors are dropped), ``next_label`` and ``generation`` (``<Q``), and the change log
+  ``log/`` + ``>Q`` generation -> op (``+``/``-``) + ``<Q`` label + store key, trimmed to
+  ``log_keep`` entries.
 
-Two named databases (their key layout is in ``core/companions.py``, which also deletes and
-re-keys a fragment's vector with the fragment):
-
-* ``emb_vectors``: store key -> ``<Q`` label + ``dim`` ``<f4`` (the unit vector; 1,544 bytes
-  for 384 dims): the source of truth of every rebuild. Labels are hnswlib's ids, allocated
-  here, never reused.
-* ``emb_meta``: ``format`` (b"1"), ``backend_id`` (which embedder wrote the vectors),
-  ``dim``, ``index_id`` (random hex, new whenever the vectors are dropped), ``next_label`` and
-  ``generation`` (``<Q``; +1 per add or remove), and a change log ``log/`` + ``>Q`` generation ->
-  op (``+`` or ``-``) + ``<Q`` label + store key, trimmed to the last ``log_keep`` entries
-  (default :data:`LOG_KEEP`).
-
-Every add or remove is one LMDB write transaction (label allocation, vector, counters and log
-entry commit together, atomically across processes), and every write first checks that the
-``index_id`` is still the one this :class:`VectorTable` claimed: vectors dropped or re-claimed
-by another process meanwhile raise :class:`BackendMismatchError` instead of being mixed. A
-reader that remembers the generation it reflects replays the log from there
-(:meth:`VectorTable.changes_since`), or reconciles against a full :meth:`VectorTable.scan`
-when the log no longer reaches back that far.
-
-A store records which embedder wrote its vectors and never mixes two: :meth:`VectorTable.claim`
-with another ``backend_id`` (or width) raises :class:`BackendMismatchError` naming both, unless
-the store holds no vector yet; :func:`drop_all` clears them so that the store can be
-re-embedded.
+Every write is one transaction and checks ``index_id`` first (:class:`BackendMismatchError`
+when another process dropped or re-claimed the vectors); one store holds one embedder's vectors.
 """
 
 from __future__ import annotations
@@ -69,9 +50,8 @@ META_FORMAT = b"1"
 
 
 def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
-    """The named databases (created when ``create``) in the store's environment, or None when
-    they do not exist and ``create`` is False. Handles come from ``store.named_db`` and are
-    asked for again at each use: a disk reclaim reopens the environment."""
+    """The named databases (created when ``create``), or None when absent and not ``create``.
+    Asked for at each use: a disk reclaim reopens the environment."""
     vec = store.named_db(VECTORS_DB, create=create, txn=txn)
     meta = store.named_db(META_DB, create=create, txn=txn)
     if vec is None or meta is None:
@@ -80,25 +60,20 @@ def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
 
 
 def drop_all(store) -> int:
-    """Remove every vector and all of ``emb_meta`` (counters, backend record, change log) from
-    ``store`` in one write transaction; return how many vectors were removed. Leaves the
-    graph's sidecar files alone (``index.drop_vectors`` removes those too)."""
+    """Remove every vector and all of ``emb_meta`` in one write transaction; returns the vectors
+    removed (the sidecar files are left: ``index.drop_vectors``)."""
     _open_dbs(store, create=True)
     return store.transact(lambda txn: drop_vectors_in(store, txn), write=True)
 
 
 class VectorTable:
-    """The ``emb_vectors`` and ``emb_meta`` databases of one ``FragmentStore``.
+    """The ``emb_vectors`` and ``emb_meta`` databases of one ``FragmentStore``. Call :meth:`claim`
+    before writing. Not locked: the caller serialises its threads.
 
     Args:
-        store: an open ``FragmentStore``; the databases are created in its environment unless
-            it is read-only (then :attr:`exists` is False while no writer has created them, and
-            the table reads as empty).
+        store: an open ``FragmentStore`` (read-only: reads as empty until a writer creates them).
         dim: vector width (384 for MiniLM-L6-v2); a record is ``8 + 4 * dim`` bytes.
         log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`).
-
-    Call :meth:`claim` before writing. Not locked: the caller serialises its threads (each
-    method is one LMDB transaction; LMDB serialises processes).
     """
 
     def __init__(self, store, dim: int = EMBEDDING_DIM, log_keep: int = LOG_KEEP) -> None:
@@ -128,9 +103,8 @@ class VectorTable:
     # -- the backend record -------------------------------------------------------------------
 
     def claim(self, backend_id: str) -> str:
-        """Check the backend recorded in ``emb_meta``; record ``backend_id`` (and this width,
-        with a new ``index_id``) when none is recorded or the store holds no vector. Returns the
-        ``index_id`` (also kept in :attr:`index_id`; "" when the databases do not exist).
+        """Record ``backend_id`` and this width (with a new ``index_id``) when none is recorded or no
+        vector is stored; returns the ``index_id`` ("" when the databases do not exist).
 
         Raises:
             BackendMismatchError: the store holds vectors of another backend or width.
@@ -226,9 +200,8 @@ class VectorTable:
         return store.transact(lambda txn: [k for k in keys if not store.contains_in(txn, k)])
 
     def scan(self, want_vectors: Callable[[int], bool]) -> Snapshot:
-        """One snapshot of ``emb_vectors``: live labels -> keys (fragment still stored), the
-        vectors of the live labels ``want_vectors`` selects, the entries whose fragment is
-        gone (or that are malformed), and the generation."""
+        """One snapshot of ``emb_vectors``: live labels -> keys, the vectors ``want_vectors`` selects,
+        the entries whose fragment is gone or malformed, and the generation."""
         if self._vec_db is None:
             return Snapshot({}, {}, [], 0)
         store = self.store
@@ -255,9 +228,8 @@ class VectorTable:
         return self.store.transact(read)
 
     def changes_since(self, seen: int) -> tuple[int, list[Change] | None]:
-        """The change-log entries after generation ``seen``, oldest first, with the current
-        generation, in one read transaction: ``(generation, changes)``; ``changes`` is None when
-        the log no longer reaches back to ``seen + 1`` (reconcile with :meth:`scan` instead)."""
+        """``(generation, changes)``: the log entries after ``seen``, oldest first; ``changes`` is
+        None when the log no longer reaches back to ``seen + 1``."""
         if self._vec_db is None:
             return 0, []
         vec_size = self.record_size
@@ -316,11 +288,9 @@ class VectorTable:
         return self.store.transact(guarded, write=True)
 
     def put_many(self, keys: Sequence[bytes], unit_rows: np.ndarray) -> list[int]:
-        """Store the vectors of the stored fragments ``keys`` (``unit_rows``: float32
-        ``[len(keys), dim]``, unit rows, see :func:`as_unit_rows`) in one write transaction
-        (all or none); return their labels in order. A key whose stored vector equals its row
-        to 1e-6 per component keeps its label (no log entry); another vector for a stored key
-        replaces it under a new label (``-`` then ``+`` logged).
+        """Store the vectors of the stored fragments ``keys`` (``unit_rows``: float32 ``[len(keys),
+        dim]``, unit rows) in one write transaction; returns their labels. An equal vector (to 1e-6)
+        keeps its label; another one replaces it under a new label.
 
         Raises:
             KeyError: the store holds no fragment under one of ``keys``.
@@ -370,9 +340,8 @@ class VectorTable:
         return self._write(write)
 
     def purge(self, gone: list[tuple[bytes, int]]) -> int:
-        """Remove the entries ``gone`` (``(key, label)`` from :attr:`Snapshot.gone`) whose
-        fragment is still absent or that are still malformed, in one write transaction; return
-        how many were removed.
+        """Remove the ``gone`` entries (``(key, label)``, :attr:`Snapshot.gone`) still absent or
+        malformed, in one write transaction; returns how many.
 
         Raises:
             BackendMismatchError: the vectors were dropped or re-claimed since :meth:`claim`.
