@@ -45,25 +45,40 @@ def test_unknown_override_is_refused():
         EdgeSyncConfig.load({"colour": "blue"}, environ={})
 
 
-def test_readme_settings_table_is_the_generated_one():
-    """README.md's settings table is exactly what ``python -m edgesync_engines.config --markdown``
-    prints, so no setting is documented that the table lacks, and none is missing."""
+def test_docs_settings_table_is_the_generated_one():
+    """docs/configuration.md's settings table is exactly what ``python -m edgesync_engines.config
+    --markdown`` prints, so no setting is documented that the table lacks, and none is missing."""
     import subprocess
     import sys
 
     from edgesync_engines.config import markdown_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     table = markdown_table()
-    assert table in readme
-    rows = [line for line in readme.splitlines() if line.startswith("| `") or line.startswith("| - |")]
-    start = readme.index(table.splitlines()[0])
-    assert readme[start:start + len(table)] == table
+    assert table in doc
+    rows = [line for line in doc.splitlines() if line.startswith("| `") or line.startswith("| - |")]
+    start = doc.index(table.splitlines()[0])
+    assert doc[start:start + len(table)] == table
     assert len(table.splitlines()) == 2 + 43 + 3 and len(rows) >= 46
     printed = subprocess.run([sys.executable, "-m", "edgesync_engines.config", "--markdown"],
                              capture_output=True, text=True, check=True).stdout
     assert printed == table
 
+
+
+def test_readme_main_options_are_real_settings():
+    """README.md's short table of the main options names real settings, each with its own
+    variable and default as the full table shows them (docs/configuration.md)."""
+    from edgesync_engines.config import BY_NAME
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Main options\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    assert len(rows) >= 8
+    for name, env, default, _ in rows:
+        s = BY_NAME[name.strip("`")]
+        assert env == f"`{s.env}`" and default.startswith(s.shown_default()), name
 
 def test_table_defines_fields_defaults_and_variables():
     """Every EdgeSyncConfig field is a row of SETTINGS with its default, environment variable and
