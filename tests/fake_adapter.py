@@ -4,7 +4,8 @@ reuses, what gets stored back), run beside the real-model tests and needing no m
 about identity with an uncached run: the real-model tests (test_router.py,
 test_semantic_router.py, test_cross_engine.py) do that.
 
-:class:`FakeAdapter` implements the members of ``adapters.protocol.EngineAdapter``:
+:class:`FakeAdapter` has every member of ``adapters.protocol.MEMBERS`` without subclassing
+``EngineAdapter`` (an instance of it all the same):
 
 * tokenization is one token per character (token ID = ``ord(c)``), so a 64-character prompt is
   64 tokens; the chat template is ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``, then

@@ -1,7 +1,8 @@
-"""Both real engines satisfy the one adapter protocol (edgesync_engines/adapters/protocol.py):
-llama.cpp on the real SmolLM2 GGUF and ONNX Runtime on its real export. Every protocol member
-exists with a compatible signature and type hints, and returns what the protocol says (types,
-shapes, dtypes, errors); the request path uses no adapter member the protocol leaves out."""
+"""Both real engines satisfy the one adapter interface (edgesync_engines/adapters/protocol.py):
+llama.cpp on the real SmolLM2 GGUF and ONNX Runtime on its real export. Every interface member
+exists with a compatible signature and type hints, and returns what the interface says (types,
+shapes, dtypes, errors); the request path uses no adapter member the interface leaves out; an
+object that does not subclass ``EngineAdapter`` is one when it has the members."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_adapter import FakeAdapter
 
 from edgesync_engines.adapters import protocol
 from edgesync_engines.adapters.kv_layout import usable_prefix
@@ -52,6 +54,23 @@ def engine(request):
 
 def test_the_protocol_declares_exactly_these_members():
     assert set(protocol_members()) == set(DATA) | {"lock"} | PROPERTIES | set(METHODS)
+    declared = set(EngineAdapter.__annotations__) | set(vars(EngineAdapter))
+    assert set(protocol_members()) <= declared  # each member is declared on the ABC itself
+
+
+def test_an_object_with_the_members_is_an_engine_adapter_without_subclassing():
+    fake = FakeAdapter()
+    assert isinstance(fake, EngineAdapter) and missing_members(fake) == []
+    assert EngineAdapter not in type(fake).__mro__
+
+    class Partial:
+        def tokenize(self, text):
+            return []
+
+    assert not isinstance(Partial(), EngineAdapter)
+    assert "generate" in missing_members(Partial()) and "tokenize" not in missing_members(Partial())
+    with pytest.raises(TypeError, match="abstract"):
+        EngineAdapter()
 
 
 @pytest.mark.model

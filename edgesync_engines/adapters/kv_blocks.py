@@ -1,7 +1,7 @@
 """Validating stored fragments for an injection and laying out their K and V: the
 :class:`KVBlock` each fragment contributes (``fragment_blocks``), the assembled
 ``[n_layer, n, width]`` arrays (``assemble_kv``, ``blocks_kv``), and the layer and head ranges
-of an extraction (``kv_ranges``). Shared by both engine adapters (``adapters/base.py``) and the
+of an extraction (``kv_ranges``). Shared by both engine adapters (``adapters/protocol.py``) and the
 one-copy seq-state writer (``adapters/state_buffer.py``).
 """
 

@@ -25,7 +25,6 @@ from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 import numpy as np
 
 from edgesync_engines.adapters import kv_layout, llamacpp_blend, llamacpp_model, seqstate, state_buffer
-from edgesync_engines.adapters.base import EngineAdapterBase
 from edgesync_engines.adapters.kv_blocks import KVBlock, fragment_blocks
 from edgesync_engines.adapters.model_files import (
     ModelLoadError,
@@ -35,7 +34,7 @@ from edgesync_engines.adapters.model_files import (
     route_native_logs,
     sigint_held,
 )
-from edgesync_engines.adapters.protocol import EvaluationAborted, InjectionError
+from edgesync_engines.adapters.protocol import EngineAdapter, EvaluationAborted, InjectionError
 from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_store.schema import KVFragment, Namespace
 
@@ -63,7 +62,7 @@ _PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
 the same model and settings load again without the probe."""
 
 
-class LlamaCppAdapter(EngineAdapterBase):
+class LlamaCppAdapter(EngineAdapter):
     """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on one ``llama_cpp.Llama``.
 
     Args:
@@ -268,7 +267,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The base class's, or for a GGUF without ``tokenizer.chat_template``, llama.cpp's
+        """``EngineAdapter``'s, or for a GGUF without ``tokenizer.chat_template``, llama.cpp's
         built-in template of the model's architecture (``llamacpp_model.builtin_template_for``).
 
         Raises:
@@ -471,7 +470,7 @@ class LlamaCppAdapter(EngineAdapterBase):
         evaluation alike.
 
         Raises:
-            ValueError: ``n_threads`` below 1 (the base class's check).
+            ValueError: ``n_threads`` below 1.
         """
         super().set_threads(n_threads)
         self._llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads)

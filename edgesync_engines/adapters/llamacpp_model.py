@@ -10,8 +10,8 @@ import re
 from typing import Mapping, Sequence
 
 from edgesync_engines.adapters import seqstate
-from edgesync_engines.adapters.base import check_messages
 from edgesync_engines.adapters.gguf_header import GGUFHeaderError, not_a_model, read_header
+from edgesync_engines.adapters.protocol import check_messages
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters.base import EngineAdapterBase
 from edgesync_engines.adapters.model_files import ModelLoadError, file_fingerprint, model_file
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 from edgesync_engines.adapters.onnx_support import onnx_refusal
+from edgesync_engines.adapters.protocol import EngineAdapter
 from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-class OnnxRuntimeAdapter(EngineAdapterBase):
+class OnnxRuntimeAdapter(EngineAdapter):
     """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session
     of an exported decoder (batch 1, CPU, float32).
 

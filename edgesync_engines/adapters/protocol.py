@@ -1,29 +1,36 @@
-"""What the request path needs from an inference engine: the :class:`EngineAdapter` protocol
-and the two errors it raises.
+"""The engine interface: :class:`EngineAdapter`, declared once, and the errors it raises.
 
 An engine adapter owns one model and one KV cache holding one sequence (llama.cpp's sequence
-0, or ONNX Runtime's ``past_key_values``). The request path (``edgesync_engines.request``) and
-the app surface (``edgesync_engines.app``) use nothing else of an engine than the members
-declared here; the two real adapters (``LlamaCppAdapter``, ``OnnxRuntimeAdapter``) share their
-common code in ``base.EngineAdapterBase``, and ``EdgeSync`` takes any object that has these
-members (``isinstance(obj, EngineAdapter)`` checks their presence, :func:`missing_members`
-names the absent ones), such as the tests' fake adapter.
+0, or ONNX Runtime's ``past_key_values``). The request path and the app use nothing of an
+engine but the members named in :data:`MEMBERS`. ``EngineAdapter`` is an ABC: its abstract
+members are what an engine supplies, its concrete ones the implementation both real engines
+share. A class that does not subclass it is still an ``EngineAdapter`` when it has every
+method and property of :data:`MEMBERS` (the tests' fake adapter); :func:`missing_members`
+names what an object lacks.
 
-Adapters are not re-entrant: the caller holds ``adapter.lock`` for a whole request (inject,
-generate, extract) so that two threads never drive one engine at once.
-
-Units: token counts and positions are tokens; positions count from 0 at the start of the
-sequence. Token IDs are Python ints (int32 in fragments).
+Adapters are not re-entrant: the caller holds ``adapter.lock`` for a whole request.
+Units: token counts and positions are tokens, from 0 at the start of the sequence; token IDs
+are Python ints (int32 in fragments).
 """
 
 from __future__ import annotations
 
+import abc
 import codecs
+import contextlib
+import logging
 import threading
+import time
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
-from edgesync_store.schema import KVFragment, Namespace
+import numpy as np
+
+from edgesync_engines.adapters.kv_blocks import KVBlock, assemble_kv, blocks_kv, fragment_blocks, kv_ranges
+from edgesync_engines.adapters.kv_layout import GROUPED_ROWS, InjectionRule, turn_batches
+from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
+
+log = logging.getLogger(__name__)
 
 
 class ContextOverflowError(ValueError):
@@ -48,87 +55,120 @@ class InjectionError(RuntimeError):
 
 
 class EvaluationAborted(RuntimeError):
-    """An evaluation inside :meth:`EngineAdapter.abortable` stopped midway because its check
-    said so: the batch left nothing behind (the live sequence is what it was before it)."""
+    """An evaluation inside :meth:`EngineAdapter.abortable` stopped midway; the live sequence
+    is what it was before the batch."""
 
 
-@runtime_checkable
-class EngineAdapter(Protocol):
+def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    """Raise ValueError naming the first chat message that is not a dict of 'role' and
+    'content' strings."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
+
+
+class EngineAdapter(abc.ABC):
     """One engine with one KV sequence, as the request path drives it.
 
-    Attributes:
-        namespace: the namespace of the KV this engine writes and accepts (model fingerprint,
-            engine, KV dtype, layout, ``n_layer``, ``n_head_kv``, ``head_dim``); fragments of
-            another namespace must be converted (``reshape.convert_fragment``) before
+    Attributes (the interface's data):
+        namespace: the namespace of the KV this engine writes and accepts; fragments of
+            another one must be converted (``reshape.convert_fragment``) before
             :meth:`inject_fragment`. None when :attr:`cache_refusal` is set.
-        blend_refusal: None when stored KV can be placed at another position of the sequence
-            (:meth:`place_kv`, :meth:`recompute`: ``reuse="blend"``); otherwise why not (e.g.
-            a sliding-window cache, the ONNX engine).
-        cache_refusal: None when the engine's KV can be cut into fragments; otherwise one line
-            saying why not (e.g. a sliding-window or quantized KV cache, found at start). The
-            request path then serves every request uncached: no store read, no store write,
-            and :meth:`extract_fragments` / :meth:`inject_fragment` are never called.
+        cache_refusal: None when the engine's KV can be cut into fragments, else one line
+            saying why not; the request path then serves every request uncached.
+        blend_refusal: None when stored KV can be placed at another position
+            (:meth:`place_kv`, :meth:`recompute`), else why not.
         n_ctx: context window, tokens (prompt plus generated tokens).
         lock: held by the caller around a whole request.
-        model_path: the GGUF file the engine runs (or that its ONNX export was made from);
-            the CLI prints its name.
-        kv_epoch: a count that changes whenever the live sequence's KV may have changed
-            (generate, prefill, extend, inject, place, recompute, clear): a caller that
-            remembers what the sequence held knows it still does while the count is the same.
+        model_path: the GGUF file the engine runs (or that its ONNX export was made from).
+        kv_epoch: changes whenever the live sequence's KV may have changed.
+
+    Beyond the interface, subclasses offer :meth:`extract_fragment`, :meth:`assemble`,
+    :meth:`is_eog`, :meth:`prefill_plan` and :attr:`n_tokens` (tests and benchmarks use them).
     """
 
     namespace: Namespace | None
-    cache_refusal: str | None
-    blend_refusal: str | None
     n_ctx: int
     lock: threading.RLock
     model_path: Path
-    kv_epoch: int
+    cache_refusal: str | None = None
+    blend_refusal: str | None = "this engine cannot move stored KV to another position"
+    kv_epoch: int = 0
+    batch_turn: Callable[[int], ContextManager] | None = None
+    """Called with the prompt tokens left to evaluate, returns the context each prefill batch
+    runs in (a server whose workers share the CPUs sets it). None: nothing is waited for."""
+    injection_rule: InjectionRule = GROUPED_ROWS
+    """Where a cached prefill may start (``kv_layout.InjectionRule``)."""
+    turn_tokens: int = 0
+    """When set, prefill batches are cut at multiples of this many tokens
+    (``kv_layout.turn_batches``, bit-identical) so that :attr:`batch_turn` comes round more
+    often. 0: the batches of :meth:`prefill_plan`."""
+    _chat_formatter = None  # add_generation_prompt -> Jinja2ChatFormatter, built on first use
+
+    @classmethod
+    def __subclasshook__(cls, other: type):
+        if cls is not EngineAdapter:
+            return NotImplemented
+        return all(hasattr(other, name) for name in _CALLABLE_MEMBERS) or NotImplemented
+
+    # -- the interface: engine-supplied members ---------------------------------------------
 
     @property
+    @abc.abstractmethod
     def closed(self) -> bool:
         """True once :meth:`close` ran; a closed adapter must not be called."""
-        ...
 
-    # -- text and tokens ------------------------------------------------------------------
-
+    @abc.abstractmethod
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
-        """Token IDs of ``text``, special tokens such as chat markers (``<|im_start|>``) parsed
-        as such unless ``special`` is False; a BOS only when ``add_bos`` and the model asks for
-        one. Both engines give the same IDs for the same model."""
-        ...
+        """Token IDs of ``text``, special tokens (``<|im_start|>``) parsed as such unless
+        ``special`` is False; a BOS only when ``add_bos`` and the model asks for one."""
+
+    @abc.abstractmethod
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token's text (possibly part of a UTF-8 character: decode a
+        stream of them with :meth:`text_stream`). Control tokens differ between engines."""
+
+    @abc.abstractmethod
+    def usable_prefix(self, available: int, n_prompt: int) -> int:
+        """How many tokens to inject when ``available`` leading tokens of an ``n_prompt``-token
+        prompt are stored, so that the answer equals an uncached run's: in ``[0, available]``
+        and at most ``n_prompt - 1``."""
+
+    @abc.abstractmethod
+    def clear_kv_cache(self) -> None:
+        """Empty the KV cache and forget the live tokens."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free what the adapter loaded; :attr:`closed` is then True. Idempotent."""
+
+    # -- the interface: shared implementation ------------------------------------------------
+
+    def text_stream(self) -> codecs.IncrementalDecoder:
+        """A fresh incremental UTF-8 decoder (errors replaced) for :meth:`token_bytes` pieces."""
+        return codecs.getincrementaldecoder("utf-8")("replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages (dicts with ``role`` and ``content``) with the model's own chat
-        template (the GGUF's ``tokenizer.chat_template``), ending with the assistant prompt
-        unless ``add_generation_prompt`` is False (the conversation as the next turn's prompt
-        begins: messages that end with an answer).
+        """Render chat messages (dicts of ``role`` and ``content``) with the model's chat
+        template (llama-cpp-python's ``Jinja2ChatFormatter``), ending with the assistant
+        prompt unless ``add_generation_prompt`` is False.
 
         Raises:
             ValueError: the model has no chat template, or a message lacks role/content.
         """
-        ...
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    def token_bytes(self, token: int) -> bytes:
-        """The raw bytes of one token's text (a piece of a multi-byte UTF-8 character is
-        possible; decode a stream of them with :meth:`text_stream`). Control tokens such as
-        chat markers differ between engines (llama.cpp gives ``b""``, ONNX Runtime their
-        text); the request path decodes only generated tokens, which stop before an
-        end-of-generation token."""
-        ...
-
-    def text_stream(self) -> codecs.IncrementalDecoder:
-        """A fresh incremental UTF-8 decoder (errors replaced) for :meth:`token_bytes` pieces."""
-        ...
-
-    # -- KV in and out --------------------------------------------------------------------
-
-    def usable_prefix(self, available: int, n_prompt: int) -> int:
-        """How many tokens to inject when ``available`` leading prompt tokens are stored, for
-        a prompt of ``n_prompt`` tokens, so that the answer equals an uncached run's: at most
-        ``n_prompt - 1`` (the last prompt token is evaluated for the next-token logits), less
-        where the engine's batching asks for it. Returns a count in ``[0, available]``."""
-        ...
+        check_messages(messages)
+        if self._chat_formatter is None:
+            self._chat_formatter = {}
+        formatter = self._chat_formatter.get(add_generation_prompt)
+        if formatter is None:
+            template, eos_token, bos_token = self._chat_template()
+            formatter = self._chat_formatter[add_generation_prompt] = Jinja2ChatFormatter(
+                template=template, eos_token=eos_token, bos_token=bos_token,
+                add_generation_prompt=add_generation_prompt,
+            )
+        return formatter(messages=list(messages)).prompt
 
     def extract_fragments(
         self,
@@ -142,53 +182,56 @@ class EngineAdapter(Protocol):
         head_start: int = 0,
         head_end: int | None = None,
     ) -> list[KVFragment]:
-        """Copy the live KV of the token spans ``[token_start, token_end)`` into fragments of
-        :attr:`namespace`, one per span, in the order given.
+        """Copy the live KV of each ``(token_start, token_end)`` span into a fragment of
+        :attr:`namespace`, in the order given, with one engine read for all spans.
 
-        Each fragment's ``keys`` and ``values`` are C-contiguous arrays of
-        ``namespace.np_dtype`` (float16 for llama.cpp's default, float32 for ONNX Runtime),
-        shape ``[n_layers, span, (head_end - head_start) * head_dim]`` with ``n_layers =
-        len(range(layer_start, layer_end, layer_stride))``; ``token_ids`` int32 ``[span]``.
-
-        Args:
-            tokens: the token IDs the live sequence holds from position 0 (checked).
-            spans: ``(token_start, token_end)`` pairs, each within the live sequence.
-            layer_start, layer_end, layer_stride: the layers to keep (None: all).
-            head_start, head_end: the KV heads to keep (None: all).
-            ttl_seconds: lifetime from ``now``, seconds (None: the schema's
-                ``DEFAULT_TTL_SECONDS``, 30 minutes).
-            now: creation time, Unix seconds (None: the current time).
+        ``keys``/``values``: C-contiguous ``namespace.np_dtype`` arrays ``[n_layers, span,
+        (head_end - head_start) * head_dim]``, ``n_layers = len(range(layer_start, layer_end,
+        layer_stride))``; ``token_ids`` int32 ``[span]``. ``tokens`` is what the live sequence
+        holds from position 0; None ends mean all layers or heads; ``ttl_seconds`` is the
+        lifetime from ``now`` (Unix seconds, None: the current time; no ttl: no expiry set).
 
         Raises:
-            ValueError: a span beyond the live sequence, ``tokens`` that differ from it, a head
-                range outside ``[0, n_head_kv]`` or empty, or a KVFragment invariant (a span
-                outside [64, 2048] tokens...).
+            ValueError: a span beyond the live sequence, ``tokens`` that differ from it, a
+                head range outside ``[0, n_head_kv]`` or empty, or a KVFragment invariant.
         """
-        ...
+        if not spans:
+            return []
+        layer_end, head_end = kv_ranges(self.namespace, layer_end, head_start, head_end)
+        self._check_live(tokens, max(end for _, end in spans))
+        kv = self._span_kv(spans, range(layer_start, layer_end, layer_stride), head_start, head_end)
+        now = time.time() if now is None else now
+        ids = np.asarray(tokens, dtype=np.int32)
+        return [
+            KVFragment(
+                namespace=self.namespace, token_start=start, token_end=end,
+                layer_start=layer_start, layer_end=layer_end, layer_stride=layer_stride,
+                head_start=head_start, head_end=head_end, keys=keys, values=values,
+                token_ids=ids[start:end], prefix_hash=prefix_hash(ids[:start]),
+                created_at=now, expires_at=now + ttl_seconds if ttl_seconds is not None else 0.0,
+            )
+            for (start, end), (keys, values) in zip(spans, kv)
+        ]
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions ``0..n_tokens-1`` built from ``fragments``
-        (of :attr:`namespace`), so that the next :meth:`generate` with ``n_past=n_tokens``
-        continues after them.
-
-        The fragments must tile ``[0, >= n_tokens)`` and together hold every layer and KV head
-        of each position; the last span is cut to ``n_tokens``. Returns ``n_tokens``.
+        """Replace the live sequence with positions ``0..n_tokens-1`` built from ``fragments``,
+        which must tile ``[0, >= n_tokens)`` with every layer and KV head (the last span is cut
+        to ``n_tokens``). Returns ``n_tokens``.
 
         Raises:
-            ValueError: fragments of another namespace, gaps, missing layers or heads,
-                ``n_tokens`` outside ``[1, len(tokens)]``, or fragment tokens that differ from
-                ``tokens`` (validated before the engine is touched: nothing changed).
+            ValueError: another namespace, gaps, missing layers or heads, ``n_tokens`` outside
+                ``[1, len(tokens)]``, or tokens that differ (checked before the engine is
+                touched: nothing changed).
             InjectionError: the engine refused the state (its sequence is cleared).
         """
-        ...
+        self.kv_epoch += 1
+        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
+        return n_tokens
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
-        """The copy of a decoded fragment that a RAM tier keeps for this engine: the same
-        values (``keys``, ``values`` equal element for element), its arrays possibly laid out
-        otherwise (not C-contiguous) so that :meth:`inject_fragment` copies it fastest; may be
-        ``fragment`` itself, changed in place. Fragments of another namespace come back as
-        they are."""
-        ...
+        """The copy of a decoded fragment a RAM tier keeps for this engine: equal values, laid
+        out so that :meth:`inject_fragment` copies it fastest (here the fragment itself)."""
+        return fragment
 
     def generate(
         self,
@@ -199,30 +242,64 @@ class EngineAdapter(Protocol):
         top_p: float = 0.95,
         seed: int | None = None,
     ) -> Iterator[int]:
-        """Prefill ``tokens[n_past:]`` on top of the first ``n_past`` tokens already in the KV
-        cache (``n_past = 0`` clears it first), then yield up to ``max_tokens`` sampled token
-        IDs: the argmax when ``temperature`` is 0, else top-p sampling seeded by ``seed``.
-        Stops at end-of-generation tokens (not yielded). The live sequence then holds the
-        prompt and the generated tokens (but the last).
-
-        A generator: the errors below raise at the first ``next()``.
+        """Prefill ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first) in
+        :meth:`prefill_plan`'s batches, then yield up to ``max_tokens`` sampled token IDs (the
+        argmax at temperature 0, else top-p seeded by ``seed``), stopping before an
+        end-of-generation token. The live sequence then holds the prompt and the generated
+        tokens but the last. A generator: the errors raise at the first ``next()``.
 
         Raises:
+            RuntimeError: the adapter is closed.
             ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
             ValueError: an empty prompt, ``max_tokens < 1``, ``n_past`` outside
-                ``[0, len(tokens) - 1]``, or a live sequence that does not hold
-                ``tokens[:n_past]``.
+                ``[0, len(tokens) - 1]``, or a live sequence not holding ``tokens[:n_past]``.
         """
-        ...
+        if self.closed:
+            raise RuntimeError(f"{type(self).__name__}: closed")
+        if not tokens:
+            raise ValueError("tokens: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        if len(tokens) + max_tokens > self.n_ctx:
+            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        self.kv_epoch += 1
+        self._resume(tokens, n_past)
+        self._evaluate_plan(tokens, n_past)
+        stream = self._sampled_tokens(temperature, top_p, seed)
+        try:
+            for i, token in enumerate(stream):
+                if self.is_eog(token):
+                    return
+                yield int(token)
+                if i + 1 >= max_tokens:
+                    return
+        finally:
+            stream.close()
+
+    def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
+        """Evaluate ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first) in
+        :meth:`prefill_plan`'s batches, sampling nothing.
+
+        Raises:
+            ContextOverflowError: more tokens than the context holds.
+            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence not
+                holding ``tokens[:n_past]``.
+        """
+        if len(tokens) > self.n_ctx:
+            raise ContextOverflowError(len(tokens), 0, self.n_ctx)
+        self.kv_epoch += 1
+        self._resume(tokens, n_past)
+        self._evaluate_plan(tokens, n_past)
 
     def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
-        """Evaluation batches of at most about ``batch_tokens`` tokens that extend a live
-        ``[0, n_past)`` to ``[0, end')`` (``end' <= end``) with KV bit-identical to an uncached
-        prefill of any longer prompt (``kv_layout.exact_batches``); [] when none can."""
-        ...
+        """Batches of at most about ``batch_tokens`` tokens that extend a live ``[0, n_past)``
+        towards ``[0, end)`` with KV bit-identical to an uncached prefill; [] when none can.
+        Here, for a prefill that may be cut anywhere: ``batch_tokens`` at a time up to ``end``."""
+        step = max(batch_tokens, 1)
+        return [(pos, min(pos + step, end)) for pos in range(max(n_past, 0), end, step)]
 
     def extend(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Evaluate ``tokens[start:end]`` as one batch on top of a live sequence holding
+        """Evaluate ``tokens[start:end]`` as one batch on a live sequence holding
         ``tokens[:start]`` (cut back to it when it holds more), sampling nothing.
 
         Raises:
@@ -230,99 +307,203 @@ class EngineAdapter(Protocol):
             ValueError: ``start`` outside ``[0, end)`` or a live sequence that does not hold
                 ``tokens[:start]``.
         """
-        ...
+        if end > self.n_ctx:
+            raise ContextOverflowError(end, 0, self.n_ctx)
+        if not 0 <= start < end <= len(tokens):
+            raise ValueError(f"extend: [{start}, {end}) is not a non-empty span of the {len(tokens)} tokens")
+        self.kv_epoch += 1
+        if start == 0:
+            self.clear_kv_cache()
+        else:
+            self._resume(tokens[:end], start)
+        with self._turn(len(tokens) - start):
+            self._eval_batch(tokens[start:end])
 
     def live_tokens(self) -> list[int]:
         """The token IDs the live sequence holds, in order."""
-        ...
-
-    def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
-        """Evaluate ``tokens[n_past:]`` on top of the live ``tokens[:n_past]`` (0: cleared
-        first), sampling nothing.
-
-        Raises:
-            ContextOverflowError: more tokens than the context holds.
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence that
-                does not hold ``tokens[:n_past]``.
-        """
-        ...
+        return [int(t) for t in self._live_tokens(self.n_tokens)]
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int],
                  at: int, tokens: Sequence[int]) -> None:
         """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
-        ``chain_tokens`` from position 0) to the live sequence at positions ``at..at + end -
-        start - 1``, K re-rotated for the shift; ``tokens`` is the prompt, whose
-        ``[at, at + end - start)`` must equal the kept tokens. Positions may be left unfilled
-        between placed ranges until :meth:`recompute` fills them.
+        ``chain_tokens`` from 0) to the live sequence at ``at..at + end - start - 1``, K
+        re-rotated; the prompt ``tokens`` must hold the kept tokens there. Gaps between placed
+        ranges wait for :meth:`recompute`.
 
         Raises:
             ValueError: fragments that do not tile the chain, or kept tokens that differ.
-            InjectionError: :attr:`blend_refusal` is set, or the engine refused the state (the
-                live sequence is unchanged).
+            InjectionError: :attr:`blend_refusal` is set (always, here), or the engine refused
+                the state (the live sequence is unchanged).
         """
-        ...
+        raise InjectionError(self.blend_refusal or "place_kv: not supported")
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
         """Evaluate ``tokens[start:end]`` at positions start..end-1 against the live cells
-        before ``start`` (position ``start - 1`` must be filled) and make the result the live KV
-        there.
+        before ``start`` (``start - 1`` filled) and make the result the live KV there.
 
         Raises:
-            InjectionError: :attr:`blend_refusal` is set, or the decode failed (the old cells
-                stay).
+            InjectionError: :attr:`blend_refusal` is set (always, here), or the decode failed
+                (the old cells stay).
         """
-        ...
-
-    def clear_kv_cache(self) -> None:
-        """Empty the KV cache and forget the live tokens."""
-        ...
+        raise InjectionError(self.blend_refusal or "recompute: not supported")
 
     def warm_up(self, n_tokens: int = 0) -> None:
-        """Do a request's first-time work at load (chat template, one evaluation, then an empty
-        cache again) and make room for injecting ``n_tokens`` tokens; never raises. The caller
-        holds :attr:`lock`."""
-        ...
+        """Do a request's first-time work at load (render the chat template, evaluate one
+        token), then empty the cache, and make room for injecting ``n_tokens`` tokens. Never
+        raises (a failure is logged at DEBUG). The caller holds :attr:`lock`."""
+        try:
+            if not getattr(self, "_warmed", False):  # once per engine; the cache is emptied each time
+                self._warmed = True
+                tokens = self.tokenize(self.apply_chat_template([{"role": "user", "content": "Hello"}]))
+                if tokens:
+                    self.prefill(tokens[:1])
+        except (ValueError, RuntimeError) as exc:
+            log.debug("warm-up skipped: %s", exc)
+        finally:
+            self.clear_kv_cache()
 
     def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Make room now for injecting ``n_tokens`` tokens later (what :meth:`warm_up` does
-        for its ``n_tokens``), keeping the live sequence: idle-time work, so that a later
-        injection of a prompt that long does not allocate memory on its request's path.
-        ``should_stop`` is asked as it goes; once it returns True nothing is kept. Returns True
-        when the room is there (also where the engine needs none). The caller holds
-        :attr:`lock`."""
-        ...
+        """Make room now for injecting ``n_tokens`` tokens later, keeping the live sequence
+        (idle-time work); nothing is kept once ``should_stop()`` returns True. Returns True
+        when the room is there (here always: nothing is allocated per injection). The caller
+        holds :attr:`lock`."""
+        return True
 
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
-        """A context in which an evaluation (e.g. :meth:`extend`) checks ``should_stop()`` as
-        it goes and, once it returns True, stops midway and raises :class:`EvaluationAborted`
-        (where the engine cannot stop midway, the evaluation runs whole). For work that may be
-        dropped, such as idle-time batches, so that a request need not wait for one."""
-        ...
+        """A context in which an evaluation checks ``should_stop()`` as it goes and, once it
+        returns True, stops midway and raises :class:`EvaluationAborted`. Here evaluations
+        cannot stop midway, so each runs whole."""
+        return contextlib.nullcontext()
 
     def set_threads(self, n_threads: int) -> None:
-        """Evaluate on ``n_threads`` CPU threads (>= 1) from the next evaluation on, where the
-        engine can change it after load (elsewhere nothing changes). The results do not depend
-        on it. The caller holds :attr:`lock` or owns the engine's only thread.
+        """Evaluate on ``n_threads`` CPU threads from the next evaluation on where the engine
+        can change it (here it cannot: nothing changes). Results do not depend on it.
 
         Raises:
             ValueError: ``n_threads`` below 1.
         """
-        ...
+        if n_threads < 1:
+            raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
 
-    def close(self) -> None:
-        """Free what the adapter loaded; it is unusable afterwards (:attr:`closed` is True).
-        Idempotent."""
-        ...
+    # -- engine hooks (not in the interface) -------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def n_tokens(self) -> int:
+        """Tokens in the live sequence."""
+
+    @abc.abstractmethod
+    def _live_tokens(self, end: int) -> np.ndarray:
+        """The live sequence's first ``end`` token IDs (``end <= n_tokens``)."""
+
+    @abc.abstractmethod
+    def _truncate(self, n: int) -> None:
+        """Cut the live sequence back to its first ``n < n_tokens`` tokens."""
+
+    @abc.abstractmethod
+    def _span_kv(self, spans: Sequence[tuple[int, int]], layers: range, head_start: int,
+                 head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """K and V of each span, C-contiguous ``[len(layers), span, (head_end - head_start) *
+        head_dim]`` of ``namespace.np_dtype`` (arguments already checked)."""
+
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1;
+        here assembled for :meth:`_load_kv`. Raises InjectionError as :meth:`_load_kv`."""
+        self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
+
+    def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
+        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` for
+        ``tokens[:n_tokens]`` (an engine supplies this or :meth:`_load_blocks`). Raises
+        InjectionError when the engine refused it (the sequence is cleared)."""
+        raise NotImplementedError(f"{type(self).__name__} loads KV through _load_blocks")
+
+    @abc.abstractmethod
+    def _eval_batch(self, batch: Sequence[int]) -> None:
+        """Evaluate ``batch`` on top of the live sequence (which then holds it too)."""
+
+    @abc.abstractmethod
+    def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
+        """An endless generator of sampled tokens after the live sequence; each ``next()``
+        first evaluates the token yielded before."""
+
+    @abc.abstractmethod
+    def _chat_template(self) -> tuple[str, str, str]:
+        """``(template, eos_token, bos_token)``: the Jinja2 chat template and the texts of
+        EOS and BOS ("" when none). Raises ValueError: the model has none."""
+
+    @abc.abstractmethod
+    def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``,
+        the last prompt token alone last."""
+
+    @abc.abstractmethod
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, ``<|im_end|>``, ...)."""
+
+    # -- shared helpers ---------------------------------------------------------------------
+
+    def extract_fragment(self, tokens: Sequence[int], token_start: int, token_end: int, layer_start: int = 0,
+                         layer_end: int | None = None, layer_stride: int = 1) -> KVFragment:
+        """One fragment of the live sequence; see :meth:`extract_fragments`."""
+        return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
+
+    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
+                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`assemble_kv` in this adapter's namespace."""
+        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
+
+    def _check_live(self, tokens: Sequence[int], end: int) -> None:
+        if end > self.n_tokens:
+            raise ValueError(f"token_end: {end} exceeds the {self.n_tokens} tokens in the live sequence")
+        if common_prefix_len(self._live_tokens(end), np.asarray(tokens[:end])) != end:
+            raise ValueError("tokens: differ from what the live sequence holds")
+
+    def _resume(self, tokens: Sequence[int], n_past: int) -> None:
+        """Make the live sequence hold exactly ``tokens[:n_past]`` (0: cleared); the
+        ValueErrors of :meth:`prefill`."""
+        if not 0 <= n_past < len(tokens):
+            raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
+        if n_past == 0:
+            self.clear_kv_cache()
+            return
+        if (
+            self.n_tokens < n_past
+            or common_prefix_len(self._live_tokens(n_past), np.asarray(tokens[:n_past])) != n_past
+        ):
+            raise ValueError("n_past: the live sequence does not hold the prompt's first n_past tokens")
+        if self.n_tokens > n_past:
+            self._truncate(n_past)
+
+    def _evaluate_plan(self, tokens: Sequence[int], n_past: int) -> None:
+        """Evaluate ``tokens[n_past:]`` in :meth:`prefill_plan`'s batches (cut at multiples of
+        :attr:`turn_tokens` when set), each in its :attr:`batch_turn`."""
+        plan = self.prefill_plan(n_past, len(tokens))
+        if self.turn_tokens:
+            plan = turn_batches(plan, self.turn_tokens, self.injection_rule)
+        for start, end in plan:
+            with self._turn(len(tokens) - start):
+                self._eval_batch(tokens[start:end])
+
+    def _turn(self, tokens_left: int) -> ContextManager:
+        return self.batch_turn(tokens_left) if self.batch_turn is not None else contextlib.nullcontext()
+
+
+MEMBERS = frozenset({
+    "namespace", "cache_refusal", "blend_refusal", "n_ctx", "lock", "model_path", "kv_epoch", "closed",
+    "tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix", "extract_fragments",
+    "inject_fragment", "stage_fragment", "generate", "prefill", "prefill_batches", "extend", "live_tokens",
+    "place_kv", "recompute", "clear_kv_cache", "warm_up", "make_room", "abortable", "set_threads", "close",
+})
+"""The interface: the members of :class:`EngineAdapter` the request path and the app may use."""
+_CALLABLE_MEMBERS = tuple(sorted(n for n in MEMBERS if callable(getattr(EngineAdapter, n, None))
+                                 or isinstance(getattr(EngineAdapter, n, None), property)))
 
 
 def protocol_members() -> list[str]:
-    """The names :class:`EngineAdapter` declares (data attributes, properties, methods), sorted."""
-    names = set(EngineAdapter.__annotations__)
-    names |= {n for n, v in vars(EngineAdapter).items()
-              if not n.startswith("_") and (callable(v) or isinstance(v, property))}
-    return sorted(names)
+    """:data:`MEMBERS`, sorted."""
+    return sorted(MEMBERS)
 
 
 def missing_members(obj) -> list[str]:
-    """The :class:`EngineAdapter` members ``obj`` lacks (sorted; empty: it has them all)."""
+    """The :data:`MEMBERS` ``obj`` lacks (sorted; empty: it has them all)."""
     return [name for name in protocol_members() if not hasattr(obj, name)]
