@@ -26,7 +26,6 @@ from edgesync_store.semantic.donors import (
     get_donor,
     iterate_donors,
     pending_generation,
-    put_pending_donor,
     unindexed_keys,
 )
 from edgesync_store.semantic.index import SemanticIndex
@@ -103,7 +102,7 @@ def test_a_prompt_stored_without_its_record_gets_it_when_served_again(store):
     assert written == 2 and get_donor(store, key) is None and pending_generation(store) == 0
     assert store_back(store, adapter, messages, config)[2] == 0
     assert get_donor(store, key) is not None and pending_generation(store) == 1
-    assert not put_pending_donor(store, key, b"x" * 40)  # it has one: never replaced
+    assert not store.put_donor(key, b"x" * 40)  # it has one: never replaced
 
 
 def test_records_without_a_vector_go_with_their_fragment(store):

@@ -1335,7 +1335,7 @@ def test_fragment_store_implements_the_backend_interfaces():
 
     assert issubclass(FragmentStore, MaintenanceBackend) and issubclass(MaintenanceBackend, FragmentBackend)
     assert not FragmentStore.__abstractmethods__
-    request = {"get", "reading", "serves_in_place", "put_many", "is_live", "prefix_walk", "covers_span",
+    request = {"get", "reading", "serves_in_place", "put_many", "put_donor", "is_live", "prefix_walk", "covers_span",
                "keys_along", "namespaces", "forget_tokens", "lifecycle", "lifecycles", "record_hits", "reuse_hint",
                "release_mapped", "stats", "close"}
     assert request == set(FragmentBackend.__abstractmethods__)

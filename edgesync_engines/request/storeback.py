@@ -7,7 +7,7 @@ cover the prompt but its last token, whose KV came from a one-token evaluation (
 predictor keys requests by the first chunk, the semantic index keys donors by the last.
 
 Every stored prompt gets a donor record (its token IDs and the text the semantic lookup would
-embed, ``edgesync_store.semantic.donors``) in the same write as its fragments, but no vector:
+embed, ``companions.donor_value``) in the same write as its fragments, but no vector:
 nothing is embedded on the default mode's request path. A semantic-mode request, whose lookup
 already embedded it, adds its vector right away (:func:`index_prompt`); the others are embedded
 in the background once some process loads the semantic index
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from edgesync_engines.request.prompt_text import embed_text_for
+from edgesync_store.core.companions import donor_value
 from edgesync_store.errors import StoreError
 from edgesync_store.lifecycle.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
-from edgesync_store.semantic.donors import donor_value, put_donor_in, put_pending_donor
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
@@ -95,7 +95,7 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
         ]
         if not spans:
             if donor is not None:
-                put_pending_donor(store, *donor)  # a store written before donor records came with the fragments
+                store.put_donor(*donor)  # a store written before donor records came with the fragments
             return 0
         (l0, l1), (h0, h1) = group_ranges(ns, config.layers_per_fragment, config.heads_per_fragment)[0]
         wholes = adapter.extract_fragments(tokens, spans, ttl_seconds=config.ttl_seconds, now=store.clock())
@@ -105,8 +105,7 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
             for layer_part in split_layers(whole, l1 - l0)
             for part in split_heads(layer_part, h1 - h0)
         ]
-        also = None if donor is None else (lambda txn: put_donor_in(store, txn, *donor))
-        written = store.put_many(fragments, also=also)
+        written = store.put_many(fragments, donor=donor)
         if ram is not None and written and not store.serves_in_place:
             ram.keep_stored(fragments)
         return written

@@ -126,7 +126,7 @@ class FragmentBackend(ABC):
 
     @abstractmethod
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
-                 also: Callable[[object], object] | None = None) -> int:
+                 donor: tuple[bytes, bytes] | None = None) -> int:
         """Store ``fragments`` together (all written or none).
 
         A fragment whose key is stored and live is left alone; an expired twin, or one whose
@@ -137,9 +137,8 @@ class FragmentBackend(ABC):
         Args:
             fragments: the fragments to store.
             now: the write's time (eviction's "expired").
-            also: run as ``also(txn)`` in the same write transaction after the fragments are
-                written (a companion record keyed by one of them, e.g. the prompt's donor
-                record); what it raises aborts the whole write.
+            donor: ``(key, value)`` of the prompt's donor record (``companions.donor_value``),
+                written in the same write when the fragment ``key`` is stored and has none yet.
 
         Returns:
             How many fragments were written.
@@ -147,6 +146,20 @@ class FragmentBackend(ABC):
         Raises:
             PermissionError: the backend is read-only.
             StoreIOError: the storage failed (nothing written).
+        """
+
+    @abstractmethod
+    def put_donor(self, key: bytes, value: bytes) -> bool:
+        """Record the donor record ``value`` (``companions.donor_value``) of the stored fragment
+        ``key`` when it has none yet: a prompt whose chunks were all stored already. A read
+        decides first, so a prompt served again costs no write.
+
+        Returns:
+            True when written.
+
+        Raises:
+            ValueError: ``key`` is not 32 bytes. PermissionError: read-only.
+            StoreIOError: the storage failed.
         """
 
     @abstractmethod

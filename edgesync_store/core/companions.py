@@ -6,8 +6,8 @@ The store owns these operations (rather than calling back into the semantic laye
 every process that deletes a fragment removes its donor record and vector in the same write
 transaction, whichever modules it imported.
 
-* ``donors``: store key -> donor record (``semantic/donors.py`` lays out the value), and one
-  counter under :data:`PENDING_KEY` (not 32 bytes long, so never a store key);
+* ``donors``: store key -> donor record (:func:`donor_value`), and one counter under
+  :data:`PENDING_KEY` (not 32 bytes long, so never a store key);
 * ``emb_vectors``: store key -> ``<Q`` label + the unit vector (``<f4``);
 * ``emb_meta``: the vectors' counters (``next_label``, ``generation``: ``<Q``) and change log,
   ``log/`` + ``>Q`` generation -> op (``+`` or ``-``) + ``<Q`` label + store key, trimmed to
@@ -20,8 +20,12 @@ Every function runs inside the caller's write transaction ``txn`` (from
 from __future__ import annotations
 
 import struct
+from typing import Sequence
+
+import numpy as np
 
 from edgesync_store.core.lmdb_env import U64
+from edgesync_store.schema import token_bytes
 
 DONORS_DB = b"donors"
 PENDING_KEY = b"pending"
@@ -43,6 +47,31 @@ BE64 = struct.Struct(">Q")
 """Big-endian generation in a change-log key, so that the log sorts by generation."""
 
 
+DONOR_COUNT = struct.Struct("<I")
+"""The token count in a donor record."""
+
+
+def donor_value(namespace_digest: bytes, tokens: Sequence[int] | np.ndarray, text: str = "") -> bytes:
+    """A donor record's value: the namespace digest (32 bytes), ``<I`` token count n, n ``<i4``
+    token IDs from position 0 (``schema.token_bytes``), then ``text`` (UTF-8: what the semantic
+    lookup embeds).
+
+    Raises:
+        ValueError: ``namespace_digest`` is not 32 bytes, or ``tokens`` is empty.
+    """
+    if not isinstance(namespace_digest, bytes) or len(namespace_digest) != 32:
+        raise ValueError(f"namespace_digest: expected 32 bytes, got {namespace_digest!r:.40}")
+    if len(tokens) == 0:
+        raise ValueError("tokens: empty")
+    return namespace_digest + DONOR_COUNT.pack(len(tokens)) + token_bytes(tokens) + text.encode("utf-8")
+
+
+def check_key(key: bytes) -> None:
+    """Raises ValueError when ``key`` is not a 32-byte store key."""
+    if not isinstance(key, bytes) or len(key) != 32:
+        raise ValueError(f"key: expected a 32-byte store key, got {key!r:.40}")
+
+
 def u64(value) -> int:
     """A ``<Q`` counter (the first 8 bytes of ``value``), 0 when absent."""
     return U64.unpack(bytes(value[:8]))[0] if value is not None else 0
@@ -61,6 +90,25 @@ def log_change(txn, meta_db, op: bytes, label: int, key: bytes, log_keep: int = 
 def bump_pending_in(txn, donors_db) -> None:
     """Bump the :data:`PENDING_KEY` counter of ``donors_db`` by one in ``txn``."""
     txn.put(PENDING_KEY, U64.pack(u64(txn.get(PENDING_KEY, db=donors_db)) + 1), db=donors_db)
+
+
+def add_donor_in(store, txn, key: bytes, value: bytes) -> bool:
+    """Record ``value`` (:func:`donor_value`) for the stored fragment ``key`` when it has no
+    record yet, without a vector (the pending counter is bumped). True when written."""
+    if not store.contains_in(txn, key):
+        return False
+    db = store.named_db(DONORS_DB, create=True, txn=txn)
+    if db is None or txn.get(key, db=db) is not None:
+        return False
+    txn.put(key, value, db=db)
+    bump_pending_in(txn, db)
+    return True
+
+
+def lacks_donor_in(store, txn, key: bytes) -> bool:
+    """True when the fragment ``key`` is stored and has no donor record."""
+    db = store.named_db(DONORS_DB, txn=txn)
+    return store.contains_in(txn, key) and (db is None or txn.get(key, db=db) is None)
 
 
 def _vector_dbs(store, txn):

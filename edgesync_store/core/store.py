@@ -387,10 +387,12 @@ class FragmentStore(MaintenanceBackend):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
-        """See :meth:`FragmentBackend.put_many` (``also`` gets the ``lmdb.Transaction``; eviction:
-        ``lifecycle/eviction.py``). Encoding (compression) happens before the transaction so the
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
+                 donor: tuple[bytes, bytes] | None = None) -> int:
+        """See :meth:`FragmentBackend.put_many`. Encoding happens before the transaction so the
         writer lock is held only for the copy into LMDB."""
+        if donor is not None:
+            companions.check_key(donor[0])
         encoded = []
         for f in fragments:
             blob = codec.encode(f, self.compression)
@@ -398,7 +400,13 @@ class FragmentStore(MaintenanceBackend):
                              raw_nbytes=f.raw_nbytes)
             encoded.append((f.key(), index_key(f.namespace.digest(), f.prefix_hash), blob, life,
                             f"fragment [{f.token_start}, {f.token_end})"))
-        return self._write_encoded(encoded, now, also)
+        return self._write_encoded(encoded, now, donor)
+
+    def put_donor(self, key: bytes, value: bytes) -> bool:
+        companions.check_key(key)
+        if not self.transact(lambda txn: companions.lacks_donor_in(self, txn, key)):
+            return False
+        return self.transact(lambda txn: companions.add_donor_in(self, txn, key, value), write=True)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes, Lifecycle]], now: float | None = None) -> int:
         """Store blobs as they are: ``(store key, codec blob, lifecycle record)`` each, the blob
@@ -445,7 +453,8 @@ class FragmentStore(MaintenanceBackend):
             log.warning("replacing fragment %s: its stored head is corrupt (%s)", key.hex()[:16], exc)
             return False
 
-    def _write_encoded(self, encoded: Sequence[Encoded], now: float | None, also=None) -> int:
+    def _write_encoded(self, encoded: Sequence[Encoded], now: float | None,
+                       donor: tuple[bytes, bytes] | None = None) -> int:
         now = self.clock() if now is None else now
         env = self.env
 
@@ -478,8 +487,8 @@ class FragmentStore(MaintenanceBackend):
                 used += len(blob)
                 added += 1
             txn.put(USED_BYTES_KEY, U64.pack(used), db=env.meta)
-            if also is not None:
-                also(txn)
+            if donor is not None:
+                companions.add_donor_in(self, txn, *donor)
             return added
 
         return self.transact(write, write=True)

@@ -420,14 +420,19 @@ class TieredStore(MaintenanceBackend):
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *, also=None) -> int:
-        """Local at once (``also`` in the local write); each fragment then goes to the remote in
-        the background (skipped there when the remote already holds it)."""
+    def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
+                 donor: tuple[bytes, bytes] | None = None) -> int:
+        """Local at once (with ``donor``); each fragment then goes to the remote in the
+        background (skipped there when the remote already holds it)."""
         self._flush_fetched()
-        written = self.local.put_many(fragments, now, also=also)
+        written = self.local.put_many(fragments, now, donor=donor)
         for key in dict.fromkeys(f.key() for f in fragments):
             self.queue.submit(lambda key=key: self._push(key))
         return written
+
+    def put_donor(self, key: bytes, value: bytes) -> bool:
+        """Donor records are local only."""
+        return self.local.put_donor(key, value)
 
     def _push(self, key: bytes) -> None:
         """Write-behind job: the local fragment ``key`` to the remote (its blob as stored; when
