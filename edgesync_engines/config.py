@@ -7,7 +7,7 @@ Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. Comman
 command-line options as overrides; applications pass keyword arguments. The store's settings
 (path, lifetime, size budget, compression, job schedule) are declared once, on
 ``edgesync_store.settings.StoreSettings``, and reused here field by field; a default that belongs
-to another lower layer (the HNSW query breadth, the RAM tier budget, the span limits) is
+to another lower layer (the HNSW query breadth, the span limits) is
 imported from the module that uses it, so the two cannot drift apart.
 
 ``python -m edgesync_engines.config --markdown`` prints the README's settings table.
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from edgesync_engines.adapters.llamacpp import KV_TYPES
-from edgesync_engines.request.ramtier import DEFAULT_RAM_TIER_BYTES
 from edgesync_store.commands.units import LARGEST_SIZE
 from edgesync_store.remote.url import PASSWORD_ENV, USERNAME_ENV, RemoteURL, check_prefix
 from edgesync_store.schema import MAX_SPAN, MIN_SPAN
@@ -53,6 +51,10 @@ from edgesync_store.settings import (
     unit_interval,
 )
 
+KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
+"""K and V cache types llama.cpp takes (``ggml_type`` names), for ``kv_type``."""
+DEFAULT_RAM_TIER_BYTES = 64 * 1024 * 1024
+"""Default budget of the RAM tier (``ram_tier_bytes``), bytes of decoded K + V: 64 MiB."""
 ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic", "blend")

@@ -16,9 +16,6 @@ from typing import Any, Hashable
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RAM_TIER_BYTES = 64 * 1024 * 1024
-"""Default budget of the RAM tier (``ram_tier_bytes``): 64 MiB of decoded K + V, the decoded
-chains of about eight 342-token SmolLM2 prompts (7.9 MB each in f16)."""
 
 
 @dataclass(frozen=True)
