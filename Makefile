@@ -130,17 +130,17 @@ redis-server:
 
 # tests/test_arch_matrix.py builds its tiny models from $(LLAMA_SDIST)'s converter, once, into
 # ~/.cache/edgesync/tiny-gguf (under a minute; EDGESYNC_TINY_GGUF_DIR overrides).
-# Two pytest-xdist workers, each pinned to its share of the CPUs (tests/conftest.py), test files
+# Two pytest-xdist workers, each pinned to its share of the CPUs (conftest.py), test files
 # kept whole on one worker (--dist loadfile) so that module fixtures are built once, taken in
 # collection order, longest first (conftest.LONGEST_FIRST), not xdist's most-tests-first.
 test: onnx $(LLAMA_SDIST) redis-server
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests benchmarks/tests
 
 # The fast layer: every test that needs no model, no server and no Redis (markers in
 # pyproject.toml), on both cores (pytest-xdist), with pytest's rewritten test modules cached
 # even where PYTHONDONTWRITEBYTECODE is set: 27.8 s on 2 cores by pytest's count (649 tests, 2026-12-06).
 test-fast: $(INSTALL_STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not model and not server and not redis and not slow" tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not model and not server and not redis and not slow" tests benchmarks/tests
 
 # ruff (pyproject.toml [tool.ruff]) and the structure rules of tools/archcheck.py: no import
 # cycle, no underscore name used across modules, no lmdb in edgesync_engines, no library import

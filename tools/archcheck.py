@@ -38,7 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("edgesync_store", "edgesync_engines", "migrations", "benchmarks", "tools")
-"""Top-level folders whose ``.py`` files are checked (tests are not library code)."""
+"""Top-level folders whose ``.py`` files are checked."""
+TEST_FOLDERS = ("tests", "benchmarks/tests")
+"""Test folders, never checked (tests are not library code); ``benchmarks/tests`` lies in a checked folder."""
 IMPORT_NAMES = {"migrations": "edgesync_store.migrations", "benchmarks": "edgesync_bench"}
 """Folders installed under another import name (``package-dir`` in the pyproject.toml files)."""
 LIBRARY = ("edgesync_store", "edgesync_engines", "migrations")
@@ -97,7 +99,8 @@ def source_files() -> list[Path]:
     """Every checked ``.py`` file, sorted."""
     files: list[Path] = []
     for pkg in PACKAGES:
-        files.extend(p for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
+        files.extend(p for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts
+                     and not any(p.is_relative_to(ROOT / t) for t in TEST_FOLDERS))
     return sorted(files)
 
 

@@ -195,7 +195,7 @@ def test_default_directory_is_found_beside_the_project_from_any_working_director
     (``<project root>/../shared/workloads``) is found whatever the working directory is."""
     from edgesync_bench.workloads import checkout_workloads_dir, workloads_dir
 
-    beside = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+    beside = Path(__file__).resolve().parents[2].parent / "shared" / "workloads"
     monkeypatch.delenv("EDGESYNC_WORKLOADS", raising=False)
     monkeypatch.chdir(tmp_path)
     assert checkout_workloads_dir().resolve() == beside.resolve()

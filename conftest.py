@@ -1,5 +1,8 @@
-"""Shared fixtures: the real SmolLM2 model through llama.cpp, real stores in temp dirs, and the
+"""Shared fixtures of both test folders, ``tests/`` (the library) and ``benchmarks/tests/``
+(``edgesync_bench``): the real SmolLM2 model through llama.cpp, real stores in temp dirs, and the
 real workload data from ../shared/workloads (EDGESYNC_WORKLOADS overrides; missing data fails).
+Being at the repository root, this file also puts the root on ``sys.path``, so that both folders
+import the helper modules as ``tests.<name>``.
 
 Test layers (markers registered in pyproject.toml): ``model`` loads a real model, ``server``
 starts ``edgesync serve``, ``redis`` starts redis-server. The fast layer is

@@ -26,7 +26,7 @@ from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.semantic.embedders import get_embedder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_SUBSET = 400
 # Measured with the int8 ONNX embedder on rows 0-399 (195 duplicates, 205 non-duplicates):
 # (duplicates served, non-duplicates served) per threshold. No cosine lies within 4e-5 of a
