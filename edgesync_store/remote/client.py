@@ -183,13 +183,11 @@ its timeouts, no retries, binary RESP2 replies."""
 
 
 def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
-    """None when redis-py can use ``url``'s query arguments as the tier passes them, else what is
-    wrong (redacted): an argument outside :data:`URL_OPTIONS` (:data:`TLS_OPTIONS` with
-    ``rediss://``), one in :data:`FIXED_OPTIONS`, a value redis-py refuses, a database other than 0
-    on a cluster."""
+    """None when the tier can use ``url``'s query arguments (redis-py checked their values when it
+    read ``url``), else what is wrong (redacted): an argument outside :data:`URL_OPTIONS`
+    (:data:`TLS_OPTIONS` with ``rediss://``), one in :data:`FIXED_OPTIONS`, a database other than
+    0 on a cluster."""
     from urllib.parse import parse_qsl, urlsplit
-
-    from redis.connection import parse_url
 
     shown = url.redacted
     visible = {name for name, _ in parse_qsl(urlsplit(shown).query, keep_blank_values=True)}
@@ -205,10 +203,6 @@ def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
             label = f"{name[:40]}=" if name in visible else "an argument after password= (hidden)"
             return (f"{shown}: {label} is not an option the remote tier passes on (it takes "
                     f"{', '.join(sorted(URL_OPTIONS | (TLS_OPTIONS if url.tls else set())))})")
-    try:
-        parse_url(url.secret)
-    except ValueError as exc:  # its messages name the argument, never the value
-        return f"{shown}: {exc}"
     if cluster and url.db != 0:
         return f"{shown}: a Redis Cluster has database 0 only, the URL names {url.db}"
     return None

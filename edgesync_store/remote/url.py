@@ -1,61 +1,45 @@
 """The remote tier's address: a ``redis://`` or ``rediss://`` URL whose secret never shows.
 
-:class:`RemoteURL` holds the URL a deployment gives (``EDGESYNC_REMOTE_URL``); its ``str()``,
-``repr()`` and :attr:`RemoteURL.redacted` print the password (and a ``password=`` query
-argument) as ``***``, so that a config's repr, a log line or an error message never carries
-it. Only :attr:`RemoteURL.secret` gives the URL as typed, for the client that connects. The
-redaction (:func:`redact`) is textual and comes before any parsing, so that a URL no parser
-reads as meant (a password with ``/``, ``?`` or ``#`` typed as it is) is hidden as well.
-
-The username and password may also come from the environment, ``EDGESYNC_REMOTE_USERNAME``
-and ``EDGESYNC_REMOTE_PASSWORD`` (:func:`credentials`), so that the URL itself can be logged
-and checked into a deployment's config. The URL's own user and password win over them.
-
-This module imports no client library: the settings table (``edgesync_engines.config``)
-validates the URL with it.
+:class:`RemoteURL` is read by redis-py's own URL parser (``redis.connection.parse_url``, the one
+its clients connect with); its ``str()`` and ``repr()`` show the password as ``***``
+(:func:`redact`, textual, so a URL no parser reads as meant is hidden too). Only
+:attr:`RemoteURL.secret` gives the URL as typed. User and password may also come from
+``EDGESYNC_REMOTE_USERNAME`` / ``EDGESYNC_REMOTE_PASSWORD`` (:func:`credentials`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import urlsplit
+
+from edgesync_store.errors import require_extra
 
 SCHEMES = ("redis", "rediss")
-"""``redis``: plain TCP; ``rediss``: TLS (redis-py's own URL schemes)."""
+"""``redis``: plain TCP; ``rediss``: TLS (redis-py's schemes; its ``unix://`` is not taken)."""
 USERNAME_ENV = "EDGESYNC_REMOTE_USERNAME"
 PASSWORD_ENV = "EDGESYNC_REMOTE_PASSWORD"
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""A key prefix (the whole string): 1 to 64 letters, digits, ``_ . -``. Every key is
-``PREFIX:...``, so no ``:`` (a prefix ``shop`` would otherwise own the keys of ``shop:17``,
-and ``clear --remote`` of one would remove the other's); no braces (they would become a Redis
-Cluster hash tag), no spaces or glob characters (``clear`` scans ``PREFIX:*``)."""
+"""A key prefix: 1 to 64 letters, digits, ``_ . -``. No ``:`` (it ends the prefix in every key, so
+``shop`` never owns ``shop:17``'s keys), no braces (a Cluster hash tag), no glob characters
+(``clear`` scans ``PREFIX:*``)."""
 
 __all__ = ["MAX_DB", "PASSWORD_ENV", "PREFIX_PATTERN", "RemoteURL", "SCHEMES", "UNSAFE_IN_USERINFO", "USERNAME_ENV",
            "check_prefix", "credentials", "redact"]
 
 
 MAX_DB = 2**31 - 1
-"""The largest database number Redis's ``SELECT`` takes (a C ``int``; the server's ``databases``
-setting, 16 by default, bounds it further: a number above is refused on the first call)."""
+"""The largest database number Redis's ``SELECT`` takes (a C ``int``)."""
 UNSAFE_IN_USERINFO = "/?#"
-"""Characters that end a URL's user and password part (RFC 3986): typed as they are in a password
-they make every URL parser (urllib's, so redis-py's) read the rest as a path, query or fragment.
-Percent-encoded (``%2F``, ``%3F``, ``%23``) they are fine."""
+"""Characters that end a URL's user and password part (RFC 3986); percent-encoded they are fine."""
 _SHOWN_USER = re.compile(r"^[A-Za-z0-9._~%!$&'()*+,;=-]*$")
-"""A user name shown in a redacted URL: RFC 3986's user characters, nothing that could be the
-start of a mistyped password."""
+"""A user name shown in a redacted URL: RFC 3986's user characters only."""
 
 
 def redact(text: str) -> str:
-    """``text`` with everything between ``://`` and the last ``@`` (the whole text before the
-    last ``@`` when there is no ``://``) replaced by ``user:***`` (the user name kept only when it
-    is plainly one, else ``***``), and everything after a ``password=`` query argument's ``=`` by
-    ``***`` (the arguments after it too: an unencoded ``&`` in the password would end it early).
-
-    Purely textual, so it holds for a URL no parser reads as intended (a password with ``/``,
-    ``?``, ``#`` or ``@`` typed as it is): every message about a URL shows it through this.
-    """
+    """``text`` with everything between ``://`` and the last ``@`` (all before the last ``@``
+    without ``://``) replaced by ``user:***`` (or ``***`` when the user is not plainly one), and
+    everything after a ``password=`` query argument's ``=`` by ``***``."""
     scheme_end = text.find("://")
     start = 0 if scheme_end < 0 else scheme_end + 3
     at = text.rfind("@")
@@ -71,18 +55,15 @@ def redact(text: str) -> str:
 class RemoteURL:
     """A validated remote-tier URL, ``redis[s]://[user[:password]@]host[:port][/db][?query]``.
 
-    Args:
-        text: the URL as given.
-
     Raises:
-        ValueError: not a string, another scheme, no host, a port or db (the path, or ``db=``)
-            that is not a number, a db above :data:`MAX_DB`, a user or password with an
-            unencoded ``/``, ``?`` or ``#``; the message shows the URL
-            through :func:`redact` only (never a part a parser cut out of it, which could hold
-            the tail of a mistyped password).
+        ValueError: not a string, another scheme, no host, a bad port, a path that is not a
+            database number, a database outside 0..:data:`MAX_DB`, a query value redis-py
+            refuses, a user or password holding an unencoded ``/``, ``?`` or ``#``; the message
+            shows the URL through :func:`redact` only.
+        MissingExtraError: redis-py (the ``remote`` extra) is not installed.
     """
 
-    __slots__ = ("_text", "scheme", "host", "port", "db")
+    __slots__ = ("_text", "_options")
 
     def __init__(self, text: str) -> None:
         if isinstance(text, RemoteURL):
@@ -91,61 +72,35 @@ class RemoteURL:
             raise ValueError(f"must be a redis:// or rediss:// URL, got {type(text).__name__}")
         self._text = text.strip()
         shown = self.redacted
-        scheme_end = self._text.find("://")
-        if self._text.rfind("@") > scheme_end >= 0 and any(
-                c in self._text[scheme_end + 3:self._text.rfind("@")] for c in UNSAFE_IN_USERINFO):
+        scheme, sep, rest = self._text.partition("://")
+        if scheme not in SCHEMES or not sep:
+            raise ValueError(f"{shown}: the scheme must be redis:// or rediss:// (TLS)")
+        at = rest.rfind("@")
+        if at >= 0 and any(c in rest[:at] for c in UNSAFE_IN_USERINFO):
             raise ValueError(f"{shown}: the user name or password holds '/', '?' or '#' as typed: percent-encode "
                              "them (%2F, %3F, %23; '@' as %40, '%' as %25; an '@' in the path or query as %40)")
+        parse_url = require_extra("redis.connection", "remote", "the remote tier").parse_url
         try:
-            parts = urlsplit(self._text)
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"{shown}: not a URL (bad host or port)") from None
-        if parts.scheme not in SCHEMES:
-            raise ValueError(f"{shown}: the scheme must be redis:// or rediss:// (TLS)")
-        if not parts.hostname:
+            self._options = parse_url(self._text)
+        except ValueError as exc:  # redis-py's own messages name an argument; urllib's quote the port
+            reason = exc if str(exc).startswith("Invalid value") else "bad host or port"
+            raise ValueError(f"{shown}: {reason}") from None
+        if not self._options.get("host"):
             raise ValueError(f"{shown}: no host")
-        db = parts.path.strip("/")
-        if db and not db.isdigit():
+        if "db" not in self._options and urlsplit(self._text).path.strip("/"):  # redis-py would ignore it
             raise ValueError(f"{shown}: the path must be a database number (/0, /1, ...)")
-        query_db = dict(parse_qsl(parts.query)).get("db")
-        if query_db is not None and not query_db.isdigit():  # redis-py takes ?db= over the path
-            raise ValueError(f"{shown}: db= must be a database number (0, 1, ...)")
-        db = int(query_db if query_db is not None else db or 0)
-        if db > MAX_DB:
-            raise ValueError(f"{shown}: database {db} is out of range (0 to {MAX_DB})")
-        self.scheme, self.host, self.port, self.db = parts.scheme, parts.hostname, port or 6379, db
+        if not 0 <= self.db <= MAX_DB:
+            raise ValueError(f"{shown}: the database number {self.db} is out of range (0 to {MAX_DB})")
 
-    @property
-    def secret(self) -> str:
-        """The URL as given, password included: for the client only, never for a log line."""
-        return self._text
-
-    @property
-    def tls(self) -> bool:
-        """True for ``rediss://``."""
-        return self.scheme == "rediss"
-
-    @property
-    def username(self) -> str | None:
-        """The URL's user name (None: none given)."""
-        name = urlsplit(self._text).username
-        return unquote(name) if name else None
-
-    @property
-    def password(self) -> str | None:
-        """The URL's password (None: none given); a secret."""
-        parts = urlsplit(self._text)
-        if parts.password is not None:
-            return unquote(parts.password)
-        query = dict(parse_qsl(parts.query))
-        return query.get("password")
-
-    @property
-    def redacted(self) -> str:
-        """The URL with its password (and a ``password=`` query value) replaced by ``***``
-        (:func:`redact`)."""
-        return redact(self._text)
+    scheme = property(lambda self: self._text.partition("://")[0], doc="``redis`` or ``rediss``.")
+    host = property(lambda self: self._options["host"], doc="The host name or address.")
+    port = property(lambda self: self._options.get("port", 6379), doc="The TCP port (default 6379).")
+    db = property(lambda self: self._options.get("db", 0), doc="The database number (``?db=`` over the path).")
+    username = property(lambda self: self._options.get("username"), doc="The URL's user name, or None.")
+    password = property(lambda self: self._options.get("password"), doc="The URL's password, or None; a secret.")
+    secret = property(lambda self: self._text, doc="The URL as given, password included: for the client only.")
+    tls = property(lambda self: self.scheme == "rediss", doc="True for ``rediss://``.")
+    redacted = property(lambda self: redact(self._text), doc="The URL with its secrets as ``***`` (:func:`redact`).")
 
     def __str__(self) -> str:
         return self.redacted
@@ -161,9 +116,8 @@ class RemoteURL:
 
 
 def credentials(url: RemoteURL, environ=None) -> tuple[str | None, str | None]:
-    """``(username, password)`` for ``url``: the URL's own, else ``EDGESYNC_REMOTE_USERNAME`` and
-    ``EDGESYNC_REMOTE_PASSWORD`` from ``environ`` (default ``os.environ``); None when neither
-    gives one."""
+    """``(username, password)``: the URL's own, else ``EDGESYNC_REMOTE_USERNAME`` /
+    ``EDGESYNC_REMOTE_PASSWORD`` from ``environ`` (default ``os.environ``), else None."""
     environ = os.environ if environ is None else environ
     user = url.username or environ.get(USERNAME_ENV) or None
     password = url.password or environ.get(PASSWORD_ENV) or None
