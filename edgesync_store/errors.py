@@ -1,6 +1,5 @@
-"""Every error the store raises to the layers above it: one base, :class:`StoreError`, so that
-a caller catches storage failures without knowing the backend (LMDB's own ``lmdb.Error`` never
-leaves ``edgesync_store``)."""
+"""Every error the store raises to the layers above it, under one base, :class:`StoreError`
+(``lmdb.Error`` never leaves ``edgesync_store``)."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ class StoreOpenError(StoreError):
 
 
 class StoreDamagedError(StoreOpenError):
-    """The path holds an EdgeSync store whose files are damaged beyond what a read can refuse
-    fragment by fragment (a truncated ``data.mdb``): it is a cache, so requests are served
-    uncached and ``edgesync clear`` erases and recreates it.
+    """The path holds a store whose files are damaged beyond a per-fragment refusal (a truncated
+    ``data.mdb``); requests are served uncached and ``edgesync clear`` recreates it.
 
     Attributes:
         path: the store directory.
@@ -71,9 +69,7 @@ def install_hint(extra: str) -> str:
 
 
 class MissingExtraError(ImportError):
-    """An optional stack is not installed. The message is one line naming the extra of the
-    ``edgesync`` distribution that brings it, e.g. ``semantic lookup needs the 'semantic' extra:
-    pip install '<EdgeSync wheel or checkout>[semantic]' (no module named 'hnswlib')``
+    """An optional stack is not installed; the one-line message names the extra that brings it
     (:func:`install_hint`).
 
     Attributes:

@@ -1,17 +1,7 @@
-"""The ``edgesync`` command: ``generate``, ``export-onnx`` (:mod:`.cli_model`), ``dump``, ``clear``,
-``reindex`` (:mod:`.cli_store`), ``docs add|list|remove`` (:mod:`.cli_docs`), ``compact``
-(:mod:`.compact`) and ``serve`` (:mod:`.cli_serve`), plus the commands other distributions add
-through the entry-point group ``edgesync.commands``: ``run``, ``bench`` and ``fidelity`` come from
-``edgesync-bench`` (the repository's ``benchmarks/``). This module never imports them by name;
-when they are not installed they are still listed, and running one says in one line how to get
-them.
-
-Settings come from :meth:`EdgeSyncConfig.load` with the command-line options as overrides, so
-precedence is defaults < ``EDGESYNC_*`` environment < command line. Results go to stdout;
-progress, summaries, logs and ``error: ...`` lines go to stderr. Bad input (a prompt that does
-not fit the context, a bad setting, a missing model, extra, workload data or store) exits 2
-without a traceback.
-"""
+"""The ``edgesync`` command: the subcommands of :mod:`.cli_model`, :mod:`.cli_store`,
+:mod:`.cli_docs`, :mod:`.cli_serve` and ``compact``, plus those other distributions add through
+the entry-point group :data:`COMMANDS_GROUP` (listed even when not installed). Settings:
+defaults < ``EDGESYNC_*`` < command line. Bad input exits 2 with one ``error: ...`` line."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ from edgesync_store.settings import LOG_LEVELS
 
 EXIT_INTERRUPTED = 130
 COMMANDS_GROUP = "edgesync.commands"
-"""Entry-point group of added commands: each entry point is a function ``(subparsers, common)``
-that adds its subparser (``common``: the parent parser holding ``--log-level``)."""
+"""Entry-point group of added commands: functions ``(subparsers, common)`` adding a subparser."""
 MEASUREMENT_COMMANDS = {
     "run": "run a workload uncached and through EdgeSync, request by request, and compare",
     "bench": "benchmark every system on the seed, doc-QA and chat workloads (make bench)",

@@ -1,10 +1,6 @@
-"""What every ``edgesync`` subcommand shares: the one-line error, the configuration and engine
-loading that turn bad input into that error, and small argument parsers.
-
-The error class lives here, not in ``cli.py``: under ``python -m edgesync_engines.app.cli`` that
-module runs as ``__main__``, and a command module importing it would get a second copy whose
-exception class ``main()`` would not catch.
-"""
+"""What every ``edgesync`` subcommand shares: the one-line error, configuration and engine
+loading, small argument parsers. :class:`CommandError` lives here, not in ``cli.py``, which runs
+as ``__main__`` under ``python -m`` (a second copy of the class would not be caught)."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ STORE_ARG_HELP = "store directory (default: the configured store)"
 
 
 def progress_bar(description: str = "[progress.description]{task.description}", console=None, **options):
-    """A ``rich.progress.Progress`` with the columns every long command shows: ``description``
-    (a ``TextColumn`` format), the bar, done/total, elapsed and remaining time. ``console``:
-    where it draws (default: a new stderr console, so that stdout keeps only the results);
-    ``options`` go to ``Progress`` (e.g. ``disable=True``). rich is imported on call, so that
-    commands without a bar do not load it."""
+    """A ``rich.progress.Progress`` with description, bar, done/total, elapsed and remaining time,
+    drawn on ``console`` (default: a new stderr console); ``options`` go to ``Progress``."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,

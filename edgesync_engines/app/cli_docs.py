@@ -1,12 +1,7 @@
-"""The ``edgesync docs`` subcommands: ``add`` (store documents: KV computed once, embedded for
-retrieval), ``list`` and ``remove``, on the documents of the configured model in a store.
-
-``add`` reads its files first (:mod:`.doc_files`) and tokenizes every document before any KV is
-computed, so a bad line, an empty text or a document longer than the context refuses the whole
-command with nothing stored. Results go to stdout (a summary or table, or ``--json``); the
-progress bar and skipped files go to stderr; bad input raises
-:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
-"""
+"""The ``edgesync docs`` subcommands: ``add``, ``list`` and ``remove``, on the configured model's
+documents in a store. ``add`` reads and tokenizes every document before any KV is computed, so
+bad input refuses the whole command with nothing stored
+(:class:`~edgesync_engines.app.cli_common.CommandError`, exit 2)."""
 
 from __future__ import annotations
 

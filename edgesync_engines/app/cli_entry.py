@@ -1,6 +1,5 @@
-"""The ``edgesync`` console script's entry point: :func:`main` loads the command (:mod:`.cli`)
-inside its own ``try``, so that a Ctrl-C while the command's modules load exits 128 + SIGINT
-with one line, as it does once the command runs, rather than a traceback."""
+"""The ``edgesync`` console script: :func:`main` imports the command inside its own ``try``, so a
+Ctrl-C while it loads exits 128 + SIGINT with one line."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The ``edgesync`` subcommands that run the model: ``generate`` (one prompt) and ``export-onnx``
-(the ONNX Runtime decoder). ``edgesync run`` is a benchmark command (``edgesync_bench.cli_run``);
-it shares :func:`add_engine_options` with ``generate``.
-
-Results go to stdout; progress and summaries to stderr; bad input raises
-:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
-"""
+"""The ``edgesync`` subcommands that run the model: ``generate`` and ``export-onnx``
+(:func:`add_engine_options` is shared with the benchmarks' ``edgesync run``). Bad input raises
+:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2)."""
 
 from __future__ import annotations
 
@@ -145,9 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # -- export-onnx --------------------------------------------------------------------------------
 
 def cmd_export_onnx(args: argparse.Namespace) -> int:
-    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory. A model
-    the export does not handle (``onnx_export.check_exportable``) is refused in one line before
-    anything is loaded."""
+    """``edgesync export-onnx``: :func:`onnx_export.export_gguf`; prints the directory. A model it
+    does not handle is refused in one line before anything loads."""
     from rich.console import Console
 
     from edgesync_engines.adapters.model_files import default_model_path

@@ -1,10 +1,6 @@
-"""The ``edgesync`` subcommands that work on a store without the model: ``dump`` (list its
-fragments, read-only), ``check`` (its LMDB pages, in a child process), ``clear`` (erase
-everything it holds) and ``reindex`` (rebuild its semantic index). ``compact`` is :mod:`edgesync_store.compact`.
-
-Results go to stdout; bad input raises
-:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2).
-"""
+"""The ``edgesync`` subcommands on a store without the model: ``dump``, ``check``, ``clear`` and
+``reindex`` (``compact`` is :mod:`edgesync_store.compact`). Bad input raises
+:class:`~edgesync_engines.app.cli_common.CommandError` (exit 2)."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ EXIT_DAMAGED = 1
 EXIT_DECLINED = 1
 """``edgesync clear``'s exit status when the user answers no at the confirmation prompt."""
 EXIT_REMOTE_FAILED = 3
-"""``edgesync clear --remote``'s exit status when the local store was cleared and the remote tier
-could not be (down, refusing): both outcomes are printed."""
+"""Exit status of ``clear --remote`` when the local store was cleared and the remote tier not."""
 
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
@@ -83,9 +78,8 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def _command_errors(context: str, own_message: tuple[type[Exception], ...]) -> Iterator[None]:
-    """Turn a store command's failures into :class:`CommandError`: the ``own_message`` types
-    (their text already names the store and the cause) as they are, any other
-    :class:`StoreError` or ``OSError`` after ``context`` (``"<context>: <error>"``)."""
+    """Turn a store command's failures into :class:`CommandError`: ``own_message`` types as they
+    are, any other :class:`StoreError` or ``OSError`` as ``"<context>: <error>"``."""
     try:
         yield
     except own_message as exc:
@@ -111,10 +105,9 @@ def _confirm(question: str) -> bool:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """``edgesync check``: the page check of ``edgesync_store.check`` (in a child process, which
-    a corrupt page cannot take this one down with): one line, or one JSON object with ``--json``
+    """``edgesync check``: the page check in a child process; one line, or JSON with ``--json``
     (``healthy``, ``damage``, ``header``, ``databases``, ``pages``, ``txnid``). Exit 0 healthy,
-    :data:`EXIT_DAMAGED` damaged (the message names the database, page and fault), 2 no store."""
+    :data:`EXIT_DAMAGED` damaged, 2 no store."""
     from pathlib import Path
 
     from edgesync_store import check
@@ -138,12 +131,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    """``edgesync clear``: :func:`edgesync_store.commands.clear.clear_store` after a confirmation (or
-    ``--yes``), then with ``--remote`` the shared tier's keys (:func:`_clear_remote`); what was
-    removed goes to stdout (one JSON object with ``--json``), both outcomes always. Exit 0, 1 when
-    the user declines, 2 for bad input or a refusal to clear without ``--yes`` when stdin is not a
-    terminal, :data:`EXIT_REMOTE_FAILED` when the local store was cleared and the remote tier was
-    not."""
+    """``edgesync clear``: ``clear_store`` after a confirmation (or ``--yes``), then with
+    ``--remote`` the shared tier's keys. Exit 0; 1 declined; 2 bad input or no ``--yes`` without a
+    terminal; :data:`EXIT_REMOTE_FAILED` when only the local store was cleared."""
     from edgesync_store.commands.clear import check_store_path, clear_store
 
     store = configured_store(args.store)

@@ -1,16 +1,12 @@
-"""Reading documents from files for ``edgesync docs add``: JSON Lines files and directories of
-text files, turned into the dicts ``EdgeSync.add_documents`` takes.
+"""Reading documents from files for ``edgesync docs add``, as the dicts
+``EdgeSync.add_documents`` takes.
 
-* ``FILE.jsonl``: one document per line, a JSON object with ``text`` (or ``context``) and
-  optional ``title`` and ``source`` (or ``doc_id``/``id``); the shared ``doc_qa.jsonl`` reads
-  as it is. Blank lines are ignored. The file is one unit: a line that is not such an object,
-  or whose text is blank, or a file that is not UTF-8, refuses the whole file
-  (:class:`DocumentFileError` naming ``file:line``).
-* ``FILE.txt`` / ``FILE.md``: one document, titled with the file name.
-* ``DIR``: every ``*.txt`` and ``*.md`` file under it, recursively, in sorted path order; title
-  = the file name, source = the path relative to ``DIR``. A file there that is not UTF-8 or
-  holds only whitespace is skipped and reported (:attr:`DocumentFiles.skipped`), because a
-  folder of notes often holds a stray file the user did not mean as a document.
+* ``FILE.jsonl``: one JSON object per line with ``text`` (or ``context``) and optional
+  ``title``, ``source`` (or ``doc_id``/``id``); blank lines ignored; any bad line refuses the
+  whole file (:class:`DocumentFileError` naming ``file:line``).
+* ``FILE.txt`` / ``FILE.md``: one document titled with the file name.
+* ``DIR``: every ``*.txt`` and ``*.md`` under it, sorted; source = the relative path; a file
+  not UTF-8 or blank is skipped and reported (:attr:`DocumentFiles.skipped`).
 """
 
 from __future__ import annotations
@@ -34,12 +30,8 @@ class DocumentFileError(ValueError):
 
 @dataclass(frozen=True)
 class SourceDocument:
-    """One document read from a file.
-
-    Attributes:
-        origin: where it came from, for messages (``file.jsonl:3`` or the text file's path).
-        document: ``{"text", "title", "source"}`` (strings; title and source may be empty).
-    """
+    """One document read from a file: ``origin`` (``file.jsonl:3`` or the path, for messages) and
+    ``document`` (``{"text", "title", "source"}``, strings)."""
 
     origin: str
     document: dict
@@ -68,11 +60,10 @@ def _jsonl_document(obj, where: str) -> dict:
 
 
 def read_jsonl(path: Path) -> list[SourceDocument]:
-    """The documents of a JSON Lines file (module docstring).
+    """The documents of a JSON Lines file.
 
     Raises:
-        DocumentFileError: unreadable or not UTF-8, a malformed line (``path:line``), or no
-            document at all.
+        DocumentFileError: unreadable or not UTF-8, a malformed line (``path:line``), or none.
     """
     try:
         text = path.read_bytes().decode("utf-8")
@@ -109,10 +100,10 @@ def _text_file(path: Path, source: str) -> tuple[SourceDocument | None, str | No
 
 
 def read_directory(root: Path, found: DocumentFiles) -> None:
-    """Append the ``*.txt``/``*.md`` files under ``root`` to ``found`` (module docstring).
+    """Append the ``*.txt``/``*.md`` files under ``root`` to ``found``.
 
     Raises:
-        DocumentFileError: the directory holds no such file at all.
+        DocumentFileError: the directory holds no such file.
     """
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
     if not files:
@@ -127,11 +118,10 @@ def read_directory(root: Path, found: DocumentFiles) -> None:
 
 def read_documents(paths: Sequence[str | Path]) -> DocumentFiles:
     """Every document of ``paths`` (JSON Lines files, text files, directories), in order.
-    Nothing is read from the model or the store.
 
     Raises:
         DocumentFileError: a missing path, a file of another kind, a bad JSON Lines file, a
-            directory without text files, or no document in all of them.
+            directory without text files, or no document at all.
     """
     found = DocumentFiles()
     for given in paths:

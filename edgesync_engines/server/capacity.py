@@ -1,16 +1,9 @@
 """How many workers the machine holds: ``edgesync serve``'s start-up check of its worker count
 against the memory available (refused beyond it) and the CPUs (a warning).
 
-A worker's memory is estimated before anything loads (:func:`worker_estimate`): the model file,
-its KV cache for ``n_ctx`` (from the GGUF header, :func:`kv_cache_bytes`) and
-:data:`WORKER_OVERHEAD_BYTES`. The model counts for every worker: llama.cpp maps the file, and
-workers share its pages while the page cache holds them, but a CPU backend that repacks weights
-copies them into each worker, so the estimate errs high for a big model. These are llama.cpp's
-figures: an ONNX Runtime worker holds f32 weights, several times the GGUF's size, so the check
-is looser there. The memory available is Linux's ``MemAvailable`` (``/proc/meminfo``: free
-memory plus what the kernel can reclaim without swapping), else the free pages ``os.sysconf``
-reports; with neither the check is skipped. The measurement behind the figures:
-docs/architecture.md (``edgesync serve`` in detail, Start-up).
+A worker is estimated as the model file + its KV cache for ``n_ctx`` (GGUF header) +
+:data:`WORKER_OVERHEAD_BYTES`; llama.cpp's figures, so looser for ONNX Runtime. Figures:
+docs/serving.md and docs/architecture.md ("`edgesync serve` in detail").
 """
 
 from __future__ import annotations
@@ -27,9 +20,7 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 WORKER_OVERHEAD_BYTES = 128 * MIB
-"""A worker's memory besides its model file and KV cache: the interpreter and the engine's
-libraries, llama.cpp's compute and output buffers, the engine's own (measured with SmolLM2,
-docs/architecture.md: at most 127 MiB after a request, rounded up)."""
+"""A worker's memory besides model and KV cache (measured with SmolLM2, rounded up)."""
 KV_CELL_PADDING = 256
 """llama.cpp rounds the context up to a multiple of this many cells (the adapter's ``n_ctx``)."""
 MEMINFO = Path("/proc/meminfo")
@@ -67,9 +58,8 @@ def size_text(n_bytes: int) -> str:
 
 
 def available_memory(meminfo: Path = MEMINFO) -> int | None:
-    """Bytes of memory available for new processes: ``MemAvailable`` of ``meminfo`` (Linux),
-    else ``SC_AVPHYS_PAGES * SC_PAGE_SIZE`` (free pages, where ``os.sysconf`` knows them), else
-    None."""
+    """Bytes available for new processes: Linux ``MemAvailable``, else ``SC_AVPHYS_PAGES *
+    SC_PAGE_SIZE``, else None."""
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -83,11 +73,9 @@ def available_memory(meminfo: Path = MEMINFO) -> int | None:
 
 
 def kv_cache_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
-    """Bytes of llama.cpp's K and V cache for ``n_ctx`` tokens of the model of ``header``, in
-    ``kv_type`` (every layer full size: the adapter asks for ``swa_full``), or 0 when the
-    header lacks the figures. Per layer and cell: ``head_count_kv`` heads of ``key_length`` K
-    and ``value_length`` V elements (default ``embedding_length / head_count``), ggml's bytes per
-    element of the type (``GGML_BLOCKS``)."""
+    """Bytes of llama.cpp's K and V cache for ``n_ctx`` tokens in ``kv_type`` (every layer full size):
+    per layer and cell ``head_count_kv`` x (``key_length`` + ``value_length``) elements at ggml's
+    size (``GGML_BLOCKS``); 0 when the header lacks the figures."""
     layers, embd, heads = (header.arch_value(k) for k in ("block_count", "embedding_length",
                                                           "attention.head_count"))
     kv_heads = header.arch_value("attention.head_count_kv", heads)
@@ -108,7 +96,7 @@ def kv_cache_bytes(header: GGUFHeader, n_ctx: int, kv_type: str) -> int:
 
 
 def worker_estimate(model: Path, n_ctx: int, kv_type: str) -> WorkerEstimate:
-    """One worker's estimated memory for ``model`` (see the module docstring).
+    """One worker's estimated memory for ``model``.
 
     Raises:
         OSError: the model file cannot be read (its size).
@@ -123,15 +111,12 @@ def worker_estimate(model: Path, n_ctx: int, kv_type: str) -> WorkerEstimate:
 
 def check_workers(n_workers: int, explicit: bool, estimate: WorkerEstimate, n_ctx: int, cpus: int,
                   available: int | None) -> int:
-    """The worker count to start: ``n_workers`` when ``n_workers`` estimates fit ``available``
-    bytes (None: unknown, unchecked). A default count (``explicit`` False) that does not fit
-    is lowered to what does, with a warning; one worker that does not fit starts anyway, with a
-    warning (there is no smaller count). Warns when the count exceeds ``cpus``: the workers
-    share them.
+    """The worker count to start: ``n_workers`` when they fit ``available`` bytes (None: unchecked);
+    a default count is lowered to what fits, one worker always starts (with a warning). Warns above
+    ``cpus``.
 
     Raises:
-        WorkerCountError: an explicit ``--workers`` above 1 that does not fit (the message
-            names ``--workers`` and the figures).
+        WorkerCountError: an explicit ``--workers`` above 1 that does not fit.
     """
     if available is None:
         log.debug("memory available unknown on this platform: --workers %d unchecked", n_workers)

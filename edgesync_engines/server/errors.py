@@ -1,6 +1,5 @@
-"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}`` with the
-status that says what went wrong (400 bad input, 401 no or wrong key, 404 unknown route, 413
-body too large, 500 the server failed, 503 shutting down)."""
+"""Errors in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` with their HTTP
+status (400, 401, 404, 413, 500, 503)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 
 
 MAX_SHOWN = 300
-"""Characters of an error's message (and of its ``param``) sent back: a value or field name a
-client sent can be huge, and an error repeats it."""
+"""Characters of an error's message (and ``param``) sent back: it may repeat a huge client value."""
 
 
 def _cut(text: str | None) -> str | None:

@@ -1,22 +1,7 @@
-"""The server's Prometheus metrics (``GET /metrics``, text format through prometheus-client).
+"""The server's Prometheus metrics (``GET /metrics``, through prometheus-client).
 
-Names (all prefixed ``edgesync_``): ``requests_total{endpoint,status}`` (every answer of the two
-completion endpoints, errors included, whichever layer gave them: :class:`ErrorCounter`; other
-paths' errors under ``endpoint="other"``; 499 for a client that went away),
-``prompt_tokens_total``, ``cached_prompt_tokens_total`` (prompt tokens reused: live, or injected from the store),
-``completion_tokens_total``, ``ttft_seconds`` (histogram: request received to first token,
-queueing included), ``hits_total{kind}`` (exact, partial, miss), ``store_bytes`` (the store's
-files on disk), ``workers``, ``worker_restarts_total``, ``cancelled_requests_total`` (stopped
-early: the client went away) and ``queued_requests``.
-
-Idle-time storing and routing: ``idle_tokens_prefilled_total`` and ``idle_tokens_wasted_total``
-(tokens the workers prefilled between requests, and those of them the next request did not
-begin with; summed over workers as they report them), ``live_prefix_requests_total`` (answers
-that continued their worker's live sequence: ``live_tokens`` > 0), ``idle_wait_seconds``
-(histogram: how long a request waited for idle-time work to stop, midway through its batch on
-llama.cpp; observed only when such work was running), ``routed_by_prefix_total`` (jobs the prefix rule placed,
-``server/routing.py``) and ``handed_over_total`` (conversations moved to another worker because a
-new one took theirs while it was storing them, ``server/pool.py``).
+Every name is prefixed ``edgesync_`` (docs/serving.md, Metrics). Error answers of every layer
+are counted by :class:`ErrorCounter`.
 """
 
 from __future__ import annotations
@@ -58,15 +43,12 @@ class _ReadCounters:
 
 
 class ServerMetrics:
-    """The metrics of one server, in their own registry (two servers in one process, as in
-    tests, do not collide).
+    """The metrics of one server, in their own registry.
 
     Args:
         store: the store directory (for ``store_bytes``).
-        workers: -> worker count; restarts: -> restarts so far; queued: -> outstanding jobs;
-        cancelled: -> jobs stopped early; idle: -> the workers' summed idle-time counters
-        (``WorkerPool.idle_totals``); routed: -> jobs the prefix rule placed; handed_over: ->
-        conversations handed to another worker.
+        workers, restarts, queued, cancelled, routed, handed_over: callables returning the pool's
+            counts; idle: -> ``WorkerPool.idle_totals()``.
     """
 
     def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
@@ -128,10 +110,8 @@ class ServerMetrics:
 
 
 class ErrorCounter:
-    """ASGI middleware: counts every error answer (status >= 400) in ``requests_total`` as it
-    starts, by endpoint (``endpoints``, else ``other``, so that a client cannot make up label
-    values) and status. Outermost, it sees the errors of every layer: the request guard (401,
-    413), validation (400), the routes (404, 405) and the answers themselves."""
+    """ASGI middleware counting every error answer (status >= 400) in ``requests_total`` by endpoint
+    (``endpoints``, else ``other``) and status; outermost, so it sees every layer's errors."""
 
     def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...]) -> None:
         self.app, self.metrics, self.endpoints = app, metrics, endpoints

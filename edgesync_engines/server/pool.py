@@ -4,7 +4,7 @@ Each worker (:func:`~.worker.worker_main`, started with ``spawn``) owns a reques
 response queue and a :class:`~.worker.CancelBoard`; messages are plain dicts keyed by ``type``:
 to a worker a job, ``room``, ``prepare`` or None (stop); from it ``ready``, ``fatal``, per job
 ``piece`` or ``started``, then one of :data:`FINAL_TYPES`, and ``idle`` between jobs. Routing,
-room hints and hand-over: docs/architecture.md, "`edgesync serve` in detail".
+room hints and hand-over: docs/serving.md, Concurrency.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Prefix-aware routing: which worker of a :class:`~.pool.WorkerPool` gets a job.
 
-Each worker's engine keeps the last conversation it answered live (its idle-time job extends it
-with the answer, ``request/idle.py``): a job whose prompt begins with that conversation injects
-nothing there and prefills only its new part. The pool does not tokenize, so it compares text: a
-job's prompt as :func:`prompt_text` (chat messages as ``role NUL content`` joined by ``SOH``; a
-string prompt as is, each behind a marker of its kind so the two never match), a worker's live
-context as :func:`context_text` (its last answered prompt followed by the answer). The score of
-a worker is :func:`prefix_score`: the characters the two have in common at the start, 0 under
-:data:`MIN_PREFIX_CHARS` (a role name or a few words are shared by unrelated prompts and give
-the engine nothing it can continue: it needs 64 live tokens).
-
-:func:`choose_worker` applies the rules to the scores and the outstanding jobs.
+A worker keeps its last conversation live, so a job whose prompt begins with it prefills only
+its new part. The pool compares text, not tokens: :func:`prompt_text` of the job against
+:func:`context_text` of each worker, scored by :func:`prefix_score` (0 under
+:data:`MIN_PREFIX_CHARS`); :func:`choose_worker` applies the rules.
 """
 
 from __future__ import annotations
@@ -62,9 +55,8 @@ def common_prefix_chars(a: str, b: str) -> int:
 
 
 def prefix_score(job_text: str, context: str | None, least: int = MIN_PREFIX_CHARS) -> int:
-    """The common prefix of a job's :func:`prompt_text` and a worker's :func:`context_text`
-    (None: nothing live), in characters of the prompt (the kind's marker not counted); 0 under
-    ``least``."""
+    """Characters a job's :func:`prompt_text` shares at its start with a worker's
+    :func:`context_text` (None: nothing live), the kind's marker not counted; 0 under ``least``."""
     if not context:
         return 0
     common = common_prefix_chars(job_text, context) - _MARK
@@ -77,24 +69,17 @@ def choose_worker(loads: Sequence[int], scores: Sequence[int],
     """The worker for a job, and whether its prefix placed it.
 
     ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`;
-    ``last_used[i]``: when it was last given a job (a counter; default: all 0);
-    ``unstarted[i]``: characters of the prompts of its jobs that have sent nothing yet (queued,
-    or in their prefill; default: all 0).
+    ``last_used[i]``: when it last got a job (a counter); ``unstarted[i]``: prompt characters of its
+    jobs that sent nothing yet (both default to 0s).
 
-    * No score above 0: the worker with the fewest outstanding jobs; on a tie the one with the
-      fewest unstarted prompt characters (a job that is decoding ends sooner than one that has
-      its prefill and its decoding ahead), then the one given a job longest ago (then the lowest
-      index), so that conversations begun one after the other each keep a worker whose live
-      sequence holds them.
-    * Else the best score (ties: fewer outstanding jobs, then the lowest index), unless that
-      worker is busy (has outstanding jobs) while another is idle: then the idle worker with the
-      best score (ties: the lowest index). Waiting behind another job costs more than
-      prefilling a conversation again (most of it comes from the store anyway). When every
-      worker is busy, only those with at most one job more than the least loaded compete, so
-      that prompts sharing a system prompt do not pile up on one worker.
+    * No score above 0: fewest outstanding jobs, then fewest unstarted characters, then longest
+      unused, then lowest index.
+    * Else the best score (ties: fewer jobs, lower index), unless that worker is busy while another
+      is idle: then the best-scored idle one. When all are busy only workers with at most one job
+      more than the least loaded compete.
 
-    Returns (index, by_prefix): by_prefix is True when the chosen worker's score is above 0
-    and there was a choice (more than one worker).
+    Returns (index, by_prefix): by_prefix is True when the chosen score is above 0 and there were
+    several workers.
     """
     n = len(loads)
     if n != len(scores) or n == 0:

@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Fields that do not change the answer, or come at their "off" value, are ignored; a field asking
-for what this server does not do is refused naming it (the list: docs/architecture.md,
-"`edgesync serve` in detail"). EdgeSync's own options are the extension object ``edgesync``
+for what this server does not do is refused naming it (the list: docs/serving.md,
+Errors). EdgeSync's own options are the extension object ``edgesync``
 (:class:`EdgeSyncOptions`); responses add :class:`EdgeSyncInfo`, and
 ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens whose KV was reused.
 """

@@ -1,9 +1,5 @@
-"""What keeps the server safe by default: loopback binding, the optional API key (checked in
-constant time) and the request size limit, applied before FastAPI parses anything.
-
-The server has no endpoint that reads or writes a file named by the client: the model and the
-store are fixed on the command line.
-"""
+"""What keeps the server safe by default: loopback binding, the optional API key (constant-time
+check) and the body size limit, applied before FastAPI parses anything."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ def key_matches(header: bytes | None, api_key: str) -> bool:
 
 
 class Guard:
-    """ASGI middleware: 401 without the API key (when one is set; ``OPEN_PATHS`` excepted), 413
-    for a body over ``max_body_bytes`` (by its Content-Length or as it arrives; the body is
-    read up to the limit and handed on whole)."""
+    """ASGI middleware: 401 without the API key (when set; ``OPEN_PATHS`` excepted), 413 for a body
+    over ``max_body_bytes`` (by Content-Length or as it arrives)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app

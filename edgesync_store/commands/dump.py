@@ -1,5 +1,5 @@
-"""The ``dump`` command shared by ``edgesync dump`` and ``tools/dump.py``: command code that
-prints, on top of the pure report functions of :mod:`edgesync_store.commands.inventory`."""
+"""The ``dump`` command of ``edgesync dump`` and ``tools/dump.py`` (prints
+:mod:`~edgesync_store.commands.inventory`'s report)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,10 @@ from edgesync_store.errors import StoreBusyError, StoreError, StoreNotFoundError
 
 def print_dump(path: str | os.PathLike, *, as_json: bool = False, limit: int | None = None,
                summary_only: bool = False, out=None, err=None) -> int:
-    """The ``dump`` command shared by ``edgesync dump`` and ``tools/dump.py``.
-
-    Writes a table (or with ``as_json`` one JSON object ``{"fragments": [...], "summary":
-    {...}}``) to the rich console ``out`` (default: :func:`wide_console` on stdout), or one
-    ``error: ...`` line to the text stream ``err`` (default: stderr). With ``summary_only``,
-    instead of one line per fragment: the counts and bytes by lifetime (short, long, document, expired,
-    total), the budget use and the size of ``data.mdb`` (``report.lifetime_summary``; its document
-    as JSON with ``as_json``; ``limit`` is then ignored). Returns the exit status: 0, or 2 when
-    there is no readable store at ``path`` (a missing directory is not created). The store is
-    opened read-only.
-    """
+    """Print the store at ``path`` (opened read-only): a table, or with ``as_json`` one object
+    ``{"fragments": [...], "summary": {...}}``, on ``out`` (default :func:`wide_console`);
+    ``summary_only``: the lifetime summary instead of rows (``limit`` ignored). Errors are one
+    ``error: ...`` line on ``err``. Returns 0, or 2 when there is no readable store."""
     err = err or sys.stderr
     try:
         doc = load_lifetime_summary(path) if summary_only else load_report(path, limit)

@@ -1,11 +1,7 @@
-"""``python -m edgesync_store.commands.page_check STORE [--json]``: the page check of a store's
-``data.mdb`` (``edgesync_store.core.check``) in this process. ``edgesync_store.check`` runs it as
-a child, so that a file whose pages would crash a reader cannot take the caller down.
-
-Exit status: 0 healthy, 1 damaged (the message names the database, page and fault), 2 bad input
-(no readable store at the path). ``--json`` prints one object: ``healthy``, ``damage``,
-``header``, ``databases``, ``pages``, ``txnid``.
-"""
+"""``python -m edgesync_store.commands.page_check STORE [--json]``: the page check of ``data.mdb``
+in this process (``edgesync_store.check`` runs it as a child). Exit 0 healthy, 1 damaged, 2 no
+readable store; ``--json``: ``healthy``, ``damage``, ``header``, ``databases``, ``pages``,
+``txnid``."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ from fractions import Fraction
 __all__ = ["LARGEST_SIZE", "format_binary", "format_bytes", "parse_bytes"]
 
 LARGEST_SIZE = 2**63 - 1
-"""The largest size in bytes a setting takes: the largest file offset (``off_t``, signed 64-bit on
-Linux); the store records its budget as an unsigned 64-bit integer."""
+"""The largest size in bytes a setting takes: the largest ``off_t`` (signed 64-bit on Linux)."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|b)?|b)?\s*$", re.IGNORECASE)
 

@@ -1,13 +1,6 @@
-"""Keeping a document's fragments and finding documents by meaning.
-
-:func:`keep_as_document` moves fragments into the ``document`` lifetime
-(``ttl.LIFETIME_DOCUMENT``). :class:`DocumentIndex` is an in-memory hnswlib graph (cosine, M
-16, ef_construction 200) over the window embeddings that the document records carry
-(``records.DocumentRecord.vectors``). The records in LMDB are the truth: the graph is rebuilt
-from them whenever the ``documents`` database's write counter has moved (another process may
-have added or removed documents), which for thousands of windows takes milliseconds, so no
-sidecar file is kept.
-"""
+"""Keeping a document's fragments (:func:`keep_as_document`) and finding documents by meaning
+(:class:`DocumentIndex`: an in-memory hnswlib graph, cosine, M 16, ef_construction 200, over the
+records' window embeddings, rebuilt whenever the ``documents`` write counter moved; no sidecar)."""
 
 from __future__ import annotations
 
@@ -27,8 +20,8 @@ __all__ = ["DocumentIndex", "keep_as_document"]
 
 
 def keep_as_document(store, keys: Sequence[bytes]) -> int:
-    """Put the fragments ``keys`` in the document lifetime (``expires_at`` +inf, hits kept);
-    returns how many were changed. Keys no longer stored are skipped.
+    """Put the stored fragments ``keys`` in the document lifetime (``expires_at`` +inf, hits kept);
+    returns how many changed.
 
     Raises:
         StoreIOError: the store could not be written.
@@ -45,14 +38,12 @@ def keep_as_document(store, keys: Sequence[bytes]) -> int:
 
 
 class DocumentIndex:
-    """Nearest documents of one namespace to a query embedding.
+    """Nearest documents of one namespace to a query embedding. Thread-safe.
 
     Args:
         store: the open store holding the records.
         namespace_digest: 32 bytes; only this namespace's documents are searched.
         ef_search: hnswlib's query breadth.
-
-    Thread-safe (one lock around rebuild and query).
     """
 
     def __init__(self, store, namespace_digest: bytes, ef_search: int = 64) -> None:
@@ -81,9 +72,8 @@ class DocumentIndex:
         log.debug("document index rebuilt: %d documents, %d windows", len(records), len(vectors))
 
     def search(self, vector: np.ndarray, k: int) -> list[tuple[bytes, float]]:
-        """The ``k`` documents nearest to ``vector`` (float32 ``[d]``, unit length), best
-        first, as (document key, cosine similarity of its best window). Empty when no
-        document is stored.
+        """The ``k`` documents nearest to ``vector`` (float32 ``[d]``, unit), best first, as (document
+        key, cosine of its best window); empty when none is stored.
 
         Raises:
             StoreIOError: the records could not be read.

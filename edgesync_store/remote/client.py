@@ -5,7 +5,7 @@ socket timeout ``remote_timeout_ms`` per read) and a *slow* one (background writ
 ``remote_write_timeout_ms``). Neither retries. Every call goes through the
 :class:`CircuitBreaker`; failures are counted by kind in :class:`RemoteCounters` and logged once
 per kind at WARNING, repeats at DEBUG. Log lines name the server by its redacted URL only.
-Behaviour under faults: docs/architecture.md, "Shared remote tier: security and faults".
+Behaviour under faults: docs/remote.md.
 """
 
 from __future__ import annotations

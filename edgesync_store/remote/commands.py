@@ -1,7 +1,4 @@
-"""Commands on the remote tier as a whole: ``edgesync clear --remote``.
-
-Needs redis-py (the ``remote`` extra), like every module of the remote tier but ``url``.
-"""
+"""Commands on the remote tier as a whole: ``edgesync clear --remote``."""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ __all__ = ["clear_remote"]
 
 def clear_remote(url: RemoteURL | str, prefix: str = "edgesync", cluster: bool = False,
                  timeout_ms: float = 2000.0) -> int:
-    """Remove every key of the remote tier under ``prefix`` (blobs, hit counters, index,
-    namespaces; on every node of a cluster); keys of other prefixes stay. Returns the keys
-    removed.
+    """Remove every key of the remote tier under ``prefix`` (on every node of a cluster); returns
+    the keys removed.
 
     Raises:
         ValueError: a bad URL (message redacted) or prefix.

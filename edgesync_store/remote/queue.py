@@ -1,11 +1,6 @@
-"""The write-behind queue: remote writes leave the request path and run on one thread.
-
-A bounded FIFO of jobs (zero-argument callables). :meth:`WriteBehind.submit` never blocks: when
-the queue holds ``maxlen`` jobs the oldest is dropped (and counted through ``on_drop``), since
-a fragment written long ago is the least likely to be asked for by another node soon. One
-daemon thread runs the jobs in order; a job's own failure is its business (the tiered backend's
-jobs count and log theirs), anything else it raises is logged here and the thread goes on.
-"""
+"""The write-behind queue: remote writes leave the request path and run in order on one daemon
+thread. :meth:`WriteBehind.submit` never blocks: a full queue drops its oldest job (counted via
+``on_drop``). A job's failures are its own; anything it raises is logged and the thread goes on."""
 
 from __future__ import annotations
 
@@ -21,10 +16,10 @@ __all__ = ["WriteBehind"]
 
 
 class WriteBehind:
-    """A bounded queue of jobs and the thread that runs them.
+    """A bounded queue of jobs (zero-argument callables) and the thread that runs them.
 
     Args:
-        maxlen: most jobs waiting (>= 1); a full queue drops its oldest.
+        maxlen: most jobs waiting (>= 1).
         on_drop: called once per dropped job (from the submitting thread).
         name: the thread's name.
 

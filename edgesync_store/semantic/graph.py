@@ -1,12 +1,6 @@
-"""LabelGraph: an hnswlib graph of unit vectors under integer labels, and which store key each
-live label stands for.
-
-It knows nothing of LMDB: :class:`~edgesync_store.semantic.index.SemanticIndex` decides what
-to add and remove so that the graph equals the vectors in the store. Removals are marked
-deleted (hnswlib's ``mark_deleted``); their slots are reused by later adds
-(``allow_replace_deleted``), and the graph doubles (``resize_index``) when full. Not
-thread-safe: the index calls it with its lock held.
-"""
+"""LabelGraph: an hnswlib graph of unit vectors under integer labels, and the store key of each
+live label. Knows nothing of LMDB; removals are marked deleted and their slots reused; the
+graph doubles when full. Not thread-safe (the index holds its lock)."""
 
 from __future__ import annotations
 
@@ -26,17 +20,14 @@ ADD_BATCH = 1024
 
 
 class LabelGraph:
-    """An hnswlib graph and its live labels' store keys.
+    """An hnswlib graph and its live labels' store keys (until :meth:`bind` or :meth:`add`,
+    :meth:`graph_labels` lists the labels without keys).
 
     Args:
-        graph: an initialised ``hnswlib.Index`` (inner-product space, unit vectors); use
-            :meth:`new` for an empty one.
+        graph: an initialised ``hnswlib.Index`` (inner product, unit vectors); :meth:`new` makes one.
         num_threads: hnswlib threads for adds.
         ef_search: hnswlib ef for queries (raised to k when k is larger).
-        deleted: labels the graph holds marked deleted (a saved graph's ``deleted_labels``).
-
-    The labels the graph holds live are not known until :meth:`bind` or :meth:`add` gives
-    their keys; until then :meth:`graph_labels` lists them.
+        deleted: labels the graph holds marked deleted.
     """
 
     def __init__(self, graph, num_threads: int, ef_search: int, deleted: set[int] = frozenset()) -> None:
@@ -79,9 +70,8 @@ class LabelGraph:
 
     def add(self, labels: list[int], vectors: np.ndarray, keys: list[bytes],
             progress: Callable[[int], None] | None = None) -> None:
-        """Add ``vectors`` (float32 ``[len(labels), dim]``, unit rows) under ``labels`` for
-        ``keys``. A label marked deleted is revived in place (labels are never reused, so its
-        vector is the same). ``progress(n)`` is called after each batch of ``n`` added."""
+        """Add ``vectors`` (float32 ``[len(labels), dim]``, unit rows) under ``labels`` for ``keys``
+        (a deleted label is revived in place); ``progress(n)`` after each batch of ``n``."""
         if not labels:
             return
         graph = self.graph

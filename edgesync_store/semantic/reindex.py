@@ -1,12 +1,7 @@
-"""Rebuild a store's semantic index on demand (``edgesync reindex [STORE] [--backend NAME]``).
-
-Without a backend: the sidecar graph is rebuilt from the vectors in LMDB with the backend the
-store recorded (the default one when it recorded none), and donors that lack a vector (prompts
-stored in the default mode, which never embeds) are embedded. With another backend than the
-recorded one: every vector is dropped and every donor re-embedded from the text kept in its
-record (``edgesync_store.semantic.donors``), since a store never mixes vectors of two embedders.
-Donor records whose fragment is gone are removed either way.
-"""
+"""Rebuild a store's semantic index on demand (``edgesync reindex [STORE] [--backend NAME]``):
+the graph from LMDB with the recorded backend, embedding donors without a vector; with another
+backend, every vector dropped and every donor re-embedded. Donors whose fragment is gone are
+removed."""
 
 from __future__ import annotations
 
@@ -78,10 +73,8 @@ def _open_index(store: FragmentStore, backend: str | None) -> tuple[SemanticInde
 
 def _embed_donors(store: FragmentStore, index: SemanticIndex, name: str,
                   progress: Callable[[str, int, int], None] | None) -> tuple[int, int]:
-    """Remove donor records whose fragment is gone and embed (with backend ``name``, loaded
-    only when some record needs it) those of stored fragments that have no vector (prompts
-    stored in the default mode, or all of them after a backend change); return
-    ``(removed, embedded)``."""
+    """Remove donor records whose fragment is gone and embed those without a vector (backend
+    ``name``, loaded only if needed); returns ``(removed, embedded)``."""
     removed = sum(delete_donor(store, key) for key, _ in iterate_donors(store) if not store.contains(key))
 
     def encode(texts: list[str]) -> np.ndarray:
@@ -101,14 +94,12 @@ def reindex(
 
     Args:
         path: an existing store directory.
-        backend: embedding backend name (``onnx`` or ``sentence-transformers``); None keeps the
-            recorded one.
-        progress: called as ``progress(stage, done, total)`` while donors are embedded.
+        backend: ``onnx`` or ``sentence-transformers``; None keeps the recorded one.
+        progress: ``progress(stage, done, total)`` while donors are embedded.
 
     Raises:
         StoreOpenError: no store at ``path``.
-        ValueError: unknown backend name, or a store recorded by an unknown backend and no
-            ``backend`` given.
+        ValueError: unknown backend name, or an unknown recorded one and no ``backend``.
         EmbeddingUnavailableError, IndexUnavailableError: a package is missing.
     """
     t0 = time.perf_counter()

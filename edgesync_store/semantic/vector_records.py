@@ -1,6 +1,5 @@
-"""The records of the vector tables, as values: the embedder-mismatch error, a scan snapshot,
-a change-log entry, and the checks that turn caller input into stored rows (unit float32 rows,
-byte keys). No I/O; :mod:`edgesync_store.semantic.vectors` reads and writes them."""
+"""The vector tables' records as values (mismatch error, scan snapshot, change-log entry) and the
+checks that turn caller input into stored rows; no I/O."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class Snapshot(NamedTuple):
     vectors: dict[int, np.ndarray]
     """label -> float32 ``[dim]`` unit vector, for the live labels the scan selected."""
     gone: list[tuple[bytes, int]]
-    """``(store key, label)`` of entries whose fragment is gone or that are malformed (label
-    -1 when not even the label is readable)."""
+    """``(store key, label)`` of entries whose fragment is gone or malformed (label -1: unreadable)."""
     generation: int
     """The generation counter in the same transaction."""
 
@@ -59,8 +57,8 @@ def same_vector(stored, blob: bytes) -> bool:
 
 
 def as_unit_rows(vectors, dim: int, n: int | None = None) -> np.ndarray:
-    """``vectors`` (float ``[dim]`` or ``[rows, dim]``; ``[n, dim]`` when ``n`` is given) as a
-    C-contiguous float32 ``[rows, dim]`` array of unit rows.
+    """``vectors`` (float ``[dim]`` or ``[rows, dim]``; ``[n, dim]`` with ``n``) as C-contiguous
+    float32 ``[rows, dim]`` unit rows.
 
     Raises:
         ValueError: wrong shape, NaN or infinity, or a zero row.
