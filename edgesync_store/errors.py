@@ -49,8 +49,7 @@ class StoreFormatError(StoreError):
 
 
 class StoreBusyError(StoreError):
-    """Another process holds the store exclusively (a reclaim or clear) for longer than the
-    wait allowed."""
+    """Another process holds the store exclusively (a reclaim or clear) for longer than the wait allowed."""
 
 
 class StoreIOError(StoreError):

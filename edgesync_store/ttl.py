@@ -76,16 +76,14 @@ class ManualClock:
 
 @dataclass
 class Lifecycle:
-    """Per-fragment counters kept apart from the tensors.
+    """Per-fragment counters kept apart from the tensors (times in Unix seconds).
 
     Attributes:
         hit_count: requests that injected the fragment.
-        last_hit_at: Unix seconds of the last hit (0.0: never hit).
-        expires_at: Unix seconds after which the fragment is never served.
-        created_at: Unix seconds the fragment was written (0.0: unknown, format-1 record).
+        last_hit_at, created_at: last hit, creation (0.0: never hit; unknown, format-1 record).
+        expires_at: after it the fragment is never served.
         lifetime: ``"short"``, ``"long"`` or ``"document"``.
-        nbytes: bytes of the stored blob (compressed; what the size budget counts).
-        raw_nbytes: bytes of K + V before compression.
+        nbytes, raw_nbytes: bytes of the stored blob (what the budget counts), of K + V uncompressed.
     """
 
     hit_count: int = 0
@@ -116,8 +114,7 @@ class Lifecycle:
 
     @property
     def last_used_at(self) -> float:
-        """The later of the last hit and creation: the recency least-recently-used eviction
-        orders by (Unix seconds)."""
+        """The later of the last hit and creation: the recency least-recently-used eviction orders by (Unix seconds)."""
         return max(self.last_hit_at, self.created_at)
 
     def expired(self, now: float) -> bool:

@@ -32,13 +32,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 UVICORN_GRACE_MARGIN_S = 1.0
-"""Seconds uvicorn waits after ``--grace-seconds`` before cancelling, so the app answers those
-requests 503 itself."""
+"""Seconds uvicorn waits after ``--grace-seconds`` before cancelling, so the app answers those requests 503 itself."""
 
 
 def default_workers(cpus: int | None = None) -> int:
-    """Engine processes for a machine with ``cpus`` logical CPUs (default: those this process may
-    run on)."""
+    """Engine processes for a machine with ``cpus`` logical CPUs (default: those this process may run on)."""
     cpus = cpus or usable_cpus()
     return max(1, min(4, cpus // 2))
 

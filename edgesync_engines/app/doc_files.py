@@ -24,8 +24,7 @@ __all__ = ["DocumentFileError", "DocumentFiles", "SourceDocument", "read_documen
 
 
 class DocumentFileError(ValueError):
-    """A path or a line that cannot be read as documents; the message names it
-    (``path`` or ``path:line``)."""
+    """A path or a line that cannot be read as documents; the message names it (``path`` or ``path:line``)."""
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,7 @@ class _Shutdown:
 
 
 class _Interrupted(Exception):
-    """The message awaited did not come: the client went away (``gone``), or the shutdown grace
-    ran out."""
+    """The message awaited did not come: the client went away (``gone``), or the shutdown grace ran out."""
 
     def __init__(self, gone: bool) -> None:
         super().__init__("the client went away" if gone else "the shutdown grace ran out")
@@ -243,8 +242,7 @@ async def _answer(pool: WorkerPool, settings: ServeSettings, metrics: ServerMetr
 
 
 class _EventStream(EventSourceResponse):
-    """Server-sent events of a streamed answer; a forced stop ends the body with the 503 error event
-    and ``[DONE]``."""
+    """Server-sent events of a streamed answer; a forced stop ends the body with the 503 error event and ``[DONE]``."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:

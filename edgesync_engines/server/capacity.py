@@ -27,8 +27,7 @@ MEMINFO = Path("/proc/meminfo")
 
 
 class WorkerCountError(ValueError):
-    """The worker count asked for does not fit the memory available (the message says by how
-    much, and how many fit)."""
+    """The worker count asked for does not fit the memory available (the message says by how much, and how many fit)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,7 @@ def size_text(n_bytes: int) -> str:
 
 
 def available_memory(meminfo: Path = MEMINFO) -> int | None:
-    """Bytes available for new processes: Linux ``MemAvailable``, else ``SC_AVPHYS_PAGES *
-    SC_PAGE_SIZE``, else None."""
+    """Bytes available for new processes: Linux ``MemAvailable``, else ``SC_AVPHYS_PAGES * SC_PAGE_SIZE``, else None."""
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):

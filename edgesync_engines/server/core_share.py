@@ -87,8 +87,7 @@ class CoreShare:
         self._index, self._set_threads, self._threads_now = index, set_threads, 0
 
     def release(self, index: int) -> None:
-        """Clear worker ``index``'s marks (its process died; called by the pool before it
-        starts another)."""
+        """Clear worker ``index``'s marks (its process died; called by the pool before it starts another)."""
         with self._locked():
             self._ticket[index] = self._running[index] = self._active[index] = self._tokens_left[index] = 0
             self._passed[index] = 0

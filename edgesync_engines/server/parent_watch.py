@@ -50,14 +50,9 @@ def recorded_parent() -> int:
 
 
 class ParentWatch:
-    """The watch of one worker process on its server.
-
-    Args:
-        label: how the log names the worker (``"worker 0"``).
-        parent_pid: the server's pid (default :func:`recorded_parent`).
-        poll_s: seconds between the thread's checks.
-        grace_s: seconds a serving worker may take to stop once its server is gone.
-    """
+    """The watch of one worker process (``label``: its name in the log) on its server
+    (``parent_pid``, default :func:`recorded_parent`), polled every ``poll_s`` seconds; a serving
+    worker may take ``grace_s`` seconds to stop once the server is gone."""
 
     def __init__(self, label: str, parent_pid: int | None = None, poll_s: float = POLL_S,
                  grace_s: float = ORPHAN_GRACE_S) -> None:

@@ -142,8 +142,7 @@ class WorkerPool:
         slot.process = process  # started: close() joins only started processes
 
     def _await_ready(self, slot: _Slot, should_stop: Callable[[], bool] | None = None) -> None:
-        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death, timeout, or
-        ``should_stop``)."""
+        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death, timeout, or ``should_stop``)."""
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if should_stop is not None and should_stop():
@@ -278,8 +277,7 @@ class WorkerPool:
             slot.context, slot.history = None, None  # the live sequence now holds another prompt, or is unknown
 
     def _hint_room(self, answered: _Slot, n_tokens: int) -> None:
-        """Send a ``room`` hint of ``n_tokens`` + margin to every other worker that heard of less
-        (lock held)."""
+        """Send a ``room`` hint of ``n_tokens`` + margin to every other worker that heard of less (lock held)."""
         tokens = n_tokens + ROOM_MARGIN_TOKENS
         for slot in self._slots:
             if slot is not answered and slot.room < tokens and slot.requests is not None:

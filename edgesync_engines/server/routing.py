@@ -23,8 +23,7 @@ def _message(m: dict) -> str:
 
 
 def prompt_text(prompt: "str | Sequence[dict]") -> str:
-    """The canonical text of a job's prompt (a string, or chat messages with ``role`` and
-    ``content``)."""
+    """The canonical text of a job's prompt (a string, or chat messages with ``role`` and ``content``)."""
     if isinstance(prompt, str):
         return _TEXT + prompt
     return _CHAT + _NEXT.join(_message(m) for m in prompt)
@@ -66,20 +65,15 @@ def prefix_score(job_text: str, context: str | None, least: int = MIN_PREFIX_CHA
 def choose_worker(loads: Sequence[int], scores: Sequence[int],
                   last_used: Sequence[int] | None = None,
                   unstarted: Sequence[int] | None = None) -> tuple[int, bool]:
-    """The worker for a job, and whether its prefix placed it.
+    """The worker for a job, and whether its prefix placed it. Per worker i: ``loads[i]``
+    outstanding jobs, ``scores[i]`` its :func:`prefix_score`, ``last_used[i]`` when it last got a
+    job, ``unstarted[i]`` prompt characters of its jobs that sent nothing yet (defaults: 0s).
 
-    ``loads[i]``: worker i's outstanding jobs; ``scores[i]``: its :func:`prefix_score`;
-    ``last_used[i]``: when it last got a job (a counter); ``unstarted[i]``: prompt characters of its
-    jobs that sent nothing yet (both default to 0s).
+    * No score above 0: fewest jobs, then fewest unstarted characters, then longest unused.
+    * Else the best score (ties: fewer jobs), unless that worker is busy and another idle: then the
+      best-scored idle one; when all are busy, only those at most one job above the least loaded.
 
-    * No score above 0: fewest outstanding jobs, then fewest unstarted characters, then longest
-      unused, then lowest index.
-    * Else the best score (ties: fewer jobs, lower index), unless that worker is busy while another
-      is idle: then the best-scored idle one. When all are busy only workers with at most one job
-      more than the least loaded compete.
-
-    Returns (index, by_prefix): by_prefix is True when the chosen score is above 0 and there were
-    several workers.
+    Returns (index, by_prefix): by_prefix when the chosen score is above 0 among several workers.
     """
     n = len(loads)
     if n != len(scores) or n == 0:

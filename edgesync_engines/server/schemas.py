@@ -243,8 +243,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class PromptTokensDetails(BaseModel):
-    """``cached_tokens``: prompt tokens whose KV was reused (the worker's live sequence, or
-    injected from the store)."""
+    """``cached_tokens``: prompt tokens whose KV was reused (the worker's live sequence, or injected from the store)."""
 
     cached_tokens: int
 

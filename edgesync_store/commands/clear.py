@@ -34,18 +34,9 @@ leaves a sidecar without its store)."""
 
 @dataclass
 class ClearResult:
-    """What :func:`clear_store` did.
-
-    Attributes:
-        path: the store directory.
-        fragments_removed: fragments the store held before (all removed).
-        bytes_before: size of ``data.mdb`` before, bytes.
-        bytes_after: size of ``data.mdb`` after, bytes.
-        erased_files: True when the files were removed and the store recreated; False for the
-            one-transaction fallback.
-        reason: why the files were or were not erased.
-        files_removed: names of the files removed (empty for the fallback).
-    """
+    """What :func:`clear_store` did: ``path``; ``fragments_removed``; ``bytes_before`` and
+    ``bytes_after`` (size of ``data.mdb``); ``erased_files`` (True: files removed and the store
+    recreated; False: emptied in one transaction); ``reason``; ``files_removed`` (names)."""
 
     path: str
     fragments_removed: int

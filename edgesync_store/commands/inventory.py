@@ -20,19 +20,8 @@ from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreNotFoundError, StoreOpenError
 from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, LIFETIME_SHORT
 
-__all__ = [
-    "StoreNotFoundError",
-    "fragment_rows",
-    "iso_time",
-    "lifetime_summary",
-    "load_lifetime_summary",
-    "load_report",
-    "open_store_readonly",
-    "render_lifetime_table",
-    "render_table",
-    "summary",
-    "wide_console",
-]
+__all__ = ["StoreNotFoundError", "fragment_rows", "iso_time", "lifetime_summary", "load_lifetime_summary",
+           "load_report", "open_store_readonly", "render_lifetime_table", "render_table", "summary", "wide_console"]
 
 KEY_PREFIX_CHARS = 12
 FINGERPRINT_PREFIX_CHARS = 12
@@ -230,20 +219,9 @@ def render_table(report: dict[str, Any]):
                           row["lifetime"], str(row["hits"]), row["last_hit"] or "-", row["expires"] or "-", left_text,
                           "-")
             continue
-        table.add_row(
-            row["key"],
-            row["tokens"],
-            row["layers"],
-            row["heads"],
-            format_bytes(row["raw_bytes"]),
-            format_bytes(row["compressed_bytes"]),
-            row["lifetime"],
-            str(row["hits"]),
-            row["last_hit"] or "-",
-            row["expires"] or "-",
-            left_text,
-            f"{row['engine']} {row['model']}",
-        )
+        table.add_row(row["key"], row["tokens"], row["layers"], row["heads"], format_bytes(row["raw_bytes"]),
+                      format_bytes(row["compressed_bytes"]), row["lifetime"], str(row["hits"]), row["last_hit"] or "-",
+                      row["expires"] or "-", left_text, f"{row['engine']} {row['model']}")
     return table
 
 

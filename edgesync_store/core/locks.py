@@ -41,11 +41,8 @@ _FLOCK = struct.Struct("@hhqqi4x")
 
 
 class OpenLock:
-    """The shared ``flock`` a process holds on ``edgesync.lock`` while it has the store open.
-
-    Args:
-        directory: the store directory (must exist).
-        timeout_s: seconds to wait for a reclaim or clear by another process to finish.
+    """The shared ``flock`` a process holds on ``edgesync.lock`` of ``directory`` while it has the
+    store open, waiting up to ``timeout_s`` seconds for another process's reclaim or clear.
 
     Raises:
         StoreBusyError: the exclusive holder did not finish within ``timeout_s``.

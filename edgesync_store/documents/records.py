@@ -178,8 +178,7 @@ def get_document(store, key: bytes) -> DocumentRecord | None:
 
 
 def iterate_documents(store, namespace_digest: bytes | None = None) -> Iterator[DocumentRecord]:
-    """Every well-formed record (of ``namespace_digest`` when given), in key order, read in one
-    transaction."""
+    """Every well-formed record (of ``namespace_digest`` when given), in key order, read in one transaction."""
     db = _db(store, create=False)
     if db is None:
         return iter(())

@@ -52,23 +52,16 @@ class RemoteCounters:
     """What the remote tier did since the backend opened (counts; bytes).
 
     Attributes:
-        walks: prefix walks over both tiers (the local walk fell short of the prompt).
-        walk_gains: of those, walks that reached further than the local one.
-        walk_splits: of the gains, walks whose chain took spans from both tiers.
-        hits: fragments fetched from the remote, verified and served.
-        bytes_fetched: compressed bytes of those fragments.
+        walks, walk_gains, walk_splits: walks over both tiers (the local one fell short), those
+            that reached further, and those whose chain took spans from both tiers.
+        hits, bytes_fetched: fragments fetched, verified and served; their compressed bytes.
         misses: fragments the remote walk offered that were gone when fetched.
         corrupt: remote blobs or index entries refused (checksum, content hash, key).
-        puts: fragments written to the remote by the background writer.
-        bytes_written: their compressed bytes.
-        hits_recorded: hit counts added to remote counters.
-        deletes: fragments removed from the remote (forget, corrupt).
-        queue_drops: write-behind jobs dropped (oldest first) because the queue was full.
-        write_skips: write-behind jobs not sent because the remote was unavailable.
-        timeout, connection, oom, other: failed calls by kind (``timeout`` includes a fetch over
-            its whole budget).
-        skipped: calls not made because the breaker was open.
-        breaker_opens: times the breaker opened.
+        puts, bytes_written: fragments the background writer wrote; their compressed bytes.
+        hits_recorded, deletes: hit counts added; fragments removed (forget, corrupt).
+        queue_drops, write_skips: write-behind jobs dropped (queue full) or not sent (remote down).
+        timeout, connection, oom, other: failed calls by kind.
+        skipped, breaker_opens: calls skipped by the open breaker; times it opened.
         bad_values: remote values of the wrong type or form, skipped and deleted.
     """
 

@@ -45,8 +45,7 @@ chunks (docs/measurements.md)."""
 
 
 class FetchBudgetSpent(TimeoutError):
-    """A fetch's deadline passed before its blob was read whole (``RemoteClient`` counts it as a
-    ``timeout``)."""
+    """A fetch's deadline passed before its blob was read whole (``RemoteClient`` counts it as a ``timeout``)."""
 
 
 _COUNT = re.compile(rb"[0-9]{1,19}")
@@ -95,13 +94,8 @@ def _checked(replies: list) -> list:
 
 @dataclass(frozen=True)
 class Fetched:
-    """One fragment as :meth:`KeyLayout.fetch` read it.
-
-    Attributes:
-        blob: the stored bytes (not verified yet: ``codec.decode`` does that), or None.
-        hits: the summed hit count (0 when absent or unusable).
-        pttl_ms: milliseconds left to live, -1 without expiry, -2 absent or unusable.
-    """
+    """One fragment as :meth:`KeyLayout.fetch` read it: ``blob`` (unverified bytes, or None),
+    ``hits`` (summed; 0 when absent or unusable), ``pttl_ms`` (ms left; -1 no expiry, -2 absent)."""
 
     blob: bytes | None
     hits: int

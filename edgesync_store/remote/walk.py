@@ -88,19 +88,10 @@ def prefix_walk(lookup: Lookup, namespace: Namespace, tokens: Sequence[int] | np
 def combined_walk(lookup: Lookup, local_at: SpansAt, local: PrefixMatch, namespace: Namespace,
                   tokens: Sequence[int] | np.ndarray, grid: int = 128) -> tuple[PrefixMatch, int]:
     """The chain reaching furthest into ``tokens`` when at each position the span groups of either
-    tier count (the local ones first: a tie needs no fetch).
-
-    Args:
-        lookup: the remote lookup; its errors propagate (``RemoteUnavailable``: fall back to local).
-        local_at: the local tier's ``spans_at`` (``core.walk.local_spans``).
-        local: the local walk of ``tokens`` (its span ends join the first remote batch).
-        namespace: only its fragments count.
-        tokens: the prompt's token IDs.
-        grid: the chunk size whose positions are looked up in one batch (tokens).
-
-    Returns:
-        (the chain, how many of its spans are the remote tier's).
-    """
+    tier count (local first: a tie needs no fetch). ``local_at``: the local tier's ``spans_at``;
+    ``local``: the local walk of ``tokens`` (its span ends join the first remote batch); ``grid``:
+    the chunk size in tokens. ``lookup``'s errors propagate (``RemoteUnavailable``: use the local
+    walk). Returns (the chain, how many of its spans are the remote tier's)."""
     tokens = np.asarray(tokens, dtype=np.int32)
     remote_at = _remote_spans(lookup, namespace, tokens, grid, [s.token_end for s in local.spans if s.complete])
     offered: list[SpanMatch] = []

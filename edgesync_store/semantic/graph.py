@@ -20,15 +20,10 @@ ADD_BATCH = 1024
 
 
 class LabelGraph:
-    """An hnswlib graph and its live labels' store keys (until :meth:`bind` or :meth:`add`,
-    :meth:`graph_labels` lists the labels without keys).
-
-    Args:
-        graph: an initialised ``hnswlib.Index`` (inner product, unit vectors); :meth:`new` makes one.
-        num_threads: hnswlib threads for adds.
-        ef_search: hnswlib ef for queries (raised to k when k is larger).
-        deleted: labels the graph holds marked deleted.
-    """
+    """An hnswlib graph (``graph``: initialised, inner product, unit vectors; :meth:`new` makes
+    one) and its live labels' store keys, known after :meth:`bind` or :meth:`add`.
+    ``num_threads``: for adds; ``ef_search``: query ef (raised to k); ``deleted``: labels marked
+    deleted in the graph."""
 
     def __init__(self, graph, num_threads: int, ef_search: int, deleted: set[int] = frozenset()) -> None:
         graph.set_num_threads(num_threads)

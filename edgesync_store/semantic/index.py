@@ -77,11 +77,9 @@ class SemanticIndex:
 
     Args:
         store: an open ``FragmentStore`` holding the vectors; close the index before it.
-        embedder_backend_id: ``backend_id`` of the embedder (or an ``Embedder``), e.g.
-            ``"all-MiniLM-L6-v2/onnx-int8"``.
+        embedder_backend_id: ``backend_id`` of the embedder (or an ``Embedder``).
         dim: vector width (384 for MiniLM-L6-v2).
-        ef_search: hnswlib ef for queries.
-        num_threads: hnswlib threads (default 1: llama.cpp owns the cores).
+        ef_search, num_threads: hnswlib's query ef and threads (default 1: llama.cpp owns the cores).
         autosave: :meth:`close` saves the sidecar when the graph changed.
         log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`).
 
@@ -263,12 +261,9 @@ class SemanticIndex:
     # -- public API ----------------------------------------------------------------------------
 
     def add(self, key: bytes, vector) -> int:
-        """Record and index the embedding of the stored fragment ``key``; returns its label.
-        Re-adding the same vector (to 1e-6) is a no-op; another vector replaces it under a new label.
-
-        Args:
-            key: the fragment's store key; the fragment must be in the store.
-            vector: float ``[dim]`` or ``[1, dim]``; normalised here.
+        """Record and index the embedding (float ``[dim]`` or ``[1, dim]``, normalised here) of the
+        stored fragment ``key``; returns its label. An equal vector (to 1e-6) is a no-op; another one
+        replaces it under a new label.
 
         Raises:
             KeyError: the store holds no fragment under ``key``.

@@ -180,8 +180,7 @@ class VectorTable:
         return self.store.transact(read)
 
     def get(self, key: bytes) -> np.ndarray | None:
-        """The stored unit vector of ``key`` (float32 ``[dim]``, a copy) or None (absent or
-        malformed)."""
+        """The stored unit vector of ``key`` (float32 ``[dim]``, a copy) or None (absent or malformed)."""
         if self._vec_db is None:
             return None
 
