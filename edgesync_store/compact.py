@@ -1,23 +1,13 @@
 """``python -m edgesync_store.compact [STORE] [--dry-run] [--check] [--json] [--max-bytes 512M] [--no-reclaim]
-[--force-reclaim] [--reclaim-fraction 0.25]``: compact a store once (also ``edgesync compact ...``:
-the engines' command line registers this parser, the same flags and output).
+[--force-reclaim] [--reclaim-fraction 0.25]`` (also ``edgesync compact``): compact a store once
+(``compactor.py``) and print what it did, before and after (``--json``: one object,
+``CompactionReport.to_dict``). It reads ``StoreSettings`` alone (no engine): STORE defaults to
+``store_path``; the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the store's
+recorded one. An older store format is migrated; ``--dry-run`` opens read-only.
 
-Runs expiry, dedup, merges, eviction to the size budget and disk reclaim (``compactor.py``)
-and prints what it did: fragments expired, deduplicated, merged and evicted, bytes reclaimed,
-and the store's fragments, stored bytes and bytes on disk before and after. ``--json`` prints
-one JSON object instead (``CompactionReport.to_dict``). A progress bar on stderr follows long
-steps. It reads the store's settings alone (:class:`~edgesync_store.settings.StoreSettings`; no
-engine is imported): STORE defaults to ``store_path`` (``EDGESYNC_STORE`` or the per-user cache
-dir); the budget is ``--max-bytes``, else ``EDGESYNC_MAX_BYTES``, else the one recorded in the
-store, else 1 GiB; merged fragments are written with ``EDGESYNC_COMPRESSION``. Sizes are read
-by ``units.parse_bytes``. ``--dry-run`` opens the store read-only.
-
-Ctrl-C or SIGTERM stops the run between steps (every dedup, merge and eviction commits whole,
-so the store is consistent at any stop): the report so far is printed and the exit status is
-130. Exit status otherwise: 0 done (also when skipped because another process is compacting;
-the report says so), 1 a damaged store (``--check``, or a compaction refused: nothing is
-written into a damaged store; ``edgesync clear`` recreates it), 2 bad input (no store at the
-path, not a store, a newer format, a bad option or setting), each reported as one ``error: ...`` line on stderr.
+Ctrl-C or SIGTERM stops between steps (each commits whole): the report so far, exit 130. Exit
+status otherwise: 0 done (or skipped: another process compacts), 1 a damaged store, 2 bad
+input (one ``error: ...`` line on stderr).
 """
 
 from __future__ import annotations
@@ -131,6 +121,7 @@ def render(report: dict, path: Path) -> str:
 def _open_store(args: argparse.Namespace):
     """``(store, path, budget from EDGESYNC_MAX_BYTES or None)``; BadInput for bad input."""
     from edgesync_store.core.store import FragmentStore
+    from edgesync_store.migrations import migrate
 
     try:
         settings = StoreSettings.load()
@@ -140,7 +131,7 @@ def _open_store(args: argparse.Namespace):
     if not (path / "data.mdb").is_file():
         raise BadInput(f"no EdgeSync store at {path}")
     try:
-        store = FragmentStore(path, readonly=args.dry_run, compression=settings.compression)
+        store = FragmentStore(path, readonly=args.dry_run, compression=settings.compression, upgrade=migrate)
     except StoreDamagedError:
         raise  # never written into: run_command reports it with EXIT_DAMAGED
     except (StoreError, OSError) as exc:
@@ -213,9 +204,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """``--check``: the page check of the store (``edgesync_store.check``, in a child process),
+    """``--check``: the page check of the store (``core.page_check``, in a child process),
     printed like ``edgesync check``; :data:`EXIT_DAMAGED` when damaged."""
-    from edgesync_store import check
+    from edgesync_store.core import page_check as check
     from edgesync_store.core.check import has_data_file
 
     try:

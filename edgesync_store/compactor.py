@@ -1,31 +1,21 @@
-"""Compaction: expiry, dedup, merges, eviction and disk reclaim, once over a store.
+"""Compaction: one pass over a store. Steps of :meth:`Compactor.run`, in order:
 
-Steps of :meth:`Compactor.run`, in order:
+1. **expire** (``ttl.sweep``): expired fragments leave LMDB and the HNSW sidecar;
+2. **dedup**: a fragment whose tokens are a prefix of another live fragment's (same namespace,
+   prefix and start) and whose layers and heads are a subset of its is dropped; KV at a
+   position depends only on the tokens up to it, so the longer one serves the same bytes. A
+   shorter one that other fragments continue after is kept (their chain needs it). The
+   survivor takes the hits, the donor record and the vector;
+3. **merge heads**: fragments of one span and layers with disjoint KV-head ranges covering all
+   heads become one (``merge.merge_heads``);
+4. **merge layers**: fragments of one span and heads with disjoint layer sets covering all
+   layers become one (``merge.merge_layers``; counters: ``ttl.merged_counters``);
+5. **evict** down to the size budget (``core/eviction.py``);
+6. **reclaim** the file's free pages past the threshold (``lifecycle/reclaim.py``).
 
-1. **expire** (``ttl.sweep``): expired fragments leave LMDB and the HNSW sidecar.
-2. **dedup**: a fragment is dropped when another live fragment of the same namespace, prefix
-   and start already holds its KV: its tokens are a prefix of (or equal to) the other's, its
-   layers and KV heads a subset of the other's (a ContentHash dedup, made safe for
-   prefixes). KV at a position depends only on the tokens up to it, and llama.cpp computes it
-   bit-identically in any batch of two or more tokens (``LlamaCppAdapter.usable_prefix``), so
-   the longer fragment serves the same bytes. A strictly shorter fragment is kept when
-   fragments continue after its end (dropping it would break their chain; the prefix walk
-   needs a complete span to step on). The survivor takes the sum of the hits (promoted at
-   ``promote_hits``), and the dropped fragment's donor record and vector.
-3. **merge along axis 1**: fragments of one span and layer set whose KV-head ranges are
-   disjoint and together all heads become one (``merge.merge_heads``);
-4. **merge along axis 0**: fragments of one span and head range whose layer sets are
-   disjoint and together all layers (contiguous ranges or interleaved strides) become one
-   (``merge.merge_layers``). A merged fragment's counters are ``ttl.merged_counters``; it
-   keeps the donor record and vector of any part. Each merge or dedup is one LMDB
-   transaction: it happens whole or not at all.
-5. **evict** down to the size budget (``eviction.py``);
-6. **reclaim** the file's free pages when they pass the threshold (``reclaim.py``).
-
-Pinned fragments (a request is injecting them) are not merged, deduplicated or evicted. One
-process at a time compacts a store (``compact.lock``, :class:`locks.CompactLock`); a second
-one reports ``skipped``. Fragments are found by their headers (no decompression); only the
-parts of a merge are decoded.
+Each merge or dedup is one transaction. Pinned fragments are left alone. One process at a time
+compacts a store (``compact.lock``; a second one reports ``skipped``). Only a merge's parts are
+decoded; everything else reads headers.
 """
 
 from __future__ import annotations
@@ -37,9 +27,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from edgesync_store.core import eviction
 from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.core.locks import CompactLock
-from edgesync_store.lifecycle import eviction, merge, reclaim
+from edgesync_store.lifecycle import merge, reclaim
 from edgesync_store.schema import Namespace, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle, sweep
 

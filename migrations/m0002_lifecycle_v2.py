@@ -1,18 +1,12 @@
 """Migration 2, version 1 -> 2: lifecycle records for expiry and eviction without tensors.
 
-Format 1 kept ``hit_count, last_hit_at, expires_at`` (``<Idd``, 20 bytes) per fragment. Format 2
-(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds the creation time, the lifetime and the blob's
-stored and raw sizes, so that the sweep and the size budget scan only the ``lifecycle``
-database, and keeps the budget's running total ``used_bytes`` in ``meta``.
-
-Each fragment's new record is built from its old one and its blob's header (``codec.peek``: no
-decompression). A fragment with ``promote_hits`` or more hits (format 1 never promoted) joins
-the long lifetime, its expiry extended to seven days after its last hit. A missing lifecycle
-record becomes an expired one. The records are rewritten in batches of :data:`BATCH`
-fragments, one transaction each; a record already in format 2 is skipped, so a migration killed
-between batches (crash point ``migrate.batch``) is finished by the next open. The last
-transaction recounts ``used_bytes`` and records version 2 (crash point ``migrate.before_version``
-just before it).
+Format 1 kept ``hit_count, last_hit_at, expires_at`` (``<Idd``, 20 bytes); format 2
+(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds creation time, lifetime and the blob's stored
+and raw sizes, plus ``used_bytes`` in ``meta``. Each record is rebuilt from the old one and the
+blob's header (``codec.peek``); ``promote_hits`` or more hits join the long lifetime (expiry at
+least last hit + 7 days); a missing record becomes an expired one. Batches of :data:`BATCH`
+(``batches.py``); the last transaction recounts ``used_bytes`` and records version 2 (crash
+point ``migrate.before_version`` before it).
 """
 
 from __future__ import annotations

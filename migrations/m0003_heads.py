@@ -1,19 +1,10 @@
 """Migration 3, version 2 -> 3: the ``heads`` database, so that the prefix walk never maps a blob.
 
-Format 3 keeps each fragment's head (``codec.head_of``: header, token IDs, checksum; 1-3 KB)
-in ``heads`` beside its blob in ``fragments``, written and deleted together
-(``core/lmdb_env.py``). The walk, the expiry sweep, ``dump`` and deletions read heads from
-there: reading a head from the blob itself brought the whole blob into the process's resident
-memory (the kernel maps a large page-cache folio whole on its first touch; measured: +72 MB of
-resident file pages for one walk of a 1,086-token prompt over a 243 MB store).
-
-The blobs stay as they are: format-1 blobs (zstd, crc32) remain readable and are replaced as
-their fragments expire or are merged; new writes are blob format 2 (``codec``). The heads are
-written in batches of :data:`BATCH` fragments, one transaction each; a fragment that has its
-head already is skipped, so a migration killed between batches (crash point
-``migrate.batch``) is finished by the next open. A blob whose head does not parse gets none:
-the next read refuses and removes it. The last transaction records version 3 (crash point
-``migrate.before_version`` just before it).
+Each fragment's head (``codec.head_of``: header, token IDs, checksum) goes into ``heads`` beside
+its blob (figures: ``docs/measurements.md``); blobs stay as they are (format-1 blobs remain
+readable). Batches of :data:`BATCH` (``batches.py``); a blob whose head does not parse gets none
+(the next read removes it). The last transaction records version 3 (crash point
+``migrate.before_version`` before it).
 """
 
 from __future__ import annotations

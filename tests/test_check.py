@@ -1,5 +1,5 @@
 """The page check of a store (``edgesync_store/core/check.py``, run in a child by
-``edgesync_store/check.py``): real stores, bytes changed with LMDB's page layout (``mdb.c``:
+``core/page_check.py``): real stores, bytes changed with LMDB's page layout (``mdb.c``:
 ``MDB_meta``, ``MDB_page``, ``MDB_node``), each found damaged by a child process; the store
 then opens as damaged (uncached) and ``edgesync clear --yes`` brings back a working one. Every
 open of a damaged store runs in a child, so that a miss could not take pytest down."""
@@ -18,8 +18,8 @@ import pytest
 from cli_support import edgesync as run_cli
 from test_store import REPO, make_fragment, run_py
 
-from edgesync_store import check
 from edgesync_store.core import check as pages
+from edgesync_store.core import page_check as check
 from edgesync_store.core.check import P_BRANCH, P_LEAF, P_OVERFLOW, PAGEHDRSZ, check_file
 from edgesync_store.core.store import FragmentStore
 

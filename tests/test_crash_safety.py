@@ -68,6 +68,7 @@ from edgesync_store.core.crashpoints import ENV_VAR
 from edgesync_store.core.store import STORE_FORMAT_VERSION, FragmentStore
 from edgesync_store.lifecycle.merge import split_heads, split_layers
 from edgesync_store.lifecycle.reclaim import TMP_NAME
+from edgesync_store.migrations import migrate
 from edgesync_store.schema import KVFragment, chunk_spans
 
 pytestmark = [pytest.mark.model]
@@ -217,7 +218,7 @@ def check_store(path: Path, lay: Layout, *, final: bool, budget: int | None = No
     """Open the store at ``path`` (finishing any migration) and check it (module docstring);
     ``final``: a compaction has run to completion; ``budget``: runs with eviction, where only
     each remaining fragment is checked. Returns the keys present."""
-    with FragmentStore(path) as store:
+    with FragmentStore(path, upgrade=migrate) as store:
         assert store.format_version == STORE_FORMAT_VERSION
         present: set[bytes] = set()
         by_span: dict[tuple[bytes, int, int], list[KVFragment]] = {}

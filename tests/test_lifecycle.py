@@ -243,7 +243,7 @@ def test_fragment_pinned_by_another_process_is_not_evicted(tmp_path, clock):
     try:
         assert child.stdout.readline().strip() == "pinned"
         assert store.pins.is_pinned(victim.key())
-        from edgesync_store.lifecycle.eviction import evict_to_budget
+        from edgesync_store.core.eviction import evict_to_budget
 
         size = len(store.get_blob(victim.key()))
         evicted = [k for k, _ in evict_to_budget(store, max_bytes=size * 3 + size // 2)]
@@ -294,7 +294,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     assert all(store.contains(k) for k in prompt_keys)
     assert result.tokens == EdgeSync(adapter, store=False, config=config()).generate(prompt, max_tokens=8).tokens
     # once the request is done its fragments are fair game: the budget now takes them
-    from edgesync_store.lifecycle.eviction import evict_to_budget
+    from edgesync_store.core.eviction import evict_to_budget
 
     assert {k for k, _ in evict_to_budget(other, max_bytes=1)} == prompt_keys
     assert other.used_bytes() == 0

@@ -41,7 +41,14 @@ from edgesync_store.core import codec
 from edgesync_store.core.crashpoints import ENV_VAR
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.lifecycle.merge import split_heads, split_layers
-from edgesync_store.migrations import CURRENT_VERSION, StoreFormatError, m0002_lifecycle_v2, m0003_heads
+from edgesync_store.migrations import (
+    CURRENT_VERSION,
+    MIGRATIONS,
+    StoreFormatError,
+    m0002_lifecycle_v2,
+    m0003_heads,
+    migrate,
+)
 from edgesync_store.schema import KVFragment, chunk_spans
 from edgesync_store.ttl import LIFECYCLE_V1, LIFECYCLE_V2, LIFETIME_LONG, LIFETIME_SHORT, LONG_TTL_SECONDS, ManualClock
 
@@ -51,6 +58,11 @@ ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What should I pack for three days in Lisbon?"
 HITS = {0: 7, 1: 4, 2: 5, 3: 0, 4: 1}
 """Format-1 hit counts of the five whole chunks."""
+
+
+def migrating(path, **kw) -> FragmentStore:
+    """The store at ``path`` opened as the application opens it: older formats migrated."""
+    return FragmentStore(path, upgrade=migrate, **kw)
 
 
 def singles(whole: KVFragment) -> list[KVFragment]:
@@ -135,7 +147,7 @@ def test_format1_store_opens_migrated_with_every_fragment_intact(material, prist
     assert len(before[b"lifecycle"]) == len(material.entries) - 1  # one fragment has no record
 
     now = material.t0 + 60.0
-    with FragmentStore(path, clock=ManualClock(now)) as store:
+    with migrating(path, clock=ManualClock(now)) as store:
         assert store.format_version == CURRENT_VERSION == 3
         for frag, record in material.entries:
             key = frag.key()
@@ -179,7 +191,7 @@ def test_format1_store_opens_migrated_with_every_fragment_intact(material, prist
     assert all(len(v) == LIFECYCLE_V2.size for _, v in after[b"lifecycle"])
     assert_heads_of_every_blob(path, blobs)
     # opening again changes nothing
-    FragmentStore(path).close()
+    migrating(path).close()
     assert dump(path) == after
 
 
@@ -187,7 +199,7 @@ def test_read_only_open_of_format1_reads_without_migrating(material, pristine_v1
     src, _ = pristine_v1
     path = copy(src, tmp_path / "store")
     before = dump(path)
-    with FragmentStore(path, readonly=True) as store:
+    with migrating(path, readonly=True) as store:
         assert store.format_version == 1
         for frag, record in material.entries[:8]:  # the 5 chunks, the single without a record, 2 more
             assert_same_fragment(store.get(frag.key()), frag)
@@ -207,7 +219,7 @@ def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_
     write_format1_store(path, material.entries[:2], version=str(future).encode())
     before = dump(path)
     with pytest.raises(StoreFormatError) as info:
-        FragmentStore(path, readonly=readonly)
+        migrating(path, readonly=readonly)
     message = str(info.value)
     assert f"format version {future}" in message
     assert f"reads up to {CURRENT_VERSION}" in message
@@ -215,7 +227,7 @@ def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_
     assert dump(path) == before  # refused without writing
     # and the store is not left locked: a second attempt gets the same refusal, not a wait
     with pytest.raises(StoreFormatError):
-        FragmentStore(path, readonly=readonly, open_timeout_s=1.0)
+        migrating(path, readonly=readonly, open_timeout_s=1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +236,8 @@ def test_future_format_is_refused_with_both_versions_and_the_path(material, tmp_
 
 def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, **{ENV_VAR: crash})
-    code = "import sys; from edgesync_store.core.store import FragmentStore; FragmentStore(sys.argv[1]).close()"
+    code = ("import sys; from edgesync_store.core.store import FragmentStore; "
+            "from edgesync_store.migrations import migrate; FragmentStore(sys.argv[1], upgrade=migrate).close()")
     return subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -232,7 +245,7 @@ def open_in_subprocess(path: Path, crash: str) -> subprocess.CompletedProcess:
 def assert_finished_by_the_next_open(path: Path, material, migrated: dict) -> None:
     """The next open of ``path`` finishes the migrations: the current format, the fragments read
     back unchanged, nothing refused, and every record equal to the uninterrupted migration's."""
-    with FragmentStore(path) as store:
+    with migrating(path) as store:
         assert store.format_version == CURRENT_VERSION
         for frag in material.fragments[:5] + material.fragments[-3:]:
             assert_same_fragment(store.get(frag.key()), frag)
@@ -252,7 +265,7 @@ def killed_in_migration(src: Path, dst: Path, point: str) -> Path:
 def migrated_uninterrupted(pristine_v1, tmp_path_factory) -> dict:
     src, _ = pristine_v1
     path = copy(src, tmp_path_factory.mktemp("uninterrupted") / "store")
-    FragmentStore(path).close()
+    migrating(path).close()
     return dump(path)
 
 
@@ -294,7 +307,7 @@ def test_a_flipped_byte_in_a_format1_blob_is_refused_after_migration(material, p
     with pytest.raises(codec.CodecError, match="head checksum"):
         codec.peek(bytes(raw[at - ids_at: at - ids_at + len(blob)]))
 
-    with FragmentStore(path) as store:
+    with migrating(path) as store:
         assert store.format_version == CURRENT_VERSION
         life = store.lifecycle(victim.key())
         assert life.created_at == 0.0 and life.nbytes == len(blob)
@@ -331,7 +344,7 @@ def test_format2_store_opens_at_version_3_with_the_head_of_every_blob(material, 
     assert on_disk_version(path) == b"2" and heads(path) is None
 
     ns = material.chunks[0].namespace
-    with FragmentStore(path, clock=ManualClock(material.t0 + 60.0)) as store:
+    with migrating(path, clock=ManualClock(material.t0 + 60.0)) as store:
         assert store.format_version == CURRENT_VERSION == 3
         match = store.prefix_walk(ns, material.tokens)
         assert match.matched_tokens == len(material.tokens) - 1
@@ -355,7 +368,7 @@ def test_format2_store_opens_at_version_3_with_the_head_of_every_blob(material, 
     assert_heads_of_every_blob(path, blobs)
     # opening again changes nothing
     found = heads(path)
-    FragmentStore(path).close()
+    migrating(path).close()
     assert dump(path) == after and heads(path) == found
 
 
@@ -363,7 +376,7 @@ def test_read_only_open_of_format2_reads_the_heads_from_the_blobs(material, pris
     src, _ = pristine_v2
     path = copy(src, tmp_path / "store")
     before = dump(path)
-    with FragmentStore(path, readonly=True, clock=ManualClock(material.t0 + 60.0)) as store:
+    with migrating(path, readonly=True, clock=ManualClock(material.t0 + 60.0)) as store:
         assert store.format_version == 2
         match = store.prefix_walk(material.chunks[0].namespace, material.tokens)
         assert match.matched_tokens == len(material.tokens) - 1
@@ -393,14 +406,14 @@ def test_blob_whose_head_does_not_parse_gets_no_head_and_is_refused_by_the_next_
         txn.put(key, bytes(blob), db=db)
 
     edit(path, flip)
-    FragmentStore(path).close()  # the migration alone
+    migrating(path).close()  # the migration alone
     assert on_disk_version(path) == b"3"
     found = heads(path)
     assert set(found) == set(blobs) - {key}
     assert all(found[k] == codec.head_of(b) for k, b in blobs.items() if k != key)
 
     ns = victim.namespace
-    with FragmentStore(path, clock=ManualClock(material.t0 + 60.0)) as store:
+    with migrating(path, clock=ManualClock(material.t0 + 60.0)) as store:
         assert store.contains(key)
         if read == "get":
             assert store.get(key) is None
@@ -423,7 +436,7 @@ def test_blob_whose_head_does_not_parse_gets_no_head_and_is_refused_by_the_next_
 def migrated_v2_uninterrupted(pristine_v2, tmp_path_factory) -> tuple[dict, dict]:
     src, _ = pristine_v2
     path = copy(src, tmp_path_factory.mktemp("uninterrupted-v2") / "store")
-    FragmentStore(path).close()
+    migrating(path).close()
     return dump(path), heads(path)
 
 
@@ -439,7 +452,7 @@ def test_killed_migration_3_is_finished_by_the_next_open(point, headed, material
     half = heads(path)
     assert len(half) == headed and all(half[k] == codec.head_of(blobs[k]) for k in half)
     assert dump(path) == before
-    with FragmentStore(path) as store:
+    with migrating(path) as store:
         assert store.format_version == CURRENT_VERSION
         for frag in material.fragments[:5] + material.fragments[-3:]:
             assert_same_fragment(store.get(frag.key()), frag)
@@ -463,3 +476,14 @@ def test_format1_store_killed_in_migration_3_is_finished_by_the_next_open(point,
     assert len(heads(path)) == headed
     assert_finished_by_the_next_open(path, material, migrated_uninterrupted)
     assert_heads_of_every_blob(path, blobs)
+
+
+def test_an_old_store_opened_without_upgrade_is_refused_untouched(material, pristine_v1, tmp_path):
+    """The store's core never migrates by itself: a writable open without ``upgrade`` refuses a
+    format-1 store, naming the way to migrate it, and leaves it as it was."""
+    path = copy(pristine_v1[0], tmp_path / "store")
+    before = dump(path)
+    with pytest.raises(StoreFormatError, match="format version 1, older than 3: open it with upgrade="):
+        FragmentStore(path)
+    assert dump(path) == before
+    assert len(MIGRATIONS) + 1 == CURRENT_VERSION

@@ -1,18 +1,9 @@
-"""The size budget's eviction policy.
+"""The size budget's eviction policy, which the store's writes enforce.
 
-When a write would take the store's blobs past ``max_bytes``, fragments are deleted in this
-order until the store is at or under ``LOW_WATER`` (90%) of the budget (the margin keeps the
-next writes from scanning again at once):
-
-1. expired fragments (soonest expired first): they can never be served again;
-2. the short lifetime, least recently used first (the later of last hit and
-   creation);
-3. the long lifetime, least recently used first;
-4. the document lifetime (fragments of documents an application added), least recently used first.
-
-Ties break by key, so the order is deterministic. A fragment that a request is injecting
-(``FragmentStore.pins``, in any process) and the fragments being written are never evicted.
-Only the ``lifecycle`` database is scanned (``ttl.Lifecycle``: sizes and times), no tensor.
+When a write would take the stored blobs past ``max_bytes``, fragments are deleted down to
+``LOW_WATER`` of the budget, in this order: expired (soonest first), then the short, the long
+and the document lifetimes, each least recently used first; ties by key. Pinned fragments and
+those being written are never evicted. Only ``lifecycle`` records are scanned, no tensor.
 """
 
 from __future__ import annotations

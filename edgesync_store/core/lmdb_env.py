@@ -1,34 +1,23 @@
-"""The LMDB side of a store: its directory, its environment, the named databases and their key
-layout, and the transactions that grow the map.
+"""The LMDB side of a store: its directory, environment, named databases and key layout, and the
+transactions that grow the map.
 
-One LMDB environment (a directory created mode 0700: it holds users' prompts) with four core
-named databases, created by ``migrations/m0001_initial.py``, and ``heads``, created by
-``migrations/m0003_heads.py``:
+One environment (a directory of mode 0700: it holds users' prompts) with five core databases
+(:meth:`LmdbEnv.create_layout` makes them; ``migrations/`` upgrades older stores):
 
 * ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
-* ``heads``: store key -> the blob's head (``codec.head_of``: header, token IDs, checksum),
-  written and deleted with the blob in the same transaction: what the prefix walk, the
-  expiry sweep and ``dump`` read, so that they never map a blob's pages (a blob's first page
-  can bring the whole blob into the process's resident set: the kernel maps large page-cache
-  folios whole; ``docs/measurements.md``);
-* ``by_prefix`` (dupsort): namespace digest + prefix hash (64 bytes, :func:`index_key`) ->
-  store keys of the fragments that start right after that prefix; the prefix walk's index;
-* ``lifecycle``: store key -> the fragment's lifetime, hits, creation, last hit, expiry
-  and sizes (``ttl.Lifecycle``, 45 bytes); kept apart from the blob so that a hit, the expiry
-  sweep and eviction never read or rewrite tensors;
-* ``meta``: store-wide facts: ``format_version`` (ASCII digits, see ``migrations/``),
-  ``used_bytes`` (sum of the stored blobs, ``<Q``; what the size budget counts), ``max_bytes``
-  (the budget, ``<Q``), and per namespace ``reuse_tokens:`` + its digest (``<i4`` token IDs:
-  what the latest hit injected, which a new process rehearses before its first request).
+* ``heads``: store key -> the blob's head (``codec.head_of``), written and deleted with the
+  blob: what the walk, the sweep and ``dump`` read, so they never map a blob;
+* ``by_prefix`` (dupsort): namespace digest + prefix hash (:func:`index_key`, 64 bytes) -> keys
+  of the fragments that start right after that prefix;
+* ``lifecycle``: store key -> ``ttl.Lifecycle`` (45 bytes): hits, times, sizes, apart from the
+  tensors;
+* ``meta``: ``format_version`` (ASCII digits), ``used_bytes`` and ``max_bytes`` (``<Q``), and
+  ``reuse_tokens:`` + namespace digest -> the latest hit's token IDs (``<i4``).
 
-The companion databases keyed by a fragment's store key (``donors``, ``emb_vectors``,
-``emb_meta``) are laid out in :mod:`edgesync_store.core.companions`, ``documents`` in
-``documents/records.py``: nine named databases of :data:`MAX_DBS`.
-
-LMDB serialises writers across processes with its lock file and gives readers snapshots. A
-write that finds the map full grows it (doubling) and retries; a process that sees another
-one's larger map (``MapResizedError``) adopts it. Any other ``lmdb.Error`` leaves this module
-as :class:`~edgesync_store.errors.StoreIOError`.
+Companion databases (``donors``, ``emb_vectors``, ``emb_meta``: ``companions.py``; ``documents``:
+``documents/records.py``) make nine of :data:`MAX_DBS`. A write that finds the map full doubles
+it and retries; a process seeing another's larger map adopts it. Any other ``lmdb.Error``
+leaves this module as :class:`~edgesync_store.errors.StoreIOError`.
 """
 
 from __future__ import annotations
@@ -46,7 +35,13 @@ import lmdb
 
 from edgesync_store.core.locks import COMPACT_LOCK_NAME, OPEN_LOCK_NAME, PINS_LOCK_NAME
 from edgesync_store.core.map_advice import MapAdvice
-from edgesync_store.errors import StoreDamagedError, StoreIOError, StoreOpenError, StoreUnavailableError
+from edgesync_store.errors import (
+    StoreDamagedError,
+    StoreFormatError,
+    StoreIOError,
+    StoreOpenError,
+    StoreUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +56,8 @@ USED_BYTES_KEY = b"used_bytes"
 MAX_BYTES_KEY = b"max_bytes"
 REUSE_TOKENS_PREFIX = b"reuse_tokens:"
 FORMAT_VERSION_KEY = b"format_version"
+STORE_FORMAT_VERSION = 3
+"""The layout this code reads and writes (``meta``'s ``format_version``)."""
 U64 = struct.Struct("<Q")
 """Little-endian unsigned 64-bit counter: ``used_bytes``, ``max_bytes`` and the vectors' labels."""
 
@@ -82,6 +79,25 @@ def index_key(namespace_digest: bytes, prefix_hash: bytes) -> bytes:
 def read_u64(value) -> int | None:
     """A ``<Q`` record as an int, or None when absent or not 8 bytes."""
     return U64.unpack(bytes(value))[0] if value is not None and len(value) == U64.size else None
+
+
+def format_version(db_owner) -> int:
+    """The format version recorded in ``meta``; 0 without ``meta``. ``db_owner`` is an
+    :class:`LmdbEnv` or a store (``named_db`` and ``transact``).
+
+    Raises:
+        StoreFormatError: the record is not a number. StoreIOError: LMDB failed.
+    """
+    meta = db_owner.named_db(META_DB)
+    if meta is None:
+        return 0
+    found = db_owner.transact(lambda txn: bytes(v) if (v := txn.get(FORMAT_VERSION_KEY, db=meta)) is not None else None)
+    if found is None:
+        return 0
+    try:
+        return int(found)
+    except ValueError:
+        raise StoreFormatError(f"store {db_owner.path}: format_version {found[:20]!r} is not a number") from None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -154,18 +170,13 @@ class LmdbEnv:
         lock: use LMDB's lock file (False only for a read-only look at a store we cannot write).
 
     Attributes:
-        lock: the re-entrant lock that serialises this process's threads around the
-            environment (a reclaim holds it while it swaps the file).
-        fragments, by_prefix, lifecycle, meta: the core database handles (after
-            :meth:`open_core`).
-        heads: the ``heads`` handle, or None in a store older than format 3 opened read-only
-            (readers then take heads from the blobs: ``codec.peek`` reads either).
+        lock: the re-entrant lock of this process's threads around the environment.
+        fragments, by_prefix, lifecycle, meta, heads: handles (after :meth:`open_core`; ``heads``
+            is None in a pre-3 store opened read-only: heads are then read from the blobs).
 
     Raises:
-        StoreDamagedError: ``data.mdb`` is cut inside its two meta pages, or they are unreadable,
-            in a directory where an EdgeSync store was opened before (it holds ``pins.lock``).
-        StoreOpenError: ``data.mdb`` is not an LMDB file (and no store was opened here before).
-        StoreUnavailableError: LMDB refused to open the environment.
+        StoreDamagedError: unreadable meta pages where a store was opened before (``pins.lock``).
+        StoreOpenError: ``data.mdb`` is not an LMDB file. StoreUnavailableError: LMDB refused.
     """
 
     def __init__(self, path: Path, map_size: int, readonly: bool, lock: bool) -> None:
@@ -215,10 +226,23 @@ class LmdbEnv:
         # in a transaction: another process may grow the map between lmdb.open and this read
         names = self.transact(lambda txn: {bytes(k) for k, _ in txn.cursor()})
         # any one core database marks an EdgeSync store (a store created one database per
-        # transaction may have been killed before it had all four: migration 1 completes it)
+        # transaction may have been killed before it had all four: create_layout completes it)
         if names and not names & {name for name, _ in CORE_DATABASES}:
             self._env.close()
             raise StoreOpenError(f"store path {self.path}: holds an LMDB database that is not an EdgeSync store")
+
+    def create_layout(self) -> None:
+        """Create a new store's databases at :data:`STORE_FORMAT_VERSION` in one write
+        transaction (idempotent: it completes a store killed while creating them one by one)."""
+        def write(txn) -> None:
+            handles = {name: self.named_db(name, create=True, dupsort=dup, txn=txn)
+                       for name, dup in (*CORE_DATABASES, (HEADS_DB, False))}
+            if txn.get(USED_BYTES_KEY, db=handles[META_DB]) is None:
+                txn.put(USED_BYTES_KEY, U64.pack(0), db=handles[META_DB])
+            txn.put(FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode(), db=handles[META_DB])
+
+        self.transact(write, write=True)
+        self.forget_handles()
 
     def open_core(self, companions: Iterable[bytes] = ()) -> bool:
         """Open the four core database handles (and cache ``companions`` when they exist);

@@ -1,17 +1,11 @@
-"""Checking a store's LMDB pages (``core.check``) in a child process
+"""The page check (``core.check``) of a store's ``data.mdb`` in a child process
 (``python -m edgesync_store.commands.page_check``), so that whatever the file holds, the caller
-survives.
+survives; ``FragmentStore`` runs it (:func:`verify`) before LMDB reads a page.
 
-:class:`PendingCheck` runs the command as a child (``sys.executable``) and waits for it later,
-so that a process can load its model meanwhile; :func:`verify` is what ``FragmentStore`` calls
-before LMDB reads a page: it uses a check begun for the same file by :func:`begin`, else runs
-one. A child killed by a signal, or one that does not answer within its timeout, means damaged:
-LMDB would follow the same pages. The exceptions are the signals that stop a process on request
-(SIGINT, SIGTERM, SIGHUP): they say nothing of the file, and the check runs again, once. The
-child runs in a session of its own, so a Ctrl-C at the terminal reaches the caller only. A file
-whose check passed in this process is not checked again while its device, inode, size and
-modification time stay the same (a store reopened by the same process, e.g. after a reclaim,
-costs nothing).
+:func:`begin` starts a check early (a process loads its model meanwhile). A child killed by a
+signal or past its timeout means damaged, except SIGINT, SIGTERM and SIGHUP (the check runs
+again, once). The child has a session of its own (a terminal's Ctrl-C reaches the caller only).
+A file that passed is not checked again while its device, inode, size and mtime stay the same.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ CHECK_TIMEOUT_S = 120.0
 """Seconds a check child may take before the store is judged damaged (a healthy 1 GiB store
 takes well under one: docs/measurements.md)."""
 
-_ROOT = str(Path(__file__).resolve().parent.parent)  # the child imports this copy of edgesync_store
+_ROOT = str(Path(__file__).resolve().parents[2])  # the child imports this copy of edgesync_store
 _STOPPED = {-signal.SIGINT, -signal.SIGTERM, -signal.SIGHUP}
 """Return codes of a child stopped on request, not by what it read."""
 _passed: set[tuple] = set()

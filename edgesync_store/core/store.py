@@ -1,19 +1,11 @@
-"""FragmentStore: KV fragments in LMDB, shared by the processes of one device.
+"""FragmentStore: both storage seams (``core/backend.py``) over LMDB, shared by the processes
+of one device (environment and key layout: ``lmdb_env``; prefix queries: ``walk``; records keyed
+by fragment: ``companions``; budget: ``eviction``; cross-process locks: ``locks``).
 
-The local implementation of both storage seams (:class:`~edgesync_store.core.backend.MaintenanceBackend`,
-which extends the request path's :class:`~edgesync_store.core.backend.FragmentBackend`); the
-environment, its databases and key layout are in :mod:`edgesync_store.core.lmdb_env`, the prefix
-index's queries in :mod:`edgesync_store.core.walk`, the records that the semantic layer keys by
-fragment in :mod:`edgesync_store.core.companions`.
-
-Every read verifies what it returns (``codec.decode``: both checksums, the header, the content
-hash) and that the fragment hashes to the key it was stored under; a corrupt one is refused,
-logged and removed after the read transaction. Every blob is written with its head (``heads``)
-and its ``by_prefix`` entry in the same transaction. Lifetimes follow ``ttl.TTLPolicy`` on the
-store's clock (injectable); the size budget (``max_bytes``) is enforced when writing
-(``lifecycle/eviction.py``). Cross-process coordination beyond LMDB's own is in ``locks.py``.
-Several processes may read and write one store at once; only committed transactions survive a
-kill, and a commit is durable (LMDB's default sync).
+Every read verifies what it returns (``codec.decode``: checksums, header, content hash, and the
+key it was stored under); a corrupt fragment is refused, logged and removed after the read. A
+blob is written with its head and its ``by_prefix`` entry in one transaction; a commit is
+durable (LMDB's default sync) and only committed transactions survive a kill.
 """
 
 from __future__ import annotations
@@ -29,23 +21,26 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from edgesync_store.check import verify as verify_pages
-from edgesync_store.core import codec, companions, walk
+from edgesync_store.core import codec, companions, eviction, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
 from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
 from edgesync_store.core.codec import FragmentHeader
+from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
 from edgesync_store.core.lmdb_env import (
     DEFAULT_MAP_SIZE,
     MAX_BYTES_KEY,
     REUSE_TOKENS_PREFIX,
+    STORE_FORMAT_VERSION,
     U64,
     USED_BYTES_KEY,
     LmdbEnv,
+    format_version,
     index_key,
     prepare_dir,
     read_u64,
 )
 from edgesync_store.core.locks import OPEN_LOCK_NAME, OpenLock, PinTable
+from edgesync_store.core.page_check import verify as verify_pages
 from edgesync_store.core.walk import PrefixMatch, SpanMatch
 from edgesync_store.errors import (
     CodecError,
@@ -56,16 +51,11 @@ from edgesync_store.errors import (
     StoreOpenError,
     StoreUnavailableError,
 )
-from edgesync_store.lifecycle import eviction
-from edgesync_store.lifecycle.eviction import DEFAULT_MAX_BYTES
-from edgesync_store.migrations import CURRENT_VERSION, migrate
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT_VERSION = CURRENT_VERSION
-"""On-disk layout version recorded in the ``meta`` database (``migrations/``)."""
 T = TypeVar("T")
 
 Encoded = tuple[bytes, bytes, bytes, Lifecycle, str]
@@ -94,34 +84,30 @@ class StoreStats:
 
 
 class FragmentStore(MaintenanceBackend):
-    """KV fragments in LMDB, keyed by ``schema.store_key`` (the seams' methods are documented
-    on :class:`~edgesync_store.core.backend.FragmentBackend` and ``MaintenanceBackend``).
+    """KV fragments in LMDB, keyed by ``schema.store_key`` (methods: ``core/backend.py``).
 
     Args:
         path: store directory; created (mode 0700) when missing.
         map_size: initial LMDB map size in bytes (grows on demand).
-        readonly: open without writing (no growth, no migration, no removal of corrupt
-            entries).
-        clock: the time source, Unix seconds (default ``time.time``); tests inject
-            ``ttl.ManualClock``.
-        policy: lifetimes and promotion (default ``TTLPolicy()``: 30 minutes, 5 hits, 7 days).
-        max_bytes: size budget in bytes of stored blobs; None keeps the budget recorded in the
-            store (the last one an application set) or :data:`DEFAULT_MAX_BYTES`. A value given
-            here is recorded for the compaction command to follow.
+        readonly: open without writing (no growth, no migration, no removal of corrupt ones).
+        clock: the time source, Unix seconds (default ``time.time``).
+        policy: lifetimes and promotion (default ``TTLPolicy()``).
+        max_bytes: size budget, bytes of stored blobs; None keeps the one recorded in the store
+            (or :data:`DEFAULT_MAX_BYTES`); a value given is recorded for the compaction command.
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
-        compression: how new blobs hold their tensors, one of ``codec.COMPRESSIONS``:
-            ``"none"`` (default; a hit reads them in place, :meth:`reading`) or ``"zstd"``
-            (decompressed on every read).
+        compression: new blobs' tensors, ``"none"`` (read in place) or ``"zstd"``.
+        upgrade: brings a writable store of an older format to ``STORE_FORMAT_VERSION`` and
+            returns the version (``edgesync_store.migrations.migrate``: the application and
+            the commands pass it); without it such a store is refused.
 
     Attributes:
-        env: the :class:`~edgesync_store.core.lmdb_env.LmdbEnv` (for the core's modules; the
-            layers above use the methods).
+        env: the ``LmdbEnv``, for the core's modules.
 
-    An existing directory's mode is left alone. Opening an older store runs its migrations
-    (``migrations/``).
+    The page check (``core/page_check.py``) runs before LMDB reads a page.
 
     Raises:
-        StoreFormatError: the store was written by a newer format version.
+        StoreFormatError: the store was written by a newer format version, or an older one
+            without ``upgrade``.
         StoreOpenError: the path is a file, a non-empty directory without a store, cannot be
             created, or does not open as LMDB (read-only: holds no store).
         StoreBusyError: another process held the store exclusively for ``open_timeout_s``.
@@ -131,7 +117,8 @@ class FragmentStore(MaintenanceBackend):
 
     def __init__(self, path: str | os.PathLike, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False, *,
                  clock: Clock | None = None, policy: TTLPolicy | None = None, max_bytes: int | None = None,
-                 open_timeout_s: float = 120.0, compression: str = codec.DEFAULT_COMPRESSION) -> None:
+                 open_timeout_s: float = 120.0, compression: str = codec.DEFAULT_COMPRESSION,
+                 upgrade: Callable[["FragmentStore"], int] | None = None) -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression: {compression!r} is not one of {', '.join(codec.COMPRESSIONS)}")
         self.compression = compression
@@ -164,7 +151,7 @@ class FragmentStore(MaintenanceBackend):
             # cannot take LMDB's lock file
             self.env = LmdbEnv(self.path, map_size, readonly, lock=not readonly or writable_dir)
             self.env.check_is_edgesync()
-            self.format_version = migrate(self)
+            self.format_version = self._settle_format(upgrade)
             if not self.env.open_core(companions.COMPANION_DATABASES):
                 raise StoreOpenError(f"store {self.path}: its databases are missing (format {self.format_version})")
             self.max_bytes = self._settle_budget(max_bytes)
@@ -182,6 +169,24 @@ class FragmentStore(MaintenanceBackend):
             self._release_lock()
             raise
         self.pins = PinTable(self.path)
+
+    def _settle_format(self, upgrade: Callable[["FragmentStore"], int] | None) -> int:
+        version = format_version(self.env)
+        if version > STORE_FORMAT_VERSION:
+            raise StoreFormatError(
+                f"store {self.path} has format version {version}; this EdgeSync reads up to {STORE_FORMAT_VERSION}: "
+                "upgrade EdgeSync, or delete the store directory (it is a cache)")
+        if version == 0 and self.readonly:
+            raise StoreOpenError(f"no EdgeSync store at {self.path}")
+        if version == STORE_FORMAT_VERSION or self.readonly:
+            return version
+        if version == 0:
+            self.env.create_layout()
+            return STORE_FORMAT_VERSION
+        if upgrade is not None:
+            return upgrade(self)
+        raise StoreFormatError(f"store {self.path} has format version {version}, older than {STORE_FORMAT_VERSION}: "
+                               "open it with upgrade=edgesync_store.migrations.migrate to migrate it")
 
     def _settle_budget(self, max_bytes: int | None) -> int:
         recorded = self.recorded_max_bytes()
@@ -204,10 +209,6 @@ class FragmentStore(MaintenanceBackend):
         :meth:`reopen`; inside a transaction pass it as ``txn`` (opening without one starts a
         write transaction, which would deadlock)."""
         return self.env.named_db(name, create=create, dupsort=dupsort, txn=txn)
-
-    def forget_handles(self) -> None:
-        """Forget cached database handles (after a transaction that created databases)."""
-        self.env.forget_handles()
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
         """See :meth:`MaintenanceBackend.transact`; ``txn`` is an ``lmdb.Transaction`` (buffers:
