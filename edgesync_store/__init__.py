@@ -1,31 +1,15 @@
 """EdgeSync's store: KV-cache fragments kept on the device, found by token prefix and by meaning.
 
-Sub-packages, from the bottom up:
+Layers, from the bottom: ``core`` (the storage seams and LMDB), ``lifecycle`` (merges, reclaim,
+scheduled jobs), the features (``semantic``, ``documents``, ``remote``, ``commands``); beside
+them ``schema``, ``ttl``, ``errors``, ``settings`` (``docs/architecture.md`` has the table)::
 
-* :mod:`edgesync_store.core`: the storage seams (``backend.FragmentBackend`` for requests,
-  ``backend.MaintenanceBackend`` for maintenance) and their local implementation on LMDB
-  (``store.FragmentStore``, ``lmdb_env``, ``companions``), the blob format (``codec``), the
-  prefix walk (``walk``) and the cross-process locks (``locks``);
-* :mod:`edgesync_store.lifecycle`: maintenance under the lifetime policy (``edgesync_store.ttl``):
-  eviction under the size budget, merging layer/head groups, disk reclaim, scheduled jobs;
-* :mod:`edgesync_store.semantic`: finding stored prompts by meaning: embedders, the vectors kept
-  in the store, the HNSW sidecar index, donor records, re-embedding a store;
-* :mod:`edgesync_store.commands`: store commands for people (dump, clear, byte units).
-
-Beside them: ``schema`` (fragments, namespaces, keys and hashes), ``ttl`` (lifetimes and
-the clock), ``compactor`` (one compaction run), ``compact`` (the command that runs one:
-``python -m edgesync_store.compact``), ``settings`` (the store's settings, ``StoreSettings``, and
-the declaration of settings as dataclass fields), ``errors`` (every error the store raises; the
-storage library's own errors never leave the store).
-
-The public API, importable from here::
-
-    from edgesync_store import FragmentStore, KVFragment, Namespace
+    from edgesync_store import FragmentStore
     with FragmentStore("~/.cache/edgesync/store") as store:
         match = store.prefix_walk(namespace, token_ids)
 
-The names load on first use (PEP 562 ``__getattr__``), so that importing one sub-module loads
-neither hnswlib nor onnxruntime.
+The public names load on first use (PEP 562), so importing one sub-module loads neither
+hnswlib nor onnxruntime.
 """
 
 from __future__ import annotations

@@ -40,12 +40,10 @@ class Injection:
         tokens: the sequence to continue: the prompt's, or a donor's served whole.
         reused: tokens injected (the engine's ``n_past``).
         keys: store keys of the fragments injected (their hits are recorded).
-        bytes_read: compressed bytes read from the store for the fragments injected (those
-            served from the RAM tier read none).
-        ram_tier_hits: fragments taken from the RAM tier while carrying out the plan.
-        donor_ms: milliseconds spent on donors tried whole (part of the lookup's cost).
-        live: nothing was injected: the engine's live sequence already held the ``reused``
-            tokens with exact KV (a previous request's prompt, or idle-time work).
+        bytes_read: compressed bytes read from the store (RAM tier hits read none).
+        ram_tier_hits: fragments taken from the RAM tier.
+        donor_ms: milliseconds spent on donors tried whole.
+        live: nothing injected: the engine's live sequence already held the ``reused`` tokens.
     """
 
     source: ReuseSource | None
@@ -209,15 +207,10 @@ class Injector:
     @contextmanager
     def fetched(self, match: PrefixMatch, target: int, defer_checks: bool = False) -> Iterator["Fetched"]:
         """The spans of ``match`` below ``target`` (pinned by the caller), for the ``with`` block
-        (:class:`Fetched`). Fragments read in place (``FragmentBackend.reading``) are views of
-        the store's memory, valid inside the block only: inject them there. With
-        ``defer_checks`` their payload checksums may still be running: ``confirm()`` before
-        anything computed from them is used.
-
-        With a RAM tier the chain's lifecycle records are read first, in one transaction, and
-        decide what RAM may serve (``FragmentCache``); what the store decoded into arrays of
-        their own (compressed blobs, remote fetches) is kept there for the next request, what it
-        served in place is not (the OS page cache already holds it).
+        (:class:`Fetched`): fragments read in place are valid inside it only; with
+        ``defer_checks``, ``confirm()`` before using what was computed from them. With a RAM tier
+        the chain's lifecycle records decide what RAM may serve (``FragmentCache``); fragments
+        the store decoded into their own arrays are kept there, those served in place are not.
         """
         spans = [span for span in match.spans if span.token_start < target]
         records, now = self._records([key for span in spans for key in span.keys])

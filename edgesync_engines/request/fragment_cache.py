@@ -1,17 +1,11 @@
-"""The read-through RAM tier: decoded fragments kept for repeats within a process, never
-served once the store no longer holds them live.
+"""The read-through RAM tier: decoded fragments kept for repeats within a process, never served
+once the store no longer holds them live.
 
-The injector reads a chain's lifecycle records in one read transaction
-(:meth:`FragmentCache.records`, after the keys are pinned), then takes each fragment from the
-:class:`~edgesync_engines.request.ramtier.RamTier` when the entry is the version the store
-holds live, else from the store, keeping what it decoded. The prefetcher
-(``request/prefetch.py``) fills the same tier.
-
-An entry's version is the ``created_at`` of the lifecycle record read with it: a fragment
-deleted (forget, eviction, expiry, another process's compaction or clear) has no record, and
-one deleted and written again has a new one, so neither is served from RAM; a hit that only
-extends the expiry (long lifetime) keeps the entry. ``forget`` in this process clears the
-tier; entries another process deleted are dropped when next asked for, or by the LRU.
+The injector reads a chain's lifecycle records at once (:meth:`FragmentCache.records`, keys
+pinned), then takes each fragment from the ``RamTier`` when the entry is the version the store
+holds, else from the store. An entry's version is the ``created_at`` of its lifecycle record: a
+deleted fragment has none and a rewritten one a new one, so neither is served from RAM. The
+prefetcher (``request/prefetch.py``) fills the same tier.
 """
 
 from __future__ import annotations

@@ -1,40 +1,23 @@
-"""What a request reuses: the decision, made in one place and returned as a :class:`ReusePlan`.
+"""What a request reuses, decided in one place: :func:`plan_reuse` returns a :class:`ReusePlan`.
 
-:func:`plan_reuse` reads the store (prefix walks) and, in the approximate mode, asks the
-semantic lookup for donors, but changes neither the store nor the engine:
-:mod:`edgesync_engines.request.execute` carries the plan out. The plan lists the KV sources
-worth injecting, best first; the executor injects the first one that delivers at least its
-``required`` tokens, so a source spoiled between the plan and the injection (a fragment
-evicted or corrupt) falls back to the next.
+The plan reads the store (prefix walks) and, in the semantic mode, asks the semantic lookup
+for donors; it changes neither store nor engine (``execute`` carries it out). Its sources are
+listed best first; the executor injects the first that delivers its ``required`` tokens, so a
+source spoiled meanwhile (evicted, corrupt) falls back to the next. In order:
 
-The decision, in order (``n`` prompt tokens):
+1. Under ``MIN_SPAN`` (64) prompt tokens, no store, or KV that cannot be cut: no source.
+2. The prefix walk of the engine's namespace: the longest stored chain whose token IDs equal
+   the prompt's.
+3. ``reuse="semantic"`` only, when the walk leaves at least :data:`APPROXIMATE_MIN_UNCOVERED`
+   tokens: donors at cosine >= ``similarity_exact`` that share everything before the embedded
+   text and are stored whole become :data:`SourceKind.DONOR` sources (served whole); others
+   count up to where their tokens stop matching, and the longest verified prefix replaces the
+   walk's. The exact mode never asks: the walk already finds any stored matching prefix.
+4. ``allow_convertible``: a longer chain of a convertible namespace (``compat``: the other
+   engine, same model) becomes a :data:`SourceKind.CONVERTIBLE` source.
+5. Last, the own prefix of step 2 or 3 (:data:`SourceKind.PREFIX`), at any length.
 
-1. Prompts under ``MIN_SPAN`` (64) tokens, no store, or an adapter whose KV cannot be cut
-   (``adapter.cache_refusal``): no source, the request prefills.
-2. The prefix walk of the engine's own namespace: the longest stored chain whose token IDs
-   equal the prompt's.
-3. Approximate mode only (``reuse="semantic"``), when the walk leaves at least
-   :data:`APPROXIMATE_MIN_UNCOVERED` (2) tokens uncovered (the request is not an exact hit):
-   the semantic lookup nominates donors at cosine >= ``similarity_partial``:
-
-   a. each donor at cosine >= ``similarity_exact`` (0.92) that shares everything before the
-      embedded text, fits the context and whose chain is stored whole becomes a
-      :data:`SourceKind.DONOR` source, served whole (the model answers the donor's prompt);
-   b. token by token: a donor's chain counts up to where its tokens stop matching the
-      prompt's; the longest verified prefix replaces the walk's (one as long names the donor).
-
-   The default (exact) mode never asks: the walk already follows fragments of any chunk size
-   and takes the matching start of the fragment where the prompt parts from the stored one,
-   so a verified donor only ever confirmed the walk's prefix, at the price of loading MiniLM
-   and the HNSW index and of an encode per request.
-
-4. ``allow_convertible``: when the own namespace does not serve all it could, the longest chain
-   of a convertible namespace (``compat.compatible_with``: the other engine, same model) that
-   gives more becomes a :data:`SourceKind.CONVERTIBLE` source.
-5. Last, the own prefix of step 2 or 3b (:data:`SourceKind.PREFIX`), accepted at any length.
-
-How many tokens a chain yields is the adapter's ``usable_prefix``: never the last prompt token
-(its logits are needed), and for llama.cpp one fewer when only one would be left to prefill.
+Tokens a chain yields: the adapter's ``usable_prefix`` (never the last prompt token).
 """
 
 from __future__ import annotations
@@ -58,9 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 APPROXIMATE_MIN_UNCOVERED = 2
-"""Uncovered prompt tokens, after the walk, that start a lookup in the approximate mode: a
-served donor saves every uncovered token, so any request that is not an exact hit looks (a
-short question behind a shared system prompt is the common case there)."""
+"""Uncovered prompt tokens after the walk that start a semantic lookup: any request that is not
+an exact hit looks."""
 
 
 class HitKind:
@@ -111,15 +93,11 @@ class ReuseSource:
 
     Attributes:
         kind: a :class:`SourceKind` value.
-        tokens: the token sequence to continue once injected: the prompt's, or the donor's for
-            :data:`SourceKind.DONOR`.
+        tokens: the sequence to continue once injected (the prompt's, or a donor's).
         match: the prefix walk of ``tokens`` in ``namespace`` (what to fetch).
-        limit: how many tokens of ``match`` are verified equal to ``tokens`` (a donor's chain
-            may go on past the prompt's tokens).
-        namespace: the namespace the fragments are stored under (converted when it is not the
-            engine's).
-        required: the fewest injected tokens that make this source worth it; fewer and the
-            executor moves on to the next source.
+        limit: tokens of ``match`` verified equal to ``tokens``.
+        namespace: where the fragments are stored (converted when not the engine's).
+        required: the fewest injected tokens worth it; fewer and the executor moves on.
         donor: hex key of the donor behind this source (None: none).
     """
 
@@ -140,11 +118,9 @@ class ReusePlan:
         prompt: the prompt's token IDs.
         sources: the sources to try, in order (empty: prefill everything).
         similarity: cosine of the best donor the lookup found (None: not run, or none).
-        embedded: the request's (text, float32 ``[384]`` embedding) when the lookup ran, to
-            index the prompt without encoding it again.
+        embedded: the request's (text, float32 ``[384]`` embedding) when the lookup ran.
         lookup_ms: the lookup's cost in milliseconds (None: not run).
-        stale_donors: keys of nominated donors none of whose chain is stored any more (to
-            drop from the index).
+        stale_donors: keys of nominated donors whose chain is gone (to drop from the index).
     """
 
     prompt: tuple[int, ...]

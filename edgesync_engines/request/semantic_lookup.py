@@ -1,23 +1,15 @@
 """The router's semantic lookup: nominate donor prompts by meaning, and index stored ones.
 
-In the approximate mode (``reuse="semantic"``) a request that is not an exact hit embeds what
-tells it apart (``prompt_text.embed_text_for``: the last user turn, or the tail of a raw prompt)
-with MiniLM-L6-v2 and asks the HNSW index for the nearest stored prompts. Each indexed prompt
-("donor") is keyed by the last fragment of its chain; its token IDs from position 0 and its
-text are in the store's ``donors`` database (``edgesync_store.semantic.donors``). The reuse plan
-serves a donor whole or checks it token by token. The default (exact) mode never asks.
+In ``reuse="semantic"`` a request that is not an exact hit embeds what tells it apart
+(``prompt_text.embed_text_for``) with MiniLM-L6-v2 and asks the HNSW index for the nearest
+stored prompts (donors, keyed by the last fragment of their chain; their tokens and text are
+donor records, ``semantic/donors.py``). The default mode never asks.
 
-Nothing loads until something needs it: :class:`SemanticLookup` is created empty; the embedder
-and the index load on first use (a semantic-mode lookup, documents' embeddings) or at once in
-the background (:meth:`SemanticLookup.warm_up`, which the router calls when the configured mode
-is semantic). Prompts stored meanwhile, by this process or another, in the default mode have a
-donor record without a vector; once the index is open a background catch-up embeds them in
-batches (:meth:`SemanticLookup.catch_up`), and again whenever the store's pending counter says
-that more were written. The lookup meanwhile uses what is indexed.
-
-Everything here degrades instead of failing a request: a missing package, an index of another
-embedding backend or an unreadable store turn the lookup off with one warning; the request then
-runs on the exact prefix walk alone.
+:class:`SemanticLookup` loads nothing until first used (or :meth:`SemanticLookup.warm_up` in the
+background). Records stored without a vector are embedded by a background catch-up
+(:meth:`SemanticLookup.catch_up`) whenever the store's pending counter moves. Everything
+degrades instead of failing a request: a missing package, an index of another backend or an
+unreadable store turn the lookup off with one warning. Its store is a ``MaintenanceBackend``.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -33,6 +25,9 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
 from edgesync_store.semantic.donors import delete_donor, embed_unindexed, get_donor, pending_generation, put_donor
+
+if TYPE_CHECKING:
+    from edgesync_store.core.backend import MaintenanceBackend
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +73,14 @@ class SemanticLookup:
     """The embedder and the HNSW index of one store, opened on first use.
 
     Args:
-        store: the router's open store (``FragmentBackend``).
+        store: the router's open store.
         config: supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
 
     Creating one loads nothing (module docstring). Thread-safe (the index has its own lock;
     loading and the catch-up are guarded here).
     """
 
-    def __init__(self, store, config: EdgeSyncConfig) -> None:
+    def __init__(self, store: "MaintenanceBackend", config: EdgeSyncConfig) -> None:
         self.store = store
         self.config = config
         self._lock = threading.Lock()

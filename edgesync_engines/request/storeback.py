@@ -1,17 +1,12 @@
-"""After an answer: store the prompt's missing chunks with its donor record, index the prompt
-as a donor (semantic mode), record hits.
+"""After an answer: store the prompt's missing chunks with its donor record, record hits, and
+(semantic mode) give the prompt its vector.
 
-The prompt's own chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)``: chunks
-cover the prompt but its last token, whose KV came from a one-token evaluation (see
-``LlamaCppAdapter.usable_prefix``). :func:`chunk_key` names a chunk of that grid; the prefetch
-predictor keys requests by the first chunk, the semantic index keys donors by the last.
-
-Every stored prompt gets a donor record (its token IDs and the text the semantic lookup would
-embed, ``companions.donor_value``) in the same write as its fragments, but no vector:
-nothing is embedded on the default mode's request path. A semantic-mode request, whose lookup
-already embedded it, adds its vector right away (:func:`index_prompt`); the others are embedded
-in the background once some process loads the semantic index
-(``semantic_lookup.SemanticLookup``).
+The prompt's chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)`` (never the last
+token: ``usable_prefix``); :func:`chunk_key` names a chunk of it (the prefetcher keys requests
+by the first, the semantic index donors by the last). The donor record (token IDs and the text
+to embed, ``companions.donor_value``) goes in the same write as the fragments, without a vector:
+nothing is embedded on the default path (:func:`index_prompt` adds it when a semantic lookup
+embedded the prompt already; a background catch-up embeds the rest).
 """
 
 from __future__ import annotations
@@ -68,22 +63,16 @@ def donor_key(namespace: Namespace, tokens: Sequence[int], config: "EdgeSyncConf
 def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[int], config: "EdgeSyncConfig",
               donor_prompt=None, ram: "FragmentCache | None" = None,
               spans: "Sequence[tuple[int, int]] | None" = None) -> int:
-    """Extract and store the prompt's chunks that the store lacks (or holds expired); return
-    how many fragments were written (0, with a warning, when the store or the engine failed).
+    """Store the prompt's grid chunks that the store lacks (or holds expired) and return how
+    many fragments were written (0, with a warning, when the store or the engine failed).
 
-    With ``donor_prompt`` (the request's prompt: a string or chat messages) the prompt's donor
-    record (module docstring) goes in the same transaction; a prompt whose chunks were all
-    stored already gets its missing record in a write of its own.
-
-    Every chunk of the prompt's own grid is kept, even where fragments of another chunk size
-    hold the same tokens, so that an exact repeat injects the whole chain from position 0. A
-    chunk counts as stored when live fragments of exactly its span hold every layer and KV head
-    (``covers_span``). Missing chunks are extracted in one seq-state read, cut into the
-    configured layer x head groups, staged as the engine injects them, and written in one
-    ``put_many`` (no reader sees half a chunk). With ``ram`` (the router's RAM tier) they are
-    kept there too, unless the store reads them in place as cheaply (``serves_in_place``).
-    ``spans`` replaces the prompt's grid (the idle-time store gives the chunks a prefill has
-    completed so far; each must lie inside the live sequence).
+    A chunk is stored when live fragments of exactly its span hold every layer and KV head
+    (``covers_span``); fragments of other chunk sizes do not count, so an exact repeat injects
+    one chain from 0. Missing chunks are extracted in one seq-state read, cut into the
+    configured layer x head groups, staged, and written in one ``put_many`` with the donor
+    record of ``donor_prompt`` (a string or chat messages; a prompt stored already gets its
+    missing record by ``put_donor``). ``ram``: the RAM tier keeps them too, unless the store
+    serves in place. ``spans``: chunks to store instead of the grid (inside the live sequence).
     """
     ns = adapter.namespace
     try:

@@ -1,32 +1,17 @@
 """The storage seams: what the layers above the store need from a fragment store.
 
-Two abstract classes, in the manner of LMCache v1's ``StorageBackendInterface``, every method
-with its parameters, results and errors:
+* :class:`FragmentBackend`, the request seam: everything the request path calls (plan,
+  injection, store-back, hits). ``tests/dict_backend.py`` implements it alone, in dicts.
+* :class:`MaintenanceBackend` adds what the compactor, the lifecycle jobs, the store's commands,
+  the semantic layer's records and the migrations need: whole-store reads, merges, deletes and
+  transactions (``transact``, whose ``txn`` only this backend's ``*_in`` methods and
+  ``named_db`` use).
 
-* :class:`FragmentBackend`, the request seam: what the request path (``edgesync_engines``:
-  the reuse plan, injection, store-back, prefetch, documents, the commands that run requests)
-  calls. Engines name only this one.
-* :class:`MaintenanceBackend`, which extends it with what the compactor, the lifecycle jobs
-  (expiry sweep, eviction, reclaim), the store's commands (dump, clear, inventory, reindex), the
-  semantic layer's records and the migrations need: whole-store iteration, merges, deletes and
-  transactions.
-
-The local store, ``FragmentStore`` (LMDB, ``core/store.py``), and the local store with a shared
-remote tier behind it, ``TieredStore`` (``remote/tiered.py``), implement both.
-
-Conventions for every method:
-
-* keys are store keys, 32 ``bytes`` (``schema.store_key``, ``KVFragment.key()``);
-* times are Unix seconds (float); ``now=None`` means the backend's ``clock``;
-* sizes are bytes; a fragment's size is its compressed blob (``codec``);
-* a failure of the storage itself raises :class:`~edgesync_store.errors.StoreIOError` (a
-  :class:`~edgesync_store.errors.StoreError`); no backend library's own exception crosses
-  the seam. A write on a backend opened read-only raises ``PermissionError``.
-
-Maintenance (merge, reclaim, the semantic layer's companion records) runs inside a transaction,
-:meth:`MaintenanceBackend.transact`, whose ``txn`` object is opaque here: only the ``*_in``
-methods and :meth:`~MaintenanceBackend.named_db` of the same backend (and backend-specific
-modules) use it.
+``FragmentStore`` (LMDB, ``core/store.py``) and ``TieredStore`` (``remote/tiered.py``) implement
+both. Conventions: keys are 32-byte store keys (``schema.store_key``); times are Unix seconds
+(``now=None``: the backend's ``clock``); sizes are bytes of compressed blobs (``codec``). A
+failure of the storage raises :class:`~edgesync_store.errors.StoreIOError` (no backend library's
+exception crosses the seam); a write on a read-only backend raises ``PermissionError``.
 """
 
 from __future__ import annotations
@@ -63,10 +48,8 @@ class FragmentBackend(ABC):
     """The request seam: KV fragments behind a prefix index, with lifecycle records and pins.
 
     Attributes:
-        path: where the store lives (a directory for the local store).
-        readonly: True when opened without writing.
-        clock: the time source (``() -> float`` Unix seconds).
-        pins: the pin table (:class:`PinTableLike`).
+        path: where the store lives. readonly: opened without writing.
+        clock: ``() -> float`` Unix seconds. pins: the :class:`PinTableLike`.
     """
 
     path: object
@@ -78,210 +61,107 @@ class FragmentBackend(ABC):
 
     @abstractmethod
     def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
-        """The fragment stored under ``key``, decoded and verified.
-
-        Args:
-            key: the store key.
-            copy: read the blob into memory and decode it after the read is over (the local
-                store then releases its lock before decompressing): for background threads,
-                so that requests on other threads never wait for their decode. False decodes
-                straight from the backend's buffer (zero-copy where the backend allows).
-
-        Returns:
-            The fragment with its lifecycle counters (``hit_count``, ``last_hit_at``,
-            ``expires_at``), or None when absent or corrupt (a corrupt one is logged, removed
-            and counted in ``dropped_corrupt``).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The fragment under ``key``, decoded and verified, with its lifecycle counters
+        (``hit_count``, ``last_hit_at``, ``expires_at``); None when absent or corrupt (a corrupt
+        one is logged, removed and counted in ``dropped_corrupt``). ``copy``: decode after the
+        read is over (for background threads: requests never wait for their decode)."""
 
     @abstractmethod
     def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> ContextManager[ChainRead]:
-        """The fragments under ``keys`` for one injection, for a ``with`` block.
-
-        Args:
-            keys: store keys, in chain order.
-            defer_checks: the payload checksums of fragments read in place may still be
-                running (in another thread) when the block starts; call ``confirm()`` on what
-                it yields before using anything computed from them.
-
-        Returns:
-            A context manager yielding a :class:`ChainRead`: ``(fragment or None, in_place)``
-            per key, in order, decoded and verified as by :meth:`get`. ``in_place`` True means
-            K and V are read-only views of the backend's own memory (no copy), valid only
-            inside the block: copy what must outlive it; after the block a view shows whatever
-            the store later writes there, and once the store is closed touching one crashes
-            the process.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """For a ``with`` block: a :class:`ChainRead` of ``(fragment or None, in_place)`` per key,
+        in order, verified as by :meth:`get`. ``in_place`` True: K and V are read-only views of
+        the backend's memory, valid inside the block only. ``defer_checks``: payload checksums
+        may still run when the block starts; call ``confirm()`` before using what was computed
+        from them."""
 
     @property
     @abstractmethod
     def serves_in_place(self) -> bool:
-        """True when :meth:`reading` returns the fragments this backend writes in place, as
-        cheaply as a RAM copy would serve them (a RAM tier then need not keep them)."""
+        """True when :meth:`reading` serves the fragments in place as cheaply as a RAM copy."""
 
     @abstractmethod
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
                  donor: tuple[bytes, bytes] | None = None) -> int:
-        """Store ``fragments`` together (all written or none).
+        """Store ``fragments`` together (all or none); return how many were written.
 
-        A fragment whose key is stored and live is left alone; an expired twin, or one whose
-        stored head is corrupt, is replaced. When the blobs would pass the size budget,
-        fragments are evicted first (expired, then short-lived least recently used, then
-        long-lived; never a pinned one); one that still does not fit is skipped (logged).
+        A stored live twin is left alone; an expired one, or one whose stored head is corrupt,
+        is replaced. Past the size budget, fragments are evicted first (``core/eviction.py``;
+        never a pinned one); one that still does not fit is skipped (logged).
 
         Args:
-            fragments: the fragments to store.
-            now: the write's time (eviction's "expired").
             donor: ``(key, value)`` of the prompt's donor record (``companions.donor_value``),
                 written in the same write when the fragment ``key`` is stored and has none yet.
-
-        Returns:
-            How many fragments were written.
-
-        Raises:
-            PermissionError: the backend is read-only.
-            StoreIOError: the storage failed (nothing written).
         """
 
     @abstractmethod
     def put_donor(self, key: bytes, value: bytes) -> bool:
-        """Record the donor record ``value`` (``companions.donor_value``) of the stored fragment
-        ``key`` when it has none yet: a prompt whose chunks were all stored already. A read
-        decides first, so a prompt served again costs no write.
-
-        Returns:
-            True when written.
+        """Write the donor record ``value`` of the stored fragment ``key`` if it has none (a
+        read decides first: a prompt served again costs no write); True when written.
 
         Raises:
-            ValueError: ``key`` is not 32 bytes. PermissionError: read-only.
-            StoreIOError: the storage failed.
+            ValueError: ``key`` is not 32 bytes.
         """
 
     @abstractmethod
     def is_live(self, key: bytes, now: float | None = None) -> bool:
-        """True when a fragment is stored under ``key`` and not expired at ``now``.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """True when a fragment is stored under ``key`` and not expired at ``now``."""
 
     # -- the prefix index ---------------------------------------------------------------------
 
     @abstractmethod
     def prefix_walk(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
                     now: float | None = None) -> PrefixMatch:
-        """The longest run of live fragments of ``namespace`` matching ``tokens`` (token IDs)
-        from position 0, each span covering every layer and KV head.
-
-        Returns:
-            A ``PrefixMatch`` (spans in token order; ``matched_tokens``).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The longest run of live fragments of ``namespace`` matching the token IDs ``tokens``
+        from position 0, each span covering every layer and KV head."""
 
     @abstractmethod
     def covers_span(self, namespace: Namespace, prefix: bytes, token_ids: Sequence[int] | np.ndarray,
                     token_start: int, now: float | None = None) -> bool:
         """True when live fragments of exactly ``[token_start, token_start + len(token_ids))``
-        after the prefix hash ``prefix`` (32 bytes), with these token IDs, together hold every
-        layer and KV head of ``namespace``.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        after the prefix hash ``prefix``, with these token IDs, hold every layer and KV head."""
 
     @abstractmethod
     def keys_along(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Every stored fragment (live or expired) that the prompt ``tokens`` wrote or could hit.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """Every stored fragment (live or expired) that the prompt ``tokens`` wrote or could hit."""
 
     @abstractmethod
     def namespaces(self) -> list[Namespace]:
-        """The namespaces whose chains start (at position 0) in this store, in no order.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The namespaces whose chains start (at position 0) in this store, in no order."""
 
     @abstractmethod
     def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
-        """Delete every fragment :meth:`keys_along` finds for ``tokens``, with its records.
-
-        Returns:
-            How many fragments were removed.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """Delete what :meth:`keys_along` finds, with its records; return how many."""
 
     # -- lifecycle records -----------------------------------------------------------------
 
     @abstractmethod
     def lifecycle(self, key: bytes) -> Lifecycle | None:
-        """The lifecycle record of a stored fragment, or None when absent.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The lifecycle record of a stored fragment, or None when absent."""
 
     @abstractmethod
     def lifecycles(self, keys: Sequence[bytes]) -> list[Lifecycle | None]:
-        """The records of several fragments, in order (None: absent), read at one point in
-        time where the backend can (the local store: one read transaction).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The records of ``keys`` in order (None: absent), read at one point in time."""
 
     @abstractmethod
     def record_hits(self, keys: Sequence[bytes], now: float | None = None, *,
                     reused: tuple[bytes, Sequence[int]] | None = None) -> None:
-        """Count one hit on each stored fragment of ``keys`` at ``now`` (``policy.on_hit``:
-        hit count + 1, last hit, promotion to the long-lived lifetime).
-
-        Args:
-            keys: the fragments the hit injected (absent ones are skipped).
-            now: the hit's time.
-            reused: (namespace digest, the token IDs the hit injected), kept for
-                :meth:`reuse_hint` in the same write.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """Count a hit on each stored fragment of ``keys`` (``policy.on_hit``) and keep
+        ``reused`` (namespace digest, the token IDs injected) for :meth:`reuse_hint`."""
 
     @abstractmethod
     def reuse_hint(self, namespace_digest: bytes) -> np.ndarray:
-        """The token IDs (int32 ``[n]``) the latest hit in the namespace ``namespace_digest``
-        injected, as :meth:`record_hits` kept them (empty: none known): a new process rehearses
-        that hit before its first request.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The token IDs (int32 ``[n]``, empty: none) the latest hit in the namespace
+        injected: a new process rehearses that hit before its first request."""
 
     @abstractmethod
     def release_mapped(self) -> None:
-        """Give back the memory this process maps the store's data with (a store read in place
-        maps what it reads), keeping the data cached by the OS."""
+        """Give back the memory this process maps the store's data with (kept in the OS cache)."""
 
     # -- size and closing -------------------------------------------------------------------
 
     @abstractmethod
     def stats(self):
-        """Counts and sizes (``StoreStats``: fragments, compressed, raw and disk bytes, ...).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """Counts and sizes (``StoreStats``: fragments, compressed, raw and disk bytes, ...)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -295,12 +175,10 @@ class FragmentBackend(ABC):
 
 
 class MaintenanceBackend(FragmentBackend):
-    """The maintenance seam: the request seam with what the compactor, the lifecycle jobs, the
-    store's commands, the semantic layer's records and the migrations need.
+    """The request seam and what maintenance needs (module docstring).
 
     Attributes:
-        policy: the lifetimes and promotion (``ttl.TTLPolicy``).
-        max_bytes: the size budget, bytes of stored blobs.
+        policy: lifetimes and promotion (``ttl.TTLPolicy``). max_bytes: the size budget.
         dropped_corrupt: corrupt fragments refused (and removed) since opening.
     """
 
@@ -308,15 +186,9 @@ class MaintenanceBackend(FragmentBackend):
     max_bytes: int
     dropped_corrupt: int
 
-    # -- fragments ------------------------------------------------------------------------
-
     @abstractmethod
     def contains(self, key: bytes) -> bool:
-        """True when a fragment is stored under ``key`` (expired or not).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """True when a fragment is stored under ``key`` (expired or not)."""
 
     def put(self, fragment: KVFragment) -> bool:
         """:meth:`put_many` of one fragment; True when it was written."""
@@ -324,147 +196,66 @@ class MaintenanceBackend(FragmentBackend):
 
     @abstractmethod
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete fragments with their index entries, lifecycle records, donor records and
-        vectors, together.
-
-        Returns:
-            How many of ``keys`` were stored.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed (nothing deleted).
-        """
+        """Delete fragments with their index entries, lifecycle and donor records and vectors,
+        together; return how many of ``keys`` were stored."""
 
     def delete(self, key: bytes) -> bool:
         """:meth:`delete_many` of one key; False when it was not stored."""
         return self.delete_many([key]) == 1
 
     def forget_tokens(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
-        """:meth:`delete_many` of what :meth:`keys_along` finds (see
-        :meth:`FragmentBackend.forget_tokens`)."""
         return self.delete_many(self.keys_along(namespace, tokens))
-
-    # -- lifecycle records and whole-store reads ------------------------------------------
 
     @abstractmethod
     def set_lifecycle(self, key: bytes, life: Lifecycle) -> bool:
-        """Overwrite a stored fragment's record (its sizes kept).
-
-        Returns:
-            False when the fragment is absent.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """Overwrite a stored fragment's record (its sizes kept); False when absent."""
 
     @abstractmethod
     def iterate(self) -> Iterator[tuple[bytes, FragmentHeader | None, Lifecycle, int]]:
         """Every fragment as ``(key, header or None if corrupt, lifecycle, blob bytes)``, from
-        one snapshot; headers only (no decompression).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        one snapshot, headers only."""
 
     @abstractmethod
     def iterate_lifecycle(self) -> list[tuple[bytes, Lifecycle]]:
-        """Every fragment's ``(key, lifecycle)`` without reading blobs, from one snapshot.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """Every fragment's ``(key, lifecycle)`` from one snapshot, no blob read."""
 
     @abstractmethod
     def delete_expired(self, keys: Sequence[bytes], now: float | None = None) -> list[tuple[bytes, int]]:
-        """Delete those of ``keys`` that are still expired at ``now`` and not pinned, together
-        (a hit in another process may have promoted one meanwhile).
-
-        Returns:
-            The ``(key, blob bytes)`` deleted.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """Delete those of ``keys`` still expired at ``now`` and not pinned, together; return
+        the ``(key, blob bytes)`` deleted."""
 
     @abstractmethod
     def put_replacing(self, fragment: KVFragment, life: Lifecycle, remove: Sequence[bytes]) -> bool:
-        """Store ``fragment`` with the record ``life`` (its sizes set here) and delete ``remove``
-        (their donor records and vectors moved to it), together: a merge happens whole or not
-        at all. When the new key is stored already, only the removals happen.
-
-        Returns:
-            False, writing nothing, when one of ``remove`` is gone meanwhile.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """A merge, whole or not at all: store ``fragment`` with ``life`` (sizes set here) and
+        delete ``remove`` (their donor records and vectors moved to it). False, writing
+        nothing, when one of ``remove`` is gone."""
 
     @abstractmethod
     def absorb(self, keep: bytes, remove: Sequence[bytes], life: Lifecycle) -> bool:
-        """Give ``keep`` the record ``life`` (sizes kept) and delete ``remove`` (their donor
-        records and vectors moved to ``keep``), together: a dedup.
-
-        Returns:
-            False, writing nothing, when any of them is gone meanwhile.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """A dedup: give ``keep`` the record ``life`` (sizes kept) and delete ``remove`` (their
+        records moved to ``keep``), together. False, writing nothing, when one is gone."""
 
     @abstractmethod
     def used_bytes(self) -> int:
-        """Bytes of the stored blobs: what the size budget bounds.
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """Bytes of the stored blobs: what the size budget bounds."""
 
     @abstractmethod
     def recount_used(self) -> int:
-        """Recompute :meth:`used_bytes` from the blobs and record it.
-
-        Returns:
-            The recomputed bytes.
-
-        Raises:
-            PermissionError: read-only. StoreIOError: the storage failed.
-        """
+        """Recompute :meth:`used_bytes` from the blobs, record and return it."""
 
     # -- maintenance transactions -------------------------------------------------------
 
     @abstractmethod
     def transact(self, fn: Callable[[object], T], write: bool = False) -> T:
-        """Run ``fn(txn)`` in one transaction of the backend: committed when ``fn`` returns,
-        rolled back when it raises; ``fn`` may run more than once (retries), so it must not
-        have effects outside ``txn``.
-
-        Returns:
-            What ``fn`` returned.
-
-        Raises:
-            PermissionError: ``write`` on a read-only backend.
-            StoreIOError: the storage failed.
-            Whatever ``fn`` raises.
-        """
+        """``fn(txn)`` in one transaction, committed when it returns, rolled back when it
+        raises; ``fn`` may run more than once (retries), so it must have no other effects.
+        Returns what ``fn`` returned; raises what it raises."""
 
     @abstractmethod
     def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
-        """The handle of the backend's database ``name`` (companion records: donors, vectors,
-        documents, the index's metadata), for use inside :meth:`transact`.
-
-        Args:
-            name: the database's name.
-            create: create it when missing (ignored read-only).
-            dupsort: several values per key (only when creating).
-            txn: the transaction the caller is inside, if any (opening without one starts a
-                write transaction of its own).
-
-        Returns:
-            The handle, or None when the database does not exist and is not created. Handles
-            may be invalidated by maintenance (ask again rather than keep one).
-
-        Raises:
-            StoreIOError: the storage failed.
-        """
+        """The handle of the database ``name`` (donors, vectors, documents, ...), None when it
+        does not exist and is not created; pass ``txn`` when inside :meth:`transact`. Ask again
+        rather than keep a handle (maintenance may invalidate it)."""
 
     @abstractmethod
     def contains_in(self, txn, key: bytes) -> bool:
@@ -472,12 +263,8 @@ class MaintenanceBackend(FragmentBackend):
 
     @abstractmethod
     def delete_in(self, txn, key: bytes) -> int:
-        """Delete one fragment (index entry, lifecycle, donor record, vector) inside the write
-        transaction ``txn``.
-
-        Returns:
-            Its blob bytes (0: it was not stored).
-        """
+        """Delete one fragment with its records inside the write transaction ``txn``; return its
+        blob bytes (0: not stored)."""
 
     @abstractmethod
     def used_in(self, txn) -> int:
@@ -486,8 +273,6 @@ class MaintenanceBackend(FragmentBackend):
     @abstractmethod
     def lifecycle_rows_in(self, txn) -> list[tuple[bytes, Lifecycle]]:
         """:meth:`iterate_lifecycle` inside ``txn``."""
-
-    # -- closing ------------------------------------------------------------------------------
 
     @property
     @abstractmethod

@@ -1,32 +1,21 @@
-"""A structural check of an LMDB data file (``data.mdb``) that parses LMDB's on-disk format
-itself, with ordinary ``pread`` calls: it never maps the file and never runs LMDB's C code, so a
-corrupt page cannot send it outside the file or through a garbage size. Callers still run it in
-a child process (``edgesync_store.check``): a store is judged healthy only by a child that
-exited cleanly.
+"""A structural check of an LMDB data file (``data.mdb``) that parses LMDB's on-disk format with
+``pread`` calls: it never maps the file nor runs LMDB's C code, so a corrupt page cannot send it
+outside the file. Callers still run it in a child process (``core/page_check.py``).
 
-What it verifies, from the newest valid meta page (pages 0 and 1; LMDB picks the one with the
-larger transaction id):
+From the newest valid meta page (0 or 1, the larger transaction id) it verifies:
 
-* both meta pages: ``P_META``, magic ``0xBEEFC0DE``, version 1, the same page size;
-* the free-page database, the main database and every named database (``F_SUBDATA`` nodes of
-  the main database hold their ``MDB_db`` records), walked from their roots: every page number
-  within the meta's ``mm_last_pg`` and the file's size, each page's own number and flags as
-  expected (branch or leaf, ``P_LEAF2`` only in ``MDB_DUPFIXED`` duplicates), its
-  ``mp_lower``/``mp_upper`` and node pointers inside the page, every node (header, key and
-  inline value) inside the page, keys strictly increasing within and across pages and inside
-  the separators of the branch above (``memcmp`` order: EdgeSync opens its databases with the
-  default comparators), all leaves at the database's ``md_depth``;
-* duplicates (``F_DUPDATA``): sub-pages (``P_SUBP``) inside their node, sub-databases walked
-  like any tree;
-* large values (``F_BIGDATA``): the overflow run (page number and count) inside the file, its
-  first page header ``P_OVERFLOW`` with a page count that covers the value's size
-  (``OVPAGES``); no payload is read;
-* ``md_entries``, ``md_branch_pages``, ``md_leaf_pages`` and ``md_overflow_pages`` of every
-  database against what the walk counted; no page reached twice (overflow runs included).
+* both meta pages: ``P_META``, magic ``0xBEEFC0DE``, version 1, one page size;
+* the free-page, main and every named database (``F_SUBDATA`` nodes), walked from their roots:
+  page numbers within ``mm_last_pg`` and the file, each page's number and flags, its
+  ``mp_lower``/``mp_upper`` and every node inside it, keys strictly increasing (``memcmp``)
+  within and across pages and inside the branch separators, all leaves at ``md_depth``;
+* duplicates (``F_DUPDATA``): sub-pages inside their node, sub-databases like any tree;
+* large values (``F_BIGDATA``): the overflow run inside the file, its first page
+  ``P_OVERFLOW`` with enough pages (``OVPAGES``); no payload is read;
+* each database's ``md_entries`` and page counts against the walk's; no page reached twice.
 
-The layout (64-bit ``pgno_t``, little-endian, ``PAGEHDRSZ`` 16, ``NODESIZE`` 8) is LMDB 0.9's
-``mdb.c``: ``MDB_page``, ``MDB_meta``, ``MDB_db``, ``MDB_node``, ``NUMKEYS``, ``OVPAGES``,
-``NODEPGNO`` (LMDB as vendored by py-lmdb, ``lib/mdb.c``: github.com/jnwatson/py-lmdb).
+Layout (64-bit ``pgno_t``, little-endian, ``PAGEHDRSZ`` 16, ``NODESIZE`` 8): LMDB 0.9's
+``mdb.c`` as vendored by py-lmdb (``MDB_page``, ``MDB_meta``, ``MDB_db``, ``MDB_node``).
 """
 
 from __future__ import annotations

@@ -15,30 +15,18 @@ Blob layout (version 2, all integers little-endian)::
     ..      payload_nbytes  the payload: K then V
     ..      8               xxh3_64 of the payload
 
-The head alone (up to its checksum) is what the prefix walk reads (:func:`peek`, the store's
-``heads`` database, the remote tier's index); :func:`head_of` cuts it from a blob.
+The head alone is what the prefix walk reads (:func:`peek`; :func:`head_of` cuts it out). The
+payload by ``compression``: ``"none"``, K ``[layers, span, width]`` C-order then V in
+``v_order`` (``"token"``, the same, or ``"channel"``, ``[layers, width, span]``: llama.cpp's
+``v_trans``), which :func:`decode` with ``copy=False`` returns as read-only views of the blob
+(aligned: the payload offset is a multiple of 64); ``"zstd"``, one zstd frame of the byte
+planes of K then V (``zstd_planes``). Nothing read is unpickled. Format-1 blobs are read too
+(``codec_v1``); :func:`encode` writes format 2.
 
-The payload by ``compression``:
-
-* ``"none"`` (the default): K ``[layers, span, width]`` C-order, then V in ``v_order``:
-  ``"token"`` ``[layers, span, width]`` or ``"channel"`` ``[layers, width, span]`` (how
-  llama.cpp's seq state holds V without flash attention, ``v_trans``). :func:`decode` with
-  ``copy=False`` returns read-only numpy views of the blob's own bytes (zero-copy: a store
-  read is a checksum and then one copy into the engine's buffer). The payload's offset, a
-  multiple of 64, keeps those views aligned wherever the blob starts aligned (an LMDB value
-  on its own pages starts 16 bytes into a page).
-* ``"zstd"``: one zstd frame of the byte planes of K then V (``zstd_planes``): smaller than
-  the raw KV, decompressed on every read (figures: ``docs/measurements.md``).
-
-xxh3_64 (the ``xxhash`` package) checks the bytes (against crc32: ``docs/measurements.md``).
-Nothing read is unpickled: the header is JSON and the arrays raw little-endian. Format-1 blobs
-(zstd, crc32, no alignment) are read too (``codec_v1``); :func:`encode` writes format 2 only.
-
-Decoding refuses, with :class:`CodecError` (a ``ValueError``), a wrong magic or version, a bad
-checksum, a header whose shapes disagree with its declared sizes, and a blob whose declared
-decompressed size exceeds ``max_raw_bytes``; that check happens before any allocation. The
-fragment's own invariants (``schema.KVFragment``) are checked last, which refuses a wrong
-content hash.
+Decoding refuses with :class:`CodecError` (a ``ValueError``) a wrong magic or version, a bad
+checksum, shapes that disagree with the declared sizes, a declared decompressed size over
+``max_raw_bytes`` (before any allocation), and a fragment that breaks ``KVFragment``'s
+invariants (a wrong content hash).
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""Companion records: the databases that the semantic layer keys by a fragment's store key, in
-the store's own LMDB environment, and what the store does to them when it deletes, re-keys or
-drops fragments.
+"""Companion records: databases keyed by a fragment's store key in the store's own environment,
+deleted and re-keyed with their fragment in the same transaction (whatever modules the
+process imported):
 
-The store owns these operations (rather than calling back into the semantic layer) so that
-every process that deletes a fragment removes its donor record and vector in the same write
-transaction, whichever modules it imported.
-
-* ``donors``: store key -> donor record (:func:`donor_value`), and one counter under
-  :data:`PENDING_KEY` (not 32 bytes long, so never a store key);
+* ``donors``: store key -> donor record (:func:`donor_value`), plus a counter under
+  :data:`PENDING_KEY` (never a 32-byte key);
 * ``emb_vectors``: store key -> ``<Q`` label + the unit vector (``<f4``);
-* ``emb_meta``: the vectors' counters (``next_label``, ``generation``: ``<Q``) and change log,
-  ``log/`` + ``>Q`` generation -> op (``+`` or ``-``) + ``<Q`` label + store key, trimmed to
-  the last ``log_keep`` entries (``semantic/vectors.py`` documents the rest).
+* ``emb_meta``: counters (``next_label``, ``generation``: ``<Q``) and the change log, ``log/``
+  + ``>Q`` generation -> op (``+``/``-``) + ``<Q`` label + store key (``semantic/vectors.py``).
 
-Every function runs inside the caller's write transaction ``txn`` (from
-``FragmentStore.transact``); a database that does not exist yet holds nothing to change.
+The ``*_in`` functions run inside the caller's write transaction; a database that does not
+exist yet holds nothing to change.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Read-ahead for reads of whole blobs through LMDB's map, which is otherwise read a page at a
-time.
+"""Read-ahead for whole-blob reads through LMDB's map.
 
-The store opens LMDB with ``readahead=False`` (``MDB_NORDAHEAD``: LMDB marks its map
-``MADV_RANDOM``), which suits the B-tree: a walk touches scattered small pages, and read-around
-would read megabytes for each of them. But a hit reads whole blobs of megabytes, and py-lmdb touches every page
-of a value as it returns it (it faults them in with the GIL released); under ``MADV_RANDOM``
-each 4 KiB page is then one fault, one disk read when the page is not cached, and no
-fault-around when it is. :meth:`MapAdvice.whole_values` turns the map back to ``MADV_NORMAL``
-for the reads of a block and to ``MADV_RANDOM`` after it (figures for both choices:
-``docs/measurements.md``).
-
-The map's address is not exposed by py-lmdb (``Environment.info()["map_addr"]`` is 0 unless
-``MDB_FIXEDMAP``), so it is read from ``/proc/self/maps`` (the mappings of the store's
-``data.mdb``), again whenever the map size changed. Linux only: elsewhere, or when ``madvise``
-fails, the blocks run without advice (reads are slower cold, never wrong).
+The store opens LMDB with ``readahead=False`` (the map is ``MADV_RANDOM``: right for a B-tree
+walk's scattered small pages), but a hit reads whole blobs of megabytes, page by page.
+:meth:`MapAdvice.whole_values` turns the map to ``MADV_NORMAL`` for a block of such reads and
+back after it (figures: ``docs/measurements.md``). The map's address, which py-lmdb does not
+expose, is read from ``/proc/self/maps``. Linux only: elsewhere, or when ``madvise`` fails,
+reads run without advice (slower cold, never wrong).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The prefix index's queries: the walk that finds a prompt's stored KV (and its per-position
-lookup, for a walk combined with the remote tier's), the coverage check of one span, the
-fragments along a prompt (what ``forget`` removes), and the namespaces stored.
-
-Functions of an open ``FragmentStore`` (its methods ``prefix_walk``, ``covers_span`` and
-``keys_along`` call them). They read only fragment heads (the ``heads`` database through
-``LmdbEnv.head_in``, ``codec.peek``: no blob is mapped) and the ``by_prefix`` and
-``lifecycle`` databases, one read transaction each (``local_spans``: one per position).
+"""The prefix index's queries over an open ``FragmentStore``: the walk that finds a prompt's
+stored KV (:func:`longest_chain`, shared with the remote tier's walk), one span's coverage, the
+fragments along a prompt (what ``forget`` removes) and the namespaces stored. They read heads,
+``by_prefix`` and ``lifecycle`` only (no blob is mapped), one read transaction each.
 """
 
 from __future__ import annotations
@@ -240,23 +236,10 @@ def _remove_corrupt(store, corrupt: list[tuple[bytes, bytes | None, str]]) -> No
 
 def local_spans(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
                 now: float | None = None) -> Callable[[int, bytes], list[SpanMatch]]:
-    """The local store's ``spans_at`` for :func:`longest_chain` in a walk that also asks another
-    tier at each position (``remote/walk.combined_walk``): ``spans_at(pos, digest)`` is the
-    complete-coverage span groups of ``namespace`` stored right after ``tokens[:pos]`` (int32
-    token IDs; ``digest`` its prefix hash) and live at ``now`` (Unix seconds; default: the
-    store's clock, read once), exactly as :func:`prefix_walk` finds them.
-
-    Each call opens its own read transaction: between positions such a walk waits for remote
-    round trips (each up to the remote timeout), and ``LMDBEnv.transact`` holds the
-    environment's thread lock for as long as a transaction is open, so one transaction over the
-    whole walk would stall every other thread's store access (the write-behind's reads, the
-    prefetcher) for the network's time. A walk visits a handful of positions; a read
-    transaction costs microseconds. Corrupt or dangling entries met are removed after each
-    call, as by :func:`prefix_walk`.
-
-    Raises:
-        StoreIOError: LMDB failed (from ``store.transact``).
-    """
+    """The local ``spans_at(pos, digest)`` for :func:`longest_chain` in a walk that also asks
+    another tier (``remote/walk.combined_walk``): the span groups :func:`prefix_walk` would
+    find after ``tokens[:pos]``. One read transaction per call: a transaction over the whole
+    walk would hold the environment's thread lock through the remote round trips."""
     now = store.clock() if now is None else now
     tokens = np.asarray(tokens, dtype=np.int32)
     want = _full_cells(namespace)
@@ -274,21 +257,12 @@ def local_spans(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray,
 def prefix_walk(
     store, namespace: Namespace, tokens: Sequence[int] | np.ndarray, now: float | None = None
 ) -> PrefixMatch:
-    """Find the longest run of stored fragments matching ``tokens`` from position 0.
+    """The longest run of live fragments of ``namespace`` matching ``tokens`` from position 0.
 
-    At each position the walk looks up the fragments stored after exactly this prefix
-    (namespace digest + prefix hash), keeps those of ``namespace`` that are not expired,
-    groups them by token span, and keeps groups that together hold every layer and KV
-    head. A group whose tokens all match leads on to its end position; one that matches
-    only a head ends a path as a partial span. The walk returns the path that reaches
-    furthest (a depth-first search with one lookup per position, since spans of other
-    chunk sizes branch). Reads headers only, in one read transaction; corrupt or dangling
-    entries met on the way are removed.
-
-    Args:
-        namespace: only fragments of this namespace are considered.
-        tokens: the prompt's token IDs.
-        now: Unix seconds for the expiry check (default: the store's clock).
+    At each position: the fragments stored after exactly this prefix, grouped by span, groups
+    holding every layer and KV head kept; a fully matching group leads on to its end, a partly
+    matching one ends a path. The path reaching furthest wins (a depth-first search: spans of
+    other chunk sizes branch). One read transaction; corrupt or dangling entries are removed.
     """
     now = store.clock() if now is None else now
     tokens = np.asarray(tokens, dtype=np.int32)

@@ -1,21 +1,12 @@
-"""Background jobs in the application process: the expiry sweep and compaction on a schedule.
+"""The application's scheduled store jobs (apscheduler ``BackgroundScheduler``, one daemon
+thread): ``sweep`` (``ttl.sweep``) every ``sweep_interval_s`` and ``compact``
+(``compactor.Compactor.run``) every ``compact_interval_s``; :func:`start_jobs` starts them.
 
-:class:`StoreJobs` runs an apscheduler ``BackgroundScheduler`` (one daemon thread plus a small
-pool) with two interval jobs over the application's open store:
-
-* ``sweep`` every ``sweep_interval_s`` (default 60 s): ``ttl.sweep`` (expired fragments out of
-  LMDB and the HNSW sidecar);
-* ``compact`` every ``compact_interval_s`` (default 900 s): ``compactor.Compactor.run``
-  (expiry, dedup, merges, eviction, reclaim).
-
-Each job runs at most one instance at a time and missed runs coalesce into one. A job that
-raises is logged with its traceback and counted (:attr:`StoreJobs.failures`); the scheduler
-goes on and runs it again at its next time. One process at a time compacts a store
-(``compact.lock``: a run that finds another process compacting is skipped). The jobs use the
-application's own ``SemanticIndex`` object (through ``index_source``), whose lock they share
-with the request path, so the sidecar is never written by two threads at once.
-:meth:`StoreJobs.shutdown` stops the compaction between steps and waits for the running job:
-it returns within about one step (a merge group or a sweep batch), not one whole run.
+One instance of a job at a time, missed runs coalesced; a job that raises is logged, counted
+(:attr:`StoreJobs.failures`) and run again at its next time. One process at a time compacts a
+store (``compact.lock``). The jobs share the application's ``SemanticIndex`` (``index_source``)
+and its lock with the request path. :meth:`StoreJobs.shutdown` stops a compaction between
+steps (a merge group or a sweep batch).
 """
 
 from __future__ import annotations
@@ -35,17 +26,9 @@ DEFAULT_COMPACT_INTERVAL_S = 900.0
 
 
 class StoreJobs:
-    """The sweep and compaction jobs of one open store (module docstring).
-
-    Args:
-        store: the application's open, writable ``MaintenanceBackend``.
-        index_source: returns the application's open ``SemanticIndex`` or None (called at each
-            run: the index may load after the jobs start).
-        sweep_interval_s, compact_interval_s: seconds between runs (> 0).
-
-    Raises:
-        ValueError: an interval that is not a positive number.
-    """
+    """The sweep and compaction jobs of one open, writable ``MaintenanceBackend``.
+    ``index_source`` returns the open ``SemanticIndex`` or None (asked at each run); intervals
+    are seconds (> 0, else ValueError)."""
 
     def __init__(self, store, index_source: Callable[[], object] | None = None,
                  sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
@@ -113,20 +96,8 @@ class StoreJobs:
 
 def start_jobs(store, index=None, sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
                compact_interval_s: float = DEFAULT_COMPACT_INTERVAL_S) -> StoreJobs | None:
-    """Start the sweep and compaction jobs of ``store`` (the one public way to start them).
-
-    Args:
-        store: the application's open store.
-        index: returns the open ``SemanticIndex`` or None (``StoreJobs.index_source``).
-        sweep_interval_s, compact_interval_s: seconds between runs (> 0).
-
-    Returns:
-        The started :class:`StoreJobs`, or None when ``store`` is not a writable
-        ``MaintenanceBackend`` (a read-only store, or a backend with only the request seam).
-
-    Raises:
-        ValueError: an interval that is not a positive number.
-    """
+    """The started jobs of ``store`` (:class:`StoreJobs`' arguments; ``index``: its
+    ``index_source``), or None when ``store`` is not a writable ``MaintenanceBackend``."""
     if not isinstance(store, MaintenanceBackend) or store.readonly:
         return None
     return StoreJobs(store, index, sweep_interval_s, compact_interval_s).start()

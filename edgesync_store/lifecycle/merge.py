@@ -1,21 +1,11 @@
 """Cut fragments into layer/head groups and merge groups back: pure functions, no I/O.
 
-A chunk's KV may be stored as several :class:`KVFragment` of one token span, each holding a
-subset of the layers (a contiguous range or a stride-sampled set) and a contiguous range of KV
-heads. Arrays are always ``[n_layers, span, (head_end - head_start) * head_dim]`` of the
-namespace's dtype (float16 for llama.cpp's default), rows of axis 0 in the order of
-``fragment.layers``, heads as consecutive blocks of ``head_dim`` columns.
-
-* :func:`split_layers` / :func:`split_heads` cut one fragment into groups;
-* :func:`merge_layers` joins fragments whose layer sets partition all the model's layers;
-* :func:`merge_heads` joins fragments whose head ranges partition ``[0, n_head_kv)``.
-
-Every part of a chunk shares the span's identity (namespace, prefix hash, token IDs), so a
-split or merged fragment keeps it; its store key changes only through its layer/head ranges.
-A merge of parts cut from one whole fragment gives that fragment's key and bit-equal arrays.
-Lifecycle of a merge: ``ttl.merged_counters`` (``created_at`` = min, ``expires_at`` = max,
-``hit_count`` = max, ``last_hit_at`` = max over the parts: a request's hit is recorded on every
-part alike, so hits are not summed), ``embedding`` = the first non-empty one.
+A chunk may be stored as several fragments of one span, each with a subset of the layers (a
+range or a stride) and a range of KV heads: arrays ``[n_layers, span, (head_end - head_start) *
+head_dim]``, rows in the order of ``fragment.layers``. :func:`split_layers` / :func:`split_heads`
+cut; :func:`merge_layers` / :func:`merge_heads` join parts that partition all layers / heads.
+Parts keep the span's identity (namespace, prefix hash, token IDs); merging the parts of one
+fragment gives its key and bit-equal arrays. A merge's counters: ``ttl.merged_counters``.
 """
 
 from __future__ import annotations

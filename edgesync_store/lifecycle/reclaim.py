@@ -1,23 +1,16 @@
-"""Disk reclaim: rewrite the LMDB file without its free pages.
+"""Disk reclaim: rewrite ``data.mdb`` without its free pages (LMDB never shrinks the file).
 
-LMDB never shrinks ``data.mdb``: pages freed by deletes are reused by later writes but stay in
-the file. When the free pages pass a threshold, :func:`reclaim` writes a compact copy
-(``mdb_env_copy2`` with ``MDB_CP_COMPACT``, through ``Environment.copyfd``) and swaps it in:
+:func:`reclaim`, when the free pages pass a threshold:
 
-1. take the store's ``edgesync.lock`` exclusively without waiting (``locks.OpenLock``): only
-   when no other process has the store open, so no one holds the old file mapped and no one's
-   write can land in the old file after the copy (another process opening the store meanwhile
-   waits for the swap);
-2. hold the store object's lock (this process's other threads wait), copy into
-   ``.reclaim.tmp`` in the store directory, ``fsync`` it;
-3. close the environment, ``rename`` the copy over ``data.mdb`` (atomic), ``fsync`` the
-   directory, remove ``lock.mdb`` (its reader table belongs to the old file; LMDB recreates it),
-   reopen.
+1. take ``edgesync.lock`` exclusively without waiting (``locks.OpenLock``): only when no other
+   process has the store open (an opener meanwhile waits for the swap);
+2. under the store's lock, copy compactly (``Environment.copyfd``, ``MDB_CP_COMPACT``) into
+   ``.reclaim.tmp`` and ``fsync`` it;
+3. close the environment, ``rename`` the copy over ``data.mdb``, ``fsync`` the directory,
+   remove ``lock.mdb`` (its reader table is the old file's), reopen.
 
-A kill before the rename leaves the old ``data.mdb`` untouched (the temp file is removed by the
-next reclaim); after it, the new one, complete and synced: the old store or the new one, never
-neither. Crash points ``reclaim.locked``, ``reclaim.copied``, ``reclaim.synced``,
-``reclaim.renamed``, ``reclaim.reopened`` (``crashpoints.py``).
+A kill leaves the old file or the new one, complete. Crash points ``reclaim.locked``,
+``reclaim.copied``, ``reclaim.synced``, ``reclaim.renamed``, ``reclaim.reopened``.
 """
 
 from __future__ import annotations

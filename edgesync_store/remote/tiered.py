@@ -1,34 +1,19 @@
-"""``TieredStore``: the storage seams over the local LMDB store and a shared remote tier.
+"""``TieredStore``: the storage seams over the local ``FragmentStore`` and a shared remote tier
+(Redis 7 / Valkey, standalone or Cluster, laid out by ``tier.KeyLayout``).
 
-The local store (``FragmentStore``) stays the first tier; the remote one (Redis 7 / Valkey,
-standalone or Cluster, ``tier.KeyLayout``) is shared by the nodes of a site:
+* Reads fall through: the prefix walk asks the remote index only when the local one falls
+  short of the prompt (``remote/walk.py``); ``get`` reads local, then remote. A remote blob is
+  verified like a local one; a corrupt or foreign one is refused, counted and deleted remotely.
+  A fetched fragment is written locally as the same bytes after the first token (at the next
+  ``record_hits``, ``put_many`` or ``covers_span``).
+* Writes go local at once and remote in the background (``remote/queue.py``); the remote
+  expiry follows the fragment's lifetime; hits are summed over the nodes.
+* Faults never fail a request: every remote call has a timeout and a circuit breaker
+  (``remote/client.py``); a bad remote value is skipped, counted (``bad_values``) and deleted.
 
-* **reads** fall through: :meth:`TieredStore.prefix_walk` walks the local index and, only when
-  that falls short of the prompt, both indexes at once (``remote/walk.py``), keeping that walk
-  when it reaches further; :meth:`TieredStore.get` reads the local store, then the remote. A
-  remote blob is verified as a local one is (``codec.decode``, then its key): a corrupt or
-  foreign one is refused, counted, deleted from the remote and never asked for again by this
-  process, and the request injects fewer tokens or prefills. A fetched fragment is written to
-  the local store as the same bytes after the first token (at the next ``record_hits``,
-  ``put_many`` or ``covers_span``), so the next hit is local and the disk write is off the
-  TTFT path.
-* **writes** go to the local store at once and to the remote in the background
-  (``remote/queue.py``, never blocking a request). The remote blob's expiry follows the
-  fragment's lifetime (``ttl.py``); hits are counted on the remote too, summed over the nodes,
-  and a fragment fetched from the remote arrives with that summed count (promoted when it
-  reaches ``promote_hits``).
-* **faults** never fail a request: every remote call has a timeout and goes through the circuit
-  breaker (``remote/client.py``); a failed or skipped call leaves the request local-only. A
-  value of the wrong type or form (``KeyLayout.on_bad``) is skipped, counted (``bad_values``),
-  logged and deleted in the background. Counts are in :meth:`stats` (``remote``) and
-  :meth:`remote_stats`.
-
-``forget_tokens`` and ``delete_many`` remove from both tiers. Maintenance (expiry sweep,
-compaction, reclaim, the semantic layer's companion records, ``transact`` and the ``*_in``
-methods) runs on the local store only: the remote tier expires its own keys and Redis's
-``maxmemory`` policy bounds it. Attributes this class does not define (the LMDB file's own
-operations that reclaim and clear use: ``exclusive``, ``copy_compact``, ...) are the local
-store's.
+``forget_tokens`` and ``delete_many`` remove from both tiers; maintenance and donor records are
+local only (Redis's ``maxmemory`` bounds the remote tier). Attributes not defined here
+(``exclusive``, ``copy_compact``, ...) are the local store's.
 """
 
 from __future__ import annotations

@@ -49,10 +49,9 @@ def _db(store: "MaintenanceBackend", create: bool):
 
 def put_donor(store: "MaintenanceBackend", key: bytes, namespace_digest: bytes,
               tokens: Sequence[int] | np.ndarray, text: str = "") -> None:
-    """Record ``tokens`` (the donor prompt's token IDs from position 0, int32 range) of the
-    namespace ``namespace_digest`` as the sequence behind the fragment ``key``, with the
-    ``text`` its embedding is computed from (one write transaction; replaces a record; the
-    caller adds the vector, so the pending counter is not bumped).
+    """Record ``tokens`` (token IDs from position 0) of the namespace ``namespace_digest`` and
+    the embedded ``text`` behind the fragment ``key``, replacing a record (the caller adds the
+    vector: the pending counter is not bumped).
 
     Raises:
         ValueError: ``key`` or ``namespace_digest`` is not 32 bytes, or ``tokens`` is empty.
@@ -158,16 +157,10 @@ def _still_unindexed(store: "MaintenanceBackend", keys: Sequence[bytes]) -> list
 def embed_unindexed(store: "MaintenanceBackend", index, encode: Callable[[list[str]], np.ndarray], batch: int = 16,
                     stop: threading.Event | None = None,
                     progress: Callable[[int, int], None] | None = None) -> int:
-    """Embed the records :func:`unindexed_keys` finds (those with a non-blank text) and add
-    their vectors to ``index`` (a ``SemanticIndex``), ``batch`` records read per transaction,
-    texts per ``encode`` call and vectors per write transaction; returns how many vectors were
-    added.
-
-    Safe beside other processes doing the same: a vector another process added meanwhile is
-    replaced by an equal one (a no-op in ``VectorTable.put_many``), and a fragment deleted
-    meanwhile is skipped (the index refuses a vector without its fragment; the store deletes
-    record and vector with the fragment, in one transaction). ``stop`` set ends the run
-    between batches; ``progress(done, total)`` is called after each.
+    """Embed the records :func:`unindexed_keys` finds (non-blank text) and add their vectors to
+    ``index`` (a ``SemanticIndex``), ``batch`` at a time; return how many were added. Safe beside
+    other processes doing the same (an equal vector is a no-op; a fragment deleted meanwhile is
+    skipped). ``stop`` ends the run between batches; ``progress(done, total)`` after each.
 
     Raises:
         StoreError: the store could not be read or written.
