@@ -120,8 +120,6 @@ def test_two_part_seq_state_round_trip(gemma, shared_context):
         assert p.type_k == p.type_v == 1 and p.v_trans == 1 and p.ext is None
         assert all(a.shape == (len(p.pos), 256) and a.dtype == np.dtype("<f2") for a in (*p.k, *p.v))
     assert bytes(seqstate.serialize_parts(parts)) == raw
-    with pytest.raises(seqstate.SeqStateError, match="2 cache parts"):
-        seqstate.parse(raw)  # the single-part reader refuses it with the reason
 
 
 def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tmp_path):

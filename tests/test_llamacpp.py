@@ -44,22 +44,25 @@ def prefill(adapter, tokens, batches) -> np.ndarray:
 def test_seq_state_round_trips_byte_for_byte(adapter, prompt):
     prefill(adapter, prompt, [(0, len(prompt))])
     raw = adapter._get_state()
-    state = seqstate.parse(raw)
+    parts = seqstate.parse_parts(raw)
     ns = adapter.namespace
-    assert state.k.shape == (ns.n_layer, len(prompt), ns.n_head_kv * ns.head_dim) == (30, len(prompt), 192)
-    assert state.k.dtype == np.float16 and state.v_trans == 1
-    assert bytes(seqstate.serialize(state.k, state.v, state.type_k, state.type_v, state.v_trans)) == raw
+    assert len(parts) == 1 and parts[0].v_trans == 1 and parts[0].type_k == parts[0].type_v == 1
+    np.testing.assert_array_equal(parts[0].pos, np.arange(len(prompt)))
+    k = np.stack(parts[0].k)
+    assert k.shape == (ns.n_layer, len(prompt), ns.n_head_kv * ns.head_dim) == (30, len(prompt), 192)
+    assert k.dtype == np.dtype("<f2")
+    assert bytes(seqstate.serialize_parts(parts)) == raw
 
 
 def test_parse_refuses_what_it_does_not_understand(adapter, prompt):
     prefill(adapter, prompt[:70], [(0, 70)])
     raw = bytearray(adapter._get_state())
     with pytest.raises(seqstate.SeqStateError, match="magic"):
-        seqstate.parse(b"\0" * 4 + raw[4:])
+        seqstate.parse_parts(b"\0" * 4 + raw[4:])
     with pytest.raises(seqstate.SeqStateError, match="truncated"):
-        seqstate.parse(raw[:-7])
+        seqstate.parse_parts(raw[:-7])
     with pytest.raises(seqstate.SeqStateError, match="trailing"):
-        seqstate.parse(raw + b"\0" * 8)
+        seqstate.parse_parts(raw + b"\0" * 8)
 
 
 def test_slice_of_a_long_prefill_equals_a_short_prefill(adapter, prompt):

@@ -1,20 +1,27 @@
-"""KV layout conversion between llama.cpp and ONNX caches (edgesync_engines/adapters/reshape.py): the
-mechanics, on seeded arrays of SmolLM2's geometry (30 layers, 3 KV heads of 64). Whether the
+"""KV layout conversion between llama.cpp and ONNX fragments (edgesync_engines/adapters/reshape.py):
+the mechanics, on seeded arrays of SmolLM2's geometry (30 layers, 3 KV heads of 64). Whether the
 converted KV serves the other engine is tested with the real export (test_cross_engine.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+from fake_adapter import fake_namespace
 
-from edgesync_engines.adapters.reshape import (
-    halves_to_interleaved,
-    interleaved_to_halves,
-    llamacpp_to_onnx,
-    onnx_to_llamacpp,
-)
+from edgesync_engines.adapters.reshape import convert_fragment, halves_to_interleaved, interleaved_to_halves
+from edgesync_store.schema import KVFragment, prefix_hash
 
 N_LAYERS, SPAN, HEADS, HEAD_DIM = 30, 70, 3, 64
+LLAMA = fake_namespace("llama.cpp", n_layer=N_LAYERS, n_head_kv=HEADS, head_dim=HEAD_DIM)
+ONNX = fake_namespace("onnxruntime", n_layer=N_LAYERS, n_head_kv=HEADS, head_dim=HEAD_DIM)
+
+
+def fragment(ns, keys, values) -> KVFragment:
+    span = keys.shape[1]
+    return KVFragment(namespace=ns, token_start=0, token_end=span, layer_start=0, layer_end=N_LAYERS,
+                      keys=keys, values=values, token_ids=np.arange(span, dtype=np.int32), prefix_hash=prefix_hash([]))
 
 
 @pytest.fixture
@@ -36,46 +43,47 @@ def test_rotary_permutation_is_the_measured_one():
 
 def test_llamacpp_to_onnx_places_every_element(kv):
     k, v = kv
-    ok, ov = llamacpp_to_onnx(k, v, HEADS, HEAD_DIM)
-    assert ok.shape == ov.shape == (N_LAYERS, 1, HEADS, SPAN, HEAD_DIM)
+    out = convert_fragment(fragment(LLAMA, k, v), ONNX)
+    ok, ov = out.keys, out.values
+    assert out.namespace == ONNX and ok.shape == ov.shape == (N_LAYERS, SPAN, HEADS * HEAD_DIM)
     assert ok.dtype == ov.dtype == np.float32 and ok.flags.c_contiguous
     for layer, head, t in ((0, 0, 0), (7, 2, 69), (29, 1, 33)):
         cols = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
-        assert np.array_equal(ov[layer, 0, head, t], v[layer, t, cols].astype(np.float32))
-        assert np.array_equal(
-            ok[layer, 0, head, t], interleaved_to_halves(k[layer, t, cols], HEAD_DIM).astype(np.float32)
-        )
+        assert np.array_equal(ov[layer, t, cols], v[layer, t, cols].astype(np.float32))
+        assert np.array_equal(ok[layer, t, cols], interleaved_to_halves(k[layer, t, cols], HEAD_DIM).astype(np.float32))
 
 
 def test_round_trip_from_llamacpp_is_exact(kv):
     k, v = kv
-    back_k, back_v = onnx_to_llamacpp(*llamacpp_to_onnx(k, v, HEADS, HEAD_DIM))
-    assert back_k.dtype == np.float16
-    assert np.array_equal(back_k, k) and np.array_equal(back_v, v)
+    there = convert_fragment(fragment(LLAMA, k, v), ONNX)
+    back = convert_fragment(there, LLAMA)
+    assert back.keys.dtype == np.float16 and back.namespace == LLAMA
+    assert np.array_equal(back.keys, k) and np.array_equal(back.values, v)
+    assert convert_fragment(back, LLAMA) is back  # already of the target
 
 
 def test_onnx_to_llamacpp_rounds_float32_to_nearest_float16():
     rng = np.random.default_rng(1)
-    ok = rng.standard_normal((2, 1, HEADS, 8, HEAD_DIM)).astype(np.float32)
-    ov = rng.standard_normal((2, 1, HEADS, 8, HEAD_DIM)).astype(np.float32)
-    k, v = onnx_to_llamacpp(ok, ov)
-    assert k.shape == (2, 8, HEADS * HEAD_DIM) and k.dtype == np.float16
-    assert np.array_equal(v[1, 3, HEAD_DIM:2 * HEAD_DIM], ov[1, 0, 1, 3].astype(np.float16))
-    assert np.array_equal(k[1, 3, :HEAD_DIM], halves_to_interleaved(ok[1, 0, 0, 3], HEAD_DIM).astype(np.float16))
+    ok = rng.standard_normal((N_LAYERS, 64, HEADS * HEAD_DIM)).astype(np.float32)
+    ov = rng.standard_normal((N_LAYERS, 64, HEADS * HEAD_DIM)).astype(np.float32)
+    out = convert_fragment(fragment(ONNX, ok, ov), LLAMA)
+    k, v = out.keys, out.values
+    assert k.shape == (N_LAYERS, 64, HEADS * HEAD_DIM) and k.dtype == np.float16
+    assert np.array_equal(v[1, 3, HEAD_DIM:2 * HEAD_DIM], ov[1, 3, HEAD_DIM:2 * HEAD_DIM].astype(np.float16))
+    assert np.array_equal(k[1, 3, :HEAD_DIM], halves_to_interleaved(ok[1, 3, :HEAD_DIM], HEAD_DIM).astype(np.float16))
     # the rounding is the only change: converting back to f32 differs by at most half an f16 ulp
-    back, _ = llamacpp_to_onnx(k, v, HEADS, HEAD_DIM)
+    back = convert_fragment(out, ONNX).keys
     assert 0 < np.abs(back - ok).max() <= np.abs(ok).max() * 2.0 ** -11
 
 
-def test_bad_shapes_are_refused_with_the_reason(kv):
+def test_bad_shapes_and_namespaces_are_refused_with_the_reason(kv):
     k, v = kv
-    with pytest.raises(ValueError, match="width 192 != n_head 4 x head_dim 64"):
-        llamacpp_to_onnx(k, v, 4, HEAD_DIM)
-    with pytest.raises(ValueError, match="keys/values"):
-        llamacpp_to_onnx(k, v[:, :10], HEADS, HEAD_DIM)
+    other = dataclasses.replace(ONNX, model_fingerprint="0" * 64)
+    with pytest.raises(ValueError, match="cannot serve onnxruntime: another model"):
+        convert_fragment(fragment(LLAMA, k, v), other)
+    with pytest.raises(ValueError, match="another head layout"):
+        convert_fragment(fragment(LLAMA, k, v), dataclasses.replace(ONNX, n_head_kv=4, head_dim=48))
     with pytest.raises(ValueError, match="head_dim: must be an even"):
         halves_to_interleaved(np.zeros((2, 63)), 63)
     with pytest.raises(ValueError, match="last axis is 64, not head_dim 32"):
         interleaved_to_halves(np.zeros((2, 64)), 32)
-    with pytest.raises(ValueError, match=r"\[n_layers, 1, n_head, span, head_dim\]"):
-        onnx_to_llamacpp(np.zeros((2, 2, 3, 4, 64), np.float32), np.zeros((2, 2, 3, 4, 64), np.float32))

@@ -1,35 +1,12 @@
-"""Which stored KV an engine may use: the compatibility matrix.
+"""Which stored KV an engine may use: :func:`compatible_with` compares two namespaces.
 
-:func:`compatible_with` compares two KV namespaces (``schema.Namespace``: what besides the
-tokens a fragment's KV depends on) and answers one of three verdicts (the constant, then its
-string value, which the README's matrix shows):
+* :data:`COMPATIBLE`: the same namespace; the KV is this engine's own, bit for bit.
+* :data:`CONVERTIBLE`: the same model file (SHA-256 of the GGUF; an ONNX export records its
+  GGUF's) and KV geometry, in layouts ``reshape.convert_fragment`` converts; close to, not equal
+  to, the engine's own KV, so used only when asked (``allow_convertible``).
+* :data:`INCOMPATIBLE`: anything else; never injected.
 
-* :data:`COMPATIBLE` (``"exact"``): the same namespace (engine, its version and settings,
-  model file, layout), so the KV is what this engine would compute itself, bit for bit;
-  injecting it gives the same output as an uncached run.
-* :data:`CONVERTIBLE` (``"convertible"``): the same model file (SHA-256 of the GGUF; an ONNX
-  export records the GGUF it came from) and KV geometry, in a layout
-  ``reshape.convert_fragment`` knows. The converted KV is close to, not equal to, the
-  receiving engine's own (../shared/DESIGN.md 2.3), so it is used only when asked
-  (``allow_convertible``).
-* :data:`INCOMPATIBLE` (``"incompatible"``): another model (fingerprint; the tokenizer is part
-  of the GGUF, so another tokenizer is another fingerprint), another number of layers, KV
-  heads or head size, or a layout or element type without a conversion
-  (:func:`layout_refusal`). Such KV is never injected.
-
-The matrix for the two engines:
-
-================  ===========================  ================================
-fragment from     llama.cpp (same settings)    onnxruntime (export of the GGUF)
-================  ===========================  ================================
-llama.cpp         exact                        convertible
-onnxruntime       convertible                  exact
-other model       incompatible                 incompatible
-================  ===========================  ================================
-
-A model the ONNX export does not handle (``onnx_support.onnx_refusal``) has no onnxruntime
-namespace at all. llama.cpp with other settings (flash attention, KV type, library version) is convertible, not
-compatible, because the numbers differ (DESIGN.md 2.2).
+The matrix for the two engines: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The header of a GGUF file (metadata and tensor directory) read without loading the model.
 
-GGUF layout (ggml's ``docs/gguf.md``, ``gguf-py/gguf/gguf_reader.py``): magic ``b"GGUF"``,
-version u32, tensor count u64, metadata count u64, the metadata key/value pairs (key: u64
-length + UTF-8; value: type u32 + payload, arrays as element type u32 + count u64 + elements),
-then per tensor: name, n_dims u32, dims u64 x n_dims, ggml type u32, offset u64 (from the
-start of the data section, which begins at the next multiple of ``general.alignment``, 32 by
-default). Files written big-endian are recognised as ggml's reader does (the version's low
-16 bits are zero when read the wrong way round).
+GGUF layout (ggml's ``docs/gguf.md``): magic ``b"GGUF"``, version u32, tensor count u64,
+metadata count u64, the key/value pairs (key: u64 length + UTF-8; value: type u32 + payload,
+arrays as element type u32 + count u64 + elements), then per tensor: name, n_dims u32, dims u64
+x n_dims, ggml type u32, offset u64 (from the data section, which starts at the next multiple
+of ``general.alignment``). Big-endian files are recognised as ggml's reader does.
 
-Why not ``gguf.GGUFReader``: it builds a numpy view per array element, slow for a vocabulary
-of 262,144 tokens (Gemma 3; docs/measurements.md); this reader skips arrays it does not
-keep. Its constants (:data:`VALUE_FORMATS`, :data:`GGML_BLOCKS`) are written here so that the
-core install, which has no ``gguf`` package, can read a header.
+Not ``gguf.GGUFReader``: the core install has no ``gguf``, and that reader builds a numpy view
+per array element, seconds on a large vocabulary where this one skips long arrays.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ GGML_BLOCKS = {
     22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
     29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
 }
-"""ggml type number -> (elements per block, bytes per block), as gguf-py 0.19.0's
-``GGML_QUANT_SIZES`` gives them (``gguf/constants.py``; ggml's ``type_traits`` in ``ggml.c``);
-``tests/test_gguf_header.py`` checks it against the ``gguf`` package where that is installed."""
+"""ggml type number -> (elements per block, bytes per block): gguf-py's ``GGML_QUANT_SIZES``
+(``tests/test_gguf_header.py`` compares them)."""
 
 
 class GGUFHeaderError(ValueError):
@@ -206,9 +201,8 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
 
 
 def not_a_model(h: GGUFHeader) -> str | None:
-    """Why the GGUF of header ``h`` is not a language model one can load (one line, without the
-    file name), or None: another ``general.type``, no architecture, no tensors or no token
-    embedding, or a file shorter than its tensors."""
+    """Why the GGUF of header ``h`` is not a loadable language model (one line, without the
+    file name), or None."""
     kind = h.metadata.get("general.type")
     if isinstance(kind, str) and kind != "model":
         return f"a GGUF of type {kind!r}, not a model"

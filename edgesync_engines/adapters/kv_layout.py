@@ -1,18 +1,12 @@
 """How a llama.cpp model's seq state maps to the store's ``[n_layer, n_tokens, width]`` arrays,
 and the sliding-window KV captured during a prefill.
 
-The canonical layer order is the seq state's: the layers of cache part 0, then those of part 1
-(for an iSWA model, such as Gemma 2/3: the global layers, then the sliding-window layers; see
-``seqstate``). A fragment's ``layers`` index this order, and the namespace's layout string
-records the split (``parts=3+15;swa=512``), so fragments of another split never mix.
-
-A sliding-window part's seq state holds only the cells its window still needs, so the KV of a
-sliding layer for a position is read while the position is in the window: :class:`SwaCapture`
-keeps those rows, block by block, as the prefill goes (the adapter evaluates blocks no longer
-than the window). Injection writes every position 0..N-1 into every part, the sliding part
-included (its masked cells are never attended to), so the cells sit in the same slots as after
-an uncached prefill: that needs a full-size sliding-window cache (``swa_full``), which keeps the
-results bit-identical (../shared/DESIGN.md 2.7: restored cells in other slots change the sums).
+Canonical layer order is the seq state's: part 0's layers, then part 1's (an iSWA model's
+global layers, then its sliding-window layers); the layout string records the split
+(``parts=3+15;swa=512``). A sliding-window part holds only the cells its window still needs, so
+:class:`SwaCapture` keeps those rows block by block as the prefill goes. Injection writes
+positions 0..N-1 into every part, so cells sit in the slots of an uncached prefill; that needs
+a full-size window cache (``swa_full``) to stay bit-identical (../shared/DESIGN.md 2.7).
 """
 
 from __future__ import annotations
@@ -32,14 +26,11 @@ LAYOUT = "llama.cpp-seq-state/tokens-major-v1"
 
 @dataclass(frozen=True)
 class StateLayout:
-    """The parts of a model's seq state, learnt from a probe (:meth:`from_probe`).
-
-    ``part_layers``: layers per part, in state order; ``swa_part``: index of the
-    sliding-window part (None: no window); ``n_swa``: the window in tokens; ``cell_ext`` /
-    ``pos_2d``: cells carry an extension (M-RoPE, PLE) / a 2D position; ``type_kv``: the ggml
-    type of every K and V row; ``v_trans``; ``width``: items per K and V row (elements, or bytes
-    for quantized types).
-    """
+    """The parts of a model's seq state, learnt from a probe (:meth:`from_probe`):
+    ``part_layers`` (layers per part, in state order), ``swa_part`` (the sliding-window part's
+    index, None: no window), ``n_swa`` (window, tokens), ``cell_ext`` / ``pos_2d`` (cells carry
+    an extension / a 2D position), ``type_kv`` (ggml type of every row), ``v_trans``, ``width``
+    (items per K and V row: elements, or bytes for quantized types)."""
 
     part_layers: tuple[int, ...]
     swa_part: int | None
@@ -91,9 +82,8 @@ class StateLayout:
         return name
 
     def namespace(self, n_head_kv: int, **fields) -> Namespace:
-        """The namespace of KV in this layout for a model with ``n_head_kv`` KV heads;
-        ``fields`` are the rest (``model_fingerprint``, ``engine``, ``engine_version``,
-        ``flash_attn``).
+        """The namespace of KV in this layout for ``n_head_kv`` KV heads; ``fields`` are the
+        other Namespace fields.
 
         Raises:
             SeqStateError: rows that do not split into ``n_head_kv`` heads of whole blocks.
@@ -106,10 +96,7 @@ class StateLayout:
                          head_dim=elements // n_head_kv, **fields)
 
     def blend_refusal(self) -> str | None:
-        """Why KV in this layout cannot be moved to another position (None: it can). A
-        sliding-window part keeps only the window's cells of a sequence, cells with an
-        extension carry their position twice (M-RoPE), and a quantized K would be shifted
-        through a lossy round trip."""
+        """Why KV in this layout cannot be moved to another position (None: it can)."""
         if self.swa_part is not None:
             return "a sliding-window KV cache (its window part cannot hold documents moved to new positions)"
         if self.cell_ext:
@@ -242,51 +229,37 @@ class SwaCapture:
 
 
 ROW_GROUP = 8
-"""Tokens a cached prefill's first batch must start on, relative to the block grid. llama.cpp's
-CPU matrix kernels for repacked quantized weights (``ggml-cpu/repack.cpp``: activations
-quantized 4 rows at a time) give a token's row other last bits when it falls in another group
-of a batch, so an injection point keeps every later token in the group an uncached prefill puts
-it in; 8 covers the 4- and 8-row kernels (measurements: docs/measurements.md)."""
+"""Tokens a cached prefill's first batch must start on a multiple of: llama.cpp's CPU kernels
+for repacked quantized weights (``ggml-cpu/repack.cpp``) quantize activations 4 or 8 rows at a
+time, so a token's row depends on its group within the batch."""
 MIN_FIRST_BATCH = 16
-"""Fewest tokens of a cached prefill's first batch when it does not start on the block grid:
-smaller batches take other kernels (docs/measurements.md)."""
+"""Fewest tokens of a cached prefill's first batch off the block grid (smaller batches take
+other kernels)."""
 
 
 @dataclass(frozen=True)
 class InjectionRule:
-    """Where a cached prefill may start so that its KV and logits stay bit-identical to an
-    uncached prefill's: its first batch starts on a multiple of ``row_group`` tokens and holds
-    at least ``min_first_batch`` (off the block grid). The default, :data:`ROW_GROUP` and
-    :data:`MIN_FIRST_BATCH`, holds for llama.cpp's kernels for repacked weights; an engine
-    whose kernels compute every row of a batch alike (no repacked weights) may start anywhere
-    with two tokens or more (:data:`ANY_ROW`), which ``LlamaCppAdapter`` checks on the loaded
-    model before it uses it."""
+    """Where a cached prefill may start and stay bit-identical to an uncached one: its first
+    batch starts on a multiple of ``row_group`` tokens and holds at least ``min_first_batch``
+    (off the block grid)."""
 
     row_group: int = ROW_GROUP
     min_first_batch: int = MIN_FIRST_BATCH
 
 
 GROUPED_ROWS = InjectionRule()
-"""The default rule (:data:`ROW_GROUP`, :data:`MIN_FIRST_BATCH`): exact wherever a batch's
-rows are computed by groups (measured on Gemma 3's repacked Q4_K, docs/measurements.md)."""
+"""The default rule: exact where a batch's rows are computed by groups (repacked weights)."""
 ANY_ROW = InjectionRule(1, 2)
-"""Any injection point with a first batch of two tokens or more (a one-token batch takes other
-kernels). Measured on SmolLM2-135M Q4_1 (docs/measurements.md)."""
+"""Any injection point with a first batch of two tokens or more, where every row of a batch is
+computed alike (``LlamaCppAdapter.probe_rows`` checks it on the loaded model)."""
 
 
 def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule = GROUPED_ROWS) -> int:
-    """How many of ``available`` stored prompt tokens to inject for a prompt of ``n_prompt``
-    tokens, prefilled in ``block``-token blocks (:func:`prefill_blocks`), so that every later
-    token is computed as in an uncached prefill and the result is bit-identical to it.
-
-    Every prompt is evaluated as batches ending on the block grid and then its last token
-    alone, like a decode step, with or without a cache (a token evaluated alone goes through
-    other kernels; the last token's KV is never stored). So injecting ``n_prompt - 1``
-    tokens (an exact hit) is always exact; otherwise the injection point is on the block grid,
-    or a multiple of ``rule.row_group`` leaving a first batch of at least
-    ``rule.min_first_batch`` tokens. The largest such count not above ``available`` is
-    returned (0 when none).
-    """
+    """How many of ``available`` stored prompt tokens to inject for an ``n_prompt``-token
+    prompt prefilled in ``block``-token blocks (:func:`prefill_blocks`) so that the result is
+    bit-identical to an uncached prefill: ``n_prompt - 1`` (the last token is always evaluated
+    alone), or the largest point not above ``available`` on the block grid or on a
+    ``rule.row_group`` multiple leaving a first batch of ``rule.min_first_batch`` (0: none)."""
     end = n_prompt - 1
     usable = min(available, end)
     if usable == end:
@@ -301,12 +274,8 @@ def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule
 
 def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
-    batches ending on the grid of ``block`` tokens (``n_batch``, or a sliding window when it
-    is shorter: then each batch's cells are still in the window once it is evaluated, for
-    standard and chunked windows alike) up to the last prompt token, then that token alone.
-    A batch never holds a single token unless the prompt has 2 tokens (it crosses the grid by
-    one token rather); with injection points from :func:`usable_prefix` the batches are an
-    uncached prefill's, but the first one."""
+    batches ending on the grid of ``block`` tokens (``n_batch``, or a shorter sliding window)
+    up to the last prompt token, then that token alone; no other one-token batch."""
     plan = []
     end = n_prompt - 1
     pos = n_past
@@ -325,14 +294,10 @@ def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, in
 
 def turn_batches(plan: Sequence[tuple[int, int]], every: int,
                  rule: InjectionRule = GROUPED_ROWS) -> list[tuple[int, int]]:
-    """``plan``'s ``[start, end)`` batches (:func:`prefill_blocks`) cut at the multiples of
-    ``every`` tokens, where both sides keep at least ``rule.min_first_batch`` tokens: each
-    piece then starts where an exact injection could (a ``rule.row_group`` multiple, as
-    :func:`exact_batches`' batches do), so the KV and logits stay bit-identical to the plan's.
-    A server's workers take turns on the CPUs between pieces (``server/core_share.py``). A
-    batch of at most ``2 * every`` tokens stays whole: a small batch costs more per token than
-    a large one (each batch reads every weight once), so cutting a chat turn's new message in
-    two would cost it more than the wait it spares another worker (docs/benchmarks.md).
+    """``plan``'s batches cut at multiples of ``every`` tokens where both sides keep at least
+    ``rule.min_first_batch`` (bit-identical to the plan's), so that a server's workers take
+    turns on the CPUs between pieces; a batch of at most ``2 * every`` tokens stays whole (a
+    small batch costs more per token).
 
     Raises:
         ValueError: ``every`` is not a multiple of ``rule.row_group`` of at least
@@ -357,17 +322,11 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int,
 
 def exact_batches(n_past: int, end: int, block: int, batch_tokens: int,
                   rule: InjectionRule = GROUPED_ROWS) -> list[tuple[int, int]]:
-    """Small evaluation batches that extend a live ``[0, n_past)`` of a prompt towards
-    ``end`` with KV bit-identical to an uncached prefill of any longer prompt that starts
-    with the same tokens (the idle-time store, ``request/idle.py``).
-
-    Every batch starts and ends on a multiple of ``rule.row_group`` (so each token keeps the
-    row group an uncached prefill puts it in), holds at least ``rule.min_first_batch`` tokens,
-    never crosses the ``block`` grid, and holds about ``batch_tokens`` tokens (rounded to the
-    row group; at most ``block``). The first batch may start before ``n_past`` (the live
-    sequence is cut back to it); the last ends at ``end`` rounded down to the row group, whose
-    remaining tokens are left to the request. [] when nothing can be added.
-    """
+    """Small batches (about ``batch_tokens``) that extend a live ``[0, n_past)`` towards
+    ``end`` with KV bit-identical to an uncached prefill of any longer prompt with the same
+    start (idle-time storing): on ``rule.row_group`` multiples, at least
+    ``rule.min_first_batch`` tokens, never across the ``block`` grid. The first may start
+    before ``n_past``; the last ends at ``end`` rounded down to the row group. [] when none."""
     group, least = rule.row_group, rule.min_first_batch
     block = max(block - block % group, least)
     size = min(max(batch_tokens - batch_tokens % group, least), block)
@@ -392,10 +351,9 @@ def exact_batches(n_past: int, end: int, block: int, batch_tokens: int,
 
 
 def probe_layout(raw: bytes, n_layer: int, n_swa: int, window_part: Callable[[int], CachePart]) -> StateLayout:
-    """The :class:`StateLayout` of a probe's seq state (two cells) for a model of ``n_layer``
-    layers and window ``n_swa``: parsed without, then with cell extensions; for a window model
-    ``window_part(ext_bytes)`` (the partial read of the window's part alone) must match the
-    state's second part.
+    """The :class:`StateLayout` of a probe's two-cell seq state, parsed without, then with cell
+    extensions; for a window model ``window_part(ext_bytes)`` (the window part read alone)
+    must match the state's second part.
 
     Raises:
         SeqStateError: a state neither way parses, or parts that disagree.

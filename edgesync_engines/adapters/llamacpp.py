@@ -1,14 +1,11 @@
 """llama-cpp-python adapter: KV fragments out of and into a live llama.cpp sequence.
 
-Extraction reads the sequence with ``llama_state_seq_get_data`` and cuts it with
-``seqstate.parse_parts``; injection writes fragments straight into one ``llama_state_seq_set_data``
-buffer (``state_buffer.build``); ``kv_layout`` maps the state's cache parts (one, or two
-for sliding-window models) to the store's arrays and keeps the sliding-window rows a prefill
-leaves behind. Facts this relies on (../shared/DESIGN.md 2.2, llama-cpp-python 0.3.36):
-set_data replaces the destination sequence and must cover positions 0..N-1; after
-injecting N tokens, ``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops
-the injected cells or writes the suffix at position 0; ``Llama.reset()`` does not clear KV
-memory, ``llama_memory_clear`` does; set_data returns 0 for a buffer it refuses.
+Extraction reads ``llama_state_seq_get_data`` and cuts it (``seqstate``, ``kv_layout``);
+injection writes fragments straight into one ``llama_state_seq_set_data`` buffer
+(``state_buffer``). Relied on (llama-cpp-python 0.3.36): set_data replaces the sequence and must
+cover positions 0..N-1, returning 0 for a buffer it refuses; after injecting N tokens
+``Llama.input_ids[:N]`` and ``Llama.n_tokens`` must be set, or ``eval`` drops the cells;
+``Llama.reset()`` does not clear KV memory, ``llama_memory_clear`` does.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ LAYOUT = kv_layout.LAYOUT
 __all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "KV_TYPES", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
-"""``type_k``/``type_v`` an adapter can be asked for by name; a quantized V needs flash
-attention in llama.cpp (``llama_init_from_model`` refuses it otherwise), so it is turned on."""
+"""``type_k``/``type_v`` by name; a quantized V needs flash attention, so it is turned on."""
 _SEQ = llamacpp_blend.MAIN_SEQ
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
@@ -56,10 +52,9 @@ ROW_PROBE_TEXT = (b"The cache keeps what a prefill computed, so that the next re
 ROW_PROBE_TOKENS = 20
 ROW_PROBE_CUTS = (3, 5, 17)
 """Injection points the probe tries: odd offsets in groups of 4 and 8 rows, and a first batch
-of two tokens (17 of 20, the last evaluated alone)."""
+of two tokens."""
 _PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
-""":meth:`LlamaCppAdapter.probe_rows`' answers in this process, by namespace digest and block:
-the same model and settings load again without the probe."""
+""":meth:`LlamaCppAdapter.probe_rows`' answers in this process, by namespace digest and block."""
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -83,7 +78,6 @@ class LlamaCppAdapter(EngineAdapter):
         ModelLoadError: llama.cpp cannot load the file or create the context.
         ValueError: a ``kv_type`` not in :data:`KV_TYPES`.
 
-    A sliding-window model gets a full-size window cache (``swa_full``; see ``kv_layout``).
     A model whose KV cannot be cut (:meth:`_probe`) is still served, uncached.
     """
 
@@ -201,11 +195,9 @@ class LlamaCppAdapter(EngineAdapter):
 
     def probe_rows(self) -> kv_layout.InjectionRule:
         """The injection rule this model's kernels allow: :data:`kv_layout.ANY_ROW` when a
-        prompt of :data:`ROW_PROBE_TOKENS` tokens evaluated as a batch ending at each of
-        :data:`ROW_PROBE_CUTS` (what a stored prompt or an idle-time batch leaves) and then
-        on from there gives the seq state and last logits of its uncached prefill bit for bit;
-        else :data:`kv_layout.GROUPED_ROWS` (also when the probe cannot run). Four evaluations
-        of 20 tokens; the KV memory is empty after."""
+        prompt cut at each of :data:`ROW_PROBE_CUTS` and evaluated on gives its uncached
+        prefill's seq state and last logits bit for bit, else :data:`kv_layout.GROUPED_ROWS`
+        (also when the probe cannot run). The KV memory is empty after."""
         tokens = self.llm.tokenize(ROW_PROBE_TEXT, add_bos=True)[:ROW_PROBE_TOKENS]
         n, block = len(tokens), self._block_tokens()
         if n < ROW_PROBE_TOKENS:
@@ -268,11 +260,7 @@ class LlamaCppAdapter(EngineAdapter):
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """``EngineAdapter``'s, or for a GGUF without ``tokenizer.chat_template``, llama.cpp's
-        built-in template of the model's architecture (``llamacpp_model.builtin_template_for``).
-
-        Raises:
-            ValueError: no template at all, or a message lacks role/content.
-        """
+        built-in template of its architecture (ValueError: none at all, or a bad message)."""
         name = None
         if not self.llm.metadata.get("tokenizer.chat_template"):
             name = llamacpp_model.builtin_template_for(self._llama_cpp, self.llm.metadata.get("general.architecture"))
@@ -317,15 +305,15 @@ class LlamaCppAdapter(EngineAdapter):
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
     def warm_up(self, n_tokens: int = 0) -> None:
-        """The base warm-up, then :meth:`make_room` for ``n_tokens`` cells."""
+        """``EngineAdapter.warm_up``, then :meth:`make_room` for ``n_tokens`` cells."""
         super().warm_up(n_tokens)
         self.reset_perf()
         self.make_room(n_tokens)
 
     def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
-        """The protocol's ``make_room``: the seq-state buffer injections reuse grown to
-        ``n_tokens`` cells (at most the context) and faulted in now (``state_buffer.room``).
-        Not for sliding-window caches, whose capture keeps views of each injected buffer."""
+        """The seq-state buffer injections reuse, grown to ``n_tokens`` cells (at most the
+        context) and faulted in now (``state_buffer.room``); not for sliding-window caches,
+        whose capture keeps views of each injected buffer."""
         if n_tokens < 1 or self._layout.swa_part is not None:
             return True
         n = min(n_tokens, self.n_ctx)
@@ -334,11 +322,8 @@ class LlamaCppAdapter(EngineAdapter):
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
         """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer, then
-        ``input_ids[:n]`` and ``n_tokens`` so that the next ``eval`` continues at position n.
-
-        Raises:
-            InjectionError: llama.cpp refused the buffer; the sequence has been cleared.
-        """
+        ``input_ids[:n]`` and ``n_tokens`` so that ``eval`` continues at n. Raises
+        InjectionError: llama.cpp refused the buffer (the sequence is cleared)."""
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
         out = state_buffer.room(layout, n_tokens, self._state_buf) if layout.swa_part is None else None
@@ -355,7 +340,7 @@ class LlamaCppAdapter(EngineAdapter):
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
                  tokens: Sequence[int]) -> None:
-        """The protocol's ``place_kv``, through ``ScratchSequence.place``."""
+        """Through ``ScratchSequence.place``."""
         start, end = keep
         self.kv_epoch += 1
         if list(chain_tokens[start:end]) != list(tokens[at:at + end - start]):
@@ -367,7 +352,7 @@ class LlamaCppAdapter(EngineAdapter):
         self._mark_live(tokens, at, at + end - start)
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """The protocol's ``recompute``, through ``ScratchSequence.recompute``."""
+        """Through ``ScratchSequence.recompute``."""
         self.kv_epoch += 1
         self._scratch.recompute(tokens, start, end)
         self._mark_live(tokens, start, end)
@@ -422,24 +407,22 @@ class LlamaCppAdapter(EngineAdapter):
         return self.llm.detokenize([token])
 
     def perf_counts(self) -> dict:
-        """llama.cpp's counters since the last reset (``llama_perf_context``, which reports 0
-        as 1): ``n_p_eval`` (tokens in multi-token batches), ``n_eval`` (one-token evaluations)."""
+        """llama.cpp's counters since the last reset (0 reads as 1): ``n_p_eval`` (tokens in
+        multi-token batches), ``n_eval`` (one-token evaluations)."""
         data = self._llama_cpp.llama_perf_context(self._ctx)
         return {"n_p_eval": int(data.n_p_eval), "n_eval": int(data.n_eval)}
 
     def reset_perf(self) -> None:
-        """Zero llama.cpp's perf counters, once the evaluations queued so far are settled
-        (llama.cpp counts them at its next synchronisation, which would otherwise come after
-        the reset)."""
+        """Zero llama.cpp's perf counters once the queued evaluations are settled (they are
+        counted at the next synchronisation)."""
         self._llama_cpp.llama_synchronize(self._ctx)
         self._llama_cpp.llama_perf_context_reset(self._ctx)
 
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
-        """The protocol's ``abortable``, through llama.cpp's abort callback, which its CPU
-        backend calls between the nodes of a batch's graph. On an abort ``llama_decode``
-        returns 2 after removing the batch's cells from the memory (``llama-context.cpp``), and
-        ``Llama.eval`` has not counted them, so the live sequence is what it was; this raises
-        :class:`EvaluationAborted`. A ``should_stop`` that raises counts as False."""
+        """Through llama.cpp's abort callback (called between a batch's graph nodes): an
+        aborted ``llama_decode`` removes the batch's cells and ``Llama.eval`` has not counted
+        them, so the live sequence is what it was. A ``should_stop`` that raises counts as
+        False."""
         return self._abort_callback(should_stop)
 
     @contextmanager
@@ -466,12 +449,8 @@ class LlamaCppAdapter(EngineAdapter):
             self._llama_cpp.llama_set_abort_callback(self._ctx, self._llama_cpp.ggml_abort_callback(), None)
 
     def set_threads(self, n_threads: int) -> None:
-        """The protocol's ``set_threads``: ``llama_set_n_threads`` for single-token and batch
-        evaluation alike.
-
-        Raises:
-            ValueError: ``n_threads`` below 1.
-        """
+        """``llama_set_n_threads`` for single-token and batch evaluation alike (ValueError
+        below 1)."""
         super().set_threads(n_threads)
         self._llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads)
 
@@ -483,8 +462,8 @@ class LlamaCppAdapter(EngineAdapter):
         self._swa.clear()
 
     def close(self) -> None:
-        """Free the model and context if this adapter loaded them; a ``Llama`` passed in stays
-        open (its owner closes it)."""
+        """Free the model and context if this adapter loaded them (a ``Llama`` passed in stays
+        open)."""
         with self.lock:
             llm, self.llm = getattr(self, "llm", None), None
             if llm is not None and self._owns_llm:

@@ -1,24 +1,17 @@
-"""Placing stored KV at another position of a llama.cpp sequence, and recomputing runs of it.
+"""Placing stored KV at another position of a llama.cpp sequence, and recomputing runs of it
+(``request/blend.py``), with llama.cpp's own calls on a context of two sequences in one unified
+cache (:func:`two_sequence_params`):
 
-The blend of stored documents (``request/blend.py``) needs three operations llama-cpp-python's
-``Llama`` does not offer; this module does them with llama.cpp's own calls on a context opened
-with two sequences in one unified cache (:func:`two_sequence_params`):
+* :meth:`ScratchSequence.place`: restore a stored chain into the scratch sequence at 0..M-1
+  (``llama_state_seq_set_data``), shift the kept range to its new position
+  (``llama_memory_seq_add``: llama.cpp re-rotates K on the next decode), tag those cells into
+  sequence 0 (``llama_memory_seq_cp``, no copy in a unified cache), drop the scratch tags.
+* :meth:`ScratchSequence.recompute`: tag sequence 0's cells before ``a`` into the scratch
+  sequence, decode ``[a, b)`` there, and let the new cells replace sequence 0's ``[a, b)``.
 
-* :meth:`ScratchSequence.place`: restore a stored chain into the scratch sequence (1) at
-  positions 0..M-1 (``llama_state_seq_set_data``), move the kept range ``[keep_start,
-  keep_end)`` to its new position (``llama_memory_seq_add``: llama.cpp applies the RoPE K-shift
-  with the model's own frequencies and ``rope_freqs`` on the next decode), tag those cells into
-  sequence 0 (``llama_memory_seq_cp``, no copy in a unified cache) and drop the scratch tags.
-* :meth:`ScratchSequence.recompute`: evaluate tokens ``[a, b)`` again against what sequence 0
-  holds before ``a``: the cells before ``a`` are tagged into the scratch sequence, the run is
-  decoded there at positions a..b-1, and its new cells replace sequence 0's ``[a, b)``.
-
-Facts this relies on (../shared/DESIGN.md 2.6, read in the vendored ``src/llama-batch.cpp`` and
-``src/llama-kv-cache.cpp``): a sequence's batch must start right after its highest cached
-position; a token attends only to cells of its own sequence at positions not after its own;
-``state_read`` finds free cells anywhere (``find_slot(ubatch, false)``). Opening the context
-with ``n_seq_max=2, kv_unified=True`` changes neither the seq-state bytes nor a prefill's
-logits (docs/measurements.md).
+Relied on (``src/llama-batch.cpp``, ``src/llama-kv-cache.cpp``): a sequence's batch starts
+right after its highest cached position; a token attends only to cells of its own sequence at
+positions not after its own; ``state_read`` finds free cells anywhere.
 """
 
 from __future__ import annotations
@@ -43,11 +36,9 @@ _PARAMS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def two_sequence_params(llama_cpp_module, kv_unified: bool = True):
-    """While open, ``llama_context_default_params()`` returns params with ``n_seq_max`` 2 and
-    ``kv_unified`` as given (on: one KV buffer, what a scratch sequence needs; off: a KV stream
-    per sequence): ``Llama.__init__`` reads them and sets these two fields only in embedding
-    mode (llama-cpp-python 0.3.36 ``llama.py``), so this is the one way to open a generating
-    context with a second sequence. Serialized: the module attribute is shared."""
+    """While open, ``llama_context_default_params()`` returns ``n_seq_max`` 2 and ``kv_unified``
+    as given: ``Llama.__init__`` sets these two fields only in embedding mode, so this is how a
+    generating context gets a second sequence. Serialized: the module attribute is shared."""
     low = llama_cpp_module.llama_cpp
     with _PARAMS_LOCK:
         original = low.llama_context_default_params

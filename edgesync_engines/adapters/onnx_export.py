@@ -1,30 +1,19 @@
 """Build the ONNX Runtime decoder of the same GGUF that llama.cpp runs (``edgesync export-onnx``).
 
-No registry package ships a decoder LLM as ONNX, so the export is made here, once per GGUF
-(../shared/DESIGN.md 2.3): transformers loads the GGUF (``from_pretrained(dir,
-gguf_file=...)``, dequantized to float32 by the ``gguf`` package), its ``quantization_config``
-is dropped, and ``torch.onnx.export(dynamo=True)`` traces ``forward(input_ids,
-attention_mask, position_ids, *past)``; fp32, because quantized exports change the greedy
-output (time and size: docs/measurements.md).
+transformers loads the GGUF (dequantized to float32), and ``torch.onnx.export(dynamo=True)``
+traces ``forward(input_ids, attention_mask, position_ids, *past)`` in fp32 (quantized exports
+change the greedy output). The export directory (:func:`export_dir`) holds:
 
-The export directory (:func:`export_dir`) holds:
-
-* ``model.onnx`` (+ ``model.onnx.data`` when the exporter writes external weights): inputs
-  ``input_ids`` int64 [1, n], ``attention_mask`` int64 [1, past + n], ``position_ids`` int64
-  [1, n], ``past_key_values.{i}.key`` / ``.value`` float32 [1, n_head_kv, past, head_dim];
-  outputs ``logits`` float32 [1, n, vocab] and ``present.{i}.key`` / ``.value`` float32
-  [1, n_head_kv, past + n, head_dim];
-* ``tokenizer.json``: the GGUF's tokenizer as transformers converts it (the ``tokenizers``
-  library loads it at run time; tests check it gives llama.cpp's token IDs);
-* ``edgesync.json``: :data:`META_KEYS` (also written into the ONNX file's ``metadata_props``),
-  among them ``source_fingerprint``, the SHA-256 of the GGUF, which lets
-  ``compat.compatible_with`` prove that both engines run one model.
-
-Which GGUFs it exports: :func:`check_exportable` (``onnx_support``), before anything is loaded.
+* ``model.onnx`` (+ ``model.onnx.data``): inputs ``input_ids`` int64 [1, n], ``attention_mask``
+  int64 [1, past + n], ``position_ids`` int64 [1, n], ``past_key_values.{i}.key`` / ``.value``
+  float32 [1, n_head_kv, past, head_dim]; outputs ``logits`` float32 [1, n, vocab] and
+  ``present.{i}.key`` / ``.value`` float32 [1, n_head_kv, past + n, head_dim];
+* ``tokenizer.json``: the GGUF's tokenizer as transformers converts it;
+* ``edgesync.json``: :data:`META_KEYS` (also in the ONNX ``metadata_props``), among them
+  ``source_fingerprint``, the GGUF's SHA-256 (``compat.compatible_with``).
 
 The heavy packages (torch, transformers, gguf, accelerate, onnxscript, onnx) are the ``onnx``
-extra of pyproject.toml and are imported only here (``gguf`` also by ``gguf_header`` for its
-constants).
+extra, imported only here.
 """
 
 from __future__ import annotations
@@ -107,16 +96,12 @@ def read_meta(directory: str | os.PathLike) -> dict:
 
 
 def open_export(directory: str | os.PathLike, n_threads: int | None = None):
-    """Load an export and check that its parts agree: returns ``(meta, session, tokenizer)``,
-    an ONNX Runtime ``InferenceSession`` (CPU) and a ``tokenizers.Tokenizer``.
-
-    Checked: :func:`read_meta`; the model loads (with its external weights); its inputs are
-    ``input_ids``, ``attention_mask``, ``position_ids`` and exactly ``n_layer`` pairs of
-    ``past_key_values.{i}.key/value`` of shape ``[1, n_head_kv, past, head_dim]``; the
-    tokenizer loads and knows ``vocab_size`` IDs at most.
+    """Load an export and check that its parts agree (:func:`read_meta`, the model's inputs,
+    the tokenizer's vocabulary): ``(meta, session, tokenizer)``, an ONNX Runtime CPU
+    ``InferenceSession`` and a ``tokenizers.Tokenizer``.
 
     Raises:
-        ExportError: any of these fails (the message names the file and says to export again).
+        ExportError: a check fails (the message names the file and says to export again).
     """
     ort = require_extra("onnxruntime", "onnx", "the ONNX Runtime engine")
     Tokenizer = require_extra("tokenizers", "onnx", "the ONNX Runtime engine").Tokenizer
@@ -172,10 +157,7 @@ def check_exportable(gguf_path: str | os.PathLike) -> None:
         FileNotFoundError: no such file.
         ExportError: one line naming the file and the reason.
     """
-    try:
-        reason = onnx_refusal(gguf_path)
-    except ImportError as exc:  # gguf_header takes its constants from the gguf package
-        raise _missing_extra(exc) from None
+    reason = onnx_refusal(gguf_path)
     if reason is not None:
         raise ExportError(f"cannot export to ONNX: {reason}")
 
@@ -368,12 +350,9 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
 
 
 def export_gguf(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Export a GGUF to its :func:`export_dir` unless a sound export of it is there
-    (:func:`open_export` loads it, and it records this GGUF's fingerprint); a damaged one is
-    exported again, and so is any with ``force``. Returns the directory.
-
-    The model (:func:`check_exportable`) and the destination (created, writable) are checked
-    before the GGUF is loaded.
+    """Export a GGUF to its :func:`export_dir` unless a sound export of it is there (it loads
+    and records this GGUF's fingerprint) and not ``force``. The model and the destination are
+    checked before the GGUF is loaded. Returns the directory.
 
     Raises:
         FileNotFoundError: no such GGUF.

@@ -1,29 +1,10 @@
-"""Which GGUFs the ONNX Runtime engine can export and serve, decided from the GGUF header alone.
-
-``edgesync export-onnx`` asks :func:`onnx_refusal` before it loads anything into torch (the
-header is read in a fraction of the load's time), so a model the export does not handle is
-refused with one line naming the reason.
-
-What the export handles (:data:`SUPPORTED_ARCHITECTURES`, :data:`SUPPORTED_TOKENIZERS`): a
-``llama`` GGUF with full attention in every layer, rotary embedding over the whole head with
-no scaling, dense feed-forward layers and a byte-level BPE vocabulary; SmolLM2 is one. Why:
-
-* transformers' GGUF loader rebuilds it as ``LlamaForCausalLM`` and reads only the keys in its
-  ``GGUF_CONFIG_MAPPING["llama"]``: rope scaling (``<arch>.rope.scaling.*``, the
-  ``rope_freqs`` tensor of Llama 3) and experts are not among them, so such a model would load
-  and compute other numbers than llama.cpp, silently;
-* the export's decoder keeps one KV per layer holding every past token; a sliding-window
-  model (Gemma 2/3, Mistral, Phi-3 variants: ``<arch>.attention.sliding_window``) keeps only
-  the window in some layers, and recurrent or hybrid models (Mamba, RWKV, LFM2) keep no
-  per-token KV at all;
-* ``reshape``'s K permutation between the engines is Llama's rotary (pairs 2i, 2i+1 over the
-  whole head, ../shared/DESIGN.md 2.3);
-* the onnxrt adapter maps tokens to bytes through GPT-2's byte-level alphabet
-  (``tokenizer.ggml.model`` ``"gpt2"``); a SentencePiece vocabulary (``"llama"``) would
-  detokenize wrong.
-
-Anything else (another architecture, a GGUF that is not a model: an adapter, a projector, a
-vocabulary-only file, a truncated download) gets a one-line reason.
+"""Which GGUFs the ONNX Runtime engine can export and serve, decided from the GGUF header alone
+(before anything is loaded into torch): a ``llama`` GGUF with full attention in every layer,
+rotary over the whole head without scaling, dense feed-forward layers and a byte-level BPE
+vocabulary (SmolLM2). Why: transformers' GGUF loader ignores rope scaling and experts (the
+numbers would differ from llama.cpp's, silently); the export keeps one full KV per layer (no
+sliding window, no recurrent state); ``reshape``'s K permutation is Llama's rotary; the adapter
+maps tokens to bytes through GPT-2's byte-level alphabet.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """ONNX Runtime adapter: KV fragments out of and into the ``past_key_values`` of an exported decoder.
 
-The decoder is the export of the same GGUF that llama.cpp runs (``onnx_export.py``; I/O
-contract there). The live KV cache is the list of ``present.{i}.key`` / ``.value`` arrays,
-float32 ``[1, n_head_kv, n_tokens, head_dim]``, fed back as ``past_key_values`` on the next
-call. Fragments of this engine hold that KV unchanged as float32 in the store's tokens-major
-layout (``[n_layers, span, n_head_kv * head_dim]``, K still in Hugging Face's rotate-half
-order), so reusing them in this engine is lossless; ``reshape.py`` converts them to and from
-llama.cpp's.
-
-Prompts are evaluated in batches that end at multiples of ``n_batch`` positions (128, the
-router's default chunk) and the last prompt token alone, with or without a cache: an injected
-prefix that ends on a chunk boundary is then followed by exactly the calls an uncached run
-makes, so the logits are the same (tests/test_onnxrt.py).
+The decoder is the export of the same GGUF that llama.cpp runs (``onnx_export``). The live KV
+is the ``present.{i}.key`` / ``.value`` arrays, float32 ``[1, n_head_kv, n_tokens, head_dim]``;
+fragments hold it unchanged, tokens-major (K in Hugging Face's rotate-half order), so reuse in
+this engine is lossless. Prompts are evaluated in batches ending at multiples of ``n_batch``,
+then the last token alone, with or without a cache, so an injected prefix on a batch boundary
+is followed by the calls of an uncached run and the logits are the same.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ log = logging.getLogger(__name__)
 
 ENGINE = "onnxruntime"
 LAYOUT = "onnx-hf-rotate-half/tokens-major-v1"
-"""Name of the fragment layout this adapter writes: per layer [tokens, heads*head_dim] float32,
-K in rotate-half order (Hugging Face's rotary embedding)."""
+"""Fragment layout: per layer [tokens, heads*head_dim] float32, K in rotate-half order."""
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 128
 _EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
@@ -169,10 +162,8 @@ class OnnxRuntimeAdapter(EngineAdapter):
     # -- tokens ---------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
-        """Token IDs of ``text`` from the export's tokenizer.json (special tokens such as
-        ``<|im_start|>`` parsed; the same IDs as llama.cpp, tested). The exported models add no
-        BOS, so ``add_bos`` changes nothing; ``special`` is accepted for the protocol (the
-        tokenizer always parses special tokens)."""
+        """Token IDs from the export's tokenizer.json (llama.cpp's IDs); special tokens are
+        always parsed and no BOS is added, so ``add_bos`` and ``special`` change nothing."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token: int) -> bytes:
@@ -193,11 +184,7 @@ class OnnxRuntimeAdapter(EngineAdapter):
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
     def _chat_template(self) -> tuple[str, str, str]:
-        """The GGUF's chat template, kept in the export's metadata, with its EOS and BOS texts.
-
-        Raises:
-            ValueError: the export has no chat template.
-        """
+        """The GGUF's chat template from the export's metadata (ValueError: none)."""
         if not self.meta.get("chat_template"):
             raise ValueError(f"{self.export_dir}: the export has no chat template")
         eos = self.meta["eos_token_ids"]
@@ -260,14 +247,9 @@ class OnnxRuntimeAdapter(EngineAdapter):
         return plan
 
     def eval_logits(self, tokens: Sequence[int], n_past: int = 0) -> np.ndarray:
-        """Prefill ``tokens[n_past:]`` on top of the live KV (which must hold
-        ``tokens[:n_past]``; 0 clears it) in one call and return its logits float32
-        ``[len(tokens) - n_past, vocab]`` (row i predicts the token after position n_past + i).
-
-        Raises:
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or the live KV does not
-                hold ``tokens[:n_past]``.
-        """
+        """Prefill ``tokens[n_past:]`` on the live ``tokens[:n_past]`` in one call: logits
+        float32 ``[len(tokens) - n_past, vocab]``, row i predicting the token after position
+        n_past + i. ValueError as :meth:`prefill`."""
         self._resume(tokens, n_past)
         return self._eval(tokens[n_past:]).copy()
 
@@ -275,9 +257,8 @@ class OnnxRuntimeAdapter(EngineAdapter):
         self._eval(batch)
 
     def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
-        """The argmax when ``temperature`` is 0, else a draw from the softmax of logits /
-        temperature cut to the smallest set of probability >= ``top_p`` (numpy's PCG64 seeded
-        by ``seed``, or the adapter's seed)."""
+        """The argmax at temperature 0, else top-p over softmax(logits / temperature), numpy's
+        PCG64 seeded by ``seed`` (or the adapter's)."""
         rng = np.random.default_rng(self.seed if seed is None else seed)
         while True:
             token = self._sample(self._logits, temperature, top_p, rng)

@@ -1,16 +1,10 @@
-"""The engine interface: :class:`EngineAdapter`, declared once, and the errors it raises.
+"""The engine interface, :class:`EngineAdapter` (declared once: an ABC whose abstract members
+are what an engine supplies and whose concrete ones both real engines share), and its errors.
 
-An engine adapter owns one model and one KV cache holding one sequence (llama.cpp's sequence
-0, or ONNX Runtime's ``past_key_values``). The request path and the app use nothing of an
-engine but the members named in :data:`MEMBERS`. ``EngineAdapter`` is an ABC: its abstract
-members are what an engine supplies, its concrete ones the implementation both real engines
-share. A class that does not subclass it is still an ``EngineAdapter`` when it has every
-method and property of :data:`MEMBERS` (the tests' fake adapter); :func:`missing_members`
-names what an object lacks.
-
-Adapters are not re-entrant: the caller holds ``adapter.lock`` for a whole request.
-Units: token counts and positions are tokens, from 0 at the start of the sequence; token IDs
-are Python ints (int32 in fragments).
+The request path and the app use nothing of an engine but :data:`MEMBERS`. A class that does
+not subclass ``EngineAdapter`` is one when it has every method and property of them (the tests'
+fake adapter); :func:`missing_members` names what an object lacks. Adapters are not re-entrant:
+the caller holds ``adapter.lock`` for a whole request. Positions and counts are tokens.
 """
 
 from __future__ import annotations
@@ -130,9 +124,8 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def usable_prefix(self, available: int, n_prompt: int) -> int:
-        """How many tokens to inject when ``available`` leading tokens of an ``n_prompt``-token
-        prompt are stored, so that the answer equals an uncached run's: in ``[0, available]``
-        and at most ``n_prompt - 1``."""
+        """Tokens to inject when ``available`` leading prompt tokens are stored, so that the
+        answer equals an uncached run's: in ``[0, min(available, n_prompt - 1)]``."""
 
     @abc.abstractmethod
     def clear_kv_cache(self) -> None:
@@ -150,12 +143,8 @@ class EngineAdapter(abc.ABC):
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages (dicts of ``role`` and ``content``) with the model's chat
-        template (llama-cpp-python's ``Jinja2ChatFormatter``), ending with the assistant
-        prompt unless ``add_generation_prompt`` is False.
-
-        Raises:
-            ValueError: the model has no chat template, or a message lacks role/content.
-        """
+        template, ending with the assistant prompt unless ``add_generation_prompt`` is False.
+        ValueError: no chat template, or a message lacks role/content."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         check_messages(messages)
@@ -170,26 +159,15 @@ class EngineAdapter(abc.ABC):
             )
         return formatter(messages=list(messages)).prompt
 
-    def extract_fragments(
-        self,
-        tokens: Sequence[int],
-        spans: Sequence[tuple[int, int]],
-        layer_start: int = 0,
-        layer_end: int | None = None,
-        layer_stride: int = 1,
-        ttl_seconds: float | None = None,
-        now: float | None = None,
-        head_start: int = 0,
-        head_end: int | None = None,
-    ) -> list[KVFragment]:
-        """Copy the live KV of each ``(token_start, token_end)`` span into a fragment of
-        :attr:`namespace`, in the order given, with one engine read for all spans.
-
-        ``keys``/``values``: C-contiguous ``namespace.np_dtype`` arrays ``[n_layers, span,
-        (head_end - head_start) * head_dim]``, ``n_layers = len(range(layer_start, layer_end,
-        layer_stride))``; ``token_ids`` int32 ``[span]``. ``tokens`` is what the live sequence
-        holds from position 0; None ends mean all layers or heads; ``ttl_seconds`` is the
-        lifetime from ``now`` (Unix seconds, None: the current time; no ttl: no expiry set).
+    def extract_fragments(self, tokens: Sequence[int], spans: Sequence[tuple[int, int]], layer_start: int = 0,
+                          layer_end: int | None = None, layer_stride: int = 1, ttl_seconds: float | None = None,
+                          now: float | None = None, head_start: int = 0,
+                          head_end: int | None = None) -> list[KVFragment]:
+        """Copy the live KV of each ``(token_start, token_end)`` span into a fragment, in order:
+        ``keys``/``values`` C-contiguous ``namespace.np_dtype`` ``[len(range(layer_start,
+        layer_end, layer_stride)), span, (head_end - head_start) * head_dim]``, ``token_ids``
+        int32. ``tokens``: what the live sequence holds; None ends: all layers or heads;
+        ``ttl_seconds`` from ``now`` (Unix seconds; None: now, and no expiry).
 
         Raises:
             ValueError: a span beyond the live sequence, ``tokens`` that differ from it, a
@@ -214,14 +192,12 @@ class EngineAdapter(abc.ABC):
         ]
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
-        """Replace the live sequence with positions ``0..n_tokens-1`` built from ``fragments``,
-        which must tile ``[0, >= n_tokens)`` with every layer and KV head (the last span is cut
-        to ``n_tokens``). Returns ``n_tokens``.
+        """Replace the live sequence with positions ``0..n_tokens-1`` from ``fragments``, which
+        tile ``[0, >= n_tokens)`` with every layer and KV head. Returns ``n_tokens``.
 
         Raises:
             ValueError: another namespace, gaps, missing layers or heads, ``n_tokens`` outside
-                ``[1, len(tokens)]``, or tokens that differ (checked before the engine is
-                touched: nothing changed).
+                ``[1, len(tokens)]``, or tokens that differ (nothing changed).
             InjectionError: the engine refused the state (its sequence is cleared).
         """
         self.kv_epoch += 1
@@ -229,24 +205,16 @@ class EngineAdapter(abc.ABC):
         return n_tokens
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
-        """The copy of a decoded fragment a RAM tier keeps for this engine: equal values, laid
-        out so that :meth:`inject_fragment` copies it fastest (here the fragment itself)."""
+        """The copy of a fragment a RAM tier keeps: equal values laid out for the fastest
+        :meth:`inject_fragment` (here the fragment itself)."""
         return fragment
 
-    def generate(
-        self,
-        tokens: Sequence[int],
-        n_past: int = 0,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 0.95,
-        seed: int | None = None,
-    ) -> Iterator[int]:
-        """Prefill ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first) in
-        :meth:`prefill_plan`'s batches, then yield up to ``max_tokens`` sampled token IDs (the
-        argmax at temperature 0, else top-p seeded by ``seed``), stopping before an
-        end-of-generation token. The live sequence then holds the prompt and the generated
-        tokens but the last. A generator: the errors raise at the first ``next()``.
+    def generate(self, tokens: Sequence[int], n_past: int = 0, max_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 0.95, seed: int | None = None) -> Iterator[int]:
+        """Prefill ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first), then
+        yield up to ``max_tokens`` sampled token IDs (argmax at temperature 0, else top-p
+        seeded by ``seed``), stopping before an end-of-generation token; the live sequence then
+        holds the prompt and the answer but its last token. Errors raise at the first ``next()``.
 
         Raises:
             RuntimeError: the adapter is closed.
@@ -277,14 +245,9 @@ class EngineAdapter(abc.ABC):
             stream.close()
 
     def prefill(self, tokens: Sequence[int], n_past: int = 0) -> None:
-        """Evaluate ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first) in
-        :meth:`prefill_plan`'s batches, sampling nothing.
-
-        Raises:
-            ContextOverflowError: more tokens than the context holds.
-            ValueError: ``n_past`` outside ``[0, len(tokens) - 1]`` or a live sequence not
-                holding ``tokens[:n_past]``.
-        """
+        """Evaluate ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first),
+        sampling nothing. ContextOverflowError: more tokens than the context; ValueError:
+        ``n_past`` outside ``[0, len(tokens) - 1]`` or not what the live sequence holds."""
         if len(tokens) > self.n_ctx:
             raise ContextOverflowError(len(tokens), 0, self.n_ctx)
         self.kv_epoch += 1
@@ -292,21 +255,15 @@ class EngineAdapter(abc.ABC):
         self._evaluate_plan(tokens, n_past)
 
     def prefill_batches(self, n_past: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
-        """Batches of at most about ``batch_tokens`` tokens that extend a live ``[0, n_past)``
-        towards ``[0, end)`` with KV bit-identical to an uncached prefill; [] when none can.
-        Here, for a prefill that may be cut anywhere: ``batch_tokens`` at a time up to ``end``."""
+        """Batches of about ``batch_tokens`` extending a live ``[0, n_past)`` towards ``end``
+        with KV bit-identical to an uncached prefill ([] when none can); here any cut will do."""
         step = max(batch_tokens, 1)
         return [(pos, min(pos + step, end)) for pos in range(max(n_past, 0), end, step)]
 
     def extend(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Evaluate ``tokens[start:end]`` as one batch on a live sequence holding
-        ``tokens[:start]`` (cut back to it when it holds more), sampling nothing.
-
-        Raises:
-            ContextOverflowError: ``end`` exceeds the context.
-            ValueError: ``start`` outside ``[0, end)`` or a live sequence that does not hold
-                ``tokens[:start]``.
-        """
+        """Evaluate ``tokens[start:end]`` as one batch on the live ``tokens[:start]`` (cut back
+        to it), sampling nothing. ContextOverflowError: ``end`` exceeds the context;
+        ValueError: ``start`` outside ``[0, end)`` or not what the live sequence holds."""
         if end > self.n_ctx:
             raise ContextOverflowError(end, 0, self.n_ctx)
         if not 0 <= start < end <= len(tokens):
@@ -326,31 +283,21 @@ class EngineAdapter(abc.ABC):
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int],
                  at: int, tokens: Sequence[int]) -> None:
         """Add the cells ``keep = (start, end)`` of a stored chain (``fragments`` tiling
-        ``chain_tokens`` from 0) to the live sequence at ``at..at + end - start - 1``, K
-        re-rotated; the prompt ``tokens`` must hold the kept tokens there. Gaps between placed
-        ranges wait for :meth:`recompute`.
-
-        Raises:
-            ValueError: fragments that do not tile the chain, or kept tokens that differ.
-            InjectionError: :attr:`blend_refusal` is set (always, here), or the engine refused
-                the state (the live sequence is unchanged).
-        """
+        ``chain_tokens``) to the live sequence at ``at``, K re-rotated; the prompt ``tokens``
+        holds the kept tokens there; gaps wait for :meth:`recompute`. ValueError: fragments or
+        tokens that do not match; InjectionError: :attr:`blend_refusal` (always, here) or a
+        refused state (the live sequence is unchanged)."""
         raise InjectionError(self.blend_refusal or "place_kv: not supported")
 
     def recompute(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Evaluate ``tokens[start:end]`` at positions start..end-1 against the live cells
-        before ``start`` (``start - 1`` filled) and make the result the live KV there.
-
-        Raises:
-            InjectionError: :attr:`blend_refusal` is set (always, here), or the decode failed
-                (the old cells stay).
-        """
+        """Evaluate ``tokens[start:end]`` against the live cells before ``start`` and make the
+        result the live KV there. InjectionError: :attr:`blend_refusal` (always, here) or a
+        failed decode (the old cells stay)."""
         raise InjectionError(self.blend_refusal or "recompute: not supported")
 
     def warm_up(self, n_tokens: int = 0) -> None:
-        """Do a request's first-time work at load (render the chat template, evaluate one
-        token), then empty the cache, and make room for injecting ``n_tokens`` tokens. Never
-        raises (a failure is logged at DEBUG). The caller holds :attr:`lock`."""
+        """A request's first-time work at load (chat template, one evaluation), then an empty
+        cache and room for injecting ``n_tokens`` tokens; never raises. Caller holds :attr:`lock`."""
         try:
             if not getattr(self, "_warmed", False):  # once per engine; the cache is emptied each time
                 self._warmed = True
@@ -363,25 +310,19 @@ class EngineAdapter(abc.ABC):
             self.clear_kv_cache()
 
     def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Make room now for injecting ``n_tokens`` tokens later, keeping the live sequence
-        (idle-time work); nothing is kept once ``should_stop()`` returns True. Returns True
-        when the room is there (here always: nothing is allocated per injection). The caller
-        holds :attr:`lock`."""
+        """Make room now for injecting ``n_tokens`` tokens later, keeping the live sequence;
+        nothing is kept once ``should_stop()`` is True. True when the room is there (here
+        always). Caller holds :attr:`lock`."""
         return True
 
     def abortable(self, should_stop: Callable[[], bool]) -> ContextManager:
-        """A context in which an evaluation checks ``should_stop()`` as it goes and, once it
-        returns True, stops midway and raises :class:`EvaluationAborted`. Here evaluations
-        cannot stop midway, so each runs whole."""
+        """A context in which an evaluation stops midway once ``should_stop()`` is True, raising
+        :class:`EvaluationAborted` (here each runs whole)."""
         return contextlib.nullcontext()
 
     def set_threads(self, n_threads: int) -> None:
-        """Evaluate on ``n_threads`` CPU threads from the next evaluation on where the engine
-        can change it (here it cannot: nothing changes). Results do not depend on it.
-
-        Raises:
-            ValueError: ``n_threads`` below 1.
-        """
+        """Evaluate on ``n_threads`` CPU threads from now on where the engine can change it
+        (here it cannot); results do not depend on it. ValueError: below 1."""
         if n_threads < 1:
             raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
 
@@ -407,14 +348,13 @@ class EngineAdapter(abc.ABC):
         head_dim]`` of ``namespace.np_dtype`` (arguments already checked)."""
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1;
-        here assembled for :meth:`_load_kv`. Raises InjectionError as :meth:`_load_kv`."""
+        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1
+        (here through :meth:`_load_kv`)."""
         self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]`` for
-        ``tokens[:n_tokens]`` (an engine supplies this or :meth:`_load_blocks`). Raises
-        InjectionError when the engine refused it (the sequence is cleared)."""
+        """Make the live sequence hold K, V ``[n_layer, n_tokens, n_head_kv * head_dim]``;
+        InjectionError when refused (the sequence is cleared)."""
         raise NotImplementedError(f"{type(self).__name__} loads KV through _load_blocks")
 
     @abc.abstractmethod

@@ -1,23 +1,14 @@
-"""KV layout conversion between llama.cpp and ONNX Runtime (Hugging Face export) caches.
+"""KV fragments converted between llama.cpp's and ONNX Runtime's layouts (:func:`convert_fragment`).
 
-Layouts of one fragment's K or V (``n_layers`` layers of a ``span``-token span, ``n_head`` KV
-heads of ``head_dim``):
-
-* **llama.cpp** (``schema.KVFragment``, from ``src/llama-kv-cache.cpp`` ``state_write_data``):
-  ``[n_layers, span, n_head * head_dim]``, float16; heads are consecutive blocks of
-  ``head_dim`` in a row.
-* **ONNX** (``past_key_values.{i}.key`` / ``.value`` of a ``torch.onnx.export`` of
-  ``LlamaForCausalLM``): ``[n_layers, 1, n_head, span, head_dim]`` float32 (the leading 1 is
-  the batch; one layer's input is ``[1, n_head, span, head_dim]``).
-
-K also differs inside each head: llama.cpp applies rotary embeddings to interleaved pairs
-(dimensions ``2i, 2i+1``), Hugging Face to halves (``i, i + head_dim/2``), and the GGUF loader
-permutes the Q/K weights accordingly. So, per head (../shared/DESIGN.md 2.3)::
+Both engines' fragments are tokens-major, ``[n_layers, span, n_head * head_dim]``: llama.cpp's
+float16 (``state_write_data``), ONNX Runtime's float32 (its ``past_key_values`` made
+tokens-major). K differs inside each head: llama.cpp rotates interleaved pairs (``2i, 2i+1``),
+Hugging Face halves (``i, i + head_dim/2``), so per head (../shared/DESIGN.md 2.3)::
 
     k_llamacpp = k_hf.reshape(T, 2, head_dim // 2).transpose(0, 2, 1).reshape(T, head_dim)
 
-V needs no permutation. Converting float16 to float32 is exact; float32 to float16 rounds
-(round-to-nearest-even), so KV converted from ONNX is close to, not equal to, llama.cpp's own.
+V needs no permutation. float16 -> float32 is exact; float32 -> float16 rounds to nearest even,
+so KV converted from ONNX is close to, not equal to, llama.cpp's own.
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ import numpy as np
 
 from edgesync_store.schema import KVFragment, Namespace
 
-__all__ = ["can_inject_with_reshape", "convert_fragment", "halves_to_interleaved", "interleaved_to_halves",
-           "llamacpp_to_onnx", "onnx_to_llamacpp"]
+__all__ = ["can_inject_with_reshape", "convert_fragment", "halves_to_interleaved", "interleaved_to_halves"]
 
 
 def _swap_rotary(k: np.ndarray, head_dim: int, to_pairs: bool) -> np.ndarray:
@@ -57,48 +47,6 @@ def halves_to_interleaved(k: np.ndarray, head_dim: int) -> np.ndarray:
 def interleaved_to_halves(k: np.ndarray, head_dim: int) -> np.ndarray:
     """The inverse of :func:`halves_to_interleaved` (llama.cpp pairs -> Hugging Face halves)."""
     return _swap_rotary(k, head_dim, to_pairs=False)
-
-
-def llamacpp_to_onnx(keys: np.ndarray, values: np.ndarray, n_head: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp K, V ``[n_layers, span, n_head * head_dim]`` (any float dtype, usually f16)
-    -> ONNX K, V ``[n_layers, 1, n_head, span, head_dim]`` float32, K's rotary pairs reordered.
-
-    Raises:
-        ValueError: shapes that disagree with each other or with ``n_head * head_dim``.
-    """
-    if keys.shape != values.shape or keys.ndim != 3:
-        raise ValueError(
-            f"keys/values: need two equal [n_layers, span, width] shapes, got {keys.shape} and {values.shape}"
-        )
-    n_layers, span, width = keys.shape
-    if width != n_head * head_dim:
-        raise ValueError(f"keys: width {width} != n_head {n_head} x head_dim {head_dim}")
-
-    def to_onnx(x: np.ndarray) -> np.ndarray:
-        return x.astype(np.float32).reshape(n_layers, span, n_head, head_dim).transpose(0, 2, 1, 3)[:, None]
-
-    k = to_onnx(keys)
-    return np.ascontiguousarray(interleaved_to_halves(k, head_dim)), np.ascontiguousarray(to_onnx(values))
-
-
-def onnx_to_llamacpp(keys: np.ndarray, values: np.ndarray, dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
-    """ONNX K, V ``[n_layers, 1, n_head, span, head_dim]`` (float32) -> llama.cpp K, V
-    ``[n_layers, span, n_head * head_dim]`` of ``dtype`` (float16: rounded to nearest), K's
-    rotary pairs reordered.
-
-    Raises:
-        ValueError: shapes that disagree, a batch other than 1, or an odd head_dim.
-    """
-    if keys.shape != values.shape or keys.ndim != 5 or keys.shape[1] != 1:
-        raise ValueError(f"keys/values: need two equal [n_layers, 1, n_head, span, head_dim] shapes, "
-                         f"got {keys.shape} and {values.shape}")
-    n_layers, _, n_head, span, head_dim = keys.shape
-
-    def to_llama(x: np.ndarray) -> np.ndarray:
-        return x[:, 0].transpose(0, 2, 1, 3).reshape(n_layers, span, n_head * head_dim).astype(dtype)
-
-    k = halves_to_interleaved(keys, head_dim)
-    return np.ascontiguousarray(to_llama(k)), np.ascontiguousarray(to_llama(values))
 
 
 def can_inject_with_reshape(fragment: KVFragment, adapter) -> bool:

@@ -102,28 +102,6 @@ class CachePart:
         return len(self.k)
 
 
-@dataclass
-class SeqState:
-    """A parsed single-part state whose layers are uniform: ``k``, ``v`` ``[n_layer,
-    n_tokens, width]`` for positions 0..n_tokens-1 (see :func:`parse`)."""
-
-    k: np.ndarray
-    v: np.ndarray
-    type_k: int
-    type_v: int
-    v_trans: int
-
-    @property
-    def n_tokens(self) -> int:
-        """Positions held (0..n_tokens-1)."""
-        return int(self.k.shape[1])
-
-    @property
-    def n_layer(self) -> int:
-        """Layers held."""
-        return int(self.k.shape[0])
-
-
 def ggml_type(code: int) -> GgmlType:
     """The :class:`GgmlType` of a ggml type code.
 
@@ -260,27 +238,6 @@ def parse_parts(data: bytes | memoryview, cell_ext_bytes: int = 0) -> list[Cache
     return parts
 
 
-def parse(data: bytes | memoryview, cell_ext_bytes: int = 0) -> SeqState:
-    """Parse a single-part state of positions 0..n-1 with uniform layers into
-    ``[n_layer, n_tokens, width]`` arrays (native byte order).
-
-    Raises:
-        SeqStateError: see :func:`parse_parts`; also "trailing" bytes (a second cache part),
-            positions that do not start at 0, or per-layer widths that differ.
-    """
-    parts = parse_parts(data, cell_ext_bytes)
-    if len(parts) != 1:
-        raise SeqStateError(f"seq state has trailing bytes: {len(parts)} cache parts where one was expected")
-    p = parts[0]
-    if p.pos[0] != 0:
-        raise SeqStateError(f"positions start at {p.pos[0]}, not 0")
-    if len({a.shape[1] for a in p.k}) != 1 or len({a.shape[1] for a in p.v}) != 1:
-        raise SeqStateError("per-layer K or V widths differ; only uniform layers are stacked")
-    k = np.stack(p.k).astype(np.dtype(ggml_type(p.type_k).dtype).newbyteorder("="), copy=False)
-    v = np.stack(p.v).astype(np.dtype(ggml_type(p.type_v).dtype).newbyteorder("="), copy=False)
-    return SeqState(np.ascontiguousarray(k), np.ascontiguousarray(v), p.type_k, p.type_v, p.v_trans)
-
-
 def _part_bytes(part: CachePart, ext_bytes: int) -> int:
     n = len(part.pos)
     size = 8 + (12 + ext_bytes) * n + 8
@@ -355,21 +312,6 @@ def serialize_parts(parts: list[CachePart], seq_id: int = 0) -> bytearray:
     if at != total:
         raise SeqStateError(f"serialize wrote {at} of {total} bytes")
     return buf
-
-
-def serialize(k: np.ndarray, v: np.ndarray, type_k: int, type_v: int, v_trans: int, seq_id: int = 0) -> bytearray:
-    """Build ``llama_state_seq_set_data`` bytes for positions 0..n-1 of a single-part state
-    from ``[n_layer, n_tokens, width]`` arrays (:func:`serialize_parts` with one part).
-
-    Raises:
-        SeqStateError: shapes or dtypes that disagree.
-    """
-    if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
-        raise SeqStateError(
-            f"k {k.shape} and v {v.shape} must be [n_layer, n_tokens, width] with equal n_layer, n_tokens"
-        )
-    part = CachePart(np.arange(k.shape[1]), None, list(k), list(v), type_k, type_v, v_trans)
-    return serialize_parts([part], seq_id)
 
 
 def text_cell_ext(pos: np.ndarray, tokens: np.ndarray, pos_2d: bool) -> np.ndarray:

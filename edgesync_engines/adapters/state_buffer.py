@@ -1,17 +1,12 @@
 """One-copy llama.cpp seq-state buffers: stored K and V written straight into the bytes
-``llama_state_seq_set_data`` reads.
+``llama_state_seq_set_data`` reads (layout: ``seqstate``).
 
-:func:`build` lays out the buffer of positions 0..n-1 for every cache part of a
-:class:`~edgesync_engines.adapters.kv_layout.StateLayout` (the byte layout is ``seqstate``'s:
-llama.cpp's ``llama_kv_cache::state_write``), writes the headers and cells, and copies each
-validated block (:func:`~edgesync_engines.adapters.kv_blocks.fragment_blocks`) into place through
-numpy views of the buffer: a part's K rows of every layer are one 3-D view ``[layers, cells,
-width]`` (layers are a constant stride apart, their 12-byte headers in between), its V one
-``[layers, width, cells]`` view when V is transposed (``v_trans`` 1, flash attention off) or
-``[layers, cells, width]`` when not. So a fragment costs two array copies per part, K and V,
-and nothing is assembled first. ``seqstate.serialize_parts`` is the reference writer; the tests
-check that both give the same bytes. :func:`stage` lays a RAM tier's copy of a fragment out the
-way the state holds it, so that those copies are rows.
+:func:`build` writes the headers and cells of positions 0..n-1 in every cache part and copies
+each validated block (``kv_blocks.fragment_blocks``) through numpy views of the buffer: a part's
+K rows are one view ``[layers, cells, width]`` (layers a constant stride apart), its V one
+``[layers, width, cells]`` when transposed (``v_trans`` 1) or ``[layers, cells, width]``. So a
+fragment costs two array copies per part. ``seqstate.serialize_parts`` is the reference
+writer (the tests compare). :func:`stage` lays a RAM tier's copy of V out as the state holds it.
 """
 
 from __future__ import annotations
@@ -52,12 +47,10 @@ rather than each longer one faulting in a new one."""
 
 def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None,
          should_stop: Callable[[], bool] | None = None) -> np.ndarray | None:
-    """A buffer for :func:`build`'s ``out`` that holds the state of ``n_tokens`` cells: ``out``
-    when large enough, else a new one for ``n_tokens`` rounded up to :data:`ROOM_STEP` cells,
-    whose pages are all touched now (one write per page), so that the injection that fills it
-    does not wait for the kernel to provide them page by page. ``should_stop`` is asked
-    between :data:`TOUCH_BYTES` pieces; once it returns True the new buffer is dropped and
-    ``out`` returned as it was (for idle-time work that a request interrupts)."""
+    """A buffer for :func:`build`'s ``out`` holding ``n_tokens`` cells: ``out`` when large
+    enough, else a new one rounded up to :data:`ROOM_STEP` cells with every page touched now
+    (not on the injection's path). ``should_stop`` is asked between :data:`TOUCH_BYTES` pieces;
+    once True, ``out`` is returned as it was."""
     if out is not None and len(out) >= state_bytes(layout, n_tokens):
         return out
     buf = np.empty(state_bytes(layout, -(-n_tokens // ROOM_STEP) * ROOM_STEP), np.uint8)
@@ -71,14 +64,10 @@ def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None,
 def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
           seq_id: int = 0, out: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     """The ``llama_state_seq_set_data`` bytes of positions 0..n_tokens-1 in every cache part,
-    K and V copied from ``blocks`` (which must cover every layer, KV head and position: see
-    ``fragment_blocks``); ``head_width`` is the items of one KV head in a row (elements, or
-    bytes for quantized types).
-
-    Returns the buffer (a writable uint8 array, handed to ctypes without another copy) and,
-    per part, K and V views of it ``[part layers, n_tokens, width]`` (the views keep the
-    buffer alive). The state is its first :func:`state_bytes` bytes: ``out``, when given and
-    large enough (:func:`room`), is written over and returned instead of a new buffer.
+    K and V copied from ``blocks`` (covering every layer, KV head and position);
+    ``head_width``: items of one KV head in a row. Returns the writable uint8 buffer (its first
+    :func:`state_bytes` bytes; ``out`` when large enough) and, per part, K and V views of it
+    ``[part layers, n_tokens, width]``.
 
     Raises:
         SeqStateError: ``n_tokens`` < 1, or a block whose arrays do not fit the layout.
@@ -168,11 +157,9 @@ def _overlap(layers: range, part: range) -> tuple[int, int]:
 
 
 def stage(layout: StateLayout, fragment: KVFragment) -> KVFragment:
-    """``fragment`` itself with, when the state holds V transposed (``v_trans`` 1), its V
-    re-laid out that way: ``values`` becomes a ``[layers, span, width]`` view of a C-contiguous
-    ``[layers, width, span]`` array (the same values, so no longer a C-contiguous array), and
-    :func:`build` then copies whole rows of V as it does K. One transposing copy when a RAM tier
-    keeps the fragment, instead of one per injection."""
+    """``fragment`` itself, its ``values`` (when the state holds V transposed) a ``[layers,
+    span, width]`` view of a C-contiguous ``[layers, width, span]`` array with the same values:
+    one transposing copy when a RAM tier keeps it, not one per injection."""
     if layout.v_trans and fragment.values.flags.c_contiguous:
         fragment.values = np.ascontiguousarray(fragment.values.transpose(0, 2, 1)).transpose(0, 2, 1)
     return fragment
