@@ -1,16 +1,12 @@
-"""EdgeSync's settings: :class:`EdgeSyncConfig`, a declared frozen dataclass whose every field is
-a setting (``edgesync_store.settings.setting``: type and default on the field, environment
-variable, parser, check and help in its metadata). :data:`SETTINGS`, the table read back from
-those fields, gives the environment loading and the README's settings table.
+"""EdgeSync's settings: :class:`EdgeSyncConfig`, a frozen dataclass whose every field is a
+setting (``edgesync_store.settings.setting``: type, default, environment variable, parser, check
+and help); :data:`SETTINGS` reads them back for the environment loading and the README's table.
 
-Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. Commands pass their
-command-line options as overrides; applications pass keyword arguments. The store's settings
-(path, lifetime, size budget, compression, job schedule) are declared once, on
-``edgesync_store.settings.StoreSettings``, and reused here field by field; a default that belongs
-to another lower layer (the HNSW query breadth, the span limits) is
-imported from the module that uses it, so the two cannot drift apart.
-
-``python -m edgesync_engines.config --markdown`` prints the README's settings table.
+Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. The store's settings
+are declared once, on ``edgesync_store.settings.StoreSettings``, and reused field by field.
+Constants read here are defined here or in the module that uses them; the embedder names and
+the HNSW query breadth are copies (a test checks), so that reading settings loads no semantic
+module. ``python -m edgesync_engines.config --markdown`` prints the README's settings table.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ from typing import Any, Callable, Mapping, Sequence
 from edgesync_store.commands.units import LARGEST_SIZE
 from edgesync_store.remote.url import PASSWORD_ENV, USERNAME_ENV, RemoteURL, check_prefix
 from edgesync_store.schema import MAX_SPAN, MIN_SPAN
-from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND
-from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
 from edgesync_store.settings import (
     Setting,
     StoreSettings,
@@ -58,17 +52,15 @@ DEFAULT_RAM_TIER_BYTES = 64 * 1024 * 1024
 ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic", "blend")
-"""``exact``: token-verified reuse only (default); ``semantic``: the opt-in approximate mode;
-``blend``: documents' stored KV placed at their new positions with a share recomputed
-(approximate, ``request/blend.py``)."""
-EMBEDDING_BACKENDS = tuple(BACKENDS)
-"""Embedders of ``edgesync_store.semantic.embedders``: ``onnx``, ``sentence-transformers``."""
+"""``exact`` (default), ``semantic`` and ``blend`` (``request/reuse.py``)."""
+EMBEDDING_BACKENDS = ("onnx", "sentence-transformers")
+"""Names of the embedders of ``edgesync_store.semantic.embedders.BACKENDS`` (the first is the
+default); kept here so that reading the settings loads no embedder (a test checks they agree)."""
+DEFAULT_EF_SEARCH = 100
+"""``ef_search`` default: ``edgesync_store.semantic.index.DEFAULT_EF_SEARCH`` (a test checks)."""
 MAX_SEED = 2**32 - 2
-"""The largest sampling seed taken. llama.cpp's samplers take a ``uint32_t`` seed
-(llama-cpp-python passes it through ``ctypes.c_uint32``, which keeps it modulo 2**32: -1 would
-be 0xFFFFFFFF, 2**32 + 5 would be 5) and ``LLAMA_DEFAULT_SEED = 0xFFFFFFFF`` means "a random
-seed" (llama.h): 0..2**32-2 are the seeds that mean themselves. The Python API and the HTTP
-server take the same."""
+"""The largest sampling seed: llama.cpp takes a ``uint32_t`` seed and ``LLAMA_DEFAULT_SEED =
+0xFFFFFFFF`` means "random" (llama.h), so 0..2**32-2 are the seeds that mean themselves."""
 MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
 """Largest ``chunk_tokens``: a prompt's last chunk may grow by up to ``MIN_SPAN - 1`` tokens
 (``schema.chunk_spans``) and must still fit a fragment's ``MAX_SPAN``."""
@@ -139,7 +131,7 @@ class EdgeSyncConfig:
         "record stored prompts as donors and look them up by meaning in the `semantic` mode (MiniLM and the HNSW "
         "index load when first needed, never for the default mode's requests); off: neither, `semantic` refused")
     embedding_backend: str = setting(
-        DEFAULT_BACKEND, env="EDGESYNC_EMBEDDING_BACKEND", parse=lower, check=one_of(EMBEDDING_BACKENDS),
+        EMBEDDING_BACKENDS[0], env="EDGESYNC_EMBEDDING_BACKEND", parse=lower, check=one_of(EMBEDDING_BACKENDS),
         help="embedder: `onnx` (int8 MiniLM-L6-v2) or `sentence-transformers`; a store never mixes two")
     reuse: str = setting(
         "exact", env="EDGESYNC_REUSE", parse=lower, check=one_of(REUSE_MODES),

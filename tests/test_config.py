@@ -96,6 +96,9 @@ def test_table_defines_fields_defaults_and_variables():
     assert len({s.env for s in SETTINGS}) == 43 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
     cfg = EdgeSyncConfig.load(environ={})
     assert cfg.ef_search == DEFAULT_EF_SEARCH == 100
+    from edgesync_engines.config import EMBEDDING_BACKENDS
+    from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND
+    assert EMBEDDING_BACKENDS == tuple(BACKENDS) and cfg.embedding_backend == DEFAULT_BACKEND
     assert (cfg.reuse, cfg.blend_recompute, cfg.document_header) == ("exact", 0.15, "chat")
     assert cfg.ttl_seconds == float(DEFAULT_TTL_SECONDS) == 1800.0
     assert cfg.compression == codec.DEFAULT_COMPRESSION == "none"

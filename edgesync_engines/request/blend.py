@@ -38,7 +38,6 @@ from edgesync_store.errors import StoreError
 
 if TYPE_CHECKING:
     from edgesync_engines.config import EdgeSyncConfig
-    from edgesync_engines.request.documents import DocumentPrompt
     from edgesync_engines.request.execute import Injector
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ class Blended:
     bytes_read: int
 
 
-def recompute_runs(prompt: "DocumentPrompt", placed: list[bool], share: float) -> list[tuple[int, int]]:
+def recompute_runs(prompt, placed: list[bool], share: float) -> list[tuple[int, int]]:
     """The ``[start, end)`` runs evaluated again, in prompt order (module docstring, step 3):
     per document, from the end of the previous one (or of the head) to ``ceil(share * n)``
     tokens into it, or to its end when it was not placed. Empty runs are left out."""
@@ -79,7 +78,7 @@ def recompute_runs(prompt: "DocumentPrompt", placed: list[bool], share: float) -
     return runs
 
 
-def blend(prompt: "DocumentPrompt", injector: "Injector", config: "EdgeSyncConfig") -> Blended | None:
+def blend(prompt, injector: "Injector", config: "EdgeSyncConfig") -> Blended | None:
     """Assemble ``prompt``'s head and documents in the engine (module docstring), recomputing
     ``config.blend_recompute`` of each document. Returns None, with the sequence cleared, when
     the blend failed; the caller prefills instead."""
@@ -109,7 +108,7 @@ def blend(prompt: "DocumentPrompt", injector: "Injector", config: "EdgeSyncConfi
                    tuple(keys), nbytes)
 
 
-def _head(prompt: "DocumentPrompt", injector: "Injector", config) -> tuple[int, list[bytes], int]:
+def _head(prompt, injector: "Injector", config) -> tuple[int, list[bytes], int]:
     """Step 1: inject the head's stored prefix and prefill the rest of it (storing its new
     chunks while the cache holds nothing else); returns (tokens injected, keys, bytes)."""
     adapter, tokens = injector.adapter, prompt.tokens

@@ -29,15 +29,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from edgesync_engines.request.checks import check_messages_text, check_text
+from edgesync_engines.request.execute import Injection
+from edgesync_engines.request.plan import ReuseMode, ReusePlan, hit_kind
 from edgesync_store.documents import records
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.documents.retrieval import DocumentIndex, keep_as_document
 from edgesync_store.errors import MissingExtraError, StoreError
 from edgesync_store.schema import chunk_spans, prefix_hash
+
+if TYPE_CHECKING:
+    from edgesync_engines.request.blend import Blended
+    from edgesync_engines.request.fragment_cache import FragmentCache
+    from edgesync_engines.request.result import GenerationResult
+    from edgesync_engines.request.reuse import ExactReuse, SemanticReuse
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +182,15 @@ class DocumentLibrary:
         encode: texts -> float32 ``[n, 384]`` unit embeddings (None: documents are not embedded,
             and :meth:`retrieve` is refused).
         chunk_tokens: fragment span of the documents' chains.
+        header: ``"none"`` or ``"chat"`` (``document_header``, module docstring).
+        ram: the engine's RAM tier, emptied when documents are removed (it may hold their KV).
     """
 
     def __init__(self, store, adapter, encode: Callable[[list[str]], np.ndarray] | None,
-                 chunk_tokens: int = 128, header: str = "none") -> None:
+                 chunk_tokens: int = 128, header: str = "none", ram: "FragmentCache | None" = None) -> None:
         self.store = store
+        self.ram = ram
+        self.blend_refusal_logged = False
         self.adapter = adapter
         self.encode = encode
         self.chunk_tokens = chunk_tokens
@@ -344,3 +357,191 @@ class DocumentLibrary:
             if rec is not None:
                 out.append((rec, score))
         return out
+
+    def add_all(self, documents: "Iterable[str | Mapping]", progress: Callable[[int], None] | None = None
+                ) -> list[DocumentRecord]:
+        """:meth:`add` each of ``documents`` (as :func:`as_inputs` takes them), calling
+        ``progress(i)`` after the i-th; returns the records, in order (the caller holds the
+        engine's lock).
+
+        Raises:
+            ValueError: a document that is empty, malformed or longer than the context (nothing
+                is stored for it or after it).
+            StoreError, PermissionError: as :meth:`add`.
+        """
+        out = []
+        for i, doc in enumerate(as_inputs(documents)):
+            out.append(self.add(self.record_for(doc, i)))
+            if progress is not None:
+                progress(i + 1)
+        return out
+
+    def remove_ids(self, ids: "Iterable[str | DocumentRecord]") -> int:
+        """Remove documents (IDs, unique ID prefixes of 8+ hex digits, or records) with their
+        fragments; returns how many.
+
+        Raises:
+            KeyError: an ID that names no stored document (or several).
+            StoreError: the store could not be written.
+        """
+        if isinstance(ids, (str, DocumentRecord)):
+            ids = [ids]  # one ID, not its characters
+        found = []
+        for doc_id in ids:
+            rec = doc_id if isinstance(doc_id, DocumentRecord) else self.resolve(str(doc_id))
+            if rec is None:
+                raise KeyError(f"no stored document matches {doc_id!r}: unknown, under 8 hex digits, or a prefix "
+                               f"of several (give more digits)")
+            found.append(rec)
+        return self.remove_records(found)
+
+    def forget(self, documents: "Iterable[str | Mapping]") -> int:
+        """Remove the given documents (as ``generate`` takes them) if stored; returns how many."""
+        recs = [self.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
+        return self.remove_records([r for r in recs if self.get(r.key) is not None])
+
+    def remove_records(self, recs: list[DocumentRecord]) -> int:
+        """Remove stored documents and empty the RAM tier (a copy of their KV is never served
+        once the store lacks it); returns how many."""
+        for rec in recs:
+            self.remove(rec)
+        if recs and self.ram is not None:
+            self.ram.clear()
+        return len(recs)
+
+    def prompt(self, messages, documents=None, retrieve: int | None = None
+               ) -> tuple[DocumentPrompt, list[float] | None]:
+        """The prompt of ``messages`` (chat messages, or a string as one user turn) with
+        ``documents`` (given) or the ``retrieve`` nearest stored ones (:func:`build_prompt`),
+        and the retrieval scores (None when given).
+
+        Raises:
+            ValueError: both or neither given, a bad document, messages not ending with a user
+                turn, text with a lone surrogate, or ``retrieve`` with no stored documents.
+        """
+        if (documents is None) == (retrieve is None):
+            raise ValueError("documents: pass either documents= or retrieve=, not both")
+        if isinstance(messages, str):
+            check_text(messages, "prompt")
+            messages = [{"role": "user", "content": messages}]
+        check_messages_text(messages)
+        scores = None
+        if retrieve is not None:
+            if not isinstance(retrieve, int) or isinstance(retrieve, bool) or retrieve < 1:
+                raise ValueError(f"retrieve: expected an integer >= 1, got {retrieve!r}")
+            question = messages[-1].get("content", "") if messages and isinstance(messages[-1], Mapping) else ""
+            if not str(question).strip():
+                raise ValueError("retrieve: the last message has no text to retrieve by")
+            hits = self.retrieve(str(question), retrieve)
+            records_, scores = [r for r, _ in hits], [round(s, 4) for _, s in hits]
+        else:
+            records_ = [self.record_for(d, i) for i, d in enumerate(as_inputs(documents))]
+        return build_prompt(self.adapter, messages, records_), scores
+
+    def store_missing(self, prompt: DocumentPrompt) -> int:
+        """Add the prompt's documents whose KV or record the store lacks (their KV computed now:
+        the engine's sequence is cleared). Returns how many; a store failure is logged."""
+        if self.store is None or self.store.readonly or self.namespace is None:
+            return 0
+        added = 0
+        for rec, _ in prompt.pieces:
+            try:
+                if self.get(rec.key) is None or not self.kv_stored(rec):
+                    self.add(rec)
+                    added += 1
+            except (StoreError, OSError, ValueError, RuntimeError) as exc:
+                log.warning("could not store document %s: %s", rec.doc_id[:16], exc)
+        return added
+
+
+def document_encoder(semantic, backend: str) -> Callable[[list[str]], np.ndarray]:
+    """Texts -> float32 ``[n, 384]`` MiniLM embeddings: the semantic lookup's embedder when it
+    runs (``semantic``, or None), else the ``backend`` embedder, loaded at first use.
+
+    The returned function raises MissingExtraError when the embedder cannot load (the
+    ``semantic`` extra).
+    """
+    loaded = []
+
+    def encode(texts: list[str]) -> np.ndarray:
+        if semantic is not None:
+            vectors = semantic.encode(texts)
+            if vectors is not None:
+                return vectors
+        if not loaded:
+            from edgesync_store.semantic.embedder_base import EmbeddingUnavailableError
+            from edgesync_store.semantic.embedders import get_embedder
+
+            try:
+                loaded.append(get_embedder(backend).load())
+            except EmbeddingUnavailableError as exc:  # documents are embedded for retrieval
+                raise MissingExtraError("documents", "semantic", exc.package) from exc
+        return loaded[0].encode(texts)
+
+    return encode
+
+
+class DocumentRequest:
+    """A request with documents, around the request's reuse strategy: in ``blend`` mode the
+    prompt's missing documents are stored and their KV placed (``request/blend.py``) before
+    the answer; otherwise the strategy reuses exact KV and the missing documents are stored
+    after the answer (off the TTFT path). The engine's sequence then holds no exact live KV.
+    """
+
+    def __init__(self, library: DocumentLibrary, strategy: "ExactReuse | SemanticReuse", prompt: DocumentPrompt,
+                 scores: list[float] | None) -> None:
+        self.library, self.strategy, self.prompt, self.scores = library, strategy, prompt, scores
+        self.blended: "Blended | None" = None
+        self.refusal: str | None = None
+        self.computed = 0
+
+    def reuse(self, prompt, tokens: list[int], max_tokens: int, live_exact: int = 0) -> tuple[ReusePlan, Injection]:
+        """Blend (``blend`` mode, documents in the prompt, an engine that can), else the
+        strategy's reuse."""
+        if self.strategy.mode == ReuseMode.BLEND and self.prompt.pieces:
+            self._blend()
+        if self.blended is None:
+            return self.strategy.reuse(prompt, tokens, max_tokens, live_exact)
+        b = self.blended
+        return ReusePlan(prompt=tuple(tokens)), Injection(None, tuple(tokens), b.n_past, b.keys, b.bytes_read)
+
+    def _blend(self) -> None:
+        es = self.strategy.engine
+        self.refusal = es.adapter.blend_refusal if es.injector is not None else "no store"
+        if self.refusal is not None:
+            if not self.library.blend_refusal_logged:
+                log.warning("reuse=blend refused, answering exactly: %s", self.refusal)
+                self.library.blend_refusal_logged = True
+            return
+        from edgesync_engines.request.blend import blend
+
+        self.computed = self.library.store_missing(self.prompt)
+        self.blended = blend(self.prompt, es.injector, es.config)
+
+    def after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan, injected: Injection) -> int:
+        """The strategy's store-back, then the missing documents (none after a blend)."""
+        if self.blended is not None:
+            return 0
+        written = self.strategy.after_answer(prompt, tokens, out, plan, injected)
+        self.computed = self.library.store_missing(self.prompt)
+        return written
+
+    @staticmethod
+    def exact_context(injected: Injection) -> bool:
+        """False: the documents computed after the answer replaced the engine's sequence."""
+        return False
+
+    def annotate(self, result: "GenerationResult") -> None:
+        """Fill the documents fields of the request's result (in place): the IDs and retrieval
+        scores, why a blend was refused, the documents computed, and for a blend the
+        approximate flag, the blended and recomputed counts, ``tokens_reused`` (exact head +
+        blended tokens), ``tokens_prefilled`` and the hit kind."""
+        result.documents, result.retrieval_scores = self.prompt.document_ids, self.scores
+        result.blend_refusal, result.documents_computed = self.refusal, self.computed
+        b = self.blended
+        if b is not None:
+            result.approximate = True
+            result.blended_tokens, result.recomputed_tokens = b.blended_tokens, b.recomputed_tokens
+            result.tokens_reused = b.head_reused + b.blended_tokens
+            result.tokens_prefilled = result.prompt_tokens - result.tokens_reused
+            result.hit = hit_kind(result.tokens_reused, result.prompt_tokens)

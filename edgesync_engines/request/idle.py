@@ -1,23 +1,12 @@
-"""Idle-time storing: a prompt's KV prefilled in small exact batches and stored as its chunks
-fill, between requests.
+"""Idle-time storing (``EdgeSync.prepare``, ``prepare_later``, ``config.idle_store``): a prompt's
+KV prefilled in small exact batches between requests and stored as its chunks fill.
 
-In a chat, the prompt of turn k+1 is the prompt of turn k, the model's answer and a new
-message. The answer's KV in the live sequence came from decoding, which is not bit-identical
-to a prefill's, so the exact mode never stores it. After an answer, :class:`IdleRunner` (one
-background thread per :class:`~edgesync_engines.request.router.EdgeSync`) runs a
-:class:`PrefillJob` over the conversation rendered as the next turn begins (the chat template
-over the messages and the answer, and the beginning of the next user turn:
-``EdgeSync.history_tokens``): it cuts the live sequence back
-to its exact part and evaluates the rest in batches of about ``idle_batch_tokens`` tokens
-(``EngineAdapter.prefill_batches``: batches whose KV equals an uncached prefill's), storing each
-chunk of the prompt's grid once its tokens are evaluated.
-
-A request pauses the runner (:meth:`IdleRunner.paused`) before it takes the engine's lock: the
-runner holds that lock for one batch at a time and checks between batches, and the batch running
-stops midway where the engine can (``EngineAdapter.abortable``: llama.cpp checks between the
-nodes of the batch's graph; elsewhere the request waits for that one batch). What was stored
-before the pause is kept, and the live sequence keeps what was evaluated, so a request that
-extends it injects nothing.
+After an answer in a chat, :class:`IdleRunner` runs a :class:`PrefillJob` over the conversation
+as the next turn begins (:func:`history_tokens`): the answer's decoded KV is not a prefill's, so
+the job cuts the live sequence back to its exact part and evaluates the rest in batches of about
+``idle_batch_tokens`` (``EngineAdapter.prefill_batches``). A request pauses the runner
+(:meth:`IdleRunner.paused`) before it takes the engine's lock; the batch running stops midway
+where the engine can (``EngineAdapter.abortable``). What was stored and evaluated is kept.
 """
 
 from __future__ import annotations
@@ -30,9 +19,11 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from edgesync_engines.adapters.protocol import EvaluationAborted
+from edgesync_engines.adapters.protocol import ContextOverflowError, EvaluationAborted
 from edgesync_engines.request import storeback
-from edgesync_store.schema import chunk_spans
+from edgesync_engines.request.checks import check_chat_messages
+from edgesync_engines.request.reuse import ExactReuse, exact_context
+from edgesync_store.schema import chunk_spans, common_prefix_len
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
@@ -45,6 +36,33 @@ log = logging.getLogger(__name__)
 MAX_PENDING = 4
 """Idle-time jobs kept waiting per engine (conversations answered, their history not stored
 yet); the oldest beyond it is dropped, its next turn then prefills the answer again."""
+NEXT_TURN_PROBES = ("A", "B")
+"""Two contents of a user turn that differ in their first letter, so that the tokens of two
+renderings part where the content begins (:func:`history_tokens`)."""
+
+
+def history_tokens(engine, messages) -> list[int]:
+    """Token IDs the next prompt of a conversation that ends with ``messages`` begins with:
+    the chat template over them and, after an answer or a system prompt, the beginning of the
+    next user turn (the tokens two renderings with the :data:`NEXT_TURN_PROBES` share). A
+    template that refuses the probe turn gives the history without a generation prompt, as
+    does a conversation that ends otherwise; a string is tokenized as is.
+
+    Raises:
+        ValueError, RuntimeError: as ``EdgeSync.prompt_tokens``.
+    """
+    if not isinstance(messages, str):
+        check_chat_messages(messages)
+        if messages[-1]["role"] in ("assistant", "system"):
+            try:
+                a, b = (engine.prompt_tokens([*messages, {"role": "user", "content": probe}],
+                                             add_generation_prompt=False) for probe in NEXT_TURN_PROBES)
+            except Exception as e:  # a template may raise on any turn order (jinja's raise_exception)
+                log.debug("history_tokens: the template refused a user turn after the history (%s)", e)
+            else:
+                if common := common_prefix_len(a, b):
+                    return a[:common]
+    return engine.prompt_tokens(messages, add_generation_prompt=False)
 
 
 @dataclass
@@ -54,15 +72,12 @@ class PrepareResult:
     Attributes:
         prompt_tokens: tokens of the prompt prepared.
         tokens_reused: tokens whose KV was already there (live, or injected from the store).
-        tokens_prefilled: tokens evaluated (a batch may reach back a few live tokens, which
-            count here too).
-        tokens_ready: leading tokens whose exact KV the engine's live sequence then holds: a
-            request that extends them prefills only what follows (up to 7 tokens before the
-            prompt's end are left to the request: batches end on the row group).
+        tokens_prefilled: tokens evaluated (with the few live ones a batch may reach back to).
+        tokens_ready: leading tokens whose exact KV the engine's live sequence then holds
+            (batches end on the row group: a few last tokens are left to the request).
         fragments_written: fragments stored.
         interrupted: a request paused the job before its end.
-        elapsed_ms: wall time of the job, milliseconds (for an idle-time job, with the pauses
-            between batches).
+        elapsed_ms: wall time of the job in ms (with the pauses between batches).
     """
 
     prompt_tokens: int
@@ -77,14 +92,13 @@ class PrepareResult:
 class PrefillJob:
     """One prompt's KV prefilled batch by batch on one engine, its chunks stored as they fill.
 
-    The caller holds the adapter's lock around each :meth:`step` and :meth:`finish`, and the
-    engine's live sequence must hold the prompt's exact first ``start`` tokens.
+    The caller holds the adapter's lock around each :meth:`step`; the engine's live sequence
+    holds the prompt's exact first ``start`` tokens.
 
     Args:
         adapter: the engine.
         store: the store the chunks go to (None: only the live sequence is filled).
-        config: ``idle_batch_tokens``, ``chunk_tokens``, ``ttl_seconds`` and the fragment
-            grouping.
+        config: ``idle_batch_tokens``, ``chunk_tokens``, ``ttl_seconds``, the fragment grouping.
         tokens: the prompt's token IDs.
         start: leading tokens whose exact KV the live sequence holds (reused).
         ram: the RAM tier that keeps what is stored (``storeback.store_new``).
@@ -112,14 +126,13 @@ class PrefillJob:
 
     def step(self, should_stop: Callable[[], bool] | None = None) -> int:
         """Evaluate the next batch and store the chunks it completes; returns the tokens
-        evaluated (0: nothing was left). With ``should_stop``, the batch stops midway once it
-        returns True (``EngineAdapter.abortable``) and stays the next one.
+        evaluated (0: none left). Once ``should_stop`` returns True the batch stops midway
+        (``EngineAdapter.abortable``) and stays the next one.
 
         Raises:
-            ValueError, ContextOverflowError: the adapter's ``extend`` refused the batch (the
-                live sequence no longer holds the prompt's start).
-            EvaluationAborted: ``should_stop`` stopped the batch; the live sequence is as
-                before it.
+            ValueError, ContextOverflowError: ``extend`` refused the batch (the live sequence
+                no longer holds the prompt's start).
+            EvaluationAborted: ``should_stop`` stopped it; the live sequence is as before it.
         """
         if not self.batches:
             return 0
@@ -164,8 +177,8 @@ class IdleStats:
         jobs: jobs started.
         interrupted: jobs a request paused before their end.
         tokens_prefilled: tokens evaluated in idle time.
-        tokens_wasted: tokens prepared that the next request did not begin with (its rendered
-            history was not a prefix of that request, or another conversation came next).
+        tokens_wasted: tokens prepared that the next request of that conversation did not
+            begin with.
         fragments_written: fragments stored in idle time.
         failed: jobs that failed (logged; the next request prefills as usual).
     """
@@ -179,41 +192,30 @@ class IdleStats:
 
 
 class IdleRunner:
-    """The background thread that runs idle-time jobs for one engine, one at a time.
+    """One engine's idle-time work: :meth:`prepare` now, or jobs queued (:meth:`prepare_later`)
+    and run one at a time on a thread of its own or, with ``threaded`` False, by the owner's
+    :meth:`run_pending` (a server worker: llama.cpp's OpenMP keeps a thread team per calling
+    thread, docs/benchmarks.md).
 
-    Jobs wait in a short queue (:data:`MAX_PENDING`, newest first). A request pauses the job in
-    progress during its current batch (midway where the engine can); that job keeps its place
-    at the head of the queue, behind the jobs of answers given after it, and starts again from
-    what the store and the live sequence then hold. So the newest answer's history goes first:
-    its conversation's KV is the live sequence's (continued, not read back from the store), and
-    a job paused only because the engine was wanted elsewhere (a server's other worker) resumes
-    where it stopped instead of an older conversation's job replacing the live sequence. When an
-    older conversation's job did run after it (the newest finished first), the newest job runs
-    once more at the end: what the store holds of its history is injected and the rest
-    prefilled, so that the engine again holds, live, the conversation most likely to go on. And
-    before another conversation's job replaces the live sequence, the engine makes room to
-    inject the history just prepared (``EngineAdapter.make_room``), in case its next turn comes
-    before it is live again.
-
-    With ``threaded`` False no thread is started: the owner runs the queued jobs on its own
-    thread with :meth:`run_pending` between requests. A server worker does so, because
-    llama.cpp's OpenMP build keeps a team of threads per calling thread: once a second thread
-    has evaluated, the two teams outnumber the cores, and OpenMP then stops spinning at its
-    barriers, which slowed every later evaluation (measured in docs/benchmarks.md).
+    Jobs wait newest first (:data:`MAX_PENDING`). A paused job keeps its place at the head and
+    restarts from what the store and the live sequence then hold, so the newest conversation's
+    KV stays live; once an older job replaced it, the newest runs once more at the end. Before
+    another conversation's job replaces the live sequence, the engine makes room to inject the
+    history just prepared (``EngineAdapter.make_room``).
 
     Args:
-        lock: the engine's lock (``EngineAdapter.lock``), held for one batch at a time.
+        engine: the ``EdgeSync`` it works for; its adapter's lock is held one batch at a time.
         name: the thread's name.
-        busy: returns True while requests wait for the engine elsewhere (e.g. in a server
-            worker's queue): no batch starts meanwhile, and the one running stops midway where
-            the engine can, so that they are not delayed by one. Checked often during a batch:
-            keep it cheap.
+        busy: True while requests wait for the engine elsewhere (a server worker's queue): no
+            batch starts, and the one running stops midway. Checked often: keep it cheap.
         threaded: run the jobs on a thread of the runner's own (False: :meth:`run_pending`).
     """
 
-    def __init__(self, lock, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None,
+    def __init__(self, engine, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None,
                  threaded: bool = True) -> None:
-        self._lock = lock
+        self.engine = engine
+        self._lock = engine.adapter.lock
+        self.prepared: tuple[list[int], int] | None = None  # the last job's (tokens ready, start), until a request
         self._name = name
         self.busy = busy or (lambda: False)
         self.threaded = threaded
@@ -230,6 +232,61 @@ class IdleRunner:
         self.work_ended_at = 0.0
         """Wall-clock time (``time.time()``, seconds) at which the last step of idle-time work
         (a job's start, which reads the store, or a batch) ended."""
+
+    def prepare(self, prompt) -> PrepareResult:
+        """``EdgeSync.prepare``: store ``prompt``'s KV at once (its checks and errors).
+
+        Raises:
+            ValueError: an empty prompt, malformed messages, or no store.
+            PermissionError: the store is read-only.
+            ContextOverflowError: the prompt is longer than the context.
+        """
+        es = self.engine
+        if es.store is None or es.adapter.namespace is None:
+            raise ValueError("prepare: needs a store and an engine whose KV can be cached "
+                             f"({es.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
+        if es.store.readonly:
+            raise PermissionError("prepare: the store is open read-only")
+        tokens = history_tokens(es, prompt)
+        if len(tokens) > es.adapter.n_ctx:
+            raise ContextOverflowError(len(tokens), 0, es.adapter.n_ctx)
+        with self.paused(), self._lock:
+            return self.prefill_job(prompt, tokens).run()
+
+    def prepare_later(self, history) -> None:
+        """Queue the preparation of chat messages (``EdgeSync.prepare_later`` checked them and
+        that the engine has a writable store)."""
+        es, history = self.engine, list(history)
+
+        def start() -> PrefillJob | None:
+            tokens = history_tokens(es, history)
+            return self.prefill_job(history, tokens) if len(tokens) < es.adapter.n_ctx else None
+
+        self.submit(start, key=tuple((m.get("role"), m.get("content")) for m in history))
+
+    def prefill_job(self, prompt, tokens: list[int]) -> PrefillJob:
+        """The :class:`PrefillJob` of ``tokens`` (lock held), starting from what the live
+        sequence or the store holds exactly; it keeps the engine's live count up to date."""
+        es = self.engine
+        live_exact = es.take_live()
+        _, injected = ExactReuse(es).reuse(prompt, tokens, 1, live_exact)
+        start = injected.reused if exact_context(injected) else 0
+        es.set_live(start)
+
+        def ready(end: int) -> None:
+            es.set_live(end)
+            self.prepared = (tokens[:end], start)
+
+        return PrefillJob(es.adapter, es.store, es.config, tokens, start, es.fragment_cache, ready)
+
+    def count_wasted(self, tokens: list[int]) -> None:
+        """A request of ``tokens`` takes the engine: the tokens the last job prepared that it
+        does not begin with, in the same conversation, count as wasted."""
+        if self.prepared is not None:
+            (prepared, start), self.prepared = self.prepared, None
+            common = common_prefix_len(prepared, tokens)
+            if common >= start:  # the same conversation, departing inside the prepared tokens
+                self.stats.tokens_wasted += len(prepared) - common
 
     def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
         """Queue a job: ``start()`` is called with the lock held and returns the job (None:

@@ -1,15 +1,7 @@
-"""What ``EdgeSync`` does before its first request: load the engine, open the configured store,
-and warm the engine up for its first hit.
-
-:func:`load_adapter` picks the engine ``config.engine`` names; :func:`open_store` opens the
-local store with the configured TTL, budget and compression (read-only, or not at all, with a
-warning when the system will not let us write it); :func:`warm_up` asks the adapter to do the
-first-time work of a request at load rather than during the first request, and rehearses the
-latest hit: the store's reuse hint (``FragmentBackend.reuse_hint``, the token IDs the latest hit
-in this namespace injected, from any process) is walked, read, injected and its last token
-evaluated, answering nothing (:func:`rehearse`), so that a new process's first hit does not
-pay for the template's compilation, the engine's first decode, the kernel providing its
-seq-state buffer, or its first faults on the store's pages.
+"""What ``EdgeSync`` does before its first request: load the engine (:func:`adapter_for`), open
+its store (:func:`store_for`), make the semantic lookup (:func:`semantic_for`) and the RAM tier
+(:func:`ram_tiers`), start the store jobs (:func:`start_jobs`) and warm the engine up for its
+first hit (:func:`warm_up`). Engines, the local store and features are imported when first used.
 """
 
 from __future__ import annotations
@@ -20,22 +12,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
-from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.request import plan as planning
 from edgesync_engines.request.execute import Injector
-from edgesync_engines.request.plan import ReuseSource, SourceKind
-from edgesync_store.core.store import FragmentStore
+from edgesync_engines.request.plan import ReuseMode, ReuseSource, SourceKind
+from edgesync_store.core.backend import FragmentBackend, MaintenanceBackend
 from edgesync_store.errors import StoreDamagedError, StoreError, StoreIOError, StoreOpenError, StoreUnavailableError
 from edgesync_store.schema import MIN_SPAN
 from edgesync_store.ttl import TTLPolicy
 
 if TYPE_CHECKING:
     from edgesync_engines.config import EdgeSyncConfig
-    from edgesync_store.core.backend import FragmentBackend
+    from edgesync_engines.request.fragment_cache import FragmentCache
+    from edgesync_engines.request.prefetch import Prefetcher
+    from edgesync_engines.request.semantic_lookup import SemanticLookup
+    from edgesync_store.lifecycle.jobs import StoreJobs
 
 log = logging.getLogger(__name__)
+
 
 def adapter_for(model, config: "EdgeSyncConfig") -> tuple[EngineAdapter, bool]:
     """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (then the
@@ -70,6 +64,8 @@ def load_adapter(model, config: "EdgeSyncConfig"):
         onnx_export.ExportError: ``config.engine == "onnx"`` and the GGUF has no sound export.
     """
     if config.engine == "onnx":
+        from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
+
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model: the onnx engine takes a GGUF path or an OnnxRuntimeAdapter, "
                             f"got {type(model).__name__}")
@@ -79,6 +75,8 @@ def load_adapter(model, config: "EdgeSyncConfig"):
             n_threads=config.n_threads,
             seed=config.seed,
         )
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+
     return LlamaCppAdapter(
         model if model is not None else config.model_path,
         n_ctx=config.n_ctx,
@@ -88,6 +86,60 @@ def load_adapter(model, config: "EdgeSyncConfig"):
         seed=config.seed,
         kv_type=config.kv_type,
     )
+
+
+def begin_page_check(store, config: "EdgeSyncConfig") -> None:
+    """Start the page check of the store ``EdgeSync`` will open (``store`` None or a path; the
+    check runs in a child process while the model loads, and :func:`open_store` waits for it)."""
+    if config.cache_enabled and (store is None or isinstance(store, (str, os.PathLike))):
+        from edgesync_store import check
+
+        check.begin(Path(store or config.store_path))
+
+
+def store_for(store, adapter: EngineAdapter, config: "EdgeSyncConfig"
+              ) -> "tuple[FragmentBackend | None, bool, str | None]":
+    """``EdgeSync``'s store for its ``store`` argument: (the backend or None, whether it was
+    opened here, why the engine is served uncached or None). A path or None opens the local
+    store (with the remote tier in front when configured); an engine whose KV cannot be cut
+    (``adapter.cache_refusal``) gets no store.
+
+    Raises:
+        TypeError: ``store`` is not a ``FragmentBackend``, a path, None or False.
+    """
+    if store is False or not config.cache_enabled:
+        return None, False, None
+    if adapter.cache_refusal is not None:  # KV we cannot cut: the store is not opened
+        return None, False, adapter.cache_refusal
+    if isinstance(store, FragmentBackend):
+        return store, False, None
+    if store is not None and not isinstance(store, (str, os.PathLike)):
+        raise TypeError(f"store: expected a FragmentBackend (e.g. a FragmentStore), a path, None or False, "
+                        f"got {type(store).__name__}")
+    from edgesync_engines.request.remote_open import with_remote_tier
+
+    opened = with_remote_tier(open_store(Path(store or config.store_path), config), config)
+    return opened, opened is not None, None
+
+
+def semantic_for(store: "FragmentBackend | None", config: "EdgeSyncConfig") -> "SemanticLookup | None":
+    """The semantic lookup of ``store`` (it loads nothing until first needed; warmed up in the
+    ``semantic`` mode), or None: ``config.semantic`` off, no store, or a store that is not a
+    ``MaintenanceBackend`` (its donor index needs those members; a warning in the ``semantic``
+    mode, whose requests are then answered exactly)."""
+    if store is None or not config.semantic:
+        return None
+    if not isinstance(store, MaintenanceBackend):
+        if config.reuse == ReuseMode.SEMANTIC:
+            log.warning("reuse=semantic: the store is not a MaintenanceBackend, so no semantic lookup runs; "
+                        "requests are answered exactly")
+        return None
+    from edgesync_engines.request.semantic_lookup import SemanticLookup
+
+    semantic = SemanticLookup(store, config)
+    if config.reuse == ReuseMode.SEMANTIC:
+        semantic.warm_up()
+    return semantic
 
 
 def open_store(path: Path, config: "EdgeSyncConfig") -> "FragmentBackend | None":
@@ -101,6 +153,8 @@ def open_store(path: Path, config: "EdgeSyncConfig") -> "FragmentBackend | None"
         StoreOpenError: the path is not a store (a file, a foreign directory).
         StoreFormatError: a store of a newer format.
     """
+    from edgesync_store.core.store import FragmentStore
+
     policy = TTLPolicy(ttl_seconds=config.ttl_seconds)
     try:
         return FragmentStore(path, policy=policy, max_bytes=config.max_bytes, compression=config.compression)
@@ -124,6 +178,34 @@ def _has_data_file(path: Path) -> bool:
         return (path / "data.mdb").exists()
     except OSError:  # a directory we may not read
         return False
+
+
+def ram_tiers(store: "FragmentBackend", adapter: "EngineAdapter",
+              config: "EdgeSyncConfig") -> "tuple[FragmentCache | None, Prefetcher | None]":
+    """The RAM tier (``ram_tier_bytes``; None when 0) of fragments staged for ``adapter``
+    (``stage_fragment``) and, with ``prefetch``, the prefetcher that fills it (None otherwise;
+    the config refuses prefetch without a tier)."""
+    if not config.ram_tier_bytes:
+        return None, None
+    from edgesync_engines.request.fragment_cache import FragmentCache
+
+    cache = FragmentCache(store, config.ram_tier_bytes, adapter.stage_fragment)
+    if not config.prefetch:
+        return cache, None
+    from edgesync_engines.request.prefetch import Prefetcher
+
+    return cache, Prefetcher(cache, adapter.namespace, chunk_tokens=config.chunk_tokens)
+
+
+def start_jobs(store: "FragmentBackend", index, config: "EdgeSyncConfig") -> "StoreJobs | None":
+    """The store's sweep and compaction jobs, started (``config.jobs``), or None: jobs off, or a
+    store that is read-only or not a ``MaintenanceBackend``. ``index`` returns the open semantic
+    index or None."""
+    if not config.jobs:
+        return None
+    from edgesync_store.lifecycle.jobs import start_jobs as start
+
+    return start(store, index, config.sweep_interval_s, config.compact_interval_s)
 
 
 def warm_up(adapter, store: "FragmentBackend | None") -> int:

@@ -1,18 +1,6 @@
-"""Next-request prediction, and the prefetching of the predicted requests' fragments.
-
-:class:`NgramPredictor` watches the sequence of requests, each identified by a caller-chosen
-hashable key that is stable across processes (a hex prefix hash, a ``prompt_key`` string; never
-Python's ``hash()`` of a string, which changes per process), and proposes the ``top_k`` keys
-most likely to come next: first those that followed the current context of the last ``n - 1``
-keys, then (backing off) those that followed shorter contexts, then the most frequent keys
-overall. Ties are broken by recency (the most recently seen continuation first), so the result
-is deterministic and never depends on the keys' own ordering. It keeps top-1 and top-k hit
-rates of the predictions it would have made before each observed key.
-
-:class:`Prefetcher` decodes the predicted requests' fragments into the router's RAM tier
-(:class:`~edgesync_engines.request.fragment_cache.FragmentCache`) in a background thread, so
-that the next request's injection skips the decompression. :func:`ram_tiers` builds both from
-the settings.
+"""Next-request prediction (:class:`NgramPredictor`), and the prefetching of the predicted
+requests' fragments into the RAM tier in a background thread (:class:`Prefetcher`), so that the
+next request's injection skips the decompression.
 """
 
 from __future__ import annotations
@@ -32,9 +20,6 @@ from edgesync_store.errors import StoreError
 from edgesync_store.schema import Namespace
 
 if TYPE_CHECKING:
-    from edgesync_engines.adapters.protocol import EngineAdapter
-    from edgesync_engines.config import EdgeSyncConfig
-    from edgesync_store.core.backend import FragmentBackend
     from edgesync_store.schema import KVFragment
 
 log = logging.getLogger(__name__)
@@ -67,12 +52,12 @@ class PredictionAccuracy:
 
 
 class NgramPredictor:
-    """An n-gram model of the request sequence with backoff to shorter contexts and unigrams.
+    """An n-gram model of the request sequence (keys stable across processes, such as
+    :func:`request_key`; never ``hash()`` of a string) with backoff to shorter contexts and
+    unigrams; ties go to the most recent continuation, so proposals are deterministic.
 
-    ``NgramPredictor(n=3, top_k=3)``: ``n`` >= 1 is the n-gram order (contexts of up to
-    ``n - 1`` previous keys; ``n=1`` is unigram frequency alone), ``top_k`` >= 1 the number of
-    proposals. Raises ValueError for smaller values. Memory grows with the distinct
-    (context, next key) pairs seen: at most ``n`` entries per observation. Thread-safe.
+    ``n`` >= 1 is the order (contexts of up to ``n - 1`` keys), ``top_k`` >= 1 the number of
+    proposals (ValueError otherwise). At most ``n`` table entries per observation. Thread-safe.
     """
 
     def __init__(self, n: int = 3, top_k: int = 3) -> None:
@@ -167,46 +152,30 @@ class NgramPredictor:
 
 def request_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128) -> str | None:
     """The predictor's key of a request: the hex ``storeback.chunk_key`` of its first chunk
-    (None and ValueError as there).
-
-    It depends only on the namespace and the prompt's first tokens, so it is the same in every
-    process and known before the prefix walk: the questions over one doc-QA passage, the turns
-    of one chat session and the requests of one app's system prompt share it.
-    """
+    (None and ValueError as there), the same in every process and known before the walk."""
     key = chunk_key(namespace, tokens, chunk_tokens)
     return None if key is None else key.hex()
-
-
-def ram_tiers(store: "FragmentBackend", adapter: "EngineAdapter",
-              config: "EdgeSyncConfig") -> "tuple[FragmentCache | None, Prefetcher | None]":
-    """The router's RAM tier (``ram_tier_bytes``; None when 0) of fragments staged for
-    ``adapter`` (``stage_fragment``) and, with ``prefetch``, the prefetcher that fills it
-    (None otherwise; the config refuses prefetch without a tier)."""
-    if not config.ram_tier_bytes:
-        return None, None
-    cache = FragmentCache(store, config.ram_tier_bytes, adapter.stage_fragment)
-    return cache, Prefetcher(cache, adapter.namespace) if config.prefetch else None
 
 
 class Prefetcher:
     """Predicts the next requests and decodes their stored fragments into a RAM tier ahead of time.
 
-    ``Prefetcher(cache, namespace)``: ``cache`` is the read-through RAM tier
-    (:class:`~edgesync_engines.request.fragment_cache.FragmentCache`) of the store to prefetch
-    from, which the request path reads; ``n`` and ``top_k`` are the :class:`NgramPredictor`'s
-    order and proposals; ``max_keys`` bounds how many request keys' token sequences are
-    remembered (least recently seen dropped first; at most ``max_keys`` x the context length
-    int32 tokens, e.g. 256 x 4096 x 4 B = 4 MiB). Raises ValueError for out-of-range numbers.
+    Args:
+        cache: the read-through RAM tier (``FragmentCache``) the request path reads.
+        namespace: the engine's namespace.
+        n, top_k: the :class:`NgramPredictor`'s order and proposals.
+        max_keys: request keys whose last tokens are remembered (int32, at most the context
+            length each; least recently seen dropped first).
+        chunk_tokens: the grid of :func:`request_key`.
 
-    The request thread calls :meth:`after_request` once an answer is complete; one daemon
-    thread then, for each predicted key, most likely first, walks the store with the tokens
-    last seen under that key and decodes (``store.get``: verified) every matched fragment the
-    tier does not hold in the version the store holds. A new prediction replaces the work not
-    yet started. Store errors in the thread are logged and skipped, never raised.
+    After each answer (:meth:`after_answer`), a daemon thread walks the store with the tokens
+    last seen under each predicted key, most likely first, and decodes (``store.get``: verified)
+    every matched fragment the tier lacks in the store's version; a new prediction replaces the
+    work not started. Its store errors are logged, never raised. ValueError: a bad number.
     """
 
     def __init__(self, cache: FragmentCache, namespace: Namespace, *, n: int = 3, top_k: int = 3,
-                 max_keys: int = 256) -> None:
+                 max_keys: int = 256, chunk_tokens: int = 128) -> None:
         if not isinstance(max_keys, int) or max_keys < 1:
             raise ValueError(f"max_keys must be an int >= 1, got {max_keys!r}")
         self.cache = cache
@@ -215,6 +184,7 @@ class Prefetcher:
         self.predictor = NgramPredictor(n=n, top_k=top_k)
         self.ram = cache.ram
         self.max_keys = max_keys
+        self.chunk_tokens = chunk_tokens
         self._cond = threading.Condition(threading.Lock())
         self._tokens: OrderedDict[str, np.ndarray] = OrderedDict()  # request key -> last tokens
         self._pending: list[np.ndarray] = []  # token sequences still to prefetch, next first
@@ -224,6 +194,11 @@ class Prefetcher:
         self._prefetched = self._prefetched_bytes = self._errors = 0
 
     # -- request thread -----------------------------------------------------------------
+
+    def after_answer(self, prompt: Sequence[int], answer: Sequence[int]) -> list:
+        """:meth:`after_request` of a request's prompt tokens and answer tokens, keyed by
+        :func:`request_key` of the prompt (``chunk_tokens``)."""
+        return self.after_request(request_key(self.namespace, prompt, self.chunk_tokens), [*prompt, *answer])
 
     def after_request(self, key: str | None, tokens: Sequence[int] | np.ndarray) -> list:
         """Record a finished request: ``key`` (:func:`request_key`; None records nothing) and

@@ -4,61 +4,54 @@ streamed request, :class:`GenerationStream`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
+
+from edgesync_engines.request.plan import hit_kind
+
+if TYPE_CHECKING:
+    from edgesync_engines.request.execute import Injection
+    from edgesync_engines.request.plan import ReusePlan
+
+log = logging.getLogger(__name__)
 
 _END = object()
 """What the reading thread of :meth:`GenerationStream.__aiter__` queues after the last piece."""
 READ_AHEAD = 4
-"""Pieces the reading thread of ``async for`` hands on before its consumer takes them: one that
-leaves stops decoding within about that many tokens, and a slow one holds the engine between
-pieces, as a plain ``for`` does."""
+"""Pieces the reading thread of ``async for`` hands on ahead of its consumer."""
 LEAVE_POLL_S = 0.05
-"""Seconds between the reading thread's looks at whether its consumer left, while it waits for
-room to hand on a piece."""
+"""Seconds between the reading thread's looks at whether its consumer left."""
 
 
 @dataclass
 class GenerationResult:
-    """What one request produced and what it cost.
+    """What one request produced and what it cost: counts in tokens, times in ms, sizes in bytes.
 
-    Token counts are tokens; times are milliseconds; sizes are bytes. ``hit`` is the hit kind
-    (:class:`~edgesync_engines.request.plan.HitKind`: ``exact``, ``partial`` or ``miss``).
-    ``similarity`` is the cosine of the best donor the semantic lookup found (None when the
-    lookup did not run or found none); ``lookup_ms`` the lookup's cost (encode + search + donor
-    checks, None when it did not run); ``donor`` the hex key (the last fragment of its chain)
-    of the nominated donor whose verified prefix was injected, or that reached as far as the
-    prefix walk did, or that was served whole (None when no nominated donor matched that far).
-    ``tokens_prefilled`` is what this request evaluated (``prompt_tokens - tokens_reused``,
-    except in the approximate mode, where the donor's remaining tokens are evaluated instead).
-    ``approximate`` is True when the answer came from a donor's KV whose tokens differ from the
-    prompt's (``reuse="semantic"`` only). ``ram_tier_hits`` counts the fragments injected from
-    the RAM tier instead of being read and decoded from the store (0 when ``ram_tier_bytes`` is
-    0); ``bytes_read`` the compressed bytes read from the store for the rest. ``convertible``
-    is True when the injected KV was written by another engine and converted
-    (``allow_convertible`` only); ``source_engine`` names the engine whose KV was injected
-    (None on a miss and for a donor served whole). ``uncached_reason`` is None unless
-    a cache was asked for but the engine's KV cannot be cut (``EngineAdapter.cache_refusal``):
-    then it says why, and the request was served uncached.
-
-    With documents (``generate(documents=...)`` or ``retrieve=k``): ``documents`` lists the
-    document IDs (64 hex digits) in prompt order, ``retrieval_scores`` the cosine of each when
-    they were retrieved (None when the app passed them). In ``reuse="blend"`` (``approximate``
-    True) ``blended_tokens`` counts document tokens whose stored KV was placed and kept as is,
-    ``recomputed_tokens`` the document and separator tokens evaluated against the assembled
-    prompt; ``tokens_reused`` is the exact prefix injected plus ``blended_tokens``.
-    ``blend_refusal`` says why a blend was asked for but the request ran exact (None otherwise).
-    ``documents_computed`` counts the prompt's documents whose KV this request computed and
-    stored (in blend mode before the blend, otherwise after the answer).
-
-    ``live_tokens`` counts the tokens of ``tokens_reused`` that the engine's live sequence
-    already held (a previous request's prompt or idle-time work: nothing was injected).
-    ``finish_reason`` is ``stop`` (an end-of-generation token or a stop string), ``length``
-    (``max_tokens``) or ``cancelled`` (the caller stopped the stream); ``tokens`` are the
-    tokens decoded either way. ``idle_wait_ms`` is how long the request waited for idle-time
-    work to stop (None when none was running), ``idle_wait_tokens`` the tokens idle-time work
-    evaluated meanwhile (at most one batch; 0 where the batch running stopped midway).
+    Attributes:
+        hit: ``exact``, ``partial`` or ``miss`` (:class:`~edgesync_engines.request.plan.HitKind`).
+        similarity, lookup_ms, donor: the semantic lookup's best cosine, its cost (encode, search,
+            donor checks) and the hex key of the donor used (None: no lookup, or no donor).
+        tokens_prefilled: tokens this request evaluated (in the approximate mode, the donor's).
+        approximate: the KV injected is not the prompt's own (a donor, or a blend).
+        ram_tier_hits, bytes_read: fragments injected from the RAM tier; compressed bytes read
+            from the store for the rest.
+        convertible, source_engine: KV written by another engine was converted; the engine whose
+            KV was injected (None on a miss and for a donor served whole).
+        uncached_reason: why the engine's KV cannot be cached (served uncached), else None.
+        documents, retrieval_scores: document IDs (64 hex digits) in prompt order, and their
+            retrieval cosines (None when given).
+        blended_tokens, recomputed_tokens: ``blend``: document tokens whose stored KV was kept,
+            and tokens evaluated against the assembled prompt (``tokens_reused`` is the exact
+            head plus ``blended_tokens``).
+        blend_refusal: why a blend asked for ran exact, else None.
+        documents_computed: the prompt's documents whose KV this request computed and stored.
+        live_tokens: tokens of ``tokens_reused`` the engine's live sequence already held.
+        finish_reason: ``stop`` (end-of-generation token or stop string), ``length`` or
+            ``cancelled``; ``tokens`` are those decoded either way.
+        idle_wait_ms, idle_wait_tokens: the wait for idle-time work to stop (None: none ran),
+            and the tokens it evaluated meanwhile.
     """
 
     text: str
@@ -89,6 +82,26 @@ class GenerationResult:
     finish_reason: str = "stop"
     idle_wait_ms: float | None = None
     idle_wait_tokens: int = 0
+
+    @classmethod
+    def of(cls, tokens: list[int], out: list[int], text: str, plan: "ReusePlan", injected: "Injection",
+           written: int, ttft_ms: float, total_ms: float, uncached_reason: str | None) -> "GenerationResult":
+        """The result of a request of prompt ``tokens`` answered with ``out`` (``text``), from
+        its plan and what was injected (and its log line)."""
+        n, reused = len(tokens), injected.reused
+        hit = hit_kind(reused, n, injected.approximate)
+        log.info("request: %d prompt tokens, hit %s%s, reused %d, similarity %s, ttft %.1f ms", n, hit,
+                 " (approximate)" if injected.approximate else " (convertible)" if injected.convertible else "",
+                 reused, "-" if plan.similarity is None else f"{plan.similarity:.3f}", ttft_ms)
+        return cls(
+            text=text, tokens=out, hit=hit, similarity=plan.similarity, prompt_tokens=n, tokens_reused=reused,
+            tokens_prefilled=len(injected.tokens) - reused, ttft_ms=ttft_ms, total_ms=total_ms,
+            bytes_read=injected.bytes_read, fragments_written=written, approximate=injected.approximate,
+            lookup_ms=None if plan.lookup_ms is None else plan.lookup_ms + injected.donor_ms,
+            donor=injected.donor, ram_tier_hits=injected.ram_tier_hits, convertible=injected.convertible,
+            source_engine=injected.source_engine, uncached_reason=uncached_reason,
+            live_tokens=injected.reused if injected.live else 0,
+        )
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (what the CLI prints)."""
