@@ -4,7 +4,7 @@
 The prompt's chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)`` (never the last
 token: ``usable_prefix``); :func:`chunk_key` names a chunk of it (the prefetcher keys requests
 by the first, the semantic index donors by the last). The donor record (token IDs and the text
-to embed, ``companions.donor_value``) goes in the same write as the fragments, without a vector:
+to embed, ``core/donor_record.py``) goes in the same write as the fragments, without a vector:
 nothing is embedded on the default path (:func:`index_prompt` adds it when a semantic lookup
 embedded the prompt already; a background catch-up embeds the rest).
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from edgesync_engines.request.prompt_text import embed_text_for
-from edgesync_store.core.companions import donor_value
+from edgesync_store.core.donor_record import donor_value
 from edgesync_store.errors import StoreError
 from edgesync_store.lifecycle.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key

@@ -89,7 +89,7 @@ class FragmentBackend(ABC):
         never a pinned one); one that still does not fit is skipped (logged).
 
         Args:
-            donor: ``(key, value)`` of the prompt's donor record (``companions.donor_value``),
+            donor: ``(key, value)`` of the prompt's donor record (``core/donor_record.py``),
                 written in the same write when the fragment ``key`` is stored and has none yet.
         """
 

@@ -2,7 +2,7 @@
 deleted and re-keyed with their fragment in the same transaction (whatever modules the
 process imported):
 
-* ``donors``: store key -> donor record (:func:`donor_value`), plus a counter under
+* ``donors``: store key -> donor record (``donor_record.py``), plus a counter under
   :data:`PENDING_KEY` (never a 32-byte key);
 * ``emb_vectors``: store key -> ``<Q`` label + the unit vector (``<f4``);
 * ``emb_meta``: counters (``next_label``, ``generation``: ``<Q``) and the change log, ``log/``
@@ -15,12 +15,8 @@ exist yet holds nothing to change.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
-
-import numpy as np
 
 from edgesync_store.core.lmdb_env import U64
-from edgesync_store.schema import token_bytes
 
 DONORS_DB = b"donors"
 PENDING_KEY = b"pending"
@@ -40,31 +36,6 @@ LOG_KEEP = 100_000
 reconciles against the whole ``emb_vectors`` database instead of replaying."""
 BE64 = struct.Struct(">Q")
 """Big-endian generation in a change-log key, so that the log sorts by generation."""
-
-
-DONOR_COUNT = struct.Struct("<I")
-"""The token count in a donor record."""
-
-
-def donor_value(namespace_digest: bytes, tokens: Sequence[int] | np.ndarray, text: str = "") -> bytes:
-    """A donor record's value: the namespace digest (32 bytes), ``<I`` token count n, n ``<i4``
-    token IDs from position 0 (``schema.token_bytes``), then ``text`` (UTF-8: what the semantic
-    lookup embeds).
-
-    Raises:
-        ValueError: ``namespace_digest`` is not 32 bytes, or ``tokens`` is empty.
-    """
-    if not isinstance(namespace_digest, bytes) or len(namespace_digest) != 32:
-        raise ValueError(f"namespace_digest: expected 32 bytes, got {namespace_digest!r:.40}")
-    if len(tokens) == 0:
-        raise ValueError("tokens: empty")
-    return namespace_digest + DONOR_COUNT.pack(len(tokens)) + token_bytes(tokens) + text.encode("utf-8")
-
-
-def check_key(key: bytes) -> None:
-    """Raises ValueError when ``key`` is not a 32-byte store key."""
-    if not isinstance(key, bytes) or len(key) != 32:
-        raise ValueError(f"key: expected a 32-byte store key, got {key!r:.40}")
 
 
 def u64(value) -> int:

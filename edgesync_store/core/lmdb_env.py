@@ -7,7 +7,7 @@ One environment (a directory of mode 0700: it holds users' prompts) with five co
 * ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
 * ``heads``: store key -> the blob's head (``codec.head_of``), written and deleted with the
   blob: what the walk, the sweep and ``dump`` read, so they never map a blob;
-* ``by_prefix`` (dupsort): namespace digest + prefix hash (:func:`index_key`, 64 bytes) -> keys
+* ``by_prefix`` (dupsort): namespace digest + prefix hash (``walk.index_key``, 64 bytes) -> keys
   of the fragments that start right after that prefix;
 * ``lifecycle``: store key -> ``ttl.Lifecycle`` (45 bytes): hits, times, sizes, apart from the
   tensors;
@@ -69,11 +69,6 @@ MAX_MAP_SIZE = 1 << 40
 OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME, COMPACT_LOCK_NAME)
 """Files of ours that may sit in a store directory without ``data.mdb`` (besides ``semantic.*``)."""
 T = TypeVar("T")
-
-
-def index_key(namespace_digest: bytes, prefix_hash: bytes) -> bytes:
-    """The ``by_prefix`` key of a fragment: its namespace digest (32 bytes) + prefix hash (32)."""
-    return namespace_digest + prefix_hash
 
 
 def read_u64(value) -> int | None:

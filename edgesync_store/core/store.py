@@ -25,6 +25,7 @@ from edgesync_store.core import codec, companions, eviction, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
 from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
 from edgesync_store.core.codec import FragmentHeader
+from edgesync_store.core.donor_record import check_key
 from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
 from edgesync_store.core.lmdb_env import (
     DEFAULT_MAP_SIZE,
@@ -35,13 +36,12 @@ from edgesync_store.core.lmdb_env import (
     USED_BYTES_KEY,
     LmdbEnv,
     format_version,
-    index_key,
     prepare_dir,
     read_u64,
 )
 from edgesync_store.core.locks import OPEN_LOCK_NAME, OpenLock, PinTable
 from edgesync_store.core.page_check import verify as verify_pages
-from edgesync_store.core.walk import PrefixMatch, SpanMatch
+from edgesync_store.core.walk import PrefixMatch, SpanMatch, index_key
 from edgesync_store.errors import (
     CodecError,
     StoreBusyError,
@@ -393,7 +393,7 @@ class FragmentStore(MaintenanceBackend):
         """See :meth:`FragmentBackend.put_many`. Encoding happens before the transaction so the
         writer lock is held only for the copy into LMDB."""
         if donor is not None:
-            companions.check_key(donor[0])
+            check_key(donor[0])
         encoded = []
         for f in fragments:
             blob = codec.encode(f, self.compression)
@@ -404,7 +404,7 @@ class FragmentStore(MaintenanceBackend):
         return self._write_encoded(encoded, now, donor)
 
     def put_donor(self, key: bytes, value: bytes) -> bool:
-        companions.check_key(key)
+        check_key(key)
         if not self.transact(lambda txn: companions.lacks_donor_in(self, txn, key)):
             return False
         return self.transact(lambda txn: companions.add_donor_in(self, txn, key, value), write=True)

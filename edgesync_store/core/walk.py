@@ -12,10 +12,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edgesync_store.core import codec
-from edgesync_store.core.lmdb_env import index_key
 from edgesync_store.errors import CodecError
 from edgesync_store.schema import MIN_SPAN, Namespace, common_prefix_len, prefix_hasher, token_bytes
 from edgesync_store.ttl import Lifecycle
+
+
+def index_key(namespace_digest: bytes, prefix_hash: bytes) -> bytes:
+    """The ``by_prefix`` key of a fragment: its namespace digest (32 bytes) + prefix hash (32)."""
+    return namespace_digest + prefix_hash
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The semantic index maps a prompt's embedding to the store key of the last fragment of its
 chain; verifying a nominated donor token by token needs its tokens from position 0, which a
 fragment does not hold. The records live in the ``donors`` database of the store's own
-environment, one per key; ``core/companions.py`` lays out the value (``donor_value``), keeps the
+environment, one per key (``core/donor_record.py`` lays out the value); ``core/companions.py`` keeps the
 pending counter (records without a vector) and deletes a record with its fragment.
 
 The default mode writes a record with the prompt's fragments and never embeds it
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from edgesync_store.core.companions import DONOR_COUNT, DONORS_DB, PENDING_KEY, VECTORS_DB, check_key, donor_value, u64
+from edgesync_store.core.companions import DONORS_DB, PENDING_KEY, VECTORS_DB, u64
+from edgesync_store.core.donor_record import DonorRecord, check_key, donor_value, parse_donor
 
 if TYPE_CHECKING:
     from edgesync_store.core.backend import MaintenanceBackend
@@ -29,16 +29,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DONORS_DB", "DonorRecord", "delete_donor", "donor_value", "embed_unindexed", "get_donor",
            "iterate_donors", "pending_generation", "put_donor", "unindexed_keys"]
-
-
-@dataclass(frozen=True)
-class DonorRecord:
-    """One donor: its namespace digest (32 bytes), token IDs (int32 ``[n]``) and the text its
-    embedding was computed from."""
-
-    namespace_digest: bytes
-    tokens: np.ndarray
-    text: str
 
 
 def _db(store: "MaintenanceBackend", create: bool):
@@ -72,24 +62,6 @@ def pending_generation(store: "MaintenanceBackend") -> int:
     return store.transact(lambda txn: u64(txn.get(PENDING_KEY, db=db)))
 
 
-def _parse(key: bytes, value: bytes) -> DonorRecord | None:
-    head = 32 + DONOR_COUNT.size
-    if len(value) < head:
-        log.warning("donor record %s: %d bytes, too short; ignored", key.hex()[:16], len(value))
-        return None
-    (n,) = DONOR_COUNT.unpack_from(value, 32)
-    end = head + 4 * n
-    if len(value) < end or n == 0:
-        log.warning("donor record %s: claims %d tokens in %d bytes; ignored", key.hex()[:16], n, len(value))
-        return None
-    try:
-        text = value[end:].decode("utf-8")
-    except UnicodeDecodeError:
-        log.warning("donor record %s: text is not UTF-8; ignored", key.hex()[:16])
-        return None
-    return DonorRecord(value[:32], np.frombuffer(value[head:end], dtype="<i4").astype(np.int32), text)
-
-
 def get_donor(store: "MaintenanceBackend", key: bytes) -> DonorRecord | None:
     """The record of fragment ``key``, or None when there is none or it is malformed (logged
     and ignored)."""
@@ -97,7 +69,7 @@ def get_donor(store: "MaintenanceBackend", key: bytes) -> DonorRecord | None:
     if db is None:
         return None
     value = store.transact(lambda txn: (bytes(v) if (v := txn.get(key, db=db)) is not None else None))
-    return None if value is None else _parse(key, value)
+    return None if value is None else parse_donor(key, value)
 
 
 def iterate_donors(store: "MaintenanceBackend") -> Iterator[tuple[bytes, DonorRecord]]:
@@ -107,7 +79,7 @@ def iterate_donors(store: "MaintenanceBackend") -> Iterator[tuple[bytes, DonorRe
     if db is None:
         return iter(())
     rows = store.transact(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db) if len(k) == 32])
-    return ((k, r) for k, v in rows if (r := _parse(k, v)) is not None)
+    return ((k, r) for k, v in rows if (r := parse_donor(k, v)) is not None)
 
 
 def unindexed_keys(store: "MaintenanceBackend") -> list[bytes]:
@@ -151,7 +123,7 @@ def _still_unindexed(store: "MaintenanceBackend", keys: Sequence[bytes]) -> list
                 rows.append((key, bytes(value)))
         return rows
 
-    return [(k, r) for k, v in store.transact(read) if (r := _parse(k, v)) is not None]
+    return [(k, r) for k, v in store.transact(read) if (r := parse_donor(k, v)) is not None]
 
 
 def embed_unindexed(store: "MaintenanceBackend", index, encode: Callable[[list[str]], np.ndarray], batch: int = 16,
