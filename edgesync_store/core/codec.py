@@ -123,16 +123,9 @@ def _v_order(values: np.ndarray) -> tuple[str, np.ndarray]:
 
 
 def encode(fragment: KVFragment, compression: str = DEFAULT_COMPRESSION) -> bytes:
-    """Serialise a fragment to a format-2 blob (layout in the module docstring).
-
-    V is written in the order it lies in memory (``v_order``: a transposed view, as an
-    engine's ``stage_fragment`` lays it out, is written ``"channel"``). Lifecycle counters
-    (``hit_count``, ``last_hit_at``) are not part of the blob: the store keeps them apart so a
-    hit never rewrites the tensors.
-
-    Raises:
-        ValueError: ``compression`` is not one of :data:`COMPRESSIONS`.
-    """
+    """A format-2 blob of ``fragment``; V in the order it lies in memory (a transposed view is
+    written ``"channel"``). Hit counters are not in the blob (the store keeps them apart).
+    ValueError: ``compression`` not in :data:`COMPRESSIONS`."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: {compression!r} is not one of {', '.join(COMPRESSIONS)}")
     dtype = fragment.namespace.np_dtype
@@ -207,14 +200,9 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
 
 @functools.lru_cache(maxsize=HEAD_MEMO)
 def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
-    """The header and embedding of a head's exact bytes, its checksum verified: memoized by
-    those bytes, since a walk peeks the same heads request after request (bytes that differ, a
-    corrupt head among them, are parsed and checked anew). Arrays are read-only: they are
-    shared by every caller.
-
-    Raises:
-        CodecError: a checksum mismatch or bad header fields.
-    """
+    """The header and embedding of a head's exact bytes, checksum verified, memoized by those
+    bytes (a walk peeks the same heads request after request); arrays read-only, shared.
+    CodecError: a checksum mismatch or bad header fields."""
     view = memoryview(head)
     _magic, version, header_len = PREFIX.unpack_from(view, 0)
     header_bytes = bytes(view[PREFIX.size : PREFIX.size + header_len])
@@ -317,20 +305,16 @@ def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = Tru
     """Parse, verify and decode a blob (format 1 or 2) into a :class:`KVFragment`.
 
     Args:
-        blob: bytes from :func:`encode` (a zero-copy LMDB buffer is fine).
-        max_raw_bytes: refuse blobs declaring more decompressed bytes than this.
-        copy: False returns K and V of an uncompressed payload as views of ``blob`` (no copy;
-            read-only when ``blob`` is, as ``bytes`` and LMDB's buffers are; valid only as long
-            as ``blob``'s memory is, e.g. inside the LMDB read transaction that returned it); a
-            compressed payload is always decoded into arrays of its own.
-        check_payload: False skips the payload's checksum of an uncompressed format-2 blob read
-            in place (``copy=False``): the caller verifies it apart (:func:`payload_check`)
-            before anything it computes from the tensors is used. Everything else is checked.
+        blob: bytes from :func:`encode` (an LMDB buffer is fine).
+        max_raw_bytes: refuse blobs declaring more decompressed bytes (before allocating).
+        copy: False returns an uncompressed payload's K and V as views of ``blob`` (valid as
+            long as its memory is); a compressed one is always decoded into arrays of its own.
+        check_payload: False skips an uncompressed format-2 payload's checksum read in place
+            (the caller checks it apart: :func:`payload_check`).
 
     Raises:
-        CodecError: corrupt, truncated or crafted blob, a declared size over ``max_raw_bytes``
-            (refused before allocating), or a fragment invariant violated (wrong content hash,
-            shapes...); the message names what was wrong.
+        CodecError: a corrupt, truncated or crafted blob, a size over ``max_raw_bytes``, or a
+            broken fragment invariant (a wrong content hash); the message names what.
     """
     view = memoryview(blob)
     head, embedding = _parse_head(view)  # once: it checksums the head

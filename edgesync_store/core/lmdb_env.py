@@ -331,16 +331,9 @@ class LmdbEnv:
 
     @contextmanager
     def reader(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction (buffers: values are memoryviews into the map) held, with
-        :attr:`lock`, for the ``with`` block: for reads whose results are used in place (views
-        of a value are valid only until the block ends). Keep the block short: this process's
-        other threads wait on the lock meanwhile, and a long reader keeps writers from reusing
-        freed pages. The block reads whole blobs, with the map's read-ahead on
-        (``map_advice.MapAdvice``).
-
-        Raises:
-            StoreIOError: LMDB failed to begin the transaction.
-        """
+        """A read transaction whose values are views into the map, held with :attr:`lock` for
+        the ``with`` block (keep it short: other threads wait, and writers cannot reuse freed
+        pages), read-ahead on (``MapAdvice``). StoreIOError: LMDB failed to begin it."""
         with self.lock:
             for _ in range(64):
                 try:

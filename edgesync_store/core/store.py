@@ -365,13 +365,9 @@ class FragmentStore(MaintenanceBackend):
 
     @contextmanager
     def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator[ChainRead]:
-        """See :meth:`FragmentBackend.reading`: one read transaction held for the ``with`` block
-        (this process's other threads wait on the environment's lock meanwhile, so inject and
-        leave); an uncompressed blob's K and V are read-only views of LMDB's map, not copied.
-        With ``defer_checks`` their payload checksums (xxh3) run in a thread of their own while
-        the block uses the views (an injection's copies overlap them on a second core):
-        ``confirm()`` waits for them; the block's end waits for them too, so no check ever reads
-        a view after the transaction."""
+        """One read transaction held for the ``with`` block (other threads wait: inject and
+        leave); uncompressed K and V are views of LMDB's map. ``defer_checks``: payload checksums
+        run on a thread of their own meanwhile; ``confirm()`` and the block's end wait for them."""
         corrupt: list = []
         deferred: list | None = [] if defer_checks else None
         try:
@@ -410,14 +406,9 @@ class FragmentStore(MaintenanceBackend):
         return self.transact(lambda txn: companions.add_donor_in(self, txn, key, value), write=True)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes, Lifecycle]], now: float | None = None) -> int:
-        """Store blobs as they are: ``(store key, codec blob, lifecycle record)`` each, the blob
-        already decoded and verified by the caller (``codec.decode`` and its key); the record's
-        sizes are set here. The rules of :meth:`put_many`; returns how many were written.
-
-        Raises:
-            CodecError: a blob whose head does not parse (nothing written).
-            PermissionError: read-only. StoreIOError: LMDB failed (nothing written).
-        """
+        """:meth:`put_many` of ``(store key, blob, lifecycle record)`` items whose blobs the caller
+        verified (``codec.decode`` and the key); the records' sizes are set here. CodecError: a
+        head that does not parse (nothing written)."""
         encoded = []
         for key, blob, life in items:
             head = codec.peek(blob)
@@ -428,13 +419,8 @@ class FragmentStore(MaintenanceBackend):
         return self._write_encoded(encoded, now)
 
     def _put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
-        """Write ``blob`` under ``key``, its head (``codec.head_of``) in ``heads`` and its
-        ``by_prefix`` entry ``ikey``, in ``txn`` (the lifecycle record and ``used_bytes`` are
-        the caller's).
-
-        Raises:
-            CodecError: the blob's head does not parse (nothing written).
-        """
+        """Write ``blob``, its head and its ``by_prefix`` entry ``ikey`` in ``txn`` (lifecycle and
+        ``used_bytes`` are the caller's). CodecError: the head does not parse."""
         head = codec.head_of(blob)
         env = self.env
         txn.put(key, blob, db=env.fragments)

@@ -31,44 +31,30 @@ def _groups(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def layer_groups(n_layer: int, layers_per_fragment: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer groups of ``layers_per_fragment`` layers covering
-    ``[0, n_layer)``; the last group holds the remainder (``layer_groups(30, 16)`` ->
-    ``[(0, 16), (16, 30)]``).
+def _partition(n, n_name: str, size, size_name: str) -> list[tuple[int, int]]:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{n_name}: must be a positive integer, got {n!r}")
+    return _groups(int(n), _check_count(size_name, size, n, n_name))
 
-    Raises:
-        ValueError: ``n_layer`` < 1, or ``layers_per_fragment`` not an integer in [1, n_layer].
-    """
-    if isinstance(n_layer, bool) or not isinstance(n_layer, (int, np.integer)) or n_layer < 1:
-        raise ValueError(f"n_layer: must be a positive integer, got {n_layer!r}")
-    return _groups(int(n_layer), _check_count("layers_per_fragment", layers_per_fragment, n_layer, "n_layer"))
+
+def layer_groups(n_layer: int, layers_per_fragment: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` groups of ``layers_per_fragment`` layers covering ``[0,
+    n_layer)``, the last holding the remainder (ValueError: a count out of range)."""
+    return _partition(n_layer, "n_layer", layers_per_fragment, "layers_per_fragment")
 
 
 def head_groups(n_head_kv: int, heads_per_fragment: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` KV-head groups of ``heads_per_fragment`` heads covering
-    ``[0, n_head_kv)``; the last group holds the remainder (``head_groups(3, 2)`` ->
-    ``[(0, 2), (2, 3)]``).
-
-    Raises:
-        ValueError: ``n_head_kv`` < 1, or ``heads_per_fragment`` not an integer in [1, n_head_kv].
-    """
-    if isinstance(n_head_kv, bool) or not isinstance(n_head_kv, (int, np.integer)) or n_head_kv < 1:
-        raise ValueError(f"n_head_kv: must be a positive integer, got {n_head_kv!r}")
-    return _groups(int(n_head_kv), _check_count("heads_per_fragment", heads_per_fragment, n_head_kv, "n_head_kv"))
+    """Contiguous ``[start, end)`` groups of ``heads_per_fragment`` KV heads covering ``[0,
+    n_head_kv)``, the last holding the remainder (ValueError: a count out of range)."""
+    return _partition(n_head_kv, "n_head_kv", heads_per_fragment, "heads_per_fragment")
 
 
 def group_ranges(
     namespace: Namespace, layers_per_fragment: int | None, heads_per_fragment: int | None
 ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """The ``((layer_start, layer_end), (head_start, head_end))`` of every fragment a whole
-    chunk is stored as, layer groups outermost: the first entry is layer group 0 x head group 0.
-
-    ``None`` means one group (all layers / all heads); a value above the model's count is
-    clamped to it (the configuration cannot know the model).
-
-    Raises:
-        ValueError: a value that is not an integer >= 1.
-    """
+    chunk is stored as, layer groups outermost. ``None``: one group; a value above the model's
+    count is clamped to it (ValueError: a value that is not an integer >= 1)."""
     lay = namespace.n_layer if layers_per_fragment is None else layers_per_fragment
     hds = namespace.n_head_kv if heads_per_fragment is None else heads_per_fragment
     for name, value in (("layers_per_fragment", lay), ("heads_per_fragment", hds)):
@@ -102,15 +88,8 @@ def _derived(src: KVFragment, keys: np.ndarray, values: np.ndarray, **ranges) ->
 
 
 def split_layers(fragment: KVFragment, layers_per_fragment: int) -> list[KVFragment]:
-    """Cut ``fragment`` along axis 0 into groups of ``layers_per_fragment`` of its layers.
-
-    Group ``i`` holds ``fragment.layers[i*k:(i+1)*k]`` (same stride; ``layer_end`` never beyond
-    the source's), arrays ``[group layers, span, heads*head_dim]``, and the source's span,
-    prefix hash, token IDs, head range, times, hit counts and embedding.
-
-    Raises:
-        ValueError: ``layers_per_fragment`` not an integer in [1, fragment.n_layers].
-    """
+    """Cut ``fragment`` along axis 0: group ``i`` holds ``fragment.layers[i*k:(i+1)*k]`` (same
+    stride) and everything else of the source (ValueError: ``k`` not in [1, n_layers])."""
     stride = fragment.layer_stride
     out = []
     for a, b in _groups(fragment.n_layers, _check_count("layers_per_fragment", layers_per_fragment,
@@ -125,16 +104,9 @@ def split_layers(fragment: KVFragment, layers_per_fragment: int) -> list[KVFragm
 
 
 def split_heads(fragment: KVFragment, heads_per_fragment: int) -> list[KVFragment]:
-    """Cut ``fragment`` by KV heads into contiguous groups of ``heads_per_fragment`` of its heads.
-
-    Group ``[h0, h1)`` (absolute head numbers, within the source's ``[head_start, head_end)``)
-    holds columns ``(h0 - head_start)*head_dim : (h1 - head_start)*head_dim`` of the source's
-    arrays, i.e. ``[n_layers, span, (h1 - h0)*head_dim]``, and the source's layers, span and
-    lifecycle.
-
-    Raises:
-        ValueError: ``heads_per_fragment`` not an integer in [1, head_end - head_start].
-    """
+    """Cut ``fragment`` into contiguous groups of ``heads_per_fragment`` KV heads (absolute
+    head numbers), arrays ``[n_layers, span, heads * head_dim]``, the rest as the source's
+    (ValueError: a count not in [1, head_end - head_start])."""
     n = fragment.head_end - fragment.head_start
     dim = fragment.namespace.head_width
     out = []
@@ -183,18 +155,13 @@ def _merged(parts: Sequence[KVFragment], keys: np.ndarray, values: np.ndarray, *
 
 
 def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
-    """Join fragments of one span and head range whose layer sets partition all the layers.
-
-    Layer sets may be contiguous (``[0, 15)`` + ``[15, 30)``) or stride-sampled
-    (``range(0, 30, 2)`` + ``range(1, 30, 2)``), in any order. The result holds layers
-    ``[0, n_layer)`` with stride 1 and the common head range; its arrays are
-    ``[n_layer, span, heads*head_dim]`` (namespace dtype, float16 by default) with row ``L``
-    copied from the part holding layer ``L``. Lifecycle: see the module docstring.
+    """Join fragments of one span and head range whose layer sets (ranges or strides, any
+    order) partition all the layers: layers ``[0, n_layer)``, stride 1, row ``L`` from the part
+    holding layer ``L``.
 
     Raises:
-        ValueError: no fragments, or (message starting with the field) another namespace,
-            span, token_ids or prefix_hash, another head range ("heads"), a layer held twice
-            ("layers: overlapping layer L") or a layer held by none ("layers: missing layer L").
+        ValueError: no fragments, or (message starting with the field) another namespace, span,
+            token_ids, prefix_hash or head range ("heads"), or a layer held twice or by none.
     """
     first = _check_same_span(fragments)
     for i, f in enumerate(fragments[1:], 1):
@@ -222,21 +189,16 @@ def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
         values[rows] = f.values
     log.debug("merged %d layer groups of [%d, %d)", len(fragments), first.token_start, first.token_end)
     return _merged(fragments, keys, laid_out_like(first.values, values), layer_start=0, layer_end=n_layer,
-                   layer_stride=1,
-                   head_start=first.head_start, head_end=first.head_end)
+                   layer_stride=1, head_start=first.head_start, head_end=first.head_end)
 
 
 def merge_heads(fragments: Sequence[KVFragment]) -> KVFragment:
-    """Join fragments of one span and layer set whose head ranges partition ``[0, n_head_kv)``.
-
-    Parts may come in any order; the result's columns are the parts' concatenated in head
-    order: arrays ``[n_layers, span, n_head_kv*head_dim]`` (namespace dtype), with the parts'
-    common layer range and heads ``[0, n_head_kv)``. Lifecycle: see the module docstring.
+    """Join fragments of one span and layer set whose head ranges (any order) partition
+    ``[0, n_head_kv)``: the parts' columns concatenated in head order.
 
     Raises:
-        ValueError: no fragments, or (message starting with the field) another namespace,
-            span, token_ids or prefix_hash, another layer set ("layers"), a head held twice
-            ("heads: overlapping head H") or held by none ("heads: missing head H").
+        ValueError: no fragments, or (message starting with the field) another namespace, span,
+            token_ids, prefix_hash or layer set ("layers"), or a head held twice or by none.
     """
     first = _check_same_span(fragments)
     for i, f in enumerate(fragments[1:], 1):
