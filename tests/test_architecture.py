@@ -26,6 +26,14 @@ def test_library_never_imports_benchmarks_tools_or_tests():
     assert archcheck.check().library_imports_outside == []
 
 
+def test_test_folders_are_not_checked():
+    """``benchmarks/tests`` lies inside the checked ``benchmarks`` folder but, like ``tests``, is
+    test code: its files are not read; the benchmarks' own modules are."""
+    files = archcheck.source_files()
+    assert not any(p.is_relative_to(ROOT / "benchmarks" / "tests") or p.is_relative_to(ROOT / "tests") for p in files)
+    assert ROOT / "benchmarks" / "runner.py" in files
+
+
 def _tree(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel
