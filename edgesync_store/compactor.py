@@ -98,10 +98,9 @@ class Compactor:
 
     Args:
         store: an open, writable ``MaintenanceBackend`` (``FragmentStore`` or ``TieredStore``).
-        index: the application's open ``SemanticIndex`` (its sidecar is updated in place), or
-            None (other indexes catch up from the vectors' change log when they next open or
-            query).
-        stop: an event that ends the run early between steps and groups (a clean shutdown).
+        index: the application's open ``SemanticIndex`` (updated in place), or None (indexes
+            catch up from the vectors' change log).
+        stop: an event that ends the run between steps and groups.
         progress: see :data:`Progress`.
     """
 

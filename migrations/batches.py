@@ -1,9 +1,6 @@
-"""Walking every fragment of a store in batches, one write transaction each: the loop that
-migrations 2 and 3 share.
-
-A migration killed between batches (crash point ``migrate.batch``) has committed whole
-batches only; its steps are idempotent, so the next open runs it again from the start and
-skips what is done.
+"""The batched loop over every fragment that migrations 2 and 3 share: one write transaction per
+batch; a run killed between batches (crash point ``migrate.batch``) is redone from the start by
+the next open, skipping what is done (the steps are idempotent).
 """
 
 from __future__ import annotations

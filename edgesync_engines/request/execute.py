@@ -128,16 +128,10 @@ class Injector:
         return Injection(None, plan.prompt, ram_tier_hits=self._ram_hits, donor_ms=donor_ms)
 
     def inject(self, source: ReuseSource) -> tuple[int, list[bytes], int]:
-        """Fetch, verify and inject the spans of ``source.match`` up to ``source.limit`` tokens
-        of ``source.tokens``, converted when they are of another namespace than the engine's.
-
-        Returns (tokens injected, keys used, compressed bytes read).
-
-        The fragments are pinned from their first read until the engine holds their KV, so no
-        eviction in any process takes them meanwhile. One that is gone when read (another
-        process's compaction merged or evicted it between the walk and the pin) makes this
-        walk again once, pinned, and take the longer of the two.
-        """
+        """Fetch, verify, convert if needed and inject ``source.match`` up to ``source.limit``
+        tokens; return (tokens injected, keys used, compressed bytes read). The fragments are
+        pinned from their first read until injected; one gone by then (another process's
+        compaction) makes it walk again once, pinned, and take the longer of the two."""
         return self._inject_match(source, source.match, source.limit, 0, retry=True)
 
     def _inject_match(self, source: ReuseSource, match: PrefixMatch, limit: int, bytes_before: int,

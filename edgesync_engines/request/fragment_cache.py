@@ -25,14 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class FragmentCache:
-    """A read-through RAM tier of decoded fragments of ``store``.
-
-    ``FragmentCache(store, max_bytes, stage)``: ``max_bytes`` >= 1 is the tier's budget, bytes
-    of decoded K + V (``KVFragment.raw_nbytes``); held bytes never exceed it. ``stage`` turns a
-    decoded fragment into the copy kept (the engine's ``stage_fragment``: the same values laid
-    out for its injection; None keeps it as decoded). Raises ValueError for a smaller budget.
-    Thread-safe (the request thread and a prefetch thread share it).
-    """
+    """A read-through RAM tier of decoded fragments of ``store``, thread-safe. ``max_bytes`` >= 1
+    (else ValueError): the budget, bytes of decoded K + V; ``stage``: makes the copy kept (the
+    engine's ``stage_fragment``; None keeps it as decoded)."""
 
     def __init__(self, store: "FragmentBackend", max_bytes: int,
                  stage: "Callable[[KVFragment], KVFragment] | None" = None) -> None:
@@ -86,15 +81,9 @@ class FragmentCache:
         return frag
 
     def keep_stored(self, fragments: "Sequence[KVFragment]") -> int:
-        """Keep fragments just written to the store (the store-back's, decoded K + V still in
-        hand), so that a request sharing them reads them from RAM even the first time; returns
-        how many were kept. Each is kept as the version the store now holds (their records,
-        one read transaction): one the store did not write because it holds a live copy already
-        (another version) or could not keep is skipped, as is one larger than the budget.
-
-        Raises:
-            StoreError: the store failed.
-        """
+        """Keep fragments the store-back just wrote, as the version the store holds (one the
+        store did not write, or larger than the budget, is skipped); return how many were kept.
+        StoreError: the store failed."""
         keys = [f.key() for f in fragments]
         kept = 0
         for key, frag, life in zip(keys, fragments, self.store.lifecycles(keys)):

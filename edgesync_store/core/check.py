@@ -351,18 +351,10 @@ def has_data_file(store_dir: str | os.PathLike) -> bool:
 
 
 def check_file(data_file: str | os.PathLike) -> Report:
-    """Check the LMDB data file ``data_file`` (see the module's docstring). Never raises for
-    damage: it is in the report.
-
-    Another process may commit while the walk runs. The tree of the meta page walked stays
-    intact until two more transactions have committed (LMDB reuses a page freed by transaction
-    N from N + 2 on, and only when no reader is older: ``mdb_find_oldest``), so damage found
-    while the newest transaction id has moved on may be a reused page: the walk is then done
-    again, up to :data:`WALKS` times.
-
-    Raises:
-        OSError: the file cannot be opened or read.
-    """
+    """Check the LMDB data file ``data_file``; damage is in the report (OSError: unreadable).
+    A page freed by transaction N is reused from N + 2 on (``mdb_find_oldest``), so damage found
+    while another process committed may be a reused page: the walk runs again, up to
+    :data:`WALKS` times."""
     mode = os.stat(Path(data_file)).st_mode
     if not stat.S_ISREG(mode):  # a FIFO would block the read, a directory cannot be walked
         return Report(damage=f"{Path(data_file).name} is not a regular file")

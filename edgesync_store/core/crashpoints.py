@@ -1,11 +1,6 @@
-"""Named crash points: fault injection for the crash-safety tests (a fake kill, used because a
-kill at an exact moment cannot be provoked from outside).
-
-``crash_point("reclaim.renamed")`` does nothing unless the environment variable
-``EDGESYNC_CRASH_POINT`` names that point (``NAME`` for its first pass, ``NAME@N`` for its N-th
-pass in this process); then the process sends itself SIGKILL right there, as a phone's OS or a
-user's kill would. The variable is read at each call (a dictionary lookup), so the points cost
-nothing in normal runs.
+"""Named crash points for the crash-safety tests: ``crash_point("reclaim.renamed")`` sends this
+process SIGKILL when ``EDGESYNC_CRASH_POINT`` names the point (``NAME``: its first pass,
+``NAME@N``: its N-th pass in this process); otherwise it costs a dictionary lookup.
 """
 
 from __future__ import annotations

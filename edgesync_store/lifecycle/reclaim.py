@@ -59,15 +59,9 @@ def free_bytes(store) -> tuple[int, int]:
 def reclaim(store, min_free_fraction: float = DEFAULT_MIN_FREE_FRACTION, force: bool = False,
             dry_run: bool = False) -> ReclaimResult:
     """Rewrite ``data.mdb`` compactly when its free space passes ``min_free_fraction`` and
-    :data:`DEFAULT_MIN_FREE_BYTES` (with ``force``, whenever any is free); see the module
-    docstring for the swap.
-
-    Returns a :class:`ReclaimResult`; ``reclaimed`` False with the ``reason`` when below the
-    threshold, ``dry_run``, the store is read-only, or another process has it open.
-
-    Raises:
-        OSError, StoreIOError: the copy or the swap failed (the old file is then still in place).
-    """
+    :data:`DEFAULT_MIN_FREE_BYTES` (``force``: whenever any is free). The :class:`ReclaimResult`
+    says why not when it did not (threshold, dry run, read-only, open elsewhere).
+    OSError, StoreIOError: the copy or swap failed (the old file is still in place)."""
     if not dry_run and (store.readonly or not store.lockable):
         before, free = free_bytes(store)
         return ReclaimResult(before, free, before, False, "store is open read-only")

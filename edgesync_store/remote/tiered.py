@@ -67,9 +67,7 @@ class TieredStore(MaintenanceBackend):
         prefix: the deployment's key prefix (``url.check_prefix``).
         queue_size: write-behind jobs waiting at most (one per fragment or hit batch).
         grid: the chunk size, tokens, whose positions the remote walk looks up in one batch.
-        fetch_budget_ms: milliseconds one fragment's fetch may take in all (its reads, each also
-            bounded by the client's per-read timeout); then it is abandoned and the request
-            prefills those tokens.
+        fetch_budget_ms: milliseconds one fragment's fetch may take in all; then it is abandoned.
     """
 
     def __init__(self, local: FragmentStore, client: RemoteClient, prefix: str = "edgesync", queue_size: int = 256,
@@ -91,14 +89,8 @@ class TieredStore(MaintenanceBackend):
     def connect(cls, local: FragmentStore, url: RemoteURL | str, *, prefix: str = "edgesync", cluster: bool = False,
                 timeout_ms: float = 20.0, write_timeout_ms: float = 2000.0, retry_s: float = 5.0,
                 queue_size: int = 256, grid: int = 128, fetch_budget_ms: float = 250.0) -> "TieredStore":
-        """A tiered store over ``local`` and the remote at ``url`` (``RemoteClient``'s
-        arguments, and ``fetch_budget_ms``; connecting is lazy, so an unreachable remote does
-        not fail this).
-
-        Raises:
-            ValueError: a bad URL or query argument (``client.check_options``; message redacted)
-                or key prefix.
-        """
+        """A tiered store over ``local`` and the remote at ``url`` (``RemoteClient``'s arguments;
+        connecting is lazy). ValueError: a bad URL, query argument (redacted) or key prefix."""
         url = checked_target(url, prefix, cluster)
         client = RemoteClient(url, cluster=cluster, timeout_ms=timeout_ms, write_timeout_ms=write_timeout_ms,
                               retry_s=retry_s)
