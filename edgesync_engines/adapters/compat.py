@@ -23,17 +23,13 @@ LAYOUT_FAMILIES = {
     "llama.cpp-seq-state/tokens-major-v1": "interleaved",
     "onnx-hf-rotate-half/tokens-major-v1": "rotate-half",
 }
-"""Fragment layouts ``reshape.convert_fragment`` converts between, by the name before any
-``;`` option (llama.cpp adds ``;v_trans=N``, which its fragments do not depend on), and the
-order of K's rotary pairs in each: interleaved (llama.cpp, ``src/llama-graph.cpp`` rope on
-pairs 2i, 2i+1) or rotate-half (Hugging Face ``apply_rotary_pos_emb``)."""
+"""Layouts ``reshape.convert_fragment`` converts between (the name before any ``;`` option) ->
+the order of K's rotary pairs: interleaved (llama.cpp) or rotate-half (Hugging Face)."""
 CONVERTIBLE_LAYOUT_OPTIONS = ("v_trans",)
-"""Layout options (``name=value`` after the layout's ``;``) that ``reshape.convert_fragment``
-may ignore: fragments are tokens-major whatever llama.cpp's V order. Any other option names
-something a conversion does not handle (e.g. the parts of a sliding-window cache)."""
+"""Layout options (``name=value`` after a ``;``) a conversion may ignore (fragments are
+tokens-major whatever llama.cpp's V order); any other one blocks it."""
 CONVERTIBLE_KV_DTYPES = ("f16", "f32")
-"""Element types ``reshape.convert_fragment`` casts between; quantized KV (q8_0, q4_0: blocks
-of bytes with a scale each) has no conversion."""
+"""Element types ``reshape.convert_fragment`` casts between (quantized KV does not convert)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +44,6 @@ class Compatibility:
     def usable(self) -> bool:
         """True for compatible and convertible KV."""
         return self.verdict != INCOMPATIBLE
-
-    def __bool__(self) -> bool:  # pragma: no cover - trivial
-        return self.usable
 
 
 def _namespace(x) -> Namespace:

@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Any
 
 MAX_ARRAY_ITEMS = 256
-"""Arrays up to this many elements are kept in :attr:`GGUFHeader.metadata`; longer ones (the
-vocabulary, merges, scores) only by length in :attr:`GGUFHeader.array_lengths`."""
+"""Arrays up to this many elements are kept in :attr:`GGUFHeader.metadata`; longer ones only
+by length in :attr:`GGUFHeader.array_lengths`."""
 DEFAULT_ALIGNMENT = 32
 """``general.alignment`` when the file does not say (ggml's ``GGUF_DEFAULT_ALIGNMENT``)."""
 VALUE_STRING, VALUE_ARRAY = 8, 9
 """GGUF value types of a string and an array (``enum gguf_type`` in ggml's ``gguf.h``)."""
 VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-"""GGUF scalar value type -> ``struct`` format: UINT8, INT8, UINT16, INT16, UINT32, INT32,
-FLOAT32, BOOL, UINT64, INT64, FLOAT64 (``enum gguf_type``, ggml's ``gguf.h``)."""
+"""GGUF scalar value type -> ``struct`` format (``enum gguf_type``, ggml's ``gguf.h``)."""
 GGML_BLOCKS = {
     0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
     10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
@@ -41,8 +40,7 @@ GGML_BLOCKS = {
 
 
 class GGUFHeaderError(ValueError):
-    """The file is not a GGUF, or its header is truncated or malformed; the message names the
-    file and where reading stopped."""
+    """Not a GGUF, or a truncated or malformed header; the message names the file and where."""
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,15 @@ from edgesync_engines.adapters.model_files import (
 )
 from edgesync_engines.adapters.protocol import EngineAdapter, EvaluationAborted, InjectionError
 from edgesync_engines.adapters.threads import usable_cpus
+from edgesync_engines.config import KV_TYPES
 from edgesync_store.schema import KVFragment, Namespace
 
 log = logging.getLogger(__name__)
 
 ENGINE = "llama.cpp"
 LAYOUT = kv_layout.LAYOUT
-__all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "KV_TYPES", "LlamaCppAdapter"]
+__all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
-KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
-"""``type_k``/``type_v`` by name; a quantized V needs flash attention, so it is turned on."""
 _SEQ = llamacpp_blend.MAIN_SEQ
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
@@ -58,7 +57,7 @@ _PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
 
 
 class LlamaCppAdapter(EngineAdapter):
-    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on one ``llama_cpp.Llama``.
+    """An ``EngineAdapter`` on one ``llama_cpp.Llama``.
 
     Args:
         model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
@@ -67,8 +66,8 @@ class LlamaCppAdapter(EngineAdapter):
         n_threads: CPU threads (default: every CPU this process may run on, ``usable_cpus``).
         flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
             namespace).
-        kv_type: K and V cache type, one of :data:`KV_TYPES` (recorded in the namespace; the
-            quantized types turn flash attention on).
+        kv_type: K and V cache type, one of ``config.KV_TYPES`` (recorded in the namespace; a
+            quantized V needs flash attention, so it is turned on).
         verbose: let llama.cpp's log lines through at WARNING (``model_files.route_native_logs``).
         seed: the sampler's seed when ``generate`` is given none.
         model_path: the GGUF file of a ``Llama`` passed as ``model``.
@@ -76,7 +75,7 @@ class LlamaCppAdapter(EngineAdapter):
     Raises:
         ModelNotFoundError: the model file is missing.
         ModelLoadError: llama.cpp cannot load the file or create the context.
-        ValueError: a ``kv_type`` not in :data:`KV_TYPES`.
+        ValueError: a ``kv_type`` not in ``KV_TYPES``.
 
     A model whose KV cannot be cut (:meth:`_probe`) is still served, uncached.
     """

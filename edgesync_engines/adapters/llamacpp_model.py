@@ -1,6 +1,6 @@
-"""What a loaded ``llama_cpp.Llama`` says about itself that the adapter needs before the probe:
-whether its KV memory can be cut at all (:func:`memory_refusal`), and a chat template for a
-GGUF that carries none (:func:`builtin_chat_prompt`, llama.cpp's own built-in templates)."""
+"""What the adapter asks a loaded ``llama_cpp.Llama`` before the probe: whether its KV memory can
+be cut (:func:`memory_refusal`), llama.cpp's built-in chat templates for a GGUF without one,
+and what is wrong with a GGUF llama.cpp refused (:func:`gguf_problem`)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ log = logging.getLogger(__name__)
 
 
 def memory_refusal(llama_cpp, llm, kv_types: Sequence[str]) -> str | None:
-    """Why the KV memory of ``llm`` cannot be cut into fragments, from the model and context
-    settings alone (None: try the probe): recurrent or hybrid memory, a sliding window without
-    a full-size window cache (a ``Llama`` built without ``swa_full=True``), or K/V types that
-    differ or are not in ``kv_types``."""
+    """Why the KV memory of ``llm`` cannot be cut into fragments (None: try the probe):
+    recurrent or hybrid memory, a sliding window without ``swa_full``, or K/V types that differ
+    or are not in ``kv_types``."""
     model = llm.model
     arch = llm.metadata.get("general.architecture", "?")
     if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
@@ -63,8 +62,7 @@ _LOGGED_BUILTIN: set[tuple[str, str]] = set()
 def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str,
                         add_generation_prompt: bool = True) -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
-    ending with the assistant prompt unless ``add_generation_prompt`` is False; logs once per
-    model that the built-in one is used.
+    ending with the assistant prompt unless ``add_generation_prompt`` is False.
 
     Raises:
         ValueError: llama.cpp does not know the template, or a message lacks role/content.
@@ -89,9 +87,8 @@ def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str
 
 
 def gguf_problem(path) -> str | None:
-    """What is wrong with a file llama.cpp refused to load, from its GGUF header alone (no
-    magic, a bad version, truncated, no tensors, not a model), or None when the header looks
-    like a model's (then llama.cpp's own message is all there is)."""
+    """What is wrong with a file llama.cpp refused to load, from its GGUF header alone, or None
+    when the header looks like a model's."""
     try:
         return not_a_model(read_header(path))
     except GGUFHeaderError as exc:

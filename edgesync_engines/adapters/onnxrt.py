@@ -52,8 +52,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class OnnxRuntimeAdapter(EngineAdapter):
-    """A :class:`~edgesync_engines.adapters.protocol.EngineAdapter` on an ONNX Runtime session
-    of an exported decoder (batch 1, CPU, float32).
+    """An ``EngineAdapter`` on an ONNX Runtime session of an exported decoder (batch 1, CPU,
+    float32).
 
     Args:
         model: the GGUF the export was made from (its export is found under
@@ -68,8 +68,7 @@ class OnnxRuntimeAdapter(EngineAdapter):
         ValueError: ``n_batch`` < 2.
         ModelNotFoundError: the GGUF is missing.
         ModelLoadError: a directory, or a file that is not a GGUF.
-        ExportError: no export for it (run ``edgesync export-onnx``), or an export of another
-            file (its recorded fingerprint differs from the GGUF's SHA-256).
+        ExportError: no export for it, or an export of another file.
     """
 
     def __init__(self, model: "str | os.PathLike | None" = None, export: "str | os.PathLike | None" = None,
@@ -167,8 +166,7 @@ class OnnxRuntimeAdapter(EngineAdapter):
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token: int) -> bytes:
-        """Raw bytes of one token (byte-level BPE pieces mapped back to bytes; special tokens
-        as their UTF-8 text)."""
+        """Byte-level BPE pieces mapped back to bytes; special tokens as their UTF-8 text."""
         piece = self.tokenizer.id_to_token(int(token))
         if piece is None:
             return b""

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from edgesync_engines.adapters.kv_blocks import KVBlock, assemble_kv, blocks_kv, fragment_blocks, kv_ranges
+from edgesync_engines.adapters.kv_blocks import KVBlock, blocks_kv, fragment_blocks, kv_ranges
 from edgesync_engines.adapters.kv_layout import GROUPED_ROWS, InjectionRule, turn_batches
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
@@ -77,8 +77,8 @@ class EngineAdapter(abc.ABC):
         model_path: the GGUF file the engine runs (or that its ONNX export was made from).
         kv_epoch: changes whenever the live sequence's KV may have changed.
 
-    Beyond the interface, subclasses offer :meth:`extract_fragment`, :meth:`assemble`,
-    :meth:`is_eog`, :meth:`prefill_plan` and :attr:`n_tokens` (tests and benchmarks use them).
+    Beyond the interface, subclasses offer :meth:`extract_fragment`, :meth:`is_eog`,
+    :meth:`prefill_plan` and :attr:`n_tokens` (tests and benchmarks use them).
     """
 
     namespace: Namespace | None
@@ -386,11 +386,6 @@ class EngineAdapter(abc.ABC):
                          layer_end: int | None = None, layer_stride: int = 1) -> KVFragment:
         """One fragment of the live sequence; see :meth:`extract_fragments`."""
         return self.extract_fragments(tokens, [(token_start, token_end)], layer_start, layer_end, layer_stride)[0]
-
-    def assemble(self, fragments: Sequence[KVFragment], n_tokens: int,
-                 tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """:func:`assemble_kv` in this adapter's namespace."""
-        return assemble_kv(self.namespace, fragments, n_tokens, tokens)
 
     def _check_live(self, tokens: Sequence[int], end: int) -> None:
         if end > self.n_tokens:

@@ -79,14 +79,10 @@ class SeqStateError(ValueError):
 
 @dataclass
 class CachePart:
-    """One cache part of a single-stream sequence state.
-
-    ``pos``: ``[n_cells]`` int64 positions, ascending and consecutive; ``ext``: ``[n_cells, 3]``
-    int32 (x, y, tok) for models with a cell extension, else None; ``k``, ``v``: one array
-    per layer of the part, ``[n_cells, width]`` of ``ggml_type(type).dtype``; ``type_k``,
-    ``type_v``: ggml type codes (one per part); ``v_trans`` as llama.cpp wrote it (1 when
-    flash attention is off).
-    """
+    """One cache part of a single-stream sequence state: ``pos`` ``[n_cells]`` int64, ascending
+    and consecutive; ``ext`` ``[n_cells, 3]`` int32 (x, y, tok) or None; ``k``, ``v`` one
+    ``[n_cells, width]`` array per layer of ``ggml_type(type).dtype``; ``type_k``, ``type_v``
+    ggml type codes; ``v_trans`` as llama.cpp wrote it (1 when flash attention is off)."""
 
     pos: np.ndarray
     ext: np.ndarray | None
@@ -282,11 +278,8 @@ def _write_part(buf: bytearray, at: int, part: CachePart, ext_bytes: int, seq_id
 
 
 def serialize_parts(parts: list[CachePart], seq_id: int = 0) -> bytearray:
-    """Build ``llama_state_seq_set_data`` bytes from cache parts (in the order the model's
-    memory reads them: global, then sliding window).
-
-    Writes straight into one preallocated buffer; the result is a writable ``bytearray`` so
-    that ctypes can hand it to llama.cpp without another copy.
+    """Build ``llama_state_seq_set_data`` bytes from cache parts (global, then sliding window),
+    as a writable ``bytearray`` ctypes hands over without a copy.
 
     Raises:
         SeqStateError: a part whose arrays disagree with its cell count, types or extension.

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgesync_engines.adapters.llamacpp import KV_TYPES
 from edgesync_engines.app.cli_common import CommandError, load_config, open_edgesync
-from edgesync_engines.config import BY_NAME, ENGINES, REUSE_MODES
+from edgesync_engines.config import BY_NAME, ENGINES, KV_TYPES, REUSE_MODES
 from edgesync_store.commands.units import format_bytes
 
 STORE_HELP = "store directory (default: EDGESYNC_STORE or the per-user cache dir)"
