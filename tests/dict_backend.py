@@ -1,7 +1,7 @@
 """DictBackend: a ``FragmentBackend`` in plain dicts, the request seam's proof and its example.
 
 It implements every abstract member of ``edgesync_store.core.backend.FragmentBackend`` and
-nothing of ``MaintenanceBackend`` (no transactions, no named databases, no budget), and
+nothing of ``MaintenanceBackend`` (no transactions, no named databases, no size budget), and
 ``tests/test_dict_backend.py`` serves the default mode through ``EdgeSync`` with it. A third
 backend starts here: blobs in the store's own format (``codec``: every read verified), an index
 ``(namespace digest, prefix hash) -> keys``, and ``walk.longest_chain`` for the prefix walk.
@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -27,29 +27,31 @@ from edgesync_store.ttl import Lifecycle, TTLPolicy
 
 
 class DictPins(PinTableLike):
-    """Pins of this process only (a backend shared by processes needs a shared table)."""
+    """Pins of this process (a backend shared by processes needs a shared table)."""
 
     def __init__(self) -> None:
         self.counts: Counter[bytes] = Counter()
-        self.lock = threading.Lock()
 
     @contextmanager
     def pinned(self, keys):
         keys = list(keys)
-        with self.lock:
-            self.counts.update(keys)
+        self.counts.update(keys)
         try:
             yield
         finally:
-            with self.lock:
-                self.counts.subtract(keys)
+            self.counts.subtract(keys)
 
     def is_pinned(self, key: bytes) -> bool:
         return self.counts[key] > 0
 
 
+def cells(head) -> set[tuple[int, int]]:
+    """The (layer, KV head) pairs a fragment's header says it holds."""
+    return {(layer, h) for layer in head.layers for h in range(head.head_start, head.head_end)}
+
+
 class DictBackend(FragmentBackend):
-    """Fragments as ``codec`` blobs in dicts, in this process's memory; ``clock``: Unix seconds."""
+    """Fragments as ``codec`` blobs in this process's memory; ``clock``: Unix seconds."""
 
     def __init__(self, clock=time.time, policy: TTLPolicy | None = None) -> None:
         self.path, self.readonly, self.clock, self.pins = "dict:", False, clock, DictPins()
@@ -61,33 +63,31 @@ class DictBackend(FragmentBackend):
         self.hints: dict[bytes, np.ndarray] = {}
         self.lock = threading.RLock()
 
-    def heads(self, ns: Namespace, prefix: bytes):
-        """(key, header, lifecycle) of the fragments stored after the prefix hash ``prefix``."""
+    def heads(self, ns: Namespace, prefix: bytes, live_at: float | None = None):
+        """(key, header, lifecycle) of the fragments stored right after the prefix hash ``prefix``."""
         with self.lock:
-            keys = list(self.index.get((ns.digest(), bytes(prefix)), ()))
-            return [(k, codec.peek(self.blobs[k]), self.lives[k]) for k in keys if k in self.blobs]
+            keys = [k for k in self.index.get((ns.digest(), bytes(prefix)), ()) if k in self.blobs]
+            rows = [(k, codec.peek(self.blobs[k]), self.lives[k]) for k in keys]
+        return [r for r in rows if live_at is None or not r[2].expired(live_at)]
 
     def get(self, key: bytes, *, copy: bool = False) -> KVFragment | None:
         with self.lock:
             blob, life = self.blobs.get(key), self.lives.get(key)
         if blob is None:
             return None
-        frag = codec.decode(blob, copy=True)
+        frag = codec.decode(blob)
         frag.hit_count, frag.last_hit_at, frag.expires_at = life.hit_count, life.last_hit_at, life.expires_at
         return frag
 
     @contextmanager
-    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False) -> Iterator[ChainRead]:
+    def reading(self, keys: Sequence[bytes], *, defer_checks: bool = False):
         yield ChainRead((self.get(bytes(k)), False) for k in keys)
 
-    @property
-    def serves_in_place(self) -> bool:
-        return False
+    serves_in_place = False
 
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
                  donor: tuple[bytes, bytes] | None = None) -> int:
-        now = self.clock() if now is None else now
-        written = 0
+        now, written = self.clock() if now is None else now, 0
         with self.lock:
             for f in fragments:
                 key = f.key()
@@ -115,33 +115,29 @@ class DictBackend(FragmentBackend):
         return life is not None and not life.expired(self.clock() if now is None else now)
 
     def prefix_walk(self, namespace: Namespace, tokens, now: float | None = None) -> PrefixMatch:
-        now = self.clock() if now is None else now
-        tokens = np.asarray(tokens, dtype=np.int32)
+        now, tokens = self.clock() if now is None else now, np.asarray(tokens, dtype=np.int32)
         full = {(layer, h) for layer in range(namespace.n_layer) for h in range(namespace.n_head_kv)}
 
         def spans_at(pos: int, digest: bytes) -> list[SpanMatch]:
             groups: dict[tuple[int, bytes], list] = {}
-            for key, head, life in self.heads(namespace, digest):
-                if head.token_start != pos or life.expired(now):
-                    continue
-                group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
-                group[1] |= {(layer, h) for layer in head.layers for h in range(head.head_start, head.head_end)}
-                group[2].append(key)
-                group[3] += life.nbytes
+            for key, head, life in self.heads(namespace, digest, now):
+                if head.token_start == pos:
+                    group = groups.setdefault((head.token_end, head.token_ids.tobytes()), [head, set(), [], 0])
+                    group[1] |= cells(head)
+                    group[2].append(key)
+                    group[3] += life.nbytes
             return [SpanMatch(keys, pos, head.token_end, matched, nbytes)
-                    for head, cells, keys, nbytes in groups.values()
-                    if cells == full and (matched := common_prefix_len(head.token_ids, tokens[pos:head.token_end]))]
+                    for head, held, keys, nbytes in groups.values()
+                    if held == full and (matched := common_prefix_len(head.token_ids, tokens[pos:head.token_end]))]
 
         return PrefixMatch(longest_chain(tokens, spans_at))
 
     def covers_span(self, namespace: Namespace, prefix: bytes, token_ids, token_start: int,
                     now: float | None = None) -> bool:
-        now = self.clock() if now is None else now
         ids = np.asarray(token_ids, dtype=np.int32)
-        cells = {(layer, h) for _, head, life in self.heads(namespace, prefix)
-                 if head.token_start == token_start and np.array_equal(head.token_ids, ids) and not life.expired(now)
-                 for layer in head.layers for h in range(head.head_start, head.head_end)}
-        return len(cells) == namespace.n_layer * namespace.n_head_kv
+        held = [cells(head) for _, head, _ in self.heads(namespace, prefix, self.clock() if now is None else now)
+                if head.token_start == token_start and np.array_equal(head.token_ids, ids)]
+        return len(set().union(*held)) == namespace.n_layer * namespace.n_head_kv
 
     def keys_along(self, namespace: Namespace, tokens) -> list[bytes]:
         tokens, hasher, found = np.asarray(tokens, dtype=np.int32), prefix_hasher(), []
@@ -161,12 +157,9 @@ class DictBackend(FragmentBackend):
     def forget_tokens(self, namespace: Namespace, tokens) -> int:
         keys = self.keys_along(namespace, tokens)
         with self.lock:
-            for key in keys:
+            for key in keys:  # index entries of a gone key are skipped by heads()
                 del self.blobs[key], self.lives[key]
                 self.donors.pop(key, None)
-                for entry in self.index.values():
-                    if key in entry:
-                        entry.remove(key)
         return len(keys)
 
     def lifecycle(self, key: bytes) -> Lifecycle | None:
