@@ -314,10 +314,8 @@ class LmdbEnv:
         raise StoreIOError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
 
     def has_blob(self, txn, key: bytes) -> bool:
-        """True when ``fragments`` holds ``key``, without reading the blob: asking py-lmdb for
-        a large value maps it (LMDB reads its first overflow page, and the kernel maps the
-        page-cache folio around it whole: megabytes of resident pages per blob); a cursor
-        positioned on the key reads only the B-tree."""
+        """True when ``fragments`` holds ``key``; a cursor reads only the B-tree (getting a large
+        value would map its pages)."""
         return txn.cursor(db=self.fragments).set_key(key)
 
     def head_in(self, txn, key: bytes) -> memoryview | None:

@@ -204,10 +204,8 @@ class FragmentStore(MaintenanceBackend):
     # -- the environment, for maintenance ---------------------------------------------------
 
     def named_db(self, name: bytes, create: bool = False, dupsort: bool = False, txn=None):
-        """See :meth:`MaintenanceBackend.named_db`: a named database of this store's LMDB
-        environment (None also when read-only and missing). Handles are cached until
-        :meth:`reopen`; inside a transaction pass it as ``txn`` (opening without one starts a
-        write transaction, which would deadlock)."""
+        """A named database of the environment (None also when read-only and missing), cached
+        until :meth:`reopen`; inside a transaction pass ``txn`` (else: a deadlock)."""
         return self.env.named_db(name, create=create, dupsort=dupsort, txn=txn)
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
@@ -428,10 +426,8 @@ class FragmentStore(MaintenanceBackend):
         txn.put(ikey, key, db=env.by_prefix, dupdata=True)
 
     def _sound_head_in(self, txn, key: bytes) -> bool:
-        """True when the stored head of fragment ``key`` parses (``codec.peek``, memoized);
-        else False, logged and counted in ``dropped_corrupt``: a walk stops at the first
-        corrupt head it meets, so a store-back that left the twins after it alone would leave
-        them for one request each to find."""
+        """True when the stored head of ``key`` parses; else False, logged and counted (the
+        write replaces it: a walk would stop at it)."""
         try:
             codec.peek(self.env.head_in(txn, key))
             return True
@@ -649,10 +645,8 @@ class FragmentStore(MaintenanceBackend):
         return self.transact(self.lifecycle_rows_in)
 
     def drop_all(self) -> int:
-        """Empty the store in one write transaction: fragments, prefix index, lifecycle,
-        donors and vectors (the format version and budget stay); return the fragment count.
-        The pages are freed for reuse but keep their bytes until overwritten; ``clear.py``
-        rewrites the file when it can."""
+        """Empty the store in one write transaction (format version and budget stay); return the
+        fragment count. Freed pages keep their bytes until overwritten (``clear.py`` rewrites)."""
         env = self.env
 
         def write(txn) -> int:

@@ -84,12 +84,9 @@ def covers_span(store, namespace: Namespace, prefix: bytes, token_ids: Sequence[
     return store.transact(read)
 
 def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-    """Every stored fragment (live or expired, any chunk size or layer/head group) that the
-    prompt ``tokens`` wrote or could hit: it follows a prefix of ``tokens`` and its own
-    tokens match theirs for at least one token (at position 0: for at least ``MIN_SPAN``,
-    64, since nothing shorter is injected; a fragment of another prompt that merely starts
-    with the same chat-template token is not this prompt's). One ``by_prefix`` lookup per
-    prompt position."""
+    """Every stored fragment (live or expired) that follows a prefix of ``tokens`` and matches
+    them for at least one token (at position 0: ``MIN_SPAN``, since nothing shorter is
+    injected). One ``by_prefix`` lookup per prompt position."""
     tokens = np.asarray(tokens, dtype=np.int32)
     ns_digest = namespace.digest()
     ns_dict = namespace.to_dict()
@@ -120,10 +117,8 @@ def keys_along(store, namespace: Namespace, tokens: Sequence[int] | np.ndarray) 
 
 
 def stored_namespaces(store) -> list[Namespace]:
-    """The namespaces of the fragments the store holds at position 0 (the start of every
-    chain), in no particular order: one ``by_prefix`` entry per distinct index key is read,
-    and the header of one fragment per namespace digest. Costs one pass over the index keys
-    (not the fragments)."""
+    """The namespaces of the fragments stored at position 0, in no order (one pass over the
+    index keys, one header per namespace)."""
     empty = prefix_hasher().digest()
 
     def read(txn) -> list[Namespace]:

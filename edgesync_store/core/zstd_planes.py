@@ -27,11 +27,8 @@ def shuffle(arr: np.ndarray) -> bytes:
 
 
 def unshuffle(data, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    """Elements of ``dtype`` and ``shape`` from their byte planes (the inverse of :func:`shuffle`).
-
-    Each element is built in an unsigned integer of its size, the highest plane first, shifted
-    left a byte per lower plane: whole-array passes with contiguous reads and writes (faster
-    than strided byte writes; ``docs/measurements.md``)."""
+    """Elements of ``dtype`` and ``shape`` from their byte planes (the inverse of :func:`shuffle`),
+    built in whole-array passes (faster than strided byte writes: ``docs/measurements.md``)."""
     item = dtype.itemsize
     planes = np.frombuffer(data, dtype=np.uint8).reshape(item, -1)
     if item == 1:
