@@ -20,7 +20,7 @@ from fake_adapter import FakeAdapter, fake_namespace
 
 from edgesync_engines.adapters.protocol import EngineAdapter, missing_members
 from edgesync_engines.config import EdgeSyncConfig
-from edgesync_engines.request import router, storeback
+from edgesync_engines.request import reuse, storeback
 from edgesync_engines.request.execute import Injector
 from edgesync_engines.request.plan import HitKind, ReuseMode, SourceKind, hit_kind, plan_reuse
 from edgesync_engines.request.router import EdgeSync
@@ -79,8 +79,8 @@ def serve(store, adapter, config, prompt, *, semantic=None, max_tokens=4):
         es.semantic.close()
     es.semantic = semantic
     try:
-        with mock.patch.object(router, "plan_reuse", plan_spy), mock.patch.object(Injector, "carry_out",
-                                                                                   carry_out_spy):
+        with mock.patch.object(reuse, "plan_reuse", plan_spy), mock.patch.object(Injector, "carry_out",
+                                                                                  carry_out_spy):
             result = es.generate(prompt, max_tokens=max_tokens, reuse=config.reuse)
     finally:
         es.semantic = None
