@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from seqstate_writer import serialize_parts
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.kv_layout import GROUPED_ROWS
@@ -119,7 +120,7 @@ def test_two_part_seq_state_round_trip(gemma, shared_context):
     for p in parts:
         assert p.type_k == p.type_v == 1 and p.v_trans == 1 and p.ext is None
         assert all(a.shape == (len(p.pos), 256) and a.dtype == np.dtype("<f2") for a in (*p.k, *p.v))
-    assert bytes(seqstate.serialize_parts(parts)) == raw
+    assert bytes(serialize_parts(parts)) == raw
 
 
 def test_miss_exact_in_new_process_partial(gemma, gemma_path, shared_context, tmp_path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from seqstate_writer import to_parts
 
 from edgesync_engines.adapters.kv_layout import (
     ANY_ROW,
@@ -199,7 +200,7 @@ def test_layout_from_probe_and_to_parts():
     with pytest.raises(SeqStateError, match="without a sliding window"):
         StateLayout.from_probe(parts, 18, 0, False)
     k = _expected(0, 5, n_layer=18).astype(np.float16)
-    out = layout.to_parts(k, -k, list(range(5)))
+    out = to_parts(layout, k, -k, list(range(5)))
     assert [p.n_layer for p in out] == [3, 15]
     for p, rows in zip(out, (range(0, 3), range(3, 18))):
         np.testing.assert_array_equal(p.pos, np.arange(5))  # every part holds 0..N-1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
+from seqstate_writer import serialize_parts
 
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.kv_layout import ANY_ROW, GROUPED_ROWS, prefill_blocks, turn_batches, usable_prefix
@@ -51,7 +52,7 @@ def test_seq_state_round_trips_byte_for_byte(adapter, prompt):
     k = np.stack(parts[0].k)
     assert k.shape == (ns.n_layer, len(prompt), ns.n_head_kv * ns.head_dim) == (30, len(prompt), 192)
     assert k.dtype == np.dtype("<f2")
-    assert bytes(seqstate.serialize_parts(parts)) == raw
+    assert bytes(serialize_parts(parts)) == raw
 
 
 def test_parse_refuses_what_it_does_not_understand(adapter, prompt):

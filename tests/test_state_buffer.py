@@ -1,5 +1,5 @@
 """The one-copy seq-state buffer (``adapters/state_buffer.py``) against llama.cpp's own bytes and
-against the reference writer (``assemble_kv`` + ``seqstate.serialize_parts``).
+against the reference writer (``assemble_kv`` + ``seqstate_writer.serialize_parts``).
 
 On the real SmolLM2 (f16 with V transposed, f16 with flash attention so V is not, q8_0) and
 Gemma 3 270M (two cache parts, a sliding window): the buffer built from stored fragments (cut
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from seqstate_writer import serialize_parts, to_parts
 
 from edgesync_engines.adapters import seqstate, state_buffer
 from edgesync_engines.adapters.kv_blocks import assemble_kv, fragment_blocks
@@ -87,7 +88,7 @@ def test_buffer_from_fragments_is_llama_cpps_own_state(engines, prompt_text, eng
     assert len(views) == len(layout.part_layers)
 
     k, v = assemble_kv(ns, fragments, n, tokens)
-    assert bytes(buf) == bytes(seqstate.serialize_parts(layout.to_parts(k, v, tokens)))
+    assert bytes(buf) == bytes(serialize_parts(to_parts(layout, k, v, tokens)))
     for i, (kp, vp) in enumerate(views):
         rows = layout.part_range(i)
         assert np.array_equal(np.ascontiguousarray(kp).view(np.uint8), k[rows.start:rows.stop].view(np.uint8))
@@ -176,7 +177,7 @@ def test_random_layouts_match_the_reference_writer(spec, data):
     n = data.draw(st.integers(bounds[-2] + 1 if len(bounds) > 2 else 1, n_total))
     buf, _ = state_buffer.build(layout, ns.head_width, fragment_blocks(ns, fragments, n, tokens), n, tokens, 3)
     k, v = assemble_kv(ns, fragments, n, tokens)
-    assert bytes(buf) == bytes(seqstate.serialize_parts(layout.to_parts(k, v, tokens), 3))
+    assert bytes(buf) == bytes(serialize_parts(to_parts(layout, k, v, tokens), 3))
     assert len(buf) == state_buffer.state_bytes(layout, n)
 
 

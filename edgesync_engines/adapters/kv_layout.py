@@ -110,19 +110,6 @@ class StateLayout:
         start = sum(self.part_layers[:i])
         return range(start, start + self.part_layers[i])
 
-    def to_parts(self, k: np.ndarray, v: np.ndarray, tokens: Sequence[int]) -> list[CachePart]:
-        """Cache parts holding positions 0..n-1 of ``k``, ``v`` ``[n_layer, n, width]`` in
-        every part (views, no copies)."""
-        n = k.shape[1]
-        pos = np.arange(n, dtype=np.int64)
-        ext = seqstate.text_cell_ext(pos, np.asarray(tokens[:n]), self.pos_2d) if self.cell_ext else None
-        parts = []
-        for i in range(len(self.part_layers)):
-            rows = self.part_range(i)
-            parts.append(CachePart(pos, ext, list(k[rows.start:rows.stop]), list(v[rows.start:rows.stop]),
-                                   self.type_kv, self.type_kv, self.v_trans))
-        return parts
-
     def span_kv(self, parts: Sequence[CachePart], swa: "SwaCapture", spans: Sequence[tuple[int, int]],
                 live: Sequence[int], layers: range, cols: slice) -> list[tuple[np.ndarray, np.ndarray]]:
         """K and V ``[len(layers), span, cols]`` (C-contiguous) of each span, from a parsed seq

@@ -103,6 +103,7 @@ class EngineAdapter(abc.ABC):
     def __subclasshook__(cls, other: type):
         if cls is not EngineAdapter:
             return NotImplemented
+        # data attributes are set per instance: only methods and properties can be seen here
         return all(hasattr(other, name) for name in _CALLABLE_MEMBERS) or NotImplemented
 
     # -- the interface: engine-supplied members ---------------------------------------------

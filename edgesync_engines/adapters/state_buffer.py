@@ -5,8 +5,8 @@
 each validated block (``kv_blocks.fragment_blocks``) through numpy views of the buffer: a part's
 K rows are one view ``[layers, cells, width]`` (layers a constant stride apart), its V one
 ``[layers, width, cells]`` when transposed (``v_trans`` 1) or ``[layers, cells, width]``. So a
-fragment costs two array copies per part. ``seqstate.serialize_parts`` is the reference
-writer (the tests compare). :func:`stage` lays a RAM tier's copy of V out as the state holds it.
+fragment costs two array copies per part; the tests compare its bytes with a reference writer
+(``tests/seqstate_writer.py``). :func:`stage` lays a RAM tier's copy of V out as the state holds it.
 """
 
 from __future__ import annotations
