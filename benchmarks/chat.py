@@ -110,7 +110,7 @@ GUESS_TURN_S, GUESS_TOKEN_S = 1.0, 0.025
 GUESS_START_S = 15.0
 
 
-# -- pure logic (tests/test_chat_bench.py) ------------------------------------------------------
+# -- pure logic (benchmarks/tests/test_chat_bench.py) ------------------------------------------------------
 
 def turn_kind(turn: int, after_restart: bool, session_began_before_restart: bool) -> str:
     """The kind of a turn (module docstring): ``first``, ``later``, ``after-restart`` or

@@ -48,8 +48,8 @@ llama-cpp-python systems pass those token IDs to ``create_completion`` (its own 
 tokenizes the same way for SmolLM2, which adds no BOS, but IDs leave no doubt). Sampling equals
 ``LlamaCppAdapter.generate`` at temperature 0: greedy, ``top_k=40, top_p=0.95, min_p=0,
 repeat_penalty=1`` (greedy ignores the others). llama-cpp-python on its own evaluates the prompt
-as one batch (last token included), EdgeSync evaluates its last prompt token alone (README, "The
-last prompt token is always evaluated alone"): their logits differ slightly. ``no-cache``
+as one batch (last token included), EdgeSync evaluates its last prompt token alone (docs/guarantees.md,
+"Token-identical answers in the exact mode"): their logits differ slightly. ``no-cache``
 therefore evaluates the prompt as EdgeSync does (:meth:`NoCache._complete`) and is token-
 identical to it; ``llama-ram`` / ``llama-disk`` evaluate a miss as one batch and a hit's last
 token alone, so their answers differ from ``no-cache`` on some requests.

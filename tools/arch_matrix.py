@@ -4,7 +4,7 @@ builds and converts with llama.cpp's own ``convert_hf_to_gguf.py``.
 
 :data:`ROWS` is the one table: ``tests/test_arch_matrix.py`` runs every row through the real
 llama.cpp adapter and ``EdgeSync`` and asserts the outcome it observes equals the row's
-``expected``; README's architecture table is ``python tools/arch_matrix.py --markdown``.
+``expected``; docs/engines.md's architecture table is ``python tools/arch_matrix.py --markdown``.
 
 Every model shares SmolLM2's vocabulary (49,152 IDs) and tokenizer, so one prompt is one token
 sequence for all of them; the weights are random (``torch.manual_seed(seed)``), so the text is
@@ -43,9 +43,9 @@ class ArchRow:
         name: short name, also the cache file's stem (``<name>-<key>.gguf``).
         hf_config: the transformers config class (``transformers.<hf_config>``).
         config: its keyword arguments (tiny sizes; SmolLM2's vocabulary and special tokens).
-        summary: what the config is, for people (README).
+        summary: what the config is, for people (docs/engines.md).
         expected: :data:`EXACT` or :data:`REFUSED` + the adapter's ``cache_refusal``.
-        note: why an exact row is exact (README; a refused row's reason is its ``expected``).
+        note: why an exact row is exact (docs/engines.md; a refused row's reason is its ``expected``).
         vocab_writer: ``"module:Class"`` of a converter class whose ``set_vocab`` reads only a
             SentencePiece ``tokenizer.model``; the builder gives it the converter's own GPT-2
             BPE writer (``_set_vocab_gpt2``) for SmolLM2's tokenizer.json. None: as shipped.
@@ -152,7 +152,7 @@ def row(name: str) -> ArchRow:
 
 
 def markdown_table() -> str:
-    """README's architecture table: one line per row of :data:`ROWS`, in order, ending with a
+    """docs/engines.md's architecture table: one line per row of :data:`ROWS`, in order, ending with a
     newline."""
     lines = ["| model | tiny config (random weights) | EdgeSync on llama.cpp | why |", "|---|---|---|---|"]
     for r in ROWS:
@@ -167,7 +167,7 @@ def markdown_table() -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python tools/arch_matrix.py --markdown | --json``: print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="README's table")
+    parser.add_argument("--markdown", action="store_true", help="docs/engines.md's table")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
     args = parser.parse_args(argv)
     if args.json:
