@@ -6,8 +6,7 @@ The public API, importable from here::
     with EdgeSync(config=EdgeSyncConfig.load()) as es:
         result = es.generate("...")  # a GenerationResult: text, hit, tokens reused, TTFT
 
-The names load on first use (PEP 562 ``__getattr__``), so that ``import edgesync_engines.config``
-does not load an engine (llama_cpp, onnxruntime).
+The names load on first use (PEP 562 ``__getattr__``): importing one module loads no engine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Lazy public names for a package (PEP 562): a package lists ``name -> defining module`` and
-each name is imported on first access, so that importing one sub-module does not load every
-heavy dependency (hnswlib, onnxruntime, llama_cpp) the package's public API reaches."""
+"""Lazy public names for a package (PEP 562): each name's module is imported on first access."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The request path: the ``EdgeSync`` facade (``router``) and what a request returns
-(``result``); what a request reuses (``plan``), carrying it out (``execute``) and storing back
-(``storeback``); prefetch into the RAM tier (``prefetch``, ``ramtier``); the semantic lookup of
-donor prompts (``semantic_lookup``) and the text it embeds (``prompt_text``)."""
+"""The request path: the ``EdgeSync`` facade (``router``), its arguments' checks (``checks``) and
+what a request returns (``result``); the reuse strategy of each mode (``reuse``), what a request
+reuses (``plan``), carrying it out (``execute``), decoding (``stops``) and storing back
+(``storeback``). Features imported when first used: documents (``documents``, ``blend``),
+idle-time work (``idle``), prefetch (``prefetch``), the semantic lookup (``semantic_lookup``)."""

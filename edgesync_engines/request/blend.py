@@ -1,26 +1,18 @@
-"""Blended injection (``reuse="blend"``): a documents prompt assembled from stored KV.
-
-For a :class:`~edgesync_engines.request.documents.DocumentPrompt` (head, documents, question),
+"""Blended injection (``reuse="blend"``): for a ``DocumentPrompt`` (head, documents, question),
 :func:`blend` leaves the engine holding KV for ``tokens[:question_start]``:
 
-1. **Head, exact.** The prefix walk's token-identical KV of the head is injected (or the head
-   is prefilled), before any other cell is in the cache: a decode that runs while foreign
-   cells are in the cache is not bit-identical to a clean one (../shared/DESIGN.md 2.6), so
-   the head stays exact and is what store-back may keep.
-2. **Documents, placed.** Each document's stored chain (its tokens from position 0) is
-   restored in a scratch sequence, moved to the document's offset (llama.cpp re-rotates K for
-   the shift) and added to the main sequence (``EngineAdapter.place_kv``).
-3. **Runs, recomputed.** Per document, in prompt order, one contiguous run is evaluated again
-   against everything before it (``EngineAdapter.recompute``): the separator before it and its
-   first ``ceil(share * n)`` tokens (``blend_recompute``), where a standalone KV differs most
-   from a full prefill (its first tokens attended to nothing before them). A document with no
-   stored KV (under 64 tokens, or gone) is recomputed whole.
+1. **Head, exact**, injected from the prefix walk or prefilled before any other cell is in the
+   cache (a decode beside foreign cells is not bit-identical: ../shared/DESIGN.md 2.6).
+2. **Documents, placed**: each stored chain restored in a scratch sequence, moved to the
+   document's offset and added to the main sequence (``EngineAdapter.place_kv``).
+3. **Runs, recomputed** against everything before them (``EngineAdapter.recompute``): per
+   document, the separator before it and its first ``ceil(share * n)`` tokens
+   (``blend_recompute``), where standalone KV differs most, as in EPIC (CacheBlend, arXiv
+   2405.16444, picks by K deviation at an early layer, which llama.cpp cannot run alone). A
+   document with no stored KV is recomputed whole.
 
-The question is then prefilled by the ordinary ``generate``. CacheBlend (arXiv 2405.16444)
-picks its ~15% of tokens by K deviation at an early layer; llama.cpp cannot run the first
-layers alone for every token, so this takes each document's first tokens (as EPIC does).
-Anything that fails (a fragment gone or corrupt, llama.cpp refusing a state) clears the
-sequence and returns None: the request then prefills exactly.
+The question is then prefilled by ``generate``. Anything that fails clears the sequence and
+returns None: the request then prefills exactly.
 """
 
 from __future__ import annotations

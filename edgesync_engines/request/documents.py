@@ -1,27 +1,18 @@
-"""Documents on the request path: adding them (KV computed once), listing, removing, retrieving
-them by meaning, and the one prompt template that puts them before a question.
+"""Documents on the request path (:class:`DocumentLibrary`: adding them, their KV computed once,
+listing, removing, retrieving by meaning; :class:`DocumentRequest`: a request with documents),
+and the one prompt template that puts them before a question (:func:`build_prompt`)::
 
-The template (:func:`build_prompt`), for chat messages whose last turn is the user's question::
-
-    [chat template up to the last user turn's content]  (the "head": system part and earlier turns)
-    [document 1's own tokens] SEP [document 2's own tokens] SEP ... [document k's] SEP
+    [chat template up to the last user turn's content]  (the "head")
+    [document 1's tokens] SEP [document 2's tokens] SEP ... [document k's] SEP
     [the question + the chat template's closing of the turn and assistant prompt]
 
-SEP is ``"\\n\\n"`` tokenized alone (:data:`SEPARATOR`). Each document is tokenized on its own
-(no BOS, special tokens not parsed: a document's text cannot open a chat turn), so its token
-IDs, hence its stored KV, are the same wherever it appears. The uncached reference of a
-documents request is this same token sequence prefilled in full
-(``EdgeSync(store=False).generate(messages, documents=...)``).
-
-A document's KV is computed once, after a fixed header (``document_header``: by default the
-chat template's rendering up to an empty user turn, i.e. the model's default system part; or
-none), and stored as the chain ``header + document tokens`` from position 0
-(``schema.chunk_spans`` of its length, the last chunk absorbing a remainder under 64 tokens) in
-the document lifetime; a blend places only the document's own cells (the header gives
-them the context a full prefill would). A document under 64 tokens (``MIN_SPAN``) has no
-fragment: a blend recomputes it whole. Its text is embedded for retrieval in windows of
-:data:`WINDOW_WORDS` words (MiniLM-L6-v2 reads 256 word pieces), overlapping by
-:data:`WINDOW_OVERLAP`.
+SEP is :data:`SEPARATOR` tokenized alone. Each document is tokenized on its own (no BOS,
+special tokens not parsed), so its token IDs, hence its stored KV, are the same wherever it
+appears; the uncached reference is this token sequence prefilled in full. A document's KV is
+computed once after a fixed header (``document_header``: the chat template's default system
+part, or none) and stored as the chain ``header + document`` from position 0 in the document
+lifetime (under ``MIN_SPAN`` tokens: no fragment, a blend recomputes it). Its text is embedded
+in windows of :data:`WINDOW_WORDS` words overlapping by :data:`WINDOW_OVERLAP`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What ``EdgeSync`` does before its first request: load the engine (:func:`adapter_for`), open
-its store (:func:`store_for`), make the semantic lookup (:func:`semantic_for`) and the RAM tier
-(:func:`ram_tiers`), start the store jobs (:func:`start_jobs`) and warm the engine up for its
-first hit (:func:`warm_up`). Engines, the local store and features are imported when first used.
+its store (:func:`store_for`, the remote tier behind it: :func:`with_remote_tier`), make the
+semantic lookup (:func:`semantic_for`) and the RAM tier (:func:`ram_tiers`), start the store
+jobs (:func:`start_jobs`) and warm the engine up for its first hit (:func:`warm_up`). Engines,
+the local store and features are imported when first used.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def adapter_for(model, config: "EdgeSyncConfig") -> tuple[EngineAdapter, bool]:
-    """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (then the
-    caller closes it): None, a GGUF path (str or ``os.PathLike``) or a ``llama_cpp.Llama`` is
-    loaded (:func:`load_adapter`); any other object is used as is, and must have every member
-    of :class:`~edgesync_engines.adapters.protocol.EngineAdapter`.
+    """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (the caller
+    then closes it): None, a GGUF path or a ``llama_cpp.Llama`` is loaded (:func:`load_adapter`);
+    any other object must have every member of ``EngineAdapter``.
 
     Raises:
         TypeError: an object that is neither a path nor a ``llama_cpp.Llama`` and lacks protocol
@@ -116,10 +116,26 @@ def store_for(store, adapter: EngineAdapter, config: "EdgeSyncConfig"
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise TypeError(f"store: expected a FragmentBackend (e.g. a FragmentStore), a path, None or False, "
                         f"got {type(store).__name__}")
-    from edgesync_engines.request.remote_open import with_remote_tier
-
     opened = with_remote_tier(open_store(Path(store or config.store_path), config), config)
     return opened, opened is not None, None
+
+
+def with_remote_tier(local: "FragmentBackend | None", config: "EdgeSyncConfig") -> "FragmentBackend | None":
+    """``local`` with the configured remote tier behind it (a ``TieredStore``), or ``local``
+    itself: no ``remote_url``, no local store (the remote is never the only tier), or no
+    redis-py (the ``remote`` extra; logged). Connecting is lazy: an unreachable remote fails its
+    calls, and requests go on local-only."""
+    if local is None or config.remote_url is None:
+        return local
+    try:
+        from edgesync_store.remote.tiered import TieredStore
+    except ImportError as exc:
+        log.warning("EDGESYNC_REMOTE_URL is set but %s: serving from the local store only", exc)
+        return local
+    return TieredStore.connect(local, config.remote_url, prefix=config.remote_prefix, cluster=config.remote_cluster,
+                               timeout_ms=config.remote_timeout_ms, write_timeout_ms=config.remote_write_timeout_ms,
+                               retry_s=config.remote_retry_s, queue_size=config.remote_queue,
+                               grid=config.chunk_tokens, fetch_budget_ms=config.remote_fetch_budget_ms)
 
 
 def semantic_for(store: "FragmentBackend | None", config: "EdgeSyncConfig") -> "SemanticLookup | None":
@@ -209,10 +225,9 @@ def start_jobs(store: "FragmentBackend", index, config: "EdgeSyncConfig") -> "St
 
 
 def warm_up(adapter, store: "FragmentBackend | None") -> int:
-    """Before the first request: ``adapter.warm_up`` for an injection the size of the store's
-    reuse hint (none without a store), then a rehearsal of that hit (:func:`rehearse`), under
-    the adapter's lock. A store failure only skips the rehearsal (logged); its time is logged at
-    DEBUG. Returns the tokens the rehearsal injected (0: none)."""
+    """Before the first request, under the adapter's lock: ``adapter.warm_up`` for an injection
+    the size of the store's reuse hint (the token IDs the latest hit injected), then a rehearsal
+    of that hit (:func:`rehearse`; a store failure skips it). Returns the tokens it injected."""
     tokens: list[int] = []
     if store is not None and adapter.cache_refusal is None:
         try:
@@ -230,14 +245,11 @@ def warm_up(adapter, store: "FragmentBackend | None") -> int:
 
 
 def rehearse(store: "FragmentBackend", adapter, tokens: list[int]) -> int:
-    """A hit on ``tokens`` (the latest hit's injected token IDs) that answers nothing: the walk,
-    the in-place read and checksums, the injection and the evaluation of the last token, so
-    that the first request finds the store's index pages, the engine's buffers and its kernels
-    ready; then the cache is emptied and the store's pages this process mapped are given back
-    (``release_mapped``: the first request maps what it reads itself, so a rehearsal of another
-    chain never adds to its resident memory). Records no hit, stores nothing, keeps nothing in
-    a RAM tier. Returns the tokens injected; a store failure, a refused injection or an engine
-    that refuses the hint's tokens (a damaged hint) is logged and leaves 0."""
+    """A hit on ``tokens`` (the store's reuse hint) that answers nothing: walk, read, inject
+    and evaluate the last token, so that the first request finds the store's pages and the
+    engine's buffers and kernels ready; then the cache is emptied and the mapped pages given
+    back (``release_mapped``). Records no hit, stores nothing. Returns the tokens injected (0,
+    logged, on a store failure, a refused injection or a damaged hint)."""
     try:
         match = planning.walk(store, adapter.namespace, tokens)
         source = ReuseSource(SourceKind.PREFIX, tuple(tokens), match, match.matched_tokens, adapter.namespace,
