@@ -28,6 +28,7 @@ def test_the_default_mode_serves_miss_exact_and_partial_hits_from_a_dict_backend
     reference = [EdgeSync(adapter, store=False, config=config).generate(m, max_tokens=MAX_TOKENS).tokens
                  for m in (first, second)]
     cached = EdgeSync(adapter, store=backend, config=config)
+    assert cached.store is backend and cached.jobs is None and cached.semantic is None  # maintenance: none
 
     def run(messages):
         """One request served from the backend: not from the engine's live sequence nor RAM."""
