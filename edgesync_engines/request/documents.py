@@ -61,13 +61,12 @@ class DocumentInput:
 
 
 def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[DocumentInput]:
-    """Documents given as strings or as dicts with ``text`` (or ``context``) and optional
-    ``title``, ``source`` (or ``doc_id``/``id``); a single string or dict is one document.
+    """Documents given as strings or dicts with ``text`` (or ``context``) and optional ``title``,
+    ``source`` (or ``doc_id``/``id``); a single string or dict is one document.
 
     Raises:
-        ValueError: ``documents`` not iterable, or a document that is not a string or such a
-            dict, whose text is blank, or whose text, title or source holds a lone surrogate
-            (not valid Unicode text), naming its index.
+        ValueError: naming the document's index: not iterable, not a string or such a dict, a
+            blank text, or a lone surrogate in its text, title or source.
     """
     if isinstance(documents, (str, Mapping)):
         documents = [documents]  # one document, not its characters or keys
@@ -237,17 +236,15 @@ class DocumentLibrary:
             return None
 
     def kv_stored(self, rec: DocumentRecord) -> bool:
-        """True when the prefix walk of the document's chain reaches its end, whatever fragments
-        do it (compaction may have replaced its own chunks by a longer prompt's)."""
+        """The prefix walk of the document's chain reaches its end (through any fragments)."""
         chain = rec.chain
         if not chunk_spans(len(chain), self.chunk_tokens):
             return False
         return self.store.prefix_walk(self.namespace, chain).matched_tokens >= len(chain)
 
     def add(self, rec: DocumentRecord) -> DocumentRecord:
-        """Store ``rec``: its KV (computed standalone when its chain is not all stored: the
-        engine's sequence is cleared), its record and its embeddings. Returns the record
-        stored (with its vectors).
+        """Store ``rec``'s KV (computed when its chain is not all stored: the engine's sequence is
+        cleared), its record and its embeddings; returns the record stored (with its vectors).
 
         Raises:
             StoreError: the store could not be written.
@@ -271,9 +268,8 @@ class DocumentLibrary:
         return rec
 
     def _with_vectors(self, rec: DocumentRecord) -> DocumentRecord:
-        """``rec`` with its text windows embedded; unchanged when there is no embedder or its
-        extra is missing (exact reuse needs no embedding: :meth:`retrieve` embeds such records
-        once the extra is there)."""
+        """``rec`` with its text windows embedded; unchanged without an embedder or its extra
+        (:meth:`retrieve` embeds such records once the extra is there)."""
         if self.encode is None:
             return rec
         try:
@@ -287,8 +283,7 @@ class DocumentLibrary:
                               rec.added_at, vectors)
 
     def _embed_unembedded(self) -> None:
-        """Embed the stored records that were added without their vectors (the semantic extra
-        was missing then), once per change of the documents database."""
+        """Embed the stored records added without vectors, once per change of the documents."""
         generation = records.documents_generation(self.store)
         if generation == self._checked_generation:
             return

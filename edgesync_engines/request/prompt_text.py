@@ -8,13 +8,10 @@ import re
 from typing import Any, Mapping, Sequence
 
 TAIL_WORDS = 160
-"""Words kept by :func:`embed_text_for` from the end of a long text. English runs 1.3-1.5 word
-pieces per whitespace-separated word (the model's tokenizer on the workloads' passages), so
-160 words make about 210-240 pieces and fit in MiniLM's 256 word pieces
-(``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``); 200 words would not (about 260)."""
+"""Words kept by :func:`embed_text_for` from the end of a long text: at 1.3-1.5 word pieces per
+English word, 160 words fit MiniLM's 256 word pieces (``embedders.MAX_SEQ_TOKENS``)."""
 TAIL_CHARS = 1000
-"""Characters kept at most by :func:`embed_text_for` (about 4 characters per word piece in
-English), a second cap for text with few spaces (code, URLs, scripts written without spaces)."""
+"""Characters kept at most by :func:`embed_text_for`: a second cap for text with few spaces."""
 
 
 def _content_text(content: Any) -> str:
@@ -77,27 +74,17 @@ def embed_text_for(
     max_words: int = TAIL_WORDS,
     max_chars: int = TAIL_CHARS,
 ) -> str:
-    """The text to embed for a request: what tells this request apart from others.
+    """The text to embed for a request: what tells it apart from others (MiniLM reads only the
+    first 256 word pieces, so a whole prompt would embed as its shared system prompt):
 
-    MiniLM reads at most 256 word pieces (``edgesync_store.semantic.embedders.MAX_SEQ_TOKENS``)
-    from the START of a text and drops the rest, so a whole prompt opening with a long system
-    prompt would embed as that system prompt alone, and every request of the app would look
-    like a hit. So:
+    * chat messages (mappings with ``role`` and ``content``: a string or OpenAI-style text
+      parts): the last user turn; else the last non-system message with text; else all joined;
+    * a string rendered with a known chat template (ChatML, Llama 3, Gemma, Phi-3/Zephyr,
+      ``[INST]``): its last user turn;
+    * any other string: its tail (a long preamble still dominates: docs/measurements.md).
 
-    * chat messages (a sequence of mappings with ``"role"`` and ``"content"``; content a string
-      or a list of ``{"type": "text", "text": ...}`` parts): the LAST USER TURN. The system prompt
-      and earlier turns are shared context; the exact token match of the prefix walk, not the
-      embedding, is what reuses them. With no user turn, the last non-system message with text;
-      with none either, all messages joined.
-    * a raw string rendered with a known chat template (ChatML ``<|im_start|>user`` as SmolLM2
-      uses, Llama 3, Gemma, Phi-3/Zephyr ``<|user|>``, ``[INST]``): its last user turn;
-    * any other raw string: its TAIL, where the question of a templated prompt is. A raw prompt
-      made of a long shared preamble and a short question still embeds mostly as the preamble
-      (docs/measurements.md): pass chat messages when you have them.
-
-    Either way the text is then cut to its last ``max_words`` words (:data:`TAIL_WORDS`) and
-    its last ``max_chars`` characters (:data:`TAIL_CHARS`), starting at a word boundary; words
-    of a cut text are joined by single spaces. A short text is returned stripped.
+    The text is then cut to its last ``max_words`` words and ``max_chars`` characters, from a
+    word boundary (words joined by single spaces); a short text is returned stripped.
 
     Args:
         prompt_or_messages: a prompt string, one message mapping, or a sequence of messages.

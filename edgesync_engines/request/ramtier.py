@@ -1,10 +1,5 @@
-"""The RAM tier's container: a bounded, thread-safe LRU of decoded fragments.
-
-:class:`RamTier` maps a key to an object of a known size in bytes (a decoded ``KVFragment``:
-its ``raw_nbytes``); the request thread reads and fills it
-(``request/fragment_cache.py``: read-through, checked against the store) while a prefetch
-thread may fill it too (``request/prefetch.py``).
-"""
+"""The RAM tier's container: a bounded, thread-safe LRU of decoded fragments (:class:`RamTier`),
+read and filled by the request thread (``request/fragment_cache.py``) and a prefetch thread."""
 
 from __future__ import annotations
 

@@ -115,14 +115,10 @@ class StopDecoding(Exception):
 class GenerationStream:
     """Iterator over the text pieces of a streamed generation; ``result`` is set at the end.
 
-    The engine is locked from the first piece until the stream is exhausted or closed: a
-    caller that stops early calls :meth:`close` (or uses ``with``), else other threads wait
-    until the stream is garbage-collected. The thread that reads a stream first reads, stops
-    and closes it to the end: the engine's lock is held across the pieces, and only the thread
-    that took it can release it. Another thread's call raises RuntimeError (the stream goes on
-    unharmed). Async code reads it with ``async for`` (:meth:`__aiter__`), which keeps to that
-    rule with a reading thread of its own, so a thread pool never takes a piece; then
-    :attr:`result`, :meth:`stop` and :meth:`close` from the loop's thread wait for that thread.
+    The engine is locked from the first piece until the stream is exhausted or closed (stop
+    early with :meth:`close` or ``with``). The thread that reads a stream first must read, stop
+    and close it (the lock is that thread's); another thread's call raises RuntimeError. Async
+    code reads it with ``async for`` (:meth:`__aiter__`), on a reading thread of its own.
     """
 
     def __init__(self, events: Iterator[str]) -> None:
@@ -185,11 +181,10 @@ class GenerationStream:
         return self._result
 
     def stop(self) -> GenerationResult | None:
-        """End decoding now: the prompt is still stored, and :attr:`result` is set, its
-        ``tokens`` those decoded so far and ``finish_reason`` ``cancelled`` (unless the
-        generation had ended already). Returns the result (None if the request never reached
-        the engine). Idempotent; releases the engine. For a stream an ``async for`` reads, the
-        reading thread stops it, and this waits for that.
+        """End decoding now (idempotent; releases the engine): the prompt is still stored, and
+        :attr:`result` (returned; None if the request never reached the engine) holds the
+        tokens decoded so far, ``finish_reason`` ``cancelled``. A stream an ``async for`` reads
+        is stopped by its reading thread, which this waits for.
 
         Raises:
             RuntimeError: another thread reads the stream (see the class docstring).
@@ -217,11 +212,10 @@ class GenerationStream:
         self.stop()
 
     def __aiter__(self) -> AsyncIterator[str]:
-        """The pieces for ``async for`` (and for Starlette's ``StreamingResponse``, which takes
-        an async iterable as it is): one thread of the stream's own reads it to the end and
-        hands each piece to the event loop, so decoding never blocks the loop. Leaving the loop
-        early (a ``break``, an error, a cancelled task, a client gone) stops decoding at the
-        next token; :attr:`result`, :meth:`stop` and :meth:`close` wait for that.
+        """The pieces for ``async for`` (and Starlette's ``StreamingResponse``): a thread of the
+        stream's own reads it and hands each piece to the event loop. Leaving early (``break``,
+        an error, a cancelled task) stops decoding at the next token; :attr:`result`,
+        :meth:`stop` and :meth:`close` wait for that.
 
         Raises:
             RuntimeError: the stream was read with ``next()`` and is not done, or another
