@@ -23,7 +23,7 @@ import platformdirs
 
 from edgesync_store.commands.units import LARGEST_SIZE, format_binary, parse_bytes
 from edgesync_store.core.codec import COMPRESSIONS, DEFAULT_COMPRESSION
-from edgesync_store.lifecycle.eviction import DEFAULT_MAX_BYTES
+from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
 from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 

@@ -86,7 +86,7 @@ def _open(args: argparse.Namespace, must_exist: bool):
 def _refuse_damaged(path: Path) -> None:
     """CommandError naming the store and ``edgesync clear`` when its pages are damaged: nothing
     is written into it (a request is served uncached from such a store; a command refuses)."""
-    from edgesync_store import check
+    from edgesync_store.core import page_check as check
     from edgesync_store.core.check import opened_as_store
     from edgesync_store.errors import StoreDamagedError
 

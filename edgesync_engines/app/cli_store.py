@@ -110,7 +110,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     :data:`EXIT_DAMAGED` damaged, 2 no store."""
     from pathlib import Path
 
-    from edgesync_store import check
+    from edgesync_store.core import page_check as check
     from edgesync_store.core.check import has_data_file, opened_as_store
 
     path = Path(configured_store(args.store)).expanduser()

@@ -21,6 +21,7 @@ from edgesync_store.core.locks import OpenLock
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreBusyError, StoreDamagedError, StoreNotFoundError, StoreOpenError
 from edgesync_store.lifecycle.reclaim import TMP_NAME
+from edgesync_store.migrations import migrate
 from edgesync_store.semantic.sidecar import SIDECAR_HNSW, SIDECAR_JSON
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def clear_store(path: str | os.PathLike, open_timeout_s: float = 120.0) -> Clear
     """
     path = check_store_path(path)
     try:
-        store = FragmentStore(path, open_timeout_s=open_timeout_s)
+        store = FragmentStore(path, open_timeout_s=open_timeout_s, upgrade=migrate)
     except StoreDamagedError as exc:
         return _clear_damaged(path, exc.damage, open_timeout_s)
     reopen_budget: int | None = None

@@ -1,5 +1,5 @@
 """``python -m edgesync_store.commands.page_check STORE [--json]``: the page check of ``data.mdb``
-in this process (``edgesync_store.check`` runs it as a child). Exit 0 healthy, 1 damaged, 2 no
+in this process (``edgesync_store.core.page_check`` runs it as a child). Exit 0 healthy, 1 damaged, 2 no
 readable store; ``--json``: ``healthy``, ``damage``, ``header``, ``databases``, ``pages``,
 ``txnid``."""
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.errors import StoreOpenError
+from edgesync_store.migrations import migrate
 from edgesync_store.semantic.donors import delete_donor, embed_unindexed, iterate_donors
 from edgesync_store.semantic.embedders import BACKENDS, DEFAULT_BACKEND, get_embedder
 from edgesync_store.semantic.index import BackendMismatchError, SemanticIndex, drop_vectors
@@ -108,7 +109,7 @@ def reindex(
         raise StoreOpenError(f"no EdgeSync store at {path}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown embedding backend {backend!r}; choose one of {sorted(BACKENDS)}")
-    with FragmentStore(path) as store:
+    with FragmentStore(path, upgrade=migrate) as store:
         index, name, previous, dropped = _open_index(store, backend)
         try:
             removed, embedded = _embed_donors(store, index, name, progress)
