@@ -92,9 +92,9 @@ def begin_page_check(store, config: "EdgeSyncConfig") -> None:
     """Start the page check of the store ``EdgeSync`` will open (``store`` None or a path; the
     check runs in a child process while the model loads, and :func:`open_store` waits for it)."""
     if config.cache_enabled and (store is None or isinstance(store, (str, os.PathLike))):
-        from edgesync_store import check
+        from edgesync_store.core import page_check
 
-        check.begin(Path(store or config.store_path))
+        page_check.begin(Path(store or config.store_path))
 
 
 def store_for(store, adapter: EngineAdapter, config: "EdgeSyncConfig"
