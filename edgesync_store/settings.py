@@ -24,7 +24,6 @@ import platformdirs
 from edgesync_store.commands.units import LARGEST_SIZE, format_binary, parse_bytes
 from edgesync_store.core.codec import COMPRESSIONS, DEFAULT_COMPRESSION
 from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
-from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
 __all__ = ["Check", "Setting", "StoreSettings", "as_dict", "check_fields", "default_store_path", "flag", "load",
@@ -37,6 +36,10 @@ Check = Callable[[Any], "str | None"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The ``--log-level`` choices of the commands (the ``logging`` module's level names)."""
+
+DEFAULT_SWEEP_INTERVAL_S = 60.0
+DEFAULT_COMPACT_INTERVAL_S = 900.0
+"""Default seconds between the scheduled expiry sweeps and between compactions (``lifecycle.jobs``)."""
 
 
 # -- environment parsers: text -> value, ValueError when the text does not parse ---------------

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
-from edgesync_store.lifecycle.jobs import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
+from edgesync_store.settings import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.settings import StoreSettings, default_store_path, flag, load, markdown_rows, setting, table
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 

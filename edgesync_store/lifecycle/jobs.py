@@ -17,12 +17,10 @@ from collections import Counter
 from typing import Callable
 
 from edgesync_store.core.backend import MaintenanceBackend
+from edgesync_store.settings import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
 from edgesync_store.ttl import sweep
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SWEEP_INTERVAL_S = 60.0
-DEFAULT_COMPACT_INTERVAL_S = 900.0
 
 
 class StoreJobs:
