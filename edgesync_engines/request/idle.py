@@ -1,12 +1,9 @@
 """Idle-time storing (``EdgeSync.prepare``, ``prepare_later``, ``config.idle_store``): a prompt's
 KV prefilled in small exact batches between requests and stored as its chunks fill.
 
-After an answer in a chat, :class:`IdleRunner` runs a :class:`PrefillJob` over the conversation
-as the next turn begins (:func:`history_tokens`): the answer's decoded KV is not a prefill's, so
-the job cuts the live sequence back to its exact part and evaluates the rest in batches of about
-``idle_batch_tokens`` (``EngineAdapter.prefill_batches``). A request pauses the runner
-(:meth:`IdleRunner.paused`) before it takes the engine's lock; the batch running stops midway
-where the engine can (``EngineAdapter.abortable``). What was stored and evaluated is kept.
+After an answer in a chat, the job covers the conversation as the next turn begins
+(:func:`history_tokens`): the answer's decoded KV is not a prefill's, so the live sequence is
+cut back to its exact part and the rest evaluated in batches of about ``idle_batch_tokens``.
 """
 
 from __future__ import annotations
@@ -96,10 +93,8 @@ class PrefillJob:
     holds the prompt's exact first ``start`` tokens.
 
     Args:
-        adapter: the engine.
         store: the store the chunks go to (None: only the live sequence is filled).
         config: ``idle_batch_tokens``, ``chunk_tokens``, ``ttl_seconds``, the fragment grouping.
-        tokens: the prompt's token IDs.
         start: leading tokens whose exact KV the live sequence holds (reused).
         ram: the RAM tier that keeps what is stored (``storeback.store_new``).
         on_ready: called with the new count of exact live tokens after each batch.

@@ -162,7 +162,6 @@ class Prefetcher:
 
     Args:
         cache: the read-through RAM tier (``FragmentCache``) the request path reads.
-        namespace: the engine's namespace.
         n, top_k: the :class:`NgramPredictor`'s order and proposals.
         max_keys: request keys whose last tokens are remembered (int32, at most the context
             length each; least recently seen dropped first).
