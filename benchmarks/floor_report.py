@@ -46,7 +46,7 @@ PROFILE_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("tokenize", (("router.py", "prompt_tokens"),)),
     ("walk", (("plan.py", "plan_reuse"),)),
     ("fetch", (("execute.py", "fetched"),)),
-    ("assemble/inject", (("base.py", "inject_fragment"), ("llamacpp.py", "inject_fragment"))),
+    ("assemble/inject", (("protocol.py", "inject_fragment"), ("llamacpp.py", "inject_fragment"))),
     ("eval", (("llama.py", "eval"),)),
     ("sample", (("llama.py", "sample"),)),
     ("after first token", (("storeback.py", "record_hits"), ("storeback.py", "store_new"),

@@ -149,7 +149,7 @@ def test_checks_once_for_constructor_and_load(tmp_path):
 
 def test_kv_type_is_checked_and_named():
     """EDGESYNC_KV_TYPE takes the adapter's KV types only, and a bad one names the variable."""
-    from edgesync_engines.adapters.llamacpp import KV_TYPES
+    from edgesync_engines.config import KV_TYPES
 
     assert EdgeSyncConfig.load(environ={"EDGESYNC_KV_TYPE": "q8_0"}).kv_type == "q8_0"
     assert EdgeSyncConfig.load(environ={}).kv_type == "f16" and KV_TYPES == ("f16", "f32", "q8_0", "q4_0")
