@@ -87,8 +87,8 @@ def test_table_defines_fields_defaults_and_variables():
 
     from edgesync_engines.config import BY_NAME, SETTINGS
     from edgesync_store.core.store import DEFAULT_MAX_BYTES
-    from edgesync_store.settings import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
     from edgesync_store.semantic.index import DEFAULT_EF_SEARCH
+    from edgesync_store.settings import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
     fields = [f.name for f in dataclasses.fields(EdgeSyncConfig)]

@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from edgesync_store.core.store import DEFAULT_MAX_BYTES
-from edgesync_store.settings import DEFAULT_COMPACT_INTERVAL_S, DEFAULT_SWEEP_INTERVAL_S
-from edgesync_store.settings import StoreSettings, default_store_path, flag, load, markdown_rows, setting, table
+from edgesync_store.settings import (
+    DEFAULT_COMPACT_INTERVAL_S,
+    DEFAULT_SWEEP_INTERVAL_S,
+    StoreSettings,
+    default_store_path,
+    flag,
+    load,
+    markdown_rows,
+    setting,
+    table,
+)
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
 
