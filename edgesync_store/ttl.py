@@ -22,8 +22,7 @@ from typing import Callable
 
 from edgesync_store.schema import DEFAULT_TTL_SECONDS
 
-__all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFETIMES", "LIFETIME_DOCUMENT",
-           "LIFETIME_LONG",
+__all__ = ["Clock", "DEFAULT_TTL_SECONDS", "LIFECYCLE_V1", "LIFECYCLE_V2", "LIFETIME_DOCUMENT", "LIFETIME_LONG",
            "LIFETIME_SHORT", "LONG_TTL_SECONDS", "Lifecycle", "ManualClock", "PROMOTE_HITS", "TTLPolicy",
            "merged_counters", "sweep"]
 
@@ -33,7 +32,6 @@ LIFETIME_LONG = "long"
 """The lifetime of a promoted fragment (``long_ttl_seconds`` after each hit)."""
 LIFETIME_DOCUMENT = "document"
 """The lifetime of a document's fragments: never expired, evicted last."""
-LIFETIMES = (LIFETIME_SHORT, LIFETIME_LONG, LIFETIME_DOCUMENT)
 PROMOTE_HITS = 5
 """Hits that move a fragment to the long lifetime."""
 LONG_TTL_SECONDS = 7 * 24 * 3600
