@@ -11,11 +11,11 @@ import math
 import numpy as np
 import pytest
 
+from edgesync_store.core.eviction import eviction_order
 from edgesync_store.core.store import FragmentStore
 from edgesync_store.documents import records
 from edgesync_store.documents.records import DocumentRecord
 from edgesync_store.documents.retrieval import DocumentIndex, keep_as_document
-from edgesync_store.core.eviction import eviction_order
 from edgesync_store.schema import KVFragment, prefix_hash
 from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, Lifecycle, ManualClock, TTLPolicy, sweep
 from tests.fragments import SMOL

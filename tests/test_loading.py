@@ -177,6 +177,7 @@ import json, logging, sys
 from pathlib import Path
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.loading import open_store
+import edgesync_store.core.store  # open_store imports it (and lmdb) lazily: before the user can no longer read Python
 warnings = []
 class Kept(logging.Handler):
     def emit(self, record):

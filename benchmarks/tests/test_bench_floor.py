@@ -71,7 +71,7 @@ def test_new_process_rows_use_the_successful_runs_and_the_rss_slack():
 def test_profile_groups_sum_their_functions_and_leave_the_rest_to_other():
     entries = [("/x/edgesync_engines/request/router.py", "prompt_tokens", 0.020),
                ("/x/edgesync_engines/request/execute.py", "fetched", 0.100),
-               ("/x/edgesync_engines/adapters/base.py", "inject_fragment", 0.060),
+               ("/x/edgesync_engines/adapters/protocol.py", "inject_fragment", 0.060),
                ("/x/llama_cpp/llama.py", "eval", 0.150),
                ("/x/edgesync_engines/request/storeback.py", "record_hits", 0.010),
                ("/x/edgesync_engines/request/router.py", "generate", 0.400),  # the whole request: no group
