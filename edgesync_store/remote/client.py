@@ -1,11 +1,7 @@
-"""The connection to the remote tier: redis-py clients, a circuit breaker and the counters.
-
-:class:`RemoteClient` holds a *fast* client (index lookups and fetches before the first token,
-socket timeout ``remote_timeout_ms`` per read) and a *slow* one (background writer, commands;
-``remote_write_timeout_ms``). Neither retries. Every call goes through the
-:class:`CircuitBreaker`; failures are counted by kind in :class:`RemoteCounters` and logged once
-per kind at WARNING, repeats at DEBUG. Log lines name the server by its redacted URL only.
-Behaviour under faults: docs/remote.md.
+"""The connection to the remote tier: a *fast* redis-py client (reads before the first token,
+``remote_timeout_ms``) and a *slow* one (writes, commands; ``remote_write_timeout_ms``), neither
+retrying, each behind a circuit breaker; failures counted by kind, logged once per kind at WARNING,
+naming the server by its redacted URL only. Behaviour under faults: docs/remote.md.
 """
 
 from __future__ import annotations
@@ -97,13 +93,9 @@ class RemoteCounters:
 
 
 class CircuitBreaker:
-    """Closed (calls go through), open (skipped for ``retry_s``), half-open (one probe).
-    Thread-safe. Opens after ``FAILURES_TO_OPEN`` failures in a row.
-
-    Args:
-        retry_s: seconds an open breaker waits before a probe (doubling per failed probe, up to
-            ``MAX_RETRY_FACTOR`` times).
-        clock: monotonic seconds (``time.monotonic``).
+    """Closed (calls go through), open (skipped), half-open (one probe). Thread-safe. Opens after
+    ``FAILURES_TO_OPEN`` failures in a row; ``retry_s``: seconds open before a probe (doubling per
+    failed probe, up to ``MAX_RETRY_FACTOR`` times); ``clock``: monotonic seconds.
     """
 
     def __init__(self, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -171,15 +163,13 @@ TLS_OPTIONS = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca
 """Query arguments passed on for ``rediss://`` only (redis-py's ``SSLConnection``)."""
 FIXED_OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
                            "health_check_interval", "decode_responses", "encoding", "protocol"})
-"""Query arguments the remote tier sets itself and a URL must not override (redis-py lets a URL's win):
-its timeouts, no retries, binary RESP2 replies."""
+"""Query arguments the tier sets itself (timeouts, no retries, binary RESP2), never taken from a URL."""
 
 
 def check_options(url: RemoteURL, cluster: bool = False) -> str | None:
-    """None when the tier can use ``url``'s query arguments (redis-py checked their values when it
-    read ``url``), else what is wrong (redacted): an argument outside :data:`URL_OPTIONS`
-    (:data:`TLS_OPTIONS` with ``rediss://``), one in :data:`FIXED_OPTIONS`, a database other than
-    0 on a cluster."""
+    """None when the tier can use ``url``'s query arguments, else what is wrong (redacted): one not
+    in :data:`URL_OPTIONS` (or :data:`TLS_OPTIONS` for ``rediss://``), one in :data:`FIXED_OPTIONS`,
+    a database other than 0 on a cluster."""
     from urllib.parse import parse_qsl, urlsplit
 
     shown = url.redacted
@@ -214,8 +204,7 @@ def _hint(exc: Exception) -> str:
 
 
 def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
-    """A redis-py client for ``url``: no retries, no CLIENT SETINFO (one command fewer for an
-    ACL user), binary replies."""
+    """A redis-py client for ``url``: no retries, no CLIENT SETINFO, binary replies."""
     user, password = credentials(url)
     common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
                   decode_responses=False, driver_info=None, username=user, password=password)
@@ -226,12 +215,11 @@ def _make_client(url: RemoteURL, cluster: bool, timeout_s: float):
 
 
 class RemoteClient:
-    """The remote tier's clients, breaker and counters. Connecting is lazy: opening never fails
+    """The remote tier's clients, breakers and counters. Connecting is lazy: opening never fails
     for an unreachable remote; its first calls fail and count.
 
     Args:
         url: the server (any node of a cluster).
-        cluster: True for Redis Cluster (``RedisCluster``), False for one server.
         timeout_ms: the fast client's socket read and connect timeout, ms (redis-py's ``socket_timeout``).
         write_timeout_ms: the same for the slow client.
         retry_s: seconds the open breaker waits before probing again.
@@ -260,11 +248,8 @@ class RemoteClient:
         return self.breakers["fast"]
 
     def client(self, which: str):
-        """The ``"fast"`` or ``"slow"`` redis-py client, made on first use.
-
-        Raises:
-            RemoteUnavailable: the client could not be made (a cluster whose nodes do not answer).
-        """
+        """The ``"fast"`` or ``"slow"`` redis-py client, made on first use. Raises
+        RemoteUnavailable when it cannot be made (a cluster whose nodes do not answer)."""
         with self._clients_lock:
             if which not in self._clients:
                 try:
@@ -284,10 +269,7 @@ class RemoteClient:
 
     def call(self, which: str, op: Callable[[object], T], what: str) -> T:
         """``op(client)`` on the ``which`` client through the breaker; ``what`` names it in logs.
-
-        Raises:
-            RemoteUnavailable: the breaker is open (``skipped``) or the call failed (its kind).
-        """
+        Raises RemoteUnavailable when the breaker is open (``skipped``) or the call failed."""
         breaker = self.breakers[which]
         if not breaker.allow():
             self.count(skipped=1)
@@ -313,8 +295,7 @@ class RemoteClient:
         return result
 
     def _failed(self, breaker: CircuitBreaker, kind: str, what: str, detail: str, at_once: bool = False) -> None:
-        """Count a failed call by ``kind`` and log it: the first of its kind at WARNING, repeats
-        at DEBUG (:meth:`note`), the breaker opening (``at_once``: by this failure) at WARNING."""
+        """Count and log a failed call (``at_once``: open the breaker now)."""
         self.count(**{kind: 1})
         with self.counters_lock:
             n = getattr(self.counters, kind)
@@ -332,8 +313,7 @@ class RemoteClient:
                       "so far, repeats logged at DEBUG)", self.url.redacted, what, kind, detail, n, kind)
 
     def note(self, kind: str, message: str, *args: object) -> None:
-        """Log ``message % args`` at WARNING the first time for ``kind``, at DEBUG after, so a
-        fault that repeats on every request does not flood the log (its counter counts it)."""
+        """Log ``message % args`` at WARNING the first time for ``kind``, at DEBUG after."""
         with self.counters_lock:
             first = kind not in self._noted
             self._noted.add(kind)
@@ -352,10 +332,8 @@ class RemoteClient:
 
 def checked_target(url: "RemoteURL | str", prefix: str, cluster: bool = False) -> RemoteURL:
     """``url`` parsed and, with ``prefix``, checked (:func:`check_prefix`, :func:`check_options`).
+    Raises ValueError (redacted) for a bad URL, query argument or key prefix."""
 
-    Raises:
-        ValueError: a bad URL, query argument (message redacted) or key prefix.
-    """
     try:
         url = url if isinstance(url, RemoteURL) else RemoteURL(url)
     except ValueError as exc:  # its message shows the URL redacted

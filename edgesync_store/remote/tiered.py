@@ -1,19 +1,9 @@
 """``TieredStore``: the storage seams over the local ``FragmentStore`` and a shared remote tier
-(Redis 7 / Valkey, standalone or Cluster, laid out by ``tier.KeyLayout``).
-
-* Reads fall through: the prefix walk asks the remote index only when the local one falls
-  short of the prompt (``remote/walk.py``); ``get`` reads local, then remote. A remote blob is
-  verified like a local one; a corrupt or foreign one is refused, counted and deleted remotely.
-  A fetched fragment is written locally as the same bytes after the first token (at the next
-  ``record_hits``, ``put_many`` or ``covers_span``).
-* Writes go local at once and remote in the background (``remote/queue.py``); the remote
-  expiry follows the fragment's lifetime; hits are summed over the nodes.
-* Faults never fail a request: every remote call has a timeout and a circuit breaker
-  (``remote/client.py``); a bad remote value is skipped, counted (``bad_values``) and deleted.
-
-``forget_tokens`` and ``delete_many`` remove from both tiers; maintenance and donor records are
-local only (Redis's ``maxmemory`` bounds the remote tier). Attributes not defined here
-(``exclusive``, ``copy_compact``, ...) are the local store's.
+(Redis 7 / Valkey, standalone or Cluster, laid out by ``tier.KeyLayout``). Reads fall through;
+a fetched blob is verified, and written locally as the same bytes after the first token. Writes
+go remote behind (remote expiry follows the lifetime; hits are summed over nodes). A remote fault
+never fails a request; a corrupt or bad remote value is refused, counted and deleted. Maintenance
+and donor records are local only; attributes not defined here are the local store's.
 """
 
 from __future__ import annotations
@@ -182,8 +172,7 @@ class TieredStore(MaintenanceBackend):
                 for key, life in zip(keys, self.local.lifecycles(keys))]
 
     def _flush_fetched(self) -> None:
-        """Write the fragments fetched from the remote to the local store, as fetched (a
-        read-only local store keeps none)."""
+        """Write the fetched fragments locally, as fetched (not to a read-only store)."""
         with self._lock:
             items, self._fetched = [(k, b, life) for k, (b, life, _f) in self._fetched.items()], {}
         if not items or self.local.readonly:
@@ -233,8 +222,7 @@ class TieredStore(MaintenanceBackend):
         self.queue.submit(lambda: self._remote("slow", lambda c: c.unlink(name), "bad value removal", None))
 
     def _lookup(self, which: str, namespace: Namespace, live_only: bool = True) -> remote_walk.Lookup:
-        """The remote walk's lookup in ``namespace``: index hashes, heads parsed (a field that
-        does not parse, or whose blob is gone, is dropped from the index in the background)."""
+        """The remote walk's lookup in ``namespace`` (bad or orphan index fields dropped behind)."""
         digest = namespace.digest()
 
         def lookup(prefixes: Sequence[bytes]) -> list[list[remote_walk.Candidate]]:
@@ -266,8 +254,7 @@ class TieredStore(MaintenanceBackend):
         return lookup
 
     def _decoded(self, key: bytes, blob: bytes, life: Lifecycle, frag: KVFragment | None) -> KVFragment | None:
-        """A fetched fragment not yet written locally: its decoded copy the first time it is
-        asked for (held since the fetch), a new decode after that."""
+        """A fetched fragment not yet written locally: the held decode once, a new one after."""
         if frag is not None:
             with self._lock:
                 if key in self._fetched:
@@ -281,9 +268,8 @@ class TieredStore(MaintenanceBackend):
         return frag
 
     def _fetch(self, key: bytes) -> KVFragment | None:
-        """Fetch, verify and return one remote fragment (None: absent, unavailable, refused, or
-        not read whole within ``fetch_budget_s`` seconds, so the request prefills its tokens);
-        it is kept to be written locally after the first token."""
+        """Fetch and verify one remote fragment, kept to be written locally (None: absent,
+        unavailable, refused, or over ``fetch_budget_s`` seconds)."""
         deadline = time.monotonic() + self.fetch_budget_s  # the whole fetch's, not one read's
         got: Fetched | None = self._remote("fast", lambda c: self.keys.fetch(c, key, deadline), "fetch", None)
         if got is None:  # unavailable, or too slow for the budget: counted by the client
@@ -312,9 +298,7 @@ class TieredStore(MaintenanceBackend):
         return frag
 
     def _remote_lifecycle(self, key: bytes) -> Lifecycle | None:
-        """The record of the remote fragment under ``key`` as fetched (already, or now: the
-        request reads it next, so fetching it here costs nothing more), None when the remote
-        has no usable one (absent, unavailable, refused, over the fetch budget)."""
+        """The record of the remote fragment ``key``, fetched now if not yet (None: no usable one)."""
         with self._lock:
             pending = self._fetched.get(key)
         if pending is None:
@@ -412,8 +396,7 @@ class TieredStore(MaintenanceBackend):
         return self.local.put_donor(key, value)
 
     def _push(self, key: bytes) -> None:
-        """Write-behind job: the local fragment ``key`` to the remote (its blob as stored; when
-        the remote holds the blob already, only its index entry, which may have gone missing)."""
+        """Write-behind job: the local fragment ``key`` to the remote (index entry only if held)."""
         try:
             blob, life = self.local.get_blob(key), self.local.lifecycle(key)
         except StoreError as exc:
@@ -454,8 +437,7 @@ class TieredStore(MaintenanceBackend):
         self.queue.submit(add)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete from the local store and from the remote (synchronously, best effort: the
-        remote copies stay when it is unavailable, logged)."""
+        """Delete from both tiers (remote: synchronous, best effort, logged when unavailable)."""
         keys = [bytes(k) for k in keys]
         with self._lock:
             for k in keys:
@@ -513,8 +495,9 @@ class TieredStore(MaintenanceBackend):
         return TieredStats(**base.to_dict(), remote=self.remote_stats())
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Write fetched fragments locally and wait up to ``timeout_s`` seconds for the queued
+        """Write fetched fragments locally, wait up to ``timeout_s`` seconds for the queued
         remote writes; True when none is left."""
+
         self._flush_fetched()
         return self.queue.drain(timeout_s)
 
