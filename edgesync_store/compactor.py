@@ -1,21 +1,10 @@
-"""Compaction: one pass over a store. Steps of :meth:`Compactor.run`, in order:
+"""Compaction: one pass over a store (:meth:`Compactor.run`): expire (``ttl.sweep``), dedup, merge
+heads and layers (``lifecycle/merge.py``), evict to the budget (``core/eviction.py``), reclaim.
 
-1. **expire** (``ttl.sweep``): expired fragments leave LMDB and the HNSW sidecar;
-2. **dedup**: a fragment whose tokens are a prefix of another live fragment's (same namespace,
-   prefix and start) and whose layers and heads are a subset of its is dropped; KV at a
-   position depends only on the tokens up to it, so the longer one serves the same bytes. A
-   shorter one that other fragments continue after is kept (their chain needs it). The
-   survivor takes the hits, the donor record and the vector;
-3. **merge heads**: fragments of one span and layers with disjoint KV-head ranges covering all
-   heads become one (``merge.merge_heads``);
-4. **merge layers**: fragments of one span and heads with disjoint layer sets covering all
-   layers become one (``merge.merge_layers``; counters: ``ttl.merged_counters``);
-5. **evict** down to the size budget (``core/eviction.py``);
-6. **reclaim** the file's free pages past the threshold (``lifecycle/reclaim.py``).
-
-Each merge or dedup is one transaction. Pinned fragments are left alone. One process at a time
-compacts a store (``compact.lock``; a second one reports ``skipped``). Only a merge's parts are
-decoded; everything else reads headers.
+Dedup drops a fragment whose tokens are a prefix of another live one's (same namespace, prefix
+and start) with a subset of its layers and heads, unless other fragments continue after it; the
+survivor takes its hits, donor record and vector. Each merge or dedup is one transaction; pinned
+fragments are left alone; one process compacts at a time (``compact.lock``, else ``skipped``).
 """
 
 from __future__ import annotations
@@ -101,7 +90,6 @@ class Compactor:
         index: the application's open ``SemanticIndex`` (updated in place), or None (indexes
             catch up from the vectors' change log).
         stop: an event that ends the run between steps and groups.
-        progress: see :data:`Progress`.
     """
 
     def __init__(self, store, index=None, stop: threading.Event | None = None,
@@ -123,10 +111,8 @@ class Compactor:
         return rows
 
     def _children(self, rows: list[_Row]) -> set[bytes]:
-        """Keys of the fragments that other fragments continue from (a stored fragment starts
-        right after their last token), found by walking each namespace's fragments from
-        position 0 with the prefix hasher. Fragments no walk reaches count as continued (their
-        end hash is unknown), so they are never dropped as shorter duplicates."""
+        """Keys of fragments others continue from, by walking each namespace from position 0;
+        fragments no walk reaches count as continued (never dropped as shorter duplicates)."""
         by_index: dict[bytes, list[_Row]] = defaultdict(list)
         for row in rows:
             by_index[row.head.namespace.digest() + row.head.prefix_hash].append(row)
@@ -247,14 +233,9 @@ class Compactor:
     def run(self, dry_run: bool = False, do_reclaim: bool = True, max_bytes: int | None = None,
             reclaim_fraction: float = reclaim.DEFAULT_MIN_FREE_FRACTION,
             force_reclaim: bool = False) -> CompactionReport:
-        """Every step once (module docstring); see :class:`CompactionReport`.
-
-        Args:
-            dry_run: report what would be done, change nothing.
-            do_reclaim: run step 6.
-            max_bytes: budget for step 5 (default: the store's).
-            reclaim_fraction, force_reclaim: step 6's threshold (``reclaim.reclaim``).
-        """
+        """Every step once (module docstring). ``dry_run``: report, change nothing; ``max_bytes``:
+        eviction budget (default: the store's); ``reclaim_fraction``, ``force_reclaim``: the
+        reclaim threshold (``reclaim.reclaim``), skipped without ``do_reclaim``."""
         t0 = time.monotonic()
         store = self.store
         report = CompactionReport(dry_run=dry_run, max_bytes=max_bytes or store.max_bytes)

@@ -1,18 +1,9 @@
-"""Numbered store migrations: opening a store with ``upgrade=migrate`` (the application and the
-commands do) runs, in order, every migration above its recorded ``format_version``.
+"""Numbered store migrations: opening a store with ``upgrade=migrate`` runs, in order, every
+migration above its recorded ``format_version`` (``m0002_lifecycle_v2``: 1 -> 2;
+``m0003_heads``: 2 -> 3; ``batches``: their shared batched loop; ``versions``: the version record).
 
-A new store is made at the current version by ``LmdbEnv.create_layout`` (format 1's layout
-was four core databases and the version record).
-
-* ``m0002_lifecycle_v2``: 1 -> 2, lifecycle records with creation time, lifetime and sizes, and
-  the ``used_bytes`` counter;
-* ``m0003_heads``: 2 -> 3, each blob's head in its own database;
-* ``batches``: the batched loop over every fragment that 2 and 3 share; ``versions``: writing
-  the version record.
-
-A migration is crash-safe: each transaction commits whole, its steps are idempotent, and the
-version moves on only in its last transaction, so the next open finishes a killed one. Several
-processes may run it at once (LMDB serialises their writes).
+Crash-safe: each transaction commits whole, steps are idempotent and the version moves only in
+the last transaction, so the next open finishes a killed one. Several processes may run it at once.
 """
 
 from __future__ import annotations
@@ -33,12 +24,8 @@ CURRENT_VERSION = STORE_FORMAT_VERSION
 
 
 def migrate(store) -> int:
-    """Bring the writable ``FragmentStore`` ``store`` (format 1 or later) to
-    :data:`CURRENT_VERSION`; return it.
-
-    Raises:
-        StoreFormatError: a version outside 1 to :data:`CURRENT_VERSION`. StoreIOError: LMDB failed.
-    """
+    """Bring the writable ``FragmentStore`` ``store`` to :data:`CURRENT_VERSION`; return it. Raises
+    StoreFormatError for a version outside 1 to :data:`CURRENT_VERSION`, StoreIOError when LMDB fails."""
     version = format_version(store)
     if not 1 <= version <= CURRENT_VERSION:
         raise StoreFormatError(f"store {store.path} has format version {version}; migrations run from 1 to "

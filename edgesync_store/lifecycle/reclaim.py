@@ -1,16 +1,9 @@
 """Disk reclaim: rewrite ``data.mdb`` without its free pages (LMDB never shrinks the file).
 
-:func:`reclaim`, when the free pages pass a threshold:
-
-1. take ``edgesync.lock`` exclusively without waiting (``locks.OpenLock``): only when no other
-   process has the store open (an opener meanwhile waits for the swap);
-2. under the store's lock, copy compactly (``Environment.copyfd``, ``MDB_CP_COMPACT``) into
-   ``.reclaim.tmp`` and ``fsync`` it;
-3. close the environment, ``rename`` the copy over ``data.mdb``, ``fsync`` the directory,
-   remove ``lock.mdb`` (its reader table is the old file's), reopen.
-
-A kill leaves the old file or the new one, complete. Crash points ``reclaim.locked``,
-``reclaim.copied``, ``reclaim.synced``, ``reclaim.renamed``, ``reclaim.reopened``.
+:func:`reclaim` takes ``edgesync.lock`` exclusively without waiting (``locks.OpenLock``), copies
+compactly (``MDB_CP_COMPACT``) into ``.reclaim.tmp``, fsyncs, renames it over ``data.mdb``,
+fsyncs the directory, removes ``lock.mdb`` and reopens: a kill leaves the old file or the new one.
+Crash points ``reclaim.locked``, ``.copied``, ``.synced``, ``.renamed``, ``.reopened``.
 """
 
 from __future__ import annotations
