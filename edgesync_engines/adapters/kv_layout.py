@@ -1,12 +1,9 @@
 """How a llama.cpp model's seq state maps to the store's ``[n_layer, n_tokens, width]`` arrays,
 and the sliding-window KV captured during a prefill.
 
-Canonical layer order is the seq state's: part 0's layers, then part 1's (an iSWA model's
-global layers, then its sliding-window layers); the layout string records the split
-(``parts=3+15;swa=512``). A sliding-window part holds only the cells its window still needs, so
-:class:`SwaCapture` keeps those rows block by block as the prefill goes. Injection writes
-positions 0..N-1 into every part, so cells sit in the slots of an uncached prefill; that needs
-a full-size window cache (``swa_full``) to stay bit-identical (../shared/DESIGN.md 2.7).
+Canonical layer order is the seq state's: part 0's layers, then part 1's (an iSWA model's global
+then sliding-window layers), recorded in the layout string (``parts=3+15;swa=512``). Injection
+needs a full-size window cache (``swa_full``) to stay bit-identical (../shared/DESIGN.md 2.7).
 """
 
 from __future__ import annotations
@@ -43,13 +40,8 @@ class StateLayout:
 
     @classmethod
     def from_probe(cls, parts: Sequence[CachePart], n_layer: int, n_swa: int, pos_2d: bool) -> "StateLayout":
-        """The layout of a probe's parsed parts for a model of ``n_layer`` layers and window
-        ``n_swa`` (0: none).
-
-        Raises:
-            SeqStateError: layers that do not add up, types or widths that differ between
-                layers, K and V, or a window model whose state is not two parts.
-        """
+        """The layout of a probe's parsed parts (``n_swa``: window, 0: none). Raises SeqStateError when
+        layers do not add up, types or widths differ, or a window model's state is not two parts."""
         part_layers = tuple(p.n_layer for p in parts)
         if sum(part_layers) != n_layer:
             raise SeqStateError(f"probe: seq state has {sum(part_layers)} layers, the model {n_layer}")
@@ -82,12 +74,8 @@ class StateLayout:
         return name
 
     def namespace(self, n_head_kv: int, **fields) -> Namespace:
-        """The namespace of KV in this layout for ``n_head_kv`` KV heads; ``fields`` are the
-        other Namespace fields.
-
-        Raises:
-            SeqStateError: rows that do not split into ``n_head_kv`` heads of whole blocks.
-        """
+        """The namespace of KV in this layout (``fields``: the other Namespace fields). Raises
+        SeqStateError when rows do not split into ``n_head_kv`` heads of whole blocks."""
         t = seqstate.ggml_type(self.type_kv)
         elements = self.width * np.dtype(t.dtype).itemsize // t.block_bytes * t.block
         if elements % n_head_kv or (elements // n_head_kv) % t.block:
@@ -114,12 +102,8 @@ class StateLayout:
                 live: Sequence[int], layers: range, cols: slice) -> list[tuple[np.ndarray, np.ndarray]]:
         """K and V ``[len(layers), span, cols]`` (C-contiguous) of each span, from a parsed seq
         state's ``parts`` of the live sequence ``live``; a sliding-window part's rows come from
-        ``swa`` where the window no longer holds them.
-
-        Raises:
-            ValueError: KV of a span that neither the state nor the capture holds, or cells
-                that are not plain text tokens.
-        """
+        ``swa`` where the window no longer holds them. Raises ValueError for a span neither holds, or
+        cells that are not plain text tokens."""
         out = []
         for start, end in spans:
             k_parts, v_parts = [], []
@@ -143,12 +127,8 @@ class StateLayout:
         return out
 
     def check_text_cells(self, part: CachePart, start: int, end: int, tokens: Sequence[int]) -> None:
-        """Refuse cells ``[start, end)`` of ``part`` whose extension is not a text token's
-        (e.g. an image embedding): their KV cannot be rebuilt from token IDs.
-
-        Raises:
-            ValueError: a cell's extension differs from :func:`seqstate.text_cell_ext`.
-        """
+        """Raise ValueError when cells ``[start, end)`` of ``part`` are not text tokens (e.g. an image
+        embedding): their KV cannot be rebuilt from token IDs."""
         if not self.cell_ext:
             return
         at = int(start - part.pos[0])
@@ -175,12 +155,8 @@ class SwaCapture:
         self._k, self._v, self.n_tokens = [k], [v], int(k.shape[1])
 
     def add(self, part: CachePart, start: int, end: int) -> None:
-        """Take positions ``[start, end)`` from a parsed sliding-window part; ``start`` must
-        not pass :attr:`n_tokens` (rows already held are skipped).
-
-        Raises:
-            SeqStateError: the part no longer (or does not yet) hold those positions.
-        """
+        """Take positions ``[start, end)`` (``start <= n_tokens``; held rows skipped) from a parsed
+        sliding-window part. Raises SeqStateError when the part does not hold them."""
         start = max(start, self.n_tokens)
         if start >= end:
             return
@@ -203,11 +179,7 @@ class SwaCapture:
         self.n_tokens = n
 
     def rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """K, V ``[n_swa_layers, end - start, width]`` of positions ``[start, end)``.
-
-        Raises:
-            SeqStateError: positions beyond those captured.
-        """
+        """K, V ``[n_swa_layers, end - start, width]`` of ``[start, end)``; SeqStateError beyond those held."""
         if end > self.n_tokens:
             raise SeqStateError(f"sliding-window KV captured for {self.n_tokens} positions, not {end}")
         if len(self._k) > 1:
@@ -220,15 +192,13 @@ ROW_GROUP = 8
 for repacked quantized weights (``ggml-cpu/repack.cpp``) quantize activations 4 or 8 rows at a
 time, so a token's row depends on its group within the batch."""
 MIN_FIRST_BATCH = 16
-"""Fewest tokens of a cached prefill's first batch off the block grid (smaller batches take
-other kernels)."""
+"""Fewest tokens of a cached prefill's first batch off the block grid (smaller ones take other kernels)."""
 
 
 @dataclass(frozen=True)
 class InjectionRule:
-    """Where a cached prefill may start and stay bit-identical to an uncached one: its first
-    batch starts on a multiple of ``row_group`` tokens and holds at least ``min_first_batch``
-    (off the block grid)."""
+    """Where a cached prefill may start and stay bit-identical: its first batch starts on a multiple
+    of ``row_group`` tokens and holds at least ``min_first_batch`` (off the block grid)."""
 
     row_group: int = ROW_GROUP
     min_first_batch: int = MIN_FIRST_BATCH
@@ -237,8 +207,7 @@ class InjectionRule:
 GROUPED_ROWS = InjectionRule()
 """The default rule: exact where a batch's rows are computed by groups (repacked weights)."""
 ANY_ROW = InjectionRule(1, 2)
-"""Any injection point with a first batch of two tokens or more, where every row of a batch is
-computed alike (``LlamaCppAdapter.probe_rows`` checks it on the loaded model)."""
+"""Any injection point with a first batch of 2+ tokens, where all rows compute alike (see probe_rows)."""
 
 
 def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule = GROUPED_ROWS) -> int:
@@ -284,12 +253,8 @@ def turn_batches(plan: Sequence[tuple[int, int]], every: int,
     """``plan``'s batches cut at multiples of ``every`` tokens where both sides keep at least
     ``rule.min_first_batch`` (bit-identical to the plan's), so that a server's workers take
     turns on the CPUs between pieces; a batch of at most ``2 * every`` tokens stays whole (a
-    small batch costs more per token).
-
-    Raises:
-        ValueError: ``every`` is not a multiple of ``rule.row_group`` of at least
-            ``rule.min_first_batch``.
-    """
+    small batch costs more per token). Raises ValueError unless ``every`` is a multiple of
+    ``rule.row_group`` of at least ``rule.min_first_batch``."""
     if every < rule.min_first_batch or every % rule.row_group:
         raise ValueError(f"turn_batches: every must be a multiple of {rule.row_group} of at least "
                          f"{rule.min_first_batch}, got {every}")
@@ -340,11 +305,7 @@ def exact_batches(n_past: int, end: int, block: int, batch_tokens: int,
 def probe_layout(raw: bytes, n_layer: int, n_swa: int, window_part: Callable[[int], CachePart]) -> StateLayout:
     """The :class:`StateLayout` of a probe's two-cell seq state, parsed without, then with cell
     extensions; for a window model ``window_part(ext_bytes)`` (the window part read alone)
-    must match the state's second part.
-
-    Raises:
-        SeqStateError: a state neither way parses, or parts that disagree.
-    """
+    must match the state's second part. Raises SeqStateError when neither parse works or parts disagree."""
     try:
         parts = seqstate.parse_parts(raw)
     except SeqStateError as plain:

@@ -1,10 +1,7 @@
-"""The engine interface, :class:`EngineAdapter` (declared once: an ABC whose abstract members
-are what an engine supplies and whose concrete ones both real engines share), and its errors.
-
-The request path and the app use nothing of an engine but :data:`MEMBERS`. A class that does
-not subclass ``EngineAdapter`` is one when it has every method and property of them (the tests'
-fake adapter); :func:`missing_members` names what an object lacks. Adapters are not re-entrant:
-the caller holds ``adapter.lock`` for a whole request. Positions and counts are tokens.
+"""The engine interface, :class:`EngineAdapter` (an ABC: abstract members are what an engine
+supplies, concrete ones are shared), and its errors. Callers use only :data:`MEMBERS`; any class
+with all their methods and properties counts as one. Adapters are not re-entrant: the caller holds
+``adapter.lock`` for a whole request. Positions and counts are tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class ContextOverflowError(ValueError):
-    """A prompt plus its max_tokens does not fit the engine's context window.
-
-    Attributes: ``prompt_tokens``, ``max_tokens``, ``n_ctx`` (all token counts).
-    """
+    """A prompt plus its max_tokens does not fit the context window; attributes ``prompt_tokens``,
+    ``max_tokens``, ``n_ctx`` (tokens)."""
 
     def __init__(self, prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -54,8 +49,7 @@ class EvaluationAborted(RuntimeError):
 
 
 def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
-    """Raise ValueError naming the first chat message that is not a dict of 'role' and
-    'content' strings."""
+    """Raise ValueError naming the first message that is not a dict of 'role' and 'content' strings."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
@@ -64,21 +58,15 @@ def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
 class EngineAdapter(abc.ABC):
     """One engine with one KV sequence, as the request path drives it.
 
-    Attributes (the interface's data):
-        namespace: the namespace of the KV this engine writes and accepts; fragments of
-            another one must be converted (``reshape.convert_fragment``) before
-            :meth:`inject_fragment`. None when :attr:`cache_refusal` is set.
-        cache_refusal: None when the engine's KV can be cut into fragments, else one line
-            saying why not; the request path then serves every request uncached.
-        blend_refusal: None when stored KV can be placed at another position
-            (:meth:`place_kv`, :meth:`recompute`), else why not.
+    Attributes:
+        namespace: of the KV this engine writes and accepts (convert others with
+            ``reshape.convert_fragment``); None when :attr:`cache_refusal` is set.
+        cache_refusal: None, or why the KV cannot be cut into fragments (then every request runs uncached).
+        blend_refusal: None, or why stored KV cannot move position (:meth:`place_kv`, :meth:`recompute`).
         n_ctx: context window, tokens (prompt plus generated tokens).
         lock: held by the caller around a whole request.
-        model_path: the GGUF file the engine runs (or that its ONNX export was made from).
+        model_path: the GGUF file the engine runs (or its ONNX export was made from).
         kv_epoch: changes whenever the live sequence's KV may have changed.
-
-    Beyond the interface, subclasses offer :meth:`extract_fragment`, :meth:`is_eog`,
-    :meth:`prefill_plan` and :attr:`n_tokens` (tests and benchmarks use them).
     """
 
     namespace: Namespace | None
@@ -94,9 +82,7 @@ class EngineAdapter(abc.ABC):
     injection_rule: InjectionRule = GROUPED_ROWS
     """Where a cached prefill may start (``kv_layout.InjectionRule``)."""
     turn_tokens: int = 0
-    """When set, prefill batches are cut at multiples of this many tokens
-    (``kv_layout.turn_batches``, bit-identical) so that :attr:`batch_turn` comes round more
-    often. 0: the batches of :meth:`prefill_plan`."""
+    """When set, prefill batches are cut (bit-identically) at multiples of this many tokens; 0: not."""
     _chat_formatter = None  # add_generation_prompt -> Jinja2ChatFormatter, built on first use
 
     @classmethod
@@ -168,11 +154,8 @@ class EngineAdapter(abc.ABC):
         ``keys``/``values`` C-contiguous ``namespace.np_dtype`` ``[len(range(layer_start,
         layer_end, layer_stride)), span, (head_end - head_start) * head_dim]``, ``token_ids``
         int32. ``tokens``: what the live sequence holds; None ends: all layers or heads;
-        ``ttl_seconds`` from ``now`` (Unix seconds; None: now, and no expiry).
-
-        Raises:
-            ValueError: a span beyond the live sequence, ``tokens`` that differ from it, a
-                head range outside ``[0, n_head_kv]`` or empty, or a KVFragment invariant.
+        ``ttl_seconds`` from ``now`` (Unix seconds; None: now, and no expiry). Raises ValueError for a
+        span beyond the live sequence, differing ``tokens``, a bad head range, or a KVFragment invariant.
         """
         if not spans:
             return []
@@ -194,12 +177,9 @@ class EngineAdapter(abc.ABC):
 
     def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
         """Replace the live sequence with positions ``0..n_tokens-1`` from ``fragments``, which
-        tile ``[0, >= n_tokens)`` with every layer and KV head. Returns ``n_tokens``.
-
-        Raises:
-            ValueError: another namespace, gaps, missing layers or heads, ``n_tokens`` outside
-                ``[1, len(tokens)]``, or tokens that differ (nothing changed).
-            InjectionError: the engine refused the state (its sequence is cleared).
+        tile ``[0, >= n_tokens)`` with every layer and KV head. Returns ``n_tokens``. Raises ValueError
+        (nothing changed) for another namespace, gaps, missing layers or heads, ``n_tokens`` outside
+        ``[1, len(tokens)]`` or differing tokens; InjectionError when refused (sequence cleared).
         """
         self.kv_epoch += 1
         self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
@@ -215,13 +195,9 @@ class EngineAdapter(abc.ABC):
         """Prefill ``tokens[n_past:]`` on the live ``tokens[:n_past]`` (0: cleared first), then
         yield up to ``max_tokens`` sampled token IDs (argmax at temperature 0, else top-p
         seeded by ``seed``), stopping before an end-of-generation token; the live sequence then
-        holds the prompt and the answer but its last token. Errors raise at the first ``next()``.
-
-        Raises:
-            RuntimeError: the adapter is closed.
-            ContextOverflowError: ``len(tokens) + max_tokens > n_ctx``.
-            ValueError: an empty prompt, ``max_tokens < 1``, ``n_past`` outside
-                ``[0, len(tokens) - 1]``, or a live sequence not holding ``tokens[:n_past]``.
+        holds the prompt and the answer but its last token. At the first ``next()`` raises
+        RuntimeError (closed), ContextOverflowError (``len(tokens) + max_tokens > n_ctx``) or ValueError
+        (empty prompt, ``max_tokens < 1``, ``n_past`` not in ``[0, len(tokens) - 1]`` or not live).
         """
         if self.closed:
             raise RuntimeError(f"{type(self).__name__}: closed")
@@ -349,8 +325,7 @@ class EngineAdapter(abc.ABC):
         head_dim]`` of ``namespace.np_dtype`` (arguments already checked)."""
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1
-        (here through :meth:`_load_kv`)."""
+        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1."""
         self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:
@@ -364,8 +339,7 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
-        """An endless generator of sampled tokens after the live sequence; each ``next()``
-        first evaluates the token yielded before."""
+        """Endless sampled tokens after the live sequence; each ``next()`` evaluates the one before."""
 
     @abc.abstractmethod
     def _chat_template(self) -> tuple[str, str, str]:
@@ -395,8 +369,7 @@ class EngineAdapter(abc.ABC):
             raise ValueError("tokens: differ from what the live sequence holds")
 
     def _resume(self, tokens: Sequence[int], n_past: int) -> None:
-        """Make the live sequence hold exactly ``tokens[:n_past]`` (0: cleared); the
-        ValueErrors of :meth:`prefill`."""
+        """Make the live sequence hold exactly ``tokens[:n_past]`` (0: cleared); ValueError if it cannot."""
         if not 0 <= n_past < len(tokens):
             raise ValueError(f"n_past: {n_past} must be in [0, {len(tokens) - 1}]")
         if n_past == 0:
@@ -411,8 +384,7 @@ class EngineAdapter(abc.ABC):
             self._truncate(n_past)
 
     def _evaluate_plan(self, tokens: Sequence[int], n_past: int) -> None:
-        """Evaluate ``tokens[n_past:]`` in :meth:`prefill_plan`'s batches (cut at multiples of
-        :attr:`turn_tokens` when set), each in its :attr:`batch_turn`."""
+        """Evaluate ``tokens[n_past:]`` in :meth:`prefill_plan`'s batches, each in its :attr:`batch_turn`."""
         plan = self.prefill_plan(n_past, len(tokens))
         if self.turn_tokens:
             plan = turn_batches(plan, self.turn_tokens, self.injection_rule)
