@@ -6,13 +6,11 @@ and the one prompt template that puts them before a question (:func:`build_promp
     [document 1's tokens] SEP [document 2's tokens] SEP ... [document k's] SEP
     [the question + the chat template's closing of the turn and assistant prompt]
 
-SEP is :data:`SEPARATOR` tokenized alone. Each document is tokenized on its own (no BOS,
-special tokens not parsed), so its token IDs, hence its stored KV, are the same wherever it
-appears; the uncached reference is this token sequence prefilled in full. A document's KV is
-computed once after a fixed header (``document_header``: the chat template's default system
-part, or none) and stored as the chain ``header + document`` from position 0 in the document
-lifetime (under ``MIN_SPAN`` tokens: no fragment, a blend recomputes it). Its text is embedded
-in windows of :data:`WINDOW_WORDS` words overlapping by :data:`WINDOW_OVERLAP`.
+SEP is :data:`SEPARATOR` tokenized alone. Each document is tokenized alone (no BOS, special
+tokens not parsed), so its token IDs and stored KV are the same wherever it appears. Its KV is
+computed once after a fixed header (``document_header``) and stored as the chain
+``header + document`` from position 0 in the document lifetime (under ``MIN_SPAN`` tokens: none).
+
 """
 
 from __future__ import annotations
@@ -64,9 +62,7 @@ def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[Docu
     """Documents given as strings or dicts with ``text`` (or ``context``) and optional ``title``,
     ``source`` (or ``doc_id``/``id``); a single string or dict is one document.
 
-    Raises:
-        ValueError: naming the document's index: not iterable, not a string or such a dict, a
-            blank text, or a lone surrogate in its text, title or source.
+    Raises ValueError (naming the index) for a non-iterable, a bad item, a blank text or a lone surrogate.
     """
     if isinstance(documents, (str, Mapping)):
         documents = [documents]  # one document, not its characters or keys
@@ -97,8 +93,7 @@ def as_inputs(documents: "Iterable[str | Mapping] | str | Mapping") -> list[Docu
 
 
 def text_windows(text: str, words: int = WINDOW_WORDS, overlap: int = WINDOW_OVERLAP) -> list[str]:
-    """``text`` cut into windows of ``words`` words overlapping by ``overlap`` (one window for a
-    short text)."""
+    """``text`` cut into windows of ``words`` words overlapping by ``overlap``."""
     parts = text.split()
     if len(parts) <= words:
         return [" ".join(parts)]
@@ -133,9 +128,7 @@ def build_prompt(adapter, messages: Sequence[Mapping[str, str]], docs: Sequence[
     """The prompt of the module docstring for chat ``messages`` (the last one the user's
     question) and ``docs`` in that order.
 
-    Raises:
-        ValueError: messages that do not end with a user turn, or a chat template that drops
-            the question's text.
+    Raises ValueError when messages do not end with a user turn or the template drops the question.
     """
     if isinstance(messages, str) or not messages or not isinstance(messages[-1], Mapping) \
             or messages[-1].get("role") != "user":
@@ -172,7 +165,7 @@ class DocumentLibrary:
         encode: texts -> float32 ``[n, 384]`` unit embeddings (None: documents are not embedded,
             and :meth:`retrieve` is refused).
         chunk_tokens: fragment span of the documents' chains.
-        header: ``"none"`` or ``"chat"`` (``document_header``, module docstring).
+        header: ``"none"`` or ``"chat"`` (``document_header``).
         ram: the engine's RAM tier, emptied when documents are removed (it may hold their KV).
     """
 
@@ -191,8 +184,7 @@ class DocumentLibrary:
         self._checked_generation = -1
 
     def header_tokens(self) -> list[int]:
-        """The tokens a new document's KV is computed after (``header``: ``"none"`` or
-        ``"chat"``, module docstring)."""
+        """The tokens a new document's KV is computed after."""
         if self._header_tokens is None:
             self._header_tokens = []
             if self.header == "chat":
@@ -202,15 +194,12 @@ class DocumentLibrary:
 
     @property
     def namespace(self):
-        """The engine's namespace."""
         return self.adapter.namespace
 
     def record_for(self, doc: DocumentInput, index: int = 0) -> DocumentRecord:
-        """The record of ``doc`` (the stored one when there is one; else built, not stored).
+        """The record of ``doc`` (the stored one, else built, not stored).
 
-        Raises:
-            ValueError: it tokenizes to nothing, or does not fit the context alone.
-        """
+        Raises ValueError when it tokenizes to nothing or does not fit the context alone."""
         tokens = self.adapter.tokenize(doc.text, add_bos=False, special=False)
         if not tokens:
             raise ValueError(f"documents[{index}]: tokenizes to nothing")
@@ -246,10 +235,7 @@ class DocumentLibrary:
         """Store ``rec``'s KV (computed when its chain is not all stored: the engine's sequence is
         cleared), its record and its embeddings; returns the record stored (with its vectors).
 
-        Raises:
-            StoreError: the store could not be written.
-            PermissionError: the store is read-only.
-        """
+        Raises StoreError when the store could not be written, PermissionError when read-only."""
         if self.store is None or self.namespace is None:
             return rec
         chain = rec.chain
@@ -268,8 +254,7 @@ class DocumentLibrary:
         return rec
 
     def _with_vectors(self, rec: DocumentRecord) -> DocumentRecord:
-        """``rec`` with its text windows embedded; unchanged without an embedder or its extra
-        (:meth:`retrieve` embeds such records once the extra is there)."""
+        """``rec`` with its text windows embedded; unchanged without an embedder or its extra."""
         if self.encode is None:
             return rec
         try:
@@ -308,23 +293,17 @@ class DocumentLibrary:
         return found[0] if len(found) == 1 else None
 
     def remove(self, rec: DocumentRecord) -> int:
-        """Delete ``rec``'s record and every fragment along its chain; returns the fragments
-        removed (the next request with it recomputes it).
+        """Delete ``rec``'s record and every fragment along its chain; returns the fragments removed.
 
-        Raises:
-            StoreError: the store could not be written.
-        """
+        Raises StoreError when the store could not be written."""
         removed = self.store.forget_tokens(self.namespace, rec.chain) if len(rec.chain) else 0
         records.delete_document(self.store, rec.key)
         return removed
 
     def retrieve(self, query: str, k: int) -> list[tuple[DocumentRecord, float]]:
-        """The ``k`` stored documents nearest to ``query`` by meaning, best first, with their
-        cosine similarity.
+        """The ``k`` stored documents nearest to ``query`` by meaning, best first, with their cosine similarity.
 
-        Raises:
-            ValueError: ``k`` < 1, no embedder, or no stored documents for this model.
-            MissingExtraError: the embedding model cannot load (the ``semantic`` extra).
+        Raises ValueError (``k`` < 1, no embedder, no stored documents), MissingExtraError (no ``semantic`` extra).
         """
         if k < 1:
             raise ValueError(f"retrieve: k must be >= 1, got {k}")
@@ -350,10 +329,7 @@ class DocumentLibrary:
         ``progress(i)`` after the i-th; returns the records, in order (the caller holds the
         engine's lock).
 
-        Raises:
-            ValueError: a document that is empty, malformed or longer than the context (nothing
-                is stored for it or after it).
-            StoreError, PermissionError: as :meth:`add`.
+        Raises ValueError for a bad document (nothing stored for it or after it); else as :meth:`add`.
         """
         out = []
         for i, doc in enumerate(as_inputs(documents)):
@@ -366,9 +342,7 @@ class DocumentLibrary:
         """Remove documents (IDs, unique ID prefixes of 8+ hex digits, or records) with their
         fragments; returns how many.
 
-        Raises:
-            KeyError: an ID that names no stored document (or several).
-            StoreError: the store could not be written.
+        Raises KeyError for an ID naming no stored document (or several), StoreError on a write failure.
         """
         if isinstance(ids, (str, DocumentRecord)):
             ids = [ids]  # one ID, not its characters
@@ -401,9 +375,7 @@ class DocumentLibrary:
         ``documents`` (given) or the ``retrieve`` nearest stored ones (:func:`build_prompt`),
         and the retrieval scores (None when given).
 
-        Raises:
-            ValueError: both or neither given, a bad document, messages not ending with a user
-                turn, text with a lone surrogate, or ``retrieve`` with no stored documents.
+        Raises ValueError: both or neither given, a bad document or message, or nothing to retrieve.
         """
         if (documents is None) == (retrieve is None):
             raise ValueError("documents: pass either documents= or retrieve=, not both")
@@ -442,11 +414,8 @@ class DocumentLibrary:
 
 def document_encoder(semantic, backend: str) -> Callable[[list[str]], np.ndarray]:
     """Texts -> float32 ``[n, 384]`` MiniLM embeddings: the semantic lookup's embedder when it
-    runs (``semantic``, or None), else the ``backend`` embedder, loaded at first use.
-
-    The returned function raises MissingExtraError when the embedder cannot load (the
-    ``semantic`` extra).
-    """
+    runs (``semantic``, or None), else the ``backend`` embedder, loaded at first use; raises
+    MissingExtraError when it cannot load (the ``semantic`` extra)."""
     loaded = []
 
     def encode(texts: list[str]) -> np.ndarray:
@@ -518,10 +487,9 @@ class DocumentRequest:
         return False
 
     def annotate(self, result: "GenerationResult") -> None:
-        """Fill the documents fields of the request's result (in place): the IDs and retrieval
-        scores, why a blend was refused, the documents computed, and for a blend the
-        approximate flag, the blended and recomputed counts, ``tokens_reused`` (exact head +
-        blended tokens), ``tokens_prefilled`` and the hit kind."""
+        """Fill the documents fields of ``result`` in place (``tokens_reused`` after a blend: exact
+        head + blended tokens)."""
+
         result.documents, result.retrieval_scores = self.prompt.document_ids, self.scores
         result.blend_refusal, result.documents_computed = self.refusal, self.computed
         b = self.blended

@@ -41,13 +41,8 @@ renderings part where the content begins (:func:`history_tokens`)."""
 def history_tokens(engine, messages) -> list[int]:
     """Token IDs the next prompt of a conversation that ends with ``messages`` begins with:
     the chat template over them and, after an answer or a system prompt, the beginning of the
-    next user turn (the tokens two renderings with the :data:`NEXT_TURN_PROBES` share). A
-    template that refuses the probe turn gives the history without a generation prompt, as
-    does a conversation that ends otherwise; a string is tokenized as is.
-
-    Raises:
-        ValueError, RuntimeError: as ``EdgeSync.prompt_tokens``.
-    """
+    next user turn (the tokens two renderings with the :data:`NEXT_TURN_PROBES` share); a
+    string is tokenized as is. Raises as ``EdgeSync.prompt_tokens``."""
     if not isinstance(messages, str):
         check_chat_messages(messages)
         if messages[-1]["role"] in ("assistant", "system"):
@@ -70,9 +65,7 @@ class PrepareResult:
         prompt_tokens: tokens of the prompt prepared.
         tokens_reused: tokens whose KV was already there (live, or injected from the store).
         tokens_prefilled: tokens evaluated (with the few live ones a batch may reach back to).
-        tokens_ready: leading tokens whose exact KV the engine's live sequence then holds
-            (batches end on the row group: a few last tokens are left to the request).
-        fragments_written: fragments stored.
+        tokens_ready: leading tokens whose exact KV the engine's live sequence then holds.
         interrupted: a request paused the job before its end.
         elapsed_ms: wall time of the job in ms (with the pauses between batches).
     """
@@ -96,7 +89,6 @@ class PrefillJob:
         store: the store the chunks go to (None: only the live sequence is filled).
         config: ``idle_batch_tokens``, ``chunk_tokens``, ``ttl_seconds``, the fragment grouping.
         start: leading tokens whose exact KV the live sequence holds (reused).
-        ram: the RAM tier that keeps what is stored (``storeback.store_new``).
         on_ready: called with the new count of exact live tokens after each batch.
     """
 
@@ -116,18 +108,15 @@ class PrefillJob:
 
     @property
     def done(self) -> bool:
-        """No batch is left."""
         return not self.batches
 
     def step(self, should_stop: Callable[[], bool] | None = None) -> int:
         """Evaluate the next batch and store the chunks it completes; returns the tokens
         evaluated (0: none left). Once ``should_stop`` returns True the batch stops midway
-        (``EngineAdapter.abortable``) and stays the next one.
+        and stays the next one.
 
-        Raises:
-            ValueError, ContextOverflowError: ``extend`` refused the batch (the live sequence
-                no longer holds the prompt's start).
-            EvaluationAborted: ``should_stop`` stopped it; the live sequence is as before it.
+        Raises ValueError or ContextOverflowError when ``extend`` refuses the batch, and
+        EvaluationAborted when ``should_stop`` stopped it (the live sequence as before it).
         """
         if not self.batches:
             return 0
@@ -169,12 +158,9 @@ class IdleStats:
     """Counters of one engine's idle-time work (all since start).
 
     Attributes:
-        jobs: jobs started.
         interrupted: jobs a request paused before their end.
-        tokens_prefilled: tokens evaluated in idle time.
         tokens_wasted: tokens prepared that the next request of that conversation did not
             begin with.
-        fragments_written: fragments stored in idle time.
         failed: jobs that failed (logged; the next request prefills as usual).
     """
 
@@ -189,18 +175,13 @@ class IdleStats:
 class IdleRunner:
     """One engine's idle-time work: :meth:`prepare` now, or jobs queued (:meth:`prepare_later`)
     and run one at a time on a thread of its own or, with ``threaded`` False, by the owner's
-    :meth:`run_pending` (a server worker: llama.cpp's OpenMP keeps a thread team per calling
-    thread, docs/benchmarks.md).
+    :meth:`run_pending` (a server worker).
 
-    Jobs wait newest first (:data:`MAX_PENDING`). A paused job keeps its place at the head and
-    restarts from what the store and the live sequence then hold, so the newest conversation's
-    KV stays live; once an older job replaced it, the newest runs once more at the end. Before
-    another conversation's job replaces the live sequence, the engine makes room to inject the
-    history just prepared (``EngineAdapter.make_room``).
+    Jobs wait newest first (:data:`MAX_PENDING`); a paused job keeps its place at the head and
+    restarts from what the store and the live sequence then hold.
 
     Args:
         engine: the ``EdgeSync`` it works for; its adapter's lock is held one batch at a time.
-        name: the thread's name.
         busy: True while requests wait for the engine elsewhere (a server worker's queue): no
             batch starts, and the one running stops midway. Checked often: keep it cheap.
         threaded: run the jobs on a thread of the runner's own (False: :meth:`run_pending`).
@@ -229,13 +210,10 @@ class IdleRunner:
         (a job's start, which reads the store, or a batch) ended."""
 
     def prepare(self, prompt) -> PrepareResult:
-        """``EdgeSync.prepare``: store ``prompt``'s KV at once (its checks and errors).
+        """``EdgeSync.prepare``: store ``prompt``'s KV at once.
 
-        Raises:
-            ValueError: an empty prompt, malformed messages, or no store.
-            PermissionError: the store is read-only.
-            ContextOverflowError: the prompt is longer than the context.
-        """
+        Raises ValueError (empty prompt, bad messages, no store), PermissionError (read-only
+        store), ContextOverflowError (longer than the context)."""
         es = self.engine
         if es.store is None or es.adapter.namespace is None:
             raise ValueError("prepare: needs a store and an engine whose KV can be cached "
@@ -285,10 +263,8 @@ class IdleRunner:
 
     def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
         """Queue a job: ``start()`` is called with the lock held and returns the job (None:
-        nothing to do); its batches then run on the runner's thread while no request needs the
-        engine. ``key`` names the prompt (e.g. its messages): a waiting job whose key is a prefix
-        of this one's is dropped (the conversation went on), and so is the oldest job beyond
-        :data:`MAX_PENDING`."""
+        nothing to do). ``key`` names the prompt (e.g. its messages): a waiting job whose key is
+        a prefix of this one's is dropped, and so is the oldest beyond :data:`MAX_PENDING`."""
         with self._cond:
             if self._closed:
                 return
@@ -301,9 +277,7 @@ class IdleRunner:
             self._cond.notify()
 
     def _queue_first(self, key: tuple, start: Callable[[], "PrefillJob | None"]) -> None:
-        """Put a job at the head of the queue (the caller holds ``_cond``), dropping the
-        waiting jobs whose key it extends and the oldest beyond :data:`MAX_PENDING`; a job
-        whose key a waiting one extends is not queued (its conversation went on)."""
+        """Put a job at the head of the queue (the caller holds ``_cond``), as :meth:`submit` says."""
         if key:
             if any(len(p[0]) > len(key) and p[0][:len(key)] == key for p in self._pending):
                 return
@@ -315,9 +289,7 @@ class IdleRunner:
     @contextmanager
     def paused(self) -> Iterator[bool]:
         """For a request's whole ``with`` block (enter it before taking the engine's lock): the
-        job in progress stops during its current batch (midway where the engine can; it is
-        queued again) and none starts.
-        Yields True when a job was running (the caller may then wait one batch for the lock)."""
+        running job stops (queued again) and none starts. Yields True when a job was running."""
         with self._cond:
             self._epoch += 1
             self._waiting += 1
@@ -350,9 +322,8 @@ class IdleRunner:
             self._run_next()
 
     def run_pending(self) -> bool:
-        """Run the queued jobs on the calling thread while :attr:`busy` says no request waits
-        (checked before each batch); True when none is left. For a runner made with
-        ``threaded`` False."""
+        """Run the queued jobs on the calling thread while :attr:`busy` says no request waits;
+        True when none is left. For a runner made with ``threaded`` False."""
         while True:
             with self._cond:
                 if self._closed or not self._pending:
@@ -362,7 +333,6 @@ class IdleRunner:
             self._run_next()
 
     def _run_next(self) -> None:
-        """Run the first queued job, which keeps its place at the head of the queue when paused."""
         with self._cond:
             if not self._pending:
                 return
@@ -386,7 +356,7 @@ class IdleRunner:
                 self._cond.notify_all()
 
     def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> bool:
-        """Start the job and run its batches while no request paused it; False when paused."""
+        """Run the job's batches while no request paused it; False when paused."""
         with self._lock:
             if epoch != self._epoch or self._waiting:
                 return False
@@ -427,8 +397,8 @@ class IdleRunner:
         return done
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False). With
-        ``threaded`` False the jobs run only in :meth:`run_pending`."""
+        """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False)."""
+
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._running or self._pending:
