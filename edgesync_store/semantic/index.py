@@ -1,9 +1,6 @@
-"""SemanticIndex: an HNSW (hnswlib) graph over a FragmentStore's vectors, rebuildable from LMDB.
-
-The vectors live in the store's LMDB (:mod:`.vectors`); the graph is a cache of them
-(:mod:`.sidecar`), rebuilt when missing, damaged or of another store. Inner-product space on
-unit vectors (distance = 1 - cosine), M = 16, ef_construction = 200, ef_search = 100
-(../shared/DESIGN.md 2.1).
+"""SemanticIndex: an HNSW (hnswlib) graph over a FragmentStore's vectors (:mod:`.vectors`), a cache
+(:mod:`.sidecar`) rebuilt from LMDB when missing, damaged or of another store. Inner-product space on
+unit vectors (distance = 1 - cosine), M = 16, ef_construction = 200, ef_search = 100 (../shared/DESIGN.md 2.1).
 """
 
 from __future__ import annotations
@@ -83,9 +80,7 @@ class SemanticIndex:
         autosave: :meth:`close` saves the sidecar when the graph changed.
         log_keep: change-log entries this writer keeps (default :data:`LOG_KEEP`).
 
-    Raises:
-        BackendMismatchError: the store holds vectors of another backend or width.
-        IndexUnavailableError: hnswlib is missing.
+    Raises BackendMismatchError (vectors of another backend or width), IndexUnavailableError (no hnswlib).
     """
 
     def __init__(
@@ -143,8 +138,7 @@ class SemanticIndex:
             self._reconcile(self._graph.graph_labels())
 
     def _load_sidecar(self) -> bool:
-        """Load ``semantic.hnsw`` if ``semantic.json`` vouches for it and it belongs to this
-        store and backend; False when the graph is to be rebuilt."""
+        """Load the sidecar if intact and this store's and backend's; False: rebuild."""
         if not self.json_path.exists() and not self.hnsw_path.exists():
             return False
         try:
@@ -166,8 +160,7 @@ class SemanticIndex:
         return True
 
     def _reconcile(self, graph_live: set[int]) -> tuple[int, int]:
-        """Make the graph hold exactly LMDB's live vectors. ``graph_live``: labels live in the
-        graph (their keys may not be known yet). Returns (added, removed)."""
+        """Make the graph hold exactly LMDB's live vectors (``graph_live``: its labels); (added, removed)."""
         graph = self._graph
         live, vectors, gone, generation = self._vectors.scan(lambda label: label not in graph_live)
         removed = 0  # graph removals (vectors of gone fragments included)
@@ -188,8 +181,7 @@ class SemanticIndex:
         return len(missing), removed
 
     def _catch_up(self) -> None:
-        """Replay the LMDB change log from the generation the graph reflects (reconcile fully
-        when the log no longer reaches back that far)."""
+        """Replay the LMDB change log since the graph's generation (reconcile when it is too short)."""
         if not self._vectors.exists:
             return
         graph = self._graph
@@ -210,8 +202,7 @@ class SemanticIndex:
         self._seen_gen = generation
 
     def _refresh(self) -> None:
-        """Catch up when another process (or thread) wrote since the graph's generation;
-        reload when the vectors were dropped (or the backend changed) meanwhile."""
+        """Catch up with other writers; reload when the vectors were dropped or re-claimed."""
         index_id, generation = self._vectors.state()
         if index_id != self._index_id or self._graph is None:
             log.info("semantic index of %s was reset by another process; reloading", self.path)
@@ -327,8 +318,7 @@ class SemanticIndex:
         return [r for r in results if r[0] not in gone_set]
 
     def sync(self) -> tuple[int, int]:
-        """Catch up with LMDB completely (index missing vectors, drop removed ones and those whose
-        fragment is gone). Returns ``(added, removed)``."""
+        """Catch up with LMDB completely (gone fragments' vectors dropped); ``(added, removed)``."""
         with self._lock:
             index_id, _ = self._vectors.state()
             if index_id != self._index_id or self._graph is None:
@@ -368,8 +358,8 @@ class SemanticIndex:
             log.warning("cannot save the semantic index sidecar in %s: %s", self.path, exc)
 
     def close(self) -> None:
-        """Save the sidecar if the graph changed (``autosave``, writable store), then release
-        the graph. Idempotent. Close the index before its store."""
+        """Save the sidecar if changed (``autosave``), release the graph; idempotent; before the store."""
+
         with self._lock:
             if self._closed:
                 return

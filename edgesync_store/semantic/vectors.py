@@ -50,8 +50,7 @@ META_FORMAT = b"1"
 
 
 def _open_dbs(store, create: bool, txn=None) -> tuple[Any, Any] | None:
-    """The named databases (created when ``create``), or None when absent and not ``create``.
-    Asked for at each use: a disk reclaim reopens the environment."""
+    """The named databases (created when ``create``), or None when absent (a reclaim reopens the env)."""
     vec = store.named_db(VECTORS_DB, create=create, txn=txn)
     meta = store.named_db(META_DB, create=create, txn=txn)
     if vec is None or meta is None:
@@ -104,11 +103,8 @@ class VectorTable:
 
     def claim(self, backend_id: str) -> str:
         """Record ``backend_id`` and this width (with a new ``index_id``) when none is recorded or no
-        vector is stored; returns the ``index_id`` ("" when the databases do not exist).
-
-        Raises:
-            BackendMismatchError: the store holds vectors of another backend or width.
-        """
+        vector is stored; returns the ``index_id`` ("" when the databases do not exist). Raises
+        BackendMismatchError when the store holds vectors of another backend or width."""
         self.backend_id = backend_id
         self.index_id = self._claim(backend_id)
         return self.index_id
@@ -272,8 +268,7 @@ class VectorTable:
         log_change(txn, self._meta_db, op, label, key, self.log_keep)
 
     def _write(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn`` in a write transaction after checking that the vectors were not dropped
-        or re-claimed by another backend since :meth:`claim`."""
+        """Run ``fn`` in a write transaction once ``index_id`` is checked unchanged since :meth:`claim`."""
 
         def guarded(txn):
             index_id = txn.get(b"index_id", db=self._meta_db)
@@ -321,11 +316,8 @@ class VectorTable:
         return self._write(write)
 
     def delete(self, key: bytes) -> bool:
-        """Remove the vector of ``key`` (one write transaction); False when it had none.
-
-        Raises:
-            BackendMismatchError: the vectors were dropped or re-claimed since :meth:`claim`.
-        """
+        """Remove the vector of ``key`` (one write transaction); False when it had none. Raises
+        BackendMismatchError when the vectors were dropped or re-claimed since :meth:`claim`."""
 
         def write(txn):
             old = txn.get(key, db=self._vec_db)
@@ -340,11 +332,9 @@ class VectorTable:
 
     def purge(self, gone: list[tuple[bytes, int]]) -> int:
         """Remove the ``gone`` entries (``(key, label)``, :attr:`Snapshot.gone`) still absent or
-        malformed, in one write transaction; returns how many.
+        malformed, in one write transaction; returns how many. Raises BackendMismatchError when
+        the vectors were dropped or re-claimed since :meth:`claim`."""
 
-        Raises:
-            BackendMismatchError: the vectors were dropped or re-claimed since :meth:`claim`.
-        """
         store = self.store
 
         def write(txn):
