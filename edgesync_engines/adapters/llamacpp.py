@@ -60,24 +60,16 @@ class LlamaCppAdapter(EngineAdapter):
     """An ``EngineAdapter`` on one ``llama_cpp.Llama``.
 
     Args:
-        model: a GGUF path, or an existing ``llama_cpp.Llama`` (its settings are then used;
-            pass ``model_path`` so the namespace can fingerprint the file).
-        n_ctx: context window in tokens (default 4,096).
-        n_threads: CPU threads (default: every CPU this process may run on, ``usable_cpus``).
-        flash_attn: flash attention on (changes the V layout and the numbers; recorded in the
-            namespace).
-        kv_type: K and V cache type, one of ``config.KV_TYPES`` (recorded in the namespace; a
-            quantized V needs flash attention, so it is turned on).
-        verbose: let llama.cpp's log lines through at WARNING (``model_files.route_native_logs``).
+        model: a GGUF path, or a ``llama_cpp.Llama`` (its settings used; pass ``model_path``).
+        n_ctx: context window in tokens.
+        n_threads: CPU threads (default: every usable CPU).
+        flash_attn: changes the V layout and the numbers; recorded in the namespace.
+        kv_type: one of ``config.KV_TYPES`` (recorded; a quantized V turns flash attention on).
+        verbose: let llama.cpp's log lines through at WARNING.
         seed: the sampler's seed when ``generate`` is given none.
-        model_path: the GGUF file of a ``Llama`` passed as ``model``.
 
-    Raises:
-        ModelNotFoundError: the model file is missing.
-        ModelLoadError: llama.cpp cannot load the file or create the context.
-        ValueError: a ``kv_type`` not in ``KV_TYPES``.
-
-    A model whose KV cannot be cut (:meth:`_probe`) is still served, uncached.
+    Raises ModelNotFoundError (no file), ModelLoadError (llama.cpp cannot load it) or ValueError (bad
+    ``kv_type``). A model whose KV cannot be cut is still served, uncached.
     """
 
     def __init__(
@@ -157,8 +149,7 @@ class LlamaCppAdapter(EngineAdapter):
     # -- set-up ---------------------------------------------------------------------------
 
     def _probe(self) -> None:
-        """Learn the KV layout and geometry from a two-cell seq state, or set
-        :attr:`cache_refusal` (logged once as a warning) and leave :attr:`namespace` None."""
+        """Learn the KV layout from a two-cell seq state, or set :attr:`cache_refusal` (namespace None)."""
         self.namespace = None
         self._layout: kv_layout.StateLayout | None = None
         self.cache_refusal = llamacpp_model.memory_refusal(self._llama_cpp, self.llm, KV_TYPES)
@@ -219,8 +210,7 @@ class LlamaCppAdapter(EngineAdapter):
         return kv_layout.ANY_ROW
 
     def _probe_eval(self, tokens: Sequence[int], start: int, block: int) -> tuple[bytes, bytes]:
-        """Evaluate ``tokens[start:]`` in :func:`kv_layout.prefill_blocks`' batches: the seq
-        state and the last logits (float32 bytes)."""
+        """Evaluate ``tokens[start:]`` in prefill batches: the seq state and last logits (float32 bytes)."""
         for a, b in kv_layout.prefill_blocks(start, len(tokens), block):
             self.llm.eval(list(tokens[a:b]))
         logits = self._llama_cpp.llama_get_logits_ith(self._ctx, -1)
@@ -235,8 +225,7 @@ class LlamaCppAdapter(EngineAdapter):
             flash_attn=self.flash_attn)
 
     def _get_state(self, flags: int = 0) -> bytes:
-        """The sequence's state, ``llama_state_seq_get_data_ext`` (layout: ``seqstate``);
-        ``flags`` :data:`_PARTIAL_ONLY` reads the sliding-window part alone."""
+        """The sequence's state bytes; ``flags`` :data:`_PARTIAL_ONLY` reads the window part alone."""
         llama_cpp = self._llama_cpp
         size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags)
         buf = (ctypes.c_uint8 * size)()
@@ -299,8 +288,7 @@ class LlamaCppAdapter(EngineAdapter):
         return layout.span_kv(parts, self._swa, spans, self._live_tokens(self.n_tokens), layers, cols)
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
-        """A fragment of this namespace with V laid out as the seq state holds it
-        (``state_buffer.stage``)."""
+        """A fragment of this namespace with V laid out as the seq state holds it."""
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
     def warm_up(self, n_tokens: int = 0) -> None:
@@ -320,9 +308,7 @@ class LlamaCppAdapter(EngineAdapter):
         return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(self._layout, n)
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """``llama_state_seq_set_data`` of one ``state_buffer.build`` buffer, then
-        ``input_ids[:n]`` and ``n_tokens`` so that ``eval`` continues at n. Raises
-        InjectionError: llama.cpp refused the buffer (the sequence is cleared)."""
+        """Set the seq state from one buffer; InjectionError when refused (the sequence is cleared)."""
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
         out = state_buffer.room(layout, n_tokens, self._state_buf) if layout.swa_part is None else None
@@ -412,8 +398,7 @@ class LlamaCppAdapter(EngineAdapter):
         return {"n_p_eval": int(data.n_p_eval), "n_eval": int(data.n_eval)}
 
     def reset_perf(self) -> None:
-        """Zero llama.cpp's perf counters once the queued evaluations are settled (they are
-        counted at the next synchronisation)."""
+        """Zero llama.cpp's perf counters once the queued evaluations are settled."""
         self._llama_cpp.llama_synchronize(self._ctx)
         self._llama_cpp.llama_perf_context_reset(self._ctx)
 
@@ -448,8 +433,7 @@ class LlamaCppAdapter(EngineAdapter):
             self._llama_cpp.llama_set_abort_callback(self._ctx, self._llama_cpp.ggml_abort_callback(), None)
 
     def set_threads(self, n_threads: int) -> None:
-        """``llama_set_n_threads`` for single-token and batch evaluation alike (ValueError
-        below 1)."""
+        """``llama_set_n_threads`` for single-token and batch evaluation alike (ValueError below 1)."""
         super().set_threads(n_threads)
         self._llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads)
 
@@ -461,8 +445,7 @@ class LlamaCppAdapter(EngineAdapter):
         self._swa.clear()
 
     def close(self) -> None:
-        """Free the model and context if this adapter loaded them (a ``Llama`` passed in stays
-        open)."""
+        """Free the model and context if this adapter loaded them (a ``Llama`` passed in stays open)."""
         with self.lock:
             llm, self.llm = getattr(self, "llm", None), None
             if llm is not None and self._owns_llm:

@@ -12,8 +12,7 @@ change the greedy output). The export directory (:func:`export_dir`) holds:
 * ``edgesync.json``: :data:`META_KEYS` (also in the ONNX ``metadata_props``), among them
   ``source_fingerprint``, the GGUF's SHA-256 (``compat.compatible_with``).
 
-The heavy packages (torch, transformers, gguf, accelerate, onnxscript, onnx) are the ``onnx``
-extra, imported only here.
+The heavy packages are the ``onnx`` extra, imported only here.
 """
 
 from __future__ import annotations
@@ -67,12 +66,7 @@ def export_dir(gguf_path: str | os.PathLike, root: str | os.PathLike | None = No
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
-    """The export's ``edgesync.json``.
-
-    Raises:
-        ExportError: no complete export there (missing model, tokenizer or metadata, or another
-            format).
-    """
+    """The export's ``edgesync.json``; ExportError when the export is incomplete or another format."""
     directory = Path(directory)
     for name in (MODEL_FILE, TOKENIZER_FILE, META_FILE):
         if not (directory / name).is_file():
@@ -98,11 +92,7 @@ def read_meta(directory: str | os.PathLike) -> dict:
 def open_export(directory: str | os.PathLike, n_threads: int | None = None):
     """Load an export and check that its parts agree (:func:`read_meta`, the model's inputs,
     the tokenizer's vocabulary): ``(meta, session, tokenizer)``, an ONNX Runtime CPU
-    ``InferenceSession`` and a ``tokenizers.Tokenizer``.
-
-    Raises:
-        ExportError: a check fails (the message names the file and says to export again).
-    """
+    ``InferenceSession`` and a ``tokenizers.Tokenizer``. Raises ExportError when a check fails."""
     ort = require_extra("onnxruntime", "onnx", "the ONNX Runtime engine")
     Tokenizer = require_extra("tokenizers", "onnx", "the ONNX Runtime engine").Tokenizer
 
@@ -150,13 +140,7 @@ def is_gguf(path: Path) -> bool:
 
 
 def check_exportable(gguf_path: str | os.PathLike) -> None:
-    """Refuse, from its header alone, a GGUF the ONNX export does not handle
-    (``onnx_support.onnx_refusal``).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ExportError: one line naming the file and the reason.
-    """
+    """Raise ExportError (FileNotFoundError: no file) for a GGUF whose header the export does not handle."""
     reason = onnx_refusal(gguf_path)
     if reason is not None:
         raise ExportError(f"cannot export to ONNX: {reason}")
@@ -194,11 +178,7 @@ def _import_heavy():
 
 
 def load_gguf_as_torch(gguf_path: Path):
-    """The GGUF as a float32 ``LlamaForCausalLM`` and its tokenizer (transformers' GGUF loader).
-
-    Raises:
-        ExportError: transformers cannot load the file.
-    """
+    """The GGUF as a float32 ``LlamaForCausalLM`` and its tokenizer; ExportError when it cannot load."""
     _import_heavy()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -268,9 +248,7 @@ def export_meta(model, meta: dict) -> dict:
 
 
 def _trace(model, full: dict, path: Path) -> None:
-    """``torch.onnx.export(dynamo=True)`` of :class:`_Decoder` around ``model`` to ``path``
-    (weights external), on example inputs of 3 new tokens after a past of 5, with the new
-    tokens' and the past's lengths dynamic (batch is always 1)."""
+    """Export :class:`_Decoder` around ``model`` to ``path`` (weights external; lengths dynamic, batch 1)."""
     import torch
 
     n_layer, n_head_kv, head_dim = full["n_layer"], full["n_head_kv"], full["head_dim"]
@@ -304,9 +282,7 @@ def _trace(model, full: dict, path: Path) -> None:
 
 
 def _write_export(model, tokenizer, full: dict, directory: Path) -> None:
-    """Write the three parts of an export into ``directory``: the traced model with ``full``
-    in its ``metadata_props`` (``edgesync.<key>``, non-strings as JSON), tokenizer.json and
-    edgesync.json."""
+    """Write model (``full`` in ``metadata_props`` as ``edgesync.<key>``), tokenizer and edgesync.json."""
     import onnx
 
     _trace(model, full, directory / MODEL_FILE)
@@ -324,13 +300,8 @@ def _write_export(model, tokenizer, full: dict, directory: Path) -> None:
 
 def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
     """Export a float32 llama-architecture causal LM to ``out_dir`` (model, tokenizer.json,
-    edgesync.json); the directory appears whole (written beside it, then renamed).
-
-    ``meta``: as :func:`export_meta` takes it.
-
-    Raises:
-        ExportError: the exporter failed.
-    """
+    edgesync.json); the directory appears whole (written beside it, then renamed). ``meta``: as
+    :func:`export_meta` takes it. Raises ExportError when the exporter fails."""
     _import_heavy()
     full = export_meta(model, meta)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -352,14 +323,8 @@ def export_model(model, tokenizer, out_dir: Path, meta: dict) -> Path:
 def export_gguf(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Export a GGUF to its :func:`export_dir` unless a sound export of it is there (it loads
     and records this GGUF's fingerprint) and not ``force``. The model and the destination are
-    checked before the GGUF is loaded. Returns the directory.
-
-    Raises:
-        FileNotFoundError: no such GGUF.
-        ExportError: the file is not a GGUF, a model the export does not handle, the
-            destination cannot be written, or see :func:`load_gguf_as_torch` and
-            :func:`export_model`.
-    """
+    checked before the GGUF is loaded. Returns the directory. Raises FileNotFoundError (no GGUF) or
+    ExportError (not a GGUF, unsupported model, unwritable destination, failed load or export)."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")

@@ -99,11 +99,7 @@ class CachePart:
 
 
 def ggml_type(code: int) -> GgmlType:
-    """The :class:`GgmlType` of a ggml type code.
-
-    Raises:
-        SeqStateError: a type llama.cpp does not use for KV.
-    """
+    """The :class:`GgmlType` of a ggml type code; SeqStateError for a type llama.cpp does not use for KV."""
     t = GGML_TYPES.get(code)
     if t is None:
         raise SeqStateError(f"ggml type {code} is not a KV type this codec knows")
@@ -201,18 +197,10 @@ def _read_part(r: _Reader, n: int, cell_ext_bytes: int) -> CachePart:
 
 
 def parse_parts(data: bytes | memoryview, cell_ext_bytes: int = 0) -> list[CachePart]:
-    """Parse ``llama_state_seq_get_data`` output of one sequence into its cache parts, each in
-    position order.
-
-    Args:
-        data: the seq-state bytes.
-        cell_ext_bytes: per-cell extension size: 0, or :data:`CELL_EXT_BYTES` for M-RoPE and
-            PLE models (``llama_kv_cache::has_cell_ext``).
-
-    Raises:
-        SeqStateError: bad magic, truncated bytes, several streams, a part with no cells,
-            unknown ggml types, a transposed quantized V, or positions with gaps or repeats.
-    """
+    """Parse one sequence's seq-state bytes into its cache parts, each in position order.
+    ``cell_ext_bytes``: 0, or :data:`CELL_EXT_BYTES` for M-RoPE and PLE models. Raises SeqStateError
+    for bad magic, truncation, several streams, an empty part, unknown types, a transposed quantized
+    V, or positions with gaps or repeats."""
     r = _Reader(data)
     magic = r.take("I")
     if magic != SEQ_STATE_MAGIC:
