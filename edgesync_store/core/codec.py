@@ -15,18 +15,10 @@ Blob layout (version 2, all integers little-endian)::
     ..      payload_nbytes  the payload: K then V
     ..      8               xxh3_64 of the payload
 
-The head alone is what the prefix walk reads (:func:`peek`; :func:`head_of` cuts it out). The
-payload by ``compression``: ``"none"``, K ``[layers, span, width]`` C-order then V in
+Payload by ``compression``: ``"none"``, K ``[layers, span, width]`` C-order then V in
 ``v_order`` (``"token"``, the same, or ``"channel"``, ``[layers, width, span]``: llama.cpp's
-``v_trans``), which :func:`decode` with ``copy=False`` returns as read-only views of the blob
-(aligned: the payload offset is a multiple of 64); ``"zstd"``, one zstd frame of the byte
-planes of K then V (``zstd_planes``). Nothing read is unpickled. Format-1 blobs are read too
-(``codec_v1``); :func:`encode` writes format 2.
-
-Decoding refuses with :class:`CodecError` (a ``ValueError``) a wrong magic or version, a bad
-checksum, shapes that disagree with the declared sizes, a declared decompressed size over
-``max_raw_bytes`` (before any allocation), and a fragment that breaks ``KVFragment``'s
-invariants (a wrong content hash).
+``v_trans``); ``"zstd"``, one zstd frame of the byte planes of K then V (``zstd_planes``).
+Nothing read is unpickled. Format-1 blobs are read too (``codec_v1``); :func:`encode` writes 2.
 """
 
 from __future__ import annotations
@@ -178,8 +170,7 @@ def encode(fragment: KVFragment, compression: str = DEFAULT_COMPRESSION) -> byte
 
 
 def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
-    """Parse and verify the head of a blob (or a head alone); return the header and the
-    embedding (float32; both read-only and shared: see :func:`_verified_head`)."""
+    """The verified header and float32 embedding of a blob or head (read-only, shared)."""
     view = memoryview(blob)
     if len(view) < PREFIX.size:
         raise CodecError(f"blob: {len(view)} bytes is too short for a fragment")
@@ -200,9 +191,7 @@ def _parse_head(blob) -> tuple[FragmentHeader, np.ndarray]:
 
 @functools.lru_cache(maxsize=HEAD_MEMO)
 def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
-    """The header and embedding of a head's exact bytes, checksum verified, memoized by those
-    bytes (a walk peeks the same heads request after request); arrays read-only, shared.
-    CodecError: a checksum mismatch or bad header fields."""
+    """:func:`_parse_head` of a head's exact bytes, memoized by them; raises CodecError."""
     view = memoryview(head)
     _magic, version, header_len = PREFIX.unpack_from(view, 0)
     header_bytes = bytes(view[PREFIX.size : PREFIX.size + header_len])
@@ -226,23 +215,14 @@ def _verified_head(head: bytes) -> tuple[FragmentHeader, np.ndarray]:
 
 
 def peek(blob) -> FragmentHeader:
-    """Read a blob's header and token IDs (read-only, shared) without touching the tensors;
-    ``blob`` may be the head alone (:func:`head_of`). The head's checksum is verified the first
-    time this process meets its exact bytes (memoized by them).
-
-    Raises:
-        CodecError: bad magic, version, checksum or header fields.
-    """
+    """A blob's (or a head's: :func:`head_of`) header, token IDs read-only and shared, without
+    the tensors; checksum verified once per distinct head bytes. Raises CodecError when bad."""
     return _parse_head(blob)[0]
 
 
 def head_of(blob) -> bytes:
-    """The head of a blob (header, token IDs, embedding and the head's checksum), a valid input
-    of :func:`peek`: what the store's ``heads`` database and the remote tier's index hold.
-
-    Raises:
-        CodecError: the blob's head does not parse, or its payload does not fit the blob.
-    """
+    """The head of a blob (header to head checksum), as the ``heads`` database holds it. Raises
+    CodecError when the head does not parse or the payload does not fit the blob."""
     head = peek(blob)
     if head.blob_nbytes != len(blob):
         raise CodecError(f"payload_nbytes: header says {head.payload_nbytes}, the blob's length disagrees")
@@ -264,8 +244,7 @@ def _checked_shape(head: FragmentHeader, max_raw_bytes: int) -> None:
 
 
 def _tensors(head: FragmentHeader, payload: memoryview, copy: bool) -> tuple[np.ndarray, np.ndarray]:
-    """K and V ``[layers, span, width]`` from a verified payload (V a transposed view when
-    stored ``"channel"``)."""
+    """K and V ``[layers, span, width]`` from a verified payload."""
     dtype, shape = head.namespace.np_dtype, head.shape
     half = head.raw_nbytes // 2
     v_shape = (shape[0], shape[2], shape[1]) if head.v_order == "channel" else shape
@@ -284,12 +263,8 @@ def _tensors(head: FragmentHeader, payload: memoryview, copy: bool) -> tuple[np.
 
 
 def payload_check(blob) -> tuple[memoryview, int]:
-    """(the payload of a format-2 blob, the xxh3_64 it must have): for a caller that verifies
-    it apart (:func:`decode` with ``check_payload=False``); ``checksum(view) == expected``.
-
-    Raises:
-        CodecError: the head does not parse, or a format-1 blob (crc32: decode checks it).
-    """
+    """(payload of a format-2 blob, its expected xxh3_64), for :func:`decode` with
+    ``check_payload=False``. Raises CodecError for a bad head or a format-1 blob."""
     view = memoryview(blob)
     head = _parse_head(view)[0]
     if head.version < 2:
@@ -305,16 +280,14 @@ def decode(blob, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES, *, copy: bool = Tru
     """Parse, verify and decode a blob (format 1 or 2) into a :class:`KVFragment`.
 
     Args:
-        blob: bytes from :func:`encode` (an LMDB buffer is fine).
         max_raw_bytes: refuse blobs declaring more decompressed bytes (before allocating).
         copy: False returns an uncompressed payload's K and V as views of ``blob`` (valid as
             long as its memory is); a compressed one is always decoded into arrays of its own.
         check_payload: False skips an uncompressed format-2 payload's checksum read in place
             (the caller checks it apart: :func:`payload_check`).
 
-    Raises:
-        CodecError: a corrupt, truncated or crafted blob, a size over ``max_raw_bytes``, or a
-            broken fragment invariant (a wrong content hash); the message names what.
+    Raises CodecError (a ``ValueError``) for a corrupt, truncated or crafted blob, a size over
+    ``max_raw_bytes`` or a wrong content hash; the message names what.
     """
     view = memoryview(blob)
     head, embedding = _parse_head(view)  # once: it checksums the head

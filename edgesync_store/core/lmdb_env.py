@@ -1,8 +1,5 @@
-"""The LMDB side of a store: its directory, environment, named databases and key layout, and the
-transactions that grow the map.
-
-One environment (a directory of mode 0700: it holds users' prompts) with five core databases
-(:meth:`LmdbEnv.create_layout` makes them; ``migrations/`` upgrades older stores):
+"""The LMDB side of a store: directory (mode 0700: it holds prompts), environment, key layout and
+the transactions that grow the map. Five core databases (:meth:`LmdbEnv.create_layout`):
 
 * ``fragments``: store key (32 bytes, ``schema.store_key``) -> blob (``codec``);
 * ``heads``: store key -> the blob's head (``codec.head_of``), written and deleted with the
@@ -14,10 +11,8 @@ One environment (a directory of mode 0700: it holds users' prompts) with five co
 * ``meta``: ``format_version`` (ASCII digits), ``used_bytes`` and ``max_bytes`` (``<Q``), and
   ``reuse_tokens:`` + namespace digest -> the latest hit's token IDs (``<i4``).
 
-Companion databases (``donors``, ``emb_vectors``, ``emb_meta``: ``companions.py``; ``documents``:
-``documents/records.py``) make nine of :data:`MAX_DBS`. A write that finds the map full doubles
-it and retries; a process seeing another's larger map adopts it. Any other ``lmdb.Error``
-leaves this module as :class:`~edgesync_store.errors.StoreIOError`.
+Companions (``donors``, ``emb_vectors``, ``emb_meta``, ``documents``) make nine of :data:`MAX_DBS`.
+A full map is doubled and the write retried; any other ``lmdb.Error`` leaves as ``StoreIOError``.
 """
 
 from __future__ import annotations
@@ -77,12 +72,8 @@ def read_u64(value) -> int | None:
 
 
 def format_version(db_owner) -> int:
-    """The format version recorded in ``meta``; 0 without ``meta``. ``db_owner`` is an
-    :class:`LmdbEnv` or a store (``named_db`` and ``transact``).
-
-    Raises:
-        StoreFormatError: the record is not a number. StoreIOError: LMDB failed.
-    """
+    """The format version in ``meta`` of an :class:`LmdbEnv` or a store; 0 without ``meta``.
+    Raises StoreFormatError when the record is not a number, StoreIOError when LMDB fails."""
     meta = db_owner.named_db(META_DB)
     if meta is None:
         return 0
@@ -159,9 +150,7 @@ class LmdbEnv:
     """One store directory's LMDB environment, its named-database handles and transactions.
 
     Args:
-        path: the store directory (existing, see :func:`prepare_dir`).
         map_size: initial map size in bytes.
-        readonly: open without writing.
         lock: use LMDB's lock file (False only for a read-only look at a store we cannot write).
 
     Attributes:
@@ -205,13 +194,8 @@ class LmdbEnv:
             raise StoreUnavailableError(f"cannot open the store at {self.path}: {exc}") from None
 
     def check_is_edgesync(self) -> None:
-        """Refuse a truncated data file (LMDB would die of SIGBUS reading past its end) and an
-        LMDB environment written by something else (we would write our databases into it).
-
-        Raises:
-            StoreDamagedError: a truncated data file; the environment is closed.
-            StoreOpenError: a foreign environment; the environment is closed.
-        """
+        """Close and refuse a truncated data file (LMDB would SIGBUS past its end) with
+        StoreDamagedError, and a foreign LMDB environment with StoreOpenError."""
         info, psize = self._env.info(), self._env.stat()["psize"]
         data = self.path / "data.mdb"
         needed = (info["last_pgno"] + 1) * psize
@@ -286,14 +270,9 @@ class LmdbEnv:
             return handle
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
-        """Run ``fn(txn)`` in one transaction (committed when ``fn`` returns, aborted when it
-        raises), growing or re-reading the map size as LMDB asks and running ``fn`` again.
-
-        Raises:
-            PermissionError: ``write`` on a read-only environment.
-            StoreIOError: LMDB failed (the map cannot grow beyond 1 TiB, I/O, corruption).
-            Whatever ``fn`` raises, other than ``lmdb.Error``.
-        """
+        """``fn(txn)`` in one transaction (committed when it returns, aborted when it raises),
+        rerun after growing or re-reading the map. Raises PermissionError for ``write`` when
+        read-only, StoreIOError when LMDB fails (map past 1 TiB, I/O, corruption), else what ``fn`` raises."""
         if write and self.readonly:
             raise PermissionError(f"store {self.path} is open read-only")
         for _ in range(64):

@@ -1,6 +1,4 @@
-"""FragmentStore: both storage seams (``core/backend.py``) over LMDB, shared by the processes
-of one device (environment and key layout: ``lmdb_env``; prefix queries: ``walk``; records keyed
-by fragment: ``companions``; budget: ``eviction``; cross-process locks: ``locks``).
+"""FragmentStore: both storage seams (``core/backend.py``) over LMDB, shared by a device's processes.
 
 Every read verifies what it returns (``codec.decode``: checksums, header, content hash, and the
 key it was stored under); a corrupt fragment is refused, logged and removed after the read. A
@@ -89,9 +87,8 @@ class FragmentStore(MaintenanceBackend):
     Args:
         path: store directory; created (mode 0700) when missing.
         map_size: initial LMDB map size in bytes (grows on demand).
-        readonly: open without writing (no growth, no migration, no removal of corrupt ones).
-        clock: the time source, Unix seconds (default ``time.time``).
-        policy: lifetimes and promotion (default ``TTLPolicy()``).
+        readonly: no growth, no migration, no removal of corrupt ones.
+        clock: Unix seconds (default ``time.time``).
         max_bytes: size budget, bytes of stored blobs; None keeps the one recorded in the store
             (or :data:`DEFAULT_MAX_BYTES`); a value given is recorded for the compaction command.
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
@@ -100,10 +97,7 @@ class FragmentStore(MaintenanceBackend):
             returns the version (``edgesync_store.migrations.migrate``: the application and
             the commands pass it); without it such a store is refused.
 
-    Attributes:
-        env: the ``LmdbEnv``, for the core's modules.
-
-    The page check (``core/page_check.py``) runs before LMDB reads a page.
+    Attributes ``env``: the ``LmdbEnv``. The page check (``core/page_check.py``) runs before LMDB reads a page.
 
     Raises:
         StoreFormatError: the store was written by a newer format version, or an older one
@@ -299,10 +293,8 @@ class FragmentStore(MaintenanceBackend):
 
     def _verified(self, key: bytes, blob, life: Lifecycle, views: bool,
                   corrupt: list, check_payload: bool = True) -> KVFragment | None:
-        """``blob`` decoded and checked against ``key`` (its payload checksum too unless not
-        ``check_payload``), with the counters of ``life``; K and V are views of ``blob`` when
-        ``views`` and the payload is uncompressed. None when corrupt (then ``(key, reason)`` is
-        appended to ``corrupt``)."""
+        """``blob`` decoded, checked against ``key``, with ``life``'s counters; None when corrupt
+        (``(key, reason)`` appended to ``corrupt``)."""
         try:
             frag = codec.decode(blob, copy=not views, check_payload=check_payload)
         except CodecError as exc:
@@ -316,10 +308,8 @@ class FragmentStore(MaintenanceBackend):
 
     def _read_in(self, txn, key: bytes, in_place: bool, corrupt: list,
                  deferred: list | None = None) -> tuple[KVFragment | None, bool]:
-        """The verified fragment ``key`` read in ``txn``, and whether its K and V are views of
-        the map (``in_place`` and an uncompressed blob); (None, False) when absent or corrupt.
-        With ``deferred`` (a list) the payload checksum of a fragment read in place is left to
-        the caller: ``(key, payload view, expected xxh3)`` is appended to it."""
+        """(verified fragment or None, K/V are views of the map); ``deferred`` receives
+        ``(key, payload view, expected xxh3)`` of in-place reads whose checksum the caller runs."""
         value = txn.get(key, db=self.env.fragments)
         if value is None:
             return None, False
@@ -417,8 +407,7 @@ class FragmentStore(MaintenanceBackend):
         return self._write_encoded(encoded, now)
 
     def _put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
-        """Write ``blob``, its head and its ``by_prefix`` entry ``ikey`` in ``txn`` (lifecycle and
-        ``used_bytes`` are the caller's). CodecError: the head does not parse."""
+        """Write ``blob``, its head and ``by_prefix`` entry (not lifecycle, ``used_bytes``); CodecError: bad head."""
         head = codec.head_of(blob)
         env = self.env
         txn.put(key, blob, db=env.fragments)
@@ -426,8 +415,7 @@ class FragmentStore(MaintenanceBackend):
         txn.put(ikey, key, db=env.by_prefix, dupdata=True)
 
     def _sound_head_in(self, txn, key: bytes) -> bool:
-        """True when the stored head of ``key`` parses; else False, logged and counted (the
-        write replaces it: a walk would stop at it)."""
+        """True when the stored head of ``key`` parses; else False, logged and counted."""
         try:
             codec.peek(self.env.head_in(txn, key))
             return True
