@@ -69,7 +69,7 @@ class WorkerPool:
     Args:
         settings: ``EdgeSyncConfig.to_dict()`` values every worker loads its engine from.
         n_workers: processes (>= 1).
-        log_level: the workers' logging level name.
+
         start_timeout_s: seconds a worker may take to load its engine.
         shared_threads: CPU threads the workers share (:class:`~.core_share.CoreShare`); None, or
             one worker: each engine keeps the threads of ``settings``.
@@ -105,12 +105,8 @@ class WorkerPool:
     def start(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
         """Start every worker and wait until each has loaded its engine; on any early end
         (including KeyboardInterrupt) the workers started are stopped first (:meth:`close`).
-
-        Args:
-            should_stop: polled at least every 0.5 s while the workers load; True stops the start.
-
-        Raises:
-            PoolStartError: a worker cannot load its engine, timed out, or ``should_stop`` was True.
+        ``should_stop``: polled at least every 0.5 s while the workers load; True stops the start.
+        Raises PoolStartError when a worker cannot load its engine, times out, or on ``should_stop``.
         """
         try:
             for slot in self._slots:
@@ -246,8 +242,7 @@ class WorkerPool:
         return chosen
 
     def _hand_over(self, left: _Slot) -> None:
-        """``left`` got a job of another conversation (lock held): when it may still be storing the
-        one it held, the least busy other worker is asked to ``prepare`` it and takes it over."""
+        """``left`` got another conversation's job (lock held): another worker ``prepare``s its old one."""
         history, context = left.history, left.context
         left.context, left.history = None, None
         others = [s for s in self._slots if s is not left and s.requests is not None]
@@ -294,8 +289,7 @@ class WorkerPool:
         slot.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
 
     def _deliver(self, slot: _Slot, msg: dict) -> None:
-        """Hand a worker's message to its job's queue (dropped when nobody listens); ``idle`` reports
-        update the counters."""
+        """Hand a worker's message to its job's queue (dropped when nobody listens)."""
         with self._lock:
             if msg.get("type") == "idle":
                 self._count_idle(slot, msg.get("stats"))

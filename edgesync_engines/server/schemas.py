@@ -1,10 +1,7 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic models).
-
-Fields that do not change the answer, or come at their "off" value, are ignored; a field asking
-for what this server does not do is refused naming it (the list: docs/serving.md,
-Errors). EdgeSync's own options are the extension object ``edgesync``
-(:class:`EdgeSyncOptions`); responses add :class:`EdgeSyncInfo`, and
-``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens whose KV was reused.
+"""Request and response bodies of the OpenAI-compatible API (pydantic models). A field at its "off"
+value, or that does not change the answer, is ignored; one asking for what this server does not do is
+refused naming it (docs/serving.md, Errors). ``usage.prompt_tokens_details.cached_tokens`` counts the
+prompt tokens whose KV was reused.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ MAX_STOPS = 4
 
 
 def _unsupported(why: str, off: str) -> ValueError:
-    """The error for a field asking for what this server does not do; ``off`` says what to send
-    instead (the handler prefixes the field's name)."""
+    """The error for an unsupported field; ``off`` says what to send instead."""
+
     return ValueError(f"not supported by this server ({why}); omit it or send {off}")
 
 

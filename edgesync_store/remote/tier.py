@@ -84,8 +84,7 @@ def _value_fault(reply: object) -> bool:
 
 
 def _checked(replies: list) -> list:
-    """``replies`` of ``execute(raise_on_error=False)``, an error that is not ``WRONGTYPE``
-    raised (the caller's ``RemoteClient.call`` counts it)."""
+    """``replies`` of ``execute(raise_on_error=False)``; an error other than ``WRONGTYPE`` raised."""
     for reply in replies:
         if isinstance(reply, Exception) and not _value_fault(reply):
             raise reply
@@ -169,10 +168,7 @@ class KeyLayout:
               clock: Callable[[], float] = time.monotonic) -> Fetched:
         """One fragment's blob, summed hit count and time left, read ``chunk`` bytes per round trip;
         ``deadline`` (``clock()`` seconds) is checked before each further chunk. Unusable values and a
-        blob deleted while read read as absent.
-
-        Raises:
-            FetchBudgetSpent: ``deadline`` passed before the blob was read whole.
+        blob deleted while read read as absent. Raises FetchBudgetSpent when ``deadline`` passes first.
         """
         bkey, nkey = self.blob_key(key), self.hits_key(key)
         pipe = client.pipeline(transaction=False)
@@ -230,11 +226,8 @@ class KeyLayout:
             index_ttl_s: int) -> bool:
         """Store a fragment: its blob unless present (``SET NX``, ``ttl_s`` seconds), then, once the blob
         is stored, its index field (hash expiry ``index_ttl_s``) and namespace. Up to three round trips
-        (no transaction spans cluster nodes). True when the blob was written now.
-
-        Raises:
-            redis.ResponseError: ``OOM`` when the server is full; a refused blob leaves no index field.
-        """
+        (no transaction spans cluster nodes). True when the blob was written now. Raises
+        redis.ResponseError ``OOM`` when the server is full (a refused blob leaves no index field)."""
         bkey = self.blob_key(key)
         wrote = False
         if not client.exists(bkey):
@@ -299,8 +292,8 @@ class KeyLayout:
         pipe.execute()
 
     def own(self, name: bytes | str) -> bool:
-        """True when ``name`` is one of this layout's keys (module docstring), exactly: a key of
-        another prefix, or another name under this one, is not."""
+        """True when ``name`` is exactly one of this layout's keys (module docstring)."""
+
         text = name.decode("ascii", "replace") if isinstance(name, (bytes, bytearray)) else name
         return self._own.fullmatch(text) is not None
 
