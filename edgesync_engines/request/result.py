@@ -43,8 +43,7 @@ class GenerationResult:
         documents, retrieval_scores: document IDs (64 hex digits) in prompt order, and their
             retrieval cosines (None when given).
         blended_tokens, recomputed_tokens: ``blend``: document tokens whose stored KV was kept,
-            and tokens evaluated against the assembled prompt (``tokens_reused`` is the exact
-            head plus ``blended_tokens``).
+            and tokens evaluated against the assembled prompt.
         blend_refusal: why a blend asked for ran exact, else None.
         documents_computed: the prompt's documents whose KV this request computed and stored.
         live_tokens: tokens of ``tokens_reused`` the engine's live sequence already held.
@@ -140,9 +139,8 @@ class GenerationStream:
 
     @classmethod
     def start(cls, events: Iterator) -> "GenerationStream":
-        """Wrap a request generator (``EdgeSync._run``: "" once the input is checked, then
-        text pieces, then the :class:`GenerationResult`), running it up to its first yield now
-        so that input errors raise here, not at iteration."""
+        """Wrap a request generator (``EdgeSync._run``), running it to its first yield now so
+        that input errors raise here, not at iteration."""
         stream = cls(events)
         first = next(events, None)
         if first is None or isinstance(first, GenerationResult):
@@ -186,9 +184,7 @@ class GenerationStream:
         tokens decoded so far, ``finish_reason`` ``cancelled``. A stream an ``async for`` reads
         is stopped by its reading thread, which this waits for.
 
-        Raises:
-            RuntimeError: another thread reads the stream (see the class docstring).
-        """
+        Raises RuntimeError when another thread reads the stream."""
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             self._leave.set()
@@ -217,10 +213,8 @@ class GenerationStream:
         an error, a cancelled task) stops decoding at the next token; :attr:`result`,
         :meth:`stop` and :meth:`close` wait for that.
 
-        Raises:
-            RuntimeError: the stream was read with ``next()`` and is not done, or another
-                ``async for`` reads it already.
-        """
+        Raises RuntimeError when ``next()`` read the stream and it is not done, or another
+        ``async for`` reads it already."""
         if self._reader is not None and self._reader.is_alive():
             raise RuntimeError("EdgeSync: another async for reads this stream already")
         if self._owner is not None and self._result is None:
@@ -229,9 +223,8 @@ class GenerationStream:
         return _AsyncPieces(self)
 
     def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, room: threading.Semaphore) -> None:
-        """The reading thread of :meth:`__aiter__`: every piece, then an error or the end, put on
-        ``pieces`` from the loop's side (a piece once ``room`` has a place: :data:`READ_AHEAD`),
-        until the consumer leaves; the stream is stopped here, on its own thread."""
+        """The reading thread of :meth:`__aiter__`: pieces onto ``pieces`` (at most :data:`READ_AHEAD` ahead)."""
+
 
         def wait_for_room() -> bool:
             while not room.acquire(timeout=LEAVE_POLL_S):
@@ -273,9 +266,8 @@ class GenerationStream:
 
 
 class _AsyncPieces:
-    """The async iterator of :meth:`GenerationStream.__aiter__`. The stream keeps no reference
-    to it, so a ``break`` frees it at once (CPython counts references) and it tells the reading
-    thread to stop, before the event loop would get round to closing an async generator."""
+    """The async iterator of :meth:`GenerationStream.__aiter__`; unreferenced by the stream, so
+    a ``break`` frees it at once and it stops the reading thread."""
 
     def __init__(self, stream: GenerationStream) -> None:
         self._stream = stream

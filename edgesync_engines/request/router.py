@@ -1,12 +1,7 @@
 """The ``EdgeSync`` facade: the object applications use.
 
-``EdgeSync(model, store, config).generate(prompt_or_messages)`` answers a prompt (chat messages
-are rendered with the GGUF's own template): the reuse strategy (``request/reuse.py``) plans what
-the request reuses (``request/plan.py``) and injects it (``request/execute.py``), the adapter
-prefills the rest and generates, and the strategy stores the prompt's missing chunks
-(``request/storeback.py``). In the default mode only token-identical KV is injected, so the
-output equals an uncached run's. Documents (``request/documents.py``), idle-time work
-(``request/idle.py``), the semantic lookup and prefetch are imported when first used.
+In the default mode only token-identical KV is injected, so the output equals an uncached
+run's. Documents, idle-time work, the semantic lookup and prefetch are imported when first used.
 """
 
 from __future__ import annotations
@@ -62,9 +57,8 @@ class EdgeSync:
     holds until read to the end or closed; a call from the stream's own thread that would drive
     the engine raises RuntimeError). Idle-time work holds the lock one batch at a time.
 
-    Raises:
-        TypeError: ``model`` or ``store`` is of no type above (missing adapter members named).
-        onnx_export.ExportError: ``engine == "onnx"`` and the GGUF has no sound export.
+    Raises TypeError (``model`` or ``store`` of no type above), onnx_export.ExportError
+    (``engine == "onnx"`` and the GGUF has no sound export).
     """
 
     def __init__(self, model=None, store: "FragmentBackend | str | os.PathLike | None | bool" = None,
@@ -124,10 +118,7 @@ class EdgeSync:
         documents) wrote or would hit, in any engine's namespace for this model, and empty the
         RAM tier: the same request is then a miss. Returns the fragments removed.
 
-        Raises:
-            ValueError: an empty prompt or malformed chat messages.
-            PermissionError, StoreError: the store is read-only, or could not be written.
-        """
+        Raises ValueError (empty prompt, malformed messages), PermissionError or StoreError."""
         self._check_open()
         tokens = self.prompt_tokens(prompt) if documents is None else list(
             self.document_prompt(prompt, documents)[0].tokens)
@@ -148,10 +139,8 @@ class EdgeSync:
         """Store documents (``DocumentLibrary.add_all``: their KV, records and embeddings);
         returns the records, in order.
 
-        Raises:
-            ValueError: a bad document (nothing is stored for it or after it), or no store.
-            PermissionError, StoreError: the store is read-only, or could not be written.
-            RuntimeError: the engine is closed, or a stream of the calling thread holds it.
+        Raises ValueError (a bad document: nothing stored for it or after it; no store),
+        PermissionError, StoreError, RuntimeError (engine closed or held by this thread's stream).
         """
         self._check_not_streaming()
         if self.store is None or self.adapter.namespace is None:
@@ -188,10 +177,7 @@ class EdgeSync:
         """Token IDs of a raw prompt string, or of chat messages rendered with the chat template
         (ending with the assistant prompt unless ``add_generation_prompt`` is False).
 
-        Raises:
-            ValueError: a blank prompt, no messages, malformed messages, messages whose contents
-                are all blank, or text with a lone surrogate.
-            RuntimeError: the engine is closed.
+        Raises ValueError for a blank or malformed prompt, RuntimeError when the engine is closed.
         """
         self._check_open()
         if isinstance(prompt, str):
@@ -228,15 +214,13 @@ class EdgeSync:
         :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
 
         ``documents`` or ``retrieve=k`` (the k stored documents nearest to the last user turn) go
-        before the question (``request/documents.py``); ``reuse`` overrides ``config.reuse``.
-        Decoding ends at a ``stop`` string (not in the text), an end-of-generation token,
-        ``max_tokens``, or the stream's caller (``request/stops.py``); the prompt is stored.
+        before the question; ``reuse`` overrides ``config.reuse``. Decoding ends at a ``stop``
+        string (not in the text), an end-of-generation token, ``max_tokens``, or the stream's
+        caller; the prompt is stored.
 
-        Raises (before any engine work):
-            ContextOverflowError: prompt tokens + max_tokens exceed the context.
-            ValueError: naming the argument (``request/checks.py``), a bad document, an unknown
-                ``reuse``, or ``retrieve`` on a store without documents.
-            RuntimeError: the engine is closed, or a stream of the calling thread holds it.
+        Raises, before any engine work: ContextOverflowError (prompt + max_tokens exceed the
+        context), ValueError (naming the argument), RuntimeError (engine closed or held by this
+        thread's stream).
         """
         self._check_not_streaming()
         if not isinstance(stream, bool):
@@ -263,9 +247,8 @@ class EdgeSync:
         return DocumentRequest(self.documents, strategy, doc_prompt, scores), list(doc_prompt.tokens)
 
     def _run(self, prompt, tokens, strategy, sampling: tuple[int, float, float, int], stop: Sequence[str]):
-        """The request as a generator: "" once the input is checked, then the text pieces,
-        then the :class:`GenerationResult`; :class:`StopDecoding` thrown at a piece ends
-        decoding there."""
+        """The request as a generator: "", then the text pieces, then the :class:`GenerationResult`."""
+
         t0 = time.perf_counter()
         max_tokens = sampling[0]
         tokens = self._checked_tokens(prompt, max_tokens, tokens)
@@ -353,8 +336,7 @@ class EdgeSync:
             raise RuntimeError("EdgeSync: the engine is closed")
 
     def _check_not_streaming(self) -> None:
-        """Refuse a call that drives the engine from the thread whose stream holds it: the
-        adapter's lock is re-entrant, so the call would run between the stream's pieces."""
+        """Refuse a call from the thread whose stream holds the (re-entrant) engine lock."""
         self._check_open()
         if self._driving == threading.get_ident():
             raise RuntimeError("EdgeSync: a stream of this thread still holds the engine: read it to the "
@@ -367,8 +349,8 @@ class EdgeSync:
 
     @contextmanager
     def _engine_turn(self) -> Iterator[bool]:
-        """Hold the engine for one request: idle-time work paused (yields whether it was busy)
-        and the adapter's lock taken, this thread marked as driving it until the end."""
+        """Hold the engine for one request (idle work paused, lock taken); yields whether idle work ran."""
+
         with self._idle_paused() as idle_busy, self.adapter.lock:
             self._driving = threading.get_ident()
             try:
