@@ -78,14 +78,8 @@ def layout_refusal(ns: Namespace) -> str | None:
 
 
 def compatible_with(a, b) -> Compatibility:
-    """Can KV written under ``a`` serve an engine of namespace ``b``?
-
-    ``a`` and ``b`` are namespaces, fragments or adapters (their ``namespace``). Symmetric in
-    its verdict.
-
-    Raises:
-        TypeError: an argument that has no namespace.
-    """
+    """Can KV written under ``a`` serve an engine of namespace ``b`` (namespaces, fragments or
+    adapters)? Symmetric; TypeError for an argument that has no namespace."""
     na, nb = _namespace(a), _namespace(b)
     if na == nb:
         return Compatibility(COMPATIBLE, f"same engine and settings ({na.engine}, {na.kv_dtype})")

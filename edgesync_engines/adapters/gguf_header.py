@@ -5,9 +5,6 @@ metadata count u64, the key/value pairs (key: u64 length + UTF-8; value: type u3
 arrays as element type u32 + count u64 + elements), then per tensor: name, n_dims u32, dims u64
 x n_dims, ggml type u32, offset u64 (from the data section, which starts at the next multiple
 of ``general.alignment``). Big-endian files are recognised as ggml's reader does.
-
-Not ``gguf.GGUFReader``: the core install has no ``gguf``, and that reader builds a numpy view
-per array element, seconds on a large vocabulary where this one skips long arrays.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class GGUFHeader:
     """What :func:`read_header` found.
 
     Attributes:
-        path: the file.
         version: GGUF version (2 or 3).
         metadata: key -> value (int, float, bool, str, or a list for short arrays).
         array_lengths: key -> element count, for every array (kept or not).
@@ -146,13 +142,8 @@ def _tensor_bytes(path: Path, name: str, shape: tuple[int, ...], gtype: int) -> 
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """Read a GGUF's metadata and tensor directory (not the weights).
-
-    Raises:
-        FileNotFoundError: no such file.
-        GGUFHeaderError: no GGUF magic, an unsupported version (1), or a header that is
-            truncated or malformed (the message says where).
-    """
+    """Read a GGUF's metadata and tensor directory (not the weights). Raises FileNotFoundError, or
+    GGUFHeaderError for no GGUF magic, version 1, or a truncated or malformed header."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as fh:

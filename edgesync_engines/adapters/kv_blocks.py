@@ -1,9 +1,5 @@
-"""Validating stored fragments for an injection and laying out their K and V: the
-:class:`KVBlock` each fragment contributes (``fragment_blocks``), the assembled
-``[n_layer, n, width]`` arrays (``assemble_kv``, ``blocks_kv``), and the layer and head ranges
-of an extraction (``kv_ranges``). Shared by both engine adapters (``adapters/protocol.py``) and the
-one-copy seq-state writer (``adapters/state_buffer.py``).
-"""
+"""Validating stored fragments for an injection (:class:`KVBlock` per fragment), their assembled
+``[n_layer, n, width]`` K and V, and the layer and head ranges of an extraction."""
 
 from __future__ import annotations
 
@@ -16,12 +12,8 @@ from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, pref
 
 
 def kv_ranges(ns: Namespace, layer_end: int | None, head_start: int, head_end: int | None) -> tuple[int, int]:
-    """An extraction's ``(layer_end, head_end)`` with None meaning all layers / all KV heads of
-    ``ns``.
-
-    Raises:
-        ValueError: a head range outside ``[0, n_head_kv]`` or empty.
-    """
+    """An extraction's ``(layer_end, head_end)``, None meaning all of ``ns``'s; ValueError for a head
+    range outside ``[0, n_head_kv]`` or empty."""
     layer_end = ns.n_layer if layer_end is None else layer_end
     head_end = ns.n_head_kv if head_end is None else head_end
     if not 0 <= head_start < head_end <= ns.n_head_kv:
@@ -54,12 +46,8 @@ def fragment_blocks(
     """Validate fragments of namespace ``ns`` for positions 0..n_tokens-1 of ``tokens`` and
     return the block each contributes (the last span cut to ``n_tokens``; a fragment wholly
     past it contributes none). Every (layer, KV head, position) must be held by some fragment.
-
-    Raises:
-        ValueError: ``n_tokens`` outside ``[1, len(tokens)]``, another namespace, a gap, missing
-            layers or heads, fragment tokens that differ from ``tokens``, or a fragment that
-            follows another prefix.
-    """
+    Raises ValueError for ``n_tokens`` outside ``[1, len(tokens)]``, another namespace, a gap,
+    missing layers or heads, differing tokens, or a fragment that follows another prefix."""
     if n_tokens < 1 or n_tokens > len(tokens):
         raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")
     filled = np.zeros((ns.n_layer, ns.n_head_kv, n_tokens), dtype=bool)

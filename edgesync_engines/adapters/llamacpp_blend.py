@@ -58,15 +58,8 @@ def two_sequence_params(llama_cpp_module, kv_unified: bool = True):
 
 class ScratchSequence:
     """The scratch-sequence operations on one context (the caller holds the adapter's lock).
-
-    Args:
-        llama_cpp_module: the ``llama_cpp`` package.
-        ctx: the ``llama_context`` pointer.
-        mem: its ``llama_memory_t``.
-        n_batch: the largest batch ``llama_decode`` takes (tokens).
-        refusal: why this context cannot blend (None: it can); every operation then raises
-            :class:`InjectionError` with it.
-    """
+    ``n_batch``: the largest batch ``llama_decode`` takes (tokens); ``refusal``: why this context
+    cannot blend (None: it can), raised as :class:`InjectionError` by every operation."""
 
     def __init__(self, llama_cpp_module, ctx, mem, n_batch: int, refusal: str | None) -> None:
         self._c = llama_cpp_module
@@ -77,12 +70,8 @@ class ScratchSequence:
 
     def place(self, state: bytearray, n_cells: int, keep_start: int, keep_end: int, at: int) -> None:
         """Place cells ``[keep_start, keep_end)`` of ``state`` (a ``state_buffer.build`` buffer
-        of ``n_cells`` cells) at ``at`` in the main sequence (module docstring).
-
-        Raises:
-            InjectionError: llama.cpp refused the buffer (the scratch sequence is cleared; the
-                main sequence is unchanged).
-        """
+        of ``n_cells`` cells) at ``at`` in the main sequence. Raises InjectionError when llama.cpp
+        refuses the buffer (scratch cleared, main sequence unchanged)."""
         if self.refusal is not None:
             raise InjectionError(self.refusal)
         c, mem = self._c, self._mem
@@ -99,12 +88,8 @@ class ScratchSequence:
 
     def recompute(self, tokens, a: int, b: int) -> None:
         """Recompute ``tokens[a:b]`` (module docstring); the main sequence must hold position
-        ``a - 1`` when ``a > 0``.
-
-        Raises:
-            InjectionError: ``llama_decode`` failed (the scratch sequence is cleared; the main
-                sequence still holds its old cells of ``[a, b)``).
-        """
+        ``a - 1`` when ``a > 0``. Raises InjectionError when ``llama_decode`` fails (scratch
+        cleared; the main sequence keeps its old cells of ``[a, b)``)."""
         if self.refusal is not None:
             raise InjectionError(self.refusal)
         c, mem = self._c, self._mem

