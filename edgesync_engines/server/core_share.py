@@ -1,19 +1,9 @@
-"""How a server's workers share the CPUs: a request's prefill runs alone on all of them.
-
-llama.cpp's threads spin at their barriers, so two engines computing at once on shared cores
-slow each other badly. Work is of two kinds:
-
-* **prefill** (lookup, injection, prefill, first token): no other worker starts a step; its
-  batches of :data:`PREFILL_TURN_TOKENS` run one at a time on every thread, fewest tokens left
-  first (a batch passed over :data:`MAX_PASSED` times goes next); :meth:`CoreShare.hold` keeps
-  the others waiting until the first token is sent.
-* **step** (a decode step, idle-time batches): waits while any worker waits to prefill, then
-  runs on ``threads // active workers`` threads.
-
-Thread count never changes results (llama.cpp's CPU kernels are bit-identical on 1 and 2
-threads; ``tests/test_llamacpp.py``). The state is shared memory made by the pool; a dead
-worker's marks are cleared by :meth:`CoreShare.release`; the lock has a timeout, so a worker
-killed holding it costs speed, never a wrong answer.
+"""How a server's workers share the CPUs (docs/architecture.md, serving): a **prefill** (lookup to
+first token) runs alone, its batches of :data:`PREFILL_TURN_TOKENS` one at a time on every thread,
+fewest tokens left first (one passed over :data:`MAX_PASSED` times next); a **step** (decode, idle
+work) waits for prefills, then runs on ``threads // active workers`` threads. Thread count never
+changes results (``tests/test_llamacpp.py``). The state is shared memory; the lock has a timeout,
+so a worker killed holding it costs speed, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -44,8 +34,7 @@ class CoreShare:
         n_workers: worker processes (>= 1).
         n_threads: the threads all of them share (>= 1): a prefill's count.
 
-    Raises:
-        ValueError: ``n_workers`` or ``n_threads`` below 1.
+    Raises ValueError when ``n_workers`` or ``n_threads`` is below 1.
     """
 
     def __init__(self, ctx, n_workers: int, n_threads: int) -> None:
@@ -78,10 +67,7 @@ class CoreShare:
 
     def attach(self, index: int, set_threads: Callable[[int], None]) -> None:
         """Make this process worker ``index``; ``set_threads(n)`` sets its engine's thread count.
-
-        Raises:
-            ValueError: ``index`` outside ``[0, n_workers)``.
-        """
+        Raises ValueError for ``index`` outside ``[0, n_workers)``."""
         if not 0 <= index < self.n_workers:
             raise ValueError(f"CoreShare.attach: index {index} outside [0, {self.n_workers})")
         self._index, self._set_threads, self._threads_now = index, set_threads, 0
@@ -169,8 +155,7 @@ class CoreShare:
         return self._prefill_asked() or self._active_workers() > self._step_sharing
 
     def _may_prefill(self) -> bool:
-        """No other worker evaluates, and none waits for a batch with a lower
-        :meth:`_batch_rank`; when so, the batches of the others waiting count one more pass."""
+        """No other worker evaluates or waits with a lower rank; if so, the waiting ones count a pass."""
         mine = self._batch_rank(self._index)
         if any(self._running[j] or (self._tokens_left[j] and self._batch_rank(j) < mine) for j in self._others()):
             return False
@@ -180,8 +165,8 @@ class CoreShare:
         return True
 
     def _batch_rank(self, j: int) -> tuple[int, int, int]:
-        """Worker ``j``'s place among waiting prefill batches: one passed over
-        :data:`MAX_PASSED` times first, then the fewest tokens left, then the earliest asked."""
+        """Worker ``j``'s place: passed :data:`MAX_PASSED` times first, then fewest left, then earliest."""
+
         return (self._passed[j] < MAX_PASSED, self._tokens_left[j], self._ticket[j])
 
     def _prefill_asked(self) -> bool:

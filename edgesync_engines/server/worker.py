@@ -1,10 +1,7 @@
-"""One engine in one process: the loop a worker of :class:`~.pool.WorkerPool` runs.
-
-Each worker owns one :class:`EdgeSync` (llama.cpp contexts are not thread-safe) and answers its
-queue in arrival order; only plain dicts cross the process boundary (fields: :mod:`.pool`).
-Cancellation goes through :class:`CancelBoard`; idle-time work runs between jobs and stops when
-a job arrives; workers ignore SIGINT and SIGTERM (the server stops them) and stop by themselves
-when their server is gone (:mod:`.parent_watch`).
+"""One engine in one process: the loop a worker of :class:`~.pool.WorkerPool` runs. Each worker owns
+one :class:`EdgeSync` (llama.cpp contexts are not thread-safe); only plain dicts cross the process
+boundary (fields: :mod:`.pool`). Workers ignore SIGINT and SIGTERM (the server stops them) and stop
+by themselves when their server is gone (:mod:`.parent_watch`).
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "frag
 class CancelBoard:
     """Shared memory from the server to one worker: cancelled job ids (the newest
     :data:`CANCELS_KEPT`), the last job whose first piece was sent, and a request to skip the stop's
-    idle-time work.
-
-    Args:
-        ctx: the ``multiprocessing`` context the worker is started with.
+    idle-time work. ``ctx``: the worker's ``multiprocessing`` context.
     """
 
     def __init__(self, ctx) -> None:
@@ -282,8 +276,7 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
 
 
 def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | None) -> dict:
-    """The generation loop of :func:`serve_one`: ends at a stop string, end of generation,
-    ``max_tokens`` or a cancel; the prompt is stored in every case."""
+    """:func:`serve_one`'s generation loop, to a stop string, end, ``max_tokens`` or cancel; stores the prompt."""
     job_id = job["id"]
     stream = engine.generate(job["prompt"], max_tokens=job["max_tokens"], stream=True,
                              temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
@@ -317,8 +310,8 @@ def _generate(engine, job: dict, cancel: CancelBoard, emit, cores: CoreShare | N
 
 
 def _send_first(job: dict, piece: str, cancel: CancelBoard, emit, cores: CoreShare | None) -> None:
-    """Send a stream's first piece and wait until the server has written it while no worker
-    computes (the client's TTFT); a non-streamed job says ``started``."""
+    """Send a stream's first piece, waiting while no worker computes until it is written (else ``started``)."""
+
     if emit is None:
         return
     if not job.get("stream"):

@@ -58,7 +58,7 @@ class DocumentRecord:
         tokens: int32 ``[n]``, the document's own token IDs (tokenized alone, no BOS).
         header: int32 ``[h]``, the tokens its KV was computed after (empty: standalone).
         title, source: what the application called it (may be empty).
-        text: the document's text.
+
         added_at: Unix seconds.
         vectors: float32 ``[m, d]`` unit embeddings of its text windows (m may be 0).
     """
@@ -105,11 +105,7 @@ class DocumentRecord:
 
     @classmethod
     def unpack(cls, namespace_digest: bytes, value: bytes) -> "DocumentRecord":
-        """Parse a value written by :meth:`pack`.
-
-        Raises:
-            ValueError: a truncated or malformed value.
-        """
+        """Parse a value written by :meth:`pack`; ValueError when truncated or malformed."""
         at = 0
 
         def take(n: int) -> bytes:
@@ -141,12 +137,8 @@ def _bump(txn, db) -> None:
 
 
 def put_document(store, record: DocumentRecord) -> bytes:
-    """Write (or replace) ``record``; returns its key.
-
-    Raises:
-        StoreIOError: the write failed.
-        PermissionError: the store is read-only (from ``named_db``'s None).
-    """
+    """Write (or replace) ``record``; returns its key. Raises StoreIOError when the write fails,
+    PermissionError when the store is read-only."""
     db = _db(store, create=True)
     if db is None:
         raise PermissionError(f"{store.path}: the store is read-only; documents cannot be added")
@@ -188,11 +180,8 @@ def iterate_documents(store, namespace_digest: bytes | None = None) -> Iterator[
 
 
 def delete_document(store, key: bytes) -> bool:
-    """Remove the record under ``key`` (not its fragments); True if there was one.
-
-    Raises:
-        StoreIOError: the write failed.
-    """
+    """Remove the record under ``key`` (not its fragments); True if there was one. Raises
+    StoreIOError when the write fails."""
     db = _db(store, create=False)
     if db is None or store.readonly:
         return False
