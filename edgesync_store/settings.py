@@ -2,10 +2,8 @@
 
 A setting is a frozen dataclass field made by :func:`setting` (or :func:`flag`); its metadata
 holds the environment variable, the text parser (raises ValueError), the check (returns None or
-what is wrong) and the help line. :func:`table` reads them back as :class:`Setting` rows, from
-which :func:`check_fields`, :func:`load` (defaults < ``EDGESYNC_*`` < overrides),
-:func:`as_dict` and :func:`markdown_rows` follow. :func:`setting_of` redeclares a setting in
-another class with the same default and metadata.
+what is wrong) and the help line; :func:`table` reads them back. :func:`load` layers defaults <
+``EDGESYNC_*`` < overrides.
 """
 
 from __future__ import annotations

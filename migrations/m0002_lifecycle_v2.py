@@ -1,12 +1,10 @@
-"""Migration 2, version 1 -> 2: lifecycle records for expiry and eviction without tensors.
+"""Migration 2, version 1 -> 2: lifecycle records from ``<Idd`` (20 bytes: hits, last hit, expiry)
+to ``ttl.Lifecycle`` (``<IdddBQQ``, 45 bytes), plus ``used_bytes`` in ``meta``.
 
-Format 1 kept ``hit_count, last_hit_at, expires_at`` (``<Idd``, 20 bytes); format 2
-(``ttl.Lifecycle``, ``<IdddBQQ``, 45 bytes) adds creation time, lifetime and the blob's stored
-and raw sizes, plus ``used_bytes`` in ``meta``. Each record is rebuilt from the old one and the
-blob's header (``codec.peek``); ``promote_hits`` or more hits join the long lifetime (expiry at
-least last hit + 7 days); a missing record becomes an expired one. Batches of :data:`BATCH`
-(``batches.py``); the last transaction recounts ``used_bytes`` and records version 2 (crash
-point ``migrate.before_version`` before it).
+Each record is rebuilt from the old one and the blob's header (``codec.peek``); ``promote_hits``
+or more hits join the long lifetime (expiry at least last hit + 7 days); a missing record becomes
+an expired one. Batches of :data:`BATCH`; the last transaction recounts ``used_bytes`` and records
+version 2 (crash point ``migrate.before_version`` before it).
 """
 
 from __future__ import annotations

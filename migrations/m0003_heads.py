@@ -1,10 +1,7 @@
-"""Migration 3, version 2 -> 3: the ``heads`` database, so that the prefix walk never maps a blob.
-
-Each fragment's head (``codec.head_of``: header, token IDs, checksum) goes into ``heads`` beside
-its blob (figures: ``docs/measurements.md``); blobs stay as they are (format-1 blobs remain
-readable). Batches of :data:`BATCH` (``batches.py``); a blob whose head does not parse gets none
-(the next read removes it). The last transaction records version 3 (crash point
-``migrate.before_version`` before it).
+"""Migration 3, version 2 -> 3: each fragment's head (``codec.head_of``) into the ``heads`` database
+beside its blob, so that the prefix walk never maps a blob; blobs stay as they are. A blob whose
+head does not parse gets none (the next read removes it). Batches of :data:`BATCH`; the last
+transaction records version 3 (crash point ``migrate.before_version`` before it).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Read-ahead for whole-blob reads through LMDB's map.
+"""Read-ahead for whole-blob reads through LMDB's map (opened ``readahead=False``: ``MADV_RANDOM``).
 
-The store opens LMDB with ``readahead=False`` (the map is ``MADV_RANDOM``: right for a B-tree
-walk's scattered small pages), but a hit reads whole blobs of megabytes, page by page.
-:meth:`MapAdvice.whole_values` turns the map to ``MADV_NORMAL`` for a block of such reads and
-back after it (figures: ``docs/measurements.md``). The map's address, which py-lmdb does not
-expose, is read from ``/proc/self/maps``. Linux only: elsewhere, or when ``madvise`` fails,
-reads run without advice (slower cold, never wrong).
+:meth:`MapAdvice.whole_values` turns the map to ``MADV_NORMAL`` for a block of whole-blob reads
+and back after it. The map's address, which py-lmdb does not expose, is read from
+``/proc/self/maps``. Linux only: elsewhere, or when ``madvise`` fails, reads run without advice.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The page check (``core.check``) of a store's ``data.mdb`` in a child process
 (``python -m edgesync_store.commands.page_check``), so that whatever the file holds, the caller
-survives; ``FragmentStore`` runs it (:func:`verify`) before LMDB reads a page.
-
-:func:`begin` starts a check early (a process loads its model meanwhile). A child killed by a
-signal or past its timeout means damaged, except SIGINT, SIGTERM and SIGHUP (the check runs
-again, once). The child has a session of its own (a terminal's Ctrl-C reaches the caller only).
-A file that passed is not checked again while its device, inode, size and mtime stay the same.
+survives. A child killed by a signal or past its timeout means damaged, except SIGINT, SIGTERM
+and SIGHUP (checked again, once). A file that passed is not checked again while its device,
+inode, size and mtime stay the same.
 """
 
 from __future__ import annotations
@@ -41,12 +38,8 @@ def _state(data_file: Path) -> tuple | None:
 
 
 class PendingCheck:
-    """A check of ``store/data.mdb`` running in a child process.
-
-    Args:
-        store: the store directory.
-        timeout_s: seconds to wait for the child in :meth:`result`.
-    """
+    """A check of ``store/data.mdb`` running in a child process with a session of its own (a
+    terminal's Ctrl-C reaches the caller only); ``timeout_s``: seconds :meth:`result` waits."""
 
     def __init__(self, store: str | os.PathLike, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         self.store = Path(store)

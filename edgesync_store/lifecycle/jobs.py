@@ -1,12 +1,10 @@
-"""The application's scheduled store jobs (apscheduler ``BackgroundScheduler``, one daemon
-thread): ``sweep`` (``ttl.sweep``) every ``sweep_interval_s`` and ``compact``
-(``compactor.Compactor.run``) every ``compact_interval_s``; :func:`start_jobs` starts them.
+"""The application's scheduled store jobs (apscheduler ``BackgroundScheduler``, one daemon thread):
+``sweep`` (``ttl.sweep``) every ``sweep_interval_s`` and ``compact`` every ``compact_interval_s``.
 
 One instance of a job at a time, missed runs coalesced; a job that raises is logged, counted
-(:attr:`StoreJobs.failures`) and run again at its next time. One process at a time compacts a
-store (``compact.lock``). The jobs share the application's ``SemanticIndex`` (``index_source``)
-and its lock with the request path. :meth:`StoreJobs.shutdown` stops a compaction between
-steps (a merge group or a sweep batch).
+(:attr:`StoreJobs.failures`) and rerun at its next time. The jobs share the application's
+``SemanticIndex`` and its lock with the request path; :meth:`StoreJobs.shutdown` stops a
+compaction between steps.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Cut fragments into layer/head groups and merge groups back: pure functions, no I/O.
 
-A chunk may be stored as several fragments of one span, each with a subset of the layers (a
-range or a stride) and a range of KV heads: arrays ``[n_layers, span, (head_end - head_start) *
-head_dim]``, rows in the order of ``fragment.layers``. :func:`split_layers` / :func:`split_heads`
-cut; :func:`merge_layers` / :func:`merge_heads` join parts that partition all layers / heads.
+A part holds a subset of the layers (a range or a stride) and a range of KV heads: arrays
+``[n_layers, span, (head_end - head_start) * head_dim]``, rows in ``fragment.layers`` order.
 Parts keep the span's identity (namespace, prefix hash, token IDs); merging the parts of one
-fragment gives its key and bit-equal arrays. A merge's counters: ``ttl.merged_counters``.
+fragment gives its key and bit-equal arrays.
 """
 
 from __future__ import annotations
