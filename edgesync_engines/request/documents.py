@@ -489,7 +489,6 @@ class DocumentRequest:
     def annotate(self, result: "GenerationResult") -> None:
         """Fill the documents fields of ``result`` in place (``tokens_reused`` after a blend: exact
         head + blended tokens)."""
-
         result.documents, result.retrieval_scores = self.prompt.document_ids, self.scores
         result.blend_refusal, result.documents_computed = self.refusal, self.computed
         b = self.blended

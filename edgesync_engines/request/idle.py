@@ -398,7 +398,6 @@ class IdleRunner:
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no job runs or waits (True), or ``timeout_s`` seconds pass (False)."""
-
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._running or self._pending:

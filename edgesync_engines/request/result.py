@@ -225,7 +225,6 @@ class GenerationStream:
     def _read_for(self, loop: asyncio.AbstractEventLoop, pieces: asyncio.Queue, room: threading.Semaphore) -> None:
         """The reading thread of :meth:`__aiter__`: pieces onto ``pieces`` (at most :data:`READ_AHEAD` ahead)."""
 
-
         def wait_for_room() -> bool:
             while not room.acquire(timeout=LEAVE_POLL_S):
                 if self._leave.is_set():

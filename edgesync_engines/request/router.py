@@ -248,7 +248,6 @@ class EdgeSync:
 
     def _run(self, prompt, tokens, strategy, sampling: tuple[int, float, float, int], stop: Sequence[str]):
         """The request as a generator: "", then the text pieces, then the :class:`GenerationResult`."""
-
         t0 = time.perf_counter()
         max_tokens = sampling[0]
         tokens = self._checked_tokens(prompt, max_tokens, tokens)
@@ -350,7 +349,6 @@ class EdgeSync:
     @contextmanager
     def _engine_turn(self) -> Iterator[bool]:
         """Hold the engine for one request (idle work paused, lock taken); yields whether idle work ran."""
-
         with self._idle_paused() as idle_busy, self.adapter.lock:
             self._driving = threading.get_ident()
             try:

@@ -1,15 +1,8 @@
-"""The router's semantic lookup: nominate donor prompts by meaning, and index stored ones.
+"""The router's semantic lookup: nominate donor prompts by meaning (MiniLM-L6-v2 embeddings,
+HNSW index; donors keyed by the last fragment of their chain), and index stored ones.
 
-In ``reuse="semantic"`` a request that is not an exact hit embeds what tells it apart
-(``prompt_text.embed_text_for``) with MiniLM-L6-v2 and asks the HNSW index for the nearest
-stored prompts (donors, keyed by the last fragment of their chain; their tokens and text are
-donor records, ``semantic/donors.py``). The default mode never asks.
-
-:class:`SemanticLookup` loads nothing until first used (or :meth:`SemanticLookup.warm_up` in the
-background). Records stored without a vector are embedded by a background catch-up
-(:meth:`SemanticLookup.catch_up`) whenever the store's pending counter moves. Everything
-degrades instead of failing a request: a missing package, an index of another backend or an
-unreadable store turn the lookup off with one warning. Its store is a ``MaintenanceBackend``.
+Loads nothing until first used. Everything degrades instead of failing a request: a missing
+package, an index of another backend or an unreadable store turn the lookup off with one warning.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "edgesync-semantic-warm-up"
-"""Name of the thread :meth:`SemanticLookup.warm_up` loads the embedder and index in (benchmarks
-wait for it so that a warm-up never runs during a timed request)."""
+"""Name of the thread :meth:`SemanticLookup.warm_up` loads the embedder and index in."""
 
 QUERY_K = 8
 """Nearest neighbours asked of the index per lookup (candidates of other namespaces and below
@@ -72,12 +64,9 @@ class Lookup:
 class SemanticLookup:
     """The embedder and the HNSW index of one store, opened on first use.
 
-    Args:
-        store: the router's open store.
-        config: supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
-
-    Creating one loads nothing (module docstring). Thread-safe (the index has its own lock;
-    loading and the catch-up are guarded here).
+    ``config`` supplies ``embedding_backend``, ``ef_search`` and ``similarity_partial``.
+    Creating one loads nothing. Thread-safe (the index has its own lock; loading and the catch-up
+    are guarded here).
     """
 
     def __init__(self, store: "MaintenanceBackend", config: EdgeSyncConfig) -> None:
@@ -161,8 +150,7 @@ class SemanticLookup:
             return added
 
     def wait_caught_up(self, timeout: float | None = None) -> bool:
-        """Block until no background catch-up runs (``timeout`` seconds at most); True when
-        none runs."""
+        """Block until no background catch-up runs (``timeout`` seconds at most); True when none runs."""
         return self._idle.wait(timeout)
 
     def _schedule_catch_up(self) -> None:
@@ -227,10 +215,8 @@ class SemanticLookup:
         return self._embedder.encode(list(texts))
 
     def nominate(self, prompt: "str | Sequence[dict]", namespace: Namespace) -> Lookup | None:
-        """Embed the request and return the stored donors of ``namespace`` nearest to it.
-
-        Returns None when the lookup is off (see :attr:`disabled_reason`) or failed (logged).
-        """
+        """Embed the request and return the stored donors of ``namespace`` nearest to it; None
+        when the lookup is off (:attr:`disabled_reason`) or failed (logged)."""
         embedded = self.embed(prompt)
         if embedded is None:
             return None
