@@ -2,11 +2,9 @@
 setting (``edgesync_store.settings.setting``: type, default, environment variable, parser, check
 and help); :data:`SETTINGS` reads them back for the environment loading and the README's table.
 
-Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. The store's settings
-are declared once, on ``edgesync_store.settings.StoreSettings``, and reused field by field.
-Constants read here are defined here or in the module that uses them; the embedder names and
-the HNSW query breadth are copies (a test checks), so that reading settings loads no semantic
-module. ``python -m edgesync_engines.config --markdown`` prints the README's settings table.
+Precedence: defaults < environment (``EDGESYNC_*``) < explicit overrides. The embedder names and
+HNSW query breadth are copies (a test checks), so reading settings loads no semantic module.
+``python -m edgesync_engines.config --markdown`` prints the README's settings table.
 """
 
 from __future__ import annotations
@@ -84,12 +82,8 @@ def remote_options(url: RemoteURL | None, cluster: bool) -> str | None:
 
 @dataclass(frozen=True)
 class EdgeSyncConfig:
-    """Settings of the router, its engine and its store (frozen).
-
-    Every field is a setting: its environment variable, check and help are in the field's
-    metadata, and :data:`SETTINGS` (the README's settings table) reads them back. Construct with
-    :meth:`load`, or directly with keyword arguments (checked the same way: ValueError
-    ``"field: reason"``, then the rules between settings, :data:`CROSS_CHECKS`).
+    """Settings of the router, its engine and its store (frozen). Construct with :meth:`load`, or
+    with keyword arguments (checked alike: ValueError ``"field: reason"``, then :data:`CROSS_CHECKS`).
     """
 
     store_path: Path = setting_of(StoreSettings, "store_path")
@@ -234,11 +228,8 @@ class EdgeSyncConfig:
     def load(cls, overrides: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> EdgeSyncConfig:
         """Defaults, then ``EDGESYNC_*`` variables, then ``overrides`` by field name (None values
-        and blank strings are "not given"); ``environ`` defaults to ``os.environ``.
-
-        Raises:
-            ValueError: a variable or override that does not parse or is out of range, or an
-                unknown override; the message names it (and the variable a bad value came from).
+        and blank strings are "not given"); ``environ`` defaults to ``os.environ``. Raises ValueError
+        naming a variable or override that does not parse, is out of range or is unknown.
         """
         return load(cls, overrides, environ)
 

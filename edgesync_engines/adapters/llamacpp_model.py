@@ -62,11 +62,8 @@ _LOGGED_BUILTIN: set[tuple[str, str]] = set()
 def builtin_chat_prompt(llama_cpp, template: str, messages: Sequence[Mapping[str, str]], model_name: str,
                         add_generation_prompt: bool = True) -> str:
     """Render ``messages`` with llama.cpp's built-in ``template`` (``llama_chat_apply_template``),
-    ending with the assistant prompt unless ``add_generation_prompt`` is False.
-
-    Raises:
-        ValueError: llama.cpp does not know the template, or a message lacks role/content.
-    """
+    ending with the assistant prompt unless ``add_generation_prompt`` is False. ValueError: unknown
+    template, or a message lacks role/content."""
     check_messages(messages)
     if (model_name, template) not in _LOGGED_BUILTIN:
         _LOGGED_BUILTIN.add((model_name, template))

@@ -52,11 +52,7 @@ def _unsupported(h: GGUFHeader) -> str | None:
 
 def onnx_refusal(gguf_path: str | os.PathLike) -> str | None:
     """Why the ONNX engine cannot export or serve the GGUF at ``gguf_path`` (one line naming
-    the file and the reason), or None when it can. Reads only the header (:mod:`gguf_header`).
-
-    Raises:
-        FileNotFoundError: no such file.
-    """
+    the file and the reason), or None when it can; reads only the header. FileNotFoundError: no file."""
     path = Path(gguf_path)
     try:
         header = read_header(path)

@@ -75,12 +75,8 @@ def configured_store(store: str | None) -> Path | str:
 
 
 def open_edgesync(cfg: EdgeSyncConfig, store: Any = None):
-    """The EdgeSync of ``cfg`` (model loaded, store opened unless ``store`` is False).
-
-    Raises:
-        CommandError: a missing or unloadable model, no usable ONNX export, or a store that
-            cannot be opened.
-    """
+    """The EdgeSync of ``cfg`` (model loaded, store opened unless ``store`` is False); CommandError
+    when the model, its ONNX export or the store cannot be loaded or opened."""
     from edgesync_engines.adapters.model_files import ModelLoadError, ModelNotFoundError
     from edgesync_engines.adapters.onnx_export import ExportError
     from edgesync_engines.request.router import EdgeSync

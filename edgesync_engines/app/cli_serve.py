@@ -160,12 +160,8 @@ def worker_count(requested: int | None, model: Path, cfg) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
-    start: exit ``128 + signal number``).
-
-    Raises:
-        MissingExtraError: a package of the ``server`` extra is not installed.
-        CommandError: no model, too many ``--workers``, an address that cannot be bound, a worker
-            that cannot load its engine.
+    start: exit ``128 + signal number``). Raises MissingExtraError (no ``server`` extra) or
+    CommandError (no model, too many ``--workers``, an unbindable address, an engine that won't load).
     """
     uvicorn = require_extra("uvicorn", "server", "edgesync serve")
     from edgesync_engines.server.app import ServeSettings, create_app

@@ -59,11 +59,7 @@ def _jsonl_document(obj, where: str) -> dict:
 
 
 def read_jsonl(path: Path) -> list[SourceDocument]:
-    """The documents of a JSON Lines file.
-
-    Raises:
-        DocumentFileError: unreadable or not UTF-8, a malformed line (``path:line``), or none.
-    """
+    """The documents of a JSON Lines file; DocumentFileError if unreadable, malformed or empty."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -99,11 +95,7 @@ def _text_file(path: Path, source: str) -> tuple[SourceDocument | None, str | No
 
 
 def read_directory(root: Path, found: DocumentFiles) -> None:
-    """Append the ``*.txt``/``*.md`` files under ``root`` to ``found``.
-
-    Raises:
-        DocumentFileError: the directory holds no such file.
-    """
+    """Append the ``*.txt``/``*.md`` files under ``root`` to ``found``; DocumentFileError if none."""
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
     if not files:
         raise DocumentFileError(f"{root}: no {' or '.join('*' + s for s in TEXT_SUFFIXES)} files in the directory")
@@ -116,12 +108,8 @@ def read_directory(root: Path, found: DocumentFiles) -> None:
 
 
 def read_documents(paths: Sequence[str | Path]) -> DocumentFiles:
-    """Every document of ``paths`` (JSON Lines files, text files, directories), in order.
-
-    Raises:
-        DocumentFileError: a missing path, a file of another kind, a bad JSON Lines file, a
-            directory without text files, or no document at all.
-    """
+    """Every document of ``paths`` (JSON Lines files, text files, directories), in order. Raises
+    DocumentFileError for a missing path, another kind of file, a bad file, or no document at all."""
     found = DocumentFiles()
     for given in paths:
         path = Path(given).expanduser()
