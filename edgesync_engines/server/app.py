@@ -60,13 +60,8 @@ class ServeSettings:
 
 
 class _Shutdown:
-    """When the shutdown grace of the jobs in flight has run out.
-
-    Args:
-        stopping: True once shutdown began (polled; its first True starts the grace).
-        grace_s: seconds a job may go on after that.
-        on_over: called once when the grace is first seen over.
-    """
+    """When the jobs' shutdown grace (``grace_s`` seconds from ``stopping``'s first True) is over;
+    ``on_over`` is called once then."""
 
     def __init__(self, stopping: Callable[[], bool], grace_s: float, on_over: Callable[[], None]) -> None:
         self.stopping = stopping
@@ -99,11 +94,7 @@ class _Interrupted(Exception):
 
 async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = None):
     """The result of ``awaitable``, checking every :data:`DISCONNECT_POLL_S` that ``request``'s
-    client is connected and the grace not over (the awaitable is cancelled otherwise).
-
-    Raises:
-        _Interrupted: the client went away, or the grace ran out.
-    """
+    client is connected and the grace not over (else cancelled, raising _Interrupted)."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
@@ -122,8 +113,8 @@ async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = Non
 
 
 async def _warm_streaming() -> None:
-    """Stream one event to nobody before accepting connections, so the first client's first token
-    does not wait for anyio's and sse-starlette's set-up."""
+    """Stream one event to nobody first, so the first client's first token waits for no set-up."""
+
     async def one_event():
         yield {"data": "warm-up"}
 

