@@ -207,11 +207,7 @@ def table(cls: type) -> tuple[Setting, ...]:
 
 
 def check_fields(obj: Any) -> None:
-    """Coerce and check every setting of ``obj`` (from its ``__post_init__``).
-
-    Raises:
-        ValueError: ``"name: reason"`` for the first invalid setting.
-    """
+    """Coerce and check every setting of ``obj``; ValueError ``"name: reason"`` for the first bad one."""
     for s in table(type(obj)):
         value = getattr(obj, s.name)
         if s.coerce is not None:
@@ -228,11 +224,8 @@ def check_fields(obj: Any) -> None:
 def load(cls: Callable[..., T], overrides: Mapping[str, Any] | None = None,
          environ: Mapping[str, str] | None = None) -> T:
     """An instance of ``cls``: defaults, then its variables in ``environ`` (default ``os.environ``),
-    then ``overrides`` by field name (None and blank strings are "not given").
-
-    Raises:
-        ValueError: a value that does not parse or is out of range, or an unknown override; the
-            message names it (and the variable a bad value came from).
+    then ``overrides`` by field name (None and blank strings are "not given"). Raises ValueError
+    naming a value that does not parse or is out of range (and its variable), or an unknown override.
     """
     rows = table(cls)  # type: ignore[arg-type]
     environ = os.environ if environ is None else environ

@@ -123,10 +123,7 @@ class Lifecycle:
 @dataclass(frozen=True)
 class TTLPolicy:
     """Lengths of the short and long lifetimes (seconds) and the promotion threshold (hits).
-
-    Raises:
-        ValueError: a lifetime that is not a positive finite number, or ``promote_hits`` < 1.
-    """
+    Raises ValueError for a lifetime not positive and finite, or ``promote_hits`` < 1."""
 
     ttl_seconds: float = float(DEFAULT_TTL_SECONDS)
     promote_hits: int = PROMOTE_HITS

@@ -43,10 +43,7 @@ _FLOCK = struct.Struct("@hhqqi4x")
 class OpenLock:
     """The shared ``flock`` a process holds on ``edgesync.lock`` of ``directory`` while it has the
     store open, waiting up to ``timeout_s`` seconds for another process's reclaim or clear.
-
-    Raises:
-        StoreBusyError: the exclusive holder did not finish within ``timeout_s``.
-        OSError: the lock file cannot be created or opened.
+    Raises StoreBusyError past ``timeout_s``, OSError when the lock file cannot be opened.
     """
 
     def __init__(self, directory: Path, timeout_s: float = 120.0) -> None:
@@ -172,10 +169,8 @@ class PinTable:
 class CompactLock:
     """``with CompactLock(store_dir) as acquired:`` the exclusive, non-blocking ``flock`` on
     ``compact.lock``; ``acquired`` is False when another process or lock object holds it. With
-    ``required=False`` (a dry run) a lock file that cannot be created lets the run go ahead.
-
-    Raises:
-        OSError: the lock file cannot be created or opened (``required``).
+    ``required=False`` (a dry run) a lock file that cannot be created lets the run go ahead;
+    else OSError.
     """
 
     def __init__(self, directory: Path, required: bool = True) -> None:

@@ -143,10 +143,9 @@ def stored_namespaces(store) -> list[Namespace]:
 
 def _spans_at(store, txn, cursor, want: tuple[bytes, dict, frozenset], tokens: np.ndarray, pos: int, digest: bytes,
               now: float, corrupt: list[tuple[bytes, bytes | None, str]]) -> list[SpanMatch]:
-    """The complete-coverage span groups stored right after ``tokens[:pos]`` (prefix hash
-    ``digest``) and live at ``now``, of the namespace ``want`` = (digest, ``to_dict()``, every
-    (layer, head)); corrupt or dangling entries met are appended to ``corrupt`` as ``(key,
-    index key or None when the head does not parse, what is wrong)``."""
+    """Live complete-coverage span groups after ``tokens[:pos]`` (``want``: namespace digest,
+    ``to_dict()``, every (layer, head)); bad entries go to ``corrupt`` as ``(key, index key or
+    None when the head does not parse, what is wrong)``."""
     ns_digest, ns_dict, full = want
     ikey = index_key(ns_digest, digest)
     keys = [bytes(k) for k in cursor.iternext_dup()] if cursor.set_key(ikey) else []
@@ -189,9 +188,8 @@ def longest_chain(tokens: np.ndarray, spans_at: Callable[[int, bytes], list[Span
     """The chain of spans reaching furthest into ``tokens`` (int32, shape ``(n,)``) from 0.
 
     ``spans_at(pos, digest)`` gives the span groups stored at ``pos`` after the prefix whose
-    hash is ``digest`` (``schema.prefix_hasher`` over ``tokens[:pos]``); the search is the one
-    :func:`prefix_walk` describes (a greedy choice of the longest complete span can end short
-    of another branch). Shared by the local walk and the remote tier's.
+    hash is ``digest`` (``schema.prefix_hasher`` over ``tokens[:pos]``); the search is
+    :func:`prefix_walk`'s. Shared by the local walk and the remote tier's.
     """
     memo: dict[int, tuple[int, list[SpanMatch]]] = {}
 
@@ -223,8 +221,7 @@ def _full_cells(namespace: Namespace) -> tuple[bytes, dict, frozenset]:
 
 
 def _remove_corrupt(store, corrupt: list[tuple[bytes, bytes | None, str]]) -> None:
-    """Remove what ``_spans_at`` met: a dangling index entry (unless read-only), a fragment
-    whose head does not parse (``drop_corrupt``, with the reason). Outside the read transaction."""
+    """Remove the dangling entries (unless read-only) and unparsable fragments ``_spans_at`` met."""
     for key, ikey, reason in corrupt:
         if ikey is not None and not store.readonly:
             # transact runs the function before it returns: binding the pair is only for clarity

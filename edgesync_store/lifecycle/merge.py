@@ -74,8 +74,7 @@ def laid_out_like(like: np.ndarray, arr: np.ndarray) -> np.ndarray:
 
 
 def _derived(src: KVFragment, keys: np.ndarray, values: np.ndarray, **ranges) -> KVFragment:
-    """A fragment of ``src``'s span and lifecycle with other arrays and layer/head ranges (V
-    laid out as ``src``'s)."""
+    """A fragment of ``src``'s span and lifecycle with other arrays and layer/head ranges."""
     return KVFragment(
         namespace=src.namespace, token_start=src.token_start, token_end=src.token_end,
         keys=np.ascontiguousarray(keys), values=laid_out_like(src.values, values), token_ids=src.token_ids,
@@ -119,8 +118,7 @@ def split_heads(fragment: KVFragment, heads_per_fragment: int) -> list[KVFragmen
 
 
 def _check_same_span(fragments: Sequence[KVFragment]) -> KVFragment:
-    """The first fragment, after checking every other shares its namespace, span, prefix and
-    tokens. Raises ValueError naming the first disagreement."""
+    """The first fragment, once all share namespace, span, prefix, tokens; else ValueError."""
     if not fragments:
         raise ValueError("fragments: nothing to merge")
     first = fragments[0]
@@ -155,11 +153,9 @@ def _merged(parts: Sequence[KVFragment], keys: np.ndarray, values: np.ndarray, *
 def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
     """Join fragments of one span and head range whose layer sets (ranges or strides, any
     order) partition all the layers: layers ``[0, n_layer)``, stride 1, row ``L`` from the part
-    holding layer ``L``.
-
-    Raises:
-        ValueError: no fragments, or (message starting with the field) another namespace, span,
-            token_ids, prefix_hash or head range ("heads"), or a layer held twice or by none.
+    holding layer ``L``. Raises ValueError (message starting with the field) for no fragments,
+    another namespace, span, token_ids, prefix_hash or head range ("heads"), or a layer held
+    twice or by none.
     """
     first = _check_same_span(fragments)
     for i, f in enumerate(fragments[1:], 1):
@@ -192,11 +188,8 @@ def merge_layers(fragments: Sequence[KVFragment]) -> KVFragment:
 
 def merge_heads(fragments: Sequence[KVFragment]) -> KVFragment:
     """Join fragments of one span and layer set whose head ranges (any order) partition
-    ``[0, n_head_kv)``: the parts' columns concatenated in head order.
-
-    Raises:
-        ValueError: no fragments, or (message starting with the field) another namespace, span,
-            token_ids, prefix_hash or layer set ("layers"), or a head held twice or by none.
+    ``[0, n_head_kv)``: the parts' columns concatenated in head order. Raises ValueError as
+    :func:`merge_layers` does (another layer set: "layers"; a head held twice or by none).
     """
     first = _check_same_span(fragments)
     for i, f in enumerate(fragments[1:], 1):
