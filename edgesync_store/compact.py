@@ -140,8 +140,7 @@ def _open_store(args: argparse.Namespace):
 
 
 def _run(store, args: argparse.Namespace, env_budget: int | None, stop: threading.Event):
-    """One :class:`~edgesync_store.compactor.Compactor` run with a progress bar on stderr (when
-    it is a terminal); returns its report."""
+    """One ``Compactor`` run, with a progress bar when stderr is a terminal; its report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from edgesync_store.compactor import Compactor, open_index
@@ -167,11 +166,8 @@ def _run(store, args: argparse.Namespace, env_budget: int | None, stop: threadin
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    """Run the command on parsed ``args``; returns the exit status (0, or 130 when stopped).
-
-    Raises:
-        BadInput: no store at the path, not a store, a newer format, a bad setting.
-    """
+    """Run the command on parsed ``args``; the exit status (0, or 130 when stopped). Raises
+    BadInput for no store at the path, not a store, a newer format or a bad setting."""
     if args.check:
         return _check(args)
     store, path, env_budget = _open_store(args)
@@ -204,8 +200,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """``--check``: the page check of the store (``core.page_check``, in a child process),
-    printed like ``edgesync check``; :data:`EXIT_DAMAGED` when damaged."""
+    """``--check``: the page check, printed like ``edgesync check``; :data:`EXIT_DAMAGED` when damaged."""
     from edgesync_store.core import page_check as check
     from edgesync_store.core.check import has_data_file
 

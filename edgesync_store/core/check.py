@@ -284,14 +284,12 @@ class _Walker:
 
 
 def _key(db: Db, raw: bytes) -> bytes | int:
-    """A key as it sorts: the free-page database's keys are native ``size_t`` transaction ids
-    (LMDB opens it ``MDB_INTEGERKEY``); every other database sorts by ``memcmp``."""
+    """A key as it sorts: native ``size_t`` in the free-page database (``MDB_INTEGERKEY``), else bytes."""
     return int.from_bytes(raw, "little") if db.name == FREE_NAME and len(raw) == 8 else raw
 
 
 def _nodes(page: bytes, lower: int, upper: int, psize: int, where: str) -> list[int]:
-    """The node offsets of a branch or leaf page (``NUMKEYS``/``NODEPTR``), each checked to
-    start at or after ``mp_upper`` with its header inside the page."""
+    """A page's node offsets (``NUMKEYS``/``NODEPTR``), each checked within ``[mp_upper, page end)``."""
     if not PAGEHDRSZ <= lower <= upper <= psize or (lower - PAGEHDRSZ) % 2:
         raise Damage(f"{where}: lower {lower} / upper {upper} outside the page of {psize} bytes")
     n = (lower - PAGEHDRSZ) >> 1

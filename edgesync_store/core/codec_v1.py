@@ -22,12 +22,8 @@ CRC = struct.Struct("<I")
 
 
 def check_head(view: memoryview, crc_at: int) -> int:
-    """Verify the crc32 of a format-1 head whose token IDs and embedding end at ``crc_at``;
-    return the head's end (the payload's offset).
-
-    Raises:
-        CodecError: truncated, or the crc32 does not match.
-    """
+    """Verify the crc32 of a format-1 head ending at ``crc_at``; return the payload's offset.
+    Raises CodecError when truncated or the crc32 does not match."""
     if crc_at + CRC.size > len(view):
         raise CodecError("blob: truncated inside the token IDs or embedding")
     (stored,) = CRC.unpack_from(view, crc_at)
@@ -37,11 +33,7 @@ def check_head(view: memoryview, crc_at: int) -> int:
 
 
 def check_payload(view: memoryview, payload: memoryview, payload_end: int) -> None:
-    """Verify the crc32 after a format-1 payload.
-
-    Raises:
-        CodecError: the crc32 does not match.
-    """
+    """Verify the crc32 after a format-1 payload; CodecError when it does not match."""
     (stored,) = CRC.unpack_from(view, payload_end)
     if zlib.crc32(payload) != stored:
         raise CodecError("payload checksum: crc32 mismatch (corrupt tensors)")

@@ -34,11 +34,8 @@ def check_key(key: bytes) -> None:
 
 
 def donor_value(namespace_digest: bytes, tokens: Sequence[int] | np.ndarray, text: str = "") -> bytes:
-    """The record of ``tokens`` in the namespace ``namespace_digest`` with ``text``.
-
-    Raises:
-        ValueError: ``namespace_digest`` is not 32 bytes, or ``tokens`` is empty.
-    """
+    """The record of ``tokens`` in the namespace ``namespace_digest`` with ``text``. Raises
+    ValueError when ``namespace_digest`` is not 32 bytes or ``tokens`` is empty."""
     if not isinstance(namespace_digest, bytes) or len(namespace_digest) != 32:
         raise ValueError(f"namespace_digest: expected 32 bytes, got {namespace_digest!r:.40}")
     if len(tokens) == 0:

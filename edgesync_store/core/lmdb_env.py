@@ -109,10 +109,8 @@ def path_state(path: Path) -> tuple[bool, bool, bool]:
 def prepare_dir(path: Path, readonly: bool) -> None:
     """Check that ``path`` can hold a store and create it (mode 0700) when missing and writable.
 
-    Raises:
-        StoreOpenError: the path is not UTF-8, a file, a non-empty directory without a
-            store, or (read-only) holds no store.
-        StoreUnavailableError: the directory cannot be created, or cannot be read (permission).
+    Raises StoreOpenError when the path is not UTF-8, a file, a non-empty directory without a
+    store, or (read-only) holds no store; StoreUnavailableError when it cannot be created or read.
     """
     try:
         str(path).encode("utf-8")

@@ -53,11 +53,7 @@ def mapped_ranges(data_file: Path) -> list[tuple[int, int]]:
 
 
 class MapAdvice:
-    """Read-ahead toggling for one store's map (module docstring).
-
-    Args:
-        data_file: the environment's ``data.mdb``.
-    """
+    """Read-ahead toggling for the map of ``data_file`` (the environment's ``data.mdb``)."""
 
     def __init__(self, data_file: Path) -> None:
         self.data_file = data_file
