@@ -7,9 +7,8 @@
    document's offset and added to the main sequence (``EngineAdapter.place_kv``).
 3. **Runs, recomputed** against everything before them (``EngineAdapter.recompute``): per
    document, the separator before it and its first ``ceil(share * n)`` tokens
-   (``blend_recompute``), where standalone KV differs most, as in EPIC (CacheBlend, arXiv
-   2405.16444, picks by K deviation at an early layer, which llama.cpp cannot run alone). A
-   document with no stored KV is recomputed whole.
+   (``blend_recompute``), where standalone KV differs most. A document with no stored KV is
+   recomputed whole.
 
 The question is then prefilled by ``generate``. Anything that fails clears the sequence and
 returns None: the request then prefills exactly.

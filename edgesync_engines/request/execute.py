@@ -1,9 +1,7 @@
 """Carrying out a :class:`~edgesync_engines.request.plan.ReusePlan`: pin, fetch, convert, inject.
 
-:class:`Injector` tries the plan's sources in order and leaves the engine holding the KV of the
-first one that delivers at least its ``required`` tokens (or nothing: the request then prefills
-from scratch). Any failure (a fragment gone or corrupt, the engine refusing the state) degrades
-to fewer tokens or to none, never to an error.
+Any failure (a fragment gone or corrupt, the engine refusing the state) degrades to fewer
+tokens or to none, never to an error.
 """
 
 from __future__ import annotations
@@ -97,7 +95,6 @@ class Injector:
     """Injects plans into one engine from one store.
 
     Args:
-        store: the fragment store the plan was made against.
         adapter: the engine (the caller holds ``adapter.lock``).
         cache: the RAM tier to read through (None: off, every fragment is read from the store).
     """
@@ -161,10 +158,8 @@ class Injector:
 
     def _inject_fragments(self, got: "Fetched", target: int, tokens: list[int], namespace,
                           nbytes: int) -> tuple[int, list[bytes], int]:
-        """Convert (another namespace) and inject ``got``'s fragments up to ``target`` tokens,
-        then wait for their payload checksums (run meanwhile on another thread: the copies and
-        the engine's load overlap them); on a refusal or a failed checksum the engine's sequence
-        is cleared (before anything was computed from it) and nothing counts as injected."""
+        """Convert and inject ``got``'s fragments up to ``target`` tokens, then wait for their
+        checksums; on a refusal or a failed checksum the sequence is cleared, nothing injected."""
         fragments = self._inject_or_clear(got.fragments, target, tokens, namespace)
         if fragments is None:
             got.confirm()
@@ -185,9 +180,7 @@ class Injector:
 
     def _inject_or_clear(self, fragments: list, target: int, tokens: list[int],
                          namespace: Namespace | None = None) -> list | None:
-        """Inject ``fragments`` (converted first when ``namespace`` is not the engine's) up to
-        ``target`` tokens; returns the fragments injected, or None (logged, the engine's
-        sequence cleared) when they cannot be converted or the engine refuses them."""
+        """Inject ``fragments`` (converted when needed) up to ``target`` tokens; None when refused."""
         try:
             if namespace is not None and namespace != self.adapter.namespace:
                 fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]

@@ -35,11 +35,7 @@ log = logging.getLogger(__name__)
 def adapter_for(model, config: "EdgeSyncConfig") -> tuple[EngineAdapter, bool]:
     """The engine adapter for ``EdgeSync``'s ``model`` and whether it was loaded here (the caller
     then closes it): None, a GGUF path or a ``llama_cpp.Llama`` is loaded (:func:`load_adapter`);
-    any other object must have every member of ``EngineAdapter``.
-
-    Raises:
-        TypeError: an object that is neither a path nor a ``llama_cpp.Llama`` and lacks protocol
-            members (they are named).
+    any other object must have every member of ``EngineAdapter`` (else TypeError naming them).
     """
     if model is None or isinstance(model, (str, os.PathLike)) or is_llama(model):
         return load_adapter(model, config), True
@@ -59,9 +55,7 @@ def load_adapter(model, config: "EdgeSyncConfig"):
     """The engine ``config.engine`` names for ``model`` (a GGUF path, a ``llama_cpp.Llama`` for
     llama.cpp, or None for ``config.model_path``).
 
-    Raises:
-        TypeError: the onnx engine given something else than a GGUF path.
-        onnx_export.ExportError: ``config.engine == "onnx"`` and the GGUF has no sound export.
+    Raises TypeError (the onnx engine given no GGUF path), onnx_export.ExportError (no sound export).
     """
     if config.engine == "onnx":
         from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
@@ -102,10 +96,7 @@ def store_for(store, adapter: EngineAdapter, config: "EdgeSyncConfig"
     """``EdgeSync``'s store for its ``store`` argument: (the backend or None, whether it was
     opened here, why the engine is served uncached or None). A path or None opens the local
     store (with the remote tier in front when configured); an engine whose KV cannot be cut
-    (``adapter.cache_refusal``) gets no store.
-
-    Raises:
-        TypeError: ``store`` is not a ``FragmentBackend``, a path, None or False.
+    (``adapter.cache_refusal``) gets no store. Raises TypeError for a ``store`` of another type.
     """
     if store is False or not config.cache_enabled:
         return None, False, None
@@ -160,14 +151,10 @@ def semantic_for(store: "FragmentBackend | None", config: "EdgeSyncConfig") -> "
 
 def open_store(path: Path, config: "EdgeSyncConfig") -> "FragmentBackend | None":
     """Open the configured store with this config's TTL, budget and compression. A store the
-    system will not let us write (read-only disk or directory, no space or permission) is
-    opened read-only, or not at all, with a warning: requests are served from it, or uncached,
-    never failed. So is a damaged store (a truncated data file): served uncached, with a
-    warning that names the command that recreates it.
+    system will not let us write is opened read-only, or not at all, and a damaged store is
+    served uncached, with a warning: requests are never failed.
 
-    Raises:
-        StoreOpenError: the path is not a store (a file, a foreign directory).
-        StoreFormatError: a store of a newer format.
+    Raises StoreOpenError (the path is not a store), StoreFormatError (a newer format).
     """
     from edgesync_store.core.store import FragmentStore
 
@@ -245,11 +232,9 @@ def warm_up(adapter, store: "FragmentBackend | None") -> int:
 
 
 def rehearse(store: "FragmentBackend", adapter, tokens: list[int]) -> int:
-    """A hit on ``tokens`` (the store's reuse hint) that answers nothing: walk, read, inject
-    and evaluate the last token, so that the first request finds the store's pages and the
-    engine's buffers and kernels ready; then the cache is emptied and the mapped pages given
-    back (``release_mapped``). Records no hit, stores nothing. Returns the tokens injected (0,
-    logged, on a store failure, a refused injection or a damaged hint)."""
+    """A hit on ``tokens`` (the store's reuse hint) that answers nothing: walk, read, inject and
+    evaluate the last token, then empty the cache. Records no hit, stores nothing. Returns the
+    tokens injected (0, logged, on any failure)."""
     try:
         match = planning.walk(store, adapter.namespace, tokens)
         source = ReuseSource(SourceKind.PREFIX, tuple(tokens), match, match.matched_tokens, adapter.namespace,

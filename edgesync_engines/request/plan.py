@@ -1,9 +1,7 @@
 """What a request reuses, decided in one place: :func:`plan_reuse` returns a :class:`ReusePlan`.
 
-The plan reads the store (prefix walks) and, in the semantic mode, asks the semantic lookup
-for donors; it changes neither store nor engine (``execute`` carries it out). Its sources are
-listed best first; the executor injects the first that delivers its ``required`` tokens, so a
-source spoiled meanwhile (evicted, corrupt) falls back to the next. In order:
+The plan reads the store and changes neither store nor engine. Its sources are listed best
+first; the executor injects the first that delivers its ``required`` tokens. In order:
 
 1. Under ``MIN_SPAN`` (64) prompt tokens, no store, or KV that cannot be cut: no source.
 2. The prefix walk of the engine's namespace: the longest stored chain whose token IDs equal
@@ -12,7 +10,7 @@ source spoiled meanwhile (evicted, corrupt) falls back to the next. In order:
    tokens: donors at cosine >= ``similarity_exact`` that share everything before the embedded
    text and are stored whole become :data:`SourceKind.DONOR` sources (served whole); others
    count up to where their tokens stop matching, and the longest verified prefix replaces the
-   walk's. The exact mode never asks: the walk already finds any stored matching prefix.
+   walk's.
 4. ``allow_convertible``: a longer chain of a convertible namespace (``compat``: the other
    engine, same model) becomes a :data:`SourceKind.CONVERTIBLE` source.
 5. Last, the own prefix of step 2 or 3 (:data:`SourceKind.PREFIX`), at any length.
@@ -92,7 +90,6 @@ class ReuseSource:
     """One KV source the executor may inject.
 
     Attributes:
-        kind: a :class:`SourceKind` value.
         tokens: the sequence to continue once injected (the prompt's, or a donor's).
         match: the prefix walk of ``tokens`` in ``namespace`` (what to fetch).
         limit: tokens of ``match`` verified equal to ``tokens``.
@@ -115,7 +112,6 @@ class ReusePlan:
     """What a request reuses: the boundary between :func:`plan_reuse` and the executor.
 
     Attributes:
-        prompt: the prompt's token IDs.
         sources: the sources to try, in order (empty: prefill everything).
         similarity: cosine of the best donor the lookup found (None: not run, or none).
         embedded: the request's (text, float32 ``[384]`` embedding) when the lookup ran.
@@ -187,9 +183,8 @@ class _Found:
 
 def _donor_sources(prompt, tokens: tuple[int, ...], max_tokens: int, lookup: "Lookup", store, adapter,
                    config, found: _Found) -> None:
-    """Step 3a: the donors that may be served whole, most similar first. The shared context
-    is required because the embedding sees the last user turn alone: the same question in
-    another app or conversation scores 1.0."""
+    """Step 3a: the donors that may be served whole (sharing the context before the embedded
+    text), most similar first."""
     context = context_len(prompt, tokens, lookup.embedded[0], adapter)
     for donor in lookup.donors:
         if donor.similarity < config.similarity_exact:

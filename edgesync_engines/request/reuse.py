@@ -1,9 +1,6 @@
 """What a request reuses and stores, one strategy per reuse mode (``EdgeSyncConfig.reuse``).
 
-``EdgeSync`` picks its strategy once, when it is built (:func:`strategy_for`); a request's
-``reuse=`` picks another one for that request. :class:`ExactReuse` touches no semantic,
-blend or documents code: the semantic lookup and the documents' blend are in
-:class:`SemanticReuse` and ``request/documents.py`` (``blend``).
+:class:`ExactReuse` touches no semantic, blend or documents code.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ if TYPE_CHECKING:
 
 def live_prefix(adapter: "EngineAdapter", tokens: list[int], live_exact: int) -> int:
     """Tokens of ``tokens`` that the engine's live sequence holds with exact KV (its first
-    ``live_exact`` tokens), cut to an injection point (``usable_prefix``). No lower bound: a
-    short shared beginning is worth continuing too, since nothing is read to use it."""
+    ``live_exact`` tokens), cut to an injection point (``usable_prefix``); no lower bound."""
     if live_exact < 1:
         return 0
     common = common_prefix_len(adapter.live_tokens()[:live_exact], tokens)
@@ -127,11 +123,7 @@ class SemanticReuse:
 
 
 def strategy_for(mode: str, engine) -> "ExactReuse | SemanticReuse":
-    """The strategy of ``mode`` for ``engine`` (an ``EdgeSync``).
-
-    Raises:
-        ValueError: an unknown mode.
-    """
+    """The strategy of ``mode`` for ``engine`` (an ``EdgeSync``); ValueError for an unknown mode."""
     if mode == ReuseMode.SEMANTIC:
         return SemanticReuse(engine)
     if mode in (ReuseMode.EXACT, ReuseMode.BLEND):

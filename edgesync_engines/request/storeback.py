@@ -2,11 +2,8 @@
 (semantic mode) give the prompt its vector.
 
 The prompt's chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)`` (never the last
-token: ``usable_prefix``); :func:`chunk_key` names a chunk of it (the prefetcher keys requests
-by the first, the semantic index donors by the last). The donor record (token IDs and the text
-to embed, ``core/donor_record.py``) goes in the same write as the fragments, without a vector:
-nothing is embedded on the default path (:func:`index_prompt` adds it when a semantic lookup
-embedded the prompt already; a background catch-up embeds the rest).
+token: ``usable_prefix``). The donor record goes in the same write as the fragments, without a
+vector: nothing is embedded on the default path.
 """
 
 from __future__ import annotations
@@ -40,9 +37,7 @@ def chunk_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_to
     chunk, all layers and heads, when both are None). None for a prompt too short to be cached
     (under 65 tokens).
 
-    Raises:
-        ValueError: a ``chunk_tokens`` outside ``chunk_spans``' range, or a grouping that
-            ``group_ranges`` refuses.
+    Raises ValueError for a ``chunk_tokens`` or grouping ``chunk_spans``/``group_ranges`` refuse.
     """
     spans = chunk_spans(len(tokens) - 1, chunk_tokens)
     if not spans:
@@ -68,11 +63,9 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
 
     A chunk is stored when live fragments of exactly its span hold every layer and KV head
     (``covers_span``); fragments of other chunk sizes do not count, so an exact repeat injects
-    one chain from 0. Missing chunks are extracted in one seq-state read, cut into the
-    configured layer x head groups, staged, and written in one ``put_many`` with the donor
-    record of ``donor_prompt`` (a string or chat messages; a prompt stored already gets its
-    missing record by ``put_donor``). ``ram``: the RAM tier keeps them too, unless the store
-    serves in place. ``spans``: chunks to store instead of the grid (inside the live sequence).
+    one chain from 0. Missing chunks are written in one ``put_many`` with the donor record of
+    ``donor_prompt`` (a string or chat messages). ``ram``: the RAM tier keeps them too, unless
+    the store serves in place. ``spans``: chunks to store instead of the grid (inside the live sequence).
     """
     ns = adapter.namespace
     try:
