@@ -1,15 +1,12 @@
-"""EdgeSync's store: KV-cache fragments kept on the device, found by token prefix and by meaning.
-
-Layers, from the bottom: ``core`` (the storage seams and LMDB), ``lifecycle`` (merges, reclaim,
-scheduled jobs), the features (``semantic``, ``documents``, ``remote``, ``commands``); beside
-them ``schema``, ``ttl``, ``errors``, ``settings`` (``docs/architecture.md`` has the table)::
+"""EdgeSync's store: KV-cache fragments kept on the device, found by token prefix and by meaning;
+layers and modules in ``docs/architecture.md``::
 
     from edgesync_store import FragmentStore
     with FragmentStore("~/.cache/edgesync/store") as store:
         match = store.prefix_walk(namespace, token_ids)
 
-The public names load on first use (PEP 562), so importing one sub-module loads neither
-hnswlib nor onnxruntime.
+The public names load on first use (PEP 562): importing one sub-module loads neither hnswlib nor
+onnxruntime.
 """
 
 from __future__ import annotations

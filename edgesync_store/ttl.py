@@ -1,13 +1,11 @@
 """Fragment lifetimes: short, long and document; hits, promotion, the clock, the expiry sweep.
 
-A fragment lives ``ttl_seconds`` (30 min) in the **short** lifetime; the hit that brings
-``hit_count`` to ``promote_hits`` (5) moves it to **long** (``now + long_ttl_seconds``, 7 days,
-renewed by each later hit). **document** fragments (code 2) have ``expires_at`` +inf and leave
-with their document. An expired fragment (``expires_at <= now``) is never served and is deleted
-by :func:`sweep`. Times are Unix seconds (float); the clock is injectable (:class:`ManualClock`).
+A **short** fragment lives ``ttl_seconds``; the hit bringing ``hit_count`` to ``promote_hits``
+moves it to **long** (``now + long_ttl_seconds``, renewed by each later hit); **document**
+fragments never expire and leave with their document. An expired fragment (``expires_at <= now``)
+is never served and :func:`sweep` deletes it. Times are Unix seconds (float), clock injectable.
 
-The record, in the store's ``lifecycle`` database (little-endian ``<IdddBQQ``, 45 bytes, store
-format 2; format 1 was ``<Idd``, 20 bytes, rewritten by ``migrations/m0002_lifecycle_v2.py``)::
+The record in the ``lifecycle`` database (little-endian ``<IdddBQQ``, 45 bytes, store format 2)::
 
     hit_count u32 | last_hit_at f64 | expires_at f64 | created_at f64 | lifetime u8
     (0 short, 1 long, 2 document) | nbytes u64 (stored blob) | raw_nbytes u64 (K + V uncompressed)
