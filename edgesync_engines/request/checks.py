@@ -17,11 +17,8 @@ def shown(value, limit: int = 60) -> str:
 
 
 def check_text(text: str, name: str) -> None:
-    """A string UTF-8 can encode (no lone surrogate such as ``"\\ud800"``).
-
-    Raises:
-        ValueError: naming ``name`` and where the lone surrogate is.
-    """
+    """A string UTF-8 can encode (no lone surrogate such as ``"\\ud800"``); else ValueError naming
+    ``name`` and where the lone surrogate is."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -31,11 +28,8 @@ def check_text(text: str, name: str) -> None:
 
 def check_chat_messages(messages) -> None:
     """A non-empty list (or tuple) of dicts with string ``role`` and ``content`` (valid
-    Unicode), not all blank. Any role is accepted (a chat template may know ``tool``).
-
-    Raises:
-        ValueError: naming what is wrong.
-    """
+    Unicode), not all blank. Any role is accepted (a chat template may know ``tool``). Raises
+    ValueError naming what is wrong."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"prompt: chat messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
@@ -65,8 +59,7 @@ def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, flo
     (0, 1], ``seed`` an int in 0..``MAX_SEED``, ``stop`` None, a string, or a list or tuple of
     strings (any number; the HTTP server takes at most 4). A bool is neither an int nor a number.
 
-    Raises:
-        ValueError: naming the argument, what it must be and the value given.
+    Raises ValueError naming the argument, what it must be and the value given.
     """
     if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens: must be an int >= 1, got {shown(max_tokens)}")
@@ -93,11 +86,8 @@ def check_sampling(max_tokens, temperature, top_p, seed, stop) -> tuple[int, flo
 
 def check_messages_text(messages) -> None:
     """The string ``role`` and ``content`` of each message (mappings; other items are left to
-    the prompt builder) are valid Unicode text.
-
-    Raises:
-        ValueError: naming the message and the lone surrogate.
-    """
+    the prompt builder) are valid Unicode text; else ValueError naming the message and the lone
+    surrogate."""
     for i, m in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
         for key in ("role", "content"):
             if isinstance(m, Mapping) and isinstance(m.get(key), str):

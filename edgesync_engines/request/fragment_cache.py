@@ -1,11 +1,8 @@
 """The read-through RAM tier: decoded fragments kept for repeats within a process, never served
 once the store no longer holds them live.
 
-The injector reads a chain's lifecycle records at once (:meth:`FragmentCache.records`, keys
-pinned), then takes each fragment from the ``RamTier`` when the entry is the version the store
-holds, else from the store. An entry's version is the ``created_at`` of its lifecycle record: a
-deleted fragment has none and a rewritten one a new one, so neither is served from RAM. The
-prefetcher (``request/prefetch.py``) fills the same tier.
+An entry's version is the ``created_at`` of its lifecycle record: a deleted fragment has none
+and a rewritten one a new one, so neither is served from RAM.
 """
 
 from __future__ import annotations
@@ -47,10 +44,7 @@ class FragmentCache:
 
     def records(self, keys: Sequence[bytes]) -> dict[bytes, "Lifecycle | None"]:
         """The store's lifecycle record of each key (None: not stored), read in one transaction.
-
-        Raises:
-            StoreError: the store failed.
-        """
+        Raises StoreError when the store fails."""
         return dict(zip(keys, self.store.lifecycles(keys)))
 
     def cached(self, key: bytes, life: "Lifecycle | None", now: float) -> "KVFragment | None":

@@ -75,27 +75,21 @@ def embed_text_for(
     max_chars: int = TAIL_CHARS,
 ) -> str:
     """The text to embed for a request: what tells it apart from others (MiniLM reads only the
-    first 256 word pieces, so a whole prompt would embed as its shared system prompt):
+    first 256 word pieces):
 
     * chat messages (mappings with ``role`` and ``content``: a string or OpenAI-style text
       parts): the last user turn; else the last non-system message with text; else all joined;
     * a string rendered with a known chat template (ChatML, Llama 3, Gemma, Phi-3/Zephyr,
       ``[INST]``): its last user turn;
-    * any other string: its tail (a long preamble still dominates: docs/measurements.md).
+    * any other string: its tail.
 
     The text is then cut to its last ``max_words`` words and ``max_chars`` characters, from a
     word boundary (words joined by single spaces); a short text is returned stripped.
 
-    Args:
-        prompt_or_messages: a prompt string, one message mapping, or a sequence of messages.
-        max_words, max_chars: the tail's caps (>= 1).
+    ``prompt_or_messages``: a prompt string, one message mapping, or a sequence of messages;
+    ``max_words``, ``max_chars`` >= 1. Returns a string, empty for an empty prompt.
 
-    Returns:
-        A string, possibly empty (an empty prompt).
-
-    Raises:
-        TypeError: not a string, a message mapping or a sequence of message mappings.
-        ValueError: ``max_words`` or ``max_chars`` < 1.
+    Raises TypeError (not a string or message mappings), ValueError (a cap < 1).
     """
     if max_words < 1 or max_chars < 1:
         raise ValueError(f"max_words and max_chars must be >= 1, got {max_words}, {max_chars}")
