@@ -96,10 +96,8 @@ class NgramPredictor:
         return out
 
     def predict(self) -> list:
-        """The up to ``top_k`` keys most likely to come next, most likely first.
-
-        Empty before the first observation; only keys already observed are ever proposed.
-        """
+        """The up to ``top_k`` keys most likely to come next, most likely first; only keys already
+        observed are ever proposed."""
         with self._lock:
             return self._predict_locked()
 
@@ -202,8 +200,7 @@ class Prefetcher:
     def after_request(self, key: str | None, tokens: Sequence[int] | np.ndarray) -> list:
         """Record a finished request: ``key`` (:func:`request_key`; None records nothing) and
         its tokens (prompt + generated), then queue the prefetch of the predicted next keys.
-        Returns the predicted keys (most likely first). Cheap: the work happens in the
-        prefetch thread. Does nothing after :meth:`close`."""
+        Returns the predicted keys (most likely first); cheap (the prefetch thread works); none after :meth:`close`."""
         if key is None:
             return []
         self.predictor.observe(key)
@@ -230,8 +227,7 @@ class Prefetcher:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no prefetch work is queued or running; True when idle, False when
-        ``timeout`` seconds passed first (None: wait as long as it takes). For tests and
-        benchmarks."""
+        ``timeout`` seconds passed first (None: wait as long as it takes)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._stop or (not self._pending and not self._busy), timeout)
 
