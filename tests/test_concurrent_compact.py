@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgesync_engines.adapters.kv_blocks import assemble_kv
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
@@ -185,7 +186,7 @@ def test_serving_while_compacting_every_minute_stays_exact(adapter, seed_request
                 continue
             frags = [store.get(k) for span in walk.spans if span.token_start < target for k in span.keys]
             assert all(f is not None for f in frags)
-            k, v = adapter.assemble(frags, target, toks)
+            k, v = assemble_kv(adapter.namespace, frags, target, toks)
             assert np.array_equal(k, ref_kv[p].keys[:, :target]) and np.array_equal(v, ref_kv[p].values[:, :target])
             served_now += 1
             full_now += target == len(toks) - 1
