@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server
+.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server llama-quantize
 
 setup: $(INSTALL_STAMP)
 
@@ -120,6 +120,21 @@ $(LLAMA_SERVER): | $(LLAMA_SDIST)
 	cmake -S $(LLAMA_SERVER_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_SRC)/cmake-build $(LLAMA_SERVER_CMAKE_ARGS)
 	cmake --build $(LLAMA_SERVER_SRC)/cmake-build --target llama-server --parallel 2
 	cp $(LLAMA_SERVER_SRC)/cmake-build/bin/llama-server $@
+
+# llama.cpp's llama-quantize, for tools/shaped_gguf.py (random-weight GGUFs of real model shapes,
+# quantized as users run them), built once into build/llama-quantize in llama-server's cmake tree
+# (unpacked and configured here when that tree is not there yet). Not a test: CI never builds it.
+LLAMA_QUANTIZE := build/llama-quantize
+
+llama-quantize: $(LLAMA_QUANTIZE)
+
+$(LLAMA_QUANTIZE): | $(LLAMA_SDIST)
+	test -f $(LLAMA_SERVER_SRC)/cmake-build/CMakeCache.txt || { \
+		rm -rf $(LLAMA_SERVER_SRC) && mkdir -p $(LLAMA_SERVER_SRC) && \
+		tar xzf $(LLAMA_SDIST) -C $(LLAMA_SERVER_SRC) --strip-components=1 && \
+		cmake -S $(LLAMA_SERVER_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_SRC)/cmake-build $(LLAMA_SERVER_CMAKE_ARGS); }
+	cmake --build $(LLAMA_SERVER_SRC)/cmake-build --target llama-quantize --parallel 2
+	cp $(LLAMA_SERVER_SRC)/cmake-build/bin/llama-quantize $@
 
 # The remote tier's tests start their own Redis servers (tools/redis_servers.py): Debian's
 # redis-server package (7.0.15, with redis-cli), installed here when missing (sudo when not root).

@@ -184,15 +184,23 @@ def gguf_path(r: arch_matrix.ArchRow) -> Path:
 def save_random_model(r: arch_matrix.ArchRow, out: Path) -> None:
     """Write row ``r``'s random-weight model (``config.json``, ``model.safetensors``) and
     SmolLM2's tokenizer files to ``out``."""
+    save_random_weights(r.hf_config, r.config_kwargs(), out, seed=r.seed, embedding_scale=r.embedding_scale)
+
+
+def save_random_weights(hf_config: str, config: dict, out: Path, *, seed: int, embedding_scale: float = 1.0,
+                        dtype: str = "float32") -> None:
+    """Write a random-weight model of ``transformers.<hf_config>(**config)`` (weights drawn after
+    ``torch.manual_seed(seed)``, token embeddings times ``embedding_scale``, stored as ``dtype``:
+    a ``torch`` dtype name) with ``save_pretrained``, and SmolLM2's tokenizer files, to ``out``."""
     import torch
     import transformers
 
-    config = getattr(transformers, r.hf_config)(**r.config_kwargs())
-    torch.manual_seed(r.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if r.embedding_scale != 1.0:
+    model_config = getattr(transformers, hf_config)(**config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, dtype))
+    if embedding_scale != 1.0:
         with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(r.embedding_scale)
+            model.get_input_embeddings().weight.mul_(embedding_scale)
     model.save_pretrained(str(out))
     for f in tokenizer_dir().iterdir():
         shutil.copy(f, out / f.name)
