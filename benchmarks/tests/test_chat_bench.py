@@ -1,6 +1,7 @@
 """benchmarks/chat.py's pure parts: the kind of a turn, TTFT statistics, the idle-wait histogram
-read from ``/metrics`` text and its quantile, the restart gate, the ratio to the best
-llama-server setting and the tables. No model, no server, no timing asserted."""
+read from ``/metrics`` text and its quantile, the restart gate, the ratios to their peers and
+the tables (the decode rate, the numbers in flight and the model's facts:
+test_chat_in_flight.py). No model, no server, no timing asserted."""
 
 from __future__ import annotations
 
@@ -114,33 +115,64 @@ def test_gate_failure_stops_admission():
         gate.admit()
 
 
-def _row(system, means, error=None):
+def _row(system, means, error=None, rate=10.0, rss=2**20):
     kinds = {k: {"turns": 2, "ttft_ms": {"mean": m, "p50": m, "p95": m}, "floor_ms_mean": 10.0,
                  "ttft_over_floor": m / 10.0, "cached_tokens": None, "timings_cache_n": None,
                  "prompt_tokens": 100, "identical": 1.0} for k, m in means.items()}
     return {"system": system, "error": error, "restarted": True, "turns": 2 * len(kinds), "identical": 1.0,
-            "kinds": kinds, "peak_rss_bytes": [2**20, 2**20], "idle_wait_p95_s": None, "idle_wait_buckets": []}
+            "kinds": kinds, "decode": {"tokens": 100, "busy_s": 100 / rate if rate else 0.0, "tokens_per_s": rate,
+                                       "answers": 2, "answers_without_usage": 0},
+            "peak_rss_bytes": [rss, rss], "peak_rss_max_bytes": rss, "idle_wait_p95_s": None,
+            "idle_wait_buckets": []}
 
 
-def test_ratios_take_the_best_llama_server_setting_per_kind():
-    rows = [_row("edgesync", {"first": 300.0, "later": 50.0}),
-            _row("llama-server", {"first": 200.0, "later": 100.0}),
-            _row("llama-server-np", {"first": 100.0, "later": 200.0}),
-            _row("llama-cpp-python", {"first": 1.0, "later": 1.0}),  # not a llama-server setting
-            _row("llama-server-np-fa-off", {"first": 2.0, "later": 2.0}),  # a diagnostic, never the peer
+def test_ratios_take_fixed_peers_per_kind():
+    """Later and after-restart turns over llama-server -np's; first turns over -np -fa off's (the
+    same numerics), even where another llama-server setting is faster."""
+    rows = [_row("edgesync-slots", {"first": 300.0, "later": 50.0, "after-restart": 40.0}, rate=30.0, rss=3 * 2**20),
+            _row("llama-server", {"first": 1.0, "later": 1.0, "after-restart": 1.0}, rate=99.0),  # never a peer
+            _row("llama-server-np", {"first": 100.0, "later": 200.0, "after-restart": 400.0}, rate=20.0),
+            _row("llama-server-np-fa-off", {"first": 150.0, "later": 2.0, "after-restart": 2.0}, rate=15.0),
             _row("edgesync-no-idle", {"first": 1.0}, error="did not start")]
     r = ratios(rows)
-    assert r["first"]["peer"] == "llama-server-np" and r["first"]["edgesync"] == pytest.approx(3.0)
-    assert r["later"]["peer"] == "llama-server" and r["later"]["edgesync"] == pytest.approx(0.5)
-    assert "edgesync-no-idle" not in r["first"]
+    assert r["ttft"]["first"]["peer"] == "llama-server-np-fa-off"
+    assert r["ttft"]["first"]["edgesync-slots"] == pytest.approx(2.0)
+    assert r["ttft"]["later"]["peer"] == "llama-server-np"
+    assert r["ttft"]["later"]["edgesync-slots"] == pytest.approx(0.25)
+    assert r["ttft"]["after-restart"]["edgesync-slots"] == pytest.approx(0.1)
+    assert r["decode_tokens_per_s"]["peer"] == "llama-server-np"
+    assert r["decode_tokens_per_s"]["edgesync-slots"] == pytest.approx(1.5)
+    assert r["peak_rss"]["edgesync-slots"] == pytest.approx(3.0)
+    assert "edgesync-no-idle" not in r["ttft"]["first"]
     text = report(rows)
-    assert ("| later turns | edgesync | llama-server | llama-server-np | llama-cpp-python "
-            "| llama-server-np-fa-off |") in text
-    assert "edgesync: mean TTFT / best llama-server's: later turns 0.50 (llama-server)" in text
+    assert ("| later turns | edgesync-slots | llama-server | llama-server-np | llama-server-np-fa-off |") in text
+    assert "| mean TTFT / llama-server-np-fa-off's | 2.00x |" in text
+    assert "| mean TTFT / llama-server-np's | 0.25x |" in text
+    assert ("edgesync-slots: mean TTFT, first turns 2.00x (llama-server-np-fa-off); later turns 0.25x "
+            "(llama-server-np); after the restart 0.10x (llama-server-np); aggregate decode tok/s 1.50x and peak "
+            "RSS 3.00x llama-server-np's") in text
+    assert "| edgesync-slots | 6 | 100% | 30.0 (1.50x) | 100 / 3.3 |" in text
     assert "did not start" in text
 
 
-def test_ratios_without_llama_server():
-    rows = [_row("edgesync", {"later": 50.0})]
-    assert ratios(rows) == {}
-    assert "later turns n/a (no llama-server)" in report(rows)
+def test_ratios_without_their_peers():
+    rows = [_row("edgesync", {"first": 10.0, "later": 50.0}), _row("llama-server", {"first": 5.0, "later": 5.0})]
+    assert ratios(rows) == {"ttft": {}}
+    text = report(rows)
+    assert "later turns n/a (llama-server-np did not run)" in text
+    assert "first turns n/a (llama-server-np-fa-off did not run)" in text
+    assert "| mean TTFT / llama-server-np-fa-off's (llama-server-np-fa-off did not run) | n/a | n/a |" in text
+
+
+def test_a_peer_without_such_turns_is_told_from_one_that_did_not_run():
+    rows = [_row("edgesync", {"first": 10.0, "later": 50.0}), _row("llama-server-np", {"first": 5.0})]
+    text = report(rows)
+    assert "later turns n/a (llama-server-np has none)" in text
+    assert "| mean TTFT / llama-server-np's (llama-server-np has none) | n/a |" in text
+
+
+def test_first_turns_without_the_fa_off_peer_get_no_ratio():
+    """No fallback to llama-server -np (flash attention on) for first turns."""
+    rows = [_row("edgesync", {"first": 10.0, "later": 50.0}), _row("llama-server-np", {"first": 5.0, "later": 25.0})]
+    r = ratios(rows)
+    assert "first" not in r["ttft"] and r["ttft"]["later"]["edgesync"] == pytest.approx(2.0)
