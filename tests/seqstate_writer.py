@@ -30,22 +30,26 @@ def to_parts(layout: StateLayout, k: np.ndarray, v: np.ndarray, tokens: Sequence
     for i in range(len(layout.part_layers)):
         rows = layout.part_range(i)
         parts.append(CachePart(pos, ext, list(k[rows.start:rows.stop]), list(v[rows.start:rows.stop]),
-                               layout.type_kv, layout.type_kv, layout.v_trans))
+                               layout.type_kv, layout.type_kv, layout.v_trans, layout.n_stream))
     return parts
 
 
 def part_bytes(part: CachePart, ext_bytes: int) -> int:
     n = len(part.pos)
-    size = 8 + (12 + ext_bytes) * n + 8
+    size = 8 + (12 + ext_bytes) * n + 8 + 4 * (part.n_stream - 1)
     size += sum(12 + a.shape[1] * a.itemsize * n for a in part.k)
     size += sum(12 + a.shape[1] * a.itemsize * n for a in part.v)
     return size
 
 
-def write_part(buf: bytearray, at: int, part: CachePart, ext_bytes: int, seq_id: int) -> int:
+def write_part(buf: bytearray, at: int, part: CachePart, ext_bytes: int, seq_id: int, stream: int = 0) -> int:
+    """One part at ``at``: ``part.n_stream`` streams, the cells in stream ``stream``, the others
+    empty (cell_count 0), as llama.cpp writes one sequence of a context with a stream per sequence."""
     n = len(part.pos)
-    struct.pack_into("<II", buf, at, 1, n)
-    at += 8
+    struct.pack_into("<I", buf, at, part.n_stream)
+    at += 4 + 4 * stream  # the empty streams before it: zeros
+    struct.pack_into("<I", buf, at, n)
+    at += 4
     rec = (12 + ext_bytes) // 4
     cells = np.frombuffer(buf, dtype="<i4", count=rec * n, offset=at).reshape(n, rec)
     cells[:, 0] = part.pos
@@ -74,10 +78,10 @@ def write_part(buf: bytearray, at: int, part: CachePart, ext_bytes: int, seq_id:
             at += 12
             np.frombuffer(buf, dtype=tv.dtype, count=n * width, offset=at).reshape(n, width)[:] = a
         at += n * width * a.itemsize
-    return at
+    return at + 4 * (part.n_stream - 1 - stream)  # the empty streams after it
 
 
-def serialize_parts(parts: list[CachePart], seq_id: int = 0) -> bytearray:
+def serialize_parts(parts: list[CachePart], seq_id: int = 0, stream: int = 0) -> bytearray:
     """Build ``llama_state_seq_set_data`` bytes from cache parts (global, then sliding window),
     as a writable ``bytearray`` ctypes hands over without a copy.
 
@@ -101,7 +105,7 @@ def serialize_parts(parts: list[CachePart], seq_id: int = 0) -> bytearray:
     struct.pack_into("<Ii", buf, 0, SEQ_STATE_MAGIC, seq_id)
     at = 8
     for p in parts:
-        at = write_part(buf, at, p, ext_bytes, seq_id)
+        at = write_part(buf, at, p, ext_bytes, seq_id, stream)
     if at != total:
         raise SeqStateError(f"serialize wrote {at} of {total} bytes")
     return buf

@@ -141,7 +141,8 @@ def layouts(draw):
                    head_dim=head_dim)
     cell_ext = draw(st.booleans())
     layout = StateLayout(part_layers, 1 if n_parts > 1 else None, 16, cell_ext, cell_ext and draw(st.booleans()),
-                         TYPES[kv], 0 if quantized else draw(st.integers(0, 1)), n_head_kv * ns.head_width)
+                         TYPES[kv], 0 if quantized else draw(st.integers(0, 1)), n_head_kv * ns.head_width,
+                         draw(st.integers(1, 4)))  # a stream per sequence (slots) or one
     return ns, layout
 
 

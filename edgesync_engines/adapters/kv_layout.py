@@ -27,7 +27,8 @@ class StateLayout:
     ``part_layers`` (layers per part, in state order), ``swa_part`` (the sliding-window part's
     index, None: no window), ``n_swa`` (window, tokens), ``cell_ext`` / ``pos_2d`` (cells carry
     an extension / a 2D position), ``type_kv`` (ggml type of every row), ``v_trans``, ``width``
-    (items per K and V row: elements, or bytes for quantized types)."""
+    (items per K and V row: elements, or bytes for quantized types), ``n_stream`` (the context's KV
+    streams, which a state written for it lists; not part of the namespace: the KV is the same)."""
 
     part_layers: tuple[int, ...]
     swa_part: int | None
@@ -37,6 +38,7 @@ class StateLayout:
     type_kv: int
     v_trans: int
     width: int
+    n_stream: int = 1
 
     @classmethod
     def from_probe(cls, parts: Sequence[CachePart], n_layer: int, n_swa: int, pos_2d: bool) -> "StateLayout":
@@ -56,10 +58,10 @@ class StateLayout:
             raise SeqStateError("probe: K and V types differ between layers or parts")
         if len(widths) != 1:
             raise SeqStateError(f"probe: K/V row widths differ between layers ({sorted(widths)})")
-        if len({p.v_trans for p in layered}) != 1:
-            raise SeqStateError("probe: parts disagree on the V layout")
+        if len({p.v_trans for p in layered}) != 1 or len({p.n_stream for p in parts}) != 1:
+            raise SeqStateError("probe: parts disagree on the V layout or the stream count")
         return cls(part_layers, 1 if n_swa > 0 else None, n_swa, parts[0].ext is not None, pos_2d,
-                   layered[0].type_k, layered[0].v_trans, widths.pop())
+                   layered[0].type_k, layered[0].v_trans, widths.pop(), parts[0].n_stream)
 
     @property
     def name(self) -> str:

@@ -10,9 +10,10 @@ Little-endian::
 
     magic 0xAF143CD8, seq_id                    u32, i32
     per cache part (one for most models, two for iSWA models: global then sliding window):
-      n_stream                                  u32
+      n_stream                                  u32 (the context's streams: 1, or one per sequence
+                                                with kv_unified off; a sequence's state fills one)
       per stream:
-        cell_count                              u32
+        cell_count                              u32 (0: the stream is empty, nothing follows)
         per cell: pos i32, n_seq_id u32, [ext x i32, y i32, tok i32: M-RoPE and PLE models], seq_id i32 x n_seq_id
         (only when cell_count > 0:)
         v_trans u32, n_layer u32
@@ -37,6 +38,8 @@ import numpy as np
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 """``io_magic`` in llama.cpp's ``src/llama-context.cpp``."""
+MAX_STREAMS = 256
+"""``LLAMA_MAX_SEQ`` (``src/llama-cparams.h``): a context's sequences, hence its KV streams, at most."""
 CELL_EXT_BYTES = 12
 """``sizeof(llama_kv_cell_ext)`` (``src/llama-kv-cells.h``: x, y, tok as int32)."""
 
@@ -82,7 +85,8 @@ class CachePart:
     """One cache part of a single-stream sequence state: ``pos`` ``[n_cells]`` int64, ascending
     and consecutive; ``ext`` ``[n_cells, 3]`` int32 (x, y, tok) or None; ``k``, ``v`` one
     ``[n_cells, width]`` array per layer of ``ggml_type(type).dtype``; ``type_k``, ``type_v``
-    ggml type codes; ``v_trans`` as llama.cpp wrote it (1 when flash attention is off)."""
+    ggml type codes; ``v_trans`` as llama.cpp wrote it (1 when flash attention is off);
+    ``n_stream`` the context's KV streams (the cells are those of the one non-empty stream)."""
 
     pos: np.ndarray
     ext: np.ndarray | None
@@ -91,6 +95,7 @@ class CachePart:
     type_k: int
     type_v: int
     v_trans: int
+    n_stream: int = 1
 
     @property
     def n_layer(self) -> int:
@@ -177,15 +182,23 @@ def _read_layers(r: _Reader, n_layer: int, cell_count: int, v_trans: int, part: 
 def _read_part(r: _Reader, n: int, cell_ext_bytes: int) -> CachePart:
     """Part ``n`` of a seq state, from the reader's position (layout: module docstring)."""
     n_stream = r.take("I")
-    if n_stream != 1:
-        raise SeqStateError(f"part {n} n_stream: {n_stream} streams; only a single stream is supported")
-    cell_count = r.take("I")
-    if cell_count == 0:
+    if not 1 <= n_stream <= MAX_STREAMS:
+        raise SeqStateError(f"part {n} n_stream: {n_stream} is not in [1, {MAX_STREAMS}]")
+    held = None
+    for _ in range(n_stream):
+        cell_count = r.take("I")
+        if cell_count == 0:
+            continue
+        if held is not None:
+            raise SeqStateError(f"part {n}: several streams hold cells of one sequence")
+        pos, ext = _read_cells(r, cell_count, cell_ext_bytes)
+        v_trans, n_layer = r.take("I"), r.take("I")
+        # a part may hold cells but no layers (an iSWA cache whose model has no sliding layers)
+        held = cell_count, pos, ext, v_trans, (
+            _read_layers(r, n_layer, cell_count, v_trans, n) if n_layer else ([], [], 1, 1))
+    if held is None:
         raise SeqStateError(f"part {n} cell_count: the sequence is empty")
-    pos, ext = _read_cells(r, cell_count, cell_ext_bytes)
-    v_trans, n_layer = r.take("I"), r.take("I")
-    # a part may hold cells but no layers (an iSWA cache whose model has no sliding layers)
-    k, v, type_k, type_v = _read_layers(r, n_layer, cell_count, v_trans, n) if n_layer else ([], [], 1, 1)
+    cell_count, pos, ext, v_trans, (k, v, type_k, type_v) = held
     order = np.argsort(pos, kind="stable")
     pos = pos[order]
     if not np.array_equal(pos, np.arange(pos[0], pos[0] + cell_count)):
@@ -193,13 +206,13 @@ def _read_part(r: _Reader, n: int, cell_ext_bytes: int) -> CachePart:
     if not np.array_equal(order, np.arange(cell_count)):
         k, v = [a[order] for a in k], [a[order] for a in v]
         ext = ext[order] if ext is not None else None
-    return CachePart(pos, ext, k, v, type_k, type_v, v_trans)
+    return CachePart(pos, ext, k, v, type_k, type_v, v_trans, n_stream)
 
 
 def parse_parts(data: bytes | memoryview, cell_ext_bytes: int = 0) -> list[CachePart]:
     """Parse one sequence's seq-state bytes into its cache parts, each in position order.
     ``cell_ext_bytes``: 0, or :data:`CELL_EXT_BYTES` for M-RoPE and PLE models. Raises SeqStateError
-    for bad magic, truncation, several streams, an empty part, unknown types, a transposed quantized
+    for bad magic, truncation, cells in several streams, an empty part, unknown types, a transposed quantized
     V, or positions with gaps or repeats."""
     r = _Reader(data)
     magic = r.take("I")

@@ -30,7 +30,7 @@ def state_bytes(layout: StateLayout, n_tokens: int) -> int:
     """Size in bytes of the seq state of ``n_tokens`` cells in every part of ``layout``."""
     row = layout.width * np.dtype(seqstate.ggml_type(layout.type_kv).dtype).itemsize
     cell = 12 + (seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
-    per_part = 8 + cell * n_tokens + 8
+    per_part = 8 + cell * n_tokens + 8 + 4 * (layout.n_stream - 1)  # the other streams' cell_count 0
     return 8 + sum(per_part + n_layer * 2 * (12 + n_tokens * row) for n_layer in layout.part_layers)
 
 
@@ -79,7 +79,7 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
     cells = _cells(layout, n_tokens, tokens, seq_id)
     at, views = 8, []
     for i, n_layer in enumerate(layout.part_layers):
-        _PART.pack_into(buf, at, 1, n_tokens)
+        _PART.pack_into(buf, at, layout.n_stream, n_tokens)
         at += 8
         buf[at:at + cells.nbytes] = cells.reshape(-1).view(np.uint8)
         at += cells.nbytes
@@ -88,6 +88,7 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
         if not n_layer:  # an iSWA cache part without layers: cells only
             empty = np.empty((0, n_tokens, width), dtype)
             views.append((empty, empty))
+            at = _empty_streams(buf, at, layout.n_stream - 1)
             continue
         stride = 12 + n_tokens * row  # one layer: its header, then its rows
         k = np.ndarray((n_layer, n_tokens, width), dtype, buf, at + 12, (stride, row, itemsize))
@@ -106,9 +107,17 @@ def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tok
         at += n_layer * stride
         _copy_blocks(blocks, layout.part_range(i), k, v, head_width)
         views.append((k, v))
+        at = _empty_streams(buf, at, layout.n_stream - 1)
     if at != size:
         raise seqstate.SeqStateError(f"state buffer: wrote {at} of {size} bytes")
     return buf, views
+
+
+def _empty_streams(buf: np.ndarray, at: int, n: int) -> int:
+    """Write ``n`` empty streams (cell_count 0) at ``at``: llama.cpp restores the one stream with
+    cells into the destination sequence's own stream, whichever it was. Returns the offset after."""
+    buf[at:at + 4 * n] = 0
+    return at + 4 * n
 
 
 def _cells(layout: StateLayout, n: int, tokens: Sequence[int], seq_id: int) -> np.ndarray:
