@@ -10,7 +10,7 @@ same sequence answered alone?
 Two prompts A and B (chat-rendered, about 90 tokens each). The reference answers each alone in a
 one-sequence context: the prompt but its last token in one batch, the last token alone, then
 ``--steps`` greedy decode steps of one token. Then, in a two-sequence context, once with
-``kv_unified`` on (one KV buffer for both sequences, what ``two_sequence_params`` opens for
+``kv_unified`` on (one KV buffer for both sequences, what ``sequence_params`` opens for
 blending) and once off (a KV stream per sequence):
 
 * ``solo``: A answered alone in the two-sequence context;
@@ -53,10 +53,10 @@ class Context:
     sequence, logits wanted)."""
 
     def __init__(self, llama_cpp, model: Path, n_seq_max: int, kv_unified: bool, threads: int) -> None:
-        from edgesync_engines.adapters.llamacpp_blend import two_sequence_params
+        from edgesync_engines.adapters.llamacpp_blend import sequence_params
 
         self.low = llama_cpp.llama_cpp
-        params = two_sequence_params(llama_cpp, kv_unified) if n_seq_max > 1 else contextlib.nullcontext()
+        params = sequence_params(llama_cpp, kv_unified) if n_seq_max > 1 else contextlib.nullcontext()
         with params:
             self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=2048, n_threads=threads,
                                        n_threads_batch=threads, verbose=False, swa_full=True)

@@ -246,5 +246,8 @@ class FakeAdapter:
             raise ValueError(f"set_threads: n_threads must be >= 1, got {n_threads}")
         self.threads = n_threads
 
+    def slot_adapters(self) -> list:
+        return [self]
+
     def close(self) -> None:
         self._closed = True

@@ -33,7 +33,8 @@ PROPERTIES = {"closed"}
 METHODS = ["tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix",
            "extract_fragments", "inject_fragment", "stage_fragment", "generate", "prefill",
            "prefill_batches", "extend", "live_tokens", "place_kv", "recompute",
-           "clear_kv_cache", "warm_up", "make_room", "abortable", "set_threads", "close"]
+           "clear_kv_cache", "warm_up", "make_room", "abortable", "set_threads", "close",
+           "slot_adapters"]
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "Why do caches make repeated prompts faster? " * 12}]
 

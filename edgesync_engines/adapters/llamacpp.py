@@ -42,7 +42,6 @@ ENGINE = "llama.cpp"
 LAYOUT = kv_layout.LAYOUT
 __all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
-_SEQ = llamacpp_blend.MAIN_SEQ
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
 ROW_PROBE_TEXT = (b"The cache keeps what a prefill computed, so that the next request that starts with the "
@@ -65,6 +64,8 @@ class LlamaCppAdapter(EngineAdapter):
         n_threads: CPU threads (default: every usable CPU).
         flash_attn: changes the V layout and the numbers; recorded in the namespace.
         kv_type: one of ``config.KV_TYPES`` (recorded; a quantized V turns flash attention on).
+        n_seq_max, kv_unified: the context's sequences and whether they share one KV buffer
+            (``llamacpp_slots.SlotEngine`` opens one stream per sequence; ``n_ctx`` is then the total).
         verbose: let llama.cpp's log lines through at WARNING.
         seed: the sampler's seed when ``generate`` is given none.
 
@@ -82,6 +83,8 @@ class LlamaCppAdapter(EngineAdapter):
         seed: int = 0,
         model_path: str | os.PathLike | None = None,
         kv_type: str = "f16",
+        n_seq_max: int = llamacpp_blend.N_SEQ_MAX,
+        kv_unified: bool = True,
     ) -> None:
         import llama_cpp
 
@@ -98,11 +101,12 @@ class LlamaCppAdapter(EngineAdapter):
             log.warning("n_threads %d is more than the %d CPUs this process may run on: every evaluation slows "
                         "down; use at most %d", n_threads, usable_cpus(), usable_cpus())
         self._llama_cpp = llama_cpp
+        self._seed = seed
         self.lock = threading.RLock()
         if model is None or isinstance(model, (str, os.PathLike)):
             path = model_file(model)
             try:
-                with llamacpp_blend.two_sequence_params(llama_cpp), sigint_held():
+                with llamacpp_blend.sequence_params(llama_cpp, kv_unified, n_seq_max), sigint_held():
                     self.llm = llama_cpp.Llama(
                         model_path=str(path),
                         n_ctx=n_ctx,
@@ -146,7 +150,19 @@ class LlamaCppAdapter(EngineAdapter):
     def closed(self) -> bool:
         return self.llm is None
 
+    def copy_probe_to(self, other: "LlamaCppAdapter") -> None:
+        """Give ``other`` (an adapter on another sequence of this context, made without its own
+        ``__init__``) this adapter's model, context and probed KV layout; it does not own them."""
+        for name in ("llm", "_llama_cpp", "_ctx", "_mem", "_vocab", "namespace", "_layout", "cache_refusal",
+                     "injection_rule", "flash_attn", "model_path", "_seed"):
+            setattr(other, name, getattr(self, name))
+        other._owns_llm = False
+        other._swa = kv_layout.SwaCapture()
+
     # -- set-up ---------------------------------------------------------------------------
+
+    seq = llamacpp_blend.MAIN_SEQ
+    """The llama.cpp sequence this adapter answers from."""
 
     def _probe(self) -> None:
         """Learn the KV layout from a two-cell seq state, or set :attr:`cache_refusal` (namespace None)."""
@@ -227,9 +243,9 @@ class LlamaCppAdapter(EngineAdapter):
     def _get_state(self, flags: int = 0) -> bytes:
         """The sequence's state bytes; ``flags`` :data:`_PARTIAL_ONLY` reads the window part alone."""
         llama_cpp = self._llama_cpp
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags)
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, self.seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, _SEQ, flags)
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, self.seq, flags)
         if written != size:
             raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buf)
@@ -312,16 +328,25 @@ class LlamaCppAdapter(EngineAdapter):
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
         out = state_buffer.room(layout, n_tokens, self._state_buf) if layout.swa_part is None else None
-        buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, _SEQ, out)
+        buf, views = state_buffer.build(layout, self.namespace.head_width, blocks, n_tokens, tokens, self.seq, out)
         self._state_buf = buf if layout.swa_part is None else None
-        read = self._llama_cpp.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, _SEQ)
+        read = self._set_state(buf, size)
         if read != size:
             self.clear_kv_cache()
             raise InjectionError(f"llama_state_seq_set_data read {read} of {size} bytes")
-        self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
-        self.llm.n_tokens = n_tokens
+        self._hold(tokens, n_tokens)
         if layout.swa_part is not None:
             self._swa.seed(*views[layout.swa_part])  # views of buf: the capture keeps it alive
+
+    def _set_state(self, buf: np.ndarray, size: int) -> int:
+        """``llama_state_seq_set_data`` of ``buf[:size]`` (uint8) into the sequence; the bytes read."""
+        return self._llama_cpp.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size,
+                                                        self.seq)
+
+    def _hold(self, tokens: Sequence[int], n_tokens: int) -> None:
+        """The live sequence now holds ``tokens[:n_tokens]`` (its KV already set)."""
+        self.llm.input_ids[:n_tokens] = np.asarray(tokens[:n_tokens], dtype=self.llm.input_ids.dtype)
+        self.llm.n_tokens = n_tokens
 
     def place_kv(self, fragments: Sequence[KVFragment], chain_tokens: Sequence[int], keep: tuple[int, int], at: int,
                  tokens: Sequence[int]) -> None:
@@ -369,14 +394,18 @@ class LlamaCppAdapter(EngineAdapter):
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def _eval_batch(self, batch: Sequence[int]) -> None:
-        self.llm.eval(list(batch))
+        self._evaluate(batch)
         if self._layout is not None and self._layout.swa_part is not None:
-            n = self.llm.n_tokens
+            n = self.n_tokens
             try:
                 self._swa.add(self._swa_part_now()[0], n - len(batch), n)
             except seqstate.SeqStateError as exc:
                 # the prompt is still answered; its sliding-window KV is just not storable
                 log.warning("sliding-window KV not captured: %s", exc)
+
+    def _evaluate(self, batch: Sequence[int]) -> None:
+        """Evaluate ``batch`` after the live sequence, which then holds it."""
+        self.llm.eval(list(batch))
 
     def _sampled_tokens(self, temperature: float, top_p: float, seed: int | None) -> Iterator[int]:
         """llama-cpp-python's sampler on the live sequence: greedy (top-k 40 at temperature

@@ -1,6 +1,6 @@
 """Placing stored KV at another position of a llama.cpp sequence, and recomputing runs of it
 (``request/blend.py``), with llama.cpp's own calls on a context of two sequences in one unified
-cache (:func:`two_sequence_params`):
+cache (:func:`sequence_params`):
 
 * :meth:`ScratchSequence.place`: restore a stored chain into the scratch sequence at 0..M-1
   (``llama_state_seq_set_data``), shift the kept range to its new position
@@ -35,17 +35,17 @@ _PARAMS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def two_sequence_params(llama_cpp_module, kv_unified: bool = True):
-    """While open, ``llama_context_default_params()`` returns ``n_seq_max`` 2 and ``kv_unified``
+def sequence_params(llama_cpp_module, kv_unified: bool = True, n_seq_max: int = N_SEQ_MAX):
+    """While open, ``llama_context_default_params()`` returns ``n_seq_max`` and ``kv_unified``
     as given: ``Llama.__init__`` sets these two fields only in embedding mode, so this is how a
-    generating context gets a second sequence. Serialized: the module attribute is shared."""
+    generating context gets more sequences. Serialized: the module attribute is shared."""
     low = llama_cpp_module.llama_cpp
     with _PARAMS_LOCK:
         original = low.llama_context_default_params
 
         def params():
             p = original()
-            p.n_seq_max = N_SEQ_MAX
+            p.n_seq_max = n_seq_max
             p.kv_unified = kv_unified
             return p
 

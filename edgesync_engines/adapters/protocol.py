@@ -272,6 +272,11 @@ class EngineAdapter(abc.ABC):
         failed decode (the old cells stay)."""
         raise InjectionError(self.blend_refusal or "recompute: not supported")
 
+    def slot_adapters(self) -> "list[EngineAdapter]":
+        """The adapters of every sequence this engine answers at once, their steps batched
+        (``llamacpp_slots``); here itself alone."""
+        return [self]
+
     def warm_up(self, n_tokens: int = 0) -> None:
         """A request's first-time work at load (chat template, one evaluation), then an empty
         cache and room for injecting ``n_tokens`` tokens; never raises. Caller holds :attr:`lock`."""
@@ -401,6 +406,7 @@ MEMBERS = frozenset({
     "tokenize", "apply_chat_template", "token_bytes", "text_stream", "usable_prefix", "extract_fragments",
     "inject_fragment", "stage_fragment", "generate", "prefill", "prefill_batches", "extend", "live_tokens",
     "place_kv", "recompute", "clear_kv_cache", "warm_up", "make_room", "abortable", "set_threads", "close",
+    "slot_adapters",
 })
 """The interface: the members of :class:`EngineAdapter` the request path and the app may use."""
 _CALLABLE_MEMBERS = tuple(sorted(n for n in MEMBERS if callable(getattr(EngineAdapter, n, None))
