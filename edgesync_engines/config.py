@@ -59,6 +59,8 @@ DEFAULT_EF_SEARCH = 100
 MAX_SEED = 2**32 - 2
 """The largest sampling seed: llama.cpp takes a ``uint32_t`` seed and ``LLAMA_DEFAULT_SEED =
 0xFFFFFFFF`` means "random" (llama.h), so 0..2**32-2 are the seeds that mean themselves."""
+MAX_SLOTS = 64
+"""Most ``slots``: each holds a KV stream of ``n_ctx`` tokens (llama.cpp allows 256 sequences)."""
 MAX_CHUNK_TOKENS = MAX_SPAN - MIN_SPAN + 1
 """Largest ``chunk_tokens``: a prompt's last chunk may grow by up to ``MIN_SPAN - 1`` tokens
 (``schema.chunk_spans``) and must still fit a fragment's ``MAX_SPAN``."""
@@ -94,6 +96,11 @@ class EdgeSyncConfig:
     n_ctx: int = setting(
         4096, env="EDGESYNC_N_CTX", parse=int, help="context window, tokens (>= 64)",
         check=lambda v: f"{v} is below 64 tokens" if v < 64 else None)
+    slots: int = setting(
+        1, env="EDGESYNC_SLOTS", parse=int,
+        help="sequences one llama.cpp engine answers at once, their steps batched, each with `n_ctx` tokens and "
+             "its own KV stream (1 to 64); answers stay identical to each request alone",
+        check=lambda v: None if 1 <= v <= MAX_SLOTS else f"must be in [1, {MAX_SLOTS}], got {v}")
     n_threads: int | None = setting(
         None, env="EDGESYNC_THREADS", parse=int, help="CPU threads (1 to 256)", shown="all usable cores",
         check=lambda v: None if v is None or 1 <= v <= 256 else f"must be in [1, 256], got {v}")

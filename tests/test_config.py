@@ -59,7 +59,7 @@ def test_docs_settings_table_is_the_generated_one():
     rows = [line for line in doc.splitlines() if line.startswith("| `") or line.startswith("| - |")]
     start = doc.index(table.splitlines()[0])
     assert doc[start:start + len(table)] == table
-    assert len(table.splitlines()) == 2 + 43 + 3 and len(rows) >= 46
+    assert len(table.splitlines()) == 2 + 44 + 3 and len(rows) >= 47
     printed = subprocess.run([sys.executable, "-m", "edgesync_engines.config", "--markdown"],
                              capture_output=True, text=True, check=True).stdout
     assert printed == table
@@ -92,8 +92,8 @@ def test_table_defines_fields_defaults_and_variables():
     from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
     fields = [f.name for f in dataclasses.fields(EdgeSyncConfig)]
-    assert fields == [s.name for s in SETTINGS] and len(fields) == 43
-    assert len({s.env for s in SETTINGS}) == 43 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
+    assert fields == [s.name for s in SETTINGS] and len(fields) == 44
+    assert len({s.env for s in SETTINGS}) == 44 and all(s.env.startswith("EDGESYNC_") and s.help for s in SETTINGS)
     cfg = EdgeSyncConfig.load(environ={})
     assert cfg.ef_search == DEFAULT_EF_SEARCH == 100
     from edgesync_engines.config import EMBEDDING_BACKENDS

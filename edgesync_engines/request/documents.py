@@ -441,7 +441,10 @@ class DocumentRequest:
     prompt's missing documents are stored and their KV placed (``request/blend.py``) before
     the answer; otherwise the strategy reuses exact KV and the missing documents are stored
     after the answer (off the TTFT path). The engine's sequence then holds no exact live KV.
+    It runs in the engine's first lane, where the library computes documents.
     """
+
+    first_lane = True
 
     def __init__(self, library: DocumentLibrary, strategy: "ExactReuse | SemanticReuse", prompt: DocumentPrompt,
                  scores: list[float] | None) -> None:
@@ -450,19 +453,20 @@ class DocumentRequest:
         self.refusal: str | None = None
         self.computed = 0
 
-    def reuse(self, prompt, tokens: list[int], max_tokens: int, live_exact: int = 0) -> tuple[ReusePlan, Injection]:
+    def reuse(self, lane, prompt, tokens: list[int], max_tokens: int,
+              live_exact: int = 0) -> tuple[ReusePlan, Injection]:
         """Blend (``blend`` mode, documents in the prompt, an engine that can), else the
         strategy's reuse."""
         if self.strategy.mode == ReuseMode.BLEND and self.prompt.pieces:
-            self._blend()
+            self._blend(lane)
         if self.blended is None:
-            return self.strategy.reuse(prompt, tokens, max_tokens, live_exact)
+            return self.strategy.reuse(lane, prompt, tokens, max_tokens, live_exact)
         b = self.blended
         return ReusePlan(prompt=tuple(tokens)), Injection(None, tuple(tokens), b.n_past, b.keys, b.bytes_read)
 
-    def _blend(self) -> None:
+    def _blend(self, lane) -> None:
         es = self.strategy.engine
-        self.refusal = es.adapter.blend_refusal if es.injector is not None else "no store"
+        self.refusal = lane.adapter.blend_refusal if lane.injector is not None else "no store"
         if self.refusal is not None:
             if not self.library.blend_refusal_logged:
                 log.warning("reuse=blend refused, answering exactly: %s", self.refusal)
@@ -471,13 +475,14 @@ class DocumentRequest:
         from edgesync_engines.request.blend import blend
 
         self.computed = self.library.store_missing(self.prompt)
-        self.blended = blend(self.prompt, es.injector, es.config)
+        self.blended = blend(self.prompt, lane.injector, es.config)
 
-    def after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan, injected: Injection) -> int:
+    def after_answer(self, lane, prompt, tokens: list[int], out: list[int], plan: ReusePlan,
+                     injected: Injection) -> int:
         """The strategy's store-back, then the missing documents (none after a blend)."""
         if self.blended is not None:
             return 0
-        written = self.strategy.after_answer(prompt, tokens, out, plan, injected)
+        written = self.strategy.after_answer(lane, prompt, tokens, out, plan, injected)
         self.computed = self.library.store_missing(self.prompt)
         return written
 

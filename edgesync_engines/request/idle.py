@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.fragment_cache import FragmentCache
+    from edgesync_engines.request.lanes import Lane
     from edgesync_store.core.backend import FragmentBackend
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,8 @@ class IdleRunner:
     restarts from what the store and the live sequence then hold.
 
     Args:
-        engine: the ``EdgeSync`` it works for; its adapter's lock is held one batch at a time.
+        engine: the ``EdgeSync`` it works for; a job runs in the lane (``request/lanes.py``) whose
+            live sequence holds most of its prompt, holding its adapter's lock one batch at a time.
         busy: True while requests wait for the engine elsewhere (a server worker's queue): no
             batch starts, and the one running stops midway. Checked often: keep it cheap.
         threaded: run the jobs on a thread of the runner's own (False: :meth:`run_pending`).
@@ -190,7 +192,6 @@ class IdleRunner:
     def __init__(self, engine, name: str = "edgesync-idle", busy: Callable[[], bool] | None = None,
                  threaded: bool = True) -> None:
         self.engine = engine
-        self._lock = engine.adapter.lock
         self.prepared: tuple[list[int], int] | None = None  # the last job's (tokens ready, start), until a request
         self._name = name
         self.busy = busy or (lambda: False)
@@ -223,34 +224,34 @@ class IdleRunner:
         tokens = history_tokens(es, prompt)
         if len(tokens) > es.adapter.n_ctx:
             raise ContextOverflowError(len(tokens), 0, es.adapter.n_ctx)
-        with self.paused(), self._lock:
-            return self.prefill_job(prompt, tokens).run()
+        with self.paused(), es.lanes.taken(tokens) as lane:
+            return self.prefill_job(lane, prompt, tokens).run()
 
     def prepare_later(self, history) -> None:
         """Queue the preparation of chat messages (``EdgeSync.prepare_later`` checked them and
         that the engine has a writable store)."""
         es, history = self.engine, list(history)
 
-        def start() -> PrefillJob | None:
+        def start() -> tuple[list, list[int]] | None:
             tokens = history_tokens(es, history)
-            return self.prefill_job(history, tokens) if len(tokens) < es.adapter.n_ctx else None
+            return (history, tokens) if len(tokens) < es.adapter.n_ctx else None
 
         self.submit(start, key=tuple((m.get("role"), m.get("content")) for m in history))
 
-    def prefill_job(self, prompt, tokens: list[int]) -> PrefillJob:
-        """The :class:`PrefillJob` of ``tokens`` (lock held), starting from what the live
-        sequence or the store holds exactly; it keeps the engine's live count up to date."""
+    def prefill_job(self, lane: "Lane", prompt, tokens: list[int]) -> PrefillJob:
+        """The :class:`PrefillJob` of ``tokens`` in ``lane`` (its lock held), starting from what
+        its live sequence or the store holds exactly; it keeps the lane's live count up to date."""
         es = self.engine
-        live_exact = es.take_live()
-        _, injected = ExactReuse(es).reuse(prompt, tokens, 1, live_exact)
+        live_exact = lane.take_live()
+        _, injected = ExactReuse(es).reuse(lane, prompt, tokens, 1, live_exact)
         start = injected.reused if exact_context(injected) else 0
-        es.set_live(start)
+        lane.set_live(start)
 
         def ready(end: int) -> None:
-            es.set_live(end)
+            lane.set_live(end)
             self.prepared = (tokens[:end], start)
 
-        return PrefillJob(es.adapter, es.store, es.config, tokens, start, es.fragment_cache, ready)
+        return PrefillJob(lane.adapter, es.store, es.config, tokens, start, es.fragment_cache, ready)
 
     def count_wasted(self, tokens: list[int]) -> None:
         """A request of ``tokens`` takes the engine: the tokens the last job prepared that it
@@ -261,9 +262,9 @@ class IdleRunner:
             if common >= start:  # the same conversation, departing inside the prepared tokens
                 self.stats.tokens_wasted += len(prepared) - common
 
-    def submit(self, start: Callable[[], "PrefillJob | None"], key: tuple = ()) -> None:
-        """Queue a job: ``start()`` is called with the lock held and returns the job (None:
-        nothing to do). ``key`` names the prompt (e.g. its messages): a waiting job whose key is
+    def submit(self, start: Callable[[], "tuple[object, list[int]] | None"], key: tuple = ()) -> None:
+        """Queue a job: ``start()`` returns its prompt and tokens (None: nothing to do). ``key``
+        names the prompt (e.g. its messages): a waiting job whose key is
         a prefix of this one's is dropped, and so is the oldest beyond :data:`MAX_PENDING`."""
         with self._cond:
             if self._closed:
@@ -289,7 +290,8 @@ class IdleRunner:
     @contextmanager
     def paused(self) -> Iterator[bool]:
         """For a request's whole ``with`` block (enter it before taking the engine's lock): the
-        running job stops (queued again) and none starts. Yields True when a job was running."""
+        running job stops (queued again) and none starts. Yields True when a job was running.
+        (With several lanes a request only takes its lane: a job on it stops, the others go on.)"""
         with self._cond:
             self._epoch += 1
             self._waiting += 1
@@ -319,29 +321,33 @@ class IdleRunner:
                     self._cond.wait(0.05 if self._pending else None)
                 if self._closed:
                     return
-            self._run_next()
+            if not self._run_next():
+                with self._cond:  # paused, or every lane busy: look again shortly
+                    self._cond.wait(0.05)
 
     def run_pending(self) -> bool:
         """Run the queued jobs on the calling thread while :attr:`busy` says no request waits;
-        True when none is left. For a runner made with ``threaded`` False."""
+        True when none is left, False when busy or a job was paused (the caller comes back).
+        For a runner made with ``threaded`` False."""
         while True:
             with self._cond:
                 if self._closed or not self._pending:
                     return not self._pending
-            if self.busy():
+            if self.busy() or not self._run_next():
                 return False
-            self._run_next()
 
-    def _run_next(self) -> None:
+    def _run_next(self) -> bool:
+        """Run the next job; False when it was paused (queued again) or none waits."""
         with self._cond:
             if not self._pending:
-                return
+                return False
             key, start = self._pending.popleft()
             epoch, self._running = self._epoch, True
         try:
             if not self._run_job(epoch, start):
                 with self._cond:  # it keeps its place: the newest answer's history goes first
                     self._queue_first(key, start)
+                return False
             else:
                 with self._cond:
                     newest = self._newest
@@ -354,24 +360,35 @@ class IdleRunner:
             with self._cond:
                 self._running = False
                 self._cond.notify_all()
+        return True
 
-    def _run_job(self, epoch: int, start: Callable[[], "PrefillJob | None"]) -> bool:
+    def _run_job(self, epoch: int, start: Callable[[], "tuple[object, list[int]] | None"]) -> bool:
         """Run the job's batches while no request paused it; False when paused."""
-        with self._lock:
-            if epoch != self._epoch or self._waiting:
-                return False
-            job = start()
-            self.work_ended_at = time.time()
-        if job is None:
+        if epoch != self._epoch or self._waiting:
+            return False
+        what = start()
+        if what is None:
             return True
+        prompt, tokens = what
+        lanes = self.engine.lanes
+        lane = lanes.idle_lane(tokens)
+        if lane is None:
+            return False
+
+        def wanted() -> bool:  # a request needs the engine or this lane: no batch starts, one running stops
+            return epoch != self._epoch or bool(self._waiting) or self.busy() or lanes.is_taken(lane)
+
+        with lane.adapter.lock:  # the job's start (it reads the store) runs even if a request just came
+            if epoch != self._epoch or self._waiting or lanes.is_taken(lane):
+                return False
+            job = self.prefill_job(lane, prompt, tokens)
+            self.work_ended_at = time.time()
         self._job = job
         self.stats.jobs += 1
         done = True
-        def wanted() -> bool:  # a request needs the engine: no batch starts, and one running stops
-            return epoch != self._epoch or bool(self._waiting) or self.busy()
 
         while not job.done:
-            with self._lock:
+            with lane.adapter.lock:
                 if wanted():
                     done = False
                     break
@@ -390,7 +407,7 @@ class IdleRunner:
         if done and self.has_work:
             # another conversation's job replaces the live sequence next: should this one's next
             # turn come first, it injects its history, into a buffer made now rather than then
-            with self._lock:
+            with lane.adapter.lock:
                 if not wanted():
                     job.adapter.make_room(len(job.tokens), wanted)
                 self.work_ended_at = time.time()

@@ -60,6 +60,9 @@ def load_adapter(model, config: "EdgeSyncConfig"):
     if config.engine == "onnx":
         from edgesync_engines.adapters.onnxrt import OnnxRuntimeAdapter
 
+        if config.slots > 1:
+            log.warning("slots: the onnx engine answers one sequence at a time; serving one")
+
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model: the onnx engine takes a GGUF path or an OnnxRuntimeAdapter, "
                             f"got {type(model).__name__}")
@@ -69,6 +72,10 @@ def load_adapter(model, config: "EdgeSyncConfig"):
             n_threads=config.n_threads,
             seed=config.seed,
         )
+    if config.slots > 1:
+        slots = load_slots(model, config)
+        if slots is not None:
+            return slots
     from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 
     return LlamaCppAdapter(
@@ -80,6 +87,24 @@ def load_adapter(model, config: "EdgeSyncConfig"):
         seed=config.seed,
         kv_type=config.kv_type,
     )
+
+
+def load_slots(model, config: "EdgeSyncConfig") -> "EngineAdapter | None":
+    """The first slot of a ``SlotEngine`` of ``config.slots`` sequences, or None (warned) for a
+    ``llama_cpp.Llama`` passed in or a model slots cannot serve: it is then served with one."""
+    from edgesync_engines.adapters.llamacpp_slots import SlotEngine, SlotsRefused
+
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        log.warning("slots: a llama_cpp.Llama passed in has its own context; serving one sequence")
+        return None
+    try:
+        engine = SlotEngine(model if model is not None else config.model_path, slots=config.slots,
+                            n_ctx=config.n_ctx, n_threads=config.n_threads, flash_attn=config.flash_attn,
+                            verbose=config.verbose_engine, seed=config.seed, kv_type=config.kv_type)
+    except SlotsRefused as exc:
+        log.warning("slots: %s", exc)
+        return None
+    return engine.adapters[0]
 
 
 def begin_page_check(store, config: "EdgeSyncConfig") -> None:
@@ -226,6 +251,9 @@ def warm_up(adapter, store: "FragmentBackend | None") -> int:
         adapter.warm_up(len(tokens))
         injected = rehearse(store, adapter, tokens) if len(tokens) > MIN_SPAN else 0
         adapter.warm_up(len(tokens))  # an empty cache again, and (llama.cpp) its counters zeroed
+    for slot in adapter.slot_adapters()[1:]:  # any slot may take the next hit
+        with slot.lock:
+            slot.warm_up(len(tokens))
     log.debug("engine warmed up, a hit of %d tokens rehearsed, in %.1f ms", injected,
               (time.perf_counter() - t0) * 1000)
     return injected

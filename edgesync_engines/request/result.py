@@ -51,6 +51,7 @@ class GenerationResult:
             ``cancelled``; ``tokens`` are those decoded either way.
         idle_wait_ms, idle_wait_tokens: the wait for idle-time work to stop (None: none ran),
             and the tokens it evaluated meanwhile.
+        slot: the engine's sequence that answered (0 without ``config.slots``).
     """
 
     text: str
@@ -81,6 +82,7 @@ class GenerationResult:
     finish_reason: str = "stop"
     idle_wait_ms: float | None = None
     idle_wait_tokens: int = 0
+    slot: int = 0
 
     @classmethod
     def of(cls, tokens: list[int], out: list[int], text: str, plan: "ReusePlan", injected: "Injection",

@@ -15,6 +15,7 @@ from edgesync_store.schema import MIN_SPAN, common_prefix_len
 
 if TYPE_CHECKING:
     from edgesync_engines.adapters.protocol import EngineAdapter
+    from edgesync_engines.request.lanes import Lane
 
 
 def live_prefix(adapter: "EngineAdapter", tokens: list[int], live_exact: int) -> int:
@@ -32,40 +33,46 @@ class ExactReuse:
     least what the store holds continues it and injects nothing.
 
     Args:
-        engine: the ``EdgeSync`` served (its store, adapter, config, injector, RAM tier).
+        engine: the ``EdgeSync`` served (its store, config, RAM tier, prefetcher); the adapter and
+            injector are those of the lane a request runs in.
         mode: the reuse mode it serves (``exact`` or ``blend``).
     """
+
+    first_lane = False
+    """It may run in any of the engine's lanes."""
 
     def __init__(self, engine, mode: str = ReuseMode.EXACT) -> None:
         self.engine, self.mode = engine, mode
         self.config = engine.config if engine.config.reuse == mode else replace(engine.config, reuse=mode)
 
-    def reuse(self, prompt, tokens: list[int], max_tokens: int, live_exact: int = 0) -> tuple[ReusePlan, Injection]:
-        """Plan what the request reuses and inject it (the caller holds the engine's lock);
+    def reuse(self, lane: "Lane", prompt, tokens: list[int], max_tokens: int,
+              live_exact: int = 0) -> tuple[ReusePlan, Injection]:
+        """Plan what the request reuses and inject it into ``lane`` (the caller holds it);
         ``live_exact``: leading live tokens with exact KV. The plan needs no prompt text."""
-        es = self.engine
-        plan = plan_reuse(None, tokens, max_tokens, store=es.store, adapter=es.adapter, config=self.config)
-        if es.injector is None:
+        es, adapter = self.engine, lane.adapter
+        plan = plan_reuse(None, tokens, max_tokens, store=es.store, adapter=adapter, config=self.config)
+        if lane.injector is None:
             return plan, Injection(None, plan.prompt)
-        live = live_prefix(es.adapter, tokens, live_exact)
+        live = live_prefix(adapter, tokens, live_exact)
         n = len(tokens)
-        stored = max((es.adapter.usable_prefix(min(source.match.matched_tokens, source.limit), n)
+        stored = max((adapter.usable_prefix(min(source.match.matched_tokens, source.limit), n)
                       for source in plan.sources if source.tokens == plan.prompt), default=0)
         if stored < MIN_SPAN:  # the injector injects nothing shorter
             stored = 0
         if live and live >= stored:
             return plan, Injection(None, tuple(tokens), live, live=True)
-        return plan, es.injector.carry_out(plan)
+        return plan, lane.injector.carry_out(plan)
 
-    def after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan, injected: Injection) -> int:
-        """Store the prompt's missing chunks (with its donor record when ``config.semantic``)
-        and feed the prefetcher; returns the fragments written. A context holding KV that is
-        not the prompt's own (a donor's, another engine's) stores nothing."""
+    def after_answer(self, lane: "Lane", prompt, tokens: list[int], out: list[int], plan: ReusePlan,
+                     injected: Injection) -> int:
+        """Store the prompt's missing chunks from ``lane`` (with its donor record when
+        ``config.semantic``) and feed the prefetcher; returns the fragments written. A context
+        holding KV that is not the prompt's own (a donor's, another engine's) stores nothing."""
         es = self.engine
         written = 0
         if es.store is not None and exact_context(injected):
             donor = prompt if es.config.semantic else None
-            written = storeback.store_new(es.store, es.adapter, tokens, es.config, donor, es.fragment_cache)
+            written = storeback.store_new(es.store, lane.adapter, tokens, es.config, donor, es.fragment_cache)
         if es.prefetcher is not None:
             es.prefetcher.after_answer(tokens, out)
         return written
@@ -90,25 +97,28 @@ class SemanticReuse:
     """
 
     mode = ReuseMode.SEMANTIC
+    first_lane = False
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.exact = ExactReuse(engine, self.mode)
 
-    def reuse(self, prompt, tokens: list[int], max_tokens: int, live_exact: int = 0) -> tuple[ReusePlan, Injection]:
-        """Plan with the semantic lookup and inject (the caller holds the engine's lock)."""
+    def reuse(self, lane: "Lane", prompt, tokens: list[int], max_tokens: int,
+              live_exact: int = 0) -> tuple[ReusePlan, Injection]:
+        """Plan with the semantic lookup and inject into ``lane`` (the caller holds it)."""
         es = self.engine
-        plan = plan_reuse(prompt, tokens, max_tokens, store=es.store, adapter=es.adapter, config=self.exact.config,
+        plan = plan_reuse(prompt, tokens, max_tokens, store=es.store, adapter=lane.adapter, config=self.exact.config,
                           semantic=es.semantic)
         for key in plan.stale_donors:
             es.semantic.forget(key)
-        if es.injector is None:
+        if lane.injector is None:
             return plan, Injection(None, plan.prompt)
-        return plan, es.injector.carry_out(plan)
+        return plan, lane.injector.carry_out(plan)
 
-    def after_answer(self, prompt, tokens: list[int], out: list[int], plan: ReusePlan, injected: Injection) -> int:
+    def after_answer(self, lane: "Lane", prompt, tokens: list[int], out: list[int], plan: ReusePlan,
+                     injected: Injection) -> int:
         """:meth:`ExactReuse.after_answer`, then the prompt's vector (``storeback.index_prompt``)."""
-        written = self.exact.after_answer(prompt, tokens, out, plan, injected)
+        written = self.exact.after_answer(lane, prompt, tokens, out, plan, injected)
         es = self.engine
         if es.store is not None and es.semantic is not None and exact_context(injected):
             storeback.index_prompt(es.semantic, es.store, es.namespace, prompt, tokens, plan.embedded, es.config)

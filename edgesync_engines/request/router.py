@@ -10,8 +10,8 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from edgesync_engines.adapters.compat import compatible_with
 from edgesync_engines.adapters.protocol import ContextOverflowError
@@ -19,6 +19,7 @@ from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import storeback
 from edgesync_engines.request.checks import check_chat_messages, check_sampling, check_text, shown
 from edgesync_engines.request.execute import Injection, Injector
+from edgesync_engines.request.lanes import Lane, Lanes
 from edgesync_engines.request.loading import (
     adapter_for,
     begin_page_check,
@@ -53,9 +54,11 @@ class EdgeSync:
             ``MaintenanceBackend`` has no store jobs, semantic lookup or documents.
         config: settings (default: :meth:`EdgeSyncConfig.load`).
 
-    Thread safety: one request at a time drives the engine (the adapter's lock, which a stream
-    holds until read to the end or closed; a call from the stream's own thread that would drive
-    the engine raises RuntimeError). Idle-time work holds the lock one batch at a time.
+    Thread safety: one request at a time drives each of the engine's sequences (its :class:`Lane`:
+    one, or ``config.slots``, whose steps the engine batches); a request waits for a free one, and
+    holds it until its stream is read to the end or closed. A call from the stream's own thread that
+    would drive the engine raises RuntimeError. Idle-time work runs while no request does, one
+    batch at a time.
 
     Raises TypeError (``model`` or ``store`` of no type above), onnx_export.ExportError
     (``engine == "onnx"`` and the GGUF has no sound export).
@@ -71,13 +74,14 @@ class EdgeSync:
         self.fragment_cache, self.prefetcher = (None, None) if self.store is None else ram_tiers(
             self.store, self.adapter, self.config)
         self.injector = None if self.store is None else Injector(self.store, self.adapter, self.fragment_cache)
+        self.lanes = Lanes([Lane(i, a, self.injector if a is self.adapter or self.store is None else
+                                 Injector(self.store, a, self.fragment_cache))
+                            for i, a in enumerate(self.adapter.slot_adapters())])
         warm_up(self.adapter, self.store)  # the first request's one-time work and a rehearsal, at load
         self.strategy = strategy_for(self.config.reuse, self)
         self._idle: IdleRunner | None = None
         self._library: DocumentLibrary | None = None
         self._made = threading.Lock()  # guards the two above, made at first use
-        self._live = (0, -1)  # (leading live tokens whose KV equals an uncached prefill's, kv_epoch)
-        self._driving: int | None = None  # the thread whose request holds the engine (between a stream's pieces)
         self.jobs = None if self.store is None or self.store.readonly else start_jobs(
             self.store, self._semantic_index, self.config)
 
@@ -147,8 +151,8 @@ class EdgeSync:
             raise ValueError("add_documents: needs a store and an engine whose KV can be cached "
                              f"({self.uncached_reason or 'store=False or EDGESYNC_CACHE=0'})")
         library = self.documents
-        with self._idle_paused(), self.adapter.lock:
-            self._live = (0, -1)  # documents are computed in the engine's sequence
+        with self._idle_paused(), self.lanes.taken(lane=self.lanes[0]) as lane:
+            lane.set_live(0)  # documents are computed in the first sequence
             return library.add_all(documents, progress)
 
     def list_documents(self) -> "list[DocumentRecord]":
@@ -254,39 +258,35 @@ class EdgeSync:
         yield ""  # input checked: errors above raise from generate() itself
         idle = self._idle
         t_wait, progress = time.perf_counter(), 0 if idle is None else idle.progress()
-        with self._engine_turn() as idle_busy:  # idle-time work stops during its current batch
-            self._check_open()  # a stream begun before close() and read after it
+        # idle-time work stops during its current batch
+        first = self.lanes[0] if strategy.first_lane else None
+        self._check_open()  # a stream begun before close() and read after it
+        # one lane: idle-time work stops for the request; several: only work on the lane it takes
+        pause = self._idle_paused() if len(self.lanes) == 1 else nullcontext(False)
+        with pause as idle_busy, self.lanes.taken(tokens, first) as lane:
+            self._check_open()  # closed while this request waited for a lane
             idle_wait_ms = (time.perf_counter() - t_wait) * 1000 if idle_busy else None
             idle_wait_tokens = idle.progress() - progress if idle_busy else 0
-            live_exact = self.take_live()
+            live_exact = lane.take_live()
             if self._idle is not None:
                 self._idle.count_wasted(tokens)
             # with idle-time storing, a request that extends the live sequence continues it
-            plan, injected = strategy.reuse(prompt, tokens, max_tokens, live_exact if self.config.idle_store else 0)
+            plan, injected = strategy.reuse(lane, prompt, tokens, max_tokens,
+                                            live_exact if self.config.idle_store else 0)
             out: list[int] = []
-            text, ttft_ms, finish = yield from decode(self.adapter, injected.tokens, injected.reused, sampling, stop,
+            text, ttft_ms, finish = yield from decode(lane.adapter, injected.tokens, injected.reused, sampling, stop,
                                                       out, t0, lambda: self._record_hits(injected))
-            written = strategy.after_answer(prompt, tokens, out, plan, injected)
+            written = strategy.after_answer(lane, prompt, tokens, out, plan, injected)
             exact = strategy.exact_context(injected)
-            self.set_live(len(tokens) - 1 if exact else 0)
+            lane.set_live(len(tokens) - 1 if exact else 0)
         result = GenerationResult.of(tokens, out, text, plan, injected, written, ttft_ms,
                                      (time.perf_counter() - t0) * 1000, self.uncached_reason)
         result.finish_reason, result.idle_wait_ms, result.idle_wait_tokens = finish, idle_wait_ms, idle_wait_tokens
+        result.slot = lane.index
         strategy.annotate(result)
         if exact and self.config.idle_store and not isinstance(prompt, str) and finish != "cancelled":
             self.prepare_later(list(prompt) + [{"role": "assistant", "content": result.text}])
         yield result
-
-    def take_live(self) -> int:
-        """The count of leading live tokens with exact KV (0 once the engine's sequence changed
-        otherwise), which the caller then owns (the count is reset; lock held)."""
-        live, epoch = self._live
-        self._live = (0, -1)
-        return live if epoch == self.adapter.kv_epoch else 0
-
-    def set_live(self, n: int) -> None:
-        """The engine's live sequence now holds ``n`` leading tokens of exact KV (lock held)."""
-        self._live = (n, self.adapter.kv_epoch)
 
     def prepare(self, prompt: "str | Sequence[dict]") -> "PrepareResult":
         """Store a prompt's KV without answering it (``IdleRunner.prepare``, whose errors it
@@ -335,9 +335,9 @@ class EdgeSync:
             raise RuntimeError("EdgeSync: the engine is closed")
 
     def _check_not_streaming(self) -> None:
-        """Refuse a call from the thread whose stream holds the (re-entrant) engine lock."""
+        """Refuse a call from a thread whose stream holds a lane."""
         self._check_open()
-        if self._driving == threading.get_ident():
+        if self.lanes.driven_by(threading.get_ident()):
             raise RuntimeError("EdgeSync: a stream of this thread still holds the engine: read it to the "
                                "end or close it before the next call")
 
@@ -346,21 +346,11 @@ class EdgeSync:
         idle = self._idle
         return nullcontext(False) if idle is None else idle.paused()
 
-    @contextmanager
-    def _engine_turn(self) -> Iterator[bool]:
-        """Hold the engine for one request (idle work paused, lock taken); yields whether idle work ran."""
-        with self._idle_paused() as idle_busy, self.adapter.lock:
-            self._driving = threading.get_ident()
-            try:
-                yield idle_busy
-            finally:
-                self._driving = None
-
     def close(self) -> None:
         """Stop idle-time work and the store jobs, empty the RAM tier, close the semantic index,
         and the engine and the store if opened here; waits for another thread's stream.
         RuntimeError: a stream of the calling thread still holds the engine."""
-        if self._driving == threading.get_ident():
+        if self.lanes.driven_by(threading.get_ident()):
             raise RuntimeError("EdgeSync: a stream of this thread still holds the engine: read it to the end or "
                                "close it before closing the engine")
         if self._idle is not None:
