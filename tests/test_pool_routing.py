@@ -97,51 +97,51 @@ def test_short_or_cross_kind_prefixes_do_not_count():
 
 
 class _Pool:
-    """A :class:`WorkerPool` of ``n`` slots whose request queues are plain queues: jobs are
+    """A :class:`WorkerPool` of ``n`` workers whose request queues are plain queues: jobs are
     routed and answered by hand."""
 
     def __init__(self, n: int) -> None:
         self.pool = WorkerPool({}, n)
-        for slot in self.pool._slots:
-            slot.requests = queue.Queue()
-        self.open: dict[int, tuple] = {}  # job id -> (slot, generator, first-message task)
-        self.rooms: list[tuple[int, int]] = []  # (slot index, tokens) of each room hint, in order
-        self.prepares: list[tuple[int, list]] = []  # (slot index, messages) of each prepare, in order
+        for worker in self.pool._workers:
+            worker.requests = queue.Queue()
+        self.open: dict[int, tuple] = {}  # job id -> (worker, generator, first-message task)
+        self.rooms: list[tuple[int, int]] = []  # (worker index, tokens) of each room hint, in order
+        self.prepares: list[tuple[int, list]] = []  # (worker index, messages) of each prepare, in order
 
     async def submit(self, prompt) -> int:
-        """Submit a job; returns the index of the slot it went to."""
+        """Submit a job; returns the index of the worker it went to."""
         gen = self.pool.submit({"prompt": prompt})
         task = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0)
         self.take_rooms()
-        for slot in self.pool._slots:
+        for worker in self.pool._workers:
             try:
-                job = slot.requests.get_nowait()
+                job = worker.requests.get_nowait()
             except queue.Empty:
                 continue
-            self.open[job["id"]] = (slot, gen, task)
-            return slot.index
+            self.open[job["id"]] = (worker, gen, task)
+            return worker.index
         raise AssertionError("the job went nowhere")
 
     def take_rooms(self) -> list[tuple[int, int]]:
-        """Move the room hints (and prepare messages, to :attr:`prepares`) waiting in the slots'
+        """Move the room hints (and prepare messages, to :attr:`prepares`) waiting in the workers'
         queues to :attr:`rooms`; returns the new room hints."""
         new = []
-        for slot in self.pool._slots:
-            while not slot.requests.empty() and slot.requests.queue[0].get("type") in ("room", "prepare"):
-                msg = slot.requests.get_nowait()
+        for worker in self.pool._workers:
+            while not worker.requests.empty() and worker.requests.queue[0].get("type") in ("room", "prepare"):
+                msg = worker.requests.get_nowait()
                 if msg["type"] == "room":
-                    new.append((slot.index, msg["tokens"]))
+                    new.append((worker.index, msg["tokens"]))
                 else:
-                    self.prepares.append((slot.index, msg["prompt"]))
+                    self.prepares.append((worker.index, msg["prompt"]))
         self.rooms += new
         return new
 
     async def finish(self, index: int, msg: dict) -> dict:
-        """Answer the oldest open job of slot ``index`` with ``msg`` (its type and fields)."""
-        job_id = min(j for j, (slot, _, _) in self.open.items() if slot.index == index)
-        slot, gen, task = self.open.pop(job_id)
-        self.pool._deliver(slot, {"id": job_id, **msg})
+        """Answer the oldest open job of worker ``index`` with ``msg`` (its type and fields)."""
+        job_id = min(j for j, (worker, _, _) in self.open.items() if worker.index == index)
+        worker, gen, task = self.open.pop(job_id)
+        self.pool._deliver(worker, {"id": job_id, **msg})
         got = await task
         await gen.aclose()
         return got
@@ -171,9 +171,9 @@ def test_the_pool_sends_each_conversation_back_to_its_worker():
         assert await p.submit(a3) == 1
         assert p.pool.routed_by_prefix() == 3  # worker 1 shares the system prompt
         await p.finish(0, {"type": "cancelled"})
-        assert p.pool._slots[0].context is None  # a cancelled job leaves nothing known live
+        assert p.pool._workers[0].context is None  # a cancelled job leaves nothing known live
         await p.finish(1, {"type": "error", "status": 500, "message": "engine failed"})
-        assert p.pool._slots[1].context is None
+        assert p.pool._workers[1].context is None
         assert p.pool.queued() == 0 and p.pool._prompts == {}
         assert p.pool.cancelled() == 1
 
@@ -189,11 +189,12 @@ def test_idle_counters_are_summed_over_workers_and_restarts():
         await p.finish(1, _done("y", {"jobs": 2, "tokens_prefilled": 50, "tokens_wasted": 5}))
         # a report between jobs (the idle-time job went on after the answer)
         with p.pool._lock:
-            p.pool._count_idle(p.pool._slots[0], {**dict.fromkeys(IDLE_FIELDS, 0), "jobs": 1, "tokens_prefilled": 164})
+            p.pool._count_idle(p.pool._workers[0],
+                               {**dict.fromkeys(IDLE_FIELDS, 0), "jobs": 1, "tokens_prefilled": 164})
         totals = p.pool.idle_totals()
         assert totals["jobs"] == 3 and totals["tokens_prefilled"] == 214 and totals["tokens_wasted"] == 5
         # a restarted worker counts from 0 again: nothing is lost or subtracted
-        p.pool._slots[1].idle = {}
+        p.pool._workers[1].idle = {}
         await p.submit("third prompt")
         await p.finish(0, _done("z", {"jobs": 1, "tokens_prefilled": 164}))  # the least loaded: worker 0
         await p.submit("fourth prompt")
@@ -231,15 +232,15 @@ def test_the_pool_routes_by_the_jobs_that_have_not_started():
         long_prompt, short = _turn("Summarise this: " + "words " * 600), _turn("Hi")
         assert await p.submit(long_prompt) == 0
         assert await p.submit(_turn("Tell me a story.")) == 1
-        slot0, slot1 = p.pool._slots
-        job1 = next(j for j, (slot, _, _) in p.open.items() if slot is slot1)
-        p.pool._deliver(slot1, {"id": job1, "type": "started"})  # worker 1 decodes; worker 0 prefills
-        assert job1 in slot1.started and not slot0.started
+        worker0, worker1 = p.pool._workers
+        job1 = next(j for j, (worker, _, _) in p.open.items() if worker is worker1)
+        p.pool._deliver(worker1, {"id": job1, "type": "started"})  # worker 1 decodes; worker 0 prefills
+        assert job1 in worker1.started and not worker0.started
         assert await p.submit(short) == 1
         await p.finish(0, _done("A summary."))
         assert (await p.finish(1, _done("Once upon a time.")))["type"] == "done"  # "started" was not passed on
         await p.finish(1, _done("Hello!"))
-        assert not slot0.started and not slot1.started and p.pool.queued() == 0
+        assert not worker0.started and not worker1.started and p.pool.queued() == 0
 
     asyncio.run(scenario())
 
@@ -249,13 +250,13 @@ def test_cancel_all_marks_every_outstanding_job_on_its_workers_board():
     each worker's board then holds its running and its queued jobs, and no other id."""
     async def scenario():
         p = _Pool(2)
-        for slot in p.pool._slots:
-            slot.cancel = CancelBoard(multiprocessing.get_context("spawn"))
+        for worker in p.pool._workers:
+            worker.cancel = CancelBoard(multiprocessing.get_context("spawn"))
         routed = [await p.submit(_turn(q)) for q in ("One?", "Two?", "Three?")]
         p.pool.cancel_all()
-        for job_id, (slot, _, _) in p.open.items():
-            assert slot.cancel.cancelled(job_id)
-            assert not any(other.cancel.cancelled(job_id) for other in p.pool._slots if other is not slot)
+        for job_id, (worker, _, _) in p.open.items():
+            assert worker.cancel.cancelled(job_id)
+            assert not any(other.cancel.cancelled(job_id) for other in p.pool._workers if other is not worker)
         assert sorted(routed) == [0, 0, 1] and len(p.open) == 3
         for index in routed:
             await p.finish(index, _done("-"))
@@ -285,8 +286,8 @@ def test_an_answer_tells_the_other_workers_to_make_room_for_its_conversation():
         d = await p.submit(_turn("Four?"))
         await p.finish(d, done(900, 50))
         assert p.take_rooms() == [(i, 950 + ROOM_MARGIN_TOKENS) for i in range(3) if i != d]
-        for slot in p.pool._slots:
-            slot.room = 0  # what a restart sets: the new process has heard nothing
+        for worker in p.pool._workers:
+            worker.room = 0  # what a restart sets: the new process has heard nothing
         e = await p.submit(_turn("Five?"))
         await p.finish(e, done(400, 10))
         assert p.take_rooms() == [(i, 410 + ROOM_MARGIN_TOKENS) for i in range(3) if i != e]
@@ -307,7 +308,7 @@ def test_a_conversation_still_being_stored_moves_to_another_worker_when_a_new_on
         assert await p.submit(b1) == 1
         await p.finish(0, _done("At ten.", pending=True))
         await p.finish(1, _done("Yes.", pending=True))
-        p.pool._deliver(p.pool._slots[1], {"type": "idle", "stats": {}, "pending": False})
+        p.pool._deliver(p.pool._workers[1], {"type": "idle", "stats": {}, "pending": False})
         assert await p.submit(_turn("Can I pay by card?")) == 0
         history = [*a1, {"role": "assistant", "content": "At ten."}]
         assert p.prepares == [(1, history)] and p.pool.handed_over() == 1
@@ -315,7 +316,7 @@ def test_a_conversation_still_being_stored_moves_to_another_worker_when_a_new_on
         assert await p.submit(a2) == 1
         await p.finish(0, _done("Yes, any card.", pending=False))
         await p.finish(1, _done("At nine.", pending=True))
-        p.pool._deliver(p.pool._slots[1], {"type": "idle", "stats": {}, "pending": False})
+        p.pool._deliver(p.pool._workers[1], {"type": "idle", "stats": {}, "pending": False})
         assert await p.submit(_turn("Is there parking?")) == 0  # worker 0 was given a job longest ago
         assert len(p.prepares) == 1 and p.pool.handed_over() == 1  # its work was done: nothing handed over
         await p.finish(0, _done("Yes."))

@@ -309,7 +309,9 @@ def test_a_stop_answers_what_outlasts_the_grace_with_503(tmp_path, grace):
     stop let the worker start it before its own request had noticed, and prefill it to the end),
     so the server exits 0 without being killed, and logs no traceback."""
     long_prompt = "10, 11, 12, 13, 14, 15, " * 60  # 1,440 tokens: seconds of prefill
-    with ServeProcess(tmp_path / "s", "--workers", "1", "--grace-seconds", grace, "--log-level", "INFO") as s:
+    # one slot: the whole answer waits in the worker's queue behind the stream
+    with ServeProcess(tmp_path / "s", "--workers", "1", "--slots", "1", "--grace-seconds", grace,
+                      "--log-level", "INFO") as s:
         events: list[str] = []
         started = threading.Event()
 

@@ -30,7 +30,8 @@ WAIT_S = 120.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     env = {"EDGESYNC_IDLE_STORE": ""}  # blank: the server's default
-    with ServeProcess(tmp_path_factory.mktemp("chat-store"), "--workers", "1", env=env) as s:
+    # one slot: what the worker's one live sequence holds is what these tests follow
+    with ServeProcess(tmp_path_factory.mktemp("chat-store"), "--workers", "1", "--slots", "1", env=env) as s:
         yield s
 
 
@@ -285,7 +286,7 @@ def test_a_request_that_waits_for_an_idle_batch_says_how_long(tmp_path):
     soon as the answer arrives waits in the worker's queue for the job's start or that batch,
     and the answer and ``/metrics`` report the wait (at most the request's whole queueing)."""
     env = {"EDGESYNC_IDLE_STORE": "1", "EDGESYNC_IDLE_BATCH": "512"}
-    with ServeProcess(tmp_path / "store", "--workers", "1", env=env) as s:
+    with ServeProcess(tmp_path / "store", "--workers", "1", "--slots", "1", env=env) as s:  # one sequence
         c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
         c.chat.completions.create(model="any", messages=STORY, max_tokens=LONG_ANSWER)
         other = c.chat.completions.create(model="any", messages=[{"role": "user", "content": "Say hello."}],

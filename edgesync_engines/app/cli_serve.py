@@ -1,8 +1,9 @@
 """``edgesync serve``: the OpenAI-compatible server (:mod:`edgesync_engines.server`).
 
 Default workers: one per 2 logical CPUs, 1 to 4, checked against memory and CPUs first
-(:mod:`~edgesync_engines.server.capacity`). llama.cpp workers share the CPU threads
-(:mod:`~edgesync_engines.server.core_share`); ONNX Runtime workers get ``CPUs // workers`` each.
+(:mod:`~edgesync_engines.server.capacity`); default slots per worker: :data:`SEQUENCES` // workers,
+at least 1, lowered to what fits memory. llama.cpp workers of one slot share the CPU threads
+(:mod:`~edgesync_engines.server.core_share`); otherwise each gets ``CPUs // workers``.
 Idle-time storing is on unless ``--no-idle-store`` or ``EDGESYNC_IDLE_STORE`` says otherwise.
 """
 
@@ -33,6 +34,10 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 UVICORN_GRACE_MARGIN_S = 1.0
 """Seconds uvicorn waits after ``--grace-seconds`` before cancelling, so the app answers those requests 503 itself."""
+
+
+SEQUENCES = 4
+"""Conversations a default server answers at once over all its workers (llama-server's default ``-np``)."""
 
 
 def default_workers(cpus: int | None = None) -> int:
@@ -66,6 +71,10 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free one)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help=f"engine processes (default {default_workers()} here: one per 2 CPUs, 1 to 4)")
+    p.add_argument("--slots", type=positive_int, default=None,
+                   help=f"conversations each worker answers at once in one llama.cpp context, their decode steps "
+                        f"batched, answers identical to each alone (default: $EDGESYNC_SLOTS, else {SEQUENCES} // "
+                        f"workers, at least 1, lowered to what fits memory)")
     p.add_argument("--model", default=None, help="model GGUF (default: the configured model)")
     p.add_argument("--store", default=None, help=STORE_ARG_HELP)
     p.add_argument("--api-key", default=os.environ.get("EDGESYNC_API_KEY") or None,
@@ -158,6 +167,25 @@ def worker_count(requested: int | None, model: Path, cfg) -> int:
         raise CommandError(str(exc)) from None
 
 
+def slot_count(requested: int | None, workers: int, model: Path, cfg) -> int:
+    """Slots per worker: ``--slots``, else ``EDGESYNC_SLOTS``, else :data:`SEQUENCES` // ``workers``
+    lowered until the workers fit memory (``server.capacity.check_slots``; CommandError when an
+    explicit count does not fit). 1 for the onnx engine."""
+    from edgesync_engines.server.capacity import WorkerCountError, available_memory, check_slots
+
+    if (os.environ.get("EDGESYNC_SLOTS") or "").strip() and requested is None:
+        requested = cfg.slots
+    if cfg.engine != "llamacpp":
+        if requested and requested > 1:
+            log.warning("--slots %d: the onnx engine answers one sequence at a time; 1 slot", requested)
+        return 1
+    try:
+        return check_slots(requested or max(1, SEQUENCES // workers), requested is not None, workers, model,
+                           cfg.n_ctx, cfg.kv_type, available_memory())
+    except WorkerCountError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
     start: exit ``128 + signal number``). Raises MissingExtraError (no ``server`` extra) or
@@ -179,13 +207,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"--max-tokens-limit {args.max_tokens_limit} leaves no room for a prompt in the "
                            f"context of {cfg.n_ctx} tokens")
     workers = worker_count(args.workers, model, cfg)
-    # llama.cpp sets its thread count per evaluation; ONNX Runtime's is fixed at load, so its
-    # workers split the CPUs once
-    shared = workers > 1 and cfg.engine == "llamacpp"
+    slots = slot_count(args.slots, workers, model, cfg)
+    # llama.cpp sets its thread count per evaluation; ONNX Runtime's is fixed at load, and a
+    # worker's slots run in threads of their own, so those workers split the CPUs once
+    shared = workers > 1 and cfg.engine == "llamacpp" and slots == 1
     threads = cfg.n_threads or (usable_cpus() if shared or workers == 1 else max(1, usable_cpus() // workers))
     stop = StopSignals().install()
     sock = listening_socket(args.host, args.port)
-    settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads}
+    settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads, "slots": slots}
     level = getattr(args, "log_level", "WARNING")
     pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None)
     try:
@@ -209,7 +238,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
         if stop.requested():  # a signal since the workers started: uvicorn starts and stops at once
             stop.server.should_exit = True
-        print(f"edgesync serve: listening on {describe(sock, cfg, model, workers, threads, shared)}",
+        print(f"edgesync serve: listening on {describe(sock, cfg, model, workers, threads, shared, slots)}",
               file=sys.stderr, flush=True)
         stop.server.run(sockets=[sock])
     finally:
@@ -237,12 +266,13 @@ def uvicorn_server(uvicorn, config):
     return Server(config)
 
 
-def describe(sock: socket.socket, cfg, model: Path, workers: int, threads: int, shared: bool) -> str:
-    """The "listening" line's end: the URL, the model, the workers, the cache."""
+def describe(sock: socket.socket, cfg, model: Path, workers: int, threads: int, shared: bool, slots: int = 1) -> str:
+    """The "listening" line's end: the URL, the model, the workers and their slots, the cache."""
     host, port = sock.getsockname()[:2]
     caching = (f"store {cfg.store_path}, idle-time storing {'on' if cfg.idle_store else 'off'}"
                if cfg.cache_enabled else "cache off (EDGESYNC_CACHE=0): nothing is stored or reused")
     thread_s = f"{threads} thread{'s' if threads > 1 else ''}"
     engines = (f"{workers} workers sharing {thread_s}" if shared
                else f"{workers} worker{'s' if workers > 1 else ''} x {thread_s}")
+    engines += f", {slots} slots each" if slots > 1 else ""
     return f"http://{host}:{port}/v1 (model {model.stem}, {engines}, {caching})"

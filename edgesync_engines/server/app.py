@@ -141,14 +141,15 @@ def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[],
     shutdown = _Shutdown(stopping or (lambda: False), settings.shutdown_grace_s, pool.cancel_all)
     metrics = ServerMetrics(settings.store, lambda: pool.n_workers, pool.restarts, pool.queued, pool.cancelled,
                             idle=pool.idle_totals, routed=pool.routed_by_prefix,
-                            handed_over=pool.handed_over)
+                            handed_over=pool.handed_over, slots=pool.n_slots)
     install_handlers(app)
     started = int(time.time())
     names = _ModelNames(settings.model_id)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": settings.model_id, "workers": pool.n_workers, "worker_pids": pool.pids()}
+        return {"status": "ok", "model": settings.model_id, "workers": pool.n_workers, "slots": pool.n_slots(),
+                "worker_pids": pool.pids()}
 
     @app.get("/v1/models")
     async def models() -> schemas.ModelList:

@@ -135,3 +135,29 @@ def check_workers(n_workers: int, explicit: bool, estimate: WorkerEstimate, n_ct
                     "(a request's prefill runs alone on all of them), so those beyond %d add memory, not "
                     "compute", n_workers, cpus, cpus)
     return n_workers
+
+
+def check_slots(slots: int, explicit: bool, n_workers: int, model: Path, n_ctx: int, kv_type: str,
+                available: int | None) -> int:
+    """Slots per worker (each a KV stream of ``n_ctx`` tokens): ``slots`` when ``n_workers``
+    workers of that many fit ``available`` bytes (None: unchecked); a default count is lowered to
+    what fits, at least 1.
+
+    Raises:
+        WorkerCountError: an explicit ``--slots`` above 1 that does not fit.
+    """
+    if available is None or slots == 1:
+        return slots
+    for n in range(slots, 0, -1):
+        estimate = worker_estimate(model, n_ctx * n, kv_type)
+        if n_workers * estimate.total <= available:
+            break
+        if explicit:
+            raise WorkerCountError(
+                f"--slots {slots}: {n_workers} worker{'s' if n_workers > 1 else ''} of {slots} slots need an "
+                f"estimated {size_text(n_workers * estimate.total)} (each: {estimate.describe(n_ctx * slots)}), "
+                f"and {size_text(available)} of memory is available")
+    if n < slots:
+        log.warning("%d slots per worker do not fit the %s of memory available: starting %d (--slots sets the "
+                    "count)", slots, size_text(available), n)
+    return n

@@ -47,14 +47,14 @@ class ServerMetrics:
 
     Args:
         store: the store directory (for ``store_bytes``).
-        workers, restarts, queued, cancelled, routed, handed_over: callables returning the pool's
-            counts; idle: -> ``WorkerPool.idle_totals()``.
+        workers, restarts, queued, cancelled, routed, handed_over, slots: callables returning the
+            pool's counts; idle: -> ``WorkerPool.idle_totals()``.
     """
 
     def __init__(self, store: Path, workers: Callable[[], int], restarts: Callable[[], int],
                  queued: Callable[[], int], cancelled: Callable[[], int],
                  idle: Callable[[], dict] = dict, routed: Callable[[], int] = int,
-                 handed_over: Callable[[], int] = int) -> None:
+                 handed_over: Callable[[], int] = int, slots: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("edgesync_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -69,6 +69,13 @@ class ServerMetrics:
         Gauge("edgesync_store_bytes", "bytes of the fragment store on disk", registry=r).set_function(
             lambda: store_disk_bytes(store))
         Gauge("edgesync_workers", "engine worker processes", registry=r).set_function(workers)
+        Gauge("edgesync_slots", "conversations the workers answer at once, in all", registry=r).set_function(
+            slots or workers)
+        self.slot_requests = Counter("edgesync_slot_requests", "answered requests by worker and slot",
+                                     ["worker", "slot"], registry=r)
+        self.slot_tokens = Counter("edgesync_slot_tokens", "tokens of answered requests by worker, slot and kind: "
+                                   "prompt, cached (of the prompt's), completion", ["worker", "slot", "kind"],
+                                   registry=r)
         Gauge("edgesync_queued_requests", "requests sent to a worker and not answered yet",
               registry=r).set_function(queued)
         r.register(_ReadCounters([
@@ -94,6 +101,11 @@ class ServerMetrics:
         self.cached_tokens.inc(result["tokens_reused"])
         self.completion_tokens.inc(result["completion_tokens"])
         self.hits.labels(result["hit"]).inc()
+        where = (str(result.get("worker", 0)), str(result.get("slot", 0)))
+        self.slot_requests.labels(*where).inc()
+        for kind, field in (("prompt", "prompt_tokens"), ("cached", "tokens_reused"),
+                            ("completion", "completion_tokens")):
+            self.slot_tokens.labels(*where, kind).inc(result[field])
         self.ttft.observe(max(0.0, ttft_s))
         if result.get("live_tokens", 0) > 0:
             self.live_prefix.inc()

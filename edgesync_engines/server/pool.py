@@ -37,7 +37,7 @@ class PoolStartError(RuntimeError):
 
 
 @dataclass
-class _Slot:
+class _Worker:
     """One worker position: its current process and queues, and its outstanding job ids."""
 
     index: int
@@ -50,9 +50,14 @@ class _Slot:
     jobs: set = field(default_factory=set)
     started: set = field(default_factory=set)
     """Ids of its outstanding jobs that have sent a message (prefill over)."""
-    last_used: int = 0  # the pool's job count when this slot was last given a job
+    last_used: int = 0  # the pool's job count when this worker was last given a job
     context: str | None = None
     """Canonical text the worker holds live (``routing.context_text``), or None."""
+    slots: int = 1
+    """Conversations its engine answers at once (its ``ready`` message says)."""
+    contexts: list = field(default_factory=list)
+    """With several slots: the canonical texts of the conversations it answered last, newest last
+    (as many as its slots; its engine places each request in the slot holding it)."""
     history: list | None = None
     """Chat messages of that conversation with the answer (None: a text prompt, or none)."""
     storing: bool = False
@@ -84,7 +89,7 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
         self.cores = CoreShare(self._ctx, n_workers, shared_threads) if shared_threads and n_workers > 1 else None
-        self._slots = [_Slot(i) for i in range(n_workers)]
+        self._workers = [_Worker(i) for i in range(n_workers)]
         self._listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -100,7 +105,11 @@ class WorkerPool:
     @property
     def n_workers(self) -> int:
         """Worker processes."""
-        return len(self._slots)
+        return len(self._workers)
+
+    def n_slots(self) -> int:
+        """Conversations the workers answer at once, in all."""
+        return sum(worker.slots for worker in self._workers)
 
     def start(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
         """Start every worker and wait until each has loaded its engine; on any early end
@@ -109,62 +118,62 @@ class WorkerPool:
         Raises PoolStartError when a worker cannot load its engine, times out, or on ``should_stop``.
         """
         try:
-            for slot in self._slots:
-                self._spawn(slot)
-            for slot in self._slots:
-                self._await_ready(slot, should_stop)
+            for worker in self._workers:
+                self._spawn(worker)
+            for worker in self._workers:
+                self._await_ready(worker, should_stop)
         except BaseException:
             self.close()
             raise
-        for slot in self._slots:
-            thread = threading.Thread(target=self._read, args=(slot,), name=f"edgesync-worker-{slot.index}",
+        for worker in self._workers:
+            thread = threading.Thread(target=self._read, args=(worker,), name=f"edgesync-worker-{worker.index}",
                                       daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
 
-    def _spawn(self, slot: _Slot) -> None:
-        """A new process for ``slot``, with new queues, started with SIGINT and SIGTERM blocked."""
-        slot.requests, slot.responses = self._ctx.Queue(), self._ctx.Queue()
-        slot.cancel = CancelBoard(self._ctx)
+    def _spawn(self, worker: _Worker) -> None:
+        """A new process for ``worker``, with new queues, started with SIGINT and SIGTERM blocked."""
+        worker.requests, worker.responses = self._ctx.Queue(), self._ctx.Queue()
+        worker.cancel = CancelBoard(self._ctx)
         if self.cores is not None:  # a dead process's marks would stop the others
-            self.cores.release(slot.index)
+            self.cores.release(worker.index)
         process = self._ctx.Process(
-            target=worker_main, name=f"edgesync-worker-{slot.index}", daemon=True,
-            args=(slot.index, self.settings, slot.requests, slot.responses, slot.cancel, self.log_level,
+            target=worker_main, name=f"edgesync-worker-{worker.index}", daemon=True,
+            args=(worker.index, self.settings, worker.requests, worker.responses, worker.cancel, self.log_level,
                   self.cores))
         with stop_signals_blocked():
             process.start()
-        slot.process = process  # started: close() joins only started processes
+        worker.process = process  # started: close() joins only started processes
 
-    def _await_ready(self, slot: _Slot, should_stop: Callable[[], bool] | None = None) -> None:
-        """Block until ``slot``'s worker says ready (PoolStartError on fatal, death, timeout, or ``should_stop``)."""
+    def _await_ready(self, worker: _Worker, should_stop: Callable[[], bool] | None = None) -> None:
+        """Block until ``worker``'s worker says ready (PoolStartError on fatal, death, timeout, or ``should_stop``)."""
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if should_stop is not None and should_stop():
                 raise PoolStartError("the start was stopped before every worker had loaded its engine")
             try:
-                msg = slot.responses.get(timeout=0.5)
+                msg = worker.responses.get(timeout=0.5)
             except queue.Empty:
-                if not slot.process.is_alive():
-                    raise PoolStartError(f"worker {slot.index} exited with status {slot.process.exitcode} "
+                if not worker.process.is_alive():
+                    raise PoolStartError(f"worker {worker.index} exited with status {worker.process.exitcode} "
                                          "before its engine was loaded") from None
                 continue
             if msg.get("type") == "fatal":
-                raise PoolStartError(f"worker {slot.index} cannot load the engine: {msg['message']}")
+                raise PoolStartError(f"worker {worker.index} cannot load the engine: {msg['message']}")
             if msg.get("type") == "ready":
-                slot.pid = msg["pid"]
-                log.info("worker %d ready (pid %d)", slot.index, slot.pid)
+                worker.pid, worker.slots = msg["pid"], int(msg.get("slots", 1))
+                log.info("worker %d ready (pid %d)", worker.index, worker.pid)
                 return
-        raise PoolStartError(f"worker {slot.index} did not load its engine within {self.start_timeout_s:.0f} s")
+        raise PoolStartError(f"worker {worker.index} did not load its engine within {self.start_timeout_s:.0f} s")
 
     def pids(self) -> list[int | None]:
         """The current process id of each worker (None while one is starting)."""
-        return [slot.pid for slot in self._slots]
+        return [worker.pid for worker in self._workers]
 
     def restarts(self) -> int:
         """Worker processes restarted since :meth:`start`."""
-        return sum(slot.restarts for slot in self._slots)
+        return sum(worker.restarts for worker in self._workers)
 
     def cancelled(self) -> int:
         """Jobs a worker stopped early because their client went away (or on shutdown)."""
@@ -186,7 +195,7 @@ class WorkerPool:
     def queued(self) -> int:
         """Jobs submitted and not yet answered, over all workers."""
         with self._lock:
-            return sum(len(slot.jobs) for slot in self._slots)
+            return sum(len(worker.jobs) for worker in self._workers)
 
     async def submit(self, job: dict) -> AsyncIterator[dict]:
         """Send ``job`` (a dict without ``id``) to a worker; yields its messages up to the final one.
@@ -197,11 +206,11 @@ class WorkerPool:
             if self._closing:
                 raise RuntimeError("the server is shutting down")
             job_id = next(self._ids)
-            slot = self._route(job["prompt"])
-            slot.jobs.add(job_id)
+            worker = self._route(job["prompt"])
+            worker.jobs.add(job_id)
             self._prompts[job_id] = job["prompt"]
             self._listeners[job_id] = (loop, inbox)
-            slot.requests.put({**job, "id": job_id})
+            worker.requests.put({**job, "id": job_id})
         finished = False
         try:
             while True:
@@ -213,39 +222,41 @@ class WorkerPool:
         finally:
             with self._lock:
                 self._listeners.pop(job_id, None)
-                if not finished and job_id in slot.jobs:
-                    slot.cancel.cancel(job_id)
+                if not finished and job_id in worker.jobs:
+                    worker.cancel.cancel(job_id)
 
     def first_piece_sent(self, job_id: int) -> None:
         """Tell the worker of ``job_id`` that its first streamed piece reached the client."""
         with self._lock:
-            for slot in self._slots:
-                if job_id in slot.jobs:
-                    slot.cancel.first_piece_sent(job_id)
+            for worker in self._workers:
+                if job_id in worker.jobs:
+                    worker.cancel.first_piece_sent(job_id)
                     return
 
-    def _route(self, prompt) -> _Slot:
-        """The slot for a job of ``prompt`` (lock held; see :mod:`.routing`)."""
-        slots = self._slots
-        text = prompt_text(prompt) if len(slots) > 1 else ""
-        scores = [prefix_score(text, s.context) if text else 0 for s in slots]
+    def _route(self, prompt) -> _Worker:
+        """The worker for a job of ``prompt`` (lock held; see :mod:`.routing`)."""
+        workers = self._workers
+        text = prompt_text(prompt) if len(workers) > 1 else ""
+        scores = [max((prefix_score(text, c) for c in (s.contexts if s.slots > 1 else [s.context])), default=0)
+                  if text else 0 for s in workers]
         unstarted = [sum(len(prompt_text(self._prompts[j])) for j in s.jobs - s.started if j in self._prompts)
-                     if text else 0 for s in slots]
-        index, by_prefix = choose_worker([len(s.jobs) for s in slots], scores, [s.last_used for s in slots],
-                                         unstarted)
+                     if text else 0 for s in workers]
+        # a worker with a free slot counts as idle
+        index, by_prefix = choose_worker([len(s.jobs) // s.slots for s in workers], scores,
+                                         [s.last_used for s in workers], unstarted)
         self._routed_by_prefix += by_prefix
         self._assigned += 1
-        chosen = slots[index]
+        chosen = workers[index]
         chosen.last_used = self._assigned
-        if text and chosen.context is not None and not text.startswith(chosen.context):
+        if chosen.slots == 1 and text and chosen.context is not None and not text.startswith(chosen.context):
             self._hand_over(chosen)  # the job does not continue the conversation the worker holds
         return chosen
 
-    def _hand_over(self, left: _Slot) -> None:
+    def _hand_over(self, left: _Worker) -> None:
         """``left`` got another conversation's job (lock held): another worker ``prepare``s its old one."""
         history, context = left.history, left.context
         left.context, left.history = None, None
-        others = [s for s in self._slots if s is not left and s.requests is not None]
+        others = [s for s in self._workers if s is not left and s.requests is not None]
         if not (left.storing and history and others) or any(s.context == context for s in others):
             return
         taker = min(others, key=lambda s: (len(s.jobs), s.storing, s.last_used, s.index))
@@ -254,53 +265,58 @@ class WorkerPool:
         self._handed_over += 1
         log.debug("worker %d took over the conversation worker %d was storing", taker.index, left.index)
 
-    def _ended(self, slot: _Slot, msg: dict) -> None:
+    def _ended(self, worker: _Worker, msg: dict) -> None:
         """Bookkeeping of a job's final message (lock held): live context and idle counters."""
         kind, prompt = msg.get("type"), self._prompts.pop(msg.get("id"), None)
         result = msg.get("result") or {}
         if kind == "done":
             if msg.get("finish_reason") != "cancelled" and prompt is not None:
-                slot.context = context_text(prompt, msg.get("text", ""))
-                slot.history = None if isinstance(prompt, str) else [
+                worker.context = context_text(prompt, msg.get("text", ""))
+                if worker.slots > 1:  # the conversation it continues is no longer held apart
+                    kept = [c for c in worker.contexts if not worker.context.startswith(c)]
+                    worker.contexts = (kept + [worker.context])[-worker.slots:]
+                worker.history = None if isinstance(prompt, str) else [
                     *prompt, {"role": "assistant", "content": msg.get("text", "")}]
-                self._hint_room(slot, int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)))
+                self._hint_room(worker, int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)))
             else:
-                slot.context, slot.history = None, None
-            slot.storing = bool(result.get("idle_pending"))
-            self._count_idle(slot, result.get("idle"))
+                worker.context, worker.history = None, None
+            worker.storing = bool(result.get("idle_pending"))
+            self._count_idle(worker, result.get("idle"))
         elif kind == "cancelled" or msg.get("status", 500) >= 500:
-            slot.context, slot.history = None, None  # the live sequence now holds another prompt, or is unknown
+            worker.context, worker.history = None, None  # the live sequence now holds another prompt, or is unknown
 
-    def _hint_room(self, answered: _Slot, n_tokens: int) -> None:
+    def _hint_room(self, answered: _Worker, n_tokens: int) -> None:
         """Send a ``room`` hint of ``n_tokens`` + margin to every other worker that heard of less (lock held)."""
         tokens = n_tokens + ROOM_MARGIN_TOKENS
-        for slot in self._slots:
-            if slot is not answered and slot.room < tokens and slot.requests is not None:
-                slot.requests.put({"type": "room", "tokens": tokens})
-                slot.room = tokens
+        for worker in self._workers:
+            if worker is not answered and worker.room < tokens and worker.requests is not None:
+                worker.requests.put({"type": "room", "tokens": tokens})
+                worker.room = tokens
 
-    def _count_idle(self, slot: _Slot, stats: dict | None) -> None:
+    def _count_idle(self, worker: _Worker, stats: dict | None) -> None:
         """Add what a worker's cumulative idle-time counters grew by since its last report (lock held)."""
         if not stats:
             return
         for name in IDLE_FIELDS:
             value = int(stats.get(name, 0))
-            self._idle_totals[name] += max(0, value - slot.idle.get(name, 0))
-        slot.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
+            self._idle_totals[name] += max(0, value - worker.idle.get(name, 0))
+        worker.idle = {name: int(stats.get(name, 0)) for name in IDLE_FIELDS}
 
-    def _deliver(self, slot: _Slot, msg: dict) -> None:
+    def _deliver(self, worker: _Worker, msg: dict) -> None:
         """Hand a worker's message to its job's queue (dropped when nobody listens)."""
         with self._lock:
             if msg.get("type") == "idle":
-                self._count_idle(slot, msg.get("stats"))
-                slot.storing = bool(msg.get("pending"))
+                self._count_idle(worker, msg.get("stats"))
+                worker.storing = bool(msg.get("pending"))
                 return
+            if msg.get("type") == "done":
+                msg["result"]["worker"] = worker.index  # for the metrics per slot
             if msg.get("type") in FINAL_TYPES:
-                slot.jobs.discard(msg.get("id"))
-                slot.started.discard(msg.get("id"))
-                self._ended(slot, msg)
-            elif msg.get("id") in slot.jobs:
-                slot.started.add(msg.get("id"))
+                worker.jobs.discard(msg.get("id"))
+                worker.started.discard(msg.get("id"))
+                self._ended(worker, msg)
+            elif msg.get("id") in worker.jobs:
+                worker.started.add(msg.get("id"))
             if msg.get("type") == "started":  # the pool's own bookkeeping: nobody listens for it
                 return
             if msg.get("type") == "cancelled":
@@ -310,43 +326,43 @@ class WorkerPool:
             loop, inbox = target
             loop.call_soon_threadsafe(inbox.put_nowait, msg)
 
-    def _read(self, slot: _Slot) -> None:
-        """The reader thread of one slot: deliver messages, restart the worker when it dies."""
+    def _read(self, worker: _Worker) -> None:
+        """The reader thread of one worker: deliver messages, restart the worker when it dies."""
         while True:
             try:
-                msg = slot.responses.get(timeout=0.2)
+                msg = worker.responses.get(timeout=0.2)
             except (queue.Empty, EOFError, OSError):
                 if self._closing:
                     return
-                if not slot.process.is_alive():
-                    self._restart(slot)
+                if not worker.process.is_alive():
+                    self._restart(worker)
                 continue
             if msg.get("type") in ("ready", "fatal"):
                 continue
-            self._deliver(slot, msg)
+            self._deliver(worker, msg)
 
-    def _restart(self, slot: _Slot) -> None:
-        """Fail ``slot``'s outstanding jobs and start a new process in its place."""
-        code = slot.process.exitcode
+    def _restart(self, worker: _Worker) -> None:
+        """Fail ``worker``'s outstanding jobs and start a new process in its place."""
+        code = worker.process.exitcode
         with self._lock:
             # one critical section: a job submitted now goes to the new queue, never the dead one's
-            lost = sorted(slot.jobs)
-            slot.jobs.clear()
-            slot.started.clear()
-            slot.pid = None
+            lost = sorted(worker.jobs)
+            worker.jobs.clear()
+            worker.started.clear()
+            worker.pid = None
             # a new process: nothing live, counters from 0
-            slot.context, slot.history, slot.storing, slot.idle, slot.room = None, None, False, {}, 0
-            slot.restarts += 1
-            self._spawn(slot)
-        log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", slot.index, code,
+            worker.context, worker.history, worker.storing, worker.idle, worker.room = None, None, False, {}, 0
+            worker.restarts += 1
+            self._spawn(worker)
+        log.error("worker %d (exit status %s) died with %d jobs outstanding; restarted it", worker.index, code,
                   len(lost))
         for job_id in lost:
-            self._deliver(slot, {"id": job_id, "type": "error", "status": 500, "err_type": "server_error",
+            self._deliver(worker, {"id": job_id, "type": "error", "status": 500, "err_type": "server_error",
                                  "code": "worker_died", "param": None,
                                  "message": f"the worker serving this request died (exit status {code}); "
                                             "it was restarted, retry the request"})
         try:
-            self._await_ready(slot, should_stop=lambda: self._closing)
+            self._await_ready(worker, should_stop=lambda: self._closing)
         except PoolStartError as exc:
             if not self._closing:  # else close() stopped it
                 log.error("%s", exc)
@@ -354,38 +370,38 @@ class WorkerPool:
     def cancel_all(self) -> None:
         """Cancel every outstanding job (the running one stops at its next token)."""
         with self._lock:
-            for slot in self._slots:
-                if slot.cancel is not None:
-                    for job_id in slot.jobs:
-                        slot.cancel.cancel(job_id)
+            for worker in self._workers:
+                if worker.cancel is not None:
+                    for job_id in worker.jobs:
+                        worker.cancel.cancel(job_id)
 
     def skip_drain(self) -> None:
         """Tell every stopping worker to leave its queued idle-time work."""
-        for slot in self._slots:
-            if slot.cancel is not None:
-                slot.cancel.skip_drain()
+        for worker in self._workers:
+            if worker.cancel is not None:
+                worker.cancel.skip_drain()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop every worker: a ready one gets a stop message and ``timeout_s`` seconds before it is
         killed; one still loading its engine is killed at once (it has stored nothing)."""
         with self._lock:
             self._closing = True
-        for slot in self._slots:
-            if slot.process is None or not slot.process.is_alive():
+        for worker in self._workers:
+            if worker.process is None or not worker.process.is_alive():
                 continue
-            if slot.pid is None:
-                log.info("worker %d is still loading its engine; killing it", slot.index)
-                slot.process.kill()
+            if worker.pid is None:
+                log.info("worker %d is still loading its engine; killing it", worker.index)
+                worker.process.kill()
             else:
-                slot.requests.put(None)
+                worker.requests.put(None)
         deadline = time.monotonic() + timeout_s
-        for slot in self._slots:
-            if slot.process is None:
+        for worker in self._workers:
+            if worker.process is None:
                 continue
-            slot.process.join(max(0.0, deadline - time.monotonic()))
-            if slot.process.is_alive():
-                log.warning("worker %d did not stop in %.0f s; killing it", slot.index, timeout_s)
-                slot.process.kill()
-                slot.process.join(5)
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.warning("worker %d did not stop in %.0f s; killing it", worker.index, timeout_s)
+                worker.process.kill()
+                worker.process.join(5)
         for thread in self._threads:
             thread.join(1)

@@ -1,7 +1,8 @@
 """One engine in one process: the loop a worker of :class:`~.pool.WorkerPool` runs. Each worker owns
-one :class:`EdgeSync` (llama.cpp contexts are not thread-safe); only plain dicts cross the process
-boundary (fields: :mod:`.pool`). Workers ignore SIGINT and SIGTERM (the server stops them) and stop
-by themselves when their server is gone (:mod:`.parent_watch`).
+one :class:`EdgeSync` and answers one job at a time (:func:`serve_jobs`), or one per slot on threads
+of their own (:func:`serve_slots`); only plain dicts cross the process boundary (fields:
+:mod:`.pool`). Workers ignore SIGINT and SIGTERM (the server stops them) and stop by themselves
+when their server is gone (:mod:`.parent_watch`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -21,7 +23,7 @@ from edgesync_engines.server.parent_watch import ParentWatch
 log = logging.getLogger(__name__)
 
 RESULT_FIELDS = ("hit", "prompt_tokens", "tokens_reused", "tokens_prefilled", "ttft_ms", "total_ms",
-                 "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms")
+                 "approximate", "convertible", "similarity", "uncached_reason", "live_tokens", "idle_wait_ms", "slot")
 """The :class:`GenerationResult` fields a ``done`` message carries."""
 STOP_DRAIN_S = 20.0
 """Seconds a stopping worker may spend on queued idle-time work (the pool waits 30 s)."""
@@ -114,8 +116,11 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
     try:
         share_engine(engine, requests, cores, watch, index)
         watch.serving()  # before ready: the pool's thread that started this process waits for it
-        responses.put({"type": "ready", "worker": index, "pid": os.getpid()})
-        serve_jobs(engine, config, index, requests, responses, cancel, cores, watch)
+        responses.put({"type": "ready", "worker": index, "pid": os.getpid(), "slots": len(engine.lanes)})
+        if len(engine.lanes) > 1:
+            serve_slots(engine, config, index, requests, responses, cancel, watch)
+        else:
+            serve_jobs(engine, config, index, requests, responses, cancel, cores, watch)
     finally:
         engine.close()
         log.info("worker %d: engine and store closed", index)
@@ -199,6 +204,68 @@ def serve_jobs(engine, config, index: int, requests, responses, cancel: CancelBo
             if idle_wait_s > 0:  # idle-time work ended after the request came: it waited in the queue
                 final["result"]["idle_wait_ms"] = idle_wait_s * 1000
         responses.put(final)
+    log.info("worker %d: the server process %d is gone; closing the engine", index, watch.parent_pid)
+
+
+def serve_slots(engine, config, index: int, requests, responses, cancel: CancelBoard, watch: ParentWatch) -> None:
+    """The loop of a worker whose engine has several slots (``--slots``): until a None arrives or
+    the server is gone, start each job of ``requests`` on a thread of its own when a slot is free
+    (the queue waits meanwhile; the engine's step loop batches the jobs' evaluations), and run
+    idle-time work on the free slots meanwhile. On a None: wait for the jobs running, then
+    :func:`drain`."""
+    free = threading.Semaphore(len(engine.lanes))
+    running: set[threading.Thread] = set()
+    guard = threading.Lock()
+
+    def answer(job: dict) -> None:
+        try:
+            if cancel.cancelled(job["id"]):  # its client is gone, or the server stopped waiting for it
+                responses.put({"id": job["id"], "type": "cancelled"})
+                return
+            final = serve_one(engine, config, job, cancel, responses.put)
+            if final["type"] == "done":
+                idle_wait_s = engine.idle.work_ended_at - job.get("submitted_at", engine.idle.work_ended_at)
+                if idle_wait_s > 0:  # idle-time work ended after the request came: it waited in the queue
+                    final["result"]["idle_wait_ms"] = idle_wait_s * 1000
+            responses.put(final)
+        finally:
+            with guard:
+                running.discard(threading.current_thread())
+            free.release()
+
+    # idle-time work runs beside the jobs, on a free slot, until a job waits in the queue
+    engine.idle.busy = lambda: not requests.empty() or watch.gone
+    reported = idle_counters(engine)
+    while not watch.gone:
+        idle_done = run_idle(engine, None)
+        now = idle_counters(engine)
+        if now != reported:
+            responses.put({"type": "idle", "worker": index, "stats": now, "pending": engine.idle.has_work})
+            reported = now
+        try:
+            job = requests.get(timeout=0.5 if idle_done else 0.01)
+        except queue.Empty:
+            continue
+        if job is None:
+            for thread in list(running):
+                thread.join()
+            drain(engine, cancel, watch, index)
+            return
+        if job.get("type") == "room":  # a hint for one engine sequence: each slot makes its own room
+            continue
+        if job.get("type") == "prepare":
+            try:
+                engine.prepare_later(job["prompt"])
+            except ValueError as exc:
+                log.warning("worker %d: a conversation handed over was refused: %s", index, exc)
+            continue
+        while not free.acquire(timeout=0.5):
+            if watch.gone:
+                return
+        thread = threading.Thread(target=answer, args=(job,), name=f"edgesync-slot-job-{job['id']}", daemon=True)
+        with guard:
+            running.add(thread)
+        thread.start()
     log.info("worker %d: the server process %d is gone; closing the engine", index, watch.parent_pid)
 
 
