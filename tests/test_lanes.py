@@ -86,22 +86,24 @@ def test_a_request_waits_while_every_lane_answers_another():
     assert order[-1] == "c"
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """An uncached reference and an ``EdgeSync`` of two slots on a real store (its config, store)."""
+    from edgesync_engines.config import EdgeSyncConfig
+    from edgesync_engines.request.router import EdgeSync
+
+    cfg = dict(n_ctx=1024, n_threads=2, max_tokens=32)
+    reference = EdgeSync(store=False, config=EdgeSyncConfig(**cfg))
+    store = tmp_path_factory.mktemp("slots-store")
+    slots = EdgeSync(config=EdgeSyncConfig(**cfg, slots=2, store_path=store, idle_store=True, jobs=False))
+    yield reference, slots, store, cfg
+    slots.close()
+    reference.close()
+
+
 @pytest.mark.model
 class TestSlotsOfOneEngine:
     """``EdgeSync`` with two slots on the real model and a real store."""
-
-    @pytest.fixture(scope="class")
-    def engines(self, tmp_path_factory):
-        from edgesync_engines.config import EdgeSyncConfig
-        from edgesync_engines.request.router import EdgeSync
-
-        cfg = dict(n_ctx=1024, n_threads=2, max_tokens=32)
-        reference = EdgeSync(store=False, config=EdgeSyncConfig(**cfg))
-        store = tmp_path_factory.mktemp("slots-store")
-        slots = EdgeSync(config=EdgeSyncConfig(**cfg, slots=2, store_path=store, idle_store=True, jobs=False))
-        yield reference, slots, store, cfg
-        slots.close()
-        reference.close()
 
     def conversations(self, system_prompts):
         return [[{"role": "system", "content": system_prompts[i]}, {"role": "user", "content": q}]

@@ -211,3 +211,30 @@ def test_a_slots_state_is_one_stream_of_several_and_round_trips(engine, alone, s
     parts = seqstate.parse_parts(bytes(buf))
     assert [p.n_stream for p in parts] == [3] and parts[0].pos.tolist() == list(range(len(tokens)))
     assert bytes(serialize_parts(parts, seq_id=2, stream=2)) == bytes(buf)
+
+
+def test_a_gap_between_answering_slots_is_filled_and_the_idle_slot_keeps_its_kv(engine, alone, system_prompts):
+    """Slots 0 and 2 answer while slot 1 holds a prompt: the step fills slot 1's id with a
+    throw-away row (so llama.cpp keeps both rows in one micro-batch) and removes it. Both answers
+    equal their uncached ones, and slot 1 then continues its prompt to the uncached answer."""
+    prompts = [chat(alone, system_prompts[i], q) for i, q in
+               enumerate(("Describe a forest.", "What is a verb?", "How do tides work?"))]
+    expected = [list(alone.generate(p, 0, 24)) for p in prompts]
+    alone.clear_kv_cache()
+    slots = engine.adapters
+    slots[1].extend(prompts[1], 0, len(prompts[1]) - 1)  # the batch an uncached prefill evaluates
+    held = slots[1].live_tokens()
+    got: dict[int, list[int]] = {}
+
+    def answer(i: int) -> None:
+        with slots[i].lock:
+            got[i] = list(slots[i].generate(prompts[i], 0, 24))
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {0: expected[0], 2: expected[2]}
+    assert slots[1].live_tokens() == held
+    assert list(slots[1].generate(prompts[1], len(prompts[1]) - 1, 24)) == expected[1]

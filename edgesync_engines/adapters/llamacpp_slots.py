@@ -10,6 +10,7 @@ one unified buffer the other sequences' cells change the attention's sums (docs/
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from typing import Callable, ContextManager, Iterator, Sequence
 import llama_cpp
 import numpy as np
 
+from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.kv_layout import turn_batches
 from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, ROW_PROBE_TEXT, LlamaCppAdapter
 from edgesync_engines.adapters.protocol import ContextOverflowError, EngineAdapter, EvaluationAborted
@@ -70,8 +72,9 @@ class SlotEngine:
                         "decoded on its own (exact, but slower)", self.owner.model_path.name)
         self.loop = StepLoop(llama_cpp, llm.ctx, max(int(llm.n_batch), slots), self.exact_rows)
         self.state_buf = None
-        """The seq-state buffer injections build in (uint8), one for every slot: a slot's
-        ``llama_state_seq_set_data`` copies it into the slot's KV stream."""
+        """The seq-state buffer (uint8) every slot's injections build in and reads land in, one
+        slot at a time (``buffer_lock``): ``llama_state_seq_set_data`` copies it into the slot's
+        KV stream, and a read is cut into fragments (copies) before the next."""
         self.buffer_lock = threading.Lock()
         self.adapters = [SlotAdapter(self, seq) for seq in range(slots)]
         self._closed = False
@@ -178,9 +181,23 @@ class SlotAdapter(LlamaCppAdapter):
             self._llama_cpp.llama_memory_seq_rm(self._mem, self.seq, n, -1)
         self._n = min(self._n, n)
 
-    def _get_state(self, flags: int = 0) -> bytes:
-        with self.engine.loop.ctx_lock:
-            return super()._get_state(flags)
+    def _get_state(self, flags: int = 0) -> memoryview:
+        """The sequence's state, read into the engine's one buffer (the caller holds its
+        ``buffer_lock`` while it uses the view: :meth:`_span_kv`)."""
+        c, engine = self._llama_cpp, self.engine
+        with engine.loop.ctx_lock:
+            size = c.llama_state_seq_get_size_ext(self._ctx, self.seq, flags)
+            if engine.state_buf is None or len(engine.state_buf) < size:
+                engine.state_buf = np.empty(size, np.uint8)
+            dst = (ctypes.c_uint8 * size).from_buffer(engine.state_buf)
+            written = c.llama_state_seq_get_data_ext(self._ctx, dst, size, self.seq, flags)
+        if written != size:
+            raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return memoryview(engine.state_buf)[:size]
+
+    def _span_kv(self, spans, layers, head_start: int, head_end: int):
+        with self.engine.buffer_lock:  # one slot at a time reads its state into the shared buffer
+            return super()._span_kv(spans, layers, head_start, head_end)
 
     def _set_state(self, buf: np.ndarray, size: int) -> int:
         with self.engine.loop.ctx_lock:

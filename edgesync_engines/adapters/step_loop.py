@@ -99,6 +99,8 @@ class StepLoop:
         self._c, self._ctx = llama_cpp, ctx
         self.ctx_lock = threading.Lock()
         self.exact_rows = exact_rows
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._n_cells = int(llama_cpp.llama_n_ctx_seq(ctx))
         self._batch = llama_cpp.llama_batch_init(max_rows, 0, 1)
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama_cpp.llama_get_model(ctx)))
         self._max_rows = max_rows
@@ -164,32 +166,50 @@ class StepLoop:
         self.steps += 1
 
     def _decode(self, jobs: list[Job], n_rows: int) -> None:
-        """One ``llama_decode`` of ``jobs`` (one prefill job of ``n_rows``, or one-row jobs), then
-        their samples (ctx lock held)."""
+        """One ``llama_decode`` of ``jobs`` (one prefill job of ``n_rows``, or one-row jobs sorted
+        by sequence, with :meth:`_fillers`), then their samples (ctx lock held)."""
         b, i = self._batch, 0
-        for job in jobs:
-            job.started = True
-            for k, token in enumerate(job.rows):
-                b.token[i], b.pos[i], b.n_seq_id[i] = token, job.pos + k, 1
-                b.seq_id[i][0] = job.seq
-                b.logits[i] = k == len(job.rows) - 1 and job.sampler is not None
-                i += 1
+        fillers = self._fillers(jobs) if n_rows == 1 and len(jobs) > 1 else []
+        rows = [(job.seq, job.pos + k, token, job) for job in jobs for k, token in enumerate(job.rows)]
+        rows += [(seq, pos, jobs[0].rows[0], None) for seq, pos in fillers]
+        last: dict[int, int] = {}  # id(job) -> the batch row of its last token
+        # in sequence order, fillers included: llama.cpp reads the ids in the batch's order
+        for seq, pos, token, job in sorted(rows, key=lambda r: (r[0], r[1])):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = job is not None and pos == job.pos + len(job.rows) - 1 and job.sampler is not None
+            if job is not None:
+                job.started = True
+                last[id(job)] = i
+            i += 1
         b.n_tokens = i
         rc = self._c.llama_decode(self._ctx, b)
+        for seq, pos in fillers:  # gone again before anything else touches the context
+            self._c.llama_memory_seq_rm(self._mem, seq, pos, -1)
         if rc != 0:
             # the failed batch's cells are removed by llama.cpp; the jobs end with the error
             for job in jobs:
                 self._drop(job, RuntimeError(f"llama_decode returned {rc}"))
             return
-        i = 0
         for job in jobs:
             n = len(job.rows)
-            i += n
             count = self.counts.setdefault(job.seq, [0, 0])
             count[0 if n > 1 else 1] += n
             job.evaluated += n
             job.pos += n
-            self._next(job, i - 1)
+            self._next(job, last[id(job)])
+
+    def _fillers(self, jobs: list[Job]) -> list[tuple[int, int]]:
+        """(sequence, position) of one throw-away row for each sequence id between the first and
+        the last of ``jobs`` that has none: llama.cpp puts rows of consecutive sequence ids in one
+        micro-batch, and a gap would split the step in two, reading the weights twice. Each row
+        goes right after its sequence's cells (its next position) and is removed after the
+        decode; whether neighbours change a row's logits is what the owner probed
+        (``exact_rows``)."""
+        busy = {job.seq for job in jobs}
+        holes = [seq for seq in range(jobs[0].seq, jobs[-1].seq) if seq not in busy]
+        fill = [(seq, int(self._c.llama_memory_seq_pos_max(self._mem, seq)) + 1) for seq in holes]
+        return [(seq, pos) for seq, pos in fill if pos < self._n_cells]  # a full stream has no cell for it
 
     def _next(self, job: Job, row: int) -> None:
         """After ``job``'s rows were evaluated: sample from ``row``'s logits and queue the

@@ -186,6 +186,21 @@ def slot_count(requested: int | None, workers: int, model: Path, cfg) -> int:
         raise CommandError(str(exc)) from None
 
 
+WORKER_MALLOC = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+"""glibc's allocator settings the workers start with (unless set already): two arenas, not one
+per thread that ever answered, and blocks of 1 MiB or more (fragments' K and V, seq states)
+mapped and returned to the system when freed, instead of held in an arena (see
+docs/benchmarks.md, peak memory with slots). Other C libraries ignore them."""
+
+
+def worker_malloc_settings(environ=None) -> None:
+    """Put :data:`WORKER_MALLOC` into ``environ`` (default ``os.environ``, which the workers
+    inherit) where not set."""
+    environ = os.environ if environ is None else environ
+    for name, value in WORKER_MALLOC.items():
+        environ.setdefault(name, value)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
     start: exit ``128 + signal number``). Raises MissingExtraError (no ``server`` extra) or
@@ -214,6 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = cfg.n_threads or (usable_cpus() if shared or workers == 1 else max(1, usable_cpus() // workers))
     stop = StopSignals().install()
     sock = listening_socket(args.host, args.port)
+    worker_malloc_settings()
     settings = {**cfg.to_dict(), "model_path": str(model), "n_threads": threads, "slots": slots}
     level = getattr(args, "log_level", "WARNING")
     pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None)
