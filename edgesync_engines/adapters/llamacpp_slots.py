@@ -33,6 +33,11 @@ ROWS_PROBE_FILL = 300
 streams' padded KV lengths differ (``llama_kv_cache::get_n_kv`` pads to 256 cells)."""
 
 
+PREFILL_CHUNK_TOKENS = 128
+"""Most tokens of a prefill batch in slots (cut where the KV stays bit-identical,
+``kv_layout.turn_batches``): the other slots' decode steps run between two batches."""
+
+
 class SlotsRefused(ValueError):
     """The model cannot be served in slots (the caller serves it with one sequence)."""
 
@@ -155,7 +160,10 @@ class SlotAdapter(LlamaCppAdapter):
         self._ids = np.zeros(self.n_ctx, dtype=np.intc)
         self._n = 0
         self._stop: Callable[[], bool] | None = None
+        self._tokens_left = 0  # of the prompt being prefilled, for the loop's order
         self.kv_epoch = 0
+        if not self.flash_attn:  # cut prefill batches are bit-identical only without flash attention
+            self.turn_tokens = PREFILL_CHUNK_TOKENS
 
     @property
     def closed(self) -> bool:
@@ -225,9 +233,10 @@ class SlotAdapter(LlamaCppAdapter):
         self._remove_from(0)
 
     def _evaluate(self, batch: Sequence[int]) -> None:
-        """One batch through the loop; EvaluationAborted when :meth:`abortable`'s ``should_stop``
-        said so before the loop took it."""
-        job = self.engine.loop.submit(Job(self.seq, batch, self._n))
+        """One batch through the loop (inside :meth:`abortable`: background work); EvaluationAborted
+        when ``should_stop`` said so before the loop took it."""
+        job = self.engine.loop.submit(Job(self.seq, batch, self._n, tokens_left=self._tokens_left,
+                                          background=self._stop is not None))
         while not job.done.wait(0.005):
             if self._stop is not None and self._should_stop() and job.cancel():
                 job.wait()
@@ -272,8 +281,10 @@ class SlotAdapter(LlamaCppAdapter):
         if self.turn_tokens:
             plan = turn_batches(plan, self.turn_tokens, self.injection_rule)
         for start, end in plan[:-1]:
+            self._tokens_left = len(tokens) - start
             with self._turn(len(tokens) - start):
                 self._eval_batch(tokens[start:end])
+        self._tokens_left = 0
         start, end = plan[-1]
         sampler = self._sampler(temperature, top_p, seed)
         job = Job(self.seq, tokens[start:end], start, sampler, max_tokens, self.is_eog)

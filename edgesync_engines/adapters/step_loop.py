@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 END = None
 """Put in a job's token queue after its last token."""
+MAX_PASSED = 2
+"""Prefill batches that may run before a waiting one goes next (a long prompt is slowed at most
+threefold, never starved)."""
 
 
 class Job:
@@ -41,6 +44,9 @@ class Job:
         seq: the llama.cpp sequence id.
         sampler: a ``llama_sampler *`` chain (the caller frees it once :attr:`done`), or None.
         keep_logits: keep a copy of the logits each token was sampled from (:attr:`logits`).
+        tokens_left: prompt tokens its request still has to evaluate, these rows included (the
+            loop runs the prefill with the fewest first).
+        background: work that waits while any other prefill does (idle-time storing).
 
     Attributes:
         tokens: a ``queue.SimpleQueue`` of the sampled tokens (int), then :data:`END`.
@@ -51,7 +57,8 @@ class Job:
     """
 
     def __init__(self, seq: int, rows: Sequence[int], pos: int, sampler=None, max_new: int = 0,
-                 is_eog: Callable[[int], bool] | None = None, keep_logits: bool = False) -> None:
+                 is_eog: Callable[[int], bool] | None = None, keep_logits: bool = False, tokens_left: int = 0,
+                 background: bool = False) -> None:
         if not rows:
             raise ValueError("Job: no rows to evaluate")
         self.seq, self.pos = seq, pos
@@ -66,6 +73,9 @@ class Job:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.logits: list[np.ndarray] | None = [] if keep_logits else None
+        self.tokens_left = max(tokens_left, len(self.rows))
+        self.background = background
+        self.passed = 0
 
     @property
     def prefilling(self) -> bool:
@@ -152,8 +162,9 @@ class StepLoop:
                 self._step(jobs)
 
     def _step(self, jobs: list[Job]) -> None:
-        """One step: the oldest waiting prefill batch alone, then every one-row job together."""
-        prefill = next((j for j in jobs if j.prefilling), None)
+        """One step: one waiting prefill batch alone (:meth:`_next_prefill`), then every one-row
+        job together."""
+        prefill = self._next_prefill([j for j in jobs if j.prefilling])
         rows = sorted((j for j in jobs if not j.prefilling), key=lambda j: j.seq)
         with self.ctx_lock:
             if prefill is not None:
@@ -198,6 +209,19 @@ class StepLoop:
             job.evaluated += n
             job.pos += n
             self._next(job, last[id(job)])
+
+    @staticmethod
+    def _next_prefill(waiting: list[Job]) -> Job | None:
+        """Of the prefill batches ``waiting`` (oldest first), the one to run: background work
+        last; a batch passed over :data:`MAX_PASSED` times; else the one whose request has the
+        fewest prompt tokens left, so a short prompt waits at most one batch behind a long one."""
+        if not waiting:
+            return None
+        pick = min(waiting, key=lambda j: (j.background, j.passed < MAX_PASSED, j.tokens_left))
+        for job in waiting:
+            if job is not pick and not job.background:
+                job.passed += 1
+        return pick
 
     def _fillers(self, jobs: list[Job]) -> list[tuple[int, int]]:
         """(sequence, position) of one throw-away row for each sequence id between the first and
