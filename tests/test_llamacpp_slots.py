@@ -67,8 +67,8 @@ def greedy():
     return chain
 
 
-def test_a_decode_row_beside_another_sequence_is_exact_here(engine):
-    assert engine.exact_rows  # SmolLM2's kernels: a row's logits do not depend on the others
+def test_every_slots_decode_row_may_share_a_step_here(engine):
+    assert engine.shared_rows == 3  # SmolLM2's kernels: a row's logits do not depend on the others
 
 
 def test_two_sequences_share_steps_and_keep_the_logits_of_each_alone(engine, alone, system_prompts):

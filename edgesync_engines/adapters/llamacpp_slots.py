@@ -52,7 +52,7 @@ class SlotEngine:
 
     Attributes:
         adapters: one :class:`SlotAdapter` per slot, by sequence id.
-        exact_rows: decode rows of several sequences share a ``llama_decode`` (:meth:`probe_shared_rows`).
+        shared_rows: the most decode rows one ``llama_decode`` holds (:meth:`probe_shared_rows`).
 
     Raises what ``LlamaCppAdapter`` raises, ValueError (``slots`` below 1), and
     :class:`SlotsRefused` for a sliding-window model (its window's KV is captured batch by batch,
@@ -71,11 +71,13 @@ class SlotEngine:
             self.owner.close()
             raise SlotsRefused(f"{self.owner.model_path.name}: a sliding-window model is served with one sequence")
         self.n_ctx = min(int(llama_cpp.llama_n_ctx_seq(llm.ctx)), n_ctx)
-        self.exact_rows = self.probe_shared_rows() if slots > 1 else True
-        if not self.exact_rows:
-            log.warning("%s: a decode row is not bit-identical beside other sequences: each slot's token is "
-                        "decoded on its own (exact, but slower)", self.owner.model_path.name)
-        self.loop = StepLoop(llama_cpp, llm.ctx, max(int(llm.n_batch), slots), self.exact_rows)
+        self.slots = slots
+        self.shared_rows = self.probe_shared_rows() if slots > 1 else 1
+        if self.shared_rows < slots:
+            log.warning("%s: a decode row is bit-identical beside at most %d other sequences' rows: each step "
+                        "decodes at most %d slots' tokens at once (exact, but slower)", self.owner.model_path.name,
+                        self.shared_rows - 1, self.shared_rows)
+        self.loop = StepLoop(llama_cpp, llm.ctx, max(int(llm.n_batch), slots), self.shared_rows)
         self.state_buf = None
         """The seq-state buffer (uint8) every slot's injections build in and reads land in, one
         slot at a time (``buffer_lock``): ``llama_state_seq_set_data`` copies it into the slot's
@@ -88,15 +90,18 @@ class SlotEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def probe_shared_rows(self) -> bool:
-        """True when a sequence's decode row gives the same logits (float32, bit for bit) in a
-        ``llama_decode`` beside another sequence's row, that sequence holding
-        :data:`ROWS_PROBE_FILL` cells, as alone. The KV memory is empty after."""
+    def probe_shared_rows(self) -> int:
+        """The most decode rows of consecutive sequences one ``llama_decode`` may hold, each
+        row's logits (float32) bit for bit those of the row alone: one row beside a sequence of
+        :data:`ROWS_PROBE_FILL` cells (past a KV padding step), then ``m`` sequences' rows
+        together for ``m`` = 2 .. slots; the first ``m`` that differs ends it (ggml's repacked
+        Q4_K kernels, for one, compute rows by fours). 1: every row alone. The KV memory is
+        empty after."""
         c, llm = llama_cpp, self.owner.llm
         tokens = llm.tokenize(ROW_PROBE_TEXT, add_bos=True)
         fill = (tokens * (ROWS_PROBE_FILL // len(tokens) + 1))[:ROWS_PROBE_FILL]
-        mem, n_vocab = c.llama_get_memory(llm.ctx), llm.n_vocab()
-        batch = c.llama_batch_init(max(len(fill), 2), 0, 1)
+        mem, n_vocab, n = c.llama_get_memory(llm.ctx), llm.n_vocab(), len(tokens)
+        batch = c.llama_batch_init(max(len(fill), self.slots), 0, 1)
 
         def decode(rows):
             for i, (token, pos, seq, want) in enumerate(rows):
@@ -108,18 +113,25 @@ class SlotEngine:
             return [np.ctypeslib.as_array(c.llama_get_logits_ith(llm.ctx, i), shape=(n_vocab,)).copy()
                     for i, row in enumerate(rows) if row[3]]
 
-        try:
-            head = [(t, i, 0, False) for i, t in enumerate(tokens[:-1])]
-            decode(head)
-            alone = decode([(tokens[-1], len(tokens) - 1, 0, True)])[0]
+        def heads(m: int) -> None:
             c.llama_memory_clear(mem, True)
-            decode(head)
+            for seq in range(m):
+                decode([(t, i, seq, False) for i, t in enumerate(tokens[:-1])])
+
+        try:
+            heads(1)
+            alone = decode([(tokens[-1], n - 1, 0, True)])[0]
             decode([(t, i, 1, False) for i, t in enumerate(fill[:-1])])
-            together = decode([(tokens[-1], len(tokens) - 1, 0, True), (fill[-1], len(fill) - 1, 1, True)])[0]
-            return bool(np.array_equal(alone, together))
+            if not np.array_equal(alone, decode([(tokens[-1], n - 1, 0, True), (fill[-1], len(fill) - 1, 1, True)])[0]):
+                return 1
+            for m in range(2, self.slots + 1):
+                heads(m)
+                if not all(np.array_equal(alone, x) for x in decode([(tokens[-1], n - 1, s, True) for s in range(m)])):
+                    return m - 1
+            return self.slots
         except RuntimeError as exc:
             log.debug("slot row probe failed: %s", exc)
-            return False
+            return 1
         finally:
             c.llama_memory_clear(mem, True)
             c.llama_batch_free(batch)

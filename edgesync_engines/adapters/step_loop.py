@@ -8,9 +8,9 @@ micro-batches holding an equal number of tokens of consecutive sequence ids
 into one row and the rest, which is not how it is computed alone. So a prefill batch is decoded
 by itself, its rows grouped as alone, and the decode rows of all sequences then go together in
 one ``llama_decode``, sorted by sequence id. Whether a decode row gives the same logits beside
-other sequences as alone depends on the kernels: the owner probes it (``exact_rows``) and, where
-it does not hold, each sequence's row is decoded by itself (exact, but reading the weights once
-per sequence).
+other sequences as alone depends on the kernels (some compute rows by groups of four): the owner
+probes how many rows may share a decode (``shared_rows``), and the rows go in decodes of at most
+that many (1: each by itself; exact either way, but each decode reads the weights once).
 
 Sampling is llama.cpp's own sampler chain per job, called on the row's logits right after the
 decode (``llama_sampler_sample``).
@@ -102,13 +102,13 @@ class StepLoop:
         ctx: the ``llama_context *``; every other call on it must hold :attr:`ctx_lock`.
         max_rows: rows the loop's ``llama_batch`` holds (``n_batch``: the largest prefill batch,
             and at least the sequence count).
-        exact_rows: decode rows of several sequences may share a ``llama_decode``.
+        shared_rows: the most rows one decode ``llama_decode`` may hold (throw-away rows included).
     """
 
-    def __init__(self, llama_cpp, ctx, max_rows: int, exact_rows: bool = True, name: str = "edgesync-steps") -> None:
+    def __init__(self, llama_cpp, ctx, max_rows: int, shared_rows: int = 1, name: str = "edgesync-steps") -> None:
         self._c, self._ctx = llama_cpp, ctx
         self.ctx_lock = threading.Lock()
-        self.exact_rows = exact_rows
+        self.shared_rows = shared_rows
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._n_cells = int(llama_cpp.llama_n_ctx_seq(ctx))
         self._batch = llama_cpp.llama_batch_init(max_rows, 0, 1)
@@ -169,11 +169,8 @@ class StepLoop:
         with self.ctx_lock:
             if prefill is not None:
                 self._decode([prefill], len(prefill.rows))
-            if rows and self.exact_rows:
-                self._decode(rows, 1)
-            else:
-                for job in rows:
-                    self._decode([job], 1)
+            for group in self._groups(rows):
+                self._decode(group, 1)
         self.steps += 1
 
     def _decode(self, jobs: list[Job], n_rows: int) -> None:
@@ -210,6 +207,17 @@ class StepLoop:
             job.pos += n
             self._next(job, last[id(job)])
 
+    def _groups(self, rows: list[Job]) -> list[list[Job]]:
+        """``rows`` (sorted by sequence) in runs whose sequence ids span at most
+        :attr:`shared_rows` (the gaps get throw-away rows: :meth:`_fillers`)."""
+        groups: list[list[Job]] = []
+        for job in rows:
+            if groups and job.seq - groups[-1][0].seq < self.shared_rows:
+                groups[-1].append(job)
+            else:
+                groups.append([job])
+        return groups
+
     @staticmethod
     def _next_prefill(waiting: list[Job]) -> Job | None:
         """Of the prefill batches ``waiting`` (oldest first), the one to run: background work
@@ -229,7 +237,7 @@ class StepLoop:
         micro-batch, and a gap would split the step in two, reading the weights twice. Each row
         goes right after its sequence's cells (its next position) and is removed after the
         decode; whether neighbours change a row's logits is what the owner probed
-        (``exact_rows``)."""
+        (``shared_rows``)."""
         busy = {job.seq for job in jobs}
         holes = [seq for seq in range(jobs[0].seq, jobs[-1].seq) if seq not in busy]
         fill = [(seq, int(self._c.llama_memory_seq_pos_max(self._mem, seq)) + 1) for seq in holes]
