@@ -121,6 +121,7 @@ class SlotEngine:
         try:
             heads(1)
             alone = decode([(tokens[-1], n - 1, 0, True)])[0]
+            heads(1)
             decode([(t, i, 1, False) for i, t in enumerate(fill[:-1])])
             if not np.array_equal(alone, decode([(tokens[-1], n - 1, 0, True), (fill[-1], len(fill) - 1, 1, True)])[0]):
                 return 1
