@@ -23,7 +23,7 @@ import numpy as np
 from edgesync_engines.adapters import seqstate
 from edgesync_engines.adapters.kv_layout import turn_batches
 from edgesync_engines.adapters.llamacpp import DEFAULT_N_CTX, ROW_PROBE_TEXT, LlamaCppAdapter
-from edgesync_engines.adapters.protocol import ContextOverflowError, EngineAdapter, EvaluationAborted
+from edgesync_engines.adapters.protocol import EngineAdapter, EvaluationAborted, check_generation
 from edgesync_engines.adapters.step_loop import END, Job, StepLoop
 
 log = logging.getLogger(__name__)
@@ -279,14 +279,7 @@ class SlotAdapter(LlamaCppAdapter):
     def generate(self, tokens: Sequence[int], n_past: int = 0, max_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 0.95, seed: int | None = None) -> Iterator[int]:
         """``EngineAdapter.generate``, the answer decoded in the engine's step loop."""
-        if self.closed:
-            raise RuntimeError(f"{type(self).__name__}: closed")
-        if not tokens:
-            raise ValueError("tokens: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
-        if len(tokens) + max_tokens > self.n_ctx:
-            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        check_generation(self, tokens, max_tokens)
         tokens = [int(t) for t in tokens]
         self.kv_epoch += 1
         self._resume(tokens, n_past)

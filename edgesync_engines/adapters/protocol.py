@@ -55,6 +55,19 @@ def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
             raise ValueError(f"messages[{i}]: need a dict with 'role' and 'content' strings")
 
 
+def check_generation(adapter: "EngineAdapter", tokens: Sequence[int], max_tokens: int) -> None:
+    """``EngineAdapter.generate``'s argument checks: RuntimeError (closed), ValueError (empty
+    prompt, ``max_tokens < 1``), ContextOverflowError (``len(tokens) + max_tokens > n_ctx``)."""
+    if adapter.closed:
+        raise RuntimeError(f"{type(adapter).__name__}: closed")
+    if not tokens:
+        raise ValueError("tokens: the prompt is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    if len(tokens) + max_tokens > adapter.n_ctx:
+        raise ContextOverflowError(len(tokens), max_tokens, adapter.n_ctx)
+
+
 class EngineAdapter(abc.ABC):
     """One engine with one KV sequence, as the request path drives it.
 
@@ -199,14 +212,7 @@ class EngineAdapter(abc.ABC):
         RuntimeError (closed), ContextOverflowError (``len(tokens) + max_tokens > n_ctx``) or ValueError
         (empty prompt, ``max_tokens < 1``, ``n_past`` not in ``[0, len(tokens) - 1]`` or not live).
         """
-        if self.closed:
-            raise RuntimeError(f"{type(self).__name__}: closed")
-        if not tokens:
-            raise ValueError("tokens: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
-        if len(tokens) + max_tokens > self.n_ctx:
-            raise ContextOverflowError(len(tokens), max_tokens, self.n_ctx)
+        check_generation(self, tokens, max_tokens)
         self.kv_epoch += 1
         self._resume(tokens, n_past)
         self._evaluate_plan(tokens, n_past)
