@@ -164,7 +164,7 @@ class SlotAdapter(LlamaCppAdapter):
     ``close`` closes the whole engine.
     """
 
-    def __init__(self, engine: SlotEngine, seq: int) -> None:  # noqa: D107 - the engine's probe is shared
+    def __init__(self, engine: SlotEngine, seq: int) -> None:  # not the parent's: the engine's probe is shared
         engine.owner.copy_probe_to(self)
         self.engine, self.seq = engine, seq
         self.lock = threading.RLock()
