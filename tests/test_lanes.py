@@ -6,6 +6,7 @@ the uncached one."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fake_adapter import FakeAdapter
@@ -176,3 +177,31 @@ class TestSlotsOfOneEngine:
             t.join()
             assert stream.result.finish_reason == "cancelled"
             assert other[0].tokens == expected
+
+    def test_close_waits_for_another_threads_stream(self, engines, system_prompts):
+        from edgesync_engines.config import EdgeSyncConfig
+        from edgesync_engines.request.router import EdgeSync
+
+        reference, _, _, cfg = engines
+        conv = self.conversations(system_prompts)[0]
+        es = EdgeSync(store=False, config=EdgeSyncConfig(**cfg, slots=2))
+        started, ended, results = threading.Event(), threading.Event(), []
+
+        def reader() -> None:
+            stream = es.generate(conv, stream=True)
+            pieces = iter(stream)
+            next(pieces)
+            started.set()
+            time.sleep(0.5)  # the main thread calls close() meanwhile
+            for _ in pieces:
+                pass
+            results.append(stream.result)
+            ended.set()
+
+        t = threading.Thread(target=reader)
+        t.start()
+        assert started.wait(60)
+        es.close()
+        assert ended.is_set()  # close() returned only once the stream had ended
+        t.join()
+        assert results[0].tokens == reference.generate(conv).tokens

@@ -145,12 +145,20 @@ class SlotEngine:
             llama_cpp.llama_set_n_threads(self.owner.llm.ctx, n_threads, n_threads)
 
     def close(self) -> None:
-        """Stop the loop (queued jobs fail) and free the context. Idempotent."""
+        """Wait for each slot's current user (its lock), then stop the loop and free the
+        context. Idempotent."""
         if self._closed:
             return
-        self._closed = True
-        self.loop.close()
-        self.owner.close()
+        held = getattr(self, "adapters", [])
+        for adapter in held:
+            adapter.lock.acquire()
+        try:
+            self._closed = True
+            self.loop.close()
+            self.owner.close()
+        finally:
+            for adapter in held:
+                adapter.lock.release()
 
 
 class SlotAdapter(LlamaCppAdapter):

@@ -57,8 +57,8 @@ class EdgeSync:
     Thread safety: one request at a time drives each of the engine's sequences (its :class:`Lane`:
     one, or ``config.slots``, whose steps the engine batches); a request waits for a free one, and
     holds it until its stream is read to the end or closed. A call from the stream's own thread that
-    would drive the engine raises RuntimeError. Idle-time work runs while no request does, one
-    batch at a time.
+    would drive the engine raises RuntimeError. Idle-time work runs one batch at a time: with one
+    sequence while no request runs, with several on a free one.
 
     Raises TypeError (``model`` or ``store`` of no type above), onnx_export.ExportError
     (``engine == "onnx"`` and the GGUF has no sound export).
@@ -258,7 +258,6 @@ class EdgeSync:
         yield ""  # input checked: errors above raise from generate() itself
         idle = self._idle
         t_wait, progress = time.perf_counter(), 0 if idle is None else idle.progress()
-        # idle-time work stops during its current batch
         first = self.lanes[0] if strategy.first_lane else None
         self._check_open()  # a stream begun before close() and read after it
         # one lane: idle-time work stops for the request; several: only work on the lane it takes
