@@ -120,3 +120,27 @@ def test_more_workers_than_cpus_is_one_warning(caplog):
         assert check_workers(2, True, ESTIMATE, 4096, cpus=2, available=None) == 2
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "--workers 4 is more than the 2 CPUs this process may run on"]
+
+
+def test_slots_are_lowered_to_what_fits_or_refused_when_asked_for(caplog):
+    from edgesync_engines.server.capacity import check_slots, worker_estimate
+
+    model = default_model_path()
+    one_slot = worker_estimate(model, 4096, "f16").total
+    assert check_slots(4, False, 1, model, 4096, "f16", None) == 4  # unknown memory: unchecked
+    kv = worker_estimate(model, 4096, "f16").kv_cache
+    with caplog.at_level(logging.WARNING):
+        assert check_slots(4, False, 1, model, 4096, "f16", one_slot + kv) == 2
+    assert "4 slots per worker do not fit" in caplog.text
+    with pytest.raises(WorkerCountError, match=r"--slots 4: 1 worker of 4 slots need .*n_ctx 4096 x 4 slots"):
+        check_slots(4, True, 1, model, 4096, "f16", one_slot + kv)
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be in [1, 64], got 0"), ("65", "must be in [1, 64], got 65"),
+                                            ("x", "not an integer")])
+def test_slots_outside_one_to_sixty_four_are_refused_by_the_command_line(value, message, capsys):
+    from edgesync_engines.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--slots", value])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -44,15 +44,17 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: text -> an int >= ``minimum`` (ArgumentTypeError otherwise)."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: text -> an int >= ``minimum`` (and <= ``maximum`` when given;
+    ArgumentTypeError otherwise)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
 

@@ -26,6 +26,7 @@ from edgesync_engines.app.cli_common import (
     positive_int,
     print_error,
 )
+from edgesync_engines.config import MAX_SLOTS
 from edgesync_store.errors import require_extra
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,10 @@ def add_parser(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0 = any free one)")
     p.add_argument("--workers", type=positive_int, default=None,
                    help=f"engine processes (default {default_workers()} here: one per 2 CPUs, 1 to 4)")
-    p.add_argument("--slots", type=positive_int, default=None,
-                   help=f"conversations each worker answers at once in one llama.cpp context, their decode steps "
-                        f"batched, answers identical to each alone (default: $EDGESYNC_SLOTS, else {SEQUENCES} // "
-                        f"workers, at least 1, lowered to what fits memory)")
+    p.add_argument("--slots", type=int_at_least(1, MAX_SLOTS), default=None,
+                   help=f"conversations each worker answers at once in one llama.cpp context (1 to {MAX_SLOTS}), "
+                        f"their decode steps batched, answers identical to each alone (default: $EDGESYNC_SLOTS, "
+                        f"else {SEQUENCES} // workers, at least 1, lowered to what fits memory)")
     p.add_argument("--model", default=None, help="model GGUF (default: the configured model)")
     p.add_argument("--store", default=None, help=STORE_ARG_HELP)
     p.add_argument("--api-key", default=os.environ.get("EDGESYNC_API_KEY") or None,

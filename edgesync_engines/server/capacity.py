@@ -43,8 +43,9 @@ class WorkerEstimate:
     def total(self) -> int:
         return self.model + self.kv_cache + self.overhead
 
-    def describe(self, n_ctx: int) -> str:
-        kv = f"its KV cache for n_ctx {n_ctx} {size_text(self.kv_cache)}" if self.kv_cache else "its KV cache unknown"
+    def describe(self, n_ctx: int, slots: int = 1) -> str:
+        cells = f"n_ctx {n_ctx}" + (f" x {slots} slots" if slots > 1 else "")
+        kv = f"its KV cache for {cells} {size_text(self.kv_cache)}" if self.kv_cache else "its KV cache unknown"
         return f"the model {size_text(self.model)} + {kv} + {size_text(self.overhead)} for the process"
 
 
@@ -155,7 +156,7 @@ def check_slots(slots: int, explicit: bool, n_workers: int, model: Path, n_ctx: 
         if explicit:
             raise WorkerCountError(
                 f"--slots {slots}: {n_workers} worker{'s' if n_workers > 1 else ''} of {slots} slots need an "
-                f"estimated {size_text(n_workers * estimate.total)} (each: {estimate.describe(n_ctx * slots)}), "
+                f"estimated {size_text(n_workers * estimate.total)} (each: {estimate.describe(n_ctx, slots)}), "
                 f"and {size_text(available)} of memory is available")
     if n < slots:
         log.warning("%d slots per worker do not fit the %s of memory available: starting %d (--slots sets the "

@@ -214,7 +214,7 @@ def serve_slots(engine, config, index: int, requests, responses, cancel: CancelB
     idle-time work on the free slots meanwhile. On a None: wait for the jobs running, then
     :func:`drain`."""
     free = threading.Semaphore(len(engine.lanes))
-    running: set[threading.Thread] = set()
+    running: dict[threading.Thread, int] = {}  # the job id each thread answers
     guard = threading.Lock()
 
     def answer(job: dict) -> None:
@@ -230,7 +230,7 @@ def serve_slots(engine, config, index: int, requests, responses, cancel: CancelB
             responses.put(final)
         finally:
             with guard:
-                running.discard(threading.current_thread())
+                running.pop(threading.current_thread(), None)
             free.release()
 
     # idle-time work runs beside the jobs, on a free slot, until a job waits in the queue
@@ -261,12 +261,16 @@ def serve_slots(engine, config, index: int, requests, responses, cancel: CancelB
             continue
         while not free.acquire(timeout=0.5):
             if watch.gone:
-                return
-        thread = threading.Thread(target=answer, args=(job,), name=f"edgesync-slot-job-{job['id']}", daemon=True)
-        with guard:
-            running.add(thread)
-        thread.start()
+                break
+        else:
+            thread = threading.Thread(target=answer, args=(job,), name=f"edgesync-slot-job-{job['id']}", daemon=True)
+            with guard:
+                running[thread] = job["id"]
+            thread.start()
     log.info("worker %d: the server process %d is gone; closing the engine", index, watch.parent_pid)
+    with guard:  # nobody reads the answers: each job stops at its next piece, then the engine closes
+        for job_id in running.values():
+            cancel.cancel(job_id)
 
 
 def run_idle(engine, cores: CoreShare | None) -> bool:
