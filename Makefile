@@ -153,7 +153,7 @@ test: onnx $(LLAMA_SDIST) redis-server
 
 # The fast layer: every test that needs no model, no server and no Redis (markers in
 # pyproject.toml), on both cores (pytest-xdist), with pytest's rewritten test modules cached
-# even where PYTHONDONTWRITEBYTECODE is set: 655 tests in tests/ and benchmarks/tests/, about 32 s on 2
+# even where PYTHONDONTWRITEBYTECODE is set: 710 tests in tests/ and benchmarks/tests/, about 32 s on 2
 # otherwise idle cores.
 test-fast: $(INSTALL_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not model and not server and not redis and not slow" tests benchmarks/tests
