@@ -1,5 +1,6 @@
-"""Build the tiny GGUFs of the architecture matrix (``tools/arch_matrix.py``) from random
-weights, with llama.cpp's own converter, once, into a cache directory.
+"""Build the tiny GGUFs of the architecture matrix (``tools/arch_matrix.py``), and the rows of
+:data:`EXTRA_ROWS` that tests use beside it, from random weights, with llama.cpp's own
+converter, once, into a cache directory.
 
 For each row: a transformers config (tiny sizes, SmolLM2's vocabulary), a model of random
 weights (``torch.manual_seed``) saved with ``save_pretrained`` (safetensors), SmolLM2's
@@ -17,10 +18,12 @@ which is what the Phi-3 converter asks for before it writes a BPE vocabulary.
 Models are cached as ``<cache>/<row>-<key>.gguf`` (``~/.cache/edgesync/tiny-gguf``;
 ``EDGESYNC_TINY_GGUF_DIR`` overrides); the key hashes the row's config, seed, embedding scale
 and vocabulary writer, :data:`BUILDER_VERSION` and the converter's version, so a changed row
-rebuilds. Files of earlier keys stay until the directory is deleted (about 10 MB each).
+rebuilds. Files of earlier keys stay until the directory is deleted (about 10 MB each; the
+``wide-kv`` row 39 MB).
 
-Command: ``python tools/tiny_gguf.py [ROW ...] [--json]`` builds (or finds) the models and
-prints each path with its build time.
+Command: ``python tools/tiny_gguf.py [ROW ...] [--json]`` builds (or finds) the models (every
+row of the matrix by default; :data:`EXTRA_ROWS` by name) and prints each path with its build
+time.
 """
 
 from __future__ import annotations
@@ -75,6 +78,39 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 * a row's ``vocab_writer`` class gets the converter's GPT-2 BPE vocabulary writer instead of
   its SentencePiece-only one (Gemma 2; the converter's Gemma 3 class does the same when no
   ``tokenizer.model`` is there)."""
+
+
+WIDE_KV = arch_matrix.ArchRow(
+    "wide-kv", "LlamaConfig",
+    {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 64, "num_attention_heads": 16,
+     "num_key_value_heads": 16, "head_dim": 256, "max_position_embeddings": 4096},
+    "Llama: 64 layers, 16 heads = 16 KV heads of 256 on a hidden size of 16, FFN 32: K and V 2 x 64 x 4,096 "
+    "values a token, 1 MiB in f16 and 2 MiB in f32 (Llama-3.1-8B: 128 KiB in f16)",
+    arch_matrix.EXACT,
+    "one KV cache, a large one: per layer K and V are projected from 16 to 4,096 values and Q and O are as large "
+    "(as many query heads as KV heads, the fewest llama.cpp allows; transformers wants the hidden size a multiple "
+    "of the heads, hence 16 heads and 64 layers), so the attention weights hold as many parameters as the f16 KV "
+    "of 16 tokens has bytes (16.8 M); 18.5 M parameters in all, 39 MB of f16")
+"""A model of large KV per token and small weights, for tests of fragments of hundreds of MB
+(not a row of the matrix: its architecture is the ``llama3`` row's)."""
+EXTRA_ROWS: tuple[arch_matrix.ArchRow, ...] = (WIDE_KV,)
+"""Rows this module builds beside ``arch_matrix.ROWS`` (names distinct from theirs)."""
+
+
+def row(name: str) -> arch_matrix.ArchRow:
+    """The row called ``name``: of the matrix or of :data:`EXTRA_ROWS`.
+
+    Raises:
+        KeyError: no such row.
+    """
+    for r in EXTRA_ROWS:
+        if r.name == name:
+            return r
+    try:
+        return arch_matrix.row(name)
+    except KeyError:
+        names = ", ".join(r.name for r in (*arch_matrix.ROWS, *EXTRA_ROWS))
+        raise KeyError(f"no row {name!r} (rows: {names})") from None
 
 
 class TinyGGUFError(RuntimeError):
@@ -247,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     """Build (or find) the named rows' GGUFs, every row by default; print path and seconds."""
     parser = argparse.ArgumentParser(description="Build the tiny random-weight GGUFs of the architecture matrix.")
     names = ", ".join(r.name for r in arch_matrix.ROWS)
-    parser.add_argument("rows", nargs="*", help=f"row names (default: all: {names})")
+    extra = ", ".join(r.name for r in EXTRA_ROWS)
+    parser.add_argument("rows", nargs="*", help=f"row names (default: the matrix: {names}; also: {extra})")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     try:
-        rows = [arch_matrix.row(n) for n in args.rows] if args.rows else list(arch_matrix.ROWS)
+        rows = [row(n) for n in args.rows] if args.rows else list(arch_matrix.ROWS)
         for r in rows:
             t0 = time.perf_counter()
             path = build(r)
