@@ -37,10 +37,30 @@ def test_llama_3_2_1b_figures():
 
 
 def test_llama_3_1_8b_kv_figures():
-    # meta-llama/Llama-3.1-8B: 8,030,261,248 parameters, untied output layer.
-    assert EIGHT_B.n_params() == 8_030_261_248
+    # meta-llama/Llama-3.1-8B: 8,030,261,248 parameters, untied output layer; the shape narrows
+    # the hidden size, attention heads and FFN and keeps the KV cache (layers, KV heads, head size)
+    assert EIGHT_B.real_n_params() == 8_030_261_248
+    assert EIGHT_B.real_values == {"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 14336,
+                                   "initializer_range": 0.02}
+    assert EIGHT_B.n_params() == 248_807_936
     assert (EIGHT_B.num_hidden_layers, EIGHT_B.num_key_value_heads, EIGHT_B.head_dim) == (32, 8, 128)
     assert EIGHT_B.kv_bytes_per_token() == 128 * 1024
+    # 8 query heads, one per KV head; head size set apart from hidden / heads (64)
+    assert EIGHT_B.num_attention_heads == EIGHT_B.num_key_value_heads
+    assert EIGHT_B.hidden_size // EIGHT_B.num_attention_heads != EIGHT_B.head_dim
+    kw = EIGHT_B.config_kwargs()
+    assert kw["head_dim"] == 128 and kw["vocab_size"] == 128256 and kw["tie_word_embeddings"] is False
+    assert kw["max_position_embeddings"] == 131072 and kw["rope_parameters"]["factor"] == 8.0
+    assert kw["initializer_range"] == 0.1 and "real_values" not in kw
+    # Q4_K_M's K-quants take rows of a multiple of 256 values: every matrix's input width
+    for width in (EIGHT_B.hidden_size, EIGHT_B.num_attention_heads * EIGHT_B.head_dim, EIGHT_B.intermediate_size):
+        assert width % 256 == 0
+
+
+def test_real_values_are_labels_not_bytes():
+    assert ONE_B.real_values == {} and ONE_B.real_n_params() == ONE_B.n_params()
+    relabelled = dataclasses.replace(EIGHT_B, real_values={})
+    assert shaped_gguf.model_key(relabelled) == shaped_gguf.model_key(EIGHT_B)
 
 
 def test_config_kwargs_are_llama_config_json_values():

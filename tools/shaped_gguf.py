@@ -1,14 +1,35 @@
-"""Build random-weight GGUFs with the exact shape of real models, quantized as users run them,
-once, into a cache directory outside the repository.
+"""Build random-weight GGUFs with the shape of real models, quantized as users run them, once,
+into a cache directory outside the repository.
 
 What: :data:`SHAPES` is a table of named shapes. Each is a Llama-architecture transformers
-config whose every size is copied from the real model's ``config.json`` on the Hugging Face Hub
+config whose sizes are copied from the real model's ``config.json`` on the Hugging Face Hub
 (``meta-llama/Llama-3.2-1B``, ``meta-llama/Llama-3.1-8B``): hidden size, layers, attention and
 KV heads, head size, FFN size, vocabulary size (128,256), RoPE base and its ``llama3`` scaling
 (the converter writes it as the ``rope_freqs`` tensor), context length, RMSNorm epsilon, tied
-or untied output layer and ``initializer_range``. The GGUF has the real model's tensors, byte
-sizes and KV-cache layout; the weights are random, so it is real for timings, bytes and
-identity only (its text is meaningless).
+or untied output layer and ``initializer_range``; a shape may depart from some of them (its
+``real_values``: the real model's values of what it changes). The weights are random, so a GGUF is
+real for timings, bytes and identity only (its text is meaningless).
+
+* ``llama-3.2-1b`` narrows nothing: the real model's tensors, byte sizes and KV-cache layout.
+* ``llama-3.1-8b-kv`` is Llama-3.1-8B's KV cache on a narrow model. Copied: 32 layers, 8 KV
+  heads of 128 (K and V 2 x 32 x 8 x 128 f16 values, 128 KiB a token, 4 GiB for 32K tokens),
+  RoPE (base 500,000, ``llama3`` scaling, factor 8), context length 131,072, vocabulary,
+  epsilon, untied output layer. Changed: hidden size 4,096 -> 512, attention heads 32 -> 8
+  (head size 128 set apart from hidden / heads: the GGUF carries ``attention.key_length`` and
+  ``value_length`` 128), FFN 14,336 -> 1,024; about 249 M parameters instead of 8.03 B, of
+  which the vocabulary's two matrices are 131 M (little time: a prefill applies the output
+  matrix only to the tokens whose logits are asked for, one a batch). Why:
+  a prefill's cost is the weights' (2 x parameters FLOPs a token: about 14 GFLOPs for the
+  8B's 7.0 B outside the embeddings, 4.6 x 10^14 FLOPs for 32K tokens) plus attention's over
+  the KV (4 x query heads x head size FLOPs per layer for each pair of a query and an earlier
+  token: 2.8 x 10^14 for the 8B at 32K). The narrow weights cost 0.23 GFLOPs a token and 8
+  query heads (as many as KV heads, the fewest llama.cpp allows) a quarter of the 8B's
+  attention (7 x 10^13 at 32K), so a 32K-token prefill runs on two cores in minutes, not
+  hours, and what it measures is mostly the attention that the KV shape fixes. The KV bytes,
+  positions and state layout (``llama_state_seq_*``) are the 8B's; the weights, file size and
+  per-token weight cost are not. Its ``initializer_range`` is 0.1, not Llama's 0.02: at 0.02
+  this narrow model's greedy decoding after Q4_K_M repeats one token (3 distinct in 32 steps of
+  ``--check``), at 0.1 it has 32 distinct tokens in 32 steps and last logits of std 2.3.
 
 How: the helpers of ``tools/tiny_gguf.py``, with nothing copied. A random model
 (``torch.manual_seed(seed)``, transformers' own initialisation at the config's
@@ -28,7 +49,10 @@ The converter writes ``add_bos_token`` false only for 49,152-token vocabularies,
 adds a BOS token (SmolLM2's ``<|im_start|>``, ID 1) to every prompt of these models, as Llama 3
 adds its own.
 
-Scale: Llama's own ``initializer_range`` (0.02) gives a non-degenerate model at these sizes:
+Quantization: Q4_K_M for both (its K-quants take rows of a multiple of 256 values: every row
+of both shapes is 512, 1,024, 2,048 or 8,192 long).
+
+Scale: Llama's own ``initializer_range`` (0.02) gives a non-degenerate model at the real sizes:
 ``llama-3.2-1b`` in transformers and, after Q4_K_M, in llama.cpp (``--check``) has finite last
 logits of std 0.9 and 32 distinct tokens in 32 greedy steps. So ``embedding_scale``
 (tiny_gguf's factor on the token embeddings, also the tied output layer) stays 1.0; a shape
@@ -60,7 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -87,13 +111,16 @@ class Shape:
         source: where the figures come from (the real model's ``config.json``).
         hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
             intermediate_size, vocab_size, max_position_embeddings, rms_norm_eps,
-            tie_word_embeddings, initializer_range: the ``config.json`` values of the same names.
+            tie_word_embeddings, initializer_range: the ``config.json`` values of the same names,
+            except those named in ``real_values``.
         rope: ``rope_theta`` and ``rope_scaling`` of ``config.json`` in one dict (transformers'
             ``rope_parameters``).
         quant: the ``llama-quantize`` type of the final GGUF.
         seed: ``torch.manual_seed`` for the random weights.
         embedding_scale: factor on the random token embeddings (``tiny_gguf.save_random_weights``).
         dtype: the dtype the random weights are saved in before conversion (f16 GGUF either way).
+        real_values: the real ``config.json`` values of the fields this shape changes (empty:
+            none); a label, not part of the cache key.
     """
 
     name: str
@@ -114,6 +141,7 @@ class Shape:
     seed: int = 0
     embedding_scale: float = 1.0
     dtype: str = "bfloat16"
+    real_values: dict = field(default_factory=dict, hash=False)
 
     def config_kwargs(self) -> dict:
         """``transformers.LlamaConfig`` keyword arguments (SmolLM2's special token IDs)."""
@@ -130,6 +158,10 @@ class Shape:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + h + embeddings
 
+    def real_n_params(self) -> int:
+        """:meth:`n_params` of the real model: with the ``real_values`` put back."""
+        return replace(self, **self.real_values, real_values={}).n_params()
+
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
         """Bytes of K and V per token over all layers (default f16, llama.cpp's default cache type)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes
@@ -145,10 +177,13 @@ SHAPES: tuple[Shape, ...] = (
     Shape("llama-3.2-1b", "meta-llama/Llama-3.2-1B config.json",
           hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
           intermediate_size=8192, rope=_llama3_rope(32.0), tie_word_embeddings=True),
-    Shape("llama-3.1-8b-kv", "meta-llama/Llama-3.1-8B config.json (defined, not yet built: about 16 GB of f16 "
-          "on the way to 4.9 GB of Q4_K_M)",
-          hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-          intermediate_size=14336, rope=_llama3_rope(8.0), tie_word_embeddings=False),
+    Shape("llama-3.1-8b-kv", "meta-llama/Llama-3.1-8B config.json: its KV cache (layers, KV heads, head size), "
+          "RoPE, context length, vocabulary, epsilon and untied output; hidden size, attention heads and FFN "
+          "narrowed, larger initializer_range",
+          hidden_size=512, num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+          intermediate_size=1024, rope=_llama3_rope(8.0), tie_word_embeddings=False, initializer_range=0.1,
+          real_values={"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 14336,
+                       "initializer_range": 0.02}),
 )
 """The shapes, by name (names unique)."""
 DEFAULT_SHAPES = ("llama-3.2-1b",)
@@ -194,7 +229,7 @@ def model_key(s: Shape) -> str:
     """16 hex digits of SHA-256 over what determines the GGUF's bytes."""
     spec = {"builder": BUILDER_VERSION, "tiny_builder": tiny_gguf.BUILDER_VERSION,
             "llama-cpp-python": tiny_gguf.llama_version(), "outtype": tiny_gguf.OUTTYPE,
-            "shape": {k: v for k, v in asdict(s).items() if k not in ("name", "source")}}
+            "shape": {k: v for k, v in asdict(s).items() if k not in ("name", "source", "real_values")}}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
