@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from seqstate_writer import serialize_parts
 
-from edgesync_engines.adapters import seqstate
+from edgesync_engines.adapters import llamacpp, seqstate, state_buffer
 from edgesync_engines.adapters.kv_layout import ANY_ROW, GROUPED_ROWS, prefill_blocks, turn_batches, usable_prefix
 from edgesync_engines.adapters.protocol import ContextOverflowError
 
@@ -148,6 +148,30 @@ def test_injected_prefix_gives_the_logits_of_an_uncached_prefill(adapter, prompt
         for start, end in adapter.prefill_plan(n_past, n):
             adapter.llm.eval(prompt[start:end])
         assert np.array_equal(last_logits(adapter), reference), n_past
+
+
+def test_long_states_move_in_chunks_with_the_bits_of_one_buffer(adapter, prompt, monkeypatch):
+    """A state longer than ``STATE_CHUNK_BYTES`` is read and injected a chunk of cells at a time
+    through the scratch sequence: the same fragments, the same seq state and logits as one buffer,
+    and the injection buffer holds one chunk, not the context."""
+    n = len(prompt)
+    reference = prefill(adapter, prompt, adapter.prefill_plan(0, n))
+    spans = [(0, 128), (128, 256), (256, n - 1)]
+    whole = adapter.extract_fragments(prompt, spans)
+    live_state = bytes(adapter._get_state(seq=0))
+    cell = state_buffer.state_bytes(adapter._layout, 2) - state_buffer.state_bytes(adapter._layout, 1)
+    monkeypatch.setattr(llamacpp, "STATE_CHUNK_BYTES", 256 * cell)  # 256 cells a chunk
+    assert adapter._in_chunks() and adapter._chunk_cells() == 256 < n - 1
+    chunked = adapter.extract_fragments(prompt, spans)
+    for a, b in zip(whole, chunked):
+        assert np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values)
+    adapter.clear_kv_cache()
+    adapter._state_buf = None
+    adapter.inject_fragment(whole, n - 1, prompt)
+    assert len(adapter._state_buf) == state_buffer.state_bytes(adapter._layout, 256)
+    adapter.llm.eval(prompt[n - 1:])
+    assert np.array_equal(last_logits(adapter), reference)
+    assert bytes(adapter._get_state()) == live_state
 
 
 def test_inject_validates_before_touching_the_engine(adapter, prompt):

@@ -121,8 +121,10 @@ def test_a_block_that_does_not_fit_the_layout_is_refused(adapter):
     narrow = type(block)(block.layers, range(0, 1), 0, 128, block.keys, block.values)
     with pytest.raises(seqstate.SeqStateError, match="rows of"):
         state_buffer.build(layout, ns.head_width, [narrow], 128, tokens)
-    with pytest.raises(seqstate.SeqStateError, match="n_tokens"):
+    with pytest.raises(seqstate.SeqStateError, match="need at least one cell"):
         state_buffer.build(layout, ns.head_width, [block], 0, tokens)
+    with pytest.raises(seqstate.SeqStateError, match=r"\[128, 128\)"):
+        state_buffer.build(layout, ns.head_width, [block], 128, tokens, start=128)
 
 
 TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}

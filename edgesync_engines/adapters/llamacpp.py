@@ -51,6 +51,10 @@ ROW_PROBE_TOKENS = 20
 ROW_PROBE_CUTS = (3, 5, 17)
 """Injection points the probe tries: odd offsets in groups of 4 and 8 rows, and a first batch
 of two tokens."""
+STATE_CHUNK_BYTES = 64 << 20
+"""Bytes of seq state a long injection or store-back moves per ``llama_state_seq_*`` call (where
+:meth:`LlamaCppAdapter._in_chunks`): a hit or a store-back holds one chunk beside the KV cache,
+not a second copy of the context."""
 _PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
 """:meth:`LlamaCppAdapter.probe_rows`' answers in this process, by namespace digest and block."""
 
@@ -230,7 +234,7 @@ class LlamaCppAdapter(EngineAdapter):
         for a, b in kv_layout.prefill_blocks(start, len(tokens), block):
             self.llm.eval(list(tokens[a:b]))
         logits = self._llama_cpp.llama_get_logits_ith(self._ctx, -1)
-        return self._get_state(), np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).tobytes()
+        return bytes(self._get_state()), np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).tobytes()
 
     def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
         """The namespace of a probed layout (``StateLayout.namespace``)."""
@@ -240,15 +244,38 @@ class LlamaCppAdapter(EngineAdapter):
             engine=ENGINE, engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
             flash_attn=self.flash_attn)
 
-    def _get_state(self, flags: int = 0) -> bytes:
-        """The sequence's state bytes; ``flags`` :data:`_PARTIAL_ONLY` reads the window part alone."""
-        llama_cpp = self._llama_cpp
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, self.seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, self.seq, flags)
+    def _get_state(self, flags: int = 0, seq: int | None = None) -> memoryview:
+        """The state bytes of the sequence (``seq``: another one); ``flags`` :data:`_PARTIAL_ONLY`
+        reads the window part alone."""
+        llama_cpp, seq = self._llama_cpp, self.seq if seq is None else seq
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, flags)
+        buf = np.empty(size, np.uint8)
+        written = llama_cpp.llama_state_seq_get_data_ext(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size,
+                                                         seq, flags)
         if written != size:
             raise seqstate.SeqStateError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return bytes(buf)
+        return memoryview(buf)
+
+    def _in_chunks(self) -> bool:
+        """Whether long states move in chunks of cells through the scratch sequence: a text-only
+        cache of one part, on a context whose scratch sequence shares the main one's cells."""
+        return self._layout is not None and len(self._layout.part_layers) == 1 and self.blend_refusal is None
+
+    def _chunk_cells(self) -> int:
+        """Cells of one chunk: :data:`STATE_CHUNK_BYTES` of seq state, a multiple of 256, at least 256."""
+        cell = state_buffer.state_bytes(self._layout, 2) - state_buffer.state_bytes(self._layout, 1)
+        return max(1, STATE_CHUNK_BYTES // cell // 256) * 256
+
+    def _range_state(self, start: int, end: int) -> memoryview:
+        """The state of the live cells at positions ``[start, end)`` alone: tagged into the
+        scratch sequence (no copy in a unified cache), read, untagged."""
+        c, scratch = self._llama_cpp, llamacpp_blend.SCRATCH_SEQ
+        c.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+        c.llama_memory_seq_cp(self._mem, self.seq, scratch, start, end)
+        try:
+            return self._get_state(seq=scratch)
+        finally:
+            c.llama_memory_seq_rm(self._mem, scratch, -1, -1)
 
     def _swa_part_now(self, ext_bytes: int | None = None) -> list[seqstate.CachePart]:
         """The live sliding-window part alone (a list of one part)."""
@@ -299,7 +326,11 @@ class LlamaCppAdapter(EngineAdapter):
                  head_end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """One seq-state read cut per span by ``StateLayout.span_kv`` (errors there)."""
         layout = self._layout
-        parts = seqstate.parse_parts(self._get_state(), seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
+        if self._in_chunks():  # the spans' cells alone, not the whole context
+            state = self._range_state(min(s for s, _ in spans), max(e for _, e in spans))
+        else:
+            state = self._get_state()
+        parts = seqstate.parse_parts(state, seqstate.CELL_EXT_BYTES if layout.cell_ext else 0)
         cols = slice(head_start * self.namespace.head_width, head_end * self.namespace.head_width)
         return layout.span_kv(parts, self._swa, spans, self._live_tokens(self.n_tokens), layers, cols)
 
@@ -319,12 +350,16 @@ class LlamaCppAdapter(EngineAdapter):
         whose capture keeps views of each injected buffer."""
         if n_tokens < 1 or self._layout.swa_part is not None:
             return True
-        n = min(n_tokens, self.n_ctx)
+        n = min(n_tokens, self.n_ctx, self._chunk_cells() if self._in_chunks() else n_tokens)
         self._state_buf = state_buffer.room(self._layout, n, self._state_buf, should_stop)
         return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(self._layout, n)
 
     def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """Set the seq state from one buffer; InjectionError when refused (the sequence is cleared)."""
+        """Set the seq state from one buffer, or chunk by chunk (:meth:`_in_chunks`) when longer
+        than one; InjectionError when refused (the sequence is cleared)."""
+        if self._in_chunks() and n_tokens > self._chunk_cells():
+            self._load_chunks(blocks, n_tokens, tokens)
+            return
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
         out = state_buffer.room(layout, n_tokens, self._state_buf) if layout.swa_part is None else None
@@ -337,6 +372,24 @@ class LlamaCppAdapter(EngineAdapter):
         self._hold(tokens, n_tokens)
         if layout.swa_part is not None:
             self._swa.seed(*views[layout.swa_part])  # views of buf: the capture keeps it alive
+
+    def _load_chunks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+        """Positions ``0..n_tokens-1`` a chunk of cells at a time: each restored into the scratch
+        sequence and tagged into this one (``ScratchSequence.append``), through one reused buffer
+        of :meth:`_chunk_cells` cells. InjectionError when refused (the sequence is cleared)."""
+        per = self._chunk_cells()
+        self._state_buf = state_buffer.room(self._layout, per, self._state_buf)
+        self._llama_cpp.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
+        for start in range(0, n_tokens, per):
+            end = min(n_tokens, start + per)
+            buf, _ = state_buffer.build(self._layout, self.namespace.head_width, blocks, end, tokens,
+                                        llamacpp_blend.SCRATCH_SEQ, self._state_buf, start)
+            try:
+                self._scratch.append(buf, state_buffer.state_bytes(self._layout, end - start), start, end)
+            except InjectionError:
+                self.clear_kv_cache()
+                raise
+        self._hold(tokens, n_tokens)
 
     def _set_state(self, buf: np.ndarray, size: int) -> int:
         """``llama_state_seq_set_data`` of ``buf[:size]`` (uint8) into the sequence; the bytes read."""

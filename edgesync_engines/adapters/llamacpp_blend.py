@@ -21,6 +21,8 @@ import ctypes
 import logging
 import threading
 
+import numpy as np
+
 from edgesync_engines.adapters.protocol import InjectionError
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,21 @@ class ScratchSequence:
         if delta:
             c.llama_memory_seq_add(mem, SCRATCH_SEQ, 0, n_cells, delta)
         c.llama_memory_seq_cp(mem, SCRATCH_SEQ, MAIN_SEQ, at, at + keep_end - keep_start)
+        c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+
+    def append(self, state: np.ndarray, size: int, start: int, end: int) -> None:
+        """Add cells ``[start, end)`` from ``state[:size]`` (a ``state_buffer.build`` buffer of
+        those positions) to the main sequence, which holds none of them: restored into the scratch
+        sequence, tagged into the main one. Raises InjectionError when llama.cpp refuses the buffer
+        (scratch cleared)."""
+        if self.refusal is not None:
+            raise InjectionError(self.refusal)
+        c, mem = self._c, self._mem
+        read = c.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size, SCRATCH_SEQ)
+        if read != size:
+            c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+            raise InjectionError(f"llama_state_seq_set_data (scratch) read {read} of {size} bytes")
+        c.llama_memory_seq_cp(mem, SCRATCH_SEQ, MAIN_SEQ, start, end)
         c.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
 
     def recompute(self, tokens, a: int, b: int) -> None:

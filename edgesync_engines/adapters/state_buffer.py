@@ -60,52 +60,55 @@ def room(layout: StateLayout, n_tokens: int, out: np.ndarray | None = None,
 
 
 def build(layout: StateLayout, head_width: int, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
-          seq_id: int = 0, out: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """The ``llama_state_seq_set_data`` bytes of positions 0..n_tokens-1 in every cache part,
-    K and V copied from ``blocks`` (covering every layer, KV head and position);
+          seq_id: int = 0, out: np.ndarray | None = None,
+          start: int = 0) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """The ``llama_state_seq_set_data`` bytes of positions ``start..n_tokens-1`` in every cache
+    part, K and V copied from ``blocks`` (covering every layer, KV head and those positions);
     ``head_width``: items of one KV head in a row. Returns the writable uint8 buffer (its first
-    :func:`state_bytes` bytes; ``out`` when large enough) and, per part, K and V views of it
-    ``[part layers, n_tokens, width]``. SeqStateError: ``n_tokens`` < 1, or a block not fitting."""
-    if n_tokens < 1:
-        raise seqstate.SeqStateError(f"n_tokens: {n_tokens}, need at least one cell")
+    ``state_bytes(layout, n_tokens - start)`` bytes; ``out`` when large enough) and, per part, K
+    and V views of it ``[part layers, n_tokens - start, width]``. SeqStateError: no cell, or a
+    block not fitting."""
+    if n_tokens - start < 1 or start < 0:
+        raise seqstate.SeqStateError(f"positions [{start}, {n_tokens}): need at least one cell")
     t = seqstate.ggml_type(layout.type_kv)
     dtype, width = np.dtype(t.dtype), layout.width
     itemsize, row = dtype.itemsize, layout.width * dtype.itemsize
-    size = state_bytes(layout, n_tokens)
+    size = state_bytes(layout, n_tokens - start)
     # not zero-filled: every byte of the state is written below, so a new buffer's pages are
     # touched once, by the copies
     buf = out if out is not None and len(out) >= size else np.empty(size, np.uint8)
     _HEAD.pack_into(buf, 0, seqstate.SEQ_STATE_MAGIC, seq_id)
-    cells = _cells(layout, n_tokens, tokens, seq_id)
+    cells = _cells(layout, start, n_tokens, tokens, seq_id)
+    n = n_tokens - start
     at, views = 8, []
     for i, n_layer in enumerate(layout.part_layers):
-        _PART.pack_into(buf, at, layout.n_stream, n_tokens)
+        _PART.pack_into(buf, at, layout.n_stream, n)
         at += 8
         buf[at:at + cells.nbytes] = cells.reshape(-1).view(np.uint8)
         at += cells.nbytes
         _PART.pack_into(buf, at, layout.v_trans, n_layer)
         at += 8
         if not n_layer:  # an iSWA cache part without layers: cells only
-            empty = np.empty((0, n_tokens, width), dtype)
+            empty = np.empty((0, n, width), dtype)
             views.append((empty, empty))
             at = _empty_streams(buf, at, layout.n_stream - 1)
             continue
-        stride = 12 + n_tokens * row  # one layer: its header, then its rows
-        k = np.ndarray((n_layer, n_tokens, width), dtype, buf, at + 12, (stride, row, itemsize))
+        stride = 12 + n * row  # one layer: its header, then its rows
+        k = np.ndarray((n_layer, n, width), dtype, buf, at + 12, (stride, row, itemsize))
         for il in range(n_layer):
             _ROW.pack_into(buf, at + il * stride, t.code, row)
         at += n_layer * stride
         if layout.v_trans:
-            v_t = np.ndarray((n_layer, width, n_tokens), dtype, buf, at + 12, (stride, n_tokens * itemsize, itemsize))
+            v_t = np.ndarray((n_layer, width, n), dtype, buf, at + 12, (stride, n * itemsize, itemsize))
             v = v_t.transpose(0, 2, 1)
             for il in range(n_layer):
                 _VT.pack_into(buf, at + il * stride, t.code, itemsize, width)
         else:
-            v = np.ndarray((n_layer, n_tokens, width), dtype, buf, at + 12, (stride, row, itemsize))
+            v = np.ndarray((n_layer, n, width), dtype, buf, at + 12, (stride, row, itemsize))
             for il in range(n_layer):
                 _ROW.pack_into(buf, at + il * stride, t.code, row)
         at += n_layer * stride
-        _copy_blocks(blocks, layout.part_range(i), k, v, head_width)
+        _copy_blocks(blocks, layout.part_range(i), k, v, head_width, start)
         views.append((k, v))
         at = _empty_streams(buf, at, layout.n_stream - 1)
     if at != size:
@@ -120,35 +123,38 @@ def _empty_streams(buf: np.ndarray, at: int, n: int) -> int:
     return at + 4 * n
 
 
-def _cells(layout: StateLayout, n: int, tokens: Sequence[int], seq_id: int) -> np.ndarray:
-    """The cell records of positions 0..n-1: pos, n_seq_id 1, [x, y, tok], seq_id (int32)."""
+def _cells(layout: StateLayout, start: int, end: int, tokens: Sequence[int], seq_id: int) -> np.ndarray:
+    """The cell records of positions start..end-1: pos, n_seq_id 1, [x, y, tok], seq_id (int32)."""
     ext = 3 if layout.cell_ext else 0
-    cells = np.empty((n, 3 + ext), dtype="<i4")
-    pos = np.arange(n, dtype=np.int64)
+    cells = np.empty((end - start, 3 + ext), dtype="<i4")
+    pos = np.arange(start, end, dtype=np.int64)
     cells[:, 0] = pos
     cells[:, 1] = 1
     if ext:
-        cells[:, 2:5] = seqstate.text_cell_ext(pos, np.asarray(tokens[:n]), layout.pos_2d)
+        cells[:, 2:5] = seqstate.text_cell_ext(pos, np.asarray(tokens[start:end]), layout.pos_2d)
     cells[:, -1] = seq_id
     return cells
 
 
-def _copy_blocks(blocks: Sequence[KVBlock], part: range, k: np.ndarray, v: np.ndarray, head_width: int) -> None:
-    """Copy the rows of ``blocks`` that fall in the part holding canonical layers ``part`` into
-    its views ``k``, ``v`` ``[part layers, n, width]`` (``v`` may be a transposed view)."""
+def _copy_blocks(blocks: Sequence[KVBlock], part: range, k: np.ndarray, v: np.ndarray, head_width: int,
+                 start: int = 0) -> None:
+    """Copy the rows of ``blocks`` that fall in the part holding canonical layers ``part`` and in
+    positions ``[start, start + n)`` into its views ``k``, ``v`` ``[part layers, n, width]``
+    (``v`` may be a transposed view)."""
+    end = start + k.shape[1]
     for b in blocks:
         lo, hi = _overlap(b.layers, part)
-        if lo >= hi:
+        a, z = max(b.start, start), min(b.end, end)
+        if lo >= hi or a >= z:
             continue
         first = b.layers[lo] - part.start
         dst = slice(first, first + (hi - lo - 1) * b.layers.step + 1, b.layers.step)
         cols = slice(b.heads.start * head_width, b.heads.stop * head_width)
-        n = b.end - b.start
         if b.keys.shape[2] != cols.stop - cols.start or b.values.shape[2] != cols.stop - cols.start:
             raise seqstate.SeqStateError(f"block [{b.start}, {b.end}): rows of {b.keys.shape[2]} items, "
                                          f"heads {b.heads.start}..{b.heads.stop} need {cols.stop - cols.start}")
-        k[dst, b.start:b.end, cols] = b.keys[lo:hi, :n]
-        v[dst, b.start:b.end, cols] = b.values[lo:hi, :n]
+        k[dst, a - start:z - start, cols] = b.keys[lo:hi, a - b.start:z - b.start]
+        v[dst, a - start:z - start, cols] = b.values[lo:hi, a - b.start:z - b.start]
 
 
 def _overlap(layers: range, part: range) -> tuple[int, int]:
