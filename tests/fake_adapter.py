@@ -167,7 +167,8 @@ class FakeAdapter:
             )
         return out
 
-    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
+    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int],
+                        on_chunk=None) -> int:
         tokens = [int(t) for t in tokens]
         if not 1 <= n_tokens <= len(tokens):
             raise ValueError(f"n_tokens: {n_tokens} outside [1, {len(tokens)}]")

@@ -58,3 +58,23 @@ def test_the_map_is_found_and_released(tmp_path):
             assert [bytes(f.keys[0, 0].view(np.uint8)) for f, _ in again] == first
             for (f, _), want in zip(again, frags):
                 assert np.array_equal(f.values.view(np.uint16), want.values.view(np.uint16))
+
+
+def test_drop_pages_unmaps_a_read_view_and_keeps_its_bytes(tmp_path):
+    import mmap
+
+    from edgesync_store.core.map_advice import drop_pages
+
+    data = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        before = _rss_file_kb()
+        assert int(np.frombuffer(view, np.uint8)[::4096].sum()) == int(data[::4096].sum())  # every page mapped
+        mapped = _rss_file_kb() - before
+        assert mapped >= 30 << 10
+        assert drop_pages(view[100:])  # whole pages inside the view only
+        assert _rss_file_kb() - before < mapped - (30 << 10)
+        assert np.array_equal(np.frombuffer(view, np.uint8), data)  # read again: the same bytes
+        view.release()

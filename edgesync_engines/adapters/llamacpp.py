@@ -354,11 +354,12 @@ class LlamaCppAdapter(EngineAdapter):
         self._state_buf = state_buffer.room(self._layout, n, self._state_buf, should_stop)
         return self._state_buf is not None and len(self._state_buf) >= state_buffer.state_bytes(self._layout, n)
 
-    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
+                     on_chunk: Callable[[], None] | None = None) -> None:
         """Set the seq state from one buffer, or chunk by chunk (:meth:`_in_chunks`) when longer
         than one; InjectionError when refused (the sequence is cleared)."""
         if self._in_chunks() and n_tokens > self._chunk_cells():
-            self._load_chunks(blocks, n_tokens, tokens)
+            self._load_chunks(blocks, n_tokens, tokens, on_chunk)
             return
         layout, size = self._layout, state_buffer.state_bytes(self._layout, n_tokens)
         # one buffer reused from injection to injection, but where the capture keeps views of it
@@ -373,10 +374,12 @@ class LlamaCppAdapter(EngineAdapter):
         if layout.swa_part is not None:
             self._swa.seed(*views[layout.swa_part])  # views of buf: the capture keeps it alive
 
-    def _load_chunks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
+    def _load_chunks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
+                     on_chunk: Callable[[], None] | None) -> None:
         """Positions ``0..n_tokens-1`` a chunk of cells at a time: each restored into the scratch
         sequence and tagged into this one (``ScratchSequence.append``), through one reused buffer
-        of :meth:`_chunk_cells` cells. InjectionError when refused (the sequence is cleared)."""
+        of :meth:`_chunk_cells` cells, ``on_chunk`` called after each. InjectionError when refused
+        (the sequence is cleared)."""
         per = self._chunk_cells()
         self._state_buf = state_buffer.room(self._layout, per, self._state_buf)
         self._llama_cpp.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
@@ -389,6 +392,8 @@ class LlamaCppAdapter(EngineAdapter):
             except InjectionError:
                 self.clear_kv_cache()
                 raise
+            if on_chunk is not None:
+                on_chunk()
         self._hold(tokens, n_tokens)
 
     def _set_state(self, buf: np.ndarray, size: int) -> int:

@@ -240,9 +240,9 @@ class SlotAdapter(LlamaCppAdapter):
     def _state_buf(self, buf) -> None:
         self.engine.state_buf = buf
 
-    def _load_blocks(self, blocks, n_tokens: int, tokens: Sequence[int]) -> None:
+    def _load_blocks(self, blocks, n_tokens: int, tokens: Sequence[int], on_chunk=None) -> None:
         with self.engine.buffer_lock:  # one buffer for every slot's injections
-            super()._load_blocks(blocks, n_tokens, tokens)
+            super()._load_blocks(blocks, n_tokens, tokens, on_chunk)
 
     def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
         with self.engine.buffer_lock:

@@ -188,14 +188,17 @@ class EngineAdapter(abc.ABC):
             for (start, end), (keys, values) in zip(spans, kv)
         ]
 
-    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int]) -> int:
+    def inject_fragment(self, fragments: Sequence[KVFragment], n_tokens: int, tokens: Sequence[int],
+                        on_chunk: Callable[[], None] | None = None) -> int:
         """Replace the live sequence with positions ``0..n_tokens-1`` from ``fragments``, which
-        tile ``[0, >= n_tokens)`` with every layer and KV head. Returns ``n_tokens``. Raises ValueError
-        (nothing changed) for another namespace, gaps, missing layers or heads, ``n_tokens`` outside
-        ``[1, len(tokens)]`` or differing tokens; InjectionError when refused (sequence cleared).
+        tile ``[0, >= n_tokens)`` with every layer and KV head. ``on_chunk``: called each time an
+        engine that loads a long context in chunks has copied one (so the caller may drop the
+        pages it read them from). Returns ``n_tokens``. Raises ValueError (nothing changed) for
+        another namespace, gaps, missing layers or heads, ``n_tokens`` outside ``[1, len(tokens)]``
+        or differing tokens; InjectionError when refused (sequence cleared).
         """
         self.kv_epoch += 1
-        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens)
+        self._load_blocks(fragment_blocks(self.namespace, fragments, n_tokens, tokens), n_tokens, tokens, on_chunk)
         return n_tokens
 
     def stage_fragment(self, fragment: KVFragment) -> KVFragment:
@@ -335,8 +338,9 @@ class EngineAdapter(abc.ABC):
         """K and V of each span, C-contiguous ``[len(layers), span, (head_end - head_start) *
         head_dim]`` of ``namespace.np_dtype`` (arguments already checked)."""
 
-    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int]) -> None:
-        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1."""
+    def _load_blocks(self, blocks: Sequence[KVBlock], n_tokens: int, tokens: Sequence[int],
+                     on_chunk: Callable[[], None] | None = None) -> None:
+        """Make the live sequence hold the validated ``blocks`` as positions 0..n_tokens-1 (in one piece here)."""
         self._load_kv(*blocks_kv(self.namespace, blocks, n_tokens), n_tokens, tokens)
 
     def _load_kv(self, k: np.ndarray, v: np.ndarray, n_tokens: int, tokens: Sequence[int]) -> None:

@@ -184,12 +184,23 @@ class Injector:
         try:
             if namespace is not None and namespace != self.adapter.namespace:
                 fragments = [convert_fragment(f, self.adapter.namespace) for f in fragments]
-            self.adapter.inject_fragment(fragments, target, tokens)
+            self.adapter.inject_fragment(fragments, target, tokens, on_chunk=self._release_mapped)
         except (ValueError, InjectionError) as exc:
             log.warning("injection refused, prefilling from scratch: %s", exc)
             self.adapter.clear_kv_cache()
             return None
         return fragments
+
+    def _release_mapped(self) -> None:
+        """Drop this process's pages of the store's map after a chunk of a long injection:
+        fragments read in place stay valid (the page cache keeps their bytes), and the hit's
+        resident memory does not grow by the whole context."""
+        if not self.store.serves_in_place:
+            return
+        try:
+            self.store.release_mapped()
+        except StoreError as exc:
+            log.debug("could not release the store's mapped pages: %s", exc)
 
     @contextmanager
     def fetched(self, match: PrefixMatch, target: int, defer_checks: bool = False) -> Iterator["Fetched"]:

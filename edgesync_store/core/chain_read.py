@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from edgesync_store.core import codec
+from edgesync_store.core import codec, map_advice
 
 
 class ChainRead(list):
@@ -43,8 +43,15 @@ class CheckedChainRead(ChainRead):
 
 
 def _failing(deferred: list) -> list[bytes]:
-    """Keys of ``(key, payload, expected)`` whose payload's xxh3 differs (xxhash releases the GIL)."""
-    return [key for key, payload, expected in deferred if codec.checksum(payload) != expected]
+    """Keys of ``(key, payload, expected)`` whose payload's xxh3 differs (xxhash releases the GIL).
+    Each checked payload's whole pages are unmapped again (``map_advice.drop_pages``), so that a
+    long chain checked ahead of its injection is not resident twice over."""
+    failing = []
+    for key, payload, expected in deferred:
+        if codec.checksum(payload) != expected:
+            failing.append(key)
+        map_advice.drop_pages(payload)
+    return failing
 
 
 _CHECKS: ThreadPoolExecutor | None = None

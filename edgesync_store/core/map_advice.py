@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,20 @@ def mapped_ranges(data_file: Path) -> list[tuple[int, int]]:
     except OSError:
         return []
     return ranges
+
+
+def drop_pages(view: memoryview) -> bool:
+    """Unmap this process's pages under ``view``, a read-only view of a shared file mapping
+    (``MADV_DONTNEED`` on the whole pages inside it): resident memory drops, the page cache
+    keeps the bytes, and a later read of the view maps them again. Never for anonymous memory,
+    whose pages it would zero. Returns whether it was done (not off Linux)."""
+    madvise = _madvise()
+    if madvise is None or not len(view):
+        return False
+    start = np.frombuffer(view, np.uint8).ctypes.data
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
+    return last <= first or madvise(first, last - first, MADV_DONTNEED) == 0
 
 
 class MapAdvice:

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from edgesync_store.core import codec, companions, eviction, walk
+from edgesync_store.core import codec, companions, eviction, map_advice, walk
 from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
 from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
 from edgesync_store.core.codec import FragmentHeader
@@ -326,6 +326,10 @@ class FragmentStore(MaintenanceBackend):
         frag = self._verified(key, value, life, views, corrupt, check_payload=not later)
         if frag is None and later:
             deferred.pop()
+        if later:
+            # the head and checksum reads mapped pages of the whole blob (large folios): a long
+            # chain read ahead of its injection would be resident twice over
+            map_advice.drop_pages(value)
         return frag, views and frag is not None
 
     def _drop_all_corrupt(self, corrupt: list) -> None:
