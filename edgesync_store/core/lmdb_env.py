@@ -12,7 +12,8 @@ the transactions that grow the map. Five core databases (:meth:`LmdbEnv.create_l
   ``reuse_tokens:`` + namespace digest -> the latest hit's token IDs (``<i4``).
 
 Companions (``donors``, ``emb_vectors``, ``emb_meta``, ``documents``) make nine of :data:`MAX_DBS`.
-A full map is doubled and the write retried; any other ``lmdb.Error`` leaves as ``StoreIOError``.
+Before a large write the map is grown to hold it (:meth:`LmdbEnv.reserve`); a map that still
+fills is doubled and the write retried; any other ``lmdb.Error`` leaves as ``StoreIOError``.
 """
 
 from __future__ import annotations
@@ -59,8 +60,23 @@ U64 = struct.Struct("<Q")
 MAX_DBS = 16
 """Named databases an environment may hold (a per-process setting of LMDB, not on disk)."""
 DEFAULT_MAP_SIZE = 256 * 1024 * 1024
-"""Initial LMDB map size in bytes; doubled whenever a write finds it full (sparse on Linux)."""
+"""Initial LMDB map size in bytes: address space, not disk (the file grows with the pages written);
+doubled before a write that needs more (:meth:`LmdbEnv.reserve`) or when a write finds it full.
+Small, so that a small store maps little; a 4.3 GB store-back (32K tokens of Llama-3.1-8B's f16
+KV) grows it to 8 GiB in five doublings before its one transaction (docs/configuration.md)."""
 MAX_MAP_SIZE = 1 << 40
+"""The largest map, bytes (1 TiB): growth stops there and a write that needs more fails
+(StoreIOError). Far above any budget a device holds; a 32-bit process cannot map even 4 GiB."""
+MAP_SLACK = 1024 * 1024
+"""Bytes :meth:`LmdbEnv.reserve` adds to every write's estimate, besides :data:`RECORD_PAGES` a
+record and :data:`FREE_LIST_SHARE` of the map in use: branch pages the write copies (LMDB copies
+every page it changes)."""
+FREE_LIST_SHARE = 1 / 256
+"""Share of the pages in use plus the write that :meth:`LmdbEnv.reserve` adds for the free-page
+list: a write that evicts records lists each page it frees (8 bytes a 4 KiB page, 1/512), twice over."""
+RECORD_PAGES = 4
+"""Pages :meth:`LmdbEnv.reserve` allows each record of a write besides its bytes: its last
+overflow page, rounded up, and the leaf pages of its head, index entry and lifecycle record."""
 OWN_FILES = ("lock.mdb", OPEN_LOCK_NAME, PINS_LOCK_NAME, COMPACT_LOCK_NAME)
 """Files of ours that may sit in a store directory without ``data.mdb`` (besides ``semantic.*``)."""
 T = TypeVar("T")
@@ -168,6 +184,7 @@ class LmdbEnv:
         self._map_size = map_size
         self._use_lock_file = lock
         self._named: dict[bytes, object] = {}
+        self._open_txns = 0  # transactions of this process open now (held under self.lock)
         self.advice = MapAdvice(path / "data.mdb")
         self.fragments = self.by_prefix = self.lifecycle = self.meta = self.heads = None
         self._env = self._open()
@@ -277,18 +294,68 @@ class LmdbEnv:
             with self.lock:
                 try:
                     try:
-                        with self._env.begin(write=write, buffers=True) as txn:
+                        with self._env.begin(write=write, buffers=True) as txn, self._counted():
                             return fn(txn)
                     except lmdb.MapFullError:
                         new_size = min(self._env.info()["map_size"] * 2, MAX_MAP_SIZE)
                         log.info("LMDB map full: growing %s to %d bytes", self.path, new_size)
-                        self._env.set_mapsize(new_size)
+                        self._set_mapsize(new_size)
                     except lmdb.MapResizedError:
                         log.debug("another process grew the map of %s", self.path)
                         self._env.set_mapsize(0)
                 except lmdb.Error as exc:  # also a failed growth
                     raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
         raise StoreIOError(f"store {self.path}: cannot grow the map beyond {MAX_MAP_SIZE} bytes")
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Count a transaction of this process as open for the ``with`` block (under :attr:`lock`)."""
+        self._open_txns += 1
+        try:
+            yield
+        finally:
+            self._open_txns -= 1
+
+    def _set_mapsize(self, size: int) -> None:
+        """``set_mapsize`` when no transaction of this process is open: LMDB remaps the file, and
+        the values a transaction still holds (memoryviews into the map) would point at nothing.
+        Caller holds :attr:`lock`; StoreIOError when a transaction is open, ``lmdb.Error`` when
+        LMDB refuses."""
+        if self._open_txns:
+            raise StoreIOError(f"store {self.path}: the map must grow to {size} bytes, but a transaction of this "
+                               "process is open (a write inside a read)")
+        self._env.set_mapsize(size)
+
+    def reserve(self, nbytes: int, records: int = 1) -> int:
+        """Grow the map before a write of ``nbytes`` bytes of values in ``records`` records, so
+        that it holds the pages in use plus the write's (:data:`RECORD_PAGES` a record, the
+        free-page list, :data:`MAP_SLACK`): doubled until it does, up to :data:`MAX_MAP_SIZE`. Pages the write
+        frees are not reused by it (LMDB), so the pages in use count whole. Without it a write
+        of gigabytes would fill the map, be dropped and be redone at every doubling.
+
+        Returns the map size, bytes. A read-only environment, a map that holds the write, or a
+        call inside another transaction of this process (the map may not be remapped then)
+        changes nothing; the write's own retry still grows the map if the estimate falls short.
+        Raises StoreIOError when LMDB refuses.
+        """
+        with self.lock:
+            try:
+                info = self._env.info()
+                size = info["map_size"]
+                if self.readonly or self._open_txns:
+                    return size
+                psize = self._env.stat()["psize"]
+                end = (info["last_pgno"] + 1) * psize + nbytes
+                need = end + int(end * FREE_LIST_SHARE) + RECORD_PAGES * max(records, 1) * psize + MAP_SLACK
+                if need <= size:
+                    return size
+                while size < need and size < MAX_MAP_SIZE:
+                    size = min(size * 2, MAX_MAP_SIZE)
+                log.info("LMDB map: growing %s to %d bytes ahead of a write of %d bytes", self.path, size, nbytes)
+                self._set_mapsize(size)
+                return size
+            except lmdb.Error as exc:
+                raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc
 
     def has_blob(self, txn, key: bytes) -> bool:
         """True when ``fragments`` holds ``key``; a cursor reads only the B-tree (getting a large
@@ -321,7 +388,7 @@ class LmdbEnv:
             else:
                 raise StoreIOError(f"store {self.path}: the map keeps growing")
             try:
-                with self.advice.whole_values(self._env.info()["map_size"]):
+                with self.advice.whole_values(self._env.info()["map_size"]), self._counted():
                     yield txn
             except lmdb.Error as exc:
                 raise StoreIOError(f"store {self.path}: {type(exc).__name__}: {exc}") from exc

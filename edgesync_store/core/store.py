@@ -432,6 +432,7 @@ class FragmentStore(MaintenanceBackend):
                        donor: tuple[bytes, bytes] | None = None) -> int:
         now = self.clock() if now is None else now
         env = self.env
+        env.reserve(sum(len(item[2]) for item in encoded), len(encoded))
 
         def write(txn) -> int:
             todo, seen = [], set()
