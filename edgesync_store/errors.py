@@ -6,9 +6,16 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["CodecError", "MissingExtraError", "StoreBusyError", "StoreDamagedError", "StoreError", "StoreFormatError",
-           "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError", "install_hint",
-           "require_extra"]
+from edgesync_store.commands.units import format_binary
+
+__all__ = ["CodecError", "MissingExtraError", "StoreBudgetError", "StoreBusyError", "StoreDamagedError", "StoreError",
+           "StoreFormatError", "StoreIOError", "StoreNotFoundError", "StoreOpenError", "StoreUnavailableError",
+           "install_hint", "require_extra", "sized"]
+
+
+def sized(nbytes: int) -> str:
+    """A size for a message, human-readable and exact: ``"4.0 GiB (4294967296 bytes)"``."""
+    return f"{format_binary(nbytes)} ({nbytes} bytes)"
 
 
 class StoreError(RuntimeError):
@@ -55,6 +62,27 @@ class StoreBusyError(StoreError):
 class StoreIOError(StoreError):
     """The storage backend failed during an operation (LMDB: a full map it cannot grow, a
     corrupt page, an I/O error); the message names the store and the backend's own error."""
+
+
+class StoreBudgetError(StoreError):
+    """A write that cannot fit the store's size budget (``max_bytes``), refused whole: nothing
+    was written and nothing evicted. Either the batch alone is larger than the budget, or the
+    fragments it would have to evict to fit are pinned by requests reading them.
+
+    Attributes:
+        path: the store directory.
+        nbytes: bytes the write needs: its blobs, or (refused before encoding) the K and V
+            bytes its uncompressed blobs would hold and exceed.
+        max_bytes: the budget, bytes.
+        held: bytes that would stay stored because they cannot be evicted (0: the batch alone
+            is larger than the budget).
+    """
+
+    def __init__(self, path: object, nbytes: int, max_bytes: int, held: int = 0) -> None:
+        why = (f"does not fit its size budget of {sized(max_bytes)} beside {sized(held)} that cannot be evicted "
+               "(pinned by requests reading them)" if held else f"is larger than its size budget of {sized(max_bytes)}")
+        super().__init__(f"store {path}: a write of {sized(nbytes)} {why}; nothing written")
+        self.path, self.nbytes, self.max_bytes, self.held = path, nbytes, max_bytes, held
 
 
 class CodecError(StoreError, ValueError):

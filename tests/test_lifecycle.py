@@ -273,14 +273,17 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     assert prompt_keys and prompt_keys < chain
     other = FragmentStore(path, clock=clock)  # a second process's view (own lock files)
     real_inject = es.adapter.inject_fragment
-    evicted_during = []
+    evicted_during, written = [], []
 
     def inject_while_another_writes(fragments, n_tokens, tokens):
         # test hook around the real injection: the only way to place a write exactly here.
-        # The budget is 30% of what is stored: eviction would take every unpinned fragment.
-        other.max_bytes = int(store.used_bytes() * 0.3)
+        # The budget holds the chain being injected and the new fragment, nothing more: eviction
+        # takes every unpinned fragment (a budget without room for both refuses the write whole)
         clock.advance(MIN)
-        other.put(fresh(500, clock))
+        new = fresh(500, clock)
+        other.max_bytes = sum(store.lifecycle(k).nbytes for k in prompt_keys) + len(codec.encode(new)) + 1024
+        assert other.put(new)
+        written.append(new.key())
         evicted_during.extend(k for k in chain if not other.contains(k))
         return real_inject(fragments, n_tokens, tokens)
 
@@ -296,7 +299,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     # once the request is done its fragments are fair game: the budget now takes them
     from edgesync_store.core.eviction import evict_to_budget
 
-    assert {k for k, _ in evict_to_budget(other, max_bytes=1)} == prompt_keys
+    assert {k for k, _ in evict_to_budget(other, max_bytes=1)} == prompt_keys | set(written)
     assert other.used_bytes() == 0
     other.close()
     store.close()

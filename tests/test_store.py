@@ -1446,10 +1446,65 @@ def test_a_store_back_replaces_twins_whose_stored_head_is_corrupt(tmp_path, sequ
 
 
 # ---------------------------------------------------------------------------------------------
-# the map grown ahead of a write
+# a batch larger than the budget, and the map grown ahead of a write
 
 LLAMA8B = replace(SMOL, n_layer=32, n_head_kv=8, head_dim=128)
 """Llama-3.1-8B's KV geometry: 128 KiB of f16 K and V a token."""
+
+
+def _store_state(store: FragmentStore) -> tuple:
+    """What a refused write must leave as it was: fragments, bytes stored, lifecycle records,
+    the index, and data.mdb's size."""
+    return (sorted(k for k, _ in store.iterate_lifecycle()), store.used_bytes(), store.stats().compressed_bytes,
+            sorted(raw_by_prefix_values(store.path)), (store.path / "data.mdb").stat().st_size)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_batch_larger_than_the_budget_is_refused_whole(tmp_path, compression, store_log):
+    """A budget of 4 MiB: one fragment of 5.6 MiB, or three of 1.4 MiB (4.2 MiB together), is
+    refused with StoreBudgetError naming both sizes; nothing is written, nothing evicted, the
+    map does not grow; a batch that fits is then written, evicting what it must."""
+    from edgesync_store.errors import StoreBudgetError, sized
+
+    budget = 4 * MiB
+    with FragmentStore(tmp_path / "s", max_bytes=budget, compression=compression) as store:
+        kept = make_fragment(seed=1, end=64, layers=(0, 10, 1))  # 0.5 MiB
+        assert store.put(kept)
+        before, map_size = _store_state(store), store.stats().map_size
+        big = make_fragment(seed=2, end=256, kind="bits")  # 5.6 MiB of K and V
+        chain = [make_fragment(seed=3 + i, kind="bits") for i in range(3)]  # 1.4 MiB each
+        for batch in ([big], chain):
+            with pytest.raises(StoreBudgetError) as refused:
+                store.put_many(batch)
+            err = refused.value
+            assert err.max_bytes == budget and err.nbytes > budget and err.held == 0
+            assert sized(err.nbytes) in str(err) and sized(budget) in str(err) and "nothing written" in str(err)
+            assert "4.0 MiB (4194304 bytes)" in str(err)
+            assert _store_state(store) == before and store.stats().map_size == map_size
+            assert not any(store.contains(f.key()) for f in batch) and store.contains(kept.key())
+        assert store_log.count("size budget") == 0  # nothing was evicted
+        assert store.put_many(chain[:2]) == 2  # 2.8 MiB + 0.5 MiB fits
+        assert store.used_bytes() <= budget
+
+
+def test_a_batch_that_fits_only_by_evicting_pinned_fragments_is_refused_whole(tmp_path):
+    """Two stored fragments pinned by a request reading them: a batch that would need their
+    room is refused (StoreBudgetError naming what cannot be evicted), nothing evicted; once
+    they are unpinned the same batch is written, evicting them."""
+    from edgesync_store.errors import StoreBudgetError, sized
+
+    with FragmentStore(tmp_path / "s", max_bytes=4 * MiB) as store:
+        old = [make_fragment(seed=10 + i, kind="bits") for i in range(2)]  # 2.8 MiB stored
+        new = [make_fragment(seed=20 + i, kind="bits") for i in range(2)]  # 2.8 MiB more
+        assert store.put_many(old) == 2
+        before = _store_state(store)
+        with store.pins.pinned([f.key() for f in old]):
+            with pytest.raises(StoreBudgetError, match="cannot be evicted") as refused:
+                store.put_many(new)
+            assert refused.value.held == store.used_bytes() and sized(refused.value.held) in str(refused.value)
+            assert _store_state(store) == before
+        assert store.put_many(new) == 2
+        assert all(store.contains(f.key()) for f in new) and not any(store.contains(f.key()) for f in old)
 
 
 def test_the_map_grows_ahead_of_a_multi_hundred_mb_batch(tmp_path, store_log):

@@ -42,6 +42,7 @@ from edgesync_store.core.page_check import verify as verify_pages
 from edgesync_store.core.walk import PrefixMatch, SpanMatch, index_key
 from edgesync_store.errors import (
     CodecError,
+    StoreBudgetError,
     StoreBusyError,
     StoreDamagedError,
     StoreFormatError,
@@ -56,12 +57,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-Encoded = tuple[bytes, bytes, bytes, Lifecycle, str]
-"""(store key, by_prefix index key, blob, lifecycle record, what to call it in a log line)."""
+Encoded = tuple[bytes, bytes, bytes, Lifecycle]
+"""(store key, by_prefix index key, blob, lifecycle record)."""
 
 __all__ = ["DEFAULT_MAP_SIZE", "DEFAULT_MAX_BYTES", "FragmentStore", "Lifecycle", "PrefixMatch", "STORE_FORMAT_VERSION",
-           "SpanMatch", "StoreBusyError", "StoreFormatError", "StoreIOError", "StoreOpenError", "StoreStats",
-           "StoreUnavailableError"]
+           "SpanMatch", "StoreBudgetError", "StoreBusyError", "StoreFormatError", "StoreIOError", "StoreOpenError",
+           "StoreStats", "StoreUnavailableError"]
 
 PinTableLike.register(PinTable)
 
@@ -379,16 +380,21 @@ class FragmentStore(MaintenanceBackend):
     def put_many(self, fragments: Sequence[KVFragment], now: float | None = None, *,
                  donor: tuple[bytes, bytes] | None = None) -> int:
         """See :meth:`FragmentBackend.put_many`. Encoding happens before the transaction so the
-        writer lock is held only for the copy into LMDB."""
+        writer lock is held only for the copy into LMDB. StoreBudgetError, with nothing written or
+        evicted: the batch cannot fit the size budget (uncompressed, checked before encoding:
+        each blob holds its K and V bytes and more)."""
         if donor is not None:
             check_key(donor[0])
+        if self.compression == "none":
+            raw = sum({f.key(): f.raw_nbytes for f in fragments}.values())
+            if raw > self.max_bytes:
+                raise StoreBudgetError(self.path, raw, self.max_bytes)
         encoded = []
         for f in fragments:
             blob = codec.encode(f, self.compression)
             life = Lifecycle(f.hit_count, f.last_hit_at, f.expires_at, f.created_at, nbytes=len(blob),
                              raw_nbytes=f.raw_nbytes)
-            encoded.append((f.key(), index_key(f.namespace.digest(), f.prefix_hash), blob, life,
-                            f"fragment [{f.token_start}, {f.token_end})"))
+            encoded.append((f.key(), index_key(f.namespace.digest(), f.prefix_hash), blob, life))
         return self._write_encoded(encoded, now, donor)
 
     def put_donor(self, key: bytes, value: bytes) -> bool:
@@ -406,8 +412,7 @@ class FragmentStore(MaintenanceBackend):
             head = codec.peek(blob)
             life = Lifecycle(life.hit_count, life.last_hit_at, life.expires_at, life.created_at, life.lifetime,
                              nbytes=len(blob), raw_nbytes=head.raw_nbytes)
-            encoded.append((bytes(key), index_key(head.namespace.digest(), head.prefix_hash), bytes(blob), life,
-                            f"fragment [{head.token_start}, {head.token_end})"))
+            encoded.append((bytes(key), index_key(head.namespace.digest(), head.prefix_hash), bytes(blob), life))
         return self._write_encoded(encoded, now)
 
     def _put_blob_in(self, txn, key: bytes, ikey: bytes, blob: bytes) -> None:
@@ -430,9 +435,16 @@ class FragmentStore(MaintenanceBackend):
 
     def _write_encoded(self, encoded: Sequence[Encoded], now: float | None,
                        donor: tuple[bytes, bytes] | None = None) -> int:
+        """Write ``encoded`` in one transaction, all or nothing; the number written (a live twin
+        with a sound head is left alone). StoreBudgetError, before anything is written or evicted:
+        the batch's blobs alone exceed the budget, or what it must evict to fit is pinned."""
         now = self.clock() if now is None else now
         env = self.env
-        env.reserve(sum(len(item[2]) for item in encoded), len(encoded))
+        batch = {item[0]: len(item[2]) for item in encoded}
+        total = sum(batch.values())
+        if total > self.max_bytes:
+            raise StoreBudgetError(self.path, total, self.max_bytes)
+        env.reserve(total, len(batch))
 
         def write(txn) -> int:
             todo, seen = [], set()
@@ -447,27 +459,33 @@ class FragmentStore(MaintenanceBackend):
                         continue
                     self.delete_in(txn, key)
                 todo.append(item)
-            used, incoming = self.used_in(txn), sum(len(t[2]) for t in todo)
-            if used + incoming > self.max_bytes:
-                target = int(self.max_bytes * eviction.LOW_WATER)
-                evicted = eviction.evict_in(self, txn, used + incoming - target, now, protect={t[0] for t in todo})
-                used -= sum(nbytes for _, nbytes in evicted)
-            added = 0
-            for key, ikey, blob, life, what in todo:
-                if used + len(blob) > self.max_bytes:
-                    log.warning("%s (%d bytes) does not fit the size budget of %d bytes; not stored", what,
-                                len(blob), self.max_bytes)
-                    continue
+            incoming = sum(len(t[2]) for t in todo)
+            used = self._make_room_in(txn, incoming, now, {t[0] for t in todo})
+            for key, ikey, blob, life in todo:
                 self._put_blob_in(txn, key, ikey, blob)
                 txn.put(key, life.pack(), db=env.lifecycle)
-                used += len(blob)
-                added += 1
-            txn.put(USED_BYTES_KEY, U64.pack(used), db=env.meta)
+            txn.put(USED_BYTES_KEY, U64.pack(used + incoming), db=env.meta)
             if donor is not None:
                 companions.add_donor_in(self, txn, *donor)
-            return added
+            return len(todo)
 
         return self.transact(write, write=True)
+
+    def _make_room_in(self, txn, incoming: int, now: float, protect: set[bytes]) -> int:
+        """Evict by the policy (``core/eviction.py``, down to ``LOW_WATER`` of the budget) so that
+        ``incoming`` more bytes fit, and return the bytes stored after it. StoreBudgetError, with
+        nothing evicted, when they cannot fit (what is left is pinned or in ``protect``)."""
+        used = self.used_in(txn)
+        if used + incoming <= self.max_bytes:
+            return used
+        need = used + incoming - int(self.max_bytes * eviction.LOW_WATER)
+        held = used - sum(nbytes for _, nbytes in eviction.plan(self, self.lifecycle_rows_in(txn), need, now, protect))
+        if held + incoming > self.max_bytes:
+            raise StoreBudgetError(self.path, incoming, self.max_bytes, held=held)
+        used -= sum(nbytes for _, nbytes in eviction.evict_in(self, txn, need, now, protect))
+        if used + incoming > self.max_bytes:  # records that undercounted their blob: the transaction is dropped
+            raise StoreBudgetError(self.path, incoming, self.max_bytes, held=used)
+        return used
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self.transact(lambda txn: sum(self.delete_in(txn, bytes(k)) > 0 for k in keys), write=True)
