@@ -1,6 +1,6 @@
-"""kv_layout's pure logic, no model: the prefill's evaluation blocks (``prefill_blocks``), the
-sliding-window rows kept during a prefill (``SwaCapture``) and the namespace's layout string
-(``StateLayout.name``)."""
+"""kv_layout's pure logic, no model: the prefill's evaluation blocks (``prefill_blocks``), with
+flash attention's batches of a tile or more (``tiled_rule``), the sliding-window rows kept during a
+prefill (``SwaCapture``) and the namespace's layout string (``StateLayout.name``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from edgesync_engines.adapters.kv_layout import (
     InjectionRule,
     StateLayout,
     SwaCapture,
+    FA_TILE_Q,
     exact_batches,
     prefill_blocks,
+    tiled_rule,
     turn_batches,
     usable_prefix,
 )
@@ -98,6 +100,64 @@ def test_blocks_examples():
     assert usable_prefix(500, 1300, 512) == 496 and usable_prefix(1000, 1300, 512) == 1000
     assert usable_prefix(512, 1300, 512) == 512 and usable_prefix(515, 1300, 512) == 512
 
+
+TILED = st.sampled_from([tiled_rule(GROUPED_ROWS), tiled_rule(ANY_ROW)])
+
+
+def _tiled_plan_ok(plan: list[tuple[int, int]], n_past: int, n_prompt: int, block: int, rule: InjectionRule) -> None:
+    """Every batch but the last token's holds ``min_batch`` tokens or more (all of them when
+    fewer are left), at most ``block``, and starts and ends on the row group but at the end."""
+    _check_cover(plan, n_past, n_prompt)
+    end = n_prompt - 1
+    for start, stop in plan[:-1]:
+        assert rule.min_batch <= stop - start <= block or (start, stop) == (n_past, end), (start, stop, plan)
+        assert stop % rule.row_group == 0 or stop == end
+        assert start % rule.row_group == 0 or start == n_past
+
+
+@given(n_prompt=st.integers(2, 5000), data=st.data(), block=st.sampled_from([136, 256, 512, 2048]), rule=TILED)
+def test_tiled_plans_keep_every_row_in_a_batch_of_a_tile_or_more(n_prompt, data, block, rule):
+    """With flash attention, an uncached prefill and one after any injection point
+    ``usable_prefix`` gives put every token but the last in a batch of ``FA_TILE_Q`` or more
+    (its tiled kernel), unless the prompt is shorter than that; then nothing is reused."""
+    assert rule.min_batch == FA_TILE_Q and rule.min_first_batch >= FA_TILE_Q
+    available = data.draw(st.integers(0, n_prompt + 5))
+    usable = usable_prefix(available, n_prompt, block, rule)
+    end = n_prompt - 1
+    assert 0 <= usable <= min(available, end)
+    valid = {0, end} if end >= rule.min_batch else {0}
+    valid |= {u for u in range(rule.min_batch, end - rule.min_first_batch + 1, rule.row_group)}
+    assert usable in valid and not any(u in valid for u in range(usable + 1, min(available, end) + 1))
+    _tiled_plan_ok(prefill_blocks(0, n_prompt, block, rule), 0, n_prompt, block, rule)
+    _tiled_plan_ok(prefill_blocks(usable, n_prompt, block, rule), usable, n_prompt, block, rule)
+    if usable:  # the first batch after the injection point is never short
+        assert prefill_blocks(usable, n_prompt, block, rule)[0][1] - usable >= rule.min_batch or usable == end
+
+
+@given(n_past=st.integers(0, 3000), end=st.integers(0, 3000), batch_tokens=st.integers(1, 600), rule=TILED,
+       block=st.sampled_from([256, 512, 2048]), every=st.sampled_from([64, 128, 256]))
+def test_tiled_idle_and_turn_batches_keep_a_tile(n_past, end, batch_tokens, rule, block, every):
+    """Idle-time batches and the workers' turns hold a tile or more under the tiled rule."""
+    assert all(b - a >= FA_TILE_Q for a, b in exact_batches(n_past, end, block, batch_tokens, rule))
+    n_prompt = max(end, 2)
+    start = usable_prefix(n_past, n_prompt, block, rule)
+    pieces = turn_batches(prefill_blocks(start, n_prompt, block, rule), every, rule)
+    _tiled_plan_ok(pieces, start, n_prompt, block, rule)
+
+
+def test_tiled_examples():
+    rule = tiled_rule(GROUPED_ROWS)
+    assert rule == InjectionRule(8, 64, 64) and tiled_rule(ANY_ROW) == InjectionRule(1, 64, 64)
+    # a remainder of 6 before the last token takes 64 + 6 (on the row group) from the batch before
+    assert prefill_blocks(0, 1031, 512, rule) == [(0, 512), (512, 960), (960, 1030), (1030, 1031)]
+    assert prefill_blocks(600, 1031, 512, rule) == [(600, 960), (960, 1030), (1030, 1031)]
+    assert prefill_blocks(1000, 1090, 512, rule) == [(1000, 1089), (1089, 1090)]  # short first batch crosses the grid
+    assert prefill_blocks(0, 40, 512, rule) == [(0, 39), (39, 40)]  # a short prompt: one batch
+    assert usable_prefix(1000, 1031, 512, rule) == 960 and usable_prefix(1030, 1031, 512, rule) == 1030
+    assert usable_prefix(60, 200, 512, rule) == 0 and usable_prefix(70, 200, 512, rule) == 64
+    assert usable_prefix(50, 60, 512, rule) == 0 and usable_prefix(64, 65, 512, rule) == 64
+    with pytest.raises(ValueError, match="block of at least 136"):
+        prefill_blocks(0, 1000, 128, rule)
 
 def _part(start: int, end: int, n_layer: int = 2, width: int = 4) -> CachePart:
     """A sliding-window part holding positions [start, end): K rows are position*10 + layer,

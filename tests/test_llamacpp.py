@@ -11,7 +11,14 @@ import pytest
 from seqstate_writer import serialize_parts
 
 from edgesync_engines.adapters import llamacpp, seqstate, state_buffer
-from edgesync_engines.adapters.kv_layout import ANY_ROW, GROUPED_ROWS, prefill_blocks, turn_batches, usable_prefix
+from edgesync_engines.adapters.kv_layout import (
+    ANY_ROW,
+    GROUPED_ROWS,
+    prefill_blocks,
+    tiled_rule,
+    turn_batches,
+    usable_prefix,
+)
 from edgesync_engines.adapters.protocol import ContextOverflowError
 
 pytestmark = [pytest.mark.model]
@@ -288,3 +295,44 @@ def test_more_threads_than_cpus_load_with_one_warning(adapter, prompt, caplog):
     adapter.clear_kv_cache()
     assert answer and answer == list(adapter.generate(prompt, 0, max_tokens=8, temperature=0.0))
     adapter.clear_kv_cache()
+
+
+@pytest.fixture(scope="module")
+def flash():
+    """SmolLM2 with flash attention on (2,048-token context), for this module."""
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+
+    a = LlamaCppAdapter(n_ctx=2048, flash_attn=True)
+    yield a
+    a.close()
+
+
+def test_flash_attention_hits_are_bit_identical_when_every_batch_holds_a_tile(flash, system_prompts):
+    """Flash attention's CPU kernel computes a row alone, by a tiled path in batches of 64
+    tokens or more and a per-row path below (other bits). The tiled rule keeps every prefill
+    batch at 64 or more: a prompt stored with a tail of 27 to 127 tokens after the grid, then a
+    700-token prompt from the point ``usable_prefix`` gives, has the uncached prefill's KV state
+    and last logits bit for bit, and the same greedy answer; so do the workers' turn pieces. A
+    first batch of 39 tokens (the grid plan without the rule) does not."""
+    assert flash.injection_rule == tiled_rule(ANY_ROW)
+    tokens = flash.tokenize("\n\n".join(system_prompts))[:700]
+    n = len(tokens)
+    assert flash.prefill_plan(0, n) == [(0, 512), (512, 699), (699, 700)]
+    assert flash.usable_prefix(60, 61) == 0  # an uncached 61-token prompt runs the per-row path
+    flash.prefill(tokens)
+    reference = last_logits(flash), flash._get_state()
+    answer = list(flash.generate(tokens, n - 1, max_tokens=16, temperature=0.0))
+    for stored, available, usable in ((601, 600, 600), (640, 639, 635), (540, 539, 539), (n, n - 1, n - 1)):
+        assert flash.usable_prefix(available, n) == usable
+        flash.prefill(tokens[:stored])  # the stored prompt's KV, live; the hit starts from its first tokens
+        flash.prefill(tokens, usable)
+        assert np.array_equal(last_logits(flash), reference[0]) and flash._get_state() == reference[1], stored
+        if stored in (601, n):
+            flash.prefill(tokens[:stored])
+            assert list(flash.generate(tokens, usable, max_tokens=16, temperature=0.0)) == answer
+    pieces = turn_batches(flash.prefill_plan(0, n), 64, flash.injection_rule)
+    assert len(pieces) > 3 and np.array_equal(prefill(flash, tokens, pieces), reference[0])
+    assert flash._get_state() == reference[1]
+    short_first = prefill(flash, tokens, [(0, 660), (660, 699), (699, 700)])
+    assert not np.array_equal(short_first, reference[0])
+    flash.clear_kv_cache()

@@ -195,15 +195,25 @@ for repacked quantized weights (``ggml-cpu/repack.cpp``) quantize activations 4 
 time, so a token's row depends on its group within the batch."""
 MIN_FIRST_BATCH = 16
 """Fewest tokens of a cached prefill's first batch off the block grid (smaller ones take other kernels)."""
+FA_TILE_Q = 64
+"""Queries from which llama.cpp's CPU flash attention takes its tiled path (``GGML_FA_TILE_Q``,
+``ggml-cpu/common.h``; ``ops.cpp`` picks it for f16/f32 KV when a batch holds at least this many
+tokens). Below, a per-row path computes other bits; either path computes each row alone."""
 
 
 @dataclass(frozen=True)
 class InjectionRule:
     """Where a cached prefill may start and stay bit-identical: its first batch starts on a multiple
-    of ``row_group`` tokens and holds at least ``min_first_batch`` (off the block grid)."""
+    of ``row_group`` tokens and holds at least ``min_first_batch`` (off the block grid).
+
+    ``min_batch`` (0: none) is for kernels that a batch's size selects (:func:`tiled_rule`):
+    every prefill batch but the last token's then holds at least that many tokens, a prompt
+    of fewer than ``min_batch + 1`` tokens reuses nothing, and no injection point is below it,
+    so every stored or reused row was computed by the same kernel as the uncached prefill's."""
 
     row_group: int = ROW_GROUP
     min_first_batch: int = MIN_FIRST_BATCH
+    min_batch: int = 0
 
 
 GROUPED_ROWS = InjectionRule()
@@ -212,14 +222,31 @@ ANY_ROW = InjectionRule(1, 2)
 """Any injection point with a first batch of 2+ tokens, where all rows compute alike (see probe_rows)."""
 
 
+def tiled_rule(rule: InjectionRule) -> InjectionRule:
+    """``rule`` with llama.cpp's flash attention on: batches of at least :data:`FA_TILE_Q` tokens,
+    which take its tiled path, where a row's bits depend neither on the batch nor on where it
+    starts (../shared/DESIGN.md 2.11)."""
+    return InjectionRule(rule.row_group, max(rule.min_first_batch, FA_TILE_Q), FA_TILE_Q)
+
+
 def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule = GROUPED_ROWS) -> int:
     """How many of ``available`` stored prompt tokens to inject for an ``n_prompt``-token
     prompt prefilled in ``block``-token blocks (:func:`prefill_blocks`) so that the result is
     bit-identical to an uncached prefill: ``n_prompt - 1`` (the last token is always evaluated
     alone), or the largest point not above ``available`` on the block grid or on a
-    ``rule.row_group`` multiple leaving a first batch of ``rule.min_first_batch`` (0: none)."""
+    ``rule.row_group`` multiple leaving a first batch of ``rule.min_first_batch`` (0: none).
+    Under a rule with ``min_batch``, any ``rule.row_group`` multiple of at least ``min_batch``
+    that leaves ``rule.min_first_batch`` tokens, or ``n_prompt - 1``; 0 for a prompt of fewer than
+    ``min_batch + 1`` tokens, which an uncached prefill evaluates in one smaller batch."""
     end = n_prompt - 1
     usable = min(available, end)
+    if rule.min_batch:
+        if end < rule.min_batch:
+            return 0
+        if usable < end:
+            usable = min(usable, end - rule.min_first_batch)
+            usable -= usable % rule.row_group
+        return usable if usable >= rule.min_batch else 0
     if usable == end:
         return max(usable, 0)
     usable -= usable % rule.row_group
@@ -230,10 +257,17 @@ def usable_prefix(available: int, n_prompt: int, block: int, rule: InjectionRule
     return max(usable, 0)
 
 
-def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, int]]:
+def prefill_blocks(n_past: int, n_prompt: int, block: int, rule: InjectionRule | None = None) -> list[tuple[int, int]]:
     """The ``[start, end)`` evaluation batches for prompt tokens ``n_past..n_prompt-1``:
     batches ending on the grid of ``block`` tokens (``n_batch``, or a shorter sliding window)
-    up to the last prompt token, then that token alone; no other one-token batch."""
+    up to the last prompt token, then that token alone; no other one-token batch. Under a
+    ``rule`` with ``min_batch`` (:func:`tiled_rule`), no batch but the last token's is shorter
+    than ``min_batch`` unless the whole prompt is: a short first batch reaches past the grid,
+    and a short remainder before the last token takes ``min_batch`` tokens or more from the
+    batch before it, cut on a ``rule.row_group`` multiple. Raises ValueError when such a rule
+    needs batches longer than ``block``."""
+    if rule is not None and rule.min_batch:
+        return _tiled_blocks(n_past, n_prompt - 1, block, rule) + [(n_prompt - 1, n_prompt)]
     plan = []
     end = n_prompt - 1
     pos = n_past
@@ -247,6 +281,25 @@ def prefill_blocks(n_past: int, n_prompt: int, block: int) -> list[tuple[int, in
         plan.append((pos, pos + size))
         pos += size
     plan.append((end, n_prompt))
+    return plan
+
+
+def _tiled_blocks(pos: int, end: int, block: int, rule: InjectionRule) -> list[tuple[int, int]]:
+    """:func:`prefill_blocks`' batches of ``[pos, end)`` under a rule with ``min_batch``."""
+    least, group = rule.min_batch, rule.row_group
+    if block < 2 * least + group or block % group:
+        raise ValueError(f"prefill_blocks: batches of at least {least} tokens on multiples of {group} need "
+                         f"a block of at least {2 * least + group} tokens on that multiple, got {block}")
+    plan = []
+    while pos < end:
+        stop = min(pos - pos % block + block, end)
+        if stop - pos < least:
+            stop = min(pos + least, end)
+        if 0 < end - stop < least:
+            cut = end - least - (end - least) % group
+            stop = cut if cut - pos >= least else end  # else at most 2 * least + group - 1 tokens
+        plan.append((pos, stop))
+        pos = stop
     return plan
 
 

@@ -192,11 +192,15 @@ class LlamaCppAdapter(EngineAdapter):
             log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
         else:
             log.debug("llama.cpp KV layout: %s", self.namespace)
-        if self.cache_refusal is None and not self.flash_attn:  # flash attention is not exact at every cut
+        if self.cache_refusal is None:
             key = (self.namespace.digest(), self._block_tokens())
             if key not in _PROBED_RULES:
-                _PROBED_RULES[key] = self.probe_rows()
+                _PROBED_RULES[key] = self._flash_rule(self.probe_rows())
             self.injection_rule = _PROBED_RULES[key]
+            self.cache_refusal = self._flash_refusal()
+            if self.cache_refusal is not None:
+                self.namespace = None
+                log.warning("%s: serving uncached (no KV reuse): %s", self.model_path.name, self.cache_refusal)
         self.blend_refusal = self.cache_refusal or self._layout.blend_refusal() or (
             None if self.llm.context_params.n_seq_max >= 2 and self.llm.context_params.kv_unified
             else "the Llama was opened with one sequence (blending needs n_seq_max >= 2, kv_unified)")
@@ -228,6 +232,21 @@ class LlamaCppAdapter(EngineAdapter):
             self.clear_kv_cache()
         log.debug("injection rule: every row alike (any point, first batches of 2 or more)")
         return kv_layout.ANY_ROW
+
+    def _flash_rule(self, rule: kv_layout.InjectionRule) -> kv_layout.InjectionRule:
+        """``rule`` (the matrix kernels' rows, :meth:`probe_rows`: its batches are shorter than a
+        flash-attention tile) with flash attention's batches of a tile or more when it is on
+        (:func:`kv_layout.tiled_rule`)."""
+        return kv_layout.tiled_rule(rule) if self.flash_attn else rule
+
+    def _flash_refusal(self) -> str | None:
+        """Why flash attention's rule cannot hold on this block grid (None: it can)."""
+        rule, block = self.injection_rule, self._block_tokens()
+        if rule.min_batch and (block < 2 * rule.min_batch + rule.row_group or block % rule.row_group):
+            return (f"flash attention needs prefill batches of {rule.min_batch}+ tokens: a block of "
+                    f"{2 * rule.min_batch + rule.row_group}+ tokens on a multiple of {rule.row_group} "
+                    f"(n_batch or the window), got {block}")
+        return None
 
     def _probe_eval(self, tokens: Sequence[int], start: int, block: int) -> tuple[bytes, bytes]:
         """Evaluate ``tokens[start:]`` in prefill batches: the seq state and last logits (float32 bytes)."""
@@ -438,12 +457,13 @@ class LlamaCppAdapter(EngineAdapter):
         return kv_layout.exact_batches(n_past, end, self._block_tokens(), batch_tokens, self.injection_rule)
 
     def prefill_plan(self, n_past: int, n_prompt: int) -> list[tuple[int, int]]:
-        """:func:`kv_layout.prefill_blocks` on this adapter's block grid."""
-        return kv_layout.prefill_blocks(n_past, n_prompt, self._block_tokens())
+        """:func:`kv_layout.prefill_blocks` on this adapter's block grid and injection rule."""
+        return kv_layout.prefill_blocks(n_past, n_prompt, self._block_tokens(), self.injection_rule)
 
     def _block_tokens(self) -> int:
-        """The prefill's block grid: ``n_batch``, or the window when it is shorter."""
-        n_batch = int(self.llm.n_batch)
+        """The prefill's block grid: ``n_batch`` (or ``n_ubatch``, the most ``llama_decode``
+        evaluates at once, when smaller), or the window when it is shorter."""
+        n_batch = min(int(self.llm.n_batch), int(self._llama_cpp.llama_n_ubatch(self._ctx)))
         if self._layout is not None and self._layout.swa_part is not None:
             n_batch = min(n_batch, self._layout.n_swa)
         return n_batch
