@@ -21,7 +21,7 @@ import platformdirs
 
 from edgesync_store.commands.units import LARGEST_SIZE, format_binary, parse_bytes
 from edgesync_store.core.codec import COMPRESSIONS, DEFAULT_COMPRESSION
-from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
+from edgesync_store.core.store import DEFAULT_FREE_SHARE, DEFAULT_MAX_BYTES
 from edgesync_store.ttl import DEFAULT_TTL_SECONDS
 
 __all__ = ["Check", "Setting", "StoreSettings", "as_dict", "check_fields", "default_store_path", "flag", "load",
@@ -286,7 +286,8 @@ def default_store_path() -> Path:
 @dataclass(frozen=True)
 class StoreSettings:
     """The settings the store and its maintenance read: directory, new fragments' lifetime, size
-    budget (None: the one recorded in the store), K/V encoding, the sweep and compaction schedule.
+    budget (None: the one recorded in the store, else ``core.store.default_max_bytes``), K/V
+    encoding, the sweep and compaction schedule.
     ``EdgeSyncConfig`` redeclares them with :func:`setting_of`. Construct with :meth:`load` or
     keywords (ValueError ``"field: reason"``)."""
 
@@ -299,7 +300,9 @@ class StoreSettings:
     max_bytes: int | None = setting(
         None, env="EDGESYNC_MAX_BYTES", parse=parse_size,
         help="size budget of the store, bytes of stored fragments (`512M`, `1G`: powers of 1024; `500MB`: of 1000)",
-        check=optional_size, shown=f"the budget recorded in the store, else {binary(DEFAULT_MAX_BYTES)}")
+        check=optional_size,
+        shown=f"the budget recorded in the store, else the smaller of {binary(DEFAULT_MAX_BYTES)} and "
+              f"{DEFAULT_FREE_SHARE:.0%} of the disk space free when it is created (recorded)")
     compression: str = setting(
         DEFAULT_COMPRESSION, env="EDGESYNC_COMPRESSION", parse=lower,
         help="how new fragments hold K and V: `none` (a hit reads them in place, no decompression) or `zstd` "

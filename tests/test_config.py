@@ -108,7 +108,7 @@ def test_table_defines_fields_defaults_and_variables():
         EdgeSyncConfig.load(environ={"EDGESYNC_COMPRESSION": "gzip"})
     assert (cfg.sweep_interval_s, cfg.compact_interval_s) == (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S)
     assert (DEFAULT_SWEEP_INTERVAL_S, DEFAULT_COMPACT_INTERVAL_S) == (60.0, 900.0)
-    assert cfg.max_bytes is None and "1 GiB" in BY_NAME["max_bytes"].shown_default() and DEFAULT_MAX_BYTES == 1 << 30
+    assert cfg.max_bytes is None and "8 GiB" in BY_NAME["max_bytes"].shown_default() and DEFAULT_MAX_BYTES == 8 << 30
     assert cfg.to_dict()["store_path"] == str(default_store_path()) and list(cfg.to_dict()) == fields
 
 

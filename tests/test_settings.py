@@ -52,7 +52,8 @@ def test_bad_store_settings_name_the_setting_and_the_variable():
         StoreSettings(max_bytes=0)
     with pytest.raises(ValueError, match="unknown setting 'reuse'"):
         StoreSettings.load({"reuse": "exact"}, environ={})
-    assert "1 GiB" in table(StoreSettings)[2].shown_default() and DEFAULT_MAX_BYTES == 1 << 30
+    assert "8 GiB and 25% of the disk space free" in table(StoreSettings)[2].shown_default()
+    assert DEFAULT_MAX_BYTES == 8 << 30
 
 
 def test_a_settings_dataclass_is_its_fields():

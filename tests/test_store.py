@@ -1446,7 +1446,7 @@ def test_a_store_back_replaces_twins_whose_stored_head_is_corrupt(tmp_path, sequ
 
 
 # ---------------------------------------------------------------------------------------------
-# a batch larger than the budget, and the map grown ahead of a write
+# the size budget's default, a batch larger than the budget, and the map grown ahead of a write
 
 LLAMA8B = replace(SMOL, n_layer=32, n_head_kv=8, head_dim=128)
 """Llama-3.1-8B's KV geometry: 128 KiB of f16 K and V a token."""
@@ -1457,6 +1457,24 @@ def _store_state(store: FragmentStore) -> tuple:
     the index, and data.mdb's size."""
     return (sorted(k for k, _ in store.iterate_lifecycle()), store.used_bytes(), store.stats().compressed_bytes,
             sorted(raw_by_prefix_values(store.path)), (store.path / "data.mdb").stat().st_size)
+
+
+def test_the_default_budget_is_the_smaller_of_8_gib_and_a_quarter_of_the_free_space(tmp_path):
+    """A new store records min(8 GiB, 25% of the free space); a later open keeps it; a budget
+    given replaces it."""
+    from edgesync_store.core.store import DEFAULT_MAX_BYTES, budget_for_space, default_max_bytes
+
+    assert DEFAULT_MAX_BYTES == 8 * 1024**3
+    assert budget_for_space(100 * 1024**3) == DEFAULT_MAX_BYTES  # a laptop: llama-server's 8 GiB
+    assert budget_for_space(16 * 10**9) == 4 * 10**9  # a small device: a quarter of what is free
+    assert budget_for_space(0) == 1
+    with FragmentStore(tmp_path / "s") as store:
+        assert store.recorded_max_bytes() == store.max_bytes
+        assert store.max_bytes == pytest.approx(default_max_bytes(tmp_path / "s"), rel=0.01)
+    with FragmentStore(tmp_path / "s", max_bytes=3 * MiB) as store:
+        assert store.max_bytes == 3 * MiB
+    with FragmentStore(tmp_path / "s") as store:
+        assert store.max_bytes == 3 * MiB
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
@@ -1539,4 +1557,3 @@ def test_the_map_is_not_grown_inside_a_transaction(tmp_path):
             with pytest.raises(StoreIOError, match="a transaction of this process is open"):
                 store.transact(lambda txn: txn.put(b"k", bytes(8 * MiB), db=store.named_db(b"meta")), write=True)
         assert store.env.reserve(64 * MiB, 1) > 64 * MiB  # outside any transaction it grows
-

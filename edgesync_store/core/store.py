@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,6 @@ from edgesync_store.core.backend import MaintenanceBackend, PinTableLike
 from edgesync_store.core.chain_read import ChainRead, CheckedChainRead
 from edgesync_store.core.codec import FragmentHeader
 from edgesync_store.core.donor_record import check_key
-from edgesync_store.core.eviction import DEFAULT_MAX_BYTES
 from edgesync_store.core.lmdb_env import (
     DEFAULT_MAP_SIZE,
     MAX_BYTES_KEY,
@@ -49,6 +49,7 @@ from edgesync_store.errors import (
     StoreIOError,
     StoreOpenError,
     StoreUnavailableError,
+    sized,
 )
 from edgesync_store.schema import KVFragment, Namespace
 from edgesync_store.ttl import Clock, Lifecycle, TTLPolicy
@@ -60,11 +61,39 @@ T = TypeVar("T")
 Encoded = tuple[bytes, bytes, bytes, Lifecycle]
 """(store key, by_prefix index key, blob, lifecycle record)."""
 
-__all__ = ["DEFAULT_MAP_SIZE", "DEFAULT_MAX_BYTES", "FragmentStore", "Lifecycle", "PrefixMatch", "STORE_FORMAT_VERSION",
-           "SpanMatch", "StoreBudgetError", "StoreBusyError", "StoreFormatError", "StoreIOError", "StoreOpenError",
-           "StoreStats", "StoreUnavailableError"]
+__all__ = ["DEFAULT_FREE_SHARE", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_BYTES", "FragmentStore", "Lifecycle", "PrefixMatch",
+           "STORE_FORMAT_VERSION", "SpanMatch", "StoreBudgetError", "StoreBusyError", "StoreFormatError",
+           "StoreIOError", "StoreOpenError", "StoreStats", "StoreUnavailableError", "budget_for_space",
+           "default_max_bytes"]
 
 PinTableLike.register(PinTable)
+
+DEFAULT_MAX_BYTES = 8 * 1024**3
+"""The default size budget's ceiling, bytes of stored fragments: 8 GiB, the default of
+llama-server's host prompt cache (``--cache-ram``: ``cache_ram_mib = 8192`` in llama.cpp's
+``common/common.h``). It holds a 32K-token context of Llama-3.1-8B's f16 KV (128 KiB a token:
+4 GiB) with room for more. A new store takes the smaller of it and :data:`DEFAULT_FREE_SHARE` of
+the free space (:func:`default_max_bytes`); the reasoning is in docs/configuration.md."""
+DEFAULT_FREE_SHARE = 0.25
+"""Share of the space free to a new store that its default budget may take (:func:`default_max_bytes`):
+a quarter, because a full store's file can reach about twice its budget (a write's evicted pages
+are not reused in its own transaction) and a reclaim writes a compact copy beside it."""
+
+
+def budget_for_space(space: int) -> int:
+    """The default size budget, bytes, for ``space`` bytes free to a store: the smaller of
+    :data:`DEFAULT_MAX_BYTES` and :data:`DEFAULT_FREE_SHARE` of it, at least 1."""
+    return max(1, min(DEFAULT_MAX_BYTES, int(space * DEFAULT_FREE_SHARE)))
+
+
+def default_max_bytes(path: str | os.PathLike) -> int:
+    """The size budget a store at ``path`` (an existing directory) takes when none is given or
+    recorded, bytes: :func:`budget_for_space` of the filesystem's free space plus what the
+    store's ``data.mdb`` already takes there. OSError: the filesystem cannot be asked
+    (``shutil.disk_usage``)."""
+    data = Path(path) / "data.mdb"
+    own = data.stat().st_size if data.exists() else 0
+    return budget_for_space(shutil.disk_usage(path).free + own)
 
 
 @dataclass
@@ -90,8 +119,9 @@ class FragmentStore(MaintenanceBackend):
         map_size: initial LMDB map size in bytes (grows on demand).
         readonly: no growth, no migration, no removal of corrupt ones.
         clock: Unix seconds (default ``time.time``).
-        max_bytes: size budget, bytes of stored blobs; None keeps the one recorded in the store
-            (or :data:`DEFAULT_MAX_BYTES`); a value given is recorded for the compaction command.
+        max_bytes: size budget, bytes of stored blobs; None keeps the one recorded in the store,
+            else takes :func:`default_max_bytes` (recorded, when writable, so that it does not
+            shrink as the disk fills); a value given is recorded for the compaction command.
         open_timeout_s: seconds to wait while another process reclaims or clears the store.
         compression: new blobs' tensors, ``"none"`` (read in place) or ``"zstd"``.
         upgrade: brings a writable store of an older format to ``STORE_FORMAT_VERSION`` and
@@ -185,8 +215,18 @@ class FragmentStore(MaintenanceBackend):
 
     def _settle_budget(self, max_bytes: int | None) -> int:
         recorded = self.recorded_max_bytes()
+        if max_bytes is None and recorded:
+            return recorded
         if max_bytes is None:
-            return recorded or DEFAULT_MAX_BYTES
+            try:
+                max_bytes = default_max_bytes(self.path)
+            except OSError as exc:
+                max_bytes = DEFAULT_MAX_BYTES
+                log.warning("store %s: cannot read the free space (%s); size budget %s", self.path, exc,
+                            sized(max_bytes))
+            else:
+                log.info("store %s: size budget %s (the smaller of %s and %.0f%% of the free space)", self.path,
+                         sized(max_bytes), sized(DEFAULT_MAX_BYTES), DEFAULT_FREE_SHARE * 100)
         if max_bytes != recorded and not self.readonly:
             self.transact(lambda txn: txn.put(MAX_BYTES_KEY, U64.pack(max_bytes), db=self.env.meta), write=True)
         return max_bytes
