@@ -4,18 +4,25 @@
 The prompt's chunk grid is ``schema.chunk_spans(len(tokens) - 1, chunk_tokens)`` (never the last
 token: ``usable_prefix``). The donor record goes in the same write as the fragments, without a
 vector: nothing is embedded on the default path.
+
+A context whose KV cannot fit the store's size budget is not stored at all, decided before its
+KV is extracted (:func:`context_kv_bytes`): one warning names both sizes, and the answer is
+unaffected. Storing part of it would evict everything else for a chain that a repeat reads only
+in part, and the rest would never fit.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from edgesync_engines.request.prompt_text import embed_text_for
 from edgesync_store.core.donor_record import donor_value
-from edgesync_store.errors import StoreError
+from edgesync_store.errors import StoreBudgetError, StoreError, sized
 from edgesync_store.lifecycle.merge import group_ranges, split_heads, split_layers
 from edgesync_store.schema import Namespace, chunk_spans, prefix_hash, store_key
 
@@ -27,6 +34,22 @@ if TYPE_CHECKING:
     from edgesync_store.core.backend import FragmentBackend
 
 log = logging.getLogger(__name__)
+
+_REFUSED: OrderedDict[tuple, None] = OrderedDict()
+"""Contexts refused for their size lately (budget, first chunk's key), most recent last: a context
+refused again (an idle store-back refuses the same growing conversation at every chunk) is
+logged at DEBUG, not warned about again."""
+_REFUSED_KEPT = 64
+_REFUSED_LOCK = threading.Lock()
+
+
+def context_kv_bytes(namespace: Namespace, n_tokens: int) -> int:
+    """Bytes of K and V that ``n_tokens`` tokens of ``namespace``'s KV take, as the engine holds
+    them (before any compression): 2 (K and V) x layers x KV heads x a head's row width x its
+    item size x tokens. Llama-3.1-8B in f16: 2 x 32 x 8 x 128 x 2 = 128 KiB a token, 4 GiB for
+    32,768 tokens; SmolLM2-135M: 22.5 KiB a token (DESIGN.md 2.10)."""
+    ns = namespace
+    return 2 * ns.n_layer * ns.n_head_kv * ns.head_width * ns.np_dtype.itemsize * int(n_tokens)
 
 
 def chunk_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = 128, *,
@@ -66,8 +89,14 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     one chain from 0. Missing chunks are written in one ``put_many`` with the donor record of
     ``donor_prompt`` (a string or chat messages). ``ram``: the RAM tier keeps them too, unless
     the store serves in place. ``spans``: chunks to store instead of the grid (inside the live sequence).
+
+    A context whose KV (the grid's tokens, :func:`context_kv_bytes`) exceeds the store's
+    ``max_bytes``, or whose blobs the store refuses as larger than its budget
+    (``StoreBudgetError``), writes nothing, with one warning naming both sizes.
     """
     ns = adapter.namespace
+    if _too_large(store, ns, tokens, config, spans):
+        return 0
     try:
         donor = None if donor_prompt is None or store.readonly else _donor_record(ns, tokens, config, donor_prompt)
         spans = [
@@ -91,9 +120,56 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
         if ram is not None and written and not store.serves_in_place:
             ram.keep_stored(fragments)
         return written
+    except StoreBudgetError as exc:
+        held = f" beside {sized(exc.held)} it cannot evict (pinned by requests reading them)" if exc.held else ""
+        _refuse(store, ns, tokens, config, f"its fragments take {sized(exc.nbytes)}, more than the store's size budget "
+                                           f"of {sized(exc.max_bytes)}{held}")
+        return 0
     except (StoreError, OSError, ValueError) as exc:
         log.warning("could not store fragments, serving uncached: %s", exc)
         return 0
+
+
+def _too_large(store: "FragmentBackend", ns: Namespace, tokens: list[int], config: "EdgeSyncConfig",
+               spans: "Sequence[tuple[int, int]] | None") -> bool:
+    """True (the refusal logged) when the KV of the context's grid, or of ``spans`` reaching
+    further, exceeds the store's budget; False when it may fit or the store has no budget."""
+    budget = getattr(store, "max_bytes", None)
+    if not budget:
+        return False
+    try:
+        grid = chunk_spans(len(tokens) - 1, config.chunk_tokens)
+    except ValueError:
+        return False  # a bad chunk size: store_new says so
+    n_tokens = max([e for _, e in grid] + [e for _, e in spans or ()], default=0)
+    nbytes = context_kv_bytes(ns, n_tokens)
+    if nbytes <= budget:
+        return False
+    _refuse(store, ns, tokens, config, f"its KV ({n_tokens} tokens) is {sized(nbytes)}, more than the store's size "
+                                       f"budget of {sized(budget)}")
+    return True
+
+
+def _refuse(store: "FragmentBackend", ns: Namespace, tokens: list[int], config: "EdgeSyncConfig", why: str) -> None:
+    """Log that the context is not stored: a warning, or DEBUG when the same context (its first
+    chunk) was refused lately under the same budget."""
+    try:
+        first = chunk_key(ns, tokens, config.chunk_tokens)
+    except ValueError:
+        first = None
+    seen = (getattr(store, "max_bytes", None), first)
+    with _REFUSED_LOCK:
+        again = seen in _REFUSED
+        _REFUSED[seen] = None
+        _REFUSED.move_to_end(seen)
+        while len(_REFUSED) > _REFUSED_KEPT:
+            _REFUSED.popitem(last=False)
+    text = "not storing this context: %s; the request is answered, its KV is not stored (a larger max_bytes, " \
+           "EDGESYNC_MAX_BYTES, keeps it)"
+    if again and first is not None:
+        log.debug(text, why)
+    else:
+        log.warning(text, why)
 
 
 def _donor_record(namespace: Namespace, tokens: list[int], config: "EdgeSyncConfig",
