@@ -46,7 +46,11 @@ from edgesync_store.settings import (
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
 """K and V cache types llama.cpp takes (``ggml_type`` names), for ``kv_type``."""
 DEFAULT_RAM_TIER_BYTES = 64 * 1024 * 1024
-"""Default budget of the RAM tier (``ram_tier_bytes``), bytes of decoded K + V: 64 MiB."""
+"""Default budget of the RAM tier (``ram_tier_bytes``), bytes of decoded K + V: 64 MiB. Small on
+purpose: it is a private copy beside the engine's KV cache (uncompressed fragments are read in
+place and never copied there), and a chain larger than it bypasses it, so a hit's memory stays
+the KV cache plus at most this. It holds four 128-token chunks of Llama-3.1-8B's f16 KV (16 MiB
+each), 22 of SmolLM2-135M's (docs/configuration.md)."""
 ENGINES = ("llamacpp", "onnx")
 """Engines the router drives: llama.cpp (llama-cpp-python) and ONNX Runtime."""
 REUSE_MODES = ("exact", "semantic", "blend")
@@ -161,7 +165,7 @@ class EdgeSyncConfig:
     ram_tier_bytes: int = setting(
         DEFAULT_RAM_TIER_BYTES, env="EDGESYNC_RAM_TIER_BYTES", parse=parse_size_or_off,
         help="budget of the RAM tier, bytes of decoded K + V: fragments stored or read once are served again from "
-             "RAM while the store holds them live (0 = off; `64M`: powers of 1024)",
+             "RAM while the store holds them live; a chain larger than it is not kept (0 = off; `64M`: powers of 1024)",
         check=lambda v: None if is_int(v) and 0 <= v <= LARGEST_SIZE
         else f"must be an int from 0 to {LARGEST_SIZE} bytes, got {v!r}",
         shown=f"{DEFAULT_RAM_TIER_BYTES} ({binary(DEFAULT_RAM_TIER_BYTES)})")

@@ -112,6 +112,22 @@ def test_table_defines_fields_defaults_and_variables():
     assert cfg.to_dict()["store_path"] == str(default_store_path()) and list(cfg.to_dict()) == fields
 
 
+def test_the_ram_tier_default_is_small_beside_a_long_context():
+    """64 MiB of decoded K + V: four 128-token chunks of Llama-3.1-8B's f16 KV, 1/64 of a
+    32K-token context of it (docs/configuration.md): a hit adds at most that beside the KV cache."""
+    from dataclasses import replace
+
+    from fragments import SMOL
+
+    from edgesync_engines.config import DEFAULT_RAM_TIER_BYTES
+    from edgesync_engines.request.storeback import context_kv_bytes
+
+    llama8b = replace(SMOL, n_layer=32, n_head_kv=8, head_dim=128)
+    assert EdgeSyncConfig.load(environ={}).ram_tier_bytes == DEFAULT_RAM_TIER_BYTES == 64 << 20
+    assert DEFAULT_RAM_TIER_BYTES == 4 * context_kv_bytes(llama8b, 128)
+    assert 64 * DEFAULT_RAM_TIER_BYTES == context_kv_bytes(llama8b, 32768)
+
+
 def test_checks_once_for_constructor_and_load(tmp_path):
     """The same check runs for direct construction and for load, with the variable named only
     when the bad value came from the environment; the chunk span limits are the schema's."""

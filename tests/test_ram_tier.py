@@ -3,26 +3,34 @@ what a request stored, or read from the store, is injected from RAM next time wi
 from the store and the tokens of an uncached run; a fragment the store forgot, lost (another
 process's eviction or compaction between the walk and the injection) or let expire after it was
 kept in RAM is not served from RAM, and the request prefills what it lacks with identical
-tokens; the tier never holds more than its budget. The tier keeps what a read decodes into memory
-of its own: these tests use zstd stores (``compression="zstd"``); a store of uncompressed blobs
-(the default) is read in place, and its fragments are not kept (the last test).
+tokens; the tier never holds more than its budget, and a fragment or a chain larger than it
+bypasses it, evicting nothing. The tier keeps what a read decodes into memory of its own: these
+tests use zstd stores (``compression="zstd"``); a store of uncompressed blobs (the default) is
+read in place, and its fragments are not kept (the last model test). The first tests need no
+model: fragments of SmolLM2's geometry in a real store.
 
 Prompts are an app's system prompt (../shared/workloads/system_prompts.json) and a question.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+from fragments import SMOL
 
 from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
 from edgesync_engines.config import EdgeSyncConfig
 from edgesync_engines.request import plan as planning
+from edgesync_engines.request.fragment_cache import FragmentCache
+from edgesync_engines.request.ramtier import RamTier
 from edgesync_engines.request.router import EdgeSync
 from edgesync_store.core.store import FragmentStore
+from edgesync_store.schema import KVFragment, prefix_hash
 from edgesync_store.ttl import ManualClock, TTLPolicy
 
-pytestmark = [pytest.mark.model]
+MiB = 1 << 20
 
 MAX_TOKENS = 8
 QUESTION = "How should I plan a week of revision?"
@@ -76,6 +84,74 @@ def walk_then_delete(es: EdgeSync, victim: bytes):
     return walk
 
 
+def smol_chain(n: int, span: int = 128, seed: int = 0) -> list[KVFragment]:
+    """``n`` consecutive fragments of ``span`` tokens with SmolLM2's KV geometry (22.5 KiB a
+    token: 2.8 MiB at 128 tokens), one chain from position 0, seeded random K and V."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 49152, size=n * span, dtype=np.int32)
+    shape = (SMOL.n_layer, span, SMOL.n_head_kv * SMOL.head_dim)
+    now = time.time()
+    return [KVFragment(namespace=SMOL, token_start=i * span, token_end=(i + 1) * span, layer_start=0,
+                       layer_end=SMOL.n_layer, layer_stride=1, head_start=0, head_end=SMOL.n_head_kv,
+                       keys=rng.standard_normal(shape).astype(np.float16),
+                       values=rng.standard_normal(shape).astype(np.float16),
+                       token_ids=tokens[i * span:(i + 1) * span], prefix_hash=prefix_hash(tokens[:i * span]),
+                       created_at=now, expires_at=now + 3600)
+            for i in range(n)]
+
+
+def test_an_entry_larger_than_the_budget_is_rejected_and_evicts_nothing():
+    """The LRU refuses an entry larger than its whole budget without evicting anything; a new
+    version of a held key that is too large drops the old version (it must not be served)."""
+    tier = RamTier(10 * MiB)
+    for i in range(3):
+        assert tier.put(i, object(), nbytes=3 * MiB)
+    assert not tier.put("big", object(), nbytes=11 * MiB)
+    stats = tier.stats()
+    assert tier.keys() == [0, 1, 2] and stats.bytes == 9 * MiB and stats.rejected == 1 and stats.evictions == 0
+    assert not tier.put(1, object(), nbytes=11 * MiB) and tier.keys() == [0, 2] and tier.bytes == 6 * MiB
+
+
+def test_a_chain_larger_than_the_budget_bypasses_the_tier(tmp_path):
+    """An 8 MiB tier over a real zstd store holds a 2.8 MiB chain. A chain of four 2.8 MiB
+    fragments (11.2 MiB), read as the injector reads (``records`` of the chain, then ``put`` of
+    each decoded fragment), is served as decoded but neither staged nor kept, and evicts
+    nothing; its store-back (``keep_stored``) neither. A chain that fits is kept after it; a
+    lone fragment larger than the tier is returned unstaged and rejected, nothing evicted."""
+    staged = []
+
+    def stage(frag: KVFragment) -> KVFragment:  # counts the staging copies
+        staged.append(frag.key())
+        return frag
+
+    small, big, other = smol_chain(2, span=64, seed=1), smol_chain(4, seed=2), smol_chain(1, seed=3)
+    keys = {name: [f.key() for f in chain] for name, chain in (("small", small), ("big", big), ("other", other))}
+    with FragmentStore(tmp_path / "s", compression="zstd") as store:
+        assert store.put_many(small + big + other) == 7
+        cache = FragmentCache(store, 8 * MiB, stage)
+
+        def read(name: str) -> list[KVFragment]:
+            records = cache.records(keys[name])
+            return [cache.put(k, store.get(k), records[k]) for k in keys[name]]
+
+        read("small")
+        assert cache.ram.keys() == keys["small"] and staged == keys["small"]
+        assert [f.key() for f in read("big")] == keys["big"]  # served, as decoded
+        stats = cache.ram.stats()
+        assert cache.ram.keys() == keys["small"] and staged == keys["small"] and cache.bypassed == 4
+        assert stats.evictions == stats.rejected == 0 and stats.bytes == 2 * 64 * 30 * 192 * 2 * 2
+        assert cache.keep_stored(big) == 0 and cache.ram.keys() == keys["small"] and cache.bypassed == 8
+        read("other")  # judged on its own: it fits, and is kept
+        assert cache.ram.keys() == keys["small"] + keys["other"] and cache.ram.bytes <= 8 * MiB
+        assert cache.keep_stored(small) == 2 and cache.ram.stats().evictions == 0
+
+        tiny = FragmentCache(store, 2 * MiB, stage)
+        frag = store.get(keys["other"][0])
+        assert tiny.put(keys["other"][0], frag, store.lifecycle(keys["other"][0])) is frag
+        assert len(tiny.ram) == 0 and tiny.ram.stats().rejected == 1 and staged.count(keys["other"][0]) == 1
+
+
+@pytest.mark.model
 def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, system_prompts, uncached, tmp_path):
     """Miss (its store-back keeps the chain in RAM too), then hits from RAM alone: every
     fragment, 0 bytes read, across the promotion to the long lifetime (5 hits: the expiry
@@ -126,6 +202,7 @@ def test_a_repeat_is_served_from_ram_with_nothing_read_from_the_store(adapter, s
         store.close()
 
 
+@pytest.mark.model
 def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, system_prompts, uncached, tmp_path,
                                                                   monkeypatch):
     """The store loses the chain's second fragment between the walk and the injection (what
@@ -154,6 +231,7 @@ def test_a_fragment_deleted_after_the_walk_is_not_served_from_ram(adapter, syste
         store.close()
 
 
+@pytest.mark.model
 def test_a_fragment_expired_after_the_walk_is_not_served(adapter, system_prompts, uncached, tmp_path, monkeypatch):
     """The clock passes the chain's expiry between the walk and the injection: nothing is
     served (from RAM or the store), the request prefills and answers identically."""
@@ -183,11 +261,12 @@ def test_a_fragment_expired_after_the_walk_is_not_served(adapter, system_prompts
         store.close()
 
 
+@pytest.mark.model
 def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp_path):
     """A budget of four full 128-token fragments (2.95 MB each in f16: one prompt's chain of
     about 350 tokens fits, two do not) over three prompts: held bytes never pass it, the least
     recently used go, the third request of each prompt is served from RAM, and answers stay
-    identical; a budget smaller than one fragment holds nothing."""
+    identical; a budget smaller than one fragment holds nothing (the chains bypass it)."""
     ns = adapter.namespace
     one = 128 * ns.n_layer * ns.n_head_kv * ns.head_dim * 2 * 2
     prompts = [chat(p) for p in system_prompts[3:6]]
@@ -204,13 +283,14 @@ def test_the_tier_stays_within_its_budget(adapter, system_prompts, uncached, tmp
             stats = es.fragment_cache.ram.stats()
             if budget > one:
                 assert stats.evictions > 0 and stats.hits == 6 * len(prompts)
-            else:
-                assert stats.entries == 0 and stats.rejected > 0 and stats.hits == 0
+            else:  # every chain is larger than the budget: it bypasses the tier
+                assert stats.entries == 0 and stats.puts == 0 and stats.hits == 0 and es.fragment_cache.bypassed > 0
         finally:
             es.close()
             store.close()
 
 
+@pytest.mark.model
 def test_an_uncompressed_store_is_read_in_place_and_not_kept_in_ram(adapter, system_prompts, uncached, tmp_path,
                                                                      monkeypatch):
     """The default store (``compression="none"``): the store-back keeps nothing in RAM, each

@@ -3,6 +3,12 @@ once the store no longer holds them live.
 
 An entry's version is the ``created_at`` of its lifecycle record: a deleted fragment has none
 and a rewritten one a new one, so neither is served from RAM.
+
+A chain larger than the budget bypasses the tier: its fragments are neither staged nor kept.
+It could never be served whole from RAM, and keeping its tail would evict everything else for
+the few fragments a repeat reads last (least recently used order cycles through it), at the
+cost of a staging copy each. So the tier holds at most ``max_bytes`` beside the engine's KV
+cache, whatever the context's size (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class FragmentCache:
         self.stage = stage
         self.ram = RamTier(max_bytes)
         self._lock = threading.Lock()
-        self._stale = 0
+        self._stale = self._bypassed = 0
+        self._chain = threading.local()  # .bypass: keys of this thread's latest chain too large for the tier
 
     @property
     def stale(self) -> int:
@@ -42,10 +49,24 @@ class FragmentCache:
         with self._lock:
             return self._stale
 
+    @property
+    def bypassed(self) -> int:
+        """Fragments not kept since the start because their chain (or store-back) was larger
+        than the budget."""
+        with self._lock:
+            return self._bypassed
+
     def records(self, keys: Sequence[bytes]) -> dict[bytes, "Lifecycle | None"]:
         """The store's lifecycle record of each key (None: not stored), read in one transaction.
-        Raises StoreError when the store fails."""
-        return dict(zip(keys, self.store.lifecycles(keys)))
+        ``keys`` are one chain, read next on this thread: when its stored fragments' decoded
+        bytes (the records' ``raw_nbytes``) exceed the budget, this thread's :meth:`put` of
+        them keeps none, until its next call. Raises StoreError when the store fails."""
+        found = dict(zip(keys, self.store.lifecycles(keys)))
+        chain_bytes = sum(life.raw_nbytes for life in found.values() if life is not None)
+        self._chain.bypass = frozenset(found) if chain_bytes > self.ram.max_bytes else frozenset()
+        if chain_bytes > self.ram.max_bytes:
+            log.debug("RAM tier: a chain of %d B exceeds the %d B budget; not kept", chain_bytes, self.ram.max_bytes)
+        return found
 
     def cached(self, key: bytes, life: "Lifecycle | None", now: float) -> "KVFragment | None":
         """The entry under ``key`` when ``life`` (the store's record, None: not stored) says the
@@ -67,7 +88,15 @@ class FragmentCache:
 
     def put(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> "KVFragment":
         """Keep ``frag`` (decoded from the store under ``key``), staged, as the version of
-        record ``life`` unless it alone exceeds the budget; returns the staged fragment."""
+        record ``life``, unless it alone exceeds the budget or its chain does (:meth:`records`):
+        then it is returned as given, nothing evicted. Returns the fragment to use."""
+        if key in getattr(self._chain, "bypass", ()):
+            with self._lock:
+                self._bypassed += 1
+            return frag
+        return self._keep(key, frag, life)
+
+    def _keep(self, key: bytes, frag: "KVFragment", life: "Lifecycle") -> "KVFragment":
         if self.stage is not None and frag.raw_nbytes <= self.ram.max_bytes:
             frag = self.stage(frag)
         frag.created_at = life.created_at  # the version the next reads compare with
@@ -75,14 +104,21 @@ class FragmentCache:
         return frag
 
     def keep_stored(self, fragments: "Sequence[KVFragment]") -> int:
-        """Keep fragments the store-back just wrote, as the version the store holds (one the
-        store did not write, or larger than the budget, is skipped); return how many were kept.
-        StoreError: the store failed."""
+        """Keep fragments the store-back just wrote, as the version the store holds, and return
+        how many were kept: none when together they exceed the budget (see the module
+        docstring); one the store did not write is skipped. StoreError: the store failed."""
+        total = sum(f.raw_nbytes for f in fragments)
+        if total > self.ram.max_bytes:
+            with self._lock:
+                self._bypassed += len(fragments)
+            log.debug("RAM tier: %d stored fragments of %d B exceed the %d B budget; not kept", len(fragments),
+                      total, self.ram.max_bytes)
+            return 0
         keys = [f.key() for f in fragments]
         kept = 0
         for key, frag, life in zip(keys, fragments, self.store.lifecycles(keys)):
-            if life is not None and life.created_at == frag.created_at and frag.raw_nbytes <= self.ram.max_bytes:
-                self.put(key, frag, life)
+            if life is not None and life.created_at == frag.created_at:
+                self._keep(key, frag, life)
                 kept += 1
         return kept
 
