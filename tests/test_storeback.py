@@ -156,3 +156,32 @@ def test_a_budget_smaller_than_one_prompt_answers_identically_and_stores_nothing
         (message,) = warnings_of(caplog)
         kv = context_kv_bytes(adapter.namespace, chunk_spans(n_tokens - 1, 128)[-1][1])
         assert kv > MiB and sized(kv) in message and sized(MiB) in message
+
+
+def test_write_batches_cut_spans_in_order_at_the_byte_limit():
+    ns = fake_namespace(n_layer=4, n_head_kv=2, head_dim=64)  # 2 KiB a token
+    spans = chunk_spans(1000, 128)  # 7 x 128 tokens (256 KiB each), then 104
+    assert storeback.write_batches(ns, spans, 512 << 10) == [spans[0:2], spans[2:4], spans[4:6], spans[6:8]]
+    assert storeback.write_batches(ns, spans, 100 << 10) == [[s] for s in spans]  # a span over the limit alone
+    assert storeback.write_batches(ns, spans) == [spans]
+    assert storeback.write_batches(ns, []) == []
+
+
+def test_a_long_context_is_extracted_and_written_a_batch_at_a_time(tmp_path, monkeypatch):
+    """With batches of two chunks, a 1,000-token store-back extracts two spans at a time and
+    writes the same fragments, and the same donor record, as one batch does."""
+    ns = fake_namespace(n_layer=4, n_head_kv=2, head_dim=64)
+    text, config = "b" * 1000, cfg()
+    with FragmentStore(tmp_path / "one") as one:
+        assert store_back(one, CountingAdapter(ns), text, config) == 8
+        whole = sorted(k for k, _ in one.iterate_lifecycle())
+    calls = []
+    monkeypatch.setattr(storeback, "WRITE_BATCH_BYTES", 512 << 10)
+    adapter = CountingAdapter(ns)
+    original = adapter.extract_fragments
+    monkeypatch.setattr(adapter, "extract_fragments", lambda tokens, spans, **kw: calls.append(spans) or
+                        original(tokens, spans, **kw))
+    with FragmentStore(tmp_path / "batched") as batched:
+        assert store_back(batched, adapter, text, config) == 8
+        assert [len(c) for c in calls] == [2, 2, 2, 2]
+        assert sorted(k for k, _ in batched.iterate_lifecycle()) == whole

@@ -90,6 +90,10 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     ``donor_prompt`` (a string or chat messages). ``ram``: the RAM tier keeps them too, unless
     the store serves in place. ``spans``: chunks to store instead of the grid (inside the live sequence).
 
+    Spans are extracted and written in :func:`write_batches` (one ``put_many`` each, the donor
+    record with the last), so a long context is never held whole beside the engine's KV cache;
+    the batches before a failed one stay stored (a prefix of the chain).
+
     A context whose KV (the grid's tokens, :func:`context_kv_bytes`) exceeds the store's
     ``max_bytes``, or whose blobs the store refuses as larger than its budget
     (``StoreBudgetError``), writes nothing, with one warning naming both sizes.
@@ -109,16 +113,19 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
                 store.put_donor(*donor)  # a store written before donor records came with the fragments
             return 0
         (l0, l1), (h0, h1) = group_ranges(ns, config.layers_per_fragment, config.heads_per_fragment)[0]
-        wholes = adapter.extract_fragments(tokens, spans, ttl_seconds=config.ttl_seconds, now=store.clock())
-        fragments = [
-            adapter.stage_fragment(part)  # V stored as the engine injects it: a hit copies rows
-            for whole in wholes
-            for layer_part in split_layers(whole, l1 - l0)
-            for part in split_heads(layer_part, h1 - h0)
-        ]
-        written = store.put_many(fragments, donor=donor)
-        if ram is not None and written and not store.serves_in_place:
-            ram.keep_stored(fragments)
+        written, batches = 0, write_batches(ns, spans)
+        for i, batch in enumerate(batches):
+            wholes = adapter.extract_fragments(tokens, batch, ttl_seconds=config.ttl_seconds, now=store.clock())
+            fragments = [
+                adapter.stage_fragment(part)  # V stored as the engine injects it: a hit copies rows
+                for whole in wholes
+                for layer_part in split_layers(whole, l1 - l0)
+                for part in split_heads(layer_part, h1 - h0)
+            ]
+            done = store.put_many(fragments, donor=donor if i == len(batches) - 1 else None)
+            if ram is not None and done and not store.serves_in_place:
+                ram.keep_stored(fragments)
+            written += done
         return written
     except StoreBudgetError as exc:
         held = f" beside {sized(exc.held)} it cannot evict (pinned by requests reading them)" if exc.held else ""
@@ -128,6 +135,29 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     except (StoreError, OSError, ValueError) as exc:
         log.warning("could not store fragments, serving uncached: %s", exc)
         return 0
+
+
+WRITE_BATCH_BYTES = 64 << 20
+"""KV bytes one store-back extracts and writes at a time: its fragments, their encoded blobs and
+LMDB's uncommitted pages each hold about this much, whatever the context's size."""
+
+
+def write_batches(ns: Namespace, spans: Sequence[tuple[int, int]],
+                  limit: int | None = None) -> list[list[tuple[int, int]]]:
+    """``spans`` in order, cut into runs of at most ``limit`` KV bytes (default
+    :data:`WRITE_BATCH_BYTES`; :func:`context_kv_bytes` of their tokens; a span larger than
+    ``limit`` is a run of its own)."""
+    limit = WRITE_BATCH_BYTES if limit is None else limit
+    batches: list[list[tuple[int, int]]] = []
+    held = limit
+    for s, e in spans:
+        size = context_kv_bytes(ns, e - s)
+        if held + size > limit:
+            batches.append([])
+            held = 0
+        batches[-1].append((s, e))
+        held += size
+    return batches
 
 
 def _too_large(store: "FragmentBackend", ns: Namespace, tokens: list[int], config: "EdgeSyncConfig",
