@@ -86,7 +86,8 @@ class FragmentBackend(ABC):
 
         A stored live twin is left alone; an expired one, or one whose stored head is corrupt,
         is replaced. Past the size budget, fragments are evicted first (``core/eviction.py``;
-        never a pinned one); one that still does not fit is skipped (logged).
+        never a pinned one); a batch that still does not fit raises ``StoreBudgetError`` with nothing
+        written or evicted.
 
         Args:
             donor: ``(key, value)`` of the prompt's donor record (``core/donor_record.py``),

@@ -15,8 +15,6 @@ from edgesync_store.ttl import LIFETIME_DOCUMENT, LIFETIME_LONG, Lifecycle
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
-"""Default size budget: 1 GiB of stored fragments (compressed blobs)."""
 LOW_WATER = 0.9
 """Fraction of ``max_bytes`` that eviction frees down to."""
 
