@@ -490,11 +490,12 @@ def stream_answer(client, model_id: str, messages: list[dict], max_tokens: int, 
     ``repeat_penalty`` 1, ``include_usage``), timed at the client by ``clock``: ``ttft_ms`` (to
     the first content chunk, or to the end without one), ``sent_s``, ``first_s``, ``last_s``
     (first and last content chunk; None without one), ``end_s`` (the stream's end),
-    ``completion_tokens`` (the usage's; None when none came), ``content_chunks``,
+    ``completion_tokens`` and ``usage_prompt_tokens`` (the usage's; None when none came),
+    ``content_chunks``,
     ``finish_reason``, ``cached_tokens``, the answer's ``text`` and llama-server's ``timings``
     or ``edgesync serve``'s ``edgesync`` object."""
     sent = clock()
-    first = last = cached = completion = timings = finish = None
+    first = last = cached = completion = prompt = timings = finish = None
     parts: list[str] = []
     for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True, stream_options={"include_usage": True},
@@ -502,7 +503,7 @@ def stream_answer(client, model_id: str, messages: list[dict], max_tokens: int, 
         now = clock()
         usage = getattr(chunk, "usage", None)
         if usage is not None:
-            completion = usage.completion_tokens
+            completion, prompt = usage.completion_tokens, getattr(usage, "prompt_tokens", None)
             if usage.prompt_tokens_details is not None:
                 cached = usage.prompt_tokens_details.cached_tokens
         extra = chunk.model_extra or {}
@@ -515,7 +516,8 @@ def stream_answer(client, model_id: str, messages: list[dict], max_tokens: int, 
                 parts.append(choice.delta.content)
     end = clock()
     return {"ttft_ms": ((first if first is not None else end) - sent) * 1000, "sent_s": sent, "first_s": first,
-            "last_s": last, "end_s": end, "completion_tokens": completion, "content_chunks": len(parts),
+            "last_s": last, "end_s": end, "completion_tokens": completion, "usage_prompt_tokens": prompt,
+            "content_chunks": len(parts),
             "finish_reason": finish, "cached_tokens": cached, "text": "".join(parts), "timings": timings}
 
 

@@ -152,8 +152,9 @@ def doc_prompt_sets(n: int, count_tokens, target_tokens: int = DOC_TOKENS) -> tu
 # -- measurements ---------------------------------------------------------------------------------
 
 def timed_request(es, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed ``es.generate``: the result's figures, the wall TTFT (call to first piece)
-    and ``after_ms`` (the answer's last piece to the end of the request: store-back, indexing)."""
+    """One streamed ``es.generate``: the result's figures (its tokens and text among them), the
+    wall TTFT (call to first piece) and ``after_ms`` (the answer's last piece to the end of the
+    request: store-back, indexing)."""
     t0 = time.perf_counter()
     first = last = None
     stream = es.generate(messages, max_tokens=max_tokens, stream=True, temperature=0.0)
@@ -165,7 +166,7 @@ def timed_request(es, messages: list[dict], max_tokens: int) -> dict:
     r = stream.result
     return {"ttft_ms": r.ttft_ms, "wall_ttft_ms": ((first or end) - t0) * 1000,
             "after_ms": (end - last) * 1000 if last is not None else r.total_ms - r.ttft_ms,
-            "hit": r.hit, "tokens": list(r.tokens), "prompt_tokens": r.prompt_tokens,
+            "hit": r.hit, "tokens": list(r.tokens), "text": r.text, "prompt_tokens": r.prompt_tokens,
             "tokens_reused": r.tokens_reused, "bytes_read": r.bytes_read, "fragments_written": r.fragments_written,
             "ram_tier_hits": getattr(r, "ram_tier_hits", 0) or 0}
 
@@ -398,14 +399,16 @@ launcher: Linux keeps a process's peak RSS across ``exec`` (``ru_maxrss`` of a c
 this ~600 MB process would start at 600 MB), so the measured child is forked by this small one."""
 
 
-def run_child(args: Sequence[str], env: dict) -> dict:
-    """Run ``edgesync <args>`` in a new process (through :data:`LAUNCHER`): ``ok``, ``wall_s``
-    (start to exit), ``peak_rss_bytes`` (its ``ru_maxrss``), ``result`` (the ``--json`` result
-    object), ``error``."""
+def run_child(args: Sequence[str], env: dict, command: Sequence[str] | None = None) -> dict:
+    """Run ``edgesync <args>`` (or ``command`` + ``args``) in a new process (through
+    :data:`LAUNCHER`): ``ok``, ``wall_s`` (start to exit), ``peak_rss_bytes`` (its ``ru_maxrss``),
+    ``result`` (the last line of its stdout that starts with ``{``, as JSON: ``edgesync generate
+    --json``'s result object), ``error``."""
     with tempfile.TemporaryDirectory() as tmp:
         usage_file, err_file = Path(tmp) / "usage.json", Path(tmp) / "stderr"
+        head = list(command) if command is not None else _edgesync_command()
         with open(err_file, "wb") as err:
-            proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(usage_file), *_edgesync_command(), *args],
+            proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(usage_file), *head, *args],
                                   stdout=subprocess.PIPE, stderr=err, env=env, cwd=str(ROOT), check=False)
         tail = err_file.read_text(errors="replace")[-400:]
         usage = json.loads(usage_file.read_text()) if usage_file.exists() else None

@@ -273,3 +273,44 @@ def quality_vs_ttft(rows: Sequence[Mapping], path: str | os.PathLike, title: str
     _legend_or_empty(ax, bool(blend or others), "lower right")
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+_KIND_STYLES = (("-", "o"), ("--", "s"), ("-.", "v"), (":", "^"), ((0, (1, 3)), "D"))
+
+
+def ttft_against_prompt_tokens(series: Sequence[Mapping], path: str | os.PathLike, title: str = "") -> Path:
+    """TTFT (ms) against prompt tokens, both axes log scale: one colour per model, one line style
+    and marker per kind (in first-seen order: e.g. miss, hit, floor).
+
+    Args:
+        series: dicts ``{"model", "kind", "points": [(prompt tokens, TTFT ms), ...]}``; points of
+            0 or less (a log axis cannot show them) are left out.
+        path: the PNG to write.
+        title: the figure's title (default: a generic one).
+
+    Returns:
+        the Path written; with no points at all, a "no records" figure.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.8, 5.2))
+    models = _order(s["model"] for s in series)
+    kinds = _order(s["kind"] for s in series)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = False
+    for s in series:
+        pts = sorted((float(x), float(y)) for x, y in s["points"] if x > 0 and y > 0)
+        if not pts:
+            continue
+        style, marker = _KIND_STYLES[kinds.index(s["kind"]) % len(_KIND_STYLES)]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker=marker, markersize=4,
+                color=colours[models.index(s["model"]) % len(colours)], label=f"{s['model']}: {s['kind']}")
+        drawn = True
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens (log scale)")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.set_title(title or "TTFT against prompt tokens")
+    ax.grid(True, which="both", alpha=0.3)
+    _legend_or_empty(ax, drawn, "upper left")
+    fig.tight_layout()
+    return _save(fig, plt, path)

@@ -102,10 +102,11 @@ def peak_rss_bytes(pid: int) -> int:
 
 class Server:
     """One server process: ``command`` (with ``{port}``) run in ``cwd``; :meth:`start` waits until
-    ``ready_path`` (default ``/v1/models``) answers 200."""
+    ``ready_path`` (default ``/v1/models``) answers 200, asking every ``poll_s`` seconds."""
 
-    def __init__(self, command: list[str], cwd: Path, env: dict, ready_path: str = "/v1/models") -> None:
-        self.command, self.cwd, self.env, self.ready_path = command, cwd, env, ready_path
+    def __init__(self, command: list[str], cwd: Path, env: dict, ready_path: str = "/v1/models",
+                 poll_s: float = 0.3) -> None:
+        self.command, self.cwd, self.env, self.ready_path, self.poll_s = command, cwd, env, ready_path, poll_s
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -124,7 +125,7 @@ class Server:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2):
                     return self
             except OSError:
-                time.sleep(0.3)
+                time.sleep(self.poll_s)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
