@@ -18,7 +18,8 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
-.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server llama-quantize
+.PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server llama-quantize \
+	hearth-llm
 
 setup: $(INSTALL_STAMP)
 
@@ -120,6 +121,20 @@ $(LLAMA_SERVER): | $(LLAMA_SDIST)
 	cmake -S $(LLAMA_SERVER_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_SRC)/cmake-build $(LLAMA_SERVER_CMAKE_ARGS)
 	cmake --build $(LLAMA_SERVER_SRC)/cmake-build --target llama-server --parallel 2
 	cp $(LLAMA_SERVER_SRC)/cmake-build/bin/llama-server $@
+
+# hearth-llm (PyPI), the long-context benchmark's peer (benchmarks/long_context.py): a proxy that
+# spawns `llama-server` from PATH with one slot and saves/restores its slot files; installed once
+# into a venv of its own (zero dependencies), never into .venv. The benchmark runs it with build/
+# first on PATH, so that its server is build/llama-server (`make llama-server`). Not a test.
+HEARTH_VERSION := 0.1.1
+HEARTH_VENV := build/hearth-venv
+
+hearth-llm: $(HEARTH_VENV)/bin/hearth
+
+$(HEARTH_VENV)/bin/hearth:
+	rm -rf $(HEARTH_VENV)
+	$(PYTHON) -m venv $(HEARTH_VENV)
+	$(HEARTH_VENV)/bin/pip install --quiet --no-deps hearth-llm==$(HEARTH_VERSION)
 
 # llama.cpp's llama-quantize, for tools/shaped_gguf.py (random-weight GGUFs of real model shapes,
 # quantized as users run them), built once into build/llama-quantize in llama-server's cmake tree
