@@ -31,7 +31,7 @@ Per model and size (a fresh store in a temporary directory for each):
    TTFT (engine's) is the cold prefill; its store-back is the time after the answer.
 3. Floor, in the same process on the same bytes: tokenization plus the evaluation of the last
    prompt token with the other n - 1 live, as floor.py measures it (median of
-   :data:`FLOOR_REPEATS`), plus one copy of the prompt's KV into llama.cpp's cache: the
+   :data:`LAST_TOKEN_REPEATS`), plus one copy of the prompt's KV into llama.cpp's cache: the
    sequence's state (``llama_state_seq_get_data`` after the prefill, in RAM) given back to
    ``llama_state_seq_set_data``, timed (median of :data:`FLOOR_REPEATS`).
 4. The same context as a llama-server slot file (``llama_state_seq_save_file``), kept for 6.
@@ -68,9 +68,11 @@ system: start-up time to ``/health`` (each start), bytes on disk per document to
 the server's process tree.
 
 Time: before each size after the first, its cost is predicted from the previous size's (its
-seconds x (tokens ratio) ^ :data:`GROWTH`); a size that would overrun the model's share of
-``--budget-min`` (the time left over the models left) is cut, with the larger ones, and the
-output says so. ``--quick`` aims at under 10 minutes, the default run at under 45 on 2 cores.
+seconds x (tokens ratio) ^ :data:`GROWTH`), and before the peers theirs from the size's cold
+prefill and model load (:func:`predict_peer_seconds`); a size that would overrun the model's
+share of ``--budget-min`` (the time left over the models left) is cut, with the larger ones,
+and peers that would are skipped; the output says so. ``--quick`` aims at under 10 minutes, the
+default run at under 45 on 2 cores.
 
 Needs the ``server`` extra, the ``test`` extra (``openai``), ``make llama-server`` and ``make
 hearth-llm`` (a missing peer is skipped, said so). Run it alone on the machine: two cores shared
@@ -109,6 +111,10 @@ CTX_MARGIN = 256
 """Context beyond a size's prompt: the answer, and in the peers' follow-up turn the answer and
 question 2. A model's largest prompt is its trained context less this."""
 FLOOR_REPEATS = 3
+"""Timed copies (``llama_state_seq_set_data``) of the floor; the median is taken."""
+LAST_TOKEN_REPEATS = 5
+"""Timed last-token evaluations of the floor; the median is taken (on two shared cores a single
+evaluation is now and then descheduled for seconds)."""
 HIT_PROCESSES = 2
 """New processes per page-cache state (warm, dropped)."""
 GROWTH = 1.5
@@ -291,6 +297,16 @@ def predict_seconds(history: Sequence[tuple[int, float]], tokens: int, growth: f
         return None
     n, s = history[-1]
     return s * (tokens / n) ** growth
+
+
+def predict_peer_seconds(prefill_s: float, start_s: float, systems: Sequence[str]) -> float:
+    """The peers' predicted cost at a size whose cold prefill took ``prefill_s`` and whose model
+    loaded in ``start_s``: a cold question 1 per system, hearth's question 2 after the restart (it
+    has no snapshot of that message list), three fresh answers (question 2 and up to two
+    follow-up turns, the systems' answers to question 1 being the history), three starts per
+    system."""
+    prefills = len(systems) + ("hearth" in systems) + (3 if systems else 0)
+    return prefills * prefill_s + 3 * len(systems) * start_s
 
 
 def median(xs: Iterable[float | None]) -> float | None:
@@ -627,7 +643,8 @@ def token_counter(path: Path, threads: int, n_ctx: int):
 
 # -- the in-process measurements -------------------------------------------------------------------
 
-def kv_floor(es, messages: list[dict], repeats: int = FLOOR_REPEATS, slot_file: Path | None = None) -> dict:
+def kv_floor(es, messages: list[dict], repeats: int = FLOOR_REPEATS, slot_file: Path | None = None,
+             last_repeats: int = LAST_TOKEN_REPEATS) -> dict:
     """The floor of a prompt the live context holds (module docstring, step 3), and the slot file
     of step 4: ``last_token_ms`` (median), ``copy_ms`` (median ``llama_state_seq_set_data``),
     ``floor_ms`` (their sum), every repeat, ``state_bytes``; ``slot_file_bytes``."""
@@ -635,7 +652,7 @@ def kv_floor(es, messages: list[dict], repeats: int = FLOOR_REPEATS, slot_file: 
 
     from edgesync_bench.floor import floor_ms
 
-    last = [floor_ms(es, messages) for _ in range(repeats)]
+    last = [floor_ms(es, messages) for _ in range(last_repeats)]
     adapter = es.adapter
     out: dict[str, Any] = {"last_token_ms_each": last, "last_token_ms": median(last)}
     with adapter.lock:
@@ -1054,10 +1071,18 @@ def run_model(spec: ModelSpec, args, work: Path, budget_s: float, say, has_slots
         m["sizes"].append(fig)
         history.append((prompt["tokens"], fig["seconds"]))
         if plan["label"] == size_label(args.peer_size) and args.peers and not fig.get("error"):
-            say(f"{spec.name} {plan['label']}: peers")
-            t1 = time.perf_counter()
-            m["peers"] = run_peers(path, facts, plan, prompt, _text(fig), sub / "peers", args, say, has_slots)
-            m["peers"]["seconds"] = time.perf_counter() - t1
+            prefill_s = median([fig["uncached"]["ttft_ms"], fig["miss"]["ttft_ms"]]) / 1000
+            guess, left = predict_peer_seconds(prefill_s, fig["load_s"], args.peers), \
+                budget_s - (time.perf_counter() - t_model)
+            if guess > left:
+                m["peers"] = {"label": plan["label"], "skipped": f"predicted {guess / 60:.1f} min > "
+                              f"{max(left, 0) / 60:.1f} min left of this model's share of --budget-min"}
+                say(f"{spec.name} {plan['label']}: peers skipped, {m['peers']['skipped']}")
+            else:
+                say(f"{spec.name} {plan['label']}: peers (predicted {guess / 60:.1f} min)")
+                t1 = time.perf_counter()
+                m["peers"] = run_peers(path, facts, plan, prompt, _text(fig), sub / "peers", args, say, has_slots)
+                m["peers"]["seconds"] = time.perf_counter() - t1
         if not args.keep:
             shutil.rmtree(sub, ignore_errors=True)
     if args.peers and "peers" not in m and size_label(args.peer_size) in [p["label"] for p in plans]:

@@ -137,6 +137,13 @@ def test_predict_seconds_grows_faster_than_the_tokens():
     assert lc.predict_seconds([(1000, 10.0)], 2000, growth=1.0) == pytest.approx(20.0)
 
 
+def test_predict_peer_seconds_counts_prefills_and_starts():
+    every = lc.predict_peer_seconds(10.0, 2.0, lc.PEER_SYSTEMS)
+    assert every == pytest.approx((3 + 1 + 3) * 10.0 + 9 * 2.0)
+    assert lc.predict_peer_seconds(10.0, 2.0, ("edgesync",)) == pytest.approx(4 * 10.0 + 3 * 2.0)
+    assert lc.predict_peer_seconds(10.0, 2.0, ()) == 0
+
+
 # -- figures -----------------------------------------------------------------------------------------
 
 def _proc(ttft, rss=300 * 2**20, tokens=(1, 2, 3), **extra):
