@@ -409,7 +409,8 @@ def ttft_table(m: Mapping) -> str:
     """The TTFT table of one model: per size miss, hits in new processes, floor and ratios."""
     out = ["| size | prompt tokens | uncached / miss TTFT (ms) | hit TTFT, new process, cache warm: 1st, 2nd (ms) | "
            "cache dropped: 1st, 2nd (ms) | launch to first token, warm / dropped (s) | floor = last token + KV copy "
-           "(ms) | 1st hit / floor, warm / dropped | miss / hit | hits identical to miss / uncached |",
+           "(ms) | hit / floor: warm 1st, 2nd / dropped 1st, 2nd | miss / 1st hit | "
+           "hits identical to miss / uncached |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for fig in m.get("sizes") or []:
         if fig.get("error"):
@@ -419,7 +420,7 @@ def ttft_table(m: Mapping) -> str:
         procs, fl, r, ident = fig.get("new_process") or {}, fig.get("floor") or {}, fig.get("ratios") or {}, \
             fig.get("identity") or {}
         warm, dropped = procs.get("warm") or [], procs.get("dropped") or []
-        first_ratio = [_x((r.get(f"hit_{c}_over_floor") or [None])[0]) for c in ("warm", "dropped")]
+        over = [", ".join(_x(v) for v in r.get(f"hit_{c}_over_floor") or []) or "n/a" for c in ("warm", "dropped")]
         launch = (f"{_pair(warm, 'launch_to_first_token_s', lambda v: _x(v, '{:.2f}'))} / "
                   f"{_pair(dropped, 'launch_to_first_token_s', lambda v: _x(v, '{:.2f}'))}")
         out.append(
@@ -427,7 +428,7 @@ def ttft_table(m: Mapping) -> str:
             f"{_ms((fig.get('miss') or {}).get('ttft_ms'))} | {_pair(warm, 'ttft_ms', _ms)} | "
             f"{_pair(dropped, 'ttft_ms', _ms)} | {launch} | "
             f"{_x(fl.get('last_token_ms'), '{:.1f}')} + {_x(fl.get('copy_ms'), '{:.1f}')} = "
-            f"{_x(fl.get('floor_ms'), '{:.1f}')} | {first_ratio[0]} / {first_ratio[1]} | "
+            f"{_x(fl.get('floor_ms'), '{:.1f}')} | {over[0]} / {over[1]} | "
             f"{_x(r.get('miss_over_hit'), '{:.0f}x')} | {ident.get('hits_equal_miss', 'n/a')} / "
             f"{ident.get('hits_equal_uncached', 'n/a')} of {ident.get('hit_processes', 0)}"
             + ("" if ident.get("miss_equals_uncached") in (True, None) else " (miss differs from uncached!)") + " |")

@@ -217,7 +217,7 @@ def test_render_says_random_weights_skips_cuts_and_peers():
     m = _report()["models"]["smollm2"]
     rows = {line.split(" | ")[0]: line for line in lc.ttft_table(m).splitlines()}
     assert "| 1K | 1,000 | 3920 / 4000 | 40, 44 | 90, 80 | 2.50, 2.50 / 2.50, 2.50 | 18.0 + 2.0 = 20.0 | " \
-           "2.0x / 4.5x | 100x | 4 / 4 of 4 |" == rows["| 1K"]
+           "2.0x, 2.2x / 4.5x, 4.0x | 100x | 4 / 4 of 4 |" == rows["| 1K"]
     assert rows["| 2K"].startswith("| 2K | 2,040 | 8820 / 9000 |")
     rows = {line.split(" | ")[0]: line for line in lc.resource_table(m).splitlines()}
     assert rows["| 1K"] == ("| 1K | 300, 300 | 200, 9 (reused 999 of 1,000 tokens) | 1.50 | "
