@@ -228,7 +228,7 @@ class FakeAdapter:
         self.kv_epoch += 1
         self.live = []
 
-    def warm_up(self, n_tokens: int = 0) -> None:
+    def warm_up(self, n_tokens: int = 0, any_hit: bool = False) -> None:
         """Nothing to warm: the fake evaluates nothing (``warmed_for`` records the size asked)."""
         self.warmed_for = n_tokens
 

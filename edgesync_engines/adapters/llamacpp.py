@@ -51,7 +51,7 @@ ROW_PROBE_TOKENS = 20
 ROW_PROBE_CUTS = (3, 5, 17)
 """Injection points the probe tries: odd offsets in groups of 4 and 8 rows, and a first batch
 of two tokens."""
-STATE_CHUNK_BYTES = 64 << 20
+STATE_CHUNK_BYTES = 32 << 20
 """Bytes of seq state a long injection or store-back moves per ``llama_state_seq_*`` call (where
 :meth:`LlamaCppAdapter._in_chunks`): a hit or a store-back holds one chunk beside the KV cache,
 not a second copy of the context."""
@@ -235,9 +235,12 @@ class LlamaCppAdapter(EngineAdapter):
 
     def _flash_rule(self, rule: kv_layout.InjectionRule) -> kv_layout.InjectionRule:
         """``rule`` (the matrix kernels' rows, :meth:`probe_rows`: its batches are shorter than a
-        flash-attention tile) with flash attention's batches of a tile or more when it is on
-        (:func:`kv_layout.tiled_rule`)."""
-        return kv_layout.tiled_rule(rule) if self.flash_attn else rule
+        flash-attention tile) with flash attention's batches of a tile or more when it is on over
+        f16 or f32 KV (:func:`kv_layout.tiled_rule`); quantized KV takes its per-row path at
+        every batch size."""
+        if self.flash_attn and not seqstate.ggml_type(self._layout.type_kv).quantized:
+            return kv_layout.tiled_rule(rule)
+        return rule
 
     def _flash_refusal(self) -> str | None:
         """Why flash attention's rule cannot hold on this block grid (None: it can)."""
@@ -357,11 +360,15 @@ class LlamaCppAdapter(EngineAdapter):
         """A fragment of this namespace with V laid out as the seq state holds it."""
         return state_buffer.stage(self._layout, fragment) if fragment.namespace == self.namespace else fragment
 
-    def warm_up(self, n_tokens: int = 0) -> None:
-        """``EngineAdapter.warm_up``, then :meth:`make_room` for ``n_tokens`` cells."""
+    def warm_up(self, n_tokens: int = 0, any_hit: bool = False) -> None:
+        """``EngineAdapter.warm_up``, then :meth:`make_room` for ``n_tokens`` cells, or with
+        ``any_hit`` where long states move in chunks (:meth:`_in_chunks`) for a whole chunk:
+        fresh pages fault in at several microseconds each, and the first hit of any size then
+        finds them touched."""
         super().warm_up(n_tokens)
         self.reset_perf()
-        self.make_room(n_tokens)
+        chunk = min(self.n_ctx, self._chunk_cells()) if any_hit and self._in_chunks() else 0
+        self.make_room(max(n_tokens, chunk))
 
     def make_room(self, n_tokens: int, should_stop: Callable[[], bool] | None = None) -> bool:
         """The seq-state buffer injections reuse, grown to ``n_tokens`` cells (at most the

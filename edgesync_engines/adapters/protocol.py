@@ -286,9 +286,11 @@ class EngineAdapter(abc.ABC):
         (``llamacpp_slots``); here itself alone."""
         return [self]
 
-    def warm_up(self, n_tokens: int = 0) -> None:
+    def warm_up(self, n_tokens: int = 0, any_hit: bool = False) -> None:
         """A request's first-time work at load (chat template, one evaluation), then an empty
-        cache and room for injecting ``n_tokens`` tokens; never raises. Caller holds :attr:`lock`."""
+        cache and room for injecting ``n_tokens`` tokens (``any_hit``: a store will serve hits,
+        so an engine may make the room a hit of any size needs); never raises. Caller holds
+        :attr:`lock`."""
         try:
             if not getattr(self, "_warmed", False):  # once per engine; the cache is emptied each time
                 self._warmed = True

@@ -248,9 +248,9 @@ def warm_up(adapter, store: "FragmentBackend | None") -> int:
             log.warning("could not read the store's reuse hint: %s", exc)
     t0 = time.perf_counter()
     with adapter.lock:
-        adapter.warm_up(len(tokens))
+        adapter.warm_up(len(tokens), any_hit=store is not None)
         injected = rehearse(store, adapter, tokens) if len(tokens) > MIN_SPAN else 0
-        adapter.warm_up(len(tokens))  # an empty cache again, and (llama.cpp) its counters zeroed
+        adapter.warm_up(len(tokens), any_hit=store is not None)  # an empty cache, counters zeroed
     for slot in adapter.slot_adapters()[1:]:  # any slot may take the next hit
         with slot.lock:
             slot.warm_up(len(tokens))
