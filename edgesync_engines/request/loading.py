@@ -246,6 +246,7 @@ def warm_up(adapter, store: "FragmentBackend | None") -> int:
             tokens = [int(t) for t in store.reuse_hint(adapter.namespace.digest())]
         except StoreError as exc:
             log.warning("could not read the store's reuse hint: %s", exc)
+    tokens = tokens[:max(0, adapter.n_ctx - 1)]  # a hint from a larger context: rehearse what fits
     t0 = time.perf_counter()
     with adapter.lock:
         adapter.warm_up(len(tokens), any_hit=store is not None)

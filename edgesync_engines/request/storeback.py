@@ -99,15 +99,16 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
     (``StoreBudgetError``), writes nothing, with one warning naming both sizes.
     """
     ns = adapter.namespace
-    if _too_large(store, ns, tokens, config, spans):
-        return 0
     try:
-        donor = None if donor_prompt is None or store.readonly else _donor_record(ns, tokens, config, donor_prompt)
+        asked = spans
         spans = [
             (s, e)
             for s, e in (chunk_spans(len(tokens) - 1, config.chunk_tokens) if spans is None else spans)
             if not store.covers_span(ns, prefix_hash(tokens[:s]), tokens[s:e], s)
         ]
+        if spans and _too_large(store, ns, tokens, config, asked):  # nothing missing: nothing to refuse
+            return 0
+        donor = None if donor_prompt is None or store.readonly else _donor_record(ns, tokens, config, donor_prompt)
         if not spans:
             if donor is not None:
                 store.put_donor(*donor)  # a store written before donor records came with the fragments
@@ -137,9 +138,10 @@ def store_new(store: "FragmentBackend", adapter: "EngineAdapter", tokens: list[i
         return 0
 
 
-WRITE_BATCH_BYTES = 64 << 20
-"""KV bytes one store-back extracts and writes at a time: its fragments, their encoded blobs and
-LMDB's uncommitted pages each hold about this much, whatever the context's size."""
+WRITE_BATCH_BYTES = 16 << 20
+"""KV bytes one store-back extracts and writes at a time: the batch's seq state, its fragments,
+their staged V, encoded blobs and LMDB's uncommitted pages each hold about this much, whatever
+the context's size."""
 
 
 def write_batches(ns: Namespace, spans: Sequence[tuple[int, int]],
