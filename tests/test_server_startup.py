@@ -1,22 +1,31 @@
-"""``edgesync serve`` stopped while its workers start (the real server, two workers loading the
-real SmolLM2): a SIGTERM to the server, or a Ctrl-C to its process group, stops every worker it
-started and exits with one line, no traceback, leaving the store free; a server SIGKILLed while
-its workers load the engine leaves no worker behind either (each one's watch on its parent,
-``server/parent_watch.py``). The waits are bounded and generous: what is asserted is that the
-workers are gone, not how fast."""
+"""``edgesync serve`` while its workers start (the real server, two workers loading the real
+SmolLM2). It answers nothing, ``/health`` included, until every worker can serve, and a request
+sent the moment ``/health`` says 200 is answered; the workers start before the server imports
+its HTTP stack (which they never import), and a server that cannot make its HTTP server stops
+them. A SIGTERM to the server, or a Ctrl-C to its process group, stops every worker it started
+and exits with one line, no traceback, leaving the store free; a server SIGKILLed while its
+workers load the engine leaves no worker behind either (each one's watch on its parent,
+``server/parent_watch.py``). The waits are bounded and generous: what is asserted is what
+happens, not how fast."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.serve_process import ServeProcess, alive
+from tests.serve_process import ROOT, ServeProcess, alive
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -104,3 +113,100 @@ def test_a_server_killed_while_its_workers_load_leaves_none_behind(tmp_path):
     finally:
         _reap(serve, workers)
     assert _store_free(tmp_path / "store")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_health_answers_only_once_every_worker_can_serve(tmp_path):
+    port = _free_port()
+    serve = ServeProcess(tmp_path / "store", "--workers", "2", "--port", str(port)).spawn()
+    workers: list[int] = []
+    answered_before: list[int] = []  # statuses answered while the workers loaded: none
+    try:
+        # the socket is bound before the workers start; nothing is answered until they are ready
+        workers = _wait_for(lambda: (pids := serve.worker_pids()) and len(pids) == 2 and pids, "two workers started")
+        deadline = time.monotonic() + WAIT_S
+        health = None
+        while health is None:
+            assert serve.proc.poll() is None, serve.stderr()
+            assert time.monotonic() < deadline, "no /health answer"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.2) as r:
+                    health = json.loads(r.read())
+            except urllib.error.HTTPError as exc:
+                answered_before.append(exc.code)
+            except OSError:  # not answered yet: the connection waits in the socket's queue
+                time.sleep(0.01)
+        assert answered_before == []
+        assert health["status"] == "ok" and sorted(health["worker_pids"]) == sorted(workers)
+        body = json.dumps({"model": "any", "prompt": "The capital of France is", "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=WAIT_S) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 1
+    finally:
+        serve.stop()
+        _reap(serve, workers)
+
+
+def test_the_workers_and_the_pool_import_no_part_of_the_http_stack():
+    """A worker imports its engine, not FastAPI or uvicorn (its start would pay for them), and the
+    server imports them only once its workers are started (``cli_serve.http_server``)."""
+    code = ("import sys\n"
+            "import edgesync_engines.app.cli_serve, edgesync_engines.server.pool, edgesync_engines.server.security\n"
+            "from edgesync_engines.request.router import EdgeSync\n"
+            "from edgesync_engines.server import SERVER_MODULES\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in SERVER_MODULES + ('starlette',)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=WAIT_S)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_server_that_cannot_make_its_http_server_stops_its_workers(tmp_path, monkeypatch):
+    """The HTTP server is made while the workers load: when that fails (here: a module of the
+    server extra that cannot be imported), the workers started are stopped, the port freed, and
+    the command fails with the extra named in one line."""
+    from edgesync_engines.app import cli, cli_serve
+    from edgesync_engines.server import pool
+    from edgesync_store.errors import MissingExtraError
+
+    events = []
+
+    class Pool:
+        def __init__(self, settings, n_workers, **kwargs):
+            self.n_workers = n_workers
+
+        def spawn(self):
+            events.append("spawn")
+            return self
+
+        def wait_ready(self, should_stop=None):
+            events.append("wait_ready")
+            return self
+
+        def close(self):
+            events.append("close")
+
+    def no_http_server(*args, **kwargs):
+        events.append("http_server")
+        raise MissingExtraError("edgesync serve", "server", "fastapi")
+
+    monkeypatch.setattr(pool, "WorkerPool", Pool)
+    monkeypatch.setattr(cli_serve, "http_server", no_http_server)
+    port = _free_port()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = cli.main(["serve", "--workers", "1", "--port", str(port), "--store", str(tmp_path / "store")])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert status != 0
+    assert events == ["spawn", "http_server", "close"]
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", port))
+

@@ -10,6 +10,7 @@ Idle-time storing is on unless ``--no-idle-store`` or ``EDGESYNC_IDLE_STORE`` sa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -206,9 +207,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
     start: exit ``128 + signal number``). Raises MissingExtraError (no ``server`` extra) or
     CommandError (no model, too many ``--workers``, an unbindable address, an engine that won't load).
+
+    The workers are started first: FastAPI, uvicorn and the app are made while they load their
+    engines, and the socket (bound before they start) is answered once every worker is ready.
     """
-    uvicorn = require_extra("uvicorn", "server", "edgesync serve")
-    from edgesync_engines.server.app import ServeSettings, create_app
+    # importing edgesync_engines.server looks the server extra up without importing it
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
     from edgesync_engines.server.security import bind_warning
     from edgesync_engines.server.worker import STOP_DRAIN_S
@@ -235,24 +238,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = getattr(args, "log_level", "WARNING")
     pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None)
     try:
-        pool.start(should_stop=stop.requested)
+        pool.spawn()
+        server = http_server(pool, args, cfg, model, stop, level)
+        pool.wait_ready(should_stop=stop.requested)
     except PoolStartError as exc:
         sock.close()
         if stop.requested():
             print_error(f"stopped by {stop.name} while the workers were starting; they are stopped")
             return 128 + stop.signum
         raise CommandError(str(exc)) from None
+    except BaseException:  # the server extra cannot be imported, ...: the workers started are stopped
+        pool.close()
+        sock.close()
+        raise
     try:
-        app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
-                                             max_tokens_limit=args.max_tokens_limit,
-                                             default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
-                                             max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-                                             shutdown_grace_s=float(args.grace_seconds)),
-                         stopping=lambda: stop.server is not None and stop.server.should_exit)
-        stop.server = uvicorn_server(uvicorn, uvicorn.Config(
-            app, log_config=None, log_level=level.lower(), access_log=False,
-            # after the app's own 503s (ServeSettings.shutdown_grace_s)
-            timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S))
+        stop.server = server
         if stop.requested():  # a signal since the workers started: uvicorn starts and stops at once
             stop.server.should_exit = True
         print(f"edgesync serve: listening on {describe(sock, cfg, model, workers, threads, shared, slots)}",
@@ -268,6 +268,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     print("edgesync serve: stopped; store closed", file=sys.stderr, flush=True)
     return 0
+
+
+def http_server(pool, args: argparse.Namespace, cfg, model: Path, stop: StopSignals, level: str):
+    """uvicorn's server of the app over ``pool``, its configuration loaded (the app wrapped, the
+    protocol classes imported): made while the workers load, so that it answers as soon as they
+    are ready. Imports the ``server`` extra (MissingExtraError when one of its modules cannot be
+    imported)."""
+    from edgesync_engines.server import SERVER_MODULES
+
+    uvicorn = {module: require_extra(module, "server", "edgesync serve") for module in SERVER_MODULES}["uvicorn"]
+    from edgesync_engines.server.app import ServeSettings, create_app, warm_streaming
+
+    app = create_app(pool, ServeSettings(model_id=model.stem, store=Path(cfg.store_path),
+                                         max_tokens_limit=args.max_tokens_limit,
+                                         default_max_tokens=min(cfg.max_tokens, args.max_tokens_limit),
+                                         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                                         shutdown_grace_s=float(args.grace_seconds)),
+                     stopping=lambda: stop.server is not None and stop.server.should_exit)
+    config = uvicorn.Config(app, log_config=None, log_level=level.lower(), access_log=False,
+                            # after the app's own 503s (ServeSettings.shutdown_grace_s)
+                            timeout_graceful_shutdown=args.grace_seconds + UVICORN_GRACE_MARGIN_S)
+    config.load()
+    asyncio.run(warm_streaming())
+    log.debug("the HTTP server is made; waiting for the workers")
+    return uvicorn_server(uvicorn, config)
 
 
 def uvicorn_server(uvicorn, config):

@@ -112,8 +112,10 @@ async def _watched(awaitable, shutdown: _Shutdown, request: Request | None = Non
                 await task
 
 
-async def _warm_streaming() -> None:
-    """Stream one event to nobody first, so the first client's first token waits for no set-up."""
+async def warm_streaming() -> None:
+    """Stream one event to nobody first, so the first client's first token waits for no set-up
+    (sse-starlette's and anyio's, once per process: ``edgesync serve`` runs it while its workers
+    load, and the app's start-up again, then in well under a millisecond)."""
 
     async def one_event():
         yield {"data": "warm-up"}
@@ -134,7 +136,7 @@ def create_app(pool: WorkerPool, settings: ServeSettings, stopping: Callable[[],
     ``stopping``: returns True once the ASGI server began to shut down (None: never)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        await _warm_streaming()
+        await warm_streaming()
         yield
 
     app = FastAPI(title="EdgeSync", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)

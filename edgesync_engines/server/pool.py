@@ -101,6 +101,7 @@ class WorkerPool:
         self._prompts: dict[int, object] = {}  # job id -> prompt, until its final message
         self._idle_totals = dict.fromkeys(IDLE_FIELDS, 0)
         self._threads: list[threading.Thread] = []
+        self._spawned_at = 0.0  # time.monotonic() at spawn()
 
     @property
     def n_workers(self) -> int:
@@ -112,19 +113,38 @@ class WorkerPool:
         return sum(worker.slots for worker in self._workers)
 
     def start(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
-        """Start every worker and wait until each has loaded its engine; on any early end
-        (including KeyboardInterrupt) the workers started are stopped first (:meth:`close`).
-        ``should_stop``: polled at least every 0.5 s while the workers load; True stops the start.
-        Raises PoolStartError when a worker cannot load its engine, times out, or on ``should_stop``.
+        """Start every worker and wait until each has loaded its engine (:meth:`spawn`, then
+        :meth:`wait_ready`); on any early end (including KeyboardInterrupt) the workers started
+        are stopped first (:meth:`close`). ``should_stop``: polled at least every 0.5 s while the
+        workers load; True stops the start. Raises PoolStartError when a worker cannot load its
+        engine, times out, or on ``should_stop``.
         """
+        return self.spawn().wait_ready(should_stop)
+
+    def spawn(self) -> "WorkerPool":
+        """Start every worker's process and return at once (they load their engines meanwhile);
+        :meth:`wait_ready` waits for them, :meth:`close` stops them. On any error the workers
+        started are stopped first."""
+        self._spawned_at = time.monotonic()
         try:
             for worker in self._workers:
                 self._spawn(worker)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_ready(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
+        """Wait until every worker :meth:`spawn` started has loaded its engine, then start reading
+        their answers; the rest as :meth:`start`."""
+        try:
             for worker in self._workers:
                 self._await_ready(worker, should_stop)
         except BaseException:
             self.close()
             raise
+        log.info("%d worker%s ready %.2f s after the pool started them", len(self._workers),
+                 "s" if len(self._workers) > 1 else "", time.monotonic() - self._spawned_at)
         for worker in self._workers:
             thread = threading.Thread(target=self._read, args=(worker,), name=f"edgesync-worker-{worker.index}",
                                       daemon=True)

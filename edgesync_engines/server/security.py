@@ -6,8 +6,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from edgesync_engines.server.errors import error_bytes
-
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key (liveness checks)."""
 
@@ -96,6 +94,10 @@ def _replay(body: bytes, receive):
 
 
 async def _reply(send, status: int, message: str, code: str, extra_headers=()) -> None:
+    # imported here: .errors imports FastAPI, which ``edgesync serve`` imports while its workers
+    # load, after ``bind_warning``
+    from edgesync_engines.server.errors import error_bytes
+
     body = error_bytes(status, message, code)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

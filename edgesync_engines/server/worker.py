@@ -104,15 +104,20 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
     ignore_stop_signals()
     logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
                         format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
+    began = time.perf_counter()
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.router import EdgeSync
 
+    loading = time.perf_counter()
     try:
         config = EdgeSyncConfig.load(settings)
         engine = EdgeSync(config=config)
     except Exception as exc:  # any load failure is reported to the server, which exits with it
         responses.put({"type": "fatal", "worker": index, "message": f"{type(exc).__name__}: {exc}"})
         return
+    now = time.perf_counter()
+    log.info("worker %d: engine loaded (model, probes, store, warm-up) in %.2f s, %.2f s after its imports began",
+             index, now - loading, now - began)
     try:
         share_engine(engine, requests, cores, watch, index)
         watch.serving()  # before ready: the pool's thread that started this process waits for it
