@@ -21,6 +21,17 @@ targets: at most 1/2 and 1/5).
 
 Needs the ``serve-bench`` extra (the ``server`` extra of llama-cpp-python's packages, not a
 rebuild of it) and the ``test`` extra (``openai``).
+
+``--startup`` measures the start-up instead, against llama.cpp's own ``llama-server`` (``build/``,
+``--llama-server``): the seconds from starting each server's process until ``GET /health``
+answers 200 (asked every 10 ms; both answer 200 only once the model is loaded), ``--runs`` times
+each (default 5), alternating, then the medians and their ratio. ``llama-server -m GGUF -t 2 -c
+4096`` against ``edgesync serve`` with the options a user would give (``--model``, ``--store``, the
+defaults otherwise: the console script beside this Python, one worker per 2 CPUs, its slots),
+on a new store each run, then again on a store that holds a conversation (a restart: the page
+check runs, the latest hit is rehearsed). Before each run it waits up to 60 s for the CPUs to be
+idle (other processes' load slows both servers' evaluations); the JSON records each run's
+busy share of the CPUs just before it.
 """
 
 from __future__ import annotations
@@ -264,12 +275,147 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+STARTUP_POLL_S = 0.01
+"""Seconds between two ``GET /health`` of the start-up measurement."""
+STARTUP_SYSTEMS = ("llama-server", "edgesync")
+IDLE_BUSY_SHARE = 0.1
+"""Busy share of the CPUs under which a start-up run begins (:func:`wait_idle`)."""
+
+
+def cpu_busy_share(seconds: float = 0.3) -> float | None:
+    """The share of the CPUs' time spent busy over the next ``seconds`` (Linux ``/proc/stat``; None elsewhere)."""
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # idle and iowait
+
+    try:
+        total0, idle0 = read()
+        time.sleep(seconds)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_idle(limit_s: float = 60.0) -> float | None:
+    """Wait until the CPUs are idle (busy under :data:`IDLE_BUSY_SHARE`), at most ``limit_s``;
+    returns the last busy share read."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        share = cpu_busy_share()
+        if share is None or share < IDLE_BUSY_SHARE or time.monotonic() > deadline:
+            return share
+
+
+def health_ready_s(cmd: list[str], env: dict, port: int, timeout_s: float = 300.0) -> float:
+    """Seconds from starting ``cmd`` until ``GET /health`` on ``port`` answers 200 (asked every
+    :data:`STARTUP_POLL_S`; a server that accepts before it answers holds the request until it
+    does); the process is stopped with SIGTERM after. RuntimeError when it exits or times out."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            if proc.poll() is not None or time.perf_counter() - start > timeout_s:
+                raise RuntimeError(f"{' '.join(cmd[:2])} did not answer /health: {proc.stderr.read()[-800:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout_s) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - start
+            except OSError:  # refused, or llama-server's 503 while it loads
+                pass
+            time.sleep(STARTUP_POLL_S)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def edgesync_command() -> list[str]:
+    """``edgesync``: the console script beside this Python, else ``python -m edgesync_engines.app.cli``."""
+    script = Path(sys.executable).with_name("edgesync")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "edgesync_engines.app.cli"]
+
+
+def startup_command(system: str, llama_server: Path, model: Path, store: Path, port: int | str) -> list[str]:
+    """The command line of one start-up run: llama-server on 2 threads and a 4096-token context
+    (the machine's 2 cores; EdgeSync's default context), or ``edgesync serve`` with its defaults."""
+    if system == "llama-server":
+        return [str(llama_server), "-m", str(model), "-t", "2", "-c", "4096", "--port", str(port)]
+    return [*edgesync_command(), "serve", "--port", str(port), "--model", str(model), "--store", str(store)]
+
+
+def fill_store(store: Path, model: Path) -> None:
+    """Serve one chat request with ``edgesync serve`` on ``store`` and stop it: the store then holds a
+    conversation, its latest hit hint and a data file the page check reads at the next start."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = Server(startup_command("edgesync", Path(), model, store, "{port}"), ROOT, env, ready_path="/health")
+    body = json.dumps({"model": model.stem, "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Name three primary colours."}]}).encode()
+    with open(store.parent / "fill.log", "w") as log:
+        server.start(log)
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/chat/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as r:
+                r.read()
+        finally:
+            server.stop()
+
+
+def startup(args) -> int:
+    """``--startup``: seconds to ``/health`` 200 of llama-server and ``edgesync serve`` (new store,
+    then a store with a conversation), ``--runs`` each, alternating; medians and ratios."""
+    from edgesync_engines.adapters.model_files import default_model_path
+
+    model = args.model or default_model_path()
+    if not args.llama_server.is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server} (--llama-server)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cases = [("llama-server", None), ("edgesync", "new store"), ("edgesync", "store with data")]
+    runs: dict[str, list[dict]] = {f"{s} ({c})" if c else s: [] for s, c in cases}
+    with tempfile.TemporaryDirectory(prefix="edgesync-startup-bench-") as tmp:
+        kept = Path(tmp) / "kept" / "store"
+        kept.parent.mkdir()
+        fill_store(kept, model)
+        for i in range(args.runs):
+            for system, case in cases:
+                store = kept if case == "store with data" else Path(tmp) / f"new-{i}" / "store"
+                port = free_port()
+                busy = wait_idle()
+                seconds = health_ready_s(startup_command(system, args.llama_server, model, store, port), env, port)
+                runs[f"{system} ({case})" if case else system].append({"seconds": seconds, "cpu_busy_before": busy})
+    medians = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
+    base = medians["llama-server"]
+    print("| server | to /health 200, median (s) | runs (s) | / llama-server |\n|---|---:|---|---:|")
+    for name, rs in runs.items():
+        times = " ".join(f"{r['seconds']:.3f}" for r in rs)
+        print(f"| {name} | {medians[name]:.3f} | {times} | {medians[name] / base:.2f} |")
+    busy = [r["cpu_busy_before"] for rs in runs.values() for r in rs if r["cpu_busy_before"] is not None]
+    if busy and max(busy) >= IDLE_BUSY_SHARE:
+        print(f"\nnote: the CPUs were up to {max(busy):.0%} busy before a run (other processes); times are noisy")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"model": str(model), "llama_server": str(args.llama_server),
+                                                   "runs": runs, "medians_s": medians,
+                                                   "ratios": {n: m / base for n, m in medians.items()}},
+                                                  indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
-    """Run the comparison; print the table and ratios; write ``--json``."""
+    """Run the comparison (or, with ``--startup``, the start-up's); print the table and ratios; write ``--json``."""
     from edgesync_engines.adapters.model_files import default_model_path
     from edgesync_engines.app.cli_common import progress_bar
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--startup", action="store_true",
+                   help="measure the start-up instead: seconds to /health 200, beside llama.cpp's llama-server")
+    p.add_argument("--runs", type=int, default=5, help="with --startup: starts of each server (default 5)")
+    p.add_argument("--llama-server", type=Path, default=ROOT / "build" / "llama-server",
+                   help="with --startup: llama.cpp's server binary (default build/llama-server)")
     p.add_argument("--sessions", type=int, default=10, help="chat sessions (default 10)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every engine (default 2)")
     p.add_argument("--n-ctx", type=int, default=1024,
@@ -279,6 +425,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=Path, default=None,
                    help="reuse the request list saved in this file by an earlier run (written when absent)")
     args = p.parse_args(argv)
+    if args.startup:
+        return startup(args)
     model = args.model or default_model_path()
     if args.requests is not None and args.requests.is_file():
         requests = json.loads(args.requests.read_text())
