@@ -198,7 +198,8 @@ MIN_FIRST_BATCH = 16
 FA_TILE_Q = 64
 """Queries from which llama.cpp's CPU flash attention takes its tiled path (``GGML_FA_TILE_Q``,
 ``ggml-cpu/common.h``; ``ops.cpp`` picks it for f16/f32 KV when a batch holds at least this many
-tokens). Below, a per-row path computes other bits; either path computes each row alone."""
+tokens). Below, a per-row path computes other bits; either path computes each row alone.
+Quantized KV takes the per-row path at every size."""
 
 
 @dataclass(frozen=True)
@@ -223,9 +224,9 @@ ANY_ROW = InjectionRule(1, 2)
 
 
 def tiled_rule(rule: InjectionRule) -> InjectionRule:
-    """``rule`` with llama.cpp's flash attention on: batches of at least :data:`FA_TILE_Q` tokens,
-    which take its tiled path, where a row's bits depend neither on the batch nor on where it
-    starts (../shared/DESIGN.md 2.11)."""
+    """``rule`` with llama.cpp's flash attention on over f16/f32 KV: batches of at least
+    :data:`FA_TILE_Q` tokens, which take its tiled path, where a row's bits depend neither on
+    the batch nor on where it starts (../shared/DESIGN.md 2.11, docs/engines.md)."""
     return InjectionRule(rule.row_group, max(rule.min_first_batch, FA_TILE_Q), FA_TILE_Q)
 
 
