@@ -275,7 +275,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
     real_inject = es.adapter.inject_fragment
     evicted_during, written = [], []
 
-    def inject_while_another_writes(fragments, n_tokens, tokens):
+    def inject_while_another_writes(fragments, n_tokens, tokens, **kwargs):
         # test hook around the real injection: the only way to place a write exactly here.
         # The budget holds the chain being injected and the new fragment, nothing more: eviction
         # takes every unpinned fragment (a budget without room for both refuses the write whole)
@@ -285,7 +285,7 @@ def test_fragment_being_injected_is_not_evicted(tmp_path, adapter, system_prompt
         assert other.put(new)
         written.append(new.key())
         evicted_during.extend(k for k in chain if not other.contains(k))
-        return real_inject(fragments, n_tokens, tokens)
+        return real_inject(fragments, n_tokens, tokens, **kwargs)
 
     es.adapter.inject_fragment = inject_while_another_writes
     try:
