@@ -12,12 +12,12 @@ from seqstate_writer import to_parts
 
 from edgesync_engines.adapters.kv_layout import (
     ANY_ROW,
+    FA_TILE_Q,
     GROUPED_ROWS,
     LAYOUT,
     InjectionRule,
     StateLayout,
     SwaCapture,
-    FA_TILE_Q,
     exact_batches,
     prefill_blocks,
     tiled_rule,
