@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_process import ROOT, ServeProcess, alive
+from tests.serve_process import ROOT, ServeProcess, alive, children
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 
@@ -62,10 +63,54 @@ def _store_free(store: Path) -> bool:
     return True
 
 
-def _spawned(tmp_path: Path) -> tuple[ServeProcess, list[int]]:
+CONSOLE_SCRIPT = "import sys; from edgesync_engines.app.cli_entry import main; sys.exit(main())"
+"""What the ``edgesync`` console script runs (``app/cli_entry.py``: for ``serve``, the first worker
+is started before the command line is imported, ``server/early.py``)."""
+ENTRIES = ["module", "console script"]
+
+
+class ConsoleServe:
+    """``edgesync serve --port 0 --store STORE ARGS...`` through the console script's entry point,
+    with :class:`ServeProcess`'s ``proc``, ``spawn``, ``worker_pids``, ``stderr`` and ``stop``."""
+
+    def __init__(self, store: Path, *args: str) -> None:
+        self.cmd = [sys.executable, "-c", CONSOLE_SCRIPT, "serve", "--port", "0", "--store", str(store), *args]
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+
+    def spawn(self, **popen) -> "ConsoleServe":
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, **popen)
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        return self
+
+    def worker_pids(self) -> list[int]:
+        return children(self.proc.pid, "spawn_main")
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _serve(entry: str, store: Path, *args: str):
+    """The server of ``entry`` (not started): ``python -m edgesync_engines.app.cli``, or the console script's."""
+    return ServeProcess(store, *args) if entry == "module" else ConsoleServe(store, *args)
+
+
+def _spawned(tmp_path: Path, entry: str = "module") -> tuple[ServeProcess, list[int]]:
     """``edgesync serve --workers 2`` in a process group of its own, and its two workers' pids
     as soon as both processes exist."""
-    serve = ServeProcess(tmp_path / "store", "--workers", "2").spawn(start_new_session=True)
+    serve = _serve(entry, tmp_path / "store", "--workers", "2").spawn(start_new_session=True)
     try:
         workers = _wait_for(lambda: (pids := serve.worker_pids()) and len(pids) == 2 and pids, "two workers started")
     except BaseException:
@@ -83,9 +128,10 @@ def _reap(serve: ServeProcess, workers) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["sigterm", "ctrl-c"])
-def test_a_stop_while_the_workers_start_stops_them(tmp_path, sig, group):
-    serve, workers = _spawned(tmp_path)
+def test_a_stop_while_the_workers_start_stops_them(tmp_path, sig, group, entry):
+    serve, workers = _spawned(tmp_path, entry)
     try:
         (os.killpg if group else os.kill)(serve.proc.pid, sig)
         assert serve.proc.wait(WAIT_S) == 128 + sig
@@ -101,8 +147,9 @@ def test_a_stop_while_the_workers_start_stops_them(tmp_path, sig, group):
     assert _store_free(tmp_path / "store")
 
 
-def test_a_server_killed_while_its_workers_load_leaves_none_behind(tmp_path):
-    serve, workers = _spawned(tmp_path)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_server_killed_while_its_workers_load_leaves_none_behind(tmp_path, entry):
+    serve, workers = _spawned(tmp_path, entry)
     try:
         # the workers open the store as they load the engine: kill the server then
         _wait_for(lambda: (tmp_path / "store" / "edgesync.lock").exists(), "the store opened")
@@ -121,9 +168,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_health_answers_only_once_every_worker_can_serve(tmp_path):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_health_answers_only_once_every_worker_can_serve(tmp_path, entry):
     port = _free_port()
-    serve = ServeProcess(tmp_path / "store", "--workers", "2", "--port", str(port)).spawn()
+    serve = _serve(entry, tmp_path / "store", "--workers", "2", "--port", str(port)).spawn()
     workers: list[int] = []
     answered_before: list[int] = []  # statuses answered while the workers loaded: none
     try:
@@ -181,7 +229,7 @@ def test_a_server_that_cannot_make_its_http_server_stops_its_workers(tmp_path, m
         def __init__(self, settings, n_workers, **kwargs):
             self.n_workers = n_workers
 
-        def spawn(self):
+        def spawn(self, early=None):
             events.append("spawn")
             return self
 
@@ -210,3 +258,56 @@ def test_a_server_that_cannot_make_its_http_server_stops_its_workers(tmp_path, m
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", port))
 
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment holds ``mark`` (``/proc``: Linux)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes() and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_serve_that_fails_before_its_workers_start_ends_its_early_worker(tmp_path):
+    """The console script starts the first worker before it reads the options: a command that
+    fails before the pool takes that worker kills it and exits with its one line (a worker left
+    running would hold the exit: it ignores the SIGTERM ``multiprocessing`` sends at exit)."""
+    mark = f"early-worker-{os.getpid()}-{time.monotonic_ns()}"
+    missing = tmp_path / "none.gguf"
+    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "serve", "--port", "0", "--model", str(missing),
+                           "--store", str(tmp_path / "store")], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "EDGESYNC_TEST_MARK": mark}, timeout=WAIT_S)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: model not found: {missing}"]
+    assert _marked(mark) == []
+
+
+INTERRUPT_AT_IMPORT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever the runner ignores
+from edgesync_engines.app.cli_entry import main
+
+class InterruptAt:  # a real SIGINT, sent as the named module starts to load
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptAt())
+sys.exit(main(["serve", "--port", "0", "--store", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("module", ["edgesync_engines.app.cli", "edgesync_engines.app.cli_serve"])
+def test_a_ctrl_c_while_serve_loads_its_command_ends_the_early_worker(tmp_path, module):
+    """A Ctrl-C while ``edgesync serve`` imports its command, its first worker started already,
+    exits 130 with one line, the worker killed."""
+    mark = f"early-worker-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module, str(tmp_path / "store")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=WAIT_S,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "EDGESYNC_TEST_MARK": mark})
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "error: interrupted\n", "")
+    assert _marked(mark) == []

@@ -188,33 +188,20 @@ def slot_count(requested: int | None, workers: int, model: Path, cfg) -> int:
         raise CommandError(str(exc)) from None
 
 
-WORKER_MALLOC = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-"""glibc's allocator settings the workers start with (unless set already): two arenas, not one
-per thread that ever answered, and blocks of 1 MiB or more (fragments' K and V, seq states)
-mapped and returned to the system when freed, instead of held in an arena (see
-docs/benchmarks.md, peak memory with slots). Other C libraries ignore them."""
-
-
-def worker_malloc_settings(environ=None) -> None:
-    """Put :data:`WORKER_MALLOC` into ``environ`` (default ``os.environ``, which the workers
-    inherit) where not set."""
-    environ = os.environ if environ is None else environ
-    for name, value in WORKER_MALLOC.items():
-        environ.setdefault(name, value)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """``edgesync serve``: start the workers, then answer HTTP until SIGTERM or Ctrl-C (during the
     start: exit ``128 + signal number``). Raises MissingExtraError (no ``server`` extra) or
     CommandError (no model, too many ``--workers``, an unbindable address, an engine that won't load).
 
-    The workers are started first: FastAPI, uvicorn and the app are made while they load their
+    The workers are started first (the first one, by the console script, before this module was
+    imported: ``server/early.py``): FastAPI, uvicorn and the app are made while they load their
     engines, and the socket (bound before they start) is answered once every worker is ready.
     """
     # importing edgesync_engines.server looks the server extra up without importing it
+    from edgesync_engines.server import early
     from edgesync_engines.server.pool import PoolStartError, WorkerPool
     from edgesync_engines.server.security import bind_warning
-    from edgesync_engines.server.worker import STOP_DRAIN_S
+    from edgesync_engines.server.worker import STOP_DRAIN_S, worker_malloc_settings
 
     warning = bind_warning(args.host, args.api_key)
     if warning:
@@ -238,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = getattr(args, "log_level", "WARNING")
     pool = WorkerPool(settings, workers, log_level=level, shared_threads=threads if shared else None)
     try:
-        pool.spawn()
+        pool.spawn(early.take())  # the console script's worker started early, if any
         server = http_server(pool, args, cfg, model, stop, level)
         pool.wait_ready(should_stop=stop.requested)
     except PoolStartError as exc:

@@ -17,11 +17,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from edgesync_engines.server.core_share import CoreShare
 from edgesync_engines.server.routing import choose_worker, context_text, prefix_score, prompt_text
 from edgesync_engines.server.worker import IDLE_FIELDS, CancelBoard, stop_signals_blocked, worker_main
+
+if TYPE_CHECKING:
+    from edgesync_engines.server.early import EarlyWorker
 
 log = logging.getLogger(__name__)
 
@@ -121,18 +124,34 @@ class WorkerPool:
         """
         return self.spawn().wait_ready(should_stop)
 
-    def spawn(self) -> "WorkerPool":
+    def spawn(self, early: "EarlyWorker | None" = None) -> "WorkerPool":
         """Start every worker's process and return at once (they load their engines meanwhile);
-        :meth:`wait_ready` waits for them, :meth:`close` stops them. On any error the workers
-        started are stopped first."""
+        :meth:`wait_ready` waits for them, :meth:`close` stops them. ``early``: a process started
+        before the settings were known (:mod:`.early`), adopted as worker 0 and sent them, unless
+        the workers share the CPUs (their shared counters are given at the start: it is killed).
+        On any error the workers started are stopped first."""
         self._spawned_at = time.monotonic()
         try:
             for worker in self._workers:
-                self._spawn(worker)
+                if early is not None and worker.index == 0 and self.cores is None:
+                    self._adopt(worker, early)
+                else:
+                    self._spawn(worker)
         except BaseException:
             self.close()
             raise
+        finally:
+            if early is not None and self._workers[0].process is not early.process:
+                early.process.kill()
+                early.process.join()
         return self
+
+    def _adopt(self, worker: _Worker, early: "EarlyWorker") -> None:
+        """Make the early process ``worker``'s and send it the settings to load."""
+        worker.requests, worker.responses, worker.cancel = early.requests, early.responses, early.cancel
+        worker.process = early.process
+        worker.requests.put({"type": "load", "settings": self.settings, "log_level": self.log_level})
+        log.debug("worker %d: the process started early (pid %d) loads the engine", worker.index, early.process.pid)
 
     def wait_ready(self, should_stop: Callable[[], bool] | None = None) -> "WorkerPool":
         """Wait until every worker :meth:`spawn` started has loaded its engine, then start reading

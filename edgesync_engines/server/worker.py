@@ -16,7 +16,6 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 
-from edgesync_engines.adapters.protocol import ContextOverflowError
 from edgesync_engines.server.core_share import PREFILL_TURN_TOKENS, CoreShare
 from edgesync_engines.server.parent_watch import ParentWatch
 
@@ -37,6 +36,19 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals a worker ignores (they reach the whole process group; the server stops it)."""
 IDLE_FIELDS = ("jobs", "interrupted", "tokens_prefilled", "tokens_wasted", "fragments_written", "failed")
 """The ``IdleStats`` counters a worker reports (``done``'s ``result["idle"]``, ``idle``'s ``stats``)."""
+WORKER_MALLOC = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+"""glibc's allocator settings the workers start with (unless set already): two arenas, not one
+per thread that ever answered, and blocks of 1 MiB or more (fragments' K and V, seq states)
+mapped and returned to the system when freed, instead of held in an arena (see
+docs/benchmarks.md, peak memory with slots). Other C libraries ignore them."""
+
+
+def worker_malloc_settings(environ=None) -> None:
+    """Put :data:`WORKER_MALLOC` into ``environ`` (default ``os.environ``, which the workers
+    inherit) where not set."""
+    environ = os.environ if environ is None else environ
+    for name, value in WORKER_MALLOC.items():
+        environ.setdefault(name, value)
 
 
 class CancelBoard:
@@ -92,22 +104,28 @@ def idle_counters(engine) -> dict[str, int]:
     return {name: int(values.get(name, 0)) for name in IDLE_FIELDS}
 
 
-def worker_main(index: int, settings: dict, requests, responses, cancel: CancelBoard, log_level: str = "WARNING",
-                cores: CoreShare | None = None) -> None:
+def worker_main(index: int, settings: dict | None, requests, responses, cancel: CancelBoard,
+                log_level: str = "WARNING", cores: CoreShare | None = None) -> None:
     """Process entry point: load the engine of ``settings`` (``EdgeSyncConfig.to_dict()``),
     say ``ready`` (or ``fatal``), serve ``requests`` until a None (then drain idle-time work for up to
     :data:`STOP_DRAIN_S`) or the server is gone; close engine and store. ``cores``: the CPU threads
-    shared with the other workers, or None."""
+    shared with the other workers, or None. ``settings`` None: a worker started before its server
+    knew them (:mod:`.early`): it imports the engine, then waits for a ``load`` message with
+    ``settings`` and ``log_level`` (a None ends it)."""
     # first: the engine's imports and load take seconds, and a server stopped meanwhile must
     # not leave this process behind
     watch = ParentWatch(f"worker {index}").start()
     ignore_stop_signals()
-    logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
-                        format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
     began = time.perf_counter()
     from edgesync_engines.config import EdgeSyncConfig
     from edgesync_engines.request.router import EdgeSync
 
+    if settings is None:
+        settings, log_level = await_settings(requests, watch)
+        if settings is None:
+            return
+    logging.basicConfig(level=getattr(logging, log_level, logging.WARNING),
+                        format=f"%(asctime)s %(levelname)s worker-{index} %(name)s: %(message)s")
     loading = time.perf_counter()
     try:
         config = EdgeSyncConfig.load(settings)
@@ -129,6 +147,25 @@ def worker_main(index: int, settings: dict, requests, responses, cancel: CancelB
     finally:
         engine.close()
         log.info("worker %d: engine and store closed", index)
+
+
+def await_settings(requests, watch: ParentWatch) -> tuple[dict | None, str]:
+    """In a worker started early (:mod:`.early`): import llama.cpp's engine modules (the engine
+    the settings name most often; they are imported at the load anyway), then wait for the
+    ``load`` message. Returns its ``settings`` and ``log_level``, or (None, "") on a None or a
+    server gone."""
+    import edgesync_engines.adapters.llamacpp_slots  # noqa: F401  (llama_cpp, the adapters)
+
+    while not watch.gone:
+        try:
+            msg = requests.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if msg is None:
+            return None, ""
+        if msg.get("type") == "load":
+            return msg["settings"], msg["log_level"]
+    return None, ""
 
 
 @contextmanager
@@ -328,6 +365,8 @@ def serve_one(engine, config, job: dict, cancel: CancelBoard, emit=None, cores: 
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``reuse``) on ``engine``; returns the
     final message (``done``, ``error`` or ``cancelled``). Streamed pieces go through ``emit``
     (default: the response queue). With ``cores``, prefill and each later piece take their turn."""
+    from edgesync_engines.adapters.protocol import ContextOverflowError  # imported by the engine's load
+
     job_id = job["id"]
     if job.get("reuse") == "semantic" and not config.semantic:
         return _error(job_id, 400, "edgesync.reuse: 'semantic' needs the semantic lookup, which is off "
