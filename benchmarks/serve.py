@@ -277,7 +277,6 @@ def table(rows: list[dict]) -> str:
 
 STARTUP_POLL_S = 0.01
 """Seconds between two ``GET /health`` of the start-up measurement."""
-STARTUP_SYSTEMS = ("llama-server", "edgesync")
 IDLE_BUSY_SHARE = 0.1
 """Busy share of the CPUs under which a start-up run begins (:func:`wait_idle`)."""
 
