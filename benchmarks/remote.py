@@ -131,7 +131,7 @@ def scale(url: str, n: int, walks: int = 20) -> dict:
     from edgesync_store.remote.tiered import TieredStore
     from edgesync_store.schema import KVFragment, Namespace, chunk_spans, prefix_hash
 
-    ns = Namespace("ab" * 32, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, "scale", 1, 1, 32)
+    ns = Namespace("ab" * 32, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, "scale", 1, 1, 32, "bench")
     rng = np.random.default_rng(0)
     prefix = "scale"
 

@@ -105,6 +105,7 @@ def bench_namespace():
         n_layer=1,
         n_head_kv=1,
         head_dim=8,
+        kernels="bench",
     )
 
 

@@ -76,7 +76,12 @@ class Namespace:
     * ``kv_dtype``: a key of :data:`KV_DTYPES`;
     * ``flash_attn``: flash attention changes the V layout and the numbers;
     * ``layout``: the tensor layout and state format the engine wrote;
-    * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry.
+    * ``n_layer``, ``n_head_kv``, ``head_dim``: the model's KV geometry;
+    * ``kernels``: the engine's kernel digest, hex of a hash over the numbers its compute
+      kernels give for a fixed probe (e.g. ``LlamaCppAdapter.probe_kernels``). Builds and
+      machines whose kernels compute other bits (NEON against AVX2, AVX-512 against AVX2) have
+      other digests, so their KV is never taken as exact for one another; ``""`` in a fragment
+      written before the digest was recorded (never equal to a probed one).
     """
 
     model_fingerprint: str
@@ -88,6 +93,7 @@ class Namespace:
     n_layer: int
     n_head_kv: int
     head_dim: int
+    kernels: str
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -101,6 +107,8 @@ class Namespace:
         block = KV_BLOCKS.get(self.kv_dtype, (1, 0))[0]
         if self.head_dim % block:
             raise ValueError(f"namespace.head_dim: {self.head_dim} is not whole {self.kv_dtype} blocks of {block}")
+        if not isinstance(self.kernels, str):
+            raise ValueError(f"namespace.kernels: must be a string, got {self.kernels!r}")
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -121,8 +129,9 @@ class Namespace:
         return self.head_dim
 
     def to_dict(self) -> dict:
-        """Plain JSON-able dict (the on-disk form)."""
-        return {
+        """Plain JSON-able dict (the on-disk form). An empty ``kernels`` is left out, so a
+        fragment written before it existed keeps its digest and its index entries."""
+        data = {
             "model_fingerprint": self.model_fingerprint,
             "engine": self.engine,
             "engine_version": self.engine_version,
@@ -133,12 +142,17 @@ class Namespace:
             "n_head_kv": int(self.n_head_kv),
             "head_dim": int(self.head_dim),
         }
+        if self.kernels:
+            data["kernels"] = self.kernels
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Namespace":
-        """Inverse of :meth:`to_dict`; raises ValueError naming a missing or bad field."""
+        """Inverse of :meth:`to_dict`; raises ValueError naming a missing or bad field. A
+        record written before ``kernels`` existed reads as ``kernels=""``."""
         try:
-            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+            return cls(**{name: data[name] if name != "kernels" else data.get(name, "")
+                          for name in cls.__dataclass_fields__})
         except KeyError as exc:
             raise ValueError(f"namespace.{exc.args[0]}: missing") from None
         except TypeError as exc:

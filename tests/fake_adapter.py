@@ -50,6 +50,7 @@ def fake_namespace(engine: str = "llama.cpp", *, fingerprint: str = "fa" * 32, n
         n_layer=n_layer,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
+        kernels="fake",
     )
 
 

@@ -15,4 +15,5 @@ SMOL = Namespace(
     n_layer=30,
     n_head_kv=3,
     head_dim=64,
+    kernels="test",
 )

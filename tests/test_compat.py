@@ -20,9 +20,9 @@ from edgesync_engines.adapters.onnxrt import LAYOUT as ONNX_LAYOUT
 from edgesync_store.schema import KV_DTYPES, Namespace
 
 LLAMA = Namespace(
-    "a" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, LLAMA_LAYOUT + ";v_trans=1", 30, 3, 64
+    "a" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False, LLAMA_LAYOUT + ";v_trans=1", 30, 3, 64, "k" * 64
 )
-ONNX = Namespace("a" * 64, "onnxruntime", "onnxruntime 1.32.0; v1", "f32", False, ONNX_LAYOUT, 30, 3, 64)
+ONNX = Namespace("a" * 64, "onnxruntime", "onnxruntime 1.32.0; v1", "f32", False, ONNX_LAYOUT, 30, 3, 64, "o" * 64)
 
 
 @pytest.mark.parametrize("a, b, verdict, reason", [
@@ -32,6 +32,8 @@ ONNX = Namespace("a" * 64, "onnxruntime", "onnxruntime 1.32.0; v1", "f32", False
     (ONNX, LLAMA, CONVERTIBLE, "K rotary pairs rotate-half -> interleaved"),
     (LLAMA, dataclasses.replace(LLAMA, flash_attn=True), CONVERTIBLE, "flash_attn False -> True"),
     (LLAMA, dataclasses.replace(LLAMA, engine_version="llama-cpp-python 0.3.37"), CONVERTIBLE, "engine_version"),
+    # the same build's KV from other kernels (another machine's architecture): never exact
+    (LLAMA, dataclasses.replace(LLAMA, kernels="n" * 64), CONVERTIBLE, "kernels 'kkkk"),
     (LLAMA, dataclasses.replace(ONNX, model_fingerprint="b" * 64), INCOMPATIBLE, "another model"),
     (LLAMA, dataclasses.replace(ONNX, n_head_kv=2, head_dim=16), INCOMPATIBLE, "another head layout"),
     (ONNX, dataclasses.replace(ONNX, n_layer=2, engine_version="other"), INCOMPATIBLE, "another head layout"),
@@ -52,7 +54,7 @@ def test_anything_without_a_namespace_is_a_type_error():
 # Gemma 3 270M's geometry (18 layers x 1 KV head x 256); its llama.cpp layout records the two
 # cache parts as a layout option (the option's text here is an example, not the codec's)
 GEMMA_LLAMA = Namespace("c" * 64, "llama.cpp", "llama-cpp-python 0.3.36", "f16", False,
-                        LLAMA_LAYOUT + ";v_trans=1;parts=global:0,6,12+swa512:rest", 18, 1, 256)
+                        LLAMA_LAYOUT + ";v_trans=1;parts=global:0,6,12+swa512:rest", 18, 1, 256, "k" * 64)
 
 
 @pytest.mark.parametrize("other, reason", [

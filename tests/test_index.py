@@ -51,6 +51,7 @@ TINY = Namespace(
     n_layer=1,
     n_head_kv=1,
     head_dim=8,
+    kernels="test",
 )
 
 

@@ -249,6 +249,29 @@ def test_the_thread_count_changes_no_bit_of_the_logits_or_the_answer(adapter, pr
         adapter.set_threads(0)
 
 
+def test_the_kernel_digest_is_one_across_threads_contexts_and_batches(adapter, prompt):
+    """The kernel digest in the namespace is what the probe measures, again and again, on 1
+    or 2 threads, and in another context size and sequence count: KV keeps being
+    shared between this machine's processes whatever their settings; the probe starts from
+    and leaves an empty KV memory."""
+    from edgesync_engines.adapters.llamacpp import LlamaCppAdapter
+
+    digests = {adapter.namespace.kernels}
+    try:
+        for threads in (1, 2):
+            adapter.set_threads(threads)
+            digests.add(adapter.probe_kernels())
+            assert adapter.n_tokens == 0
+    finally:
+        adapter.set_threads(adapter.llm.context_params.n_threads)
+    other = LlamaCppAdapter(n_ctx=1024, n_threads=1, n_seq_max=1, kv_unified=False)
+    try:
+        digests.add(other.probe_kernels())
+    finally:
+        other.close()
+    assert len(digests) == 1 and len(adapter.namespace.kernels) == 64
+
+
 def test_prefill_batches_cut_for_the_workers_turns_change_no_bit(adapter, prompt):
     """``kv_layout.turn_batches`` (a server's workers take turns between the pieces): from the
     start and after an injection point, the KV state and the last logits equal the plan's; and

@@ -264,6 +264,30 @@ def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adap
     assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
 
 
+def test_fragment_of_other_kernels_is_never_injected(cached, uncached, adapter, system_prompts):
+    """KV that the same model and build computed with other kernels (another architecture,
+    NEON against AVX2, or an AVX-512 build; ``make arm64-check`` runs the real thing) is a
+    miss, and the answer is the uncached one. This machine has one kernel set in the normal
+    suite, so the other machine's fragments are this one's relabelled with another kernel
+    digest: a stand-in for a fault the suite cannot provoke."""
+    messages = chat(system_prompts[7], "How do I keep basil alive on a windowsill?")
+    tokens = cached.prompt_tokens(messages)
+    uncached.generate(messages, max_tokens=4)  # leaves the prompt's KV in the live sequence
+    other_ns = dataclasses.replace(adapter.namespace, kernels="0" * 64)
+    foreign = [
+        dataclasses.replace(f, namespace=other_ns, content_hash="")
+        for f in adapter.extract_fragments(tokens, [(0, 128), (128, len(tokens))])
+    ]
+    assert cached.store.put_many(foreign) == 2
+    assert cached.store.prefix_walk(other_ns, tokens).matched_tokens == len(tokens)
+    assert cached.store.prefix_walk(adapter.namespace, tokens).matched_tokens == 0
+    with pytest.raises(ValueError, match="namespace"):
+        adapter.inject_fragment(foreign, len(tokens) - 1, tokens)
+    result = cached.generate(messages, max_tokens=16)
+    assert result.hit == "miss" and result.tokens_reused == 0
+    assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
+
+
 def test_two_processes_share_one_store_concurrently(tmp_path):
     """Two processes answer seed requests on one store for 30 s (override with
     EDGESYNC_CONCURRENCY_SECONDS); no errors, no output differing from uncached runs, every

@@ -233,6 +233,7 @@ def test_store_key_separates_every_input():
         "kv_dtype": store_key(*_key_args(ns=replace(SMOL, kv_dtype="f32"))),
         "engine_version": store_key(*_key_args(ns=replace(SMOL, engine_version="other"))),
         "layout": store_key(*_key_args(ns=replace(SMOL, layout="other"))),
+        "kernels": store_key(*_key_args(ns=replace(SMOL, kernels="other"))),
         "layer_end": store_key(*_key_args(layers=(0, 15, 1))),
         "layer_start": store_key(*_key_args(layers=(15, 30, 1))),
         "layer_stride": store_key(*_key_args(layers=(0, 30, 2))),
@@ -243,6 +244,20 @@ def test_store_key_separates_every_input():
     for name, key in variants.items():
         assert key != base, name
     assert len(set(variants.values())) == len(variants)
+
+
+def test_a_record_written_before_the_kernel_digest_keeps_its_digest_and_reads_as_unprobed():
+    """A fragment header without ``kernels`` (written before the field existed) reads as
+    ``kernels=""`` and hashes as before (its index entries stay valid), while no probed
+    namespace (which always has a digest) can equal it."""
+    legacy = {k: v for k, v in SMOL.to_dict().items() if k != "kernels"}
+    ns = Namespace.from_dict(legacy)
+    assert ns.kernels == "" and ns.to_dict() == legacy
+    canonical = json.dumps(legacy, sort_keys=True, separators=(",", ":")).encode()
+    assert ns.digest() == hashlib.sha256(b"edgesync/namespace/v1\0" + canonical).digest()
+    assert ns.digest() != SMOL.digest() and SMOL.to_dict()["kernels"] == SMOL.kernels
+    with pytest.raises(ValueError, match="namespace.kernels"):
+        replace(SMOL, kernels=None)
 
 
 _SUBPROCESS_KEY = r"""

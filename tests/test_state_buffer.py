@@ -140,7 +140,7 @@ def layouts(draw):
     head_dim = 32 * draw(st.integers(1, 2)) if quantized else draw(st.sampled_from([2, 4, 8]))
     ns = Namespace(model_fingerprint="cd" * 32, engine="llama.cpp", engine_version="test", kv_dtype=kv,
                    flash_attn=quantized, layout="test", n_layer=sum(part_layers), n_head_kv=n_head_kv,
-                   head_dim=head_dim)
+                   head_dim=head_dim, kernels="test")
     cell_ext = draw(st.booleans())
     layout = StateLayout(part_layers, 1 if n_parts > 1 else None, 16, cell_ext, cell_ext and draw(st.booleans()),
                          TYPES[kv], 0 if quantized else draw(st.integers(0, 1)), n_head_kv * ns.head_width,

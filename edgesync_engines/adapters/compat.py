@@ -3,7 +3,9 @@
 * :data:`COMPATIBLE`: the same namespace; the KV is this engine's own, bit for bit.
 * :data:`CONVERTIBLE`: the same model file (SHA-256 of the GGUF; an ONNX export records its
   GGUF's) and KV geometry, in layouts ``reshape.convert_fragment`` converts; close to, not equal
-  to, the engine's own KV, so used only when asked (``allow_convertible``).
+  to, the engine's own KV, so used only when asked (``allow_convertible``). KV that the same
+  engine computed with other kernels (another kernel digest: another architecture or build) is
+  convertible, never compatible.
 * :data:`INCOMPATIBLE`: anything else; never injected.
 
 The matrix for the two engines: docs/engines.md.
@@ -96,7 +98,7 @@ def compatible_with(a, b) -> Compatibility:
         if refusal is not None:
             return Compatibility(INCOMPATIBLE, refusal)
     differs = [f"{name} {getattr(na, name)!r} -> {getattr(nb, name)!r}"
-               for name in ("engine", "engine_version", "kv_dtype", "flash_attn")
+               for name in ("engine", "engine_version", "kv_dtype", "flash_attn", "kernels")
                if getattr(na, name) != getattr(nb, name)]
     if layout_family(na) != layout_family(nb):
         differs.append(f"K rotary pairs {layout_family(na)} -> {layout_family(nb)}")

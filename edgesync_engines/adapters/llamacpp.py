@@ -31,7 +31,14 @@ from edgesync_engines.adapters.model_files import (
     route_native_logs,
     sigint_held,
 )
-from edgesync_engines.adapters.protocol import EngineAdapter, EvaluationAborted, InjectionError
+from edgesync_engines.adapters.protocol import (
+    KERNEL_PROBE_TOKENS,
+    PROBE_TEXT,
+    EngineAdapter,
+    EvaluationAborted,
+    InjectionError,
+    kernel_digest,
+)
 from edgesync_engines.adapters.threads import usable_cpus
 from edgesync_engines.config import KV_TYPES
 from edgesync_store.schema import KVFragment, Namespace
@@ -44,8 +51,7 @@ __all__ = ["ENGINE", "LAYOUT", "DEFAULT_N_CTX", "LlamaCppAdapter"]
 DEFAULT_N_CTX = 4096
 _PARTIAL_ONLY = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``include/llama.h``): the sliding-window part only."""
-ROW_PROBE_TEXT = (b"The cache keeps what a prefill computed, so that the next request that starts with the "
-                  b"same tokens skips it.")
+ROW_PROBE_TEXT = PROBE_TEXT.encode()
 """The text whose first :data:`ROW_PROBE_TOKENS` tokens :meth:`LlamaCppAdapter.probe_rows` evaluates."""
 ROW_PROBE_TOKENS = 20
 ROW_PROBE_CUTS = (3, 5, 17)
@@ -57,6 +63,8 @@ STATE_CHUNK_BYTES = 32 << 20
 not a second copy of the context."""
 _PROBED_RULES: dict[tuple[bytes, int], kv_layout.InjectionRule] = {}
 """:meth:`LlamaCppAdapter.probe_rows`' answers in this process, by namespace digest and block."""
+_PROBED_KERNELS: dict[tuple, str] = {}
+""":meth:`LlamaCppAdapter.probe_kernels`' answers in this process, by model file and settings."""
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -233,6 +241,27 @@ class LlamaCppAdapter(EngineAdapter):
         log.debug("injection rule: every row alike (any point, first batches of 2 or more)")
         return kv_layout.ANY_ROW
 
+    def probe_kernels(self) -> str:
+        """The kernel digest of this build on this machine (``Namespace.kernels``,
+        :func:`protocol.kernel_digest`): of the logits its kernels compute for the first
+        :data:`KERNEL_PROBE_TOKENS` tokens of :data:`ROW_PROBE_TEXT` in one prefill batch (batches
+        of ``n_batch`` when smaller), then for the next token alone. llama.cpp's NEON and AVX2
+        kernels, or its AVX-512 and AVX2 ones, give other bits, so KV from another kernel set
+        falls in another namespace: a miss, not an exact hit (docs/guarantees.md). Independent of
+        the thread count and context size. Clears the KV memory, before and after. Raises
+        RuntimeError or ValueError when the probe text does not evaluate."""
+        tokens = self.llm.tokenize(ROW_PROBE_TEXT, add_bos=True)[:KERNEL_PROBE_TOKENS + 1]
+        rows = []
+        self.clear_kv_cache()
+        try:
+            for batch in (tokens[:-1], tokens[-1:]):
+                self.llm.eval(list(batch))
+                logits = self._llama_cpp.llama_get_logits_ith(self._ctx, -1)
+                rows.append(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).copy())
+        finally:
+            self.clear_kv_cache()
+        return kernel_digest(rows)
+
     def _flash_rule(self, rule: kv_layout.InjectionRule) -> kv_layout.InjectionRule:
         """``rule`` (the matrix kernels' rows, :meth:`probe_rows`: its batches are shorter than a
         flash-attention tile) with flash attention's batches of a tile or more when it is on over
@@ -259,12 +288,17 @@ class LlamaCppAdapter(EngineAdapter):
         return bytes(self._get_state()), np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).tobytes()
 
     def _probed_namespace(self, layout: kv_layout.StateLayout) -> Namespace:
-        """The namespace of a probed layout (``StateLayout.namespace``)."""
-        c = self._llama_cpp
+        """The namespace of a probed layout (``StateLayout.namespace``), with the kernel digest
+        (:meth:`probe_kernels`, once per model and settings in a process). The KV memory is
+        empty after."""
+        c, fingerprint = self._llama_cpp, file_fingerprint(self.model_path)
+        key = (fingerprint, self.flash_attn, layout.type_kv, min(int(self.llm.n_batch), KERNEL_PROBE_TOKENS))
+        if key not in _PROBED_KERNELS:
+            _PROBED_KERNELS[key] = self.probe_kernels()
         return layout.namespace(
-            int(c.llama_model_n_head_kv(self.llm.model)), model_fingerprint=file_fingerprint(self.model_path),
+            int(c.llama_model_n_head_kv(self.llm.model)), model_fingerprint=fingerprint,
             engine=ENGINE, engine_version=f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
-            flash_attn=self.flash_attn)
+            flash_attn=self.flash_attn, kernels=_PROBED_KERNELS[key])
 
     def _get_state(self, flags: int = 0, seq: int | None = None) -> memoryview:
         """The state bytes of the sequence (``seq``: another one); ``flags`` :data:`_PARTIAL_ONLY`

@@ -22,7 +22,7 @@ import numpy as np
 from edgesync_engines.adapters.model_files import ModelLoadError, file_fingerprint, model_file
 from edgesync_engines.adapters.onnx_export import MODEL_FILE, ExportError, export_dir, is_gguf, open_export, read_meta
 from edgesync_engines.adapters.onnx_support import onnx_refusal
-from edgesync_engines.adapters.protocol import EngineAdapter
+from edgesync_engines.adapters.protocol import KERNEL_PROBE_TOKENS, PROBE_TEXT, EngineAdapter, kernel_digest
 from edgesync_store.schema import Namespace
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ DEFAULT_N_BATCH = 128
 _EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 """End-of-generation token texts, besides the export's eos_token_ids (llama.cpp's
 ``llama_vocab_is_eog`` set for these models)."""
+_PROBED_KERNELS: dict[tuple[str, str], str] = {}
+""":meth:`OnnxRuntimeAdapter.probe_kernels`' answers in this process, by export directory and format."""
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -94,17 +96,6 @@ class OnnxRuntimeAdapter(EngineAdapter):
         self.n_batch = int(n_batch)
         self.n_ctx = int(n_ctx)
         self.n_layer, self.n_head_kv, self.head_dim = meta["n_layer"], meta["n_head_kv"], meta["head_dim"]
-        self.namespace = Namespace(
-            model_fingerprint=meta["source_fingerprint"],
-            engine=ENGINE,
-            engine_version=f"onnxruntime {importlib.metadata.version('onnxruntime')}; {meta['format']}",
-            kv_dtype="f32",
-            flash_attn=False,
-            layout=LAYOUT,
-            n_layer=self.n_layer,
-            n_head_kv=self.n_head_kv,
-            head_dim=self.head_dim,
-        )
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self._eog = set(int(t) for t in meta["eos_token_ids"]) | {vocab[n] for n in _EOG_NAMES if n in vocab}
         self._special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()} \
@@ -115,7 +106,37 @@ class OnnxRuntimeAdapter(EngineAdapter):
         """Tokens run through the decoder since the adapter was made (prompt and decode)."""
         self._closed = False
         self.clear_kv_cache()
+        key = (str(directory.resolve()), meta["format"])
+        if key not in _PROBED_KERNELS:
+            _PROBED_KERNELS[key] = self.probe_kernels()
+        self.namespace = Namespace(
+            model_fingerprint=meta["source_fingerprint"],
+            engine=ENGINE,
+            engine_version=f"onnxruntime {importlib.metadata.version('onnxruntime')}; {meta['format']}",
+            kv_dtype="f32",
+            flash_attn=False,
+            layout=LAYOUT,
+            n_layer=self.n_layer,
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+            kernels=_PROBED_KERNELS[key],
+        )
         log.debug("onnxruntime KV layout: %s", self.namespace)
+
+    def probe_kernels(self) -> str:
+        """The kernel digest of this ONNX Runtime build on this machine (``Namespace.kernels``,
+        :func:`protocol.kernel_digest`): of the logits for the first
+        :data:`protocol.KERNEL_PROBE_TOKENS` tokens of :data:`protocol.PROBE_TEXT` in one call,
+        then the next token alone. Clears the KV, before and after; ``tokens_evaluated`` unchanged."""
+        tokens = self.tokenize(PROBE_TEXT)[:KERNEL_PROBE_TOKENS + 1]
+        counted = self.tokens_evaluated
+        self.clear_kv_cache()
+        try:
+            rows = [self._eval(tokens[:-1])[-1].copy(), self._eval(tokens[-1:])[-1].copy()]
+        finally:
+            self.clear_kv_cache()
+            self.tokens_evaluated = counted
+        return kernel_digest(rows)
 
     # -- state --------------------------------------------------------------------------
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import abc
 import codecs
 import contextlib
+import hashlib
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +23,24 @@ from edgesync_engines.adapters.kv_layout import GROUPED_ROWS, InjectionRule, tur
 from edgesync_store.schema import KVFragment, Namespace, common_prefix_len, prefix_hash
 
 log = logging.getLogger(__name__)
+
+PROBE_TEXT = ("The cache keeps what a prefill computed, so that the next request that starts with the "
+              "same tokens skips it.")
+"""The text an engine's probes evaluate at load: its kernel digest (:func:`kernel_digest`) and
+llama.cpp's injection rule (``LlamaCppAdapter.probe_rows``)."""
+KERNEL_PROBE_TOKENS = 20
+"""Tokens of :data:`PROBE_TEXT` a kernel probe evaluates in one batch before one more alone."""
+_KERNEL_TAG = b"edgesync/kernels/v1\0"
+
+
+def kernel_digest(logits: Iterable[np.ndarray]) -> str:
+    """``Namespace.kernels`` from the logits an engine's kernels computed for the probe: SHA-256
+    hex over the float32 bytes of each row (a batch's last row, then the single token's). Two
+    builds or machines agree only when every bit agrees."""
+    digest = hashlib.sha256(_KERNEL_TAG)
+    for row in logits:
+        digest.update(np.ascontiguousarray(row, dtype=np.float32).tobytes())
+    return digest.hexdigest()
 
 
 class ContextOverflowError(ValueError):
