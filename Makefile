@@ -19,7 +19,7 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF 
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama_no_common.cmake
 
 .PHONY: demo demo-onnx test test-fast lint bench setup wheel onnx clean-store clean redis-server llama-server llama-quantize \
-	hearth-llm
+	hearth-llm arm64-check arm64-host
 
 setup: $(INSTALL_STAMP)
 
@@ -185,3 +185,57 @@ clean-store:
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
+
+# EdgeSync on aarch64 under emulation (qemu-user): not a test, CI never runs it and `make test`
+# never calls it. Needs root (apt-get, binfmt_misc, mmdebstrap, chroot). From a clean clone:
+# 26 minutes on 2 cores shared with other work (2026-12-07). Steps: the host's Debian packages
+# and qemu-aarch64 in binfmt_misc (arm64-host, every time: installs or registers only what is
+# missing); llama-cpp-python cross-built from $(LLAMA_SDIST) for a phone-class core
+# (armv8.2-a+fp16+dotprod), retagged linux_aarch64 into $(ARM64_WHEELHOUSE); an arm64 Debian
+# root in $(ARM64_ROOT) (mmdebstrap) with a venv of EdgeSync on that wheel and PyPI's aarch64
+# wheels (core, test, remote, semantic, SmolLM2; hnswlib has no aarch64 wheel and is compiled
+# under emulation; what fails to install is named, not fatal); then, in the root under emulation
+# (tools/arm64/run.sh): llama.cpp's system info, the fast test layer, a miss then an exact hit
+# in a new process against an uncached run, the page check on a healthy and a damaged store,
+# the semantic embed and lookup, redis-py to a redis-server on the host. A second run skips the
+# finished steps (stamps) and runs the checks only. ARM64_SOURCE=head tests the last commit
+# instead of the working tree. Results: $(ARM64_ROOT)/xfer/results/summary.json; details in
+# tools/arm64/README.md.
+ARM64_DIR := build/arm64
+ARM64_ROOT := $(ARM64_DIR)/root
+ARM64_WHEELHOUSE := $(ARM64_DIR)/wheelhouse
+ARM64_SUITE := bookworm
+ARM64_MIRROR := http://deb.debian.org/debian
+ARM64_SOURCE ?= worktree
+ARM64_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DCMAKE_TOOLCHAIN_FILE=$(CURDIR)/cmake/aarch64-linux-gnu.cmake \
+	-DGGML_CPU_ARM_ARCH=armv8.2-a+fp16+dotprod
+ARM64_WHEEL_STAMP := $(ARM64_WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
+ARM64_ROOT_STAMP := $(ARM64_ROOT)/.arm64-check-root
+ARM64_VENV_STAMP := $(ARM64_ROOT)/opt/edgesync/.venv-installed
+
+arm64-check: $(ARM64_VENV_STAMP) | arm64-host
+	tools/arm64/run.sh $(ARM64_ROOT) $(ARM64_SOURCE)
+
+arm64-host:
+	tools/arm64/host_setup.sh
+
+$(ARM64_WHEEL_STAMP): cmake/llama_no_common.cmake cmake/aarch64-linux-gnu.cmake | arm64-host $(PY) $(LLAMA_SDIST)
+	rm -rf $(ARM64_DIR)/wheel-build
+	CMAKE_ARGS="$(ARM64_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 PIP_NO_CACHE_DIR=1 \
+		$(PIP) wheel --no-deps --wheel-dir $(ARM64_DIR)/wheel-build $(LLAMA_SDIST)
+	$(PY) tools/arm64/retag_wheel.py $(ARM64_DIR)/wheel-build/llama_cpp_python-$(LLAMA_VERSION)-*.whl $(ARM64_WHEELHOUSE)
+	rm -rf $(ARM64_DIR)/wheel-build
+	touch $@
+
+$(ARM64_ROOT_STAMP): | arm64-host
+	tools/arm64/make_root.sh $(ARM64_ROOT) $(ARM64_SUITE) $(ARM64_MIRROR)
+	touch $@
+
+$(ARM64_VENV_STAMP): $(ARM64_ROOT_STAMP) $(ARM64_WHEEL_STAMP) pyproject.toml benchmarks/pyproject.toml \
+		tools/arm64/setup_venv.sh | arm64-host
+	tools/arm64/sync_source.sh $(ARM64_ROOT) $(ARM64_SOURCE)
+	rm -rf $(ARM64_ROOT)/opt/edgesync/wheelhouse
+	mkdir -p $(ARM64_ROOT)/opt/edgesync/wheelhouse
+	cp $(ARM64_WHEELHOUSE)/*.whl $(ARM64_ROOT)/opt/edgesync/wheelhouse/
+	tools/arm64/chroot.sh $(ARM64_ROOT) /src/edgesync/tools/arm64/setup_venv.sh
+	touch $@
