@@ -15,12 +15,19 @@ SUITE=${2:-bookworm}
 MIRROR=${3:-http://deb.debian.org/debian}
 PACKAGES=python3,python3-venv,python3-pip,ca-certificates
 
-remove() {  # remove DIR: rm -rf, unless something is mounted under it
-    local dir=$1
+remove() {  # remove DIR: rm -rf, unless something is mounted under it or a process runs in it
+    local dir=$1 p r
     [ -e "$dir" ] || return 0
     if awk -v d="$dir" '$2 == d || index($2, d "/") == 1 { found = 1 } END { exit !found }' /proc/self/mounts; then
         die "$dir has file systems mounted under it (an arm64-check still running?); not removing it"
     fi
+    # chroot.sh's mounts live in private namespaces, invisible here: look for its processes.
+    for p in /proc/[0-9]*; do
+        r=$(readlink "$p/root" 2>/dev/null) || continue
+        if [ "$r" = "$dir" ] || [ "${r#"$dir"/}" != "$r" ]; then
+            die "process ${p#/proc/} runs in $dir (a chroot session still running?); not removing it"
+        fi
+    done
     rm -rf --one-file-system "$dir"
 }
 
