@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def engine_facts(es) -> dict:
 
     return {"machine": platform.machine(), "kernels": es.adapter.namespace.kernels,
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-            "lib_path": str(Path(llama_cpp.llama_cpp._lib._name).resolve())}
+            "lib_dir": os.environ.get("LLAMA_CPP_LIB_PATH") or str(Path(llama_cpp.__file__).parent / "lib")}
 
 
 def write(args) -> dict:
