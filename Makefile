@@ -213,8 +213,24 @@ ARM64_WHEEL_STAMP := $(ARM64_WHEELHOUSE)/.llama-cpp-python-$(LLAMA_VERSION)
 ARM64_ROOT_STAMP := $(ARM64_ROOT)/.arm64-check-root
 ARM64_VENV_STAMP := $(ARM64_ROOT)/opt/edgesync/.venv-installed
 
-arm64-check: $(ARM64_VENV_STAMP) | arm64-host
-	tools/arm64/run.sh $(ARM64_ROOT) $(ARM64_SOURCE)
+arm64-check: $(ARM64_VENV_STAMP) $(KERNELS_NATIVE_STAMP) $(INSTALL_STAMP) redis-server | arm64-host
+	ARM64_NATIVE_LIB=$(CURDIR)/$(KERNELS_NATIVE) tools/arm64/run.sh $(ARM64_ROOT) $(ARM64_SOURCE)
+
+# This machine's own kernel set for the KV-across-kernels step of arm64-check
+# (tools/arm64/cross_kernels.sh): llama-cpp-python's native libraries built from $(LLAMA_SDIST)
+# with GGML_NATIVE=ON (AVX-512 where the CPU has it) instead of the wheel's portable AVX2, loaded
+# by the .venv's llama_cpp through LLAMA_CPP_LIB_PATH. About 3 minutes on 2 cores.
+KERNELS_NATIVE := build/kernels-native
+KERNELS_NATIVE_STAMP := $(KERNELS_NATIVE)/.llama-cpp-python-$(LLAMA_VERSION)
+
+$(KERNELS_NATIVE_STAMP): cmake/llama_no_common.cmake | $(PY) $(LLAMA_SDIST)
+	rm -rf $(KERNELS_NATIVE) && mkdir -p $(KERNELS_NATIVE)/wheel
+	CMAKE_ARGS="$(subst -DGGML_NATIVE=OFF,-DGGML_NATIVE=ON,$(LLAMA_CMAKE_ARGS))" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		PIP_NO_CACHE_DIR=1 $(PIP) wheel --no-deps --wheel-dir $(KERNELS_NATIVE)/wheel $(LLAMA_SDIST)
+	$(PY) -m zipfile -e $(KERNELS_NATIVE)/wheel/llama_cpp_python-$(LLAMA_VERSION)-*.whl $(KERNELS_NATIVE)/wheel/unpacked
+	cp $(KERNELS_NATIVE)/wheel/unpacked/llama_cpp/lib/* $(KERNELS_NATIVE)/
+	rm -rf $(KERNELS_NATIVE)/wheel
+	touch $@
 
 arm64-host:
 	tools/arm64/host_setup.sh

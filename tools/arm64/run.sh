@@ -56,16 +56,11 @@ status=0
 in_arm64 /opt/edgesync/venv/bin/python tools/arm64/checks.py --results /xfer/results ${ARM64_CHECKS:+--only "$ARM64_CHECKS"} \
     || status=$?
 
-# ==== HOOK: cross-architecture KV check (tools/kernel_check.py) ===============================
-# The lead's check goes here: KV written by one build or architecture, read by another.
-# What is at hand at this point:
-#   in_arm64 CMD ARGS...   runs CMD in the arm64 root under emulation, cwd /src/edgesync (this
-#                          checkout's files), PATH and python = /opt/edgesync/venv (aarch64);
-#   "$HOST_PY"             the host's x86_64 .venv python (needs `make setup`: EdgeSync installed);
-#   "$XFER" / /xfer        the same directory, on the host and in the root (stores, JSON);
-#   $ARM64_REDIS_URL       a redis-server on the host's loopback, reachable from both sides
-#                          (unset when the host has no redis-server);
-#   $status                0 when every check above passed; set it to fail the target.
-# ==== END OF HOOK ==============================================================================
+# KV across kernel sets (tools/arm64/cross_kernels.sh): the host's AVX2 build writes, aarch64 and
+# the host's GGML_NATIVE build ($ARM64_NATIVE_LIB, `make arm64-check` builds it) read, directly
+# and through $ARM64_REDIS_URL. ARM64_KERNELS=0 skips it.
+if [ -n "${ARM64_NATIVE_LIB:-}" ] && [ "${ARM64_KERNELS:-1}" != 0 ]; then
+    "$HERE/cross_kernels.sh" "$ROOT" "$ARM64_NATIVE_LIB" || status=1
+fi
 
 exit $status
