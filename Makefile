@@ -187,8 +187,11 @@ clean:
 	rm -rf $(VENV) build .pytest_cache
 
 # EdgeSync on aarch64 under emulation (qemu-user): not a test, CI never runs it and `make test`
-# never calls it. Needs root (apt-get, binfmt_misc, mmdebstrap, chroot). From a clean clone:
-# 26 minutes on 2 cores shared with other work (2026-12-07). Steps: the host's Debian packages
+# never calls it. Needs root (apt-get, binfmt_misc, mmdebstrap, chroot). From a clean clone,
+# without the KV-across-kernel-sets step (and its prerequisites `make setup` and the native
+# build), which came later: 27 minutes on 2 cores shared with other work (2026-12-07, at
+# 66ad8e1; minutes: root 4, cross wheel with .venv and sdist 3.4, root venv 12, checks 7.3); a
+# second run, checks only, 11 minutes on the busier machine. Steps: the host's Debian packages
 # and qemu-aarch64 in binfmt_misc (arm64-host, every time: installs or registers only what is
 # missing); llama-cpp-python cross-built from $(LLAMA_SDIST) for a phone-class core
 # (armv8.2-a+fp16+dotprod), retagged linux_aarch64 into $(ARM64_WHEELHOUSE); an arm64 Debian
@@ -198,7 +201,7 @@ clean:
 # (tools/arm64/run.sh): llama.cpp's system info, the fast test layer, a miss then an exact hit
 # in a new process against an uncached run, the page check on a healthy and a damaged store,
 # the semantic embed and lookup, redis-py to a redis-server on the host. A second run skips the
-# finished steps (stamps) and runs the checks only. ARM64_SOURCE=head tests the last commit
+# finished steps (stamps). ARM64_SOURCE=head tests the last commit
 # instead of the working tree. Results: $(ARM64_ROOT)/xfer/results/summary.json; details in
 # tools/arm64/README.md.
 ARM64_DIR := build/arm64
