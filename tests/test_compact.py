@@ -44,9 +44,10 @@ def edgesync(*args: str) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "edgesync_engines.app.cli", *args])
 
 
-def one_expired_store(path: Path) -> Path:
-    """A store of two fragments, one expired half an hour ago."""
-    now = time.time()
+def one_expired_store(path: Path, now: float | None = None) -> Path:
+    """A store of two fragments, one expired half an hour before ``now`` (Unix seconds; None:
+    the current time)."""
+    now = time.time() if now is None else now
     with FragmentStore(path) as store:
         store.put_many([make_fragment(seed=70, created_at=now - 3600, expires_at=now - 1800),
                         make_fragment(seed=71, created_at=now, expires_at=now + 1800)])
@@ -91,7 +92,9 @@ def test_compact_reads_the_store_settings_alone(tmp_path):
 def test_compact_subcommand_equals_the_module_command(tmp_path):
     """``edgesync compact`` and ``python -m edgesync_store.compact`` take the same flags and
     print the same report; bad input exits 2 with one error line from both."""
-    stores = [one_expired_store(tmp_path / name) for name in ("a", "b")]
+    # one creation time for both: the blobs' JSON headers (and so their padded sizes) are then equal
+    now = time.time()
+    stores = [one_expired_store(tmp_path / name, now) for name in ("a", "b")]
     flags = ["--json", "--no-reclaim", "--max-bytes", "512M"]
     dry = json.loads(ok(edgesync("compact", str(stores[0]), "--dry-run", *flags)).stdout)
     assert dry["dry_run"] and dry["expired"] == 1 and dry["fragments_after"] == 2 and dry["max_bytes"] == 512 << 20
@@ -129,13 +132,18 @@ def test_compact_command_stops_cleanly_on_sigterm(tmp_path, monkeypatch, capsys)
     with FragmentStore(path) as store:
         store.put_many([half for w in wholes for half in split_layers(w, 15)])
     real = merge.merge_layers
-    monkeypatch.setattr(merge, "merge_layers", lambda frags: (time.sleep(0.2), real(frags))[1])
-    timer = threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code = compact.main([str(path), "--json", "--no-reclaim"])
-    finally:
-        timer.cancel()
+    calls = []
+
+    def slowed(frags):
+        # the signal is sent from inside the first merge, so it lands mid-run however slow the machine
+        calls.append(1)
+        if len(calls) == 1:
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        time.sleep(0.2)
+        return real(frags)
+
+    monkeypatch.setattr(merge, "merge_layers", slowed)
+    code = compact.main([str(path), "--json", "--no-reclaim"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 130 and doc["stopped"] is True
     assert 1 <= doc["merged_layers"] < 12
