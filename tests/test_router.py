@@ -243,19 +243,25 @@ def test_fragment_of_another_flash_attention_setting_is_never_injected(tmp_path,
     assert result.tokens == uncached.generate(messages, max_tokens=16).tokens
 
 
+def store_relabelled(cached, uncached, messages, **change) -> tuple[list[int], list]:
+    """Store the prompt's real KV (two fragments, split at 128) under the adapter's namespace
+    with ``change`` applied: the prompt's tokens and the fragments stored."""
+    adapter = uncached.adapter
+    tokens = cached.prompt_tokens(messages)
+    uncached.generate(messages, max_tokens=4)  # leaves the prompt's KV in the live sequence
+    other_ns = dataclasses.replace(adapter.namespace, **change)
+    foreign = [dataclasses.replace(f, namespace=other_ns, content_hash="")
+               for f in adapter.extract_fragments(tokens, [(0, 128), (128, len(tokens))])]
+    assert cached.store.put_many(foreign) == 2
+    return tokens, foreign
+
+
 def test_fragment_of_another_model_file_is_never_injected(cached, uncached, adapter, system_prompts):
     """The same tokens' KV relabelled as another model file's (a namespace that
     differs only in the model fingerprint) is not found by the walk and is refused by the
     adapter if handed over directly."""
     messages = chat(system_prompts[6], "What is the difference between affect and effect?")
-    tokens = cached.prompt_tokens(messages)
-    uncached.generate(messages, max_tokens=4)  # leaves the prompt's KV in the live sequence
-    other_ns = dataclasses.replace(adapter.namespace, model_fingerprint="f" * 64)
-    foreign = [
-        dataclasses.replace(f, namespace=other_ns, content_hash="")
-        for f in adapter.extract_fragments(tokens, [(0, 128), (128, len(tokens))])
-    ]
-    assert cached.store.put_many(foreign) == 2
+    tokens, foreign = store_relabelled(cached, uncached, messages, model_fingerprint="f" * 64)
     assert cached.store.prefix_walk(adapter.namespace, tokens).matched_tokens == 0
     with pytest.raises(ValueError, match="namespace"):
         adapter.inject_fragment(foreign, len(tokens) - 1, tokens)
@@ -271,15 +277,8 @@ def test_fragment_of_other_kernels_is_never_injected(cached, uncached, adapter, 
     suite, so the other machine's fragments are this one's relabelled with another kernel
     digest: a stand-in for a fault the suite cannot provoke."""
     messages = chat(system_prompts[7], "How do I keep basil alive on a windowsill?")
-    tokens = cached.prompt_tokens(messages)
-    uncached.generate(messages, max_tokens=4)  # leaves the prompt's KV in the live sequence
-    other_ns = dataclasses.replace(adapter.namespace, kernels="0" * 64)
-    foreign = [
-        dataclasses.replace(f, namespace=other_ns, content_hash="")
-        for f in adapter.extract_fragments(tokens, [(0, 128), (128, len(tokens))])
-    ]
-    assert cached.store.put_many(foreign) == 2
-    assert cached.store.prefix_walk(other_ns, tokens).matched_tokens == len(tokens)
+    tokens, foreign = store_relabelled(cached, uncached, messages, kernels="0" * 64)
+    assert cached.store.prefix_walk(foreign[0].namespace, tokens).matched_tokens == len(tokens)
     assert cached.store.prefix_walk(adapter.namespace, tokens).matched_tokens == 0
     with pytest.raises(ValueError, match="namespace"):
         adapter.inject_fragment(foreign, len(tokens) - 1, tokens)
