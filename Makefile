@@ -200,7 +200,11 @@ clean:
 # under emulation; what fails to install is named, not fatal); then, in the root under emulation
 # (tools/arm64/run.sh): llama.cpp's system info, the fast test layer, a miss then an exact hit
 # in a new process against an uncached run, the page check on a healthy and a damaged store,
-# the semantic embed and lookup, redis-py to a redis-server on the host. A second run skips the
+# the semantic embed and lookup, redis-py to a redis-server on the host; then KV across kernel
+# sets (tools/arm64/cross_kernels.sh, on the host: `make setup`, a redis-server and the
+# GGML_NATIVE build below come first): the host's AVX2 build writes, aarch64 and the native build
+# read, directly and through redis (13 minutes of the run, one prompt, on the busy machine of
+# 2026-12-07). A second run skips the
 # finished steps (stamps). ARM64_SOURCE=head tests the last commit
 # instead of the working tree. Results: $(ARM64_ROOT)/xfer/results/summary.json; details in
 # tools/arm64/README.md.

@@ -12,11 +12,12 @@ it. ``read``, in another build or architecture, on the writer's store (or on a n
 behind the same remote tier): its own KV of each prompt (do the bits agree with the writer's?),
 an uncached answer, the answer from the store, and the same prompt again (its own exact hit).
 
-The verdict, printed as JSON (exit status 1 when it fails):
+The verdict, printed as JSON (exit status 1 when it fails, 2 for bad input):
 
 * the answer from the store is token-identical to the uncached one;
-* it was an exact hit only if the writer's kernel digest is this one's and every KV bit agreed
-  (a miss otherwise, nothing refused, no traceback);
+* the writer's KV is found in the store (or behind the remote tier), and it was an exact hit
+  exactly when the writer's kernel digest is this one's and every KV bit agreed (a miss
+  otherwise, nothing refused, no traceback); a writer of another model is refused;
 * the second asking is an exact hit on the reader's own KV (the store works there).
 
 Kernel digests that differ while the KV bits agree are reported (``shareable_but_apart``): the
@@ -33,14 +34,25 @@ import platform
 import sys
 from pathlib import Path
 
+from edgesync_store.schema import Namespace
+
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ("How do I keep basil alive on a windowsill?", "What should I pack for a two-day hike?")
 MAX_TOKENS = 8
 
 
+class CheckError(Exception):
+    """Bad input or a check that cannot be made: one line, exit status 2."""
+
+
 def prompts(path: Path, n: int) -> list[list[dict]]:
     """``n`` chat prompts: a system prompt of ``system_prompts.json`` and a question each."""
-    rows = json.loads(path.read_text())
+    try:
+        rows = json.loads(path.read_text())
+        [rows[i]["system_prompt"] for i in range(n)]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckError(f"--prompts {path}: not the workload's system_prompts.json ({exc}); "
+                         "pass --prompts or set EDGESYNC_WORKLOADS") from None
     return [[{"role": "system", "content": rows[i]["system_prompt"]}, {"role": "user", "content": QUESTIONS[i]}]
             for i in range(n)]
 
@@ -70,6 +82,7 @@ def engine_facts(es) -> dict:
     import llama_cpp
 
     return {"machine": platform.machine(), "kernels": es.adapter.namespace.kernels,
+            "namespace": es.adapter.namespace.to_dict(),
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "lib_dir": os.environ.get("LLAMA_CPP_LIB_PATH") or str(Path(llama_cpp.__file__).parent / "lib")}
 
@@ -84,8 +97,8 @@ def write(args) -> dict:
             result = es.generate(messages, max_tokens=MAX_TOKENS)
             rows.append({"tokens": list(result.tokens), "hit": result.hit, "written": result.fragments_written})
         flush = getattr(es.store, "flush", None)
-        if flush is not None:
-            flush(30.0)
+        if args.remote_url and (flush is None or not flush(30.0)):
+            raise CheckError(f"the remote tier {args.remote_url} did not take the fragments (see the warnings above)")
     finally:
         es.close()
     bare = open_engine(False, None, args.prefix)
@@ -97,33 +110,61 @@ def write(args) -> dict:
     return {**facts, "prompts": rows}
 
 
+def load_writer(path: Path) -> dict:
+    """The writer's JSON, checked; CheckError naming what is wrong."""
+    try:
+        writer = json.loads(path.read_text())
+        namespace = Namespace.from_dict(writer["namespace"])
+        n = len(writer["prompts"])
+        if not 1 <= n <= len(QUESTIONS) or not all("kv" in row for row in writer["prompts"]):
+            raise ValueError(f"{n} prompts, expected 1 to {len(QUESTIONS)} with their KV digests")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckError(f"--writer {path}: not a kernel_check.py write result ({exc})") from None
+    writer["namespace"] = namespace
+    return writer
+
+
 def read(args) -> dict:
-    writer = json.loads(args.writer.read_text())
+    writer = load_writer(args.writer)
     chats = prompts(args.prompts, len(writer["prompts"]))
     bare = open_engine(False, None, args.prefix)
     try:
         facts = engine_facts(bare)
         own = [kv_digest(bare, messages) for messages in chats]
+        mine = bare.adapter.namespace
     finally:
         bare.close()
+    if mine.model_fingerprint != writer["namespace"].model_fingerprint:
+        raise CheckError("the writer ran another model (fingerprint "
+                         f"{writer['namespace'].model_fingerprint[:12]}, here {mine.model_fingerprint[:12]})")
     same_kernels = facts["kernels"] == writer["kernels"]
     es = open_engine(str(args.store), args.remote_url, args.prefix)
     rows, ok = [], True
     try:
         for (kv, uncached), messages, wrote in zip(own, chats, writer["prompts"]):
+            # the writer's KV must be there, or a miss would prove nothing
+            stored = es.store.prefix_walk(writer["namespace"], es.prompt_tokens(messages)).matched_tokens \
+                if es.store is not None else 0
+            if not stored:
+                raise CheckError(f"the writer's KV is not in --store {args.store}"
+                                 + (f" nor behind {args.remote_url}" if args.remote_url else ""))
             first = es.generate(messages, max_tokens=MAX_TOKENS)
             again = es.generate(messages, max_tokens=MAX_TOKENS)
             bits_agree = kv == wrote["kv"]
-            row = {"kv_bits_agree": bits_agree, "hit": first.hit, "tokens_prefilled": first.tokens_prefilled,
+            row = {"writer_tokens_found": stored, "kv_bits_agree": bits_agree,
+                   "hit": first.hit, "tokens_prefilled": first.tokens_prefilled,
                    "identical": list(first.tokens) == uncached, "again_hit": again.hit,
                    "again_identical": list(again.tokens) == uncached}
+            # equal kernels and bits must hit; anything else must miss
+            expected = "exact" if same_kernels and bits_agree else "miss"
             row["ok"] = (row["identical"] and row["again_identical"] and again.hit == "exact"
-                         and (first.hit == "miss" or (same_kernels and bits_agree)))
+                         and first.hit == expected)
             ok = ok and row["ok"]
             rows.append(row)
     finally:
         es.close()
     apart = not same_kernels and all(r["kv_bits_agree"] for r in rows)
+    facts.pop("namespace")
     return {**facts, "writer_machine": writer["machine"], "writer_kernels": writer["kernels"],
             "same_kernels": same_kernels, "shareable_but_apart": apart, "prompts": rows, "ok": ok}
 
@@ -137,12 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer", type=Path, help="read: the writer's JSON")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
     parser.add_argument("--n", type=int, default=2, choices=range(1, len(QUESTIONS) + 1), help="write: prompts")
-    parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "workloads" / "system_prompts.json",
-                        help="system_prompts.json of the workload data")
+    workloads = Path(os.environ.get("EDGESYNC_WORKLOADS") or ROOT.parent / "shared" / "workloads")
+    parser.add_argument("--prompts", type=Path, default=workloads / "system_prompts.json",
+                        help="the workload's system_prompts.json (default: in $EDGESYNC_WORKLOADS or "
+                             "../shared/workloads)")
     args = parser.parse_args(argv)
     if args.step == "read" and args.writer is None:
         parser.error("read needs --writer")
-    report = write(args) if args.step == "write" else read(args)
+    try:
+        report = write(args) if args.step == "write" else read(args)
+    except CheckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
