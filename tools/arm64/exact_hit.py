@@ -114,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         })
     summary = {"check": "exact_hit", "ok": ok, "store": str(args.store), "max_tokens": args.max_tokens,
                "requests": requests, "seconds": round(time.monotonic() - start, 1)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return write_summary(summary, args.out)
+
+
+def write_summary(summary: dict, out: Path | None) -> int:
+    """Print ``summary`` as one JSON line, write it indented to ``out`` too; the exit status
+    (0 when ``summary["ok"]``)."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
-    return 0 if ok else 1
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_hit import QUESTIONS, edgesync, generate  # noqa: E402  (this directory's check)
+from exact_hit import QUESTIONS, edgesync, generate, write_summary  # noqa: E402  (this directory's check)
 
 PAGEHDRSZ = 16
 META = struct.Struct("<QHHHH" "IIQQ")  # page header, then mm_magic, mm_version, mm_address, mm_mapsize
@@ -135,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and served["ok"]
     summary = {"check": "page_check", "ok": ok, "store": str(args.store), "cases": cases,
                "served_from_damaged": served}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    return 0 if ok else 1
+    return write_summary(summary, args.out)
 
 
 if __name__ == "__main__":
